@@ -1,0 +1,591 @@
+"""Building blocks shared by the Qwen hybrid families (Qwen3.5/3.6, Qwen3-Next).
+
+Trunk: Gated DeltaNet layers and gated full-attention layers (3:1 by default).
+MTP head: ``fc([norm(embed(t+1)) || norm(h_t)])`` -> full-attention decoder
+layer(s) with their own KV cache -> ``mtp.norm`` -> the trunk's ``lm_head``.
+
+The interface the engine uses (see ``TextModel``):
+    trunk(tokens, cache, capture)  -> (post-norm hidden, hidden fed to MTP)
+    logits(hidden)                 -> lm_head
+    mtp_forward(hidden, next_tokens, mtp_cache) -> post-mtp.norm hidden
+    make_cache(), make_mtp_cache(), num_mtp_layers
+Family files differ only in how a Gated DeltaNet layer projects its input and
+in ``sanitize``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
+from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated as RMSNormGated
+from mlx_lm.models.rope_utils import initialize_rope
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from ..cache import KVCache, RecurrentCache
+
+# Longer GDN inputs go through the chunked (matmul-form) recurrence when available.
+CHUNKED_MIN_TOKENS = 64
+
+
+@dataclass
+class HybridArgs:
+    model_type: str = ""
+    hidden_size: int = 4096
+    num_hidden_layers: int = 32
+    intermediate_size: int = 14336
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    vocab_size: int = 151936
+    max_position_embeddings: int = 131072
+    linear_num_value_heads: int = 64
+    linear_num_key_heads: int = 16
+    linear_key_head_dim: int = 192
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    full_attention_interval: int = 4
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    # MoE
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: List[int] = field(default_factory=list)
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    # RoPE (flat fields, or Qwen3.5's rope_parameters dict)
+    rope_theta: float = 100000.0
+    partial_rotary_factor: float = 0.25
+    rope_scaling: Optional[Dict[str, Any]] = None
+    rope_parameters: Optional[Dict[str, Union[float, str, bool, List[int]]]] = None
+    # MTP
+    mtp_num_hidden_layers: int = 0
+    mtp_use_dedicated_embeddings: bool = False
+    # Which trunk hidden state feeds the MTP head: "post_norm" (the output of the
+    # trunk's final norm, as vLLM/SGLang/llama.cpp and HF's generic MTP path do,
+    # and measured to accept more) or "pre_norm" (PR #990's choice).
+    mtp_hidden: str = "post_norm"
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_parameters:
+            params = dict(self.rope_parameters)
+            if "type" not in params and "rope_type" in params:
+                params["type"] = params.pop("rope_type")
+            self.partial_rotary_factor = params.get("partial_rotary_factor", 0.25)
+            self.rope_theta = params.get("rope_theta", self.rope_theta)
+            self.rope_scaling = params
+        if self.mtp_hidden not in ("post_norm", "pre_norm"):
+            raise ValueError(
+                f"mtp_hidden must be 'post_norm' or 'pre_norm', got {self.mtp_hidden!r}"
+            )
+
+    @classmethod
+    def from_dict(cls, params: dict):
+        names = inspect.signature(cls).parameters
+        return cls(**{k: v for k, v in params.items() if k in names})
+
+    def is_linear(self, layer_idx: int) -> bool:
+        return (layer_idx + 1) % self.full_attention_interval != 0
+
+    def is_moe(self, layer_idx: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate, q/k RMSNorm and partial RoPE."""
+
+    def __init__(self, args: HybridArgs):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = hd = args.head_dim
+        self.scale = hd**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * hd * 2, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, args.hidden_size, bias=bias)
+        self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(
+            int(hd * args.partial_rotary_factor),
+            base=args.rope_theta,
+            traditional=False,
+            scaling_config=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+
+    def __call__(self, x: mx.array, mask=None, cache: Optional[KVCache] = None):
+        B, L, _ = x.shape
+        q, gate = mx.split(self.q_proj(x).reshape(B, L, self.n_heads, -1), 2, axis=-1)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        q = self.q_norm(q).transpose(0, 2, 1, 3)
+        k = self.k_norm(k).transpose(0, 2, 1, 3)
+        v = v.transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out * mx.sigmoid(gate.reshape(B, L, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """Routed top-k experts plus a sigmoid-gated shared expert."""
+
+    def __init__(self, args: HybridArgs):
+        super().__init__()
+        dim = args.hidden_size
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(dim, args.moe_intermediate_size, args.num_experts)
+        self.shared_expert = MLP(dim, args.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
+
+    def __call__(self, x):
+        gates = mx.softmax(self.gate(x), axis=-1, precise=True)
+        k = self.top_k
+        inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])
+        scores = mx.take_along_axis(gates, inds, axis=-1)
+        if self.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        # MLX's CPU gather_mm is float32-only; load() upcasts float experts there.
+        expert_dtype = self.switch_mlp.gate_proj.weight.dtype
+        if expert_dtype == mx.float32 and x.dtype != mx.float32:
+            y = self.switch_mlp(x.astype(mx.float32), inds).astype(x.dtype)
+        else:
+            y = self.switch_mlp(x, inds)
+        y = (y * scores[..., None].astype(y.dtype)).sum(axis=-2)
+        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y + shared
+
+
+def gated_delta_steps(q, k, v, g, beta, state, mask=None):
+    """Per-token recurrence that also returns the state after every position.
+
+    q, k: (B, T, Hk, Dk); v: (B, T, Hv, Dv); g, beta: (B, T, Hv);
+    state: (B, Hv, Dv, Dk) float32. Returns y (B, T, Hv, Dv), [state_t].
+    """
+    T = q.shape[1]
+    if (rep := v.shape[2] // q.shape[2]) > 1:
+        q, k = mx.repeat(q, rep, -2), mx.repeat(k, rep, -2)
+    ys, states = [], []
+    for t in range(T):
+        prev = state
+        state = state * g[:, t, :, None, None]
+        kv_mem = (state * k[:, t, :, None, :]).sum(axis=-1)
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+        state = state + k[:, t, :, None, :] * delta[..., None]
+        y = (state * q[:, t, :, None, :]).sum(axis=-1)
+        if mask is not None:
+            state = mx.where(mask[:, t, None, None, None], state, prev)
+        ys.append(y.astype(q.dtype))
+        states.append(state)
+    return mx.stack(ys, axis=1), states
+
+
+def _chunked_impl():
+    try:
+        from .gated_delta_chunked import gated_delta_chunked
+    except ImportError:  # pragma: no cover - module is optional during bring-up
+        return None
+    return gated_delta_chunked
+
+
+class GatedDeltaNetBase(nn.Module):
+    """Gated DeltaNet mixer. Subclasses define the input projections."""
+
+    def __init__(self, args: HybridArgs):
+        super().__init__()
+        self.num_v_heads = args.linear_num_value_heads
+        self.num_k_heads = args.linear_num_key_heads
+        self.head_k_dim = args.linear_key_head_dim
+        self.head_v_dim = args.linear_value_head_dim
+        self.key_dim = self.head_k_dim * self.num_k_heads
+        self.value_dim = self.head_v_dim * self.num_v_heads
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.num_k_heads})"
+            )
+        self.conv_kernel_size = args.linear_conv_kernel_dim
+        self.conv_dim = self.key_dim * 2 + self.value_dim
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            kernel_size=self.conv_kernel_size,
+            groups=self.conv_dim,
+            bias=False,
+        )
+        self.dt_bias = mx.ones(self.num_v_heads)
+        self.A_log = mx.zeros(self.num_v_heads)
+        self.norm = RMSNormGated(self.head_v_dim, eps=args.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, args.hidden_size, bias=False)
+
+    def project(self, x):
+        """Return qkv (B,S,conv_dim), z (B,S,Hv,Dv), b (B,S,Hv), a (B,S,Hv)."""
+        raise NotImplementedError
+
+    def __call__(self, x, mask=None, cache: Optional[RecurrentCache] = None, capture=False):
+        B, S, _ = x.shape
+        qkv, z, b, a = self.project(x)
+        n_keep = self.conv_kernel_size - 1
+        conv_state = cache.conv if cache is not None else None
+        if conv_state is None:
+            conv_state = mx.zeros((B, n_keep, self.conv_dim), dtype=x.dtype)
+        if mask is not None:
+            qkv = mx.where(mask[..., None], qkv, 0)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        conv_out = nn.silu(self.conv1d(conv_input))
+        q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = q.reshape(B, S, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(B, S, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(B, S, self.num_v_heads, self.head_v_dim)
+        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+        state = cache.ssm if cache is not None else None
+
+        if capture:
+            if state is None:
+                state = mx.zeros(
+                    (B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32
+                )
+            g = compute_g(self.A_log, a, self.dt_bias)
+            out, states = gated_delta_steps(q, k, v, g, mx.sigmoid(b), state, mask)
+            state = states[-1]
+            if cache is not None:
+                cache.captured_ssm = states
+                cache.captured_conv = [
+                    conv_input[:, t + 1 : t + 1 + n_keep] for t in range(S)
+                ]
+        elif S >= CHUNKED_MIN_TOKENS and (chunked := _chunked_impl()) is not None:
+            g = compute_g(self.A_log, a, self.dt_bias)
+            out, state = chunked(q, k, v, g, mx.sigmoid(b), state, mask)
+        else:
+            out, state = gated_delta_update(
+                q, k, v, a, b, self.A_log, self.dt_bias, state, mask,
+                use_kernel=not self.training,
+            )
+        if cache is not None:
+            cache.conv = mx.contiguous(conv_input[:, -n_keep:])
+            cache.ssm = state
+            cache.offset += S
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(B, S, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: HybridArgs, layer_idx: int, linear_cls, linear: bool, moe: bool):
+        super().__init__()
+        self.is_linear = linear
+        if linear:
+            self.linear_attn = linear_cls(args)
+        else:
+            self.self_attn = GatedAttention(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.mlp = SparseMoeBlock(args) if moe else MLP(args.hidden_size, args.intermediate_size)
+
+    def __call__(self, x, mask=None, cache=None, capture=False):
+        if self.is_linear:
+            r = self.linear_attn(self.input_layernorm(x), mask, cache, capture)
+        else:
+            r = self.self_attn(self.input_layernorm(x), mask, cache)
+        h = x + r
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Trunk(nn.Module):
+    def __init__(self, args: HybridArgs, linear_cls):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [
+            DecoderLayer(args, i, linear_cls, args.is_linear(i), args.is_moe(i))
+            for i in range(args.num_hidden_layers)
+        ]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs, cache=None, capture=False, input_embeddings=None):
+        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
+        if cache is None:
+            cache = [None] * len(self.layers)
+        L = h.shape[1]
+        kv = next((c for c in cache if isinstance(c, KVCache)), None)
+        fa_mask = kv.make_mask(L) if kv is not None else ("causal" if L > 1 else None)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, None if layer.is_linear else fa_mask, c, capture)
+        return h
+
+
+class MTPHead(nn.Module):
+    """Qwen-style MTP module: predicts t+2 from the trunk hidden at t and embed(t+1)."""
+
+    def __init__(self, args: HybridArgs):
+        super().__init__()
+        H = args.hidden_size
+        self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        # The MTP layers are always full attention (no recurrent state).
+        self.layers = [
+            DecoderLayer(args, i, None, linear=False, moe=args.num_experts > 0)
+            for i in range(args.mtp_num_hidden_layers)
+        ]
+        self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+
+    def __call__(self, hidden, embeds, cache):
+        x = mx.concatenate(
+            [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1
+        )
+        x = self.fc(x)
+        L = x.shape[1]
+        mask = cache[0].make_mask(L) if cache else ("causal" if L > 1 else None)
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, mask, c)
+        return self.norm(x)
+
+
+class TextModel(nn.Module):
+    """Trunk + lm_head + optional MTP head; the engine-facing interface."""
+
+    linear_cls = None  # set by the family module
+
+    def __init__(self, args: HybridArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Trunk(args, self.linear_cls)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.mtp_num_hidden_layers > 0:
+            self.mtp = MTPHead(args)
+
+    # --- engine interface -------------------------------------------------
+    @property
+    def text(self) -> "TextModel":
+        return self
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.mtp.layers) if "mtp" in self else 0
+
+    def trunk(self, inputs, cache=None, capture=False):
+        """Run the trunk. Returns (post-norm hidden, hidden for the MTP head)."""
+        h = self.model(inputs, cache, capture)
+        normed = self.model.norm(h)
+        return normed, (normed if self.args.mtp_hidden == "post_norm" else h)
+
+    def logits(self, hidden):
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def mtp_forward(self, hidden, next_tokens, mtp_cache):
+        """hidden (B,S,H) at positions i, next_tokens (B,S) = t_{i+1}.
+
+        Returns the head's post-norm output (B,S,H): ``logits()`` of it predicts
+        t_{i+2}, and it is the hidden to chain the next draft on.
+        """
+        return self.mtp(hidden, self.model.embed_tokens(next_tokens), mtp_cache)
+
+    def make_cache(self):
+        return [RecurrentCache() if l.is_linear else KVCache() for l in self.model.layers]
+
+    def make_mtp_cache(self):
+        return [KVCache() for _ in range(self.num_mtp_layers)]
+
+    def __call__(self, inputs, cache=None):
+        return self.logits(self.trunk(inputs, cache)[0])
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    # --- weights ----------------------------------------------------------
+    def quant_predicate(self, path: str, module) -> Union[bool, dict]:
+        # Router gates are tiny and sensitive: keep them at 8 bits.
+        if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
+            return {"group_size": 64, "bits": 8}
+        return True
+
+    @staticmethod
+    def cast_predicate(path: str) -> bool:
+        return not path.endswith("A_log")
+
+
+# Norms stored zero-centred ((1 + w) scaling) in raw Hugging Face checkpoints.
+SHIFTED_NORM_SUFFIXES = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+    "mtp.norm.weight",
+    "mtp.pre_fc_norm_hidden.weight",
+    "mtp.pre_fc_norm_embedding.weight",
+)
+
+
+class MissingMTPWeightsError(ValueError):
+    pass
+
+
+def _split_experts(weights: dict, prefix: str, num_experts: int):
+    """Bring one MoE block's experts into ``switch_mlp`` form (stacked per projection).
+
+    Accepts Hugging Face fused tensors (``experts.gate_up_proj`` [E, 2I, H] with the
+    gate half first, ``experts.down_proj`` [E, H, I]) or per-expert Linear weights.
+    """
+    fused = f"{prefix}.experts.gate_up_proj"
+    if fused in weights:
+        gate_up = weights.pop(fused)
+        mid = gate_up.shape[-2] // 2
+        weights[f"{prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        weights[f"{prefix}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        weights[f"{prefix}.switch_mlp.down_proj.weight"] = weights.pop(
+            f"{prefix}.experts.down_proj"
+        )
+    elif f"{prefix}.experts.0.gate_proj.weight" in weights:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            weights[f"{prefix}.switch_mlp.{name}.weight"] = mx.stack(
+                [weights.pop(f"{prefix}.experts.{e}.{name}.weight") for e in range(num_experts)]
+            )
+
+
+def sanitize_text_weights(model: TextModel, weights: dict, raw_hf: Optional[bool] = None):
+    """Turn text-level weights (keys ``model.*``, ``lm_head.*``, ``mtp.*``) into ours.
+
+    Handles both raw Hugging Face checkpoints and MLX conversions: conv1d axis
+    order, (1 + w) norms (raw HF only: MLX conversions are already shifted),
+    fused or per-expert MoE experts in the trunk and in the MTP layers, tied
+    heads, and the MTP weights themselves (kept, or dropped when MTP is off).
+    """
+    args = model.args
+    if raw_hf is None:
+        raw_hf = any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in weights.items())
+    has_mtp_keys = any(k.startswith("mtp.") for k in weights)
+    if model.num_mtp_layers > 0:
+        if not has_mtp_keys:
+            raise MissingMTPWeightsError(missing_mtp_message(model))
+    else:
+        weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+    if args.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+
+    if args.num_experts > 0:
+        prefixes = [f"model.layers.{i}.mlp" for i in range(args.num_hidden_layers)]
+        prefixes += [f"mtp.layers.{i}.mlp" for i in range(model.num_mtp_layers)]
+        for p in prefixes:
+            _split_experts(weights, p, args.num_experts)
+
+    out = {}
+    for k, v in weights.items():
+        if "conv1d.weight" in k and v.shape[-1] != 1:
+            v = v.moveaxis(2, 1)
+        if raw_hf and v.ndim == 1 and k.endswith(SHIFTED_NORM_SUFFIXES):
+            v = v + 1.0
+        out[k] = v
+
+    if model.num_mtp_layers > 0:
+        expected = {k for k, _ in _flat_params(model) if k.startswith("mtp.")}
+        missing = sorted(expected - out.keys())
+        if missing:
+            raise MissingMTPWeightsError(missing_mtp_message(model, missing))
+    return out
+
+
+def _flat_params(module):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(module.parameters())
+
+
+def missing_mtp_message(model: TextModel, missing: Optional[List[str]] = None) -> str:
+    n = model.num_mtp_layers
+    what = (
+        f"it has none of the {len([k for k, _ in _flat_params(model) if k.startswith('mtp.')])} "
+        "mtp.* tensors"
+        if not missing
+        else f"{len(missing)} mtp.* tensors are missing, e.g. " + ", ".join(missing[:5])
+    )
+    return (
+        f"The config promises {n} MTP layer(s) (model_type={model.model_type!r}) but the "
+        f"weights lack the MTP head: {what}. This usually means the checkpoint was "
+        "converted by a tool that strips mtp.* weights. Fix: convert again from the "
+        "original Hugging Face checkpoint with `mlx-mtp convert --hf-path SRC --mlx-path DST`, "
+        "or graft the head into this model with `mlx-mtp add-mtp --model THIS --source SRC`. "
+        "To run without MTP, pass --no-mtp."
+    )
+
+
+class WrappedTextModel(nn.Module):
+    """Multimodal-style wrapper (``language_model.*``) exposing the text model's interface."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+
+    @property
+    def text(self) -> TextModel:
+        return self.language_model
+
+    @property
+    def num_mtp_layers(self):
+        return self.language_model.num_mtp_layers
+
+    def trunk(self, inputs, cache=None, capture=False):
+        return self.language_model.trunk(inputs, cache, capture)
+
+    def logits(self, hidden):
+        return self.language_model.logits(hidden)
+
+    def mtp_forward(self, hidden, next_tokens, mtp_cache):
+        return self.language_model.mtp_forward(hidden, next_tokens, mtp_cache)
+
+    def make_cache(self):
+        return self.language_model.make_cache()
+
+    def make_mtp_cache(self):
+        return self.language_model.make_mtp_cache()
+
+    def __call__(self, inputs, cache=None):
+        return self.language_model(inputs, cache)
+
+    @property
+    def layers(self):
+        return self.language_model.layers
+
+    def quant_predicate(self, path, module):
+        return self.language_model.quant_predicate(path, module)
+
+    @staticmethod
+    def cast_predicate(path: str) -> bool:
+        return TextModel.cast_predicate(path)

@@ -1,0 +1,69 @@
+"""Qwen3.5 / Qwen3.6 dense (``model_type: qwen3_5``), with the MTP head.
+
+Hugging Face layout: trunk under ``model.language_model.*`` (vision under
+``model.visual.*``, dropped), head ``lm_head.*``, MTP at top-level ``mtp.*``;
+config nested under ``text_config`` or flat. MLX conversions (mlx-lm's
+layout) use ``language_model.{model,lm_head,mtp}.*``, which is also our tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import hybrid
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    text_config: dict
+
+    @classmethod
+    def from_dict(cls, params: dict):
+        text = params.get("text_config", params)
+        return cls(model_type=params["model_type"], text_config=text)
+
+
+class GatedDeltaNet(hybrid.GatedDeltaNetBase):
+    def __init__(self, args: hybrid.HybridArgs):
+        super().__init__(args)
+        H = args.hidden_size
+        self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(H, self.num_v_heads, bias=False)
+
+    def project(self, x):
+        B, S, _ = x.shape
+        z = self.in_proj_z(x).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+
+
+class TextModel(hybrid.TextModel):
+    linear_cls = GatedDeltaNet
+
+
+class Model(hybrid.WrappedTextModel):
+    text_model_cls = TextModel
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.language_model = self.text_model_cls(hybrid.HybridArgs.from_dict(args.text_config))
+
+    def sanitize(self, weights: dict, raw_hf=None):
+        text = {}
+        for k, v in weights.items():
+            if k.startswith(("model.visual", "visual.", "vision_tower", "model.vision")):
+                continue
+            if k.startswith("model.language_model."):
+                k = "model." + k[len("model.language_model.") :]
+            elif k.startswith("language_model."):
+                k = k[len("language_model.") :]
+            elif k.startswith("model.mtp."):
+                k = k[len("model.") :]
+            text[k] = v
+        text = hybrid.sanitize_text_weights(self.language_model, text, raw_hf)
+        return {f"language_model.{k}": v for k, v in text.items()}

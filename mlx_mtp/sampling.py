@@ -1,0 +1,148 @@
+"""Sampling and speculative acceptance.
+
+Terminology (as in vLLM's rejection sampler): a verify pass emits
+``accepted`` draft tokens, then either one ``recovered`` token (at the first
+rejected position) or one ``bonus`` token (when every draft was accepted).
+Mean acceptance length counts the bonus/recovered token: ``1 + accepted/drafts``.
+
+Both target ``p`` and draft ``q`` are the *same* transform of their logits:
+top-k / top-p / min-p masks on the model's log-probabilities (as mlx-lm applies
+them), then temperature. With that, accepting a draft ``d ~ q`` with
+probability ``min(1, p(d)/q(d))`` and otherwise sampling from
+``normalize(max(0, p - q))`` emits tokens distributed exactly as ``p``
+(Leviathan et al. 2023). Greedy is the temperature-0 limit: accept iff the
+draft is the target argmax, emit the argmax otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        problems = []
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            problems.append(f"temperature must be a finite number >= 0 (got {self.temperature!r})")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            problems.append(f"top_p must be in (0, 1] (got {self.top_p!r})")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            problems.append(f"top_k must be an integer >= 0, 0 disables it (got {self.top_k!r})")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p < 1):
+            problems.append(f"min_p must be in [0, 1) (got {self.min_p!r})")
+        if self.seed is not None and not isinstance(self.seed, int):
+            problems.append(f"seed must be an integer (got {self.seed!r})")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def filtered_logprobs(logprobs: mx.array, params: SamplingParams) -> mx.array:
+    """Log-probabilities of the distribution actually sampled from (..., V).
+
+    ``logprobs`` are the model's normalised log-probabilities (float32).
+    """
+    x = logprobs
+    neg_inf = mx.array(-float("inf"), x.dtype)
+    if params.top_p < 1.0:
+        order = mx.argsort(-x, axis=-1)
+        sorted_lp = mx.take_along_axis(x, order, axis=-1)
+        p = mx.exp(sorted_lp)
+        mass_before = mx.cumsum(p, axis=-1) - p
+        # Smallest prefix whose mass reaches top_p; its last member sets the cut.
+        kept = mx.where(mass_before < params.top_p, sorted_lp, mx.inf)
+        cut = kept.min(axis=-1, keepdims=True)
+        x = mx.where(x >= cut, x, neg_inf)
+    if params.min_p > 0.0:
+        cut = x.max(axis=-1, keepdims=True) + math.log(params.min_p)
+        x = mx.where(x >= cut, x, neg_inf)
+    if params.top_k > 0 and params.top_k < x.shape[-1]:
+        cut = mx.sort(x, axis=-1)[..., -params.top_k : -params.top_k + 1]
+        x = mx.where(x >= cut, x, neg_inf)
+    if params.greedy:
+        return x
+    x = x / params.temperature
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+class Sampler:
+    """Draws tokens from filtered distributions; owns the PRNG stream of one request."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self._key = mx.random.key(params.seed) if params.seed is not None else None
+
+    def next_key(self):
+        if self._key is None:
+            return None
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def sample(self, filtered: mx.array) -> mx.array:
+        """One token per row of ``filtered`` (..., V) -> (...)."""
+        if self.params.greedy:
+            return mx.argmax(filtered, axis=-1)
+        return mx.random.categorical(filtered, axis=-1, key=self.next_key())
+
+    def uniform(self, shape) -> mx.array:
+        return mx.random.uniform(shape=shape, key=self.next_key())
+
+
+def verify(
+    target: mx.array,
+    drafts: mx.array,
+    draft_logprobs: Optional[mx.array],
+    sampler: Sampler,
+) -> Tuple[mx.array, mx.array]:
+    """Accept a prefix of the drafts and pick the token that follows it.
+
+    target:         (B, K+1, V) filtered target log-probs at the K+1 verified positions
+    drafts:         (B, K) draft tokens
+    draft_logprobs: (B, K, V) filtered draft log-probs (None for greedy)
+    Returns ``num_accepted`` (B,) and ``next_token`` (B,): the recovered token at
+    the first rejected position, or the bonus token when all K were accepted.
+    Everything stays on device; the caller reads both in one sync.
+    """
+    B, K1, _ = target.shape
+    K = K1 - 1
+    if sampler.params.greedy:
+        best = mx.argmax(target, axis=-1)  # (B, K+1)
+        accept = drafts == best[:, :K]
+        n = mx.cumprod(accept.astype(mx.int32), axis=1).sum(axis=1)
+        return n, mx.take_along_axis(best, n[:, None], axis=1)[:, 0]
+
+    p_all = mx.exp(target[:, :K])  # (B, K, V)
+    q_all = mx.exp(draft_logprobs)
+    p = mx.take_along_axis(p_all, drafts[..., None], axis=-1)[..., 0]
+    q = mx.take_along_axis(q_all, drafts[..., None], axis=-1)[..., 0]
+    u = sampler.uniform((B, K))
+    accept = u * q < p  # u < p/q without dividing; q > 0 since d was drawn from q
+    n = mx.cumprod(accept.astype(mx.int32), axis=1).sum(axis=1)
+
+    residual = mx.maximum(p_all - q_all, 0.0)
+    # p == q leaves no residual mass; rejection then has probability 0, any row will do.
+    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p_all)
+    recovered = sampler.sample(mx.log(residual))  # (B, K)
+    bonus = sampler.sample(target[:, K])  # (B,)
+    candidates = mx.concatenate([recovered, bonus[:, None]], axis=1)
+    return n, mx.take_along_axis(candidates, n[:, None], axis=1)[:, 0]

@@ -1,0 +1,355 @@
+"""The decode loop: MTP drafts, one verify pass, exact rollback.
+
+One speculative step, with ``y`` the last emitted token (not yet in the trunk):
+
+1. draft: chain the MTP head K times. Its first call also writes the MTP KV
+   entries still owed for committed positions (pairs ``(h_i, t_{i+1})``); each
+   later call feeds the head its own post-norm output and the previous draft.
+2. verify: run the trunk once over ``[y, d_1..d_K]``, capturing the recurrent
+   state after every position.
+3. accept: ``sampling.verify`` -> number accepted ``n`` and the next token
+   (recovered or bonus). This is the only host sync of the step.
+4. rollback: Gated DeltaNet layers take the captured state after ``n+1``
+   tokens, attention KV drops ``K-n`` rows, the MTP cache drops its ``K-1``
+   chained (draft-conditioned) entries. The trunk hiddens of the accepted
+   positions become the MTP pairs owed for the next draft.
+
+K = 0 is plain decoding through the same loop (and, like mlx-lm, overlaps the
+next step with reading the current token). A ``DraftController`` picks K per
+step from measured acceptance and step costs, so drafting stops when it does
+not pay.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Generator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .cache import cache_state_arrays, rollback
+from .sampling import Sampler, SamplingParams, filtered_logprobs, log_softmax, verify
+
+MAX_DRAFT_TOKENS = 8
+
+
+@dataclass
+class SpecStats:
+    """Speculative-decoding counters (vLLM's names)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_pos: List[int] = field(default_factory=list)
+    accepted_per_pos: List[int] = field(default_factory=list)
+
+    def record(self, k: int, n_accepted: int):
+        if k == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += n_accepted
+        while len(self.drafted_per_pos) < k:
+            self.drafted_per_pos.append(0)
+            self.accepted_per_pos.append(0)
+        for j in range(k):
+            self.drafted_per_pos[j] += 1
+            self.accepted_per_pos[j] += j < n_accepted
+
+    def merge(self, other: "SpecStats"):
+        for j in range(len(other.drafted_per_pos)):
+            while len(self.drafted_per_pos) <= j:
+                self.drafted_per_pos.append(0)
+                self.accepted_per_pos.append(0)
+            self.drafted_per_pos[j] += other.drafted_per_pos[j]
+            self.accepted_per_pos[j] += other.accepted_per_pos[j]
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def acceptance_per_pos(self) -> List[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
+
+    def to_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "accepted_per_pos": list(self.accepted_per_pos),
+            "drafted_per_pos": list(self.drafted_per_pos),
+            "acceptance_per_pos": self.acceptance_per_pos,
+        }
+
+
+class DraftController:
+    """Chooses K for the next step: the K that maximises expected tokens per unit time.
+
+    Expected tokens of a K-step: ``1 + sum_j prod_{i<=j} a_i`` with ``a_i`` the
+    running conditional acceptance at position i. Step cost per K is measured
+    (moving averages of wall time) or, when ``timed=False`` (seeded sampling,
+    which must be reproducible), modelled as ``1 + draft_cost * K`` plain steps.
+    When no K > 0 pays, drafting pauses and is re-probed with K = 1 at growing
+    intervals, so an always-wrong head costs a few percent at most.
+    """
+
+    def __init__(self, max_k: int, adaptive: bool = True, timed: bool = True,
+                 draft_cost: float = 0.35):
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self.timed = timed
+        self.draft_cost = draft_cost
+        self.alpha = [0.7] * max_k  # optimistic start so drafting gets tried
+        self.step_time: List[Optional[float]] = [None] * (max_k + 1)
+        self.samples = [0] * (max_k + 1)
+        self.probe_every = 8
+        self.since_probe = 0
+        self.decay = 0.3
+
+    def expected_tokens(self, k: int) -> float:
+        total, run = 1.0, 1.0
+        for j in range(k):
+            run *= self.alpha[j]
+            total += run
+        return total
+
+    def cost(self, k: int) -> float:
+        """Cost of a K-step in units of a plain step."""
+        if not self.timed:
+            return 1 + self.draft_cost * k
+        t0, tk = self.step_time[0], self.step_time[k]
+        if tk is None:
+            return 1 + 0.1 * k  # unmeasured: assume cheap so it gets measured once
+        return tk / t0
+
+    def choose(self) -> int:
+        if not self.adaptive or self.max_k == 0:
+            return self.max_k
+        if self.timed and self.samples[0] < 2:
+            return 0  # measure plain steps first
+        best = max(range(self.max_k + 1), key=lambda k: self.expected_tokens(k) / self.cost(k))
+        if best > 0:
+            self.since_probe = 0
+            return best
+        self.since_probe += 1
+        if self.since_probe >= self.probe_every:
+            self.since_probe = 0
+            self.probe_every = min(self.probe_every * 2, 512)
+            return 1
+        return 0
+
+    def update(self, k: int, n_accepted: int, seconds: Optional[float]):
+        if seconds is not None:
+            prev = self.step_time[k]
+            self.step_time[k] = seconds if prev is None else prev + self.decay * (seconds - prev)
+            self.samples[k] += 1
+        for j in range(min(k, n_accepted + 1)):
+            hit = 1.0 if j < n_accepted else 0.0
+            self.alpha[j] += self.decay * (hit - self.alpha[j])
+        if k and n_accepted:
+            self.probe_every = 8
+
+
+@dataclass
+class StepOutput:
+    tokens: List[int]  # accepted drafts then the recovered/bonus token
+    logprobs: mx.array  # (len(tokens), V) target log-probs for each emitted token
+    num_drafted: int
+    num_accepted: int
+
+
+class MTPDecoder:
+    """Speculative decoding state for one sequence.
+
+    Owns the trunk cache, the MTP cache and the MTP pairs still owed to it.
+    ``prefill(prompt)`` then ``step()`` repeatedly; each step emits >= 1 token.
+    """
+
+    def __init__(
+        self,
+        model,
+        num_draft_tokens: int = 3,
+        sampling: SamplingParams = SamplingParams(),
+        adaptive: bool = True,
+        prefill_step_size: int = 2048,
+        cache=None,
+    ):
+        if not 0 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(
+                f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS} (got {num_draft_tokens})"
+            )
+        if num_draft_tokens > 0 and model.num_mtp_layers == 0:
+            raise ValueError(
+                "This model was loaded without an MTP head; use num_draft_tokens=0 (--no-mtp)."
+            )
+        self.model = model
+        self.K = num_draft_tokens
+        self.sampler = Sampler(sampling)
+        self.params = sampling
+        self.prefill_step_size = prefill_step_size
+        self.cache = cache if cache is not None else model.make_cache()
+        self.mtp_cache = model.make_mtp_cache() if self.K > 0 else None
+        self.controller = DraftController(self.K, adaptive, timed=sampling.seed is None)
+        self.next_k = 0
+        self.stats = SpecStats()
+        # MTP pairs (hidden at i, token i+1) committed but not yet in the MTP cache.
+        self.owed_hidden: List[mx.array] = []
+        self.owed_tokens: List[mx.array] = []
+        self.y: Optional[mx.array] = None  # last emitted token, shape (1,)
+        self._ahead: Optional[Tuple] = None  # a launched plain step not yet read
+        self._last_read: Optional[float] = None
+
+    # -- prompt ------------------------------------------------------------
+    def prefill(self, prompt: Sequence[int], progress=None):
+        """Run all prompt tokens but the last through the trunk (in chunks)."""
+        if len(prompt) == 0:
+            raise ValueError("The prompt is empty: at least one token is required.")
+        tokens = mx.array(prompt, mx.uint32)[None]
+        n = len(prompt) - 1
+        done = 0
+        while done < n:
+            step = min(self.prefill_step_size, n - done)
+            chunk = tokens[:, done : done + step]
+            _, h_mtp = self.model.trunk(chunk, self.cache)
+            if self.mtp_cache is not None:
+                self._owe(h_mtp, tokens[:, done + 1 : done + step + 1])
+                self._flush_owed(max_owed=self.prefill_step_size)
+            mx.eval(cache_state_arrays(self.cache), *self.owed_hidden)
+            done += step
+            if progress is not None:
+                progress(done, n)
+        self.y = tokens[:, -1]
+        self._last_read = None
+        self.next_k = self.controller.choose() if self.mtp_cache is not None else 0
+
+    def _owe(self, hidden, next_tokens):
+        self.owed_hidden.append(hidden)
+        self.owed_tokens.append(next_tokens)
+
+    def _take_owed(self):
+        h = mx.concatenate(self.owed_hidden, axis=1) if len(self.owed_hidden) > 1 else self.owed_hidden[0]
+        t = mx.concatenate(self.owed_tokens, axis=1) if len(self.owed_tokens) > 1 else self.owed_tokens[0]
+        self.owed_hidden, self.owed_tokens = [], []
+        return h, t
+
+    def _flush_owed(self, max_owed: int = 0):
+        """Write owed pairs into the MTP cache when more than ``max_owed`` are pending."""
+        if sum(h.shape[1] for h in self.owed_hidden) > max_owed:
+            h, t = self._take_owed()
+            self.model.mtp_forward(h, t, self.mtp_cache)
+            mx.eval([c.state for c in self.mtp_cache])
+
+    # -- decoding ----------------------------------------------------------
+    def _launch_plain(self, y):
+        h_norm, h_mtp = self.model.trunk(y[:, None], self.cache)
+        lp = log_softmax(self.model.logits(h_norm[:, -1]))  # (1, V)
+        tok = self.sampler.sample(filtered_logprobs(lp, self.params))
+        if self.mtp_cache is not None:
+            self._owe(h_mtp, tok[:, None])
+        mx.async_eval(tok, lp)
+        return tok, lp
+
+    def _draft(self, k):
+        model, sample = self.model, self.sampler.sample
+        h, t = self._take_owed()
+        out = model.mtp_forward(h, t, self.mtp_cache)[:, -1:]
+        drafts, draft_lps = [], []
+        for j in range(k):
+            if j:
+                out = model.mtp_forward(out, drafts[-1][:, None], self.mtp_cache)
+            q = filtered_logprobs(log_softmax(model.logits(out[:, -1])), self.params)
+            drafts.append(sample(q))
+            draft_lps.append(q)
+        drafts = mx.stack(drafts, axis=1)  # (1, k)
+        return drafts, (None if self.params.greedy else mx.stack(draft_lps, axis=1))
+
+    def step(self) -> StepOutput:
+        if self._ahead is not None:
+            tok, lp = self._ahead
+            self._ahead = None
+            return self._finish_plain(tok, lp)
+        k = self.next_k if self.owed_hidden else 0
+        if k == 0:
+            if self.mtp_cache is not None:
+                self._flush_owed(max_owed=256)  # bound what a long pause accumulates
+            tok, lp = self._launch_plain(self.y)
+            return self._finish_plain(tok, lp)
+
+        drafts, draft_lps = self._draft(k)
+        inputs = mx.concatenate([self.y[:, None], drafts], axis=1)  # (1, k+1)
+        h_norm, h_mtp = self.model.trunk(inputs, self.cache, capture=True)
+        raw = log_softmax(self.model.logits(h_norm))  # (1, k+1, V)
+        n_acc, nxt = verify(filtered_logprobs(raw, self.params), drafts, draft_lps, self.sampler)
+        values = mx.concatenate([n_acc, nxt, drafts[0]]).tolist()  # the one host sync
+        n, nxt_id, draft_ids = values[0], values[1], values[2:]
+        seconds = self._tick()
+
+        rollback(self.cache, n_keep=n + 1, n_total=k + 1)
+        for c in self.mtp_cache:
+            c.trim(k - 1)  # entries conditioned on drafts, not on trunk hiddens
+        nxt_arr = mx.array([nxt_id], mx.uint32)
+        self._owe(h_mtp[:, : n + 1], mx.concatenate([drafts[:, :n], nxt_arr[:, None]], axis=1))
+        self.y = nxt_arr
+        self.controller.update(k, n, seconds)
+        self.next_k = self.controller.choose()
+        self.stats.record(k, n)
+        return StepOutput(draft_ids[:n] + [nxt_id], raw[0, : n + 1], k, n)
+
+    def _finish_plain(self, tok, lp):
+        self.next_k = self.controller.choose() if self.mtp_cache is not None else 0
+        if self.next_k == 0:
+            # Overlap: start the next plain step before reading this one's token.
+            self._ahead = self._launch_plain(tok)
+        token = tok.item()
+        seconds = self._tick()
+        if seconds is not None:
+            self.controller.update(0, 0, seconds)
+        self.y = tok
+        return StepOutput([token], lp, 0, 0)
+
+    def _tick(self) -> Optional[float]:
+        now = time.perf_counter()
+        prev, self._last_read = self._last_read, now
+        return None if prev is None else now - prev
+
+    def sync_mtp_cache(self):
+        """Write every owed pair into the MTP cache (for inspection and tests)."""
+        if self.mtp_cache is not None and self.owed_hidden:
+            self._flush_owed(0)
+
+
+def generate_step(
+    prompt: Sequence[int],
+    model,
+    *,
+    num_draft_tokens: int = 3,
+    sampling: SamplingParams = SamplingParams(),
+    max_tokens: int = 256,
+    adaptive: bool = True,
+    prefill_step_size: int = 2048,
+    decoder: Optional[MTPDecoder] = None,
+) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    """Yield ``(token, target logprobs (V,), from_draft)`` for up to ``max_tokens`` tokens."""
+    dec = decoder or MTPDecoder(
+        model, num_draft_tokens, sampling, adaptive=adaptive, prefill_step_size=prefill_step_size
+    )
+    dec.prefill(prompt)
+    emitted = 0
+    while emitted < max_tokens:
+        out = dec.step()
+        for i, tok in enumerate(out.tokens):
+            yield tok, out.logprobs[i], i < out.num_accepted
+            emitted += 1
+            if emitted >= max_tokens:
+                return
