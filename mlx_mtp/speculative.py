@@ -162,6 +162,24 @@ class DraftController:
 
 
 @dataclass
+class DecoderState:
+    """Prompt-processing state after ``n_processed`` tokens (prefix-cache entry)."""
+
+    n_processed: int
+    cache: list
+    mtp_cache: Optional[list]
+    owed_hidden: list
+    owed_tokens: list
+    last_hidden: Optional[mx.array]
+
+    @property
+    def nbytes(self) -> int:
+        total = sum(c.nbytes for c in self.cache)
+        total += sum(c.nbytes for c in self.mtp_cache or [])
+        return total + sum(h.nbytes for h in self.owed_hidden)
+
+
+@dataclass
 class StepOutput:
     tokens: List[int]  # accepted drafts then the recovered/bonus token
     logprobs: mx.array  # (len(tokens), V) target log-probs for each emitted token
@@ -206,32 +224,80 @@ class MTPDecoder:
         # MTP pairs (hidden at i, token i+1) committed but not yet in the MTP cache.
         self.owed_hidden: List[mx.array] = []
         self.owed_tokens: List[mx.array] = []
+        self.last_hidden: Optional[mx.array] = None  # hidden of the last prompt token run
+        self.n_processed = 0  # prompt tokens already in the trunk cache
+        self.snapshot_state: Optional[DecoderState] = None
         self.y: Optional[mx.array] = None  # last emitted token, shape (1,)
         self._ahead: Optional[Tuple] = None  # a launched plain step not yet read
         self._last_read: Optional[float] = None
 
     # -- prompt ------------------------------------------------------------
-    def prefill(self, prompt: Sequence[int], progress=None):
-        """Run all prompt tokens but the last through the trunk (in chunks)."""
+    def prefill(self, prompt: Sequence[int], progress=None, snapshot_at: Optional[int] = None):
+        """Run the prompt (all but its last token) through the trunk, in chunks.
+
+        Continues after the ``n_processed`` tokens of a restored prefix state.
+        With ``snapshot_at``, keeps ``self.snapshot_state``: the state after that
+        many prompt tokens (for a prefix cache).
+        """
         if len(prompt) == 0:
             raise ValueError("The prompt is empty: at least one token is required.")
         tokens = mx.array(prompt, mx.uint32)[None]
         n = len(prompt) - 1
-        done = 0
-        while done < n:
-            step = min(self.prefill_step_size, n - done)
-            chunk = tokens[:, done : done + step]
-            _, h_mtp = self.model.trunk(chunk, self.cache)
+        self.snapshot_state = None
+        while self.n_processed < n:
+            start = self.n_processed
+            end = min(start + self.prefill_step_size, n)
+            if snapshot_at is not None and start < snapshot_at < end:
+                end = snapshot_at
+            _, h_mtp = self.model.trunk(tokens[:, start:end], self.cache)
             if self.mtp_cache is not None:
-                self._owe(h_mtp, tokens[:, done + 1 : done + step + 1])
+                self._owe_hidden(h_mtp, tokens[:, start:end])
                 self._flush_owed(max_owed=self.prefill_step_size)
             mx.eval(cache_state_arrays(self.cache), *self.owed_hidden)
-            done += step
+            self.n_processed = end
+            if end == snapshot_at:
+                self.snapshot_state = self.snapshot()
             if progress is not None:
-                progress(done, n)
+                progress(end, n)
+        if self.n_processed != n:
+            raise ValueError("The restored prefix state is longer than the prompt.")
         self.y = tokens[:, -1]
+        if self.mtp_cache is not None and self.last_hidden is not None:
+            self._owe(self.last_hidden, self.y[:, None])
+            self.last_hidden = None
         self._last_read = None
         self.next_k = self.controller.choose() if self.mtp_cache is not None else 0
+
+    def _owe_hidden(self, hidden, tokens):
+        """Trunk hiddens for ``tokens`` (B, S): pair each with the token after it."""
+        if self.last_hidden is not None:
+            self._owe(self.last_hidden, tokens[:, :1])
+        if tokens.shape[1] > 1:
+            self._owe(hidden[:, :-1], tokens[:, 1:])
+        self.last_hidden = hidden[:, -1:]
+
+    def snapshot(self) -> "DecoderState":
+        """A copy of the prompt-processing state (between prefill chunks)."""
+        return DecoderState(
+            n_processed=self.n_processed,
+            cache=[c.copy() for c in self.cache],
+            mtp_cache=None if self.mtp_cache is None else [c.copy() for c in self.mtp_cache],
+            owed_hidden=list(self.owed_hidden),
+            owed_tokens=list(self.owed_tokens),
+            last_hidden=self.last_hidden,
+        )
+
+    def restore(self, state: "DecoderState"):
+        """Continue from a snapshot (copied again, so the snapshot stays reusable)."""
+        self.n_processed = state.n_processed
+        self.cache = [c.copy() for c in state.cache]
+        if self.mtp_cache is not None:
+            if state.mtp_cache is None:
+                raise ValueError("The prefix state has no MTP cache.")
+            self.mtp_cache = [c.copy() for c in state.mtp_cache]
+            self.owed_hidden = list(state.owed_hidden)
+            self.owed_tokens = list(state.owed_tokens)
+            self.last_hidden = state.last_hidden
 
     def _owe(self, hidden, next_tokens):
         self.owed_hidden.append(hidden)

@@ -367,7 +367,7 @@ class MTPHead(nn.Module):
         x = self.fc(x)
         L = x.shape[1]
         mask = cache[0].make_mask(L) if cache else ("causal" if L > 1 else None)
-        for layer, c in zip(self.layers, cache):
+        for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
             x = layer(x, mask, c)
         return self.norm(x)
 
