@@ -310,10 +310,14 @@ class MTPDecoder:
         return h, t
 
     def _flush_owed(self, max_owed: int = 0):
-        """Write owed pairs into the MTP cache when more than ``max_owed`` are pending."""
-        if sum(h.shape[1] for h in self.owed_hidden) > max_owed:
+        """Write owed pairs into the MTP cache when more than ``max_owed`` are pending.
+
+        The newest pair stays owed: the next draft starts from its output.
+        """
+        if sum(h.shape[1] for h in self.owed_hidden) > max(max_owed, 1):
             h, t = self._take_owed()
-            self.model.mtp_forward(h, t, self.mtp_cache)
+            self.model.mtp_forward(h[:, :-1], t[:, :-1], self.mtp_cache)
+            self._owe(h[:, -1:], t[:, -1:])
             mx.eval([c.state for c in self.mtp_cache])
 
     # -- decoding ----------------------------------------------------------
@@ -390,7 +394,7 @@ class MTPDecoder:
         return None if prev is None else now - prev
 
     def sync_mtp_cache(self):
-        """Write every owed pair into the MTP cache (for inspection and tests)."""
+        """Write every owed pair but the newest into the MTP cache (inspection, tests)."""
         if self.mtp_cache is not None and self.owed_hidden:
             self._flush_owed(0)
 

@@ -1,0 +1,23 @@
+import os
+
+import pytest
+
+# Keep MLX to the CPU and single-process-friendly in CI.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """Factory for tiny Hugging Face-layout checkpoints, built once per session."""
+    from mlx_mtp.tiny import make_tiny
+
+    made = {}
+
+    def make(family="qwen3_5", head="random", **kw):
+        key = (family, head, tuple(sorted(kw.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"{family}_{head}")
+            made[key] = make_tiny(path, family, head, **kw)
+        return made[key]
+
+    return make

@@ -1,0 +1,162 @@
+"""Acceptance math: filters, greedy table cases, exact target distribution."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from mlx_mtp.sampling import Sampler, SamplingParams, filtered_logprobs, log_softmax, verify
+
+
+def lp(probs):
+    return mx.log(mx.array(np.asarray(probs, np.float32)))
+
+
+def test_params_validation_messages():
+    for bad, word in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                      (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"),
+                      (dict(temperature=float("nan")), "temperature")]:
+        with pytest.raises(ValueError, match=word):
+            SamplingParams(**bad)
+
+
+def test_filters_match_numpy_reference():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, 50)).astype(np.float32) * 3
+    x = log_softmax(mx.array(logits))
+    p = np.exp(np.array(x))
+    # top-k keeps exactly the k largest
+    out = np.array(filtered_logprobs(x, SamplingParams(temperature=1, top_k=5)))
+    for r in range(4):
+        assert set(np.where(np.isfinite(out[r]))[0]) == set(np.argsort(-p[r])[:5])
+    # top-p keeps the smallest prefix with mass >= p
+    out = np.array(filtered_logprobs(x, SamplingParams(temperature=1, top_p=0.7)))
+    for r in range(4):
+        order = np.argsort(-p[r])
+        n = int(np.searchsorted(np.cumsum(p[r][order]), 0.7) + 1)
+        assert set(np.where(np.isfinite(out[r]))[0]) == set(order[:n])
+    # min-p relative to the max
+    out = np.array(filtered_logprobs(x, SamplingParams(temperature=1, min_p=0.2)))
+    for r in range(4):
+        assert set(np.where(np.isfinite(out[r]))[0]) == set(np.where(p[r] >= 0.2 * p[r].max())[0])
+    # temperature renormalises
+    out = np.array(filtered_logprobs(x, SamplingParams(temperature=0.5)))
+    ref = np.exp(logits / 0.5 - np.log(np.exp(logits / 0.5).sum(-1, keepdims=True)))
+    np.testing.assert_allclose(np.exp(out), ref, rtol=1e-4, atol=1e-6)
+
+
+def onehot_rows(idx, V=6):
+    m = np.full((len(idx), V), -100.0, np.float32)
+    m[np.arange(len(idx)), idx] = 100.0
+    return log_softmax(mx.array(m))[None]
+
+
+@pytest.mark.parametrize("drafts,argmax,n,nxt", [
+    ([1, 2, 3], [1, 2, 3, 4], 3, 4),   # all accepted + bonus
+    ([1, 5, 3], [1, 2, 3, 4], 1, 2),   # early mismatch -> target token
+    ([5, 2, 3], [1, 2, 3, 4], 0, 1),   # first mismatch
+    ([], [4], 0, 4),                   # no drafts: plain step
+])
+def test_greedy_verify_table(drafts, argmax, n, nxt):
+    s = Sampler(SamplingParams())
+    got_n, got_next = verify(onehot_rows(argmax), mx.array([drafts], mx.uint32).reshape(1, -1),
+                             None, s)
+    assert got_n.item() == n and got_next.item() == nxt
+
+
+def _random_dists(rng, rows, V, sharp=1.5):
+    p = rng.dirichlet(np.ones(V) * sharp, size=rows)
+    return p.astype(np.float32)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.7, top_k=4),
+                                    SamplingParams(temperature=1.3, top_p=0.8)])
+def test_every_emitted_position_follows_target(K, params):
+    """Goodness of fit: at each position j (given it is reached) the emitted token
+    ~ p_j, including the bonus position K. Target and draft go through the same filter."""
+    rng = np.random.default_rng(K)
+    V, B = 6, 60000
+    target = filtered_logprobs(log_softmax(lp(_random_dists(rng, K + 1, V))), params)
+    draft = filtered_logprobs(log_softmax(lp(_random_dists(rng, K, V))), params)
+    tgt = mx.broadcast_to(target[None], (B, K + 1, V))
+    dq = mx.broadcast_to(draft[None], (B, K, V))
+    sampler = Sampler(SamplingParams(temperature=params.temperature, seed=K))
+    drafts = mx.random.categorical(dq, axis=-1, key=mx.random.key(100 + K))
+    n, nxt = verify(tgt, drafts, dq, sampler)
+    n, nxt, drafts = np.array(n), np.array(nxt), np.array(drafts)
+    p = np.exp(np.array(target, np.float64))
+    for j in range(K + 1):
+        reached = n >= j
+        emitted = np.where(n[reached] > j, drafts[reached, min(j, K - 1)], nxt[reached])
+        emitted = np.where(n[reached] == j, nxt[reached], emitted)
+        counts = np.bincount(emitted, minlength=V)
+        support = p[j] > 0
+        assert counts[~support].sum() == 0, "token outside the filtered support"
+        expected = p[j][support] / p[j][support].sum() * reached.sum()
+        chi2 = sps.chisquare(counts[support], expected)
+        assert chi2.pvalue > 1e-3, (j, counts, expected)
+
+
+def test_exact_acceptance_probability():
+    """P(accept first draft) = sum_x min(p(x), q(x)) (no sampling error beyond binomial)."""
+    rng = np.random.default_rng(7)
+    V, B = 5, 80000
+    p, q = _random_dists(rng, 2, V), _random_dists(rng, 1, V)
+    target = log_softmax(lp(p))
+    draft = log_softmax(lp(q))
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=1))
+    drafts = mx.random.categorical(mx.broadcast_to(draft[None], (B, 1, V)), axis=-1,
+                                   key=mx.random.key(2))
+    n, _ = verify(mx.broadcast_to(target[None], (B, 2, V)), drafts,
+                  mx.broadcast_to(draft[None], (B, 1, V)), sampler)
+    alpha = np.minimum(p[0], q[0]).sum()
+    rate = np.array(n).mean()
+    assert abs(rate - alpha) < 4 * np.sqrt(alpha * (1 - alpha) / B)
+
+
+def test_seeded_sampling_is_reproducible():
+    x = log_softmax(mx.random.normal((3, 4, 20), key=mx.random.key(0)))
+    d = mx.array([[1, 2, 3]] * 3, mx.uint32)
+    q = log_softmax(mx.random.normal((3, 3, 20), key=mx.random.key(1)))
+    a = verify(x, d, q, Sampler(SamplingParams(temperature=1, seed=5)))
+    b = verify(x, d, q, Sampler(SamplingParams(temperature=1, seed=5)))
+    assert all(mx.array_equal(u, v).item() for u, v in zip(a, b))
+
+
+def test_end_to_end_sampling_distribution(tiny_ckpt):
+    """Two tokens generated with MTP sampling follow the plain model's joint distribution."""
+    from mlx_mtp.loader import load_model
+    from mlx_mtp.speculative import MTPDecoder
+
+    V = 8
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.3, vocab_size=V,
+                                         fc_noise=1.0)))
+    prompt = [1, 2, 3, 4, 5]
+    params = SamplingParams(temperature=1.0)
+    # Exact joint distribution of (t1, t2) under plain sampling.
+    base = log_softmax(model(mx.array([prompt]))[0, -1])
+    p1 = np.exp(np.array(base, np.float64))
+    seqs = mx.array([prompt + [a] for a in range(V)])
+    p2 = np.exp(np.array(log_softmax(model(seqs)[:, -1]), np.float64))
+    joint = (p1[:, None] * p2).ravel()
+    n_runs = 1500
+    counts = np.zeros(V * V)
+    accepted = 0
+    for i in range(n_runs):
+        dec = MTPDecoder(model, 2, SamplingParams(temperature=1.0, seed=i), adaptive=False)
+        dec.prefill(prompt)
+        toks = []
+        while len(toks) < 2:
+            out = dec.step()
+            toks += out.tokens
+        accepted += dec.stats.num_accepted_tokens
+        counts[toks[0] * V + toks[1]] += 1
+    assert accepted > 100  # drafts were accepted, so the test exercises acceptance
+    keep = joint * n_runs >= 5
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(joint[keep], joint[~keep].sum()) * n_runs
+    assert sps.chisquare(obs, exp).pvalue > 1e-3

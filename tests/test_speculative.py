@@ -1,0 +1,173 @@
+"""Speculative decoding: greedy identity with mlx-lm, exact rollback, adaptive K."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step as mlx_lm_generate_step
+from mlx_lm.utils import load_model as mlx_lm_load_model
+
+from mlx_mtp.cache import KVCache, RecurrentCache
+from mlx_mtp.loader import load_model
+from mlx_mtp.sampling import SamplingParams
+from mlx_mtp.speculative import MTPDecoder, generate_step
+
+PROMPT = [1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 18]
+N_TOKENS = 24
+
+# head -> (builder kwargs, acceptance expected) ; oracle trunks keep a small
+# contribution from every layer so recurrent state matters.
+HEADS = {
+    "always": ("oracle", {"trunk_scale": 0.1}),
+    "never": ("random", {}),
+    "sometimes": ("noisy", {"trunk_scale": 0.1}),
+}
+
+
+def mlx_lm_greedy(path, prompt, n):
+    model, _ = mlx_lm_load_model(Path(path))
+    gen = mlx_lm_generate_step(mx.array(prompt), model, max_tokens=n)
+    return [int(t) for t, _ in gen]
+
+
+def mtp_tokens(model, prompt, n, k, sampling=SamplingParams(), adaptive=False):
+    dec = MTPDecoder(model, k, sampling, adaptive=adaptive)
+    return [t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=n)], dec
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("agree", ["always", "never", "sometimes"])
+def test_greedy_identical_to_mlx_lm(tiny_ckpt, family, agree):
+    head, kw = HEADS[agree]
+    path = tiny_ckpt(family, head, **kw)
+    ref = mlx_lm_greedy(path, PROMPT, N_TOKENS)
+    model, _ = load_model(Path(path))
+    for k in (1, 2, 3):
+        got, dec = mtp_tokens(model, PROMPT, N_TOKENS, k)
+        assert got == ref, f"K={k}"
+        rate = dec.stats.acceptance_rate
+        if agree == "always":
+            assert rate == 1.0
+        elif agree == "never":
+            assert rate < 0.2
+        else:
+            assert 0.0 < rate < 1.0
+    assert mtp_tokens(model, PROMPT, N_TOKENS, 0)[0] == ref
+
+
+def test_greedy_identical_with_adaptive_k_and_long_prompt(tiny_ckpt):
+    path = tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 512, 150)]  # chunked GDN prefill
+    ref = mlx_lm_greedy(path, prompt, N_TOKENS)
+    model, _ = load_model(Path(path))
+    for k in (1, 3, 8):
+        dec = MTPDecoder(model, k, adaptive=True, prefill_step_size=64)
+        got = [t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=N_TOKENS)]
+        assert got == ref, f"K={k}"
+
+
+def _plain_state(model, tokens):
+    """Caches after running ``tokens`` through the trunk one by one (plain decode),
+    and the MTP cache filled with every pair (h_i, t_{i+1}) among them."""
+    cache = model.make_cache()
+    hiddens = []
+    for t in tokens:
+        _, h = model.trunk(mx.array([[t]]), cache)
+        hiddens.append(h)
+    mtp_cache = model.make_mtp_cache()
+    h = mx.concatenate(hiddens, axis=1)
+    model.mtp_forward(h[:, :-1], mx.array([tokens[1:]]), mtp_cache)
+    return cache, mtp_cache
+
+
+def _assert_caches_equal(a, b, atol=1e-4):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert type(x) is type(y)
+        if isinstance(x, RecurrentCache):
+            assert mx.allclose(x.conv, y.conv, atol=atol).item()
+            assert mx.allclose(x.ssm, y.ssm, atol=atol).item()
+        else:
+            assert x.offset == y.offset
+            for u, v in zip(x.state, y.state):
+                assert mx.allclose(u, v, atol=atol).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("head,kw", [("noisy", {"trunk_scale": 0.1}), ("random", {}),
+                                     ("oracle", {"trunk_scale": 0.1})])
+@pytest.mark.parametrize("k", [1, 3])
+def test_rollback_matches_plain_decode(tiny_ckpt, family, head, kw, k):
+    """After any accept/reject pattern every cache equals a plain decode's."""
+    model, _ = load_model(Path(tiny_ckpt(family, head, **kw)))
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):
+        dec = MTPDecoder(model, k, sampling, adaptive=False)
+        dec.prefill(PROMPT)
+        emitted = []
+        patterns = set()
+        for _ in range(8):
+            out = dec.step()
+            emitted += out.tokens
+            patterns.add(out.num_accepted)
+            # The trunk holds prompt + emitted[:-1]; the last token awaits the next step.
+            cache, mtp_cache = _plain_state(model, PROMPT + emitted[:-1])
+            _assert_caches_equal(dec.cache, cache)
+            dec.sync_mtp_cache()  # all pairs but (h_last, emitted[-1]), kept to draft from
+            _assert_caches_equal(dec.mtp_cache, mtp_cache)
+        if head == "noisy" and sampling.greedy and k == 3:
+            assert len(patterns) > 1  # both accepts and rejects happened
+
+
+def test_adaptive_k_stops_drafting_for_a_useless_head(tiny_ckpt):
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "random")))
+    dec = MTPDecoder(model, 3, adaptive=True)
+    list(generate_step(PROMPT, model, decoder=dec, max_tokens=200))
+    # A handful of exploratory drafts, then only sparse probes.
+    assert dec.stats.num_drafts < 30
+    assert dec.controller.expected_tokens(1) < 1.2
+
+
+def test_adaptive_k_keeps_drafting_for_a_good_head(tiny_ckpt):
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1)))
+    dec = MTPDecoder(model, 3, adaptive=True)
+    toks = list(generate_step(PROMPT, model, decoder=dec, max_tokens=100))
+    assert sum(1 for _, _, d in toks if d) > 50
+
+
+def test_logprobs_come_from_the_target(tiny_ckpt):
+    """Reported logprobs equal the plain decode's (target), not the draft head's."""
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1)))
+    plain = list(generate_step(PROMPT, model, num_draft_tokens=0, max_tokens=12))
+    spec = list(generate_step(PROMPT, model, num_draft_tokens=3, adaptive=False, max_tokens=12))
+    assert any(d for _, _, d in spec)
+    for (t1, lp1, _), (t2, lp2, _) in zip(plain, spec):
+        assert t1 == t2
+        assert mx.allclose(lp1, lp2, atol=1e-4).item()
+
+
+def test_prefix_snapshot_restores_identically(tiny_ckpt):
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1)))
+    full = PROMPT + [30, 31, 32, 33]
+    ref = [t for t, _, _ in generate_step(full, model, num_draft_tokens=2, adaptive=False,
+                                          max_tokens=16)]
+    first = MTPDecoder(model, 2, adaptive=False)
+    first.prefill(PROMPT, snapshot_at=len(PROMPT) - 1)
+    state = first.snapshot_state
+    assert state.n_processed == len(PROMPT) - 1
+    for _ in range(2):  # the snapshot stays reusable
+        dec = MTPDecoder(model, 2, adaptive=False)
+        dec.restore(state)
+        got = [t for t, _, _ in generate_step(full, model, decoder=dec, max_tokens=16)]
+        assert got == ref
+
+
+def test_invalid_arguments(tiny_ckpt):
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "random")))
+    with pytest.raises(ValueError, match="between 0 and 8"):
+        MTPDecoder(model, 9)
+    with pytest.raises(ValueError, match="empty"):
+        MTPDecoder(model, 1).prefill([])
+    plain, _ = load_model(Path(tiny_ckpt("qwen3_5", "random")), mtp=False)
+    with pytest.raises(ValueError, match="without an MTP head"):
+        MTPDecoder(plain, 2)
