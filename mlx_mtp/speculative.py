@@ -110,17 +110,25 @@ class DraftController:
         self.adaptive = adaptive
         self.timed = timed
         self.draft_cost = draft_cost
-        self.alpha = [0.7] * max_k  # optimistic start so drafting gets tried
+        # Acceptance per position as a forgetting average with a prior worth one
+        # observation at 0.7: optimistic enough to try drafting, quick to give up.
+        self.hits = [0.7] * max_k
+        self.trials = [1.0] * max_k
+        self.forget = 0.9
         self.step_time: List[Optional[float]] = [None] * (max_k + 1)
         self.samples = [0] * (max_k + 1)
         self.probe_every = 8
         self.since_probe = 0
-        self.decay = 0.3
+        self.decay = 0.3  # step-time moving average
+
+    @property
+    def alpha(self) -> List[float]:
+        return [h / t for h, t in zip(self.hits, self.trials)]
 
     def expected_tokens(self, k: int) -> float:
         total, run = 1.0, 1.0
-        for j in range(k):
-            run *= self.alpha[j]
+        for a in self.alpha[:k]:
+            run *= a
             total += run
         return total
 
@@ -129,9 +137,16 @@ class DraftController:
         if not self.timed:
             return 1 + self.draft_cost * k
         t0, tk = self.step_time[0], self.step_time[k]
-        if tk is None:
-            return 1 + 0.1 * k  # unmeasured: assume cheap so it gets measured once
-        return tk / t0
+        if tk is not None:
+            # A verify pass is never cheaper than a plain step; clamp timing noise.
+            return max(tk / t0, 1 + 0.1 * k)
+        # Unmeasured: K=1 looks cheap so it gets tried; deeper K is extrapolated
+        # (a little optimistically) from the measured K=1 cost once there is one.
+        if k == 1:
+            return 1.1
+        if self.step_time[1] is not None:
+            return 1 + 0.9 * k * (self.step_time[1] / t0 - 1)
+        return 1.0 + k
 
     def choose(self) -> int:
         if not self.adaptive or self.max_k == 0:
@@ -154,9 +169,9 @@ class DraftController:
             prev = self.step_time[k]
             self.step_time[k] = seconds if prev is None else prev + self.decay * (seconds - prev)
             self.samples[k] += 1
-        for j in range(min(k, n_accepted + 1)):
-            hit = 1.0 if j < n_accepted else 0.0
-            self.alpha[j] += self.decay * (hit - self.alpha[j])
+        for j in range(min(k, n_accepted + 1)):  # positions reached in this step
+            self.hits[j] = self.forget * self.hits[j] + (j < n_accepted)
+            self.trials[j] = self.forget * self.trials[j] + 1
         if k and n_accepted:
             self.probe_every = 8
 

@@ -218,9 +218,11 @@ def copy_tokenizer(path: Path, tokenizer_dir: Optional[Path] = None):
 
 def make_tiny(path, family: str = "qwen3_5", head: str = "random", *, vocab_size: int = 512,
               seed: int = 0, trunk_scale: float = 0.0, fc_noise: float = 1.5, tie: bool = False,
-              moe: bool = None, **save_kwargs) -> Path:
+              moe: bool = None, hidden: int = 64, num_layers: int = 4,
+              **save_kwargs) -> Path:
     """Build and save a tiny checkpoint in the Hugging Face layout; returns its path."""
-    text = tiny_text_config(family, vocab_size=vocab_size, tie=tie, moe=moe)
+    text = tiny_text_config(family, vocab_size=vocab_size, tie=tie, moe=moe, hidden=hidden,
+                            num_layers=num_layers)
     model = build_model(family, text, seed)
     if head in ("oracle", "noisy"):
         make_oracle(model, trunk_scale, fc_noise if head == "noisy" else 0.0, seed)
