@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 import mlx.core as mx
+import numpy as np
 
 
 class KVCache:
@@ -124,6 +125,32 @@ class RecurrentCache:
     def clear_captured(self):
         self.captured_conv = self.captured_ssm = None
 
+    def select_rows(self, n_keep: List[int]):
+        """Batched ``select``: row b keeps its state after ``n_keep[b]`` tokens."""
+        S = len(self.captured_ssm)
+        if any(n != S for n in n_keep):
+            ix = mx.array([n - 1 for n in n_keep])
+            rows = mx.arange(len(n_keep))
+            self.conv = mx.stack(self.captured_conv, axis=1)[rows, ix]
+            self.ssm = mx.stack(self.captured_ssm, axis=1)[rows, ix]
+        self.clear_captured()
+
+    @staticmethod
+    def concat(caches: List["RecurrentCache"]) -> "RecurrentCache":
+        ref = next((c for c in caches if c.conv is not None), None)
+        out = RecurrentCache()
+        if ref is not None:
+            out.conv = mx.concatenate(
+                [c.conv if c.conv is not None else mx.zeros_like(ref.conv) for c in caches])
+            out.ssm = mx.concatenate(
+                [c.ssm if c.ssm is not None else mx.zeros_like(ref.ssm) for c in caches])
+        return out
+
+    def filter(self, rows: List[int]):
+        if self.conv is not None:
+            ix = mx.array(rows)
+            self.conv, self.ssm = self.conv[ix], self.ssm[ix]
+
     def is_trimmable(self) -> bool:
         return False
 
@@ -171,3 +198,161 @@ def cache_state_arrays(caches) -> List[mx.array]:
 
 def cache_nbytes(caches) -> int:
     return sum(c.nbytes for c in caches)
+
+
+class BatchKVCache:
+    """KV cache for a batch of sequences of different lengths, with per-row rollback.
+
+    All rows write at a shared pointer ``idx``; a (B, capacity) ``valid`` mask marks
+    which slots hold a row's tokens (padding and rejected drafts become holes), and
+    ``pos`` (B,) is each row's own token count, i.e. its next RoPE position. A chunk
+    of S new tokens per row is right-aligned: ``prepare(S, lengths)`` says how many
+    of the S are real for each row. Holes are squeezed out when the buffer grows.
+    """
+
+    step = 256
+
+    def __init__(self, pos: List[int], keys=None, values=None, valid=None):
+        self.keys, self.values = keys, values  # (B, H, cap, D) or None while empty
+        self.valid = valid  # (B, cap) bool
+        self.idx = keys.shape[2] if keys is not None else 0
+        self.pos = list(pos)
+        self._lengths: Optional[List[int]] = None
+        self._S = 0
+
+    @classmethod
+    def from_single(cls, caches: List[KVCache]) -> "BatchKVCache":
+        """Batch single-sequence caches, left-padded to a common length."""
+        ref = next((c for c in caches if c.keys is not None), None)
+        pos = [c.offset for c in caches]
+        if ref is None:
+            return cls(pos)
+        L = max(pos)
+        H, D, Dv = ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
+        ks, vs = [], []
+        for c in caches:
+            pad = L - c.offset
+            zk = mx.zeros((1, H, pad, D), ref.keys.dtype)
+            zv = mx.zeros((1, H, pad, Dv), ref.values.dtype)
+            k, v = c.state
+            ks.append(zk if k is None else mx.concatenate([zk, k], axis=2))
+            vs.append(zv if v is None else mx.concatenate([zv, v], axis=2))
+        valid = mx.arange(L)[None] >= mx.array([L - p for p in pos])[:, None]
+        return cls(pos, mx.concatenate(ks), mx.concatenate(vs), valid)
+
+    def prepare(self, S: int, lengths: Optional[List[int]] = None):
+        """Announce the next chunk (before the forward, so masks see final positions)."""
+        self._S = S
+        self._lengths = lengths
+        if self.keys is not None and self.idx + S > self.keys.shape[2]:
+            self._grow(S)
+
+    @property
+    def offset(self) -> mx.array:
+        """Per-row RoPE offsets so a row's real tokens continue at its ``pos``."""
+        lengths = self._lengths or [self._S] * len(self.pos)
+        return mx.array([p - (self._S - n) for p, n in zip(self.pos, lengths)])
+
+    def _new_valid(self) -> mx.array:
+        S = self._S
+        if self._lengths is None:
+            return mx.ones((len(self.pos), S), mx.bool_)
+        return mx.arange(S)[None] >= mx.array([S - n for n in self._lengths])[:, None]
+
+    def update_and_fetch(self, keys, values):
+        S = keys.shape[2]
+        if self.keys is None:
+            B, H, _, D = keys.shape
+            self.keys = mx.zeros((B, H, 0, D), keys.dtype)
+            self.values = mx.zeros((B, H, 0, values.shape[3]), values.dtype)
+            self.valid = mx.zeros((B, 0), mx.bool_)
+        if self.idx + S > self.keys.shape[2]:
+            self._grow(S)  # first write; later growth happens in prepare()
+        self.keys[..., self.idx : self.idx + S, :] = keys
+        self.values[..., self.idx : self.idx + S, :] = values
+        self.valid[:, self.idx : self.idx + S] = self._new_valid()
+        self.idx += S
+        lengths = self._lengths or [S] * len(self.pos)
+        self.pos = [p + n for p, n in zip(self.pos, lengths)]
+        return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
+
+    def make_mask(self, S: int):
+        L = self.idx + S
+        old = self.valid[:, : self.idx] if self.valid is not None else mx.zeros((len(self.pos), 0), mx.bool_)
+        valid = mx.concatenate([old, self._new_valid()], axis=1)
+        causal = mx.arange(L)[None] <= (self.idx + mx.arange(S))[:, None]  # (S, L)
+        return valid[:, None, None, :] & causal[None, None]
+
+    def drop_last(self, counts: List[int]):
+        """Invalidate each row's last ``counts[b]`` written tokens (rejected drafts)."""
+        if not any(counts):
+            return
+        # A row's newest tokens sit just below the shared write pointer.
+        i = mx.arange(self.valid.shape[1])[None]
+        cut = mx.array([self.idx - c for c in counts])[:, None]
+        self.valid = self.valid & ~((i >= cut) & (i < self.idx))
+        self.pos = [p - c for p, c in zip(self.pos, counts)]
+
+    def _grow(self, S: int):
+        """Squeeze out holes (left-pad to the longest row), then add room."""
+        valid = np.array(self.valid[:, : self.idx])
+        counts = valid.sum(axis=1)
+        L = int(counts.max()) if counts.size else 0
+        order = np.argsort(~valid, axis=1, kind="stable")  # valid slots first, in order
+        idx = np.zeros((len(counts), L), np.int32)
+        for b, n in enumerate(counts):
+            idx[b, L - n :] = order[b, :n]
+        gather = mx.array(idx)[:, None, :, None]
+        k = mx.take_along_axis(self.keys[..., : self.idx, :], gather, axis=2)
+        v = mx.take_along_axis(self.values[..., : self.idx, :], gather, axis=2)
+        new_valid = mx.arange(L)[None] >= mx.array(L - counts)[:, None]
+        room = ((S + self.step - 1) // self.step) * self.step
+        B, H, _, D = k.shape
+        self.keys = mx.concatenate([k, mx.zeros((B, H, room, D), k.dtype)], axis=2)
+        self.values = mx.concatenate([v, mx.zeros((B, H, room, v.shape[3]), v.dtype)], axis=2)
+        self.valid = mx.concatenate([new_valid, mx.zeros((B, room), mx.bool_)], axis=1)
+        self.idx = L
+
+    def filter(self, rows: List[int]):
+        self.pos = [self.pos[r] for r in rows]
+        if self.keys is not None:
+            ix = mx.array(rows)
+            self.keys, self.values, self.valid = self.keys[ix], self.values[ix], self.valid[ix]
+
+    def _padded(self, L: int, like: "BatchKVCache"):
+        B = len(self.pos)
+        src = self if self.keys is not None else like
+        H, D, Dv = src.keys.shape[1], src.keys.shape[3], src.values.shape[3]
+        p = L - self.idx
+        k = mx.zeros((B, H, p, D), src.keys.dtype)
+        v = mx.zeros((B, H, p, Dv), src.values.dtype)
+        m = mx.zeros((B, p), mx.bool_)
+        if self.keys is not None:
+            k = mx.concatenate([k, self.keys[..., : self.idx, :]], axis=2)
+            v = mx.concatenate([v, self.values[..., : self.idx, :]], axis=2)
+            m = mx.concatenate([m, self.valid[:, : self.idx]], axis=1)
+        return k, v, m
+
+    def extend(self, other: "BatchKVCache"):
+        """Append the rows of ``other``, both right-aligned at the write pointer."""
+        if self.keys is None and other.keys is None:
+            self.pos += other.pos
+            return
+        L = max(self.idx, other.idx)
+        ka, va, ma = self._padded(L, other)
+        kb, vb, mb = other._padded(L, self)
+        self.keys = mx.concatenate([ka, kb])
+        self.values = mx.concatenate([va, vb])
+        self.valid = mx.concatenate([ma, mb])
+        self.idx = L
+        self.pos = self.pos + other.pos
+
+    def row_state(self, b: int):
+        """(keys, values) of row ``b``'s valid tokens, in order (for tests)."""
+        m = np.array(self.valid[b, : self.idx])
+        ix = mx.array(np.nonzero(m)[0].astype(np.int32))
+        return self.keys[b : b + 1][:, :, ix], self.values[b : b + 1][:, :, ix]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes

@@ -165,10 +165,16 @@ class DraftController:
         return 0
 
     def update(self, k: int, n_accepted: int, seconds: Optional[float]):
+        self.record_time(k, seconds)
+        self.record_acceptance(k, n_accepted)
+
+    def record_time(self, k: int, seconds: Optional[float]):
         if seconds is not None:
             prev = self.step_time[k]
             self.step_time[k] = seconds if prev is None else prev + self.decay * (seconds - prev)
             self.samples[k] += 1
+
+    def record_acceptance(self, k: int, n_accepted: int):
         for j in range(min(k, n_accepted + 1)):  # positions reached in this step
             self.hits[j] = self.forget * self.hits[j] + (j < n_accepted)
             self.trials[j] = self.forget * self.trials[j] + 1

@@ -250,6 +250,12 @@ class GatedDeltaNetBase(nn.Module):
         self.norm = RMSNormGated(self.head_v_dim, eps=args.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, args.hidden_size, bias=False)
 
+    def empty_state(self, B: int, dtype):
+        """Zero (conv, recurrent) state: what a sequence that has seen no tokens holds."""
+        conv = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype)
+        ssm = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
+        return conv, ssm
+
     def project(self, x):
         """Return qkv (B,S,conv_dim), z (B,S,Hv,Dv), b (B,S,Hv), a (B,S,Hv)."""
         raise NotImplementedError
@@ -337,7 +343,7 @@ class Trunk(nn.Module):
         if cache is None:
             cache = [None] * len(self.layers)
         L = h.shape[1]
-        kv = next((c for c in cache if isinstance(c, KVCache)), None)
+        kv = next((c for c in cache if c is not None and not isinstance(c, RecurrentCache)), None)
         fa_mask = kv.make_mask(L) if kv is not None else ("causal" if L > 1 else None)
         for layer, c in zip(self.layers, cache):
             h = layer(h, None if layer.is_linear else fa_mask, c, capture)

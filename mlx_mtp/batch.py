@@ -1,0 +1,226 @@
+"""Batched speculative decoding: many sequences, one trunk forward per step.
+
+Sequences are prefilled one by one (``MTPDecoder.prefill``) and then join the
+running batch with ``add``; they leave with ``remove`` at any step. One step
+drafts K tokens for every row (the MTP head runs batched too), verifies all
+rows' ``[y, d_1..d_K]`` in one trunk pass, and lets each row accept its own
+number of drafts: recurrent layers select each row's captured state, attention
+and MTP caches turn each row's rejected slots into holes (``BatchKVCache``).
+K is shared by the batch and adapts to the measured batch step cost and the
+rows' acceptance, so MTP keeps paying (or pauses) under load.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Hashable, List, Optional
+
+import mlx.core as mx
+
+from .cache import BatchKVCache, KVCache, RecurrentCache
+from .sampling import Sampler, SamplingParams, filtered_logprobs, log_softmax, verify
+from .speculative import DraftController, MTPDecoder, SpecStats, StepOutput
+
+
+@dataclass
+class _Row:
+    key: Hashable
+    params: SamplingParams
+    sampler: Sampler
+    max_k: int
+    y: mx.array  # (1,) last emitted token, not yet in the trunk
+    owed_hidden: List[mx.array] = field(default_factory=list)
+    owed_tokens: List[mx.array] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def owed(self) -> int:
+        return sum(h.shape[1] for h in self.owed_hidden)
+
+    def take_owed(self):
+        h = mx.concatenate(self.owed_hidden, axis=1)
+        t = mx.concatenate(self.owed_tokens, axis=1)
+        self.owed_hidden, self.owed_tokens = [], []
+        return h, t
+
+
+def _prepare(caches, S, lengths=None):
+    for c in caches:
+        if isinstance(c, BatchKVCache):
+            c.prepare(S, lengths)
+
+
+class BatchDecoder:
+    def __init__(self, model, num_draft_tokens: int = 3, adaptive: bool = True):
+        self.model = model
+        self.K = num_draft_tokens if model.num_mtp_layers else 0
+        self.rows: List[_Row] = []
+        self.cache: Optional[list] = None
+        self.mtp_cache: Optional[list] = None
+        self.controller = DraftController(self.K, adaptive)
+        self.next_k = 0
+        self._last = None
+
+    def __len__(self):
+        return len(self.rows)
+
+    # -- membership --------------------------------------------------------
+    def add(self, key: Hashable, dec: MTPDecoder):
+        """Join a sequence whose prompt ``dec`` has prefilled."""
+        use_mtp = self.K > 0 and dec.mtp_cache is not None
+        row = _Row(key, dec.params, dec.sampler, dec.K if use_mtp else 0, dec.y)
+        if use_mtp:
+            row.owed_hidden, row.owed_tokens = list(dec.owed_hidden), list(dec.owed_tokens)
+        dtype = self.model.text.model.embed_tokens.weight.dtype
+        for layer, c in zip(self.model.layers, dec.cache):
+            if isinstance(c, RecurrentCache) and c.conv is None:  # one-token prompt
+                c.conv, c.ssm = layer.linear_attn.empty_state(1, dtype)
+        mtp_single = dec.mtp_cache if use_mtp else [KVCache() for _ in range(self.model.num_mtp_layers)]
+        if self.cache is None:
+            self.cache = [RecurrentCache.concat([c]) if isinstance(c, RecurrentCache)
+                          else BatchKVCache.from_single([c]) for c in dec.cache]
+            if self.K:
+                self.mtp_cache = [BatchKVCache.from_single([c]) for c in mtp_single]
+        else:
+            for i, c in enumerate(dec.cache):
+                if isinstance(c, RecurrentCache):
+                    self.cache[i] = RecurrentCache.concat([self.cache[i], c])
+                else:
+                    self.cache[i].extend(BatchKVCache.from_single([c]))
+            if self.K:
+                for i, c in enumerate(mtp_single):
+                    self.mtp_cache[i].extend(BatchKVCache.from_single([c]))
+        self.rows.append(row)
+
+    def remove(self, key: Hashable):
+        keep = [i for i, r in enumerate(self.rows) if r.key != key]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.cache = self.mtp_cache = None
+            return
+        for c in self.cache + (self.mtp_cache or []):
+            c.filter(keep)
+
+    # -- decoding ----------------------------------------------------------
+    def step(self) -> Dict[Hashable, StepOutput]:
+        if not self.rows:
+            return {}
+        k = min([self.next_k] + [r.max_k for r in self.rows])
+        if k and any(r.owed() == 0 for r in self.rows):
+            k = 0
+        out = self._plain_step() if k == 0 else self._spec_step(k)
+        self.next_k = self.controller.choose() if self.K else 0
+        return out
+
+    def _tick(self):
+        now = time.perf_counter()
+        prev, self._last = self._last, now
+        return None if prev is None else now - prev
+
+    def _sample_rows(self, lp):
+        """Per-row filtered distributions and samples (rows may sample differently)."""
+        qs = [filtered_logprobs(lp[b], r.params) for b, r in enumerate(self.rows)]
+        toks = mx.stack([r.sampler.sample(q) for r, q in zip(self.rows, qs)])
+        return toks, qs
+
+    def _plain_step(self):
+        model = self.model
+        if self.mtp_cache is not None and max(r.owed() for r in self.rows) > 256:
+            self._write_owed()
+        y = mx.stack([r.y for r in self.rows])  # (B, 1)
+        _prepare(self.cache, 1)
+        h_norm, h_mtp = model.trunk(y, self.cache)
+        lp = log_softmax(model.logits(h_norm[:, -1]))  # (B, V)
+        toks, _ = self._sample_rows(lp)
+        ids = toks.tolist()  # the one host sync
+        self.controller.update(0, 0, self._tick())
+        out = {}
+        for b, r in enumerate(self.rows):
+            if self.mtp_cache is not None:
+                r.owed_hidden.append(h_mtp[b : b + 1])
+                r.owed_tokens.append(toks[b : b + 1, None])
+            r.y = toks[b : b + 1]
+            out[r.key] = StepOutput([ids[b]], lp[b : b + 1], 0, 0)
+        return out
+
+    def _owed_batch(self, keep_last: bool):
+        """Every row's owed MTP pairs, right-aligned in one (B, S) chunk."""
+        hs, ts, lengths = [], [], []
+        for r in self.rows:
+            h, t = r.take_owed()
+            if keep_last:
+                r.owed_hidden, r.owed_tokens = [h[:, -1:]], [t[:, -1:]]
+                h, t = h[:, :-1], t[:, :-1]
+            hs.append(h)
+            ts.append(t)
+            lengths.append(h.shape[1])
+        S = max(lengths)
+        H = hs[0].shape[-1]
+        hidden = mx.concatenate([mx.concatenate(
+            [mx.zeros((1, S - n, H), h.dtype), h], axis=1) for h, n in zip(hs, lengths)])
+        tokens = mx.concatenate([mx.concatenate(
+            [mx.zeros((1, S - n), mx.uint32), t.astype(mx.uint32)], axis=1)
+            for t, n in zip(ts, lengths)])
+        return hidden, tokens, lengths
+
+    def _write_owed(self):
+        hidden, tokens, lengths = self._owed_batch(keep_last=True)
+        if max(lengths):
+            _prepare(self.mtp_cache, hidden.shape[1], lengths)
+            self.model.mtp_forward(hidden, tokens, self.mtp_cache)
+            mx.eval([c.keys for c in self.mtp_cache])
+
+    def _spec_step(self, k: int):
+        model, rows, B = self.model, self.rows, len(self.rows)
+        # 1. draft: the first call also writes every row's owed pairs.
+        hidden, tokens, lengths = self._owed_batch(keep_last=False)
+        _prepare(self.mtp_cache, hidden.shape[1], lengths)
+        out = model.mtp_forward(hidden, tokens, self.mtp_cache)[:, -1:]
+        drafts, draft_lps = [], []
+        for j in range(k):
+            if j:
+                _prepare(self.mtp_cache, 1)
+                out = model.mtp_forward(out, drafts[-1][:, None], self.mtp_cache)
+            d, qs = self._sample_rows(log_softmax(model.logits(out[:, -1])))
+            drafts.append(d)
+            draft_lps.append(qs)
+        drafts = mx.stack(drafts, axis=1)  # (B, k)
+        # 2. verify all rows in one trunk pass.
+        inputs = mx.concatenate([mx.stack([r.y for r in rows]), drafts], axis=1)
+        _prepare(self.cache, k + 1)
+        h_norm, h_mtp = model.trunk(inputs, self.cache, capture=True)
+        raw = log_softmax(model.logits(h_norm))  # (B, k+1, V)
+        # 3. accept, row by row (rows may sample differently).
+        ns, nxts = [], []
+        for b, r in enumerate(rows):
+            target = filtered_logprobs(raw[b : b + 1], r.params)
+            q = None if r.params.greedy else mx.stack([lps[b] for lps in draft_lps])[None]
+            n, nxt = verify(target, drafts[b : b + 1], q, r.sampler)
+            ns.append(n)
+            nxts.append(nxt)
+        values = mx.concatenate(ns + nxts + [drafts.reshape(-1)]).tolist()  # the one sync
+        n_acc, nxt_ids, draft_ids = values[:B], values[B : 2 * B], values[2 * B :]
+        seconds = self._tick()
+        # 4. per-row rollback.
+        for c in self.cache:
+            if isinstance(c, RecurrentCache):
+                c.select_rows([n + 1 for n in n_acc])
+            else:
+                c.drop_last([k - n for n in n_acc])
+        for c in self.mtp_cache:
+            c.drop_last([k - 1] * B)
+        result = {}
+        for b, r in enumerate(rows):
+            n = n_acc[b]
+            nxt = mx.array([nxt_ids[b]], mx.uint32)
+            r.owed_hidden.append(h_mtp[b : b + 1, : n + 1])
+            r.owed_tokens.append(mx.concatenate([drafts[b : b + 1, :n], nxt[:, None]], axis=1))
+            r.y = nxt
+            r.stats.record(k, n)
+            self.controller.record_acceptance(k, n)
+            ids = draft_ids[b * k : b * k + n] + [nxt_ids[b]]
+            result[r.key] = StepOutput(ids, raw[b, : n + 1], k, n)
+        self.controller.record_time(k, seconds)
+        return result

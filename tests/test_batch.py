@@ -1,0 +1,109 @@
+"""Batched MTP decoding: rows join and leave, each accepts its own drafts."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_mtp.batch import BatchDecoder
+from mlx_mtp.cache import BatchKVCache, RecurrentCache
+from mlx_mtp.loader import load_model
+from mlx_mtp.sampling import SamplingParams
+from mlx_mtp.speculative import MTPDecoder, generate_step
+
+RNG = np.random.default_rng(0)
+PROMPTS = [[int(x) for x in RNG.integers(0, 512, n)] for n in (5, 11, 3, 20, 1, 8)]
+N = 16
+
+
+def run_batch(model, k, prompts, params=None, n=N):
+    """Staggered joins (one per step), removal when done. Returns tokens per row."""
+    bd = BatchDecoder(model, k, adaptive=False)
+    bd.next_k = k
+    outs, done = {}, set()
+    for i, pr in enumerate(prompts):
+        dec = MTPDecoder(model, k, params[i] if params else SamplingParams(), adaptive=False)
+        dec.prefill(pr)
+        bd.add(i, dec)
+        outs[i] = []
+        for key, o in bd.step().items():
+            outs[key] += o.tokens
+    while len(done) < len(prompts):
+        for key, o in bd.step().items():
+            outs[key] += o.tokens
+        for key, toks in outs.items():
+            if len(toks) >= n and key not in done:
+                bd.remove(key)
+                done.add(key)
+    return {i: t[:n] for i, t in outs.items()}, bd
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("head,kw", [("noisy", {"trunk_scale": 0.1}), ("random", {})])
+def test_batched_greedy_equals_solo(tiny_ckpt, family, head, kw):
+    model, _ = load_model(Path(tiny_ckpt(family, head, **kw)))
+    refs = [[t for t, _, _ in generate_step(p, model, num_draft_tokens=0, max_tokens=N)]
+            for p in PROMPTS]
+    for k in (0, 1, 3):
+        outs, _ = run_batch(model, k, PROMPTS)
+        assert [outs[i] for i in range(len(PROMPTS))] == refs, f"K={k}"
+
+
+def test_batched_seeded_sampling_equals_solo(tiny_ckpt):
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1)))
+    params = [SamplingParams(temperature=0.8, top_k=20, seed=i) for i in range(len(PROMPTS))]
+    outs, _ = run_batch(model, 2, PROMPTS, params)
+    for i, p in enumerate(PROMPTS):
+        dec = MTPDecoder(model, 2, params[i], adaptive=False)
+        solo = [t for t, _, _ in generate_step(p, model, decoder=dec, max_tokens=N)]
+        assert outs[i] == solo
+
+
+def test_per_row_rollback_matches_plain_decode(tiny_ckpt):
+    """Each row's valid KV entries and recurrent state equal its own plain decode."""
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1)))
+    bd = BatchDecoder(model, 3, adaptive=False)
+    bd.next_k = 3
+    emitted = {}
+    for i, p in enumerate(PROMPTS[:4]):
+        dec = MTPDecoder(model, 3, adaptive=False)
+        dec.prefill(p)
+        bd.add(i, dec)
+        emitted[i] = []
+    patterns = set()
+    for _ in range(6):
+        for key, o in bd.step().items():
+            emitted[key] += o.tokens
+            patterns.add(o.num_accepted)
+    assert len(patterns) > 1
+    for b, row in enumerate(bd.rows):
+        tokens = PROMPTS[row.key] + emitted[row.key][:-1]
+        cache = model.make_cache()
+        for t in tokens:
+            model.trunk(mx.array([[t]]), cache)
+        for mine, ref in zip(bd.cache, cache):
+            if isinstance(ref, RecurrentCache):
+                assert mx.allclose(mine.conv[b], ref.conv[0], atol=1e-4).item()
+                assert mx.allclose(mine.ssm[b], ref.ssm[0], atol=1e-4).item()
+            else:
+                k, v = mine.row_state(b)
+                assert k.shape == ref.state[0].shape
+                assert mx.allclose(k, ref.state[0], atol=1e-4).item()
+                assert mx.allclose(v, ref.state[1], atol=1e-4).item()
+                assert mine.pos[b] == ref.offset
+
+
+def test_batch_kv_cache_squeezes_holes_when_growing():
+    c = BatchKVCache([0, 0])
+    c.step = 8
+    for i in range(12):
+        c.prepare(2)
+        k = mx.full((2, 1, 2, 4), float(i))
+        c.update_and_fetch(k, k)
+        c.drop_last([1, 0])  # row 0 keeps one of every two tokens
+    k0, _ = c.row_state(0)
+    k1, _ = c.row_state(1)
+    assert k0.shape[2] == 12 and k1.shape[2] == 24
+    assert k0[0, 0, :, 0].tolist() == [float(i) for i in range(12)]
+    assert c.pos == [12, 24]
