@@ -187,4 +187,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main so exception classes are the ones commands raise.
+    from mlx_mtp.cli import main as _main
+
+    sys.exit(_main())
