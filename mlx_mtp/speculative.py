@@ -94,32 +94,39 @@ class SpecStats:
 
 
 class DraftController:
-    """Chooses K for the next step: the K that maximises expected tokens per unit time.
+    """Chooses K per step so that drafting pays, and stops drafting when it does not.
 
-    Expected tokens of a K-step: ``1 + sum_j prod_{i<=j} a_i`` with ``a_i`` the
-    running conditional acceptance at position i. Step cost per K is measured
-    (moving averages of wall time) or, when ``timed=False`` (seeded sampling,
-    which must be reproducible), modelled as ``1 + draft_cost * K`` plain steps.
-    When no K > 0 pays, drafting pauses and is re-probed with K = 1 at growing
-    intervals, so an always-wrong head costs a few percent at most.
+    Works in epochs: K stays fixed for a few steps, the epoch's throughput
+    (tokens per second, wall time between host syncs, so every overhead counts)
+    updates a moving average for that K, and the next epoch takes the best K.
+    A deeper K is explored (a short epoch) when the current depth's last position
+    is accepted often; when plain decoding wins, K = 1 is re-probed with short
+    epochs at doubling intervals, so an always-wrong head costs a few percent.
+    ``timed=False`` (seeded sampling, which must be reproducible) replaces the
+    measured throughput by a model: expected tokens / (1 + draft_cost * K).
     """
 
     def __init__(self, max_k: int, adaptive: bool = True, timed: bool = True,
-                 draft_cost: float = 0.35):
+                 draft_cost: float = 0.35, epoch: int = 8, probe_epoch: int = 2):
         self.max_k = max_k
         self.adaptive = adaptive
         self.timed = timed
         self.draft_cost = draft_cost
+        self.epoch, self.probe_epoch = epoch, probe_epoch
         # Acceptance per position as a forgetting average with a prior worth one
         # observation at 0.7: optimistic enough to try drafting, quick to give up.
         self.hits = [0.7] * max_k
         self.trials = [1.0] * max_k
         self.forget = 0.9
-        self.step_time: List[Optional[float]] = [None] * (max_k + 1)
-        self.samples = [0] * (max_k + 1)
-        self.probe_every = 8
-        self.since_probe = 0
-        self.decay = 0.3  # step-time moving average
+        self.rate: List[Optional[float]] = [None] * (max_k + 1)  # tokens/s per K
+        self.decay = 0.5
+        self.k = 0 if adaptive else max_k
+        self.length = epoch
+        self._steps = self._tokens = 0
+        self._time = 0.0
+        self.probe_every = 4  # epochs at K=0 between probes
+        self._since_probe = 0
+        self._exploit = 0
 
     @property
     def alpha(self) -> List[float]:
@@ -132,54 +139,69 @@ class DraftController:
             total += run
         return total
 
-    def cost(self, k: int) -> float:
-        """Cost of a K-step in units of a plain step."""
-        if not self.timed:
-            return 1 + self.draft_cost * k
-        t0, tk = self.step_time[0], self.step_time[k]
-        if tk is not None:
-            # A verify pass is never cheaper than a plain step; clamp timing noise.
-            return max(tk / t0, 1 + 0.1 * k)
-        # Unmeasured: K=1 looks cheap so it gets tried; deeper K is extrapolated
-        # (a little optimistically) from the measured K=1 cost once there is one.
-        if k == 1:
-            return 1.1
-        if self.step_time[1] is not None:
-            return 1 + 0.9 * k * (self.step_time[1] / t0 - 1)
-        return 1.0 + k
+    def modelled_rate(self, k: int) -> float:
+        return self.expected_tokens(k) / (1 + self.draft_cost * k)
 
     def choose(self) -> int:
         if not self.adaptive or self.max_k == 0:
             return self.max_k
-        if self.timed and self.samples[0] < 2:
-            return 0  # measure plain steps first
-        best = max(range(self.max_k + 1), key=lambda k: self.expected_tokens(k) / self.cost(k))
+        if self._steps < self.length:
+            return self.k
+        if not self.timed:  # deterministic: the model's rate for every explored K
+            self.rate[self.k] = 0.0
+            self.rate = [None if r is None else self.modelled_rate(k)
+                         for k, r in enumerate(self.rate)]
+        elif self._time > 0:
+            rate, prev = self._tokens / self._time, self.rate[self.k]
+            self.rate[self.k] = rate if prev is None else prev + self.decay * (rate - prev)
+        self.k, self.length = self._next_epoch()
+        self._steps = self._tokens = 0
+        self._time = 0.0
+        return self.k
+
+    def _next_epoch(self):
+        measured = [k for k in range(self.max_k + 1) if self.rate[k] is not None]
+        best = max(measured, key=lambda k: self.rate[k])
+        # Explore one level deeper when the deepest position is accepted often.
+        deeper = best + 1
+        if deeper <= self.max_k and self.rate[deeper] is None and \
+                (best == 0 or self.alpha[best - 1] >= 0.5) and self.alpha[0] >= 0.3:
+            return deeper, self.probe_epoch
         if best > 0:
-            self.since_probe = 0
-            return best
-        self.since_probe += 1
-        if self.since_probe >= self.probe_every:
-            self.since_probe = 0
-            self.probe_every = min(self.probe_every * 2, 512)
-            return 1
-        return 0
+            self._since_probe = 0
+            self.probe_every = 4
+            self._exploit += 1
+            if self._exploit % 8 == 0:  # refresh the neighbours' stale estimates
+                for k in (best - 1, best + 1):
+                    if 0 < k <= self.max_k:
+                        self.rate[k] = None
+            return best, self.epoch
+        self._since_probe += 1
+        if self._since_probe >= self.probe_every:
+            self._since_probe = 0
+            self.probe_every = min(2 * self.probe_every, 256)
+            self.rate[1] = None  # re-measure; the head may have started to agree
+            if self.alpha[0] < 0.3:
+                self.hits[0] = 0.3 * self.trials[0]  # let the probe count
+            return 1, self.probe_epoch
+        return 0, self.epoch
 
     def update(self, k: int, n_accepted: int, seconds: Optional[float]):
-        self.record_time(k, seconds)
         self.record_acceptance(k, n_accepted)
+        self.record_time(k, seconds, 1 + n_accepted)
 
-    def record_time(self, k: int, seconds: Optional[float]):
-        if seconds is not None:
-            prev = self.step_time[k]
-            self.step_time[k] = seconds if prev is None else prev + self.decay * (seconds - prev)
-            self.samples[k] += 1
+    def record_time(self, k: int, seconds: Optional[float], tokens: int):
+        if not self.timed:
+            seconds = 1.0 if seconds is None else seconds  # count steps only
+        if seconds is not None and k == self.k:  # steps of the current epoch only
+            self._steps += 1
+            self._tokens += tokens
+            self._time += seconds
 
     def record_acceptance(self, k: int, n_accepted: int):
         for j in range(min(k, n_accepted + 1)):  # positions reached in this step
             self.hits[j] = self.forget * self.hits[j] + (j < n_accepted)
             self.trials[j] = self.forget * self.trials[j] + 1
-        if k and n_accepted:
-            self.probe_every = 8
 
 
 @dataclass

@@ -121,18 +121,19 @@ def test_rollback_matches_plain_decode(tiny_ckpt, family, head, kw, k):
 
 def test_adaptive_k_stops_drafting_for_a_useless_head(tiny_ckpt):
     model, _ = load_model(Path(tiny_ckpt("qwen3_5", "random")))
-    dec = MTPDecoder(model, 3, adaptive=True)
+    # A seed makes the controller deterministic (modelled costs, not wall time).
+    dec = MTPDecoder(model, 3, SamplingParams(seed=0), adaptive=True)
     list(generate_step(PROMPT, model, decoder=dec, max_tokens=200))
-    # A handful of exploratory drafts, then only sparse probes.
-    assert dec.stats.num_drafts < 30
-    assert dec.controller.expected_tokens(1) < 1.2
+    # A short exploration, then only sparse probes: few drafting steps of ~200.
+    assert dec.stats.num_drafts < 20
 
 
 def test_adaptive_k_keeps_drafting_for_a_good_head(tiny_ckpt):
     model, _ = load_model(Path(tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1)))
-    dec = MTPDecoder(model, 3, adaptive=True)
+    dec = MTPDecoder(model, 3, SamplingParams(seed=0), adaptive=True)
     toks = list(generate_step(PROMPT, model, decoder=dec, max_tokens=100))
     assert sum(1 for _, _, d in toks if d) > 50
+    assert len(dec.stats.drafted_per_pos) == 3  # it went deep
 
 
 def test_logprobs_come_from_the_target(tiny_ckpt):
