@@ -1,0 +1,388 @@
+"""In-process A/B benchmark: plain decoding vs MTP at fixed K (and adaptive K).
+
+Every setting decodes the same prompts in one process. For each repeat and each
+prompt, all settings run back to back (in a rotating order), so slow drift of
+the machine (thermal state, other load) hits every setting alike; speedups are
+medians of the per-(repeat, prompt) ratios to plain decoding.
+
+Pass costs are measured separately, on the caches left by each prompt's
+prefill: a plain step (trunk over 1 token + lm_head), a verify pass (trunk over
+K+1 tokens with state capture + lm_head on K+1 rows) and one MTP draft call
+(head + lm_head). With per-position acceptance they give the ideal speedup
+``E[tokens/step] / (c_verify(K) + K * c_draft)``; measured / ideal is the
+efficiency (what Python, sampling, rollback and the host sync leave over).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+from ..cache import RecurrentCache, cache_state_arrays
+from ..sampling import SamplingParams, log_softmax
+from ..speculative import MTPDecoder, SpecStats
+from . import stats as st
+from .prompts import Prompt
+
+
+@dataclass
+class Setting:
+    name: str  # "plain", "K=2", "auto"
+    k: int  # draft tokens (max K for "auto")
+    adaptive: bool = False
+
+
+def make_settings(ks: Sequence[int], auto: bool = True) -> List[Setting]:
+    """Plain decoding first (the baseline), each fixed K, then adaptive at max K."""
+    ks = sorted(set(ks) | {0})
+    out = [Setting("plain" if k == 0 else f"K={k}", k) for k in ks]
+    if auto and max(ks) > 0:
+        out.append(Setting("auto", max(ks), adaptive=True))
+    return out
+
+
+@dataclass
+class RunResult:
+    setting: str
+    prompt: str
+    category: str
+    repeat: int
+    prompt_tokens: int
+    prompt_time: float  # prefill + the first step (TTFT)
+    gen_tokens: int  # tokens after the first step
+    gen_time: float
+    total_tokens: int
+    steps: int  # decode steps after the first
+    steps_by_k: Dict[int, int]  # every step, the first included
+    peak_memory_gb: float
+    spec: SpecStats
+    tokens: List[int] = field(repr=False, default_factory=list)
+    own_drafted: int = 0  # drafts and acceptances counted from StepOutput
+    own_accepted: int = 0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_time if self.prompt_time > 0 else 0.0
+
+    @property
+    def gen_tps(self) -> float:
+        return self.gen_tokens / self.gen_time if self.gen_time > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "setting": self.setting, "prompt": self.prompt, "category": self.category,
+            "repeat": self.repeat, "prompt_tokens": self.prompt_tokens,
+            "prompt_time_s": self.prompt_time, "prompt_tps": self.prompt_tps,
+            "gen_tokens": self.gen_tokens, "gen_time_s": self.gen_time, "gen_tps": self.gen_tps,
+            "total_tokens": self.total_tokens, "steps": self.steps,
+            "steps_by_k": {str(k): v for k, v in sorted(self.steps_by_k.items())},
+            "peak_memory_gb": self.peak_memory_gb, **{f"spec_{k}": v for k, v in
+                                                      self.spec.to_dict().items()},
+        }
+
+
+def run_once(model, ids: Sequence[int], setting: Setting, sampling: SamplingParams,
+             max_tokens: int, eos: set = frozenset(), prefill_step_size: int = 2048,
+             label: str = "", category: str = "", repeat: int = 0) -> RunResult:
+    """Decode ``max_tokens`` tokens (fewer on EOS) with one setting, timing each phase."""
+    mx.reset_peak_memory()
+    dec = MTPDecoder(model, setting.k, sampling, adaptive=setting.adaptive,
+                     prefill_step_size=prefill_step_size)
+    tokens: List[int] = []
+    steps_by_k: Counter = Counter()
+    drafted = accepted = 0
+    done = False
+
+    def take(out):
+        nonlocal done, drafted, accepted
+        steps_by_k[out.num_drafted] += 1
+        drafted += out.num_drafted
+        accepted += out.num_accepted
+        for t in out.tokens:
+            if done:
+                break
+            tokens.append(t)
+            done = t in eos or len(tokens) >= max_tokens
+
+    t0 = time.perf_counter()
+    dec.prefill(ids)
+    take(dec.step())
+    t1 = time.perf_counter()
+    n_first = len(tokens)
+    steps = 0
+    while not done:
+        take(dec.step())
+        steps += 1
+    t2 = time.perf_counter()
+    mx.synchronize()  # a plain decoder may have launched one more step: let it finish here
+    return RunResult(
+        setting=setting.name, prompt=label, category=category, repeat=repeat,
+        prompt_tokens=len(ids), prompt_time=t1 - t0, gen_tokens=len(tokens) - n_first,
+        gen_time=t2 - t1, total_tokens=len(tokens), steps=steps, steps_by_k=dict(steps_by_k),
+        peak_memory_gb=mx.get_peak_memory() / 1e9, spec=dec.stats, tokens=tokens,
+        own_drafted=drafted, own_accepted=accepted,
+    )
+
+
+# --- pass costs ---------------------------------------------------------------------
+def _save(caches) -> list:
+    """What a pass changes in each cache (arrays are immutable: references suffice)."""
+    return [(c.conv, c.ssm, c.offset) if isinstance(c, RecurrentCache) else c.offset
+            for c in caches]
+
+
+def _restore(caches, saved: list):
+    for c, s in zip(caches, saved):
+        if isinstance(c, RecurrentCache):
+            c.conv, c.ssm, c.offset = s
+            c.clear_captured()
+        else:
+            c.offset = s  # KV rows past the offset are overwritten by the next write
+
+
+def measure_costs(model, ids: Sequence[int], ks: Sequence[int], reps: int = 7,
+                  prefill_step_size: int = 2048) -> dict:
+    """Seconds for a plain step, a verify pass per K and a draft call, after ``ids``.
+
+    Each pass runs on the caches left by the prompt and is undone afterwards
+    (recurrent states restored, KV offsets reset), so every repetition sees the
+    same context. Passes run round-robin, ``reps`` times after one warm-up
+    round; the median of each is kept.
+    """
+    kmax = max(ks) if ks else 0
+    has_mtp = model.num_mtp_layers > 0 and kmax > 0
+    dec = MTPDecoder(model, kmax if has_mtp else 0, SamplingParams(), adaptive=False,
+                     prefill_step_size=prefill_step_size)
+    dec.prefill(ids)
+    dec.sync_mtp_cache()
+    y = dec.y[:, None]  # (1, 1)
+
+    def trunk_pass(tokens, capture):
+        def fn():
+            h, _ = model.trunk(tokens, dec.cache, capture=capture)
+            lp = log_softmax(model.logits(h))
+            return [mx.argmax(lp, axis=-1), *cache_state_arrays(dec.cache)]
+        return fn
+
+    passes = {"plain": (trunk_pass(y, False), dec.cache)}
+    for k in sorted(set(ks)):
+        if k > 0:
+            passes[k] = (trunk_pass(mx.repeat(y, k + 1, axis=1), True), dec.cache)
+    if has_mtp:
+        saved = _save(dec.cache)
+        _, hidden = model.trunk(y, dec.cache)  # a real trunk hidden for the head
+        mx.eval(hidden)
+        _restore(dec.cache, saved)
+
+        def draft():
+            h = model.mtp_forward(hidden, y, dec.mtp_cache)
+            return [mx.argmax(log_softmax(model.logits(h[:, -1])), axis=-1),
+                    *[a for c in dec.mtp_cache for a in c.state if a is not None]]
+        passes["draft"] = (draft, dec.mtp_cache)
+    base = {name: _save(caches) for name, (_, caches) in passes.items()}
+    times: Dict[object, List[float]] = {name: [] for name in passes}
+    for i in range(reps + 1):  # round 0 warms up (and grows the KV buffers)
+        for name, (fn, caches) in passes.items():
+            tic = time.perf_counter()
+            mx.eval(fn())
+            dt = time.perf_counter() - tic
+            _restore(caches, base[name])
+            if i:
+                times[name].append(dt)
+    out = {"context_tokens": len(ids), "plain_s": st.median(times["plain"]),
+           "verify_s": {k: st.median(v) for k, v in times.items() if isinstance(k, int)}}
+    if has_mtp:
+        out["draft_s"] = st.median(times["draft"])
+    return out
+
+
+def combine_costs(per_prompt: List[dict]) -> dict:
+    """Median over prompts of each cost relative to that prompt's plain step."""
+    if not per_prompt:
+        return {}
+    rel_verify = {}
+    for k in per_prompt[0]["verify_s"]:
+        rel_verify[k] = st.median(c["verify_s"][k] / c["plain_s"] for c in per_prompt)
+    out = {"plain_step_ms": st.median(c["plain_s"] for c in per_prompt) * 1e3,
+           "c_verify": rel_verify}
+    if "draft_s" in per_prompt[0]:
+        out["c_draft"] = st.median(c["draft_s"] / c["plain_s"] for c in per_prompt)
+    out["per_prompt"] = per_prompt
+    return out
+
+
+# --- summary --------------------------------------------------------------------------
+def summarize_setting(setting: Setting, runs: List[RunResult], plain_runs: Dict[tuple, RunResult],
+                      costs: dict) -> dict:
+    """One row of the result table (JSON-ready)."""
+    tps = [r.gen_tps for r in runs]
+    # Per repeat: all prompts' tokens over all prompts' time (spread = run-to-run noise).
+    by_rep: Dict[int, List[float]] = {}
+    for r in runs:
+        tok_time = by_rep.setdefault(r.repeat, [0, 0.0])
+        tok_time[0] += r.gen_tokens
+        tok_time[1] += r.gen_time
+    rep_tps = [n / t for n, t in by_rep.values() if t > 0] or [0.0]
+    spec = SpecStats()
+    for r in runs:
+        spec.merge(r.spec)
+    pairs = [(r, plain_runs.get((r.repeat, r.prompt))) for r in runs]
+    ratios = [r.gen_tps / p.gen_tps for r, p in pairs if p is not None and p.gen_tps > 0]
+    # Speedup per repeat: the same prompts' aggregate tok/s, this setting over plain.
+    plain_by_rep: Dict[int, List[float]] = {}
+    for r, p in pairs:
+        if p is not None:
+            tok_time = plain_by_rep.setdefault(r.repeat, [0, 0.0])
+            tok_time[0] += p.gen_tokens
+            tok_time[1] += p.gen_time
+    rep_ratios = [(by_rep[k][0] / by_rep[k][1]) / (n / t)
+                  for k, (n, t) in plain_by_rep.items() if n and t > 0 and by_rep[k][1] > 0]
+    gen_tokens = sum(r.gen_tokens for r in runs)
+    gen_time = sum(r.gen_time for r in runs)
+    steps = sum(r.steps for r in runs)
+    steps_by_k: Counter = Counter()
+    for r in runs:
+        steps_by_k.update(r.steps_by_k)
+    cum = spec.acceptance_per_pos
+    cond = st.conditional_acceptance(cum)
+    row = {
+        "setting": setting.name, "k": setting.k, "adaptive": setting.adaptive, "runs": len(runs),
+        "gen_tps_median": st.median(rep_tps), "gen_tps_min": min(rep_tps),
+        "gen_tps_max": max(rep_tps), "gen_tps_stdev": st.stdev(rep_tps),
+        "gen_tps_per_repeat": rep_tps,
+        "gen_tps_aggregate": gen_tokens / gen_time if gen_time > 0 else 0.0,
+        "gen_tps_run_median": st.median(tps), "gen_tps_run_p25": st.percentile(tps, 25),
+        "gen_tps_run_p75": st.percentile(tps, 75),
+        "speedup": st.median(rep_ratios) if rep_ratios else None,
+        "speedup_min": min(rep_ratios) if rep_ratios else None,
+        "speedup_max": max(rep_ratios) if rep_ratios else None,
+        "speedup_per_repeat": rep_ratios,
+        "speedup_per_prompt_median": st.median(ratios) if ratios else None,
+        "speedup_per_prompt_p25": st.percentile(ratios, 25) if ratios else None,
+        "speedup_per_prompt_p75": st.percentile(ratios, 75) if ratios else None,
+        "speedup_geomean": st.geomean(ratios) if ratios else None,
+        "speedup_by_category": _speedup_by_category(pairs),
+        "gen_tps_by_category": {c: st.median(r.gen_tps for r in runs if r.category == c)
+                                for c in dict.fromkeys(r.category for r in runs)},
+        "prompt_tps_median": st.median(r.prompt_tps for r in runs),
+        "ttft_ms_median": st.median(r.prompt_time for r in runs) * 1e3,
+        "gen_tokens": gen_tokens, "steps": steps,
+        "step_ms": gen_time / steps * 1e3 if steps else None,
+        "tokens_per_step": gen_tokens / steps if steps else None,
+        "steps_by_k": {str(k): v for k, v in sorted(steps_by_k.items())},
+        "acceptance_per_pos": cum, "acceptance_per_pos_conditional": cond,
+        "acceptance_rate": spec.acceptance_rate if spec.num_draft_tokens else None,
+        "mean_acceptance_length": spec.mean_acceptance_length if spec.num_drafts else None,
+        "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+        "num_accepted_tokens": spec.num_accepted_tokens,
+        "accepted_per_pos": list(spec.accepted_per_pos),
+        "drafted_per_pos": list(spec.drafted_per_pos),
+        "peak_memory_gb": max(r.peak_memory_gb for r in runs),
+        "step_cost_measured": None,
+        "c_verify": None, "c_draft": costs.get("c_draft"), "step_cost_model": None,
+        "ideal_speedup": None, "efficiency": None,
+    }
+    plain_step = st.median(
+        [p.gen_time / p.steps for _, p in pairs if p is not None and p.steps]) if pairs else None
+    if row["step_ms"] is not None and plain_step:
+        row["step_cost_measured"] = row["step_ms"] / 1e3 / plain_step
+    c_verify = costs.get("c_verify", {})
+    c_draft = costs.get("c_draft")
+    if setting.k == 0:
+        row.update(c_verify=1.0, step_cost_model=1.0, ideal_speedup=1.0)
+    elif c_draft is not None and setting.k in c_verify:
+        if not setting.adaptive:
+            row["c_verify"] = c_verify[setting.k]
+            row["step_cost_model"] = st.step_cost(setting.k, c_verify, c_draft)
+            row["ideal_speedup"] = st.ideal_speedup(cond, c_verify[setting.k], c_draft)
+        else:
+            row["ideal_speedup"] = st.ideal_speedup_mixed(
+                steps_by_k, sum(r.total_tokens for r in runs), c_verify, c_draft)
+    if row["ideal_speedup"] and row["speedup"] is not None:
+        row["efficiency"] = row["speedup"] / row["ideal_speedup"]
+    return row
+
+
+def _speedup_by_category(pairs) -> Dict[str, float]:
+    out: Dict[str, List[float]] = {}
+    for r, p in pairs:
+        if p is not None and p.gen_tps > 0:
+            out.setdefault(r.category, []).append(r.gen_tps / p.gen_tps)
+    return {c: st.median(v) for c, v in out.items()}
+
+
+# --- driver ---------------------------------------------------------------------------
+@dataclass
+class BenchConfig:
+    ks: List[int]
+    max_tokens: int = 128
+    repeats: int = 3
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    auto: bool = True
+    ignore_eos: bool = False
+    cost_reps: int = 7
+    warmup_tokens: int = 16
+    prefill_step_size: int = 2048
+
+
+def run_inprocess(model, prompts: List[Prompt], encoded: List[List[int]], cfg: BenchConfig,
+                  eos: set = frozenset(), progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Run the interleaved A/B. Returns {"settings": rows, "runs": [...], "costs": {...}}.
+
+    ``progress(description)`` is called once per unit of work (cost measurement,
+    warmup, each run) with a short label.
+    """
+    if model.num_mtp_layers == 0 and max(cfg.ks) > 0:
+        raise ValueError("the model has no MTP head; only --num-draft-tokens 0 can run")
+    settings = make_settings(cfg.ks, cfg.auto)
+    eos = frozenset() if cfg.ignore_eos else frozenset(eos)
+    tick = progress or (lambda _: None)
+
+    def go(s, ids, n, **kw):
+        return run_once(model, ids, s, cfg.sampling, n, eos, cfg.prefill_step_size, **kw)
+
+    # Warm up every setting once on a short prompt (allocations, first-call costs).
+    short = min(encoded, key=len)
+    for s in settings:
+        go(s, short, cfg.warmup_tokens)
+        tick(f"warmup {s.name}")
+    # Pass costs, on each prompt's context.
+    per_prompt = []
+    for p, ids in zip(prompts, encoded):
+        c = measure_costs(model, ids, cfg.ks, cfg.cost_reps, cfg.prefill_step_size)
+        c["prompt"] = p.name
+        per_prompt.append(c)
+        tick(f"costs {p.name}")
+    costs = combine_costs(per_prompt)
+
+    runs: List[RunResult] = []
+    turn = 0
+    for rep in range(cfg.repeats):
+        for p, ids in zip(prompts, encoded):
+            order = settings[turn % len(settings):] + settings[:turn % len(settings)]
+            turn += 1
+            for s in order:
+                runs.append(go(s, ids, cfg.max_tokens, label=p.name, category=p.category,
+                               repeat=rep))
+                tick(f"r{rep + 1} {p.name} {s.name}")
+
+    plain = {(r.repeat, r.prompt): r for r in runs if r.setting == "plain"}
+    rows = [summarize_setting(s, [r for r in runs if r.setting == s.name], plain, costs)
+            for s in settings]
+    # Lossless check: with greedy decoding every setting must emit plain's tokens.
+    if cfg.sampling.greedy:
+        for row in rows:
+            mism = sum(r.tokens != plain[(r.repeat, r.prompt)].tokens
+                       for r in runs if r.setting == row["setting"])
+            row["outputs_match_plain"] = mism == 0
+            row["mismatched_runs"] = mism
+    return {"settings": rows, "runs": runs, "costs": costs}
+
+
+def work_units(n_settings: int, n_prompts: int, repeats: int) -> int:
+    """How many progress ticks ``run_inprocess`` makes."""
+    return n_settings + n_prompts + repeats * n_prompts * n_settings

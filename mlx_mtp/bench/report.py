@@ -1,0 +1,314 @@
+"""Benchmark output: rich tables, JSON, CSV, PNG plots and a README snippet."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence
+
+from .stats import nan_to_none
+
+
+# --- formatting ---------------------------------------------------------------------------
+def console():
+    """A rich console for stdout; wide when not a terminal, so tables do not wrap."""
+    from rich.console import Console
+
+    c = Console()
+    return c if c.is_terminal else Console(width=220)
+
+
+def fmt(x, spec: str = ".2f", none: str = "-") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return none
+    return format(x, spec)
+
+
+def fmt_pos(values: Optional[Sequence[float]]) -> str:
+    return " ".join(f"{v:.2f}" for v in values) if values else "-"
+
+
+# --- in-process ---------------------------------------------------------------------------
+INPROCESS_COLUMNS = [
+    # (header, function row -> str)
+    ("setting", lambda r: r["setting"]),
+    ("gen tok/s", lambda r: f"{r['gen_tps_median']:.1f} ± {(r['gen_tps_max'] - r['gen_tps_min']) / 2:.1f}"),
+    ("speedup", lambda r: fmt(r["speedup"], ".2f") + ("×" if r["speedup"] is not None else "")),
+    ("prompt tok/s", lambda r: fmt(r["prompt_tps_median"], ".0f")),
+    ("accept/pos", lambda r: fmt_pos(r["acceptance_per_pos"])),
+    ("mean acc len", lambda r: fmt(r["mean_acceptance_length"], ".2f")),
+    ("c_verify", lambda r: fmt(r["c_verify"], ".2f")),
+    ("c_draft", lambda r: fmt(r["c_draft"], ".2f") if r["k"] else "-"),
+    ("ideal", lambda r: fmt(r["ideal_speedup"], ".2f")),
+    ("efficiency", lambda r: fmt(r["efficiency"] * 100 if r["efficiency"] else None, ".0f") +
+     ("%" if r["efficiency"] else "")),
+    ("peak mem", lambda r: f"{r['peak_memory_gb'] * 1e3:.0f} MB" if r["peak_memory_gb"] < 1
+     else f"{r['peak_memory_gb']:.2f} GB"),
+    ("lossless", lambda r: {True: "yes", False: f"NO ({r.get('mismatched_runs')})"}.get(
+        r.get("outputs_match_plain"), "-")),
+]
+
+
+def inprocess_table(rows: List[dict], title: str = ""):
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title=escape(title) or None, title_justify="left")
+    for i, (h, _) in enumerate(INPROCESS_COLUMNS):
+        t.add_column(h, justify="left" if i == 0 or h == "accept/pos" else "right", no_wrap=True)
+    for r in rows:
+        t.add_row(*[f(r) for _, f in INPROCESS_COLUMNS])
+    return t
+
+
+def inprocess_markdown(rows: List[dict]) -> str:
+    heads = [h for h, _ in INPROCESS_COLUMNS]
+    lines = ["| " + " | ".join(heads) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(heads) - 1)) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(f(r) for _, f in INPROCESS_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+INPROCESS_CSV = [
+    "setting", "k", "adaptive", "runs", "gen_tps_median", "gen_tps_min", "gen_tps_max",
+    "gen_tps_stdev", "gen_tps_aggregate", "gen_tps_run_median", "gen_tps_run_p25",
+    "gen_tps_run_p75", "speedup", "speedup_min", "speedup_max",
+    "speedup_per_prompt_median", "speedup_per_prompt_p25", "speedup_per_prompt_p75",
+    "speedup_geomean", "speedup_by_category", "prompt_tps_median", "ttft_ms_median", "gen_tokens",
+    "steps", "step_ms", "tokens_per_step", "step_cost_measured", "acceptance_rate",
+    "mean_acceptance_length", "acceptance_per_pos", "acceptance_per_pos_conditional",
+    "num_drafts", "num_draft_tokens", "num_accepted_tokens", "c_verify", "c_draft",
+    "step_cost_model", "ideal_speedup", "efficiency", "peak_memory_gb", "outputs_match_plain",
+]
+
+
+# --- server ---------------------------------------------------------------------------------
+def _ms(x, spec=".0f"):
+    return fmt(x, spec)
+
+
+SERVER_COLUMNS = [
+    ("server", lambda r: r["server"]),
+    ("conc", lambda r: str(r["concurrency"])),
+    ("reqs", lambda r: str(r["requests"])),
+    ("err", lambda r: str(r["errors"])),
+    ("agg tok/s", lambda r: fmt(r["aggregate_tps"], ".1f")),
+    ("req tok/s", lambda r: fmt(r["request_tps_mean"], ".1f")),
+    ("TTFT p50/p95 ms", lambda r: f"{_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p95_ms'])}"),
+    ("ITL p50/p95/p99 ms", lambda r: f"{_ms(r['itl_p50_ms'], '.1f')} / {_ms(r['itl_p95_ms'], '.1f')}"
+     f" / {_ms(r['itl_p99_ms'], '.1f')}"),
+    ("TPOT ms", lambda r: _ms(r["tpot_mean_ms"], ".1f")),
+    ("E2E p50/p95 ms", lambda r: f"{_ms(r['e2e_p50_ms'])} / {_ms(r['e2e_p95_ms'])}"),
+    ("tok/chunk", lambda r: fmt(r["tokens_per_chunk"], ".2f")),
+    ("accept", lambda r: fmt(r["acceptance_rate"] * 100 if r["acceptance_rate"] is not None
+                             else None, ".1f") + ("%" if r["acceptance_rate"] is not None else "")),
+    ("mean acc len", lambda r: fmt(r["mtp_mean_acceptance_length"], ".2f")),
+]
+
+
+def server_table(rows: List[dict], title: str = ""):
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title=escape(title) or None, title_justify="left")
+    for i, (h, _) in enumerate(SERVER_COLUMNS):
+        t.add_column(h, justify="left" if i == 0 else "right", no_wrap=True)
+    for r in rows:
+        t.add_row(*[escape(f(r)) for _, f in SERVER_COLUMNS])
+    return t
+
+
+def server_markdown(rows: List[dict]) -> str:
+    heads = [h for h, _ in SERVER_COLUMNS]
+    lines = ["| " + " | ".join(heads) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(heads) - 1)) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(f(r) for _, f in SERVER_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def compare_rows(rows: List[dict]) -> List[dict]:
+    """For two servers: per concurrency, A/B ratios of throughput and latencies."""
+    labels = list(dict.fromkeys(r["server"] for r in rows))
+    if len(labels) != 2:
+        return []
+    a, b = labels
+    by = {(r["server"], r["concurrency"]): r for r in rows}
+    out = []
+    for c in dict.fromkeys(r["concurrency"] for r in rows):
+        ra, rb = by.get((a, c)), by.get((b, c))
+        if not ra or not rb:
+            continue
+
+        def ratio(key):
+            x, y = ra.get(key), rb.get(key)
+            return x / y if x and y else None
+
+        out.append({"concurrency": c, "a": a, "b": b,
+                    "aggregate_tps_ratio": ratio("aggregate_tps"),
+                    "request_tps_ratio": ratio("request_tps_mean"),
+                    "ttft_p50_ratio": ratio("ttft_p50_ms"), "tpot_ratio": ratio("tpot_mean_ms"),
+                    "e2e_p50_ratio": ratio("e2e_p50_ms")})
+    return out
+
+
+def compare_table(rows: List[dict]):
+    from rich.table import Table
+
+    if not rows:
+        return None
+    from rich.markup import escape
+
+    t = Table(title=escape(f"A/B: {rows[0]['a']} vs {rows[0]['b']} (ratio A/B)"),
+              title_justify="left")
+    for h in ("conc", "agg tok/s", "req tok/s", "TTFT p50", "TPOT", "E2E p50"):
+        t.add_column(h, justify="right")
+    for r in rows:
+        t.add_row(str(r["concurrency"]), *[fmt(r[k], ".2f") + "×" if r[k] else "-" for k in (
+            "aggregate_tps_ratio", "request_tps_ratio", "ttft_p50_ratio", "tpot_ratio",
+            "e2e_p50_ratio")])
+    return t
+
+
+SERVER_CSV = [
+    "server", "url", "model", "concurrency", "requests", "errors", "wall_s", "completion_tokens",
+    "aggregate_tps", "request_tps_mean", "request_tps_p50", "request_tps_min",
+    *[f"{m}_{k}_ms" for m in ("ttft", "itl", "tpot", "e2e")
+      for k in ("mean", "p50", "p95", "p99", "min", "max")],
+    "chunks", "tokens_per_chunk", "tokens_from_usage", "acceptance_rate", "draft_n",
+    "draft_n_accepted", "mtp_num_drafts", "mtp_num_draft_tokens", "mtp_num_accepted_tokens",
+    "mtp_mean_acceptance_length", "mtp_accepted_per_pos", "mtp_acceptance_per_pos",
+]
+
+
+# --- files ------------------------------------------------------------------------------------
+def write_json(path: Path, obj) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(nan_to_none(obj), indent=2, default=str) + "\n")
+    return path
+
+
+def _cell(v):
+    if isinstance(v, float):
+        return "" if not math.isfinite(v) else f"{v:.6g}"
+    if isinstance(v, (list, tuple)):
+        return " ".join(str(_cell(x)) for x in v)
+    if isinstance(v, dict):
+        return json.dumps(v)
+    return "" if v is None else v
+
+
+def write_csv(path: Path, rows: Iterable[dict], columns: Optional[List[str]] = None) -> Path:
+    rows = list(rows)
+    if columns is None:
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        for r in rows:
+            w.writerow([_cell(r.get(c)) for c in columns])
+    return path
+
+
+# --- plots --------------------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_inprocess(rows: List[dict], out_dir: Path, title: str = "") -> List[Path]:
+    plt = _plt()
+    paths = []
+    fixed = [r for r in rows if not r["adaptive"]]
+    auto = [r for r in rows if r["adaptive"]]
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ks = [r["k"] for r in fixed]
+    med = [r["gen_tps_median"] for r in fixed]
+    lo = [r["gen_tps_median"] - r["gen_tps_min"] for r in fixed]
+    hi = [r["gen_tps_max"] - r["gen_tps_median"] for r in fixed]
+    ax.errorbar(ks, med, yerr=[lo, hi], marker="o", capsize=4,
+                label="fixed K (median, min-max over repeats)")
+    base = fixed[0]["gen_tps_median"] if fixed and fixed[0]["k"] == 0 else None
+    if base:
+        ideal = [base * r["ideal_speedup"] if r["ideal_speedup"] else None for r in fixed]
+        pts = [(k, v) for k, v in zip(ks, ideal) if v is not None]
+        if pts:
+            ax.plot(*zip(*pts), "--", color="gray", label="ideal (from pass costs)")
+    for r in auto:
+        ax.axhline(r["gen_tps_median"], color="tab:green", linestyle=":",
+                   label=f"auto (max K={r['k']})")
+    ax.set_xlabel("draft tokens K (0 = plain)")
+    ax.set_ylabel("generation tok/s")
+    ax.set_xticks(ks)
+    ax.set_title(title or "Generation speed vs K")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "tok_s_vs_k.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    spec_rows = [r for r in rows if r["acceptance_per_pos"]]
+    if spec_rows:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in spec_rows:
+            pos = list(range(1, len(r["acceptance_per_pos"]) + 1))
+            ax.plot(pos, r["acceptance_per_pos"], marker="o", label=r["setting"])
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("acceptance (share of drafts)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xticks(range(1, max(len(r["acceptance_per_pos"]) for r in spec_rows) + 1))
+        ax.set_title("Acceptance per position")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower left")
+        fig.tight_layout()
+        paths.append(out_dir / "acceptance_per_pos.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def plot_server(rows: List[dict], out_dir: Path) -> List[Path]:
+    plt = _plt()
+    servers = list(dict.fromkeys(r["server"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    styles = {"p50": "-", "p95": "--", "p99": ":"}
+    for si, s in enumerate(servers):
+        rs = [r for r in rows if r["server"] == s]
+        conc = [r["concurrency"] for r in rs]
+        color = f"C{si}"
+        for metric, ax in (("ttft", axes[0]), ("itl", axes[1])):
+            for p, ls in styles.items():
+                vals = [r[f"{metric}_{p}_ms"] for r in rs]
+                if any(v is not None for v in vals):
+                    ax.plot(conc, [v if v is not None else float("nan") for v in vals], ls,
+                            marker="o", color=color, label=f"{s} {p}")
+        axes[2].plot(conc, [r["aggregate_tps"] for r in rs], "-", marker="o", color=color,
+                     label=f"{s} aggregate")
+        axes[2].plot(conc, [r["request_tps_mean"] or float("nan") for r in rs], "--",
+                     marker="s", color=color, label=f"{s} per request")
+    for ax, title, ylabel in ((axes[0], "TTFT", "ms"), (axes[1], "Inter-token latency", "ms"),
+                              (axes[2], "Throughput", "tok/s")):
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.set_xscale("log", base=2)
+        levels = sorted({r["concurrency"] for r in rows})
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "latency_vs_concurrency.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
