@@ -44,6 +44,36 @@ class _Row:
         return h, t
 
 
+class BatchStepError(Exception):
+    """A batched step failed; ``key`` is the row to fail (the rest can go on).
+
+    The batch is restored to its state before the step. Errors raised by one
+    row's own work (its sampler, its acceptance test) name that row; errors of
+    the shared computation (e.g. out of memory) name the row with the longest
+    context, the likeliest cause and the biggest saving.
+    """
+
+    def __init__(self, key, cause: Exception):
+        super().__init__(str(cause))
+        self.key, self.cause = key, cause
+
+
+class _RowError(Exception):
+    def __init__(self, key, cause):
+        super().__init__(str(cause))
+        self.key, self.cause = key, cause
+
+
+def _per_row(rows, fn):
+    out = []
+    for b, r in enumerate(rows):
+        try:
+            out.append(fn(b, r))
+        except Exception as e:
+            raise _RowError(r.key, e) from e
+    return out
+
+
 def _prepare(caches, S, lengths=None):
     for c in caches:
         if isinstance(c, BatchKVCache):
@@ -68,7 +98,7 @@ class BatchDecoder:
     def add(self, key: Hashable, dec: MTPDecoder):
         """Join a sequence whose prompt ``dec`` has prefilled."""
         use_mtp = self.K > 0 and dec.mtp_cache is not None
-        row = _Row(key, dec.params, dec.sampler, dec.K if use_mtp else 0, dec.y)
+        row = _Row(key, dec.params, dec.sampler, dec.K if use_mtp else 0, dec.y, stats=dec.stats)
         if use_mtp:
             row.owed_hidden, row.owed_tokens = list(dec.owed_hidden), list(dec.owed_tokens)
         dtype = self.model.text.model.embed_tokens.weight.dtype
@@ -91,6 +121,10 @@ class BatchDecoder:
                 for i, c in enumerate(mtp_single):
                     self.mtp_cache[i].extend(BatchKVCache.from_single([c]))
         self.rows.append(row)
+        # The batch holds copies now; free the sequence's own caches.
+        dec.cache, dec.owed_hidden, dec.owed_tokens = None, [], []
+        if dec.mtp_cache is not None:
+            dec.mtp_cache = []
 
     def remove(self, key: Hashable):
         keep = [i for i, r in enumerate(self.rows) if r.key != key]
@@ -110,9 +144,43 @@ class BatchDecoder:
         k = min([self.next_k] + [r.max_k for r in self.rows])
         if k and any(r.owed() == 0 for r in self.rows):
             k = 0
-        out = self._plain_step() if k == 0 else self._spec_step(k)
+        snap = self._checkpoint()
+        try:
+            out = self._plain_step() if k == 0 else self._spec_step(k)
+        except Exception as e:
+            self._restore(snap)
+            if isinstance(e, _RowError):
+                raise BatchStepError(e.key, e.cause) from e.cause
+            victim = max(range(len(self.rows)), key=lambda b: self._context(b))
+            raise BatchStepError(self.rows[victim].key, e) from e
         self.next_k = self.controller.choose() if self.K else 0
         return out
+
+    def _context(self, b: int) -> int:
+        kv = next((c for c in self.cache if isinstance(c, BatchKVCache)), None)
+        return kv.pos[b] if kv is not None else 0
+
+    def _checkpoint(self):
+        """What a step changes, by reference (KV writes past ``idx`` are harmless)."""
+        caches = []
+        for c in self.cache + (self.mtp_cache or []):
+            if isinstance(c, RecurrentCache):
+                caches.append((c, c.conv, c.ssm))
+            else:
+                caches.append((c, c.idx, list(c.pos), c.valid))
+        rows = [(r, r.y, list(r.owed_hidden), list(r.owed_tokens)) for r in self.rows]
+        return caches, rows
+
+    def _restore(self, snap):
+        caches, rows = snap
+        for c, *state in caches:
+            if isinstance(c, RecurrentCache):
+                c.conv, c.ssm = state
+                c.clear_captured()
+            else:
+                c.idx, c.pos, c.valid = state
+        for r, y, h, t in rows:
+            r.y, r.owed_hidden, r.owed_tokens = y, h, t
 
     def _tick(self):
         now = time.perf_counter()
@@ -121,8 +189,8 @@ class BatchDecoder:
 
     def _sample_rows(self, lp):
         """Per-row filtered distributions and samples (rows may sample differently)."""
-        qs = [filtered_logprobs(lp[b], r.params) for b, r in enumerate(self.rows)]
-        toks = mx.stack([r.sampler.sample(q) for r, q in zip(self.rows, qs)])
+        qs = _per_row(self.rows, lambda b, r: filtered_logprobs(lp[b], r.params))
+        toks = mx.stack(_per_row(self.rows, lambda b, r: r.sampler.sample(qs[b])))
         return toks, qs
 
     def _plain_step(self):
@@ -193,13 +261,12 @@ class BatchDecoder:
         h_norm, h_mtp = model.trunk(inputs, self.cache, capture=True)
         raw = log_softmax(model.logits(h_norm))  # (B, k+1, V)
         # 3. accept, row by row (rows may sample differently).
-        ns, nxts = [], []
-        for b, r in enumerate(rows):
+        def accept(b, r):
             target = filtered_logprobs(raw[b : b + 1], r.params)
             q = None if r.params.greedy else mx.stack([lps[b] for lps in draft_lps])[None]
-            n, nxt = verify(target, drafts[b : b + 1], q, r.sampler)
-            ns.append(n)
-            nxts.append(nxt)
+            return verify(target, drafts[b : b + 1], q, r.sampler)
+
+        ns, nxts = map(list, zip(*_per_row(rows, accept)))
         values = mx.concatenate(ns + nxts + [drafts.reshape(-1)]).tolist()  # the one sync
         n_acc, nxt_ids, draft_ids = values[:B], values[B : 2 * B], values[2 * B :]
         seconds = self._tick()

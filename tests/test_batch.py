@@ -107,3 +107,44 @@ def test_batch_kv_cache_squeezes_holes_when_growing():
     assert k0.shape[2] == 12 and k1.shape[2] == 24
     assert k0[0, 0, :, 0].tolist() == [float(i) for i in range(12)]
     assert c.pos == [12, 24]
+
+
+def test_failed_step_restores_batch_and_names_one_row(tiny_ckpt):
+    """A failure of the shared forward fails one row (longest context); the rest go on."""
+    from mlx_mtp.batch import BatchStepError
+
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1)))
+    prompts = PROMPTS[:3]
+    refs = [[t for t, _, _ in generate_step(p, model, num_draft_tokens=0, max_tokens=N)]
+            for p in prompts]
+    bd = BatchDecoder(model, 2, adaptive=False)
+    bd.next_k = 2
+    outs = {}
+    for i, p in enumerate(prompts):
+        dec = MTPDecoder(model, 2, adaptive=False)
+        dec.prefill(p)
+        bd.add(i, dec)
+        outs[i] = []
+    for key, o in bd.step().items():
+        outs[key] += o.tokens
+    real_trunk = model.trunk
+
+    def failing_trunk(*a, **k):
+        h = real_trunk(*a, **k)
+        raise MemoryError("out of memory")
+
+    model.trunk = failing_trunk
+    try:
+        with pytest.raises(BatchStepError) as e:
+            bd.step()
+    finally:
+        del model.trunk
+    longest = max(range(3), key=lambda i: len(prompts[i]) + len(outs[i]))
+    assert e.value.key == longest
+    bd.remove(longest)
+    while any(len(outs[i]) < N for i in outs if i != longest):
+        for key, o in bd.step().items():
+            outs[key] += o.tokens
+    for i in outs:
+        if i != longest:
+            assert outs[i][:N] == refs[i]

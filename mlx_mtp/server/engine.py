@@ -1,0 +1,567 @@
+"""The scheduler: continuous batching with per-sequence MTP speculative decoding.
+
+One background thread owns the model. HTTP handlers ``submit`` an
+``EngineRequest`` (with an ``on_event`` callback that must be thread-safe)
+and ``cancel`` it when the client goes away. Every scheduler iteration
+(``Engine.step``):
+
+1. takes new submissions and drops cancelled requests;
+2. admits waiting requests into the running batch, up to ``max_concurrency``,
+   restoring the longest cached prompt prefix into the new sequence's decoder;
+3. runs prompt chunks (``prefill_step_size`` tokens per iteration, shared by the
+   sequences still in prefill, oldest first) so a long prompt never stalls the
+   running streams; prefix-cache snapshots are taken at chunk ends that fall on
+   reusable boundaries;
+4. runs one decode step for each decoding sequence (``_decode_round``).
+
+Each sequence has its own ``MTPDecoder``: own trunk cache, MTP cache, rollback,
+acceptance statistics and adaptive K, so a sequence accepts its own number of
+drafts per step and greedy output does not depend on what else is running.
+This first version steps the sequences one after another; ``_decode_round``
+is the one place a batched forward (all sequences' verify passes in one call)
+will replace, without changing the submit/cancel/step/event interface.
+
+Events sent to ``on_event``: ``Delta`` (new text, token ids, logprobs),
+then exactly one of ``Done`` or ``Failed``. A cancelled request gets nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Deque, List, Optional, Sequence
+
+import mlx.core as mx
+
+from ..cache import cache_state_arrays
+from ..sampling import SamplingParams
+from ..batch import BatchDecoder, BatchStepError
+from ..speculative import MTPDecoder, SpecStats, StepOutput
+from .metrics import ServerMetrics
+from .prefix_cache import PrefixCache
+
+log = logging.getLogger("mlx_mtp.server")
+
+
+# --- events -----------------------------------------------------------------------
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: List["TokenLogprob"] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: List[int]
+    logprobs: Optional[List[TokenLogprob]] = None
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop" | "length"
+    usage: dict
+    timings: dict
+    mtp: dict
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+    code: Optional[str] = None
+
+
+@dataclass
+class EngineRequest:
+    prompt: List[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    on_event: Callable[[object], None] = lambda ev: None
+    stop: Sequence[str] = ()
+    num_draft_tokens: Optional[int] = None  # None: the server's K
+    logprobs: Optional[int] = None  # None: off; n >= 0: chosen token plus top n
+    cache_prompt: bool = True
+    # Prompt positions worth a prefix-cache snapshot (number of tokens processed).
+    boundaries: Sequence[int] = ()
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    arrival: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+
+
+class _Seq:
+    """Engine-side state of one admitted request."""
+
+    def __init__(self, req: EngineRequest, dec: MTPDecoder, detok, n_cached: int):
+        self.req = req
+        self.dec = dec
+        self.detok = detok
+        self.n_cached = n_cached
+        self.prefilling = True
+        self.mtp_enabled = dec.mtp_cache is not None
+        self.n_generated = 0
+        self.pending = ""  # decoded text not yet sent (held back for stop strings)
+        self.stops = [s for s in req.stop if s]
+        self.t_admit = time.perf_counter()
+        self.t_prefill_done: Optional[float] = None
+        self.t_first: Optional[float] = None
+        self.t_last: Optional[float] = None
+        n = len(req.prompt) - 1
+        self.boundaries = sorted({b for b in req.boundaries if n_cached < b <= n})
+
+
+def _holdback(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that could begin a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        num_draft_tokens: int = 3,
+        adaptive: bool = True,
+        max_concurrency: int = 16,
+        prefill_step_size: int = 512,
+        prefix_cache: Optional[PrefixCache] = None,
+        metrics: Optional[ServerMetrics] = None,
+        max_queue: int = 1024,
+        model_name: str = "model",
+        log_interval: float = 10.0,
+    ):
+        if prefill_step_size < 1:
+            raise ValueError("prefill_step_size must be >= 1")
+        if max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.num_draft_tokens = num_draft_tokens
+        self.has_mtp = getattr(model, "num_mtp_layers", 0) > 0
+        self.adaptive = adaptive
+        self.max_concurrency = max_concurrency
+        self.prefill_step_size = prefill_step_size
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0, 0)
+        self.metrics = metrics or ServerMetrics(model_name)
+        self.metrics.num_requests_running.fn = lambda: len(self.running)
+        self.metrics.num_requests_waiting.fn = lambda: len(self.waiting) + len(self._incoming)
+        self.max_queue = max_queue
+        self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.waiting: Deque[EngineRequest] = deque()
+        self.running: List[_Seq] = []
+        self._incoming: Deque[EngineRequest] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: Optional[threading.Thread] = None
+        self._park = threading.Event()
+        self._stopped = threading.Event()
+        self.alive = False
+        self.log_interval = log_interval
+        self._log_t = time.perf_counter()
+        self._log_stats = SpecStats()
+        self._log_tokens = 0
+        self.total_stats = SpecStats()
+        # Decoding sequences share one batched forward per step (MTP included).
+        self.batch = BatchDecoder(model, num_draft_tokens if self.has_mtp else 0, adaptive)
+
+    # -- interface used by the HTTP layer (any thread) ----------------------------
+    def start(self):
+        self._thread = threading.Thread(target=self._run, name="mlx-mtp-engine", daemon=True)
+        self.alive = True
+        self._thread.start()
+
+    def submit(self, req: EngineRequest):
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("The server is shutting down.")
+            if len(self._incoming) + len(self.waiting) >= self.max_queue:
+                raise OverflowError(
+                    f"Too many requests waiting ({self.max_queue}); try again later.")
+            self._incoming.append(req)
+            self._cv.notify()
+
+    def cancel(self, req: EngineRequest):
+        req.cancelled = True
+        with self._cv:
+            self._cv.notify()
+
+    def shutdown(self, timeout: float = 10.0):
+        """Fail everything still queued or running, then stop the loop."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._stopped.wait(timeout)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self._incoming)
+
+    # -- the loop -------------------------------------------------------------------
+    def _run(self):
+        while True:
+            with self._cv:
+                while (not self._stopping and not self._incoming and not self.waiting
+                       and not self.running):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+            try:
+                self.step()
+            except Exception as e:  # a bug outside per-request handling: fail the batch
+                log.exception("Scheduler iteration failed")
+                self._fail_all(500, f"Internal error in the scheduler: {e}")
+                mx.clear_cache()
+        self.alive = False
+        self._fail_all(503, "The server is shutting down.", code="shutting_down")
+        self._stopped.set()
+        # MLX aborts the process at exit ("terminate called without an active
+        # exception") if a thread that ran model code has finished, so this
+        # daemon thread parks instead of returning.
+        self._park.wait()
+
+    def step(self) -> bool:
+        """One scheduler iteration; returns whether there was work."""
+        with self._cv:
+            while self._incoming:
+                self.waiting.append(self._incoming.popleft())
+        self._drop_cancelled()
+        self._admit()
+        self._prefill_round()
+        self._decode_round()
+        self._maybe_log()
+        return bool(self.running or self.waiting)
+
+    # -- admission ------------------------------------------------------------------
+    def _drop_cancelled(self):
+        if any(r.cancelled for r in self.waiting):
+            kept = deque()
+            for r in self.waiting:
+                if r.cancelled:
+                    self.metrics.request_failure.inc(reason="abort")
+                else:
+                    kept.append(r)
+            self.waiting = kept
+        for seq in [s for s in self.running if s.req.cancelled]:
+            self._remove(seq)
+            self.metrics.request_failure.inc(reason="abort")
+
+    def _admit(self):
+        while self.waiting and len(self.running) < self.max_concurrency:
+            req = self.waiting.popleft()
+            if req.cancelled:
+                self.metrics.request_failure.inc(reason="abort")
+                continue
+            try:
+                self.running.append(self._make_seq(req))
+            except Exception as e:
+                log.exception("Could not start request %s", req.request_id)
+                self._emit(req, Failed(*self._error_status(e)))
+
+    def _make_seq(self, req: EngineRequest) -> _Seq:
+        k = self.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens
+        if not self.has_mtp:
+            k = 0
+        dec = MTPDecoder(self.model, k, req.sampling, adaptive=self.adaptive,
+                            prefill_step_size=self.prefill_step_size)
+        n_cached = 0
+        pc = self.prefix_cache
+        if req.cache_prompt and pc.enabled:
+            entry = pc.lookup(req.prompt, need_mtp=dec.mtp_cache is not None)
+            self.metrics.prefix_cache_queries.inc(len(req.prompt))
+            if entry is not None:
+                dec.restore(entry.state)
+                n_cached = entry.state.n_processed
+                self.metrics.prefix_cache_hits.inc(n_cached)
+        return _Seq(req, dec, self.tokenizer.detokenizer, n_cached)
+
+    # -- prompt processing ----------------------------------------------------------
+    def _prefill_round(self):
+        budget = self.prefill_step_size
+        for seq in [s for s in self.running if s.prefilling]:
+            while budget > 0 and seq.prefilling and not seq.req.cancelled:
+                try:
+                    budget -= max(1, self._prefill_chunk(seq))
+                except Exception as e:
+                    self._fail(seq, e)
+                    break
+            if budget <= 0:
+                break
+
+    def _prefill_chunk(self, seq: _Seq) -> int:
+        """Process the next chunk of the prompt; returns the number of tokens run.
+
+        Chunk ends depend only on the prompt, the restored prefix, the step
+        size and the snapshot boundaries, never on what else is running, so a
+        prompt is computed the same way alone or in a batch.
+        """
+        prompt, dec = seq.req.prompt, seq.dec
+        n = len(prompt) - 1
+        start = dec.n_processed
+        end = min(start + self.prefill_step_size, n)
+        for b in seq.boundaries:
+            if start < b < end:
+                end = b
+                break
+        # MTPDecoder.prefill continues after n_processed and stops at the last
+        # token it is given, which becomes the pending input: passing the
+        # prompt up to ``end`` runs exactly tokens [start, end).
+        dec.prefill(prompt[: end + 1])
+        if end in seq.boundaries:
+            self._store_prefix(seq, end)
+        if end == n:
+            seq.prefilling = False
+            seq.t_prefill_done = time.perf_counter()
+            seq.mtp_enabled = dec.mtp_cache is not None
+            self.batch.add(seq.req.request_id, dec)
+            self.metrics.prompt_tokens.inc(len(prompt))
+            self.metrics.prompt_len.observe(len(prompt))
+        return end - start
+
+    def _store_prefix(self, seq: _Seq, end: int):
+        pc = self.prefix_cache
+        key = seq.req.prompt[: end + 1]
+        if not (seq.req.cache_prompt and pc.enabled):
+            return
+        has_mtp = seq.dec.mtp_cache is not None
+        if key in pc:
+            old = pc.entries[tuple(key)]
+            if old.has_mtp or not has_mtp:
+                pc.touch(key)
+                return
+        state = seq.dec.snapshot()
+        arrays = cache_state_arrays(state.cache) + list(state.owed_hidden)
+        if state.mtp_cache is not None:
+            arrays += cache_state_arrays(state.mtp_cache)
+        mx.eval(arrays)
+        pc.store(key, state, state.nbytes, has_mtp)
+
+    # -- decoding -------------------------------------------------------------------
+    def _decode_round(self):
+        """One batched decode step for every decoding sequence.
+
+        Each row drafts, verifies and rolls back on its own inside one trunk
+        forward (``BatchDecoder``). When the step fails, the batch is restored
+        and only the row it names fails; the others go on at the next step.
+        """
+        decoding = [s for s in self.running if not s.prefilling and not s.req.cancelled]
+        if not decoding:
+            return
+        try:
+            outs = self.batch.step()
+        except BatchStepError as e:
+            for seq in decoding:
+                if seq.req.request_id == e.key:
+                    self._fail(seq, e.cause)
+            return
+        for seq in decoding:
+            out = outs.get(seq.req.request_id)
+            if out is None:
+                continue
+            try:
+                self._consume(seq, out)
+            except Exception as e:
+                self._fail(seq, e)
+
+    def _consume(self, seq: _Seq, out: StepOutput):
+        now = time.perf_counter()
+        req = seq.req
+        self.metrics.record_step(out.num_drafted, out.num_accepted)
+        self._log_stats.record(out.num_drafted, out.num_accepted)
+        finish = None
+        used: List[int] = []
+        stopped_by_string = False
+        for tok in out.tokens:
+            seq.n_generated += 1
+            used.append(tok)
+            if tok in self.eos:
+                finish = "stop"
+                break
+            seq.detok.add_token(tok)
+            seq.pending += seq.detok.last_segment
+            if seq.stops and self._cut_stop(seq):
+                finish, stopped_by_string = "stop", True
+                break
+            if seq.n_generated >= req.max_tokens:
+                finish = "length"
+                break
+        if finish is not None and not stopped_by_string:
+            seq.detok.finalize()
+            seq.pending += seq.detok.last_segment
+            if seq.stops and self._cut_stop(seq):
+                finish = "stop"
+        self.metrics.generation_tokens.inc(len(used))
+        self._log_tokens += len(used)
+
+        # Latency metrics: the step's time spread over the tokens it produced.
+        if seq.t_first is None:
+            seq.t_first = now
+            self.metrics.ttft.observe(now - req.arrival)
+        elif used:
+            dt = (now - seq.t_last) / len(used)
+            for _ in used:
+                self.metrics.itl.observe(dt)
+        seq.t_last = now
+
+        if finish is None:
+            keep = _holdback(seq.pending, seq.stops) if seq.stops else 0
+            text = seq.pending[: len(seq.pending) - keep]
+            seq.pending = seq.pending[len(text):]
+        else:
+            text, seq.pending = seq.pending, ""
+        logprobs = None
+        if req.logprobs is not None:
+            text_tokens = [t for t in used if t not in self.eos]
+            logprobs = self._logprobs(out, text_tokens, req.logprobs)
+        if text or logprobs:
+            self._emit(req, Delta(text, used, logprobs))
+        if finish is not None:
+            self._finish(seq, finish)
+
+    @staticmethod
+    def _cut_stop(seq: _Seq) -> bool:
+        hits = [i for i in (seq.pending.find(s) for s in seq.stops) if i >= 0]
+        if not hits:
+            return False
+        seq.pending = seq.pending[: min(hits)]
+        return True
+
+    def _logprobs(self, out: StepOutput, tokens: List[int], top: int) -> List[TokenLogprob]:
+        if not tokens:
+            return []
+        lp = out.logprobs[: len(tokens)]
+        chosen = mx.take_along_axis(lp, mx.array(tokens)[:, None], axis=1)[:, 0].tolist()
+        tops_i = tops_v = None
+        if top > 0:
+            order = mx.argsort(-lp, axis=-1)[:, :top]
+            tops_i = order.tolist()
+            tops_v = mx.take_along_axis(lp, order, axis=-1).tolist()
+        dec = self.tokenizer.decode
+        result = []
+        for j, (t, v) in enumerate(zip(tokens, chosen)):
+            entry = TokenLogprob(t, dec([t]), float(v))
+            if tops_i is not None:
+                entry.top = [TokenLogprob(i, dec([i]), float(x))
+                             for i, x in zip(tops_i[j], tops_v[j])]
+            result.append(entry)
+        return result
+
+    def _finish(self, seq: _Seq, finish: str):
+        now = time.perf_counter()
+        req, stats = seq.req, seq.dec.stats
+        self._remove(seq)
+        self.total_stats.merge(stats)
+        P, C = len(req.prompt), seq.n_generated
+        prompt_s = (seq.t_prefill_done or now) - seq.t_admit
+        gen_s = now - (seq.t_prefill_done or now)
+        prompt_n = P - seq.n_cached
+        timings = {
+            "cache_n": seq.n_cached,
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_s * 1e3,
+            "prompt_per_token_ms": prompt_s * 1e3 / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
+            "predicted_n": C,
+            "predicted_ms": gen_s * 1e3,
+            "predicted_per_token_ms": gen_s * 1e3 / C if C else 0.0,
+            "predicted_per_second": C / gen_s if gen_s > 0 else 0.0,
+            "draft_n": stats.num_draft_tokens,
+            "draft_n_accepted": stats.num_accepted_tokens,
+        }
+        usage = {
+            "prompt_tokens": P,
+            "completion_tokens": C,
+            "total_tokens": P + C,
+            "prompt_tokens_details": {"cached_tokens": seq.n_cached},
+        }
+        mtp = {
+            "enabled": seq.mtp_enabled,
+            "num_drafts": stats.num_drafts,
+            "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens,
+            "mean_acceptance_length": stats.mean_acceptance_length,
+            "acceptance_rate": stats.acceptance_rate,
+            "accepted_per_pos": list(stats.accepted_per_pos),
+            "drafted_per_pos": list(stats.drafted_per_pos),
+        }
+        m = self.metrics
+        m.request_success.inc(finished_reason=finish)
+        m.e2e.observe(now - req.arrival)
+        m.generation_len.observe(C)
+        self._emit(req, Done(finish, usage, timings, mtp))
+
+    # -- failures -------------------------------------------------------------------
+    @staticmethod
+    def _error_status(e: Exception):
+        if isinstance(e, MemoryError) or "out of memory" in str(e).lower() \
+                or "unable to allocate" in str(e).lower():
+            return 500, f"Out of memory while generating: {e}", "out_of_memory"
+        return 500, f"Generation failed: {type(e).__name__}: {e}", "internal_error"
+
+    def _fail(self, seq: _Seq, e: Exception):
+        log.error("Request %s failed: %s: %s", seq.req.request_id, type(e).__name__, e,
+                  exc_info=not isinstance(e, MemoryError))
+        self._remove(seq)
+        self.metrics.request_failure.inc(reason="error")
+        self._emit(seq.req, Failed(*self._error_status(e)))
+        seq.dec = None  # drop its caches before clearing MLX's buffer cache
+        mx.clear_cache()
+
+    def _fail_all(self, status: int, message: str, code: Optional[str] = None):
+        with self._cv:
+            while self._incoming:
+                self.waiting.append(self._incoming.popleft())
+        reqs = [s.req for s in self.running] + list(self.waiting)
+        self.running, self.waiting = [], deque()
+        for r in reqs:
+            if not r.cancelled:
+                self.metrics.request_failure.inc(reason="error")
+                self._emit(r, Failed(status, message, code))
+
+    def _remove(self, seq: _Seq):
+        if seq in self.running:
+            self.running.remove(seq)
+        self.batch.remove(seq.req.request_id)
+
+    @staticmethod
+    def _emit(req: EngineRequest, ev):
+        try:
+            req.on_event(ev)
+        except Exception:  # the consumer is gone (closed event loop): nothing to do
+            log.debug("Dropped an event for %s", req.request_id, exc_info=True)
+
+    # -- periodic log line (vLLM's format) ---------------------------------------------
+    def _maybe_log(self):
+        now = time.perf_counter()
+        if self.log_interval <= 0 or now - self._log_t < self.log_interval:
+            return
+        dt, s = now - self._log_t, self._log_stats
+        if self._log_tokens or self.running:
+            line = (f"Running: {len(self.running)} reqs, Waiting: {self.num_waiting} reqs, "
+                    f"Avg generation throughput: {self._log_tokens / dt:.1f} tokens/s")
+            if s.num_drafts:
+                per_pos = ", ".join(f"{a:.3f}" for a in s.acceptance_per_pos)
+                line += (f". SpecDecoding metrics: Mean acceptance length: "
+                         f"{s.mean_acceptance_length:.2f}, Accepted: {s.num_accepted_tokens} "
+                         f"tokens, Drafted: {s.num_draft_tokens} tokens, Per-position "
+                         f"acceptance rate: {per_pos}, Avg Draft acceptance rate: "
+                         f"{100 * s.acceptance_rate:.1f}%")
+            log.info(line)
+        self._log_t, self._log_stats, self._log_tokens = now, SpecStats(), 0

@@ -1,0 +1,164 @@
+"""Request models of the OpenAI-compatible API and the OpenAI error envelope.
+
+Models are strict about types (a string where a number belongs is a 400, not a
+silent coercion) and lenient about unknown fields (clients send ``user``,
+``metadata``, ``store``... which are ignored).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# OpenAI's "type" for each HTTP status.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI envelope ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None,
+                 code: Optional[str] = None, type: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ERROR_TYPES.get(status, "server_error" if status >= 500
+                                            else "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: Optional[str] = None, code: str = "invalid_value"):
+    return APIError(400, message, param=param, code=code)
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class FunctionCall(_Base):
+    name: str
+    arguments: Optional[Union[str, Dict[str, Any]]] = None
+
+
+class ToolCall(_Base):
+    id: Optional[str] = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, List[Union[str, Dict[str, Any]]]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+
+
+class FunctionDefinition(_Base):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Base):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class _GenerationFields(_Base):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, List[str]]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = 1
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    # mlx-lm's per-request draft depth; 0 disables MTP for this request.
+    num_draft_tokens: Optional[int] = None
+    # llama-server's switch for prompt (prefix) caching.
+    cache_prompt: Optional[bool] = True
+
+
+class ChatCompletionRequest(_GenerationFields):
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[List[Tool]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+
+class CompletionRequest(_GenerationFields):
+    prompt: Union[str, List[int], List[str], List[List[int]]]
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+def _loc(loc) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def parse_request(raw: bytes, model_cls):
+    """Bytes of a request body -> validated model, or APIError(400)."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"The request body is not valid JSON: {e}", code="invalid_json")
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        errs = e.errors(include_url=False)
+        parts, seen = [], set()
+        for err in errs:
+            loc = _loc(err.get("loc", ())) or "body"
+            top = str(err["loc"][0]) if err.get("loc") else "body"
+            if top in seen:  # a union reports one error per member: keep the first
+                continue
+            seen.add(top)
+            parts.append(f"{loc}: {err.get('msg')}")
+        param = str(errs[0]["loc"][0]) if errs and errs[0].get("loc") else None
+        kind = "invalid_type" if any(x.get("type", "").endswith(("_type", "_parsing"))
+                                     for x in errs) else "invalid_value"
+        raise APIError(400, "Invalid request: " + "; ".join(parts), param=param, code=kind)

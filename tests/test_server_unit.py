@@ -1,0 +1,253 @@
+"""Server pieces that need no model: parsers, prefix cache, metrics, request validation."""
+
+import json
+import random
+
+import pytest
+
+from mlx_mtp.server.engine import _holdback
+from mlx_mtp.server.metrics import ServerMetrics
+from mlx_mtp.server.parsers import OutputParser, parse_full, parse_tool_body
+from mlx_mtp.server.prefix_cache import PrefixCache
+from mlx_mtp.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                     parse_request)
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "hours": {"type": "array"}, "ratio": {"type": "number"},
+        "note": {"type": ["string", "null"]}}}}}]
+
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
+            "<parameter=hours>\n[1, 2]\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n"
+            "<parameter=note>\nline one\nline two\n</parameter>\n</function>\n</tool_call>")
+XML_ARGS = {"city": "New York", "days": 3, "metric": True, "hours": [1, 2], "ratio": 0.5,
+            "note": "line one\nline two"}
+
+
+def stream(text, pieces_of=1, seed=0, **kw):
+    """Feed ``text`` in random-sized pieces; returns the parser's pieces."""
+    rng = random.Random(seed)
+    p = OutputParser(**kw)
+    out, i = [], 0
+    while i < len(text):
+        n = rng.randint(1, pieces_of) if pieces_of > 1 else 1
+        out += p.feed(text[i:i + n])
+        i += n
+    return out + p.finish()
+
+
+def collect(pieces):
+    return ("".join(p.text for p in pieces if p.kind == "content"),
+            "".join(p.text for p in pieces if p.kind == "reasoning"),
+            [p.call for p in pieces if p.kind == "tool_call"])
+
+
+# --- tool calls -------------------------------------------------------------------------
+def test_xml_tool_call_types_follow_schema():
+    calls = parse_tool_body(XML_CALL[len("<tool_call>"):-len("</tool_call>")], WEATHER)
+    assert len(calls) == 1
+    c = calls[0]
+    assert c["type"] == "function" and c["id"].startswith("call_")
+    assert c["function"]["name"] == "get_weather"
+    assert json.loads(c["function"]["arguments"]) == XML_ARGS
+
+
+def test_hermes_json_tool_call():
+    calls = parse_tool_body('\n{"name": "f", "arguments": {"a": 1, "b": "x"}}\n')
+    assert calls[0]["function"]["name"] == "f"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": "x"}
+    # arguments already a string: passed through
+    calls = parse_tool_body('{"name": "g", "arguments": "{\\"q\\": 2}"}')
+    assert json.loads(calls[0]["function"]["arguments"]) == {"q": 2}
+    assert parse_tool_body("{not json") is None
+    assert parse_tool_body("plain words") is None
+
+
+@pytest.mark.parametrize("pieces_of", [1, 3, 17, 1000])
+def test_streaming_xml_call_is_one_delta_whatever_the_chunking(pieces_of):
+    text = "Let me check.\n</think>\n\nChecking the weather.\n" + XML_CALL
+    out = stream(text, pieces_of, start_in_reasoning=True, tools=WEATHER, parse_tools=True)
+    content, reasoning, calls = collect(out)
+    assert reasoning.strip() == "Let me check."
+    assert content.strip() == "Checking the weather."
+    assert len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]) == XML_ARGS
+    # nothing of the call's markup leaks into text
+    assert "<" not in content and "parameter" not in content
+
+
+def test_streaming_holds_back_until_the_call_closes():
+    p = OutputParser(tools=WEATHER, parse_tools=True)
+    out = p.feed("Hi <tool_")
+    assert collect(out)[0] == "Hi "  # "<tool_" held back: may start a tag
+    out = p.feed('call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}')
+    assert out == []  # inside the call: nothing streamed
+    out = p.feed("\n</tool_call>")
+    assert [x.kind for x in out] == ["tool_call"]
+
+
+def test_multiple_calls_and_hermes_in_stream():
+    text = ('<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "b", "arguments": {"x": [1]}}\n</tool_call>')
+    content, _, calls = collect(stream(text, 4, tools=WEATHER, parse_tools=True))
+    assert [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert content.strip() == ""
+
+
+def test_unparseable_call_is_passed_through_as_content():
+    r = parse_full("<tool_call>\nnonsense\n</tool_call> after", tools=WEATHER, parse_tools=True)
+    assert r["tool_calls"] == [] and "nonsense" in r["content"]
+
+
+def test_unclosed_call_at_end_is_still_parsed():
+    r = parse_full('x <tool_call>\n{"name": "f", "arguments": {"a": 1}}', parse_tools=True)
+    assert r["tool_calls"][0]["function"]["name"] == "f"
+
+
+def test_tools_not_requested_means_no_parsing():
+    r = parse_full('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
+    assert r["tool_calls"] == [] and "<tool_call>" in r["content"]
+
+
+# --- reasoning -------------------------------------------------------------------------
+def test_reasoning_split_when_prompt_opened_think():
+    r = parse_full("\nsome thoughts\n</think>\n\nThe answer.", start_in_reasoning=True)
+    assert r == {"content": "The answer.", "reasoning": "some thoughts", "tool_calls": []}
+
+
+def test_reasoning_split_when_model_opens_think():
+    r = parse_full("<think>\nhmm\n</think>\n\nDone.")
+    assert r["reasoning"] == "hmm" and r["content"] == "Done."
+
+
+def test_tool_call_inside_reasoning_ends_it():
+    r = parse_full("I should call it " + XML_CALL, start_in_reasoning=True, tools=WEATHER,
+                   parse_tools=True)
+    assert r["reasoning"] == "I should call it" and len(r["tool_calls"]) == 1
+
+
+def test_unfinished_reasoning_is_all_reasoning():
+    content, reasoning, _ = collect(stream("thinking and thinking", 3, start_in_reasoning=True))
+    assert content == "" and reasoning == "thinking and thinking"
+
+
+def test_reasoning_parser_off_keeps_tags():
+    r = parse_full("<think>x</think>y", reasoning=False)
+    assert r["content"] == "<think>x</think>y" and r["reasoning"] is None
+
+
+def test_think_tag_after_content_is_text():
+    r = parse_full("Use <think> tags like this.")
+    assert r["content"] == "Use <think> tags like this."
+
+
+# --- stop-string hold-back ------------------------------------------------------------
+def test_holdback():
+    assert _holdback("hello wor", ["world"]) == 3
+    assert _holdback("hello", ["world"]) == 0
+    assert _holdback("abc\n\n", ["\n\n\n", "x"]) == 2
+    assert _holdback("", ["abc"]) == 0
+
+
+# --- prefix cache ---------------------------------------------------------------------
+class FakeState:
+    def __init__(self, n):
+        self.n_processed = n
+
+
+def test_prefix_cache_longest_prefix_and_lru():
+    pc = PrefixCache(max_entries=2, max_bytes=1000)
+    pc.store([1, 2, 3], FakeState(2), 100, True)
+    pc.store([1, 2, 3, 4, 5], FakeState(4), 100, True)
+    assert pc.lookup([1, 2, 3, 4, 5, 6], need_mtp=True).state.n_processed == 4
+    assert pc.lookup([1, 2, 3, 9], need_mtp=True).state.n_processed == 2
+    assert pc.lookup([1, 2], need_mtp=True) is None  # longer than the prompt
+    assert pc.lookup([7, 1, 2, 3], need_mtp=True) is None
+    pc.store([9, 9], FakeState(1), 100, True)  # evicts the least recently used ([1,2,3,4,5])
+    assert pc.lookup([1, 2, 3, 4, 5, 6], need_mtp=True).state.n_processed == 2
+    assert len(pc) == 2
+
+
+def test_prefix_cache_bytes_bound_and_mtp_flag():
+    pc = PrefixCache(max_entries=10, max_bytes=250)
+    pc.store([1], FakeState(0), 100, False)
+    assert pc.lookup([1, 2], need_mtp=True) is None  # no MTP state in it
+    assert pc.lookup([1, 2], need_mtp=False) is not None
+    pc.store([2], FakeState(0), 100, True)
+    pc.store([3], FakeState(0), 100, True)
+    assert pc.nbytes <= 250 and len(pc) == 2
+    assert not pc.store([4], FakeState(0), 1000, True)  # larger than the whole cache
+    assert not PrefixCache(0, 100).store([1], FakeState(0), 1, True)
+
+
+# --- metrics --------------------------------------------------------------------------
+def test_metrics_text_format():
+    m = ServerMetrics("my-model", running=lambda: 3, waiting=lambda: 1)
+    m.record_step(3, 2)
+    m.record_step(2, 0)
+    m.ttft.observe(0.05)
+    m.request_success.inc(finished_reason="stop")
+    text = m.render()
+    lines = text.splitlines()
+    assert 'mlx_mtp:num_requests_running{model_name="my-model"} 3' in lines
+    assert 'mlx_mtp:num_requests_waiting{model_name="my-model"} 1' in lines
+    assert 'mlx_mtp:spec_decode_num_drafts_total{model_name="my-model"} 2' in lines
+    assert 'mlx_mtp:spec_decode_num_draft_tokens_total{model_name="my-model"} 5' in lines
+    assert 'mlx_mtp:spec_decode_num_accepted_tokens_total{model_name="my-model"} 2' in lines
+    pos = 'mlx_mtp:spec_decode_num_accepted_tokens_per_pos_total{model_name="my-model",'
+    assert pos + 'position="0"} 1' in lines
+    assert pos + 'position="1"} 1' in lines
+    assert pos + 'position="2"} 0' in lines
+    assert ('mlx_mtp:time_to_first_token_seconds_bucket{model_name="my-model",le="0.06"} 1'
+            in lines)
+    assert 'mlx_mtp:time_to_first_token_seconds_count{model_name="my-model"} 1' in lines
+    assert "# TYPE mlx_mtp:inter_token_latency_seconds histogram" in lines
+    assert "# TYPE mlx_mtp:prompt_tokens_total counter" in lines
+    assert ('mlx_mtp:request_success_total{model_name="my-model",finished_reason="stop"} 1'
+            in lines)
+    for line in lines:  # every sample is `name{labels} value`
+        if not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            float(value.replace("+Inf", "inf"))
+            assert name.startswith("mlx_mtp:") and 'model_name="my-model"' in name
+
+
+# --- request validation ---------------------------------------------------------------
+def _err(raw, cls=ChatCompletionRequest) -> APIError:
+    with pytest.raises(APIError) as e:
+        parse_request(raw if isinstance(raw, bytes) else json.dumps(raw).encode(), cls)
+    assert e.value.status == 400
+    body = e.value.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+    return e.value
+
+
+def test_request_validation():
+    ok = parse_request(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                   "temperature": 1, "user": "ignored"}).encode(),
+                       ChatCompletionRequest)
+    assert ok.temperature == 1.0 and ok.model_extra["user"] == "ignored"
+    assert _err(b"{not json").code == "invalid_json"
+    assert _err(b"[1, 2]").code == "invalid_json"
+    assert _err({"messages": []}).param == "messages"
+    assert _err({"messages": "hi"}).param == "messages"
+    e = _err({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"})
+    assert e.param == "temperature" and e.code == "invalid_type"
+    assert _err({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}).param \
+        == "max_tokens"
+    assert _err({"messages": [{"role": "user", "content": "x"}], "max_tokens": True}).param \
+        == "max_tokens"
+    assert _err({"messages": [{"role": "wizard", "content": "x"}]}).param == "messages"
+    assert _err({"prompt": 5}, CompletionRequest).param == "prompt"
+    assert _err({}, CompletionRequest).param == "prompt"
+
+
+def test_tool_format_restriction():
+    body = '{"name": "f", "arguments": {}}'
+    assert parse_tool_body(body, fmt="hermes") and parse_tool_body(body, fmt="auto")
+    assert parse_tool_body(body, fmt="qwen3_coder") is None
+    xml = XML_CALL[len("<tool_call>"):-len("</tool_call>")]
+    assert parse_tool_body(xml, WEATHER, fmt="qwen3_coder")
+    assert parse_tool_body(xml, WEATHER, fmt="hermes") is None
