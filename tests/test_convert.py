@@ -10,6 +10,8 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
+import mlx_mtp.add_mtp as add_mtp_module  # the module (add_mtp below is the function)
+from mlx_mtp import checkpoint_io
 from mlx_mtp import convert as cv
 from mlx_mtp.convert import ConversionError, add_mtp, convert
 from mlx_mtp.loader import load_model
@@ -244,7 +246,7 @@ def test_convert_refusals(sources, converted, tmp_path):
 def test_interrupted_convert_leaves_nothing(sources, tmp_path, monkeypatch, exc):
     src = Path(sources["moe_sharded"])
     before = snapshot(src)
-    real, calls = cv._save_shard, []
+    real, calls = checkpoint_io._save_shard, []
 
     def failing(path, tensors, bar):
         calls.append(path.name)
@@ -252,7 +254,7 @@ def test_interrupted_convert_leaves_nothing(sources, tmp_path, monkeypatch, exc)
             raise exc
         real(path, tensors, bar)
 
-    monkeypatch.setattr(cv, "_save_shard", failing)
+    monkeypatch.setattr(checkpoint_io, "_save_shard", failing)
     out = tmp_path / "out"
     with pytest.raises(type(exc)):
         convert(src, out, quantize=True, max_shard_size_gb=100e3 / (1 << 30), verbose=False)
@@ -460,7 +462,7 @@ def test_interrupted_add_mtp_leaves_target_unchanged(where, sources, converted, 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cv, where, boom)
+    monkeypatch.setattr(add_mtp_module, where, boom)
     with pytest.raises(KeyboardInterrupt):
         add_mtp(dst, sources["moe_fused"], mtp_bits=4, force=True, verbose=False)
     assert snapshot(dst) == before

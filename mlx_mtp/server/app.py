@@ -8,6 +8,10 @@ Every response carries ``usage`` (with ``prompt_tokens_details.cached_tokens``),
 llama-server-style ``timings`` (``draft_n``, ``draft_n_accepted``...) and an
 ``mtp`` block. Errors use the OpenAI envelope ``{"error": {message, type,
 param, code}}``; during a stream, one ``data: {"error": ...}`` event ends it.
+
+Prompt preparation lives in ``prompts``, response bodies and stream chunks in
+``responses``; this module holds the shared state, request validation, routes,
+the command-line arguments and ``run``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import os
 import signal
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -30,12 +33,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Delta, Done, Engine, EngineRequest, Failed, TokenLogprob
+from .engine import Delta, Done, Engine, EngineRequest, Failed
 from .metrics import ServerMetrics
-from .parsers import OutputParser, Piece
 from .prefix_cache import PrefixCache
+from .prompts import prepare_chat, prepare_completion
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request,
                        parse_request)
+from .responses import ChatFormatter, CompletionFormatter
 
 log = logging.getLogger("mlx_mtp.server")
 
@@ -78,131 +82,6 @@ class ServerState:
         except Exception:
             return None
         return i if isinstance(i, int) and i != getattr(tok, "unk_token_id", None) else None
-
-
-# --- prompt building (runs on the tokenizer thread) ---------------------------------
-def _decode_arguments(args, i: int, j: int):
-    if args is None or isinstance(args, dict):
-        return args or {}
-    try:
-        out = json.loads(args)
-    except json.JSONDecodeError as e:
-        raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}",
-                          param="messages")
-    if not isinstance(out, dict):
-        raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object",
-                          param="messages")
-    return out
-
-
-def _template_messages(req: ChatCompletionRequest) -> List[dict]:
-    out = []
-    for i, m in enumerate(req.messages):
-        d: Dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if isinstance(part, str):
-                    parts.append({"type": "text", "text": part})
-                elif part.get("type") == "text" and isinstance(part.get("text"), str):
-                    parts.append({"type": "text", "text": part["text"]})
-                else:
-                    raise bad_request(
-                        f"messages[{i}].content: only text parts are supported "
-                        f"(got type {part.get('type')!r})", param="messages")
-            content = "".join(p["text"] for p in parts)
-        if content is None and m.role in ("system", "developer", "user", "tool"):
-            raise bad_request(f"messages[{i}].content is required for role {m.role!r}",
-                              param="messages")
-        d["content"] = content if content is not None else ""
-        if m.name is not None:
-            d["name"] = m.name
-        if m.tool_calls:
-            d["tool_calls"] = [
-                {"id": tc.id, "type": "function",
-                 "function": {"name": tc.function.name,
-                              "arguments": _decode_arguments(tc.function.arguments, i, j)}}
-                for j, tc in enumerate(m.tool_calls)]
-        if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
-        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
-        if reasoning is not None:
-            d["reasoning_content"] = reasoning
-        out.append(d)
-    return out
-
-
-@dataclass
-class PreparedChat:
-    ids: List[int]
-    boundaries: List[int]
-    start_in_reasoning: bool
-    tools: Optional[list]
-
-
-def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
-    tok = state.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise bad_request("This model has no chat template; use /v1/completions.",
-                          param="messages")
-    messages = _template_messages(req)
-    use_tools = bool(req.tools) and req.tool_choice != "none"
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
-    kwargs = dict(state.template_args)
-    kwargs.update(req.chat_template_kwargs or {})
-    kwargs.setdefault("enable_thinking", False)
-    for reserved in ("tools", "tokenize", "add_generation_prompt", "conversation", "messages"):
-        kwargs.pop(reserved, None)
-    try:
-        text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                       add_generation_prompt=True, **kwargs)
-    except APIError:
-        raise
-    except Exception as e:  # jinja2 errors and the template's raise_exception
-        raise bad_request(f"The chat template could not render these messages: {e}",
-                          param="messages", code="invalid_messages")
-    ids = tok.encode(text, add_special_tokens=False)
-    if not ids:
-        raise bad_request("The prompt is empty after applying the chat template.",
-                          param="messages")
-    # Reusable prefix boundaries: after the first turn (shared system prompts),
-    # before the final generation header (the history, reused by the next
-    # turn), and the whole prompt (repeats).
-    bounds = {len(ids) - 1}
-    im = state.im_start_id
-    if im is not None:
-        starts = [i for i, t in enumerate(ids) if t == im]
-        if len(starts) >= 2:
-            bounds.update((starts[1], starts[-1]))
-    start_in_reasoning = (state.reasoning_parser != "none"
-                          and text.rstrip().endswith("<think>"))
-    return PreparedChat(ids, sorted(b for b in bounds if b > 0), start_in_reasoning, tools)
-
-
-def prepare_completion(state: ServerState, req: CompletionRequest) -> List[int]:
-    p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise bad_request("Only one prompt per request is supported.", param="prompt")
-        p = p[0]
-    if isinstance(p, str):
-        if not p:
-            raise bad_request("The prompt is empty.", param="prompt")
-        from ..generate import encode_prompt
-
-        try:
-            return encode_prompt(state.tokenizer, p)
-        except ValueError as e:
-            raise bad_request(str(e), param="prompt")
-    ids = list(p)
-    if not ids:
-        raise bad_request("The prompt is empty.", param="prompt")
-    bad = [t for t in ids if not 0 <= t < state.vocab_size]
-    if bad:
-        raise bad_request(f"Token ids out of range [0, {state.vocab_size}): {bad[:5]}",
-                          param="prompt")
-    return ids
 
 
 # --- request parameters ----------------------------------------------------------------
@@ -292,189 +171,6 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
     stop = [s for s in stop if s]
     return dict(max_tokens=max_tokens, sampling=sampling, stop=stop, num_draft_tokens=k,
                 cache_prompt=req.cache_prompt is not False)
-
-
-# --- response formatting -------------------------------------------------------------------
-def _token_bytes(s: str) -> List[int]:
-    return list(s.encode("utf-8", errors="replace"))
-
-
-def chat_logprobs(items: List[TokenLogprob], top: bool) -> List[dict]:
-    out = []
-    for t in items:
-        e = {"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token),
-             "top_logprobs": [{"token": x.token, "logprob": x.logprob,
-                               "bytes": _token_bytes(x.token)} for x in t.top] if top else []}
-        out.append(e)
-    return out
-
-
-def completion_logprobs(items: List[TokenLogprob], offset: int) -> dict:
-    tokens, lps, tops, offsets = [], [], [], []
-    for t in items:
-        tokens.append(t.token)
-        lps.append(t.logprob)
-        tops.append({x.token: x.logprob for x in t.top} if t.top else None)
-        offsets.append(offset)
-        offset += len(t.token)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
-            "text_offset": offsets}
-
-
-class ChatFormatter:
-    object_chunk = "chat.completion.chunk"
-
-    def __init__(self, state: ServerState, model: str, prepared: PreparedChat,
-                 logprobs: Optional[int], parse_tools: bool):
-        self.id = "chatcmpl-" + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.model = model
-        self.state = state
-        self.logprobs = logprobs
-        self.parser = OutputParser(reasoning=state.reasoning_parser != "none",
-                                   start_in_reasoning=prepared.start_in_reasoning,
-                                   tools=prepared.tools, parse_tools=parse_tools,
-                                   tool_format=state.tool_call_parser)
-        self.num_calls = 0
-        self.lp_items: List[TokenLogprob] = []
-
-    def _chunk(self, delta: dict, finish=None, logprobs=None, **extra) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        out = {"id": self.id, "object": self.object_chunk, "created": self.created,
-               "model": self.model, "choices": [choice]}
-        out.update(extra)
-        return out
-
-    def _reasoning_delta(self, text: str) -> dict:
-        f = self.state.reasoning_field
-        d = {}
-        if f in ("reasoning_content", "both"):
-            d["reasoning_content"] = text
-        if f in ("reasoning", "both"):
-            d["reasoning"] = text
-        return d
-
-    def _piece_deltas(self, pieces: List[Piece]) -> List[dict]:
-        deltas = []
-        for p in pieces:
-            if p.kind == "content":
-                deltas.append({"content": p.text})
-            elif p.kind == "reasoning":
-                deltas.append(self._reasoning_delta(p.text))
-            else:
-                call = dict(p.call, index=self.num_calls)
-                self.num_calls += 1
-                deltas.append({"tool_calls": [call]})
-        return deltas
-
-    # streaming
-    def start(self) -> List[dict]:
-        return [self._chunk({"role": "assistant", "content": ""})]
-
-    def on_delta(self, ev: Delta) -> List[dict]:
-        deltas = self._piece_deltas(self.parser.feed(ev.text))
-        lp = None
-        if self.logprobs is not None and ev.logprobs:
-            lp = {"content": chat_logprobs(ev.logprobs, self.logprobs > 0), "refusal": None}
-        if lp is not None and not deltas:
-            deltas = [{}]
-        return [self._chunk(d, logprobs=lp if i == 0 else None) for i, d in enumerate(deltas)]
-
-    def finish_reason(self, done: Done) -> str:
-        if self.num_calls and done.finish_reason == "stop":
-            return "tool_calls"
-        return done.finish_reason
-
-    def on_done(self, done: Done, include_usage: bool) -> List[dict]:
-        chunks = [self._chunk(d) for d in self._piece_deltas(self.parser.finish())]
-        extra = {"usage": done.usage, "timings": done.timings, "mtp": done.mtp}
-        chunks.append(self._chunk({}, finish=self.finish_reason(done), **extra))
-        if include_usage:
-            chunks.append({"id": self.id, "object": self.object_chunk, "created": self.created,
-                           "model": self.model, "choices": [], **extra})
-        return chunks
-
-    # whole response
-    def response(self, deltas: List[Delta], done: Done) -> dict:
-        pieces: List[Piece] = []
-        lp_items: List[TokenLogprob] = []
-        for ev in deltas:
-            pieces += self.parser.feed(ev.text)
-            lp_items += ev.logprobs or []
-        pieces += self.parser.finish()
-        content = "".join(p.text for p in pieces if p.kind == "content")
-        reasoning = "".join(p.text for p in pieces if p.kind == "reasoning").strip()
-        calls = []
-        for p in pieces:
-            if p.kind == "tool_call":
-                calls.append(p.call)
-                self.num_calls += 1
-        if calls:
-            content = content.strip()
-        message: Dict[str, Any] = {"role": "assistant",
-                                   "content": content if (content or not calls) else None}
-        if reasoning:
-            message.update(self._reasoning_delta(reasoning))
-        if calls:
-            message["tool_calls"] = calls
-        logprobs = None
-        if self.logprobs is not None:
-            logprobs = {"content": chat_logprobs(lp_items, self.logprobs > 0), "refusal": None}
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "message": message, "logprobs": logprobs,
-                             "finish_reason": self.finish_reason(done)}],
-                "usage": done.usage, "timings": done.timings, "mtp": done.mtp}
-
-
-class CompletionFormatter:
-    object_chunk = "text_completion"
-
-    def __init__(self, state: ServerState, model: str, logprobs: Optional[int]):
-        self.id = "cmpl-" + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.model = model
-        self.logprobs = logprobs
-        self.offset = 0
-
-    def _chunk(self, text: str, finish=None, logprobs=None, **extra) -> dict:
-        out = {"id": self.id, "object": "text_completion", "created": self.created,
-               "model": self.model,
-               "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                            "finish_reason": finish}]}
-        out.update(extra)
-        return out
-
-    def start(self) -> List[dict]:
-        return []
-
-    def on_delta(self, ev: Delta) -> List[dict]:
-        lp = None
-        if self.logprobs is not None and ev.logprobs:
-            lp = completion_logprobs(ev.logprobs, self.offset)
-        self.offset += len(ev.text)
-        if not ev.text and lp is None:
-            return []
-        return [self._chunk(ev.text, logprobs=lp)]
-
-    def on_done(self, done: Done, include_usage: bool) -> List[dict]:
-        extra = {"usage": done.usage, "timings": done.timings, "mtp": done.mtp}
-        chunks = [self._chunk("", finish=done.finish_reason, **extra)]
-        if include_usage:
-            chunks.append({"id": self.id, "object": "text_completion", "created": self.created,
-                           "model": self.model, "choices": [], **extra})
-        return chunks
-
-    def response(self, deltas: List[Delta], done: Done) -> dict:
-        text = "".join(d.text for d in deltas)
-        lp = None
-        if self.logprobs is not None:
-            lp = completion_logprobs([x for d in deltas for x in (d.logprobs or [])], 0)
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": lp,
-                             "finish_reason": done.finish_reason}],
-                "usage": done.usage, "timings": done.timings, "mtp": done.mtp}
 
 
 # --- the application -------------------------------------------------------------------------

@@ -1,0 +1,255 @@
+"""``mlx-mtp add-mtp``: graft the MTP head of an original checkpoint into an MLX model
+(e.g. an mlx-lm conversion that stripped it), via a staged copy swapped in atomically.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+from tqdm import tqdm
+
+from .checkpoint_io import (MTP_SHARD, _checkpoint_tensors, _link_tree, _recover_stale,
+                            _save_shard, _staging, _swap_into_place, _write_index, _write_json)
+from .convert_common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast,
+                             _check_foreign_quant, _check_model_dir, _config_mtp_layers,
+                             _config_quantization, _count_mtp_layers, _dequantize, _family,
+                             _incomplete_head, _param_bytes, _print_summary,
+                             _set_config_mtp_layers, _summarize, _text, is_mtp_key)
+from .loader import load_config, quantize_like_checkpoint
+from .models import UnsupportedModelError, get_model_module
+from .models.hybrid import HybridArgs, MissingMTPWeightsError
+
+# Text-config fields that must agree for a head to fit a trunk.
+_SHAPE_FIELDS = (
+    "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+
+
+def _config_mismatches(dst_cfg: dict, src_cfg: dict) -> List[str]:
+    # Compare effective values (e.g. head_dim derived when absent).
+    a = HybridArgs.from_dict(_text(dst_cfg))
+    b = HybridArgs.from_dict(_text(src_cfg))
+    out = []
+    for k in _SHAPE_FIELDS:
+        if k == "intermediate_size" and a.num_experts:
+            continue  # MoE heads have no dense MLP
+        if getattr(a, k) != getattr(b, k):
+            out.append(f"{k}: model {getattr(a, k)} vs source {getattr(b, k)}")
+    return out
+
+
+def _source_is_raw_hf(tensors: Dict[str, Tuple[Path, dict]], mtp_keys: List[str]) -> bool:
+    conv = [e["shape"] for k, (_, e) in tensors.items() if k.endswith("conv1d.weight")]
+    if conv:
+        return any(s[-1] != 1 for s in conv)
+    # A head-only source: MLX conversions use language_model.mtp.* or switch_mlp.
+    return not any(k.startswith("language_model.") or ".switch_mlp." in k for k in mtp_keys)
+
+
+def _float_dtype_of(tensors: Dict[str, Tuple[Path, dict]]) -> Optional[mx.Dtype]:
+    names = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
+    for k, (_, e) in tensors.items():
+        if k.endswith("embed_tokens.scales") or (k.endswith("embed_tokens.weight")
+                                                  and e["dtype"] in names):
+            return names.get(e["dtype"])
+    return None
+
+
+def _load_mtp_head(src: Path, src_cfg: dict, dst_cfg: dict, tensors, mtp_keys: List[str],
+                   n_layers: int, verbose: bool):
+    """The source's MTP head, sanitized and in floating point, built for DST's config.
+
+    Also returns the source's quantized modules (path -> module), to reuse as they are
+    where the target precision is the same (re-quantizing would add error).
+    """
+    files = sorted({tensors[k][0] for k in mtp_keys})
+    wanted = set(mtp_keys)
+    weights = {}
+    total = sum(f.stat().st_size for f in files)
+    with tqdm(total=total, desc="reading", unit="B", unit_scale=True,
+              disable=not verbose) as bar:
+        for f in files:
+            weights.update({k: v for k, v in mx.load(str(f)).items() if k in wanted})
+            bar.update(f.stat().st_size)
+    _check_foreign_quant(weights, src)
+
+    model = _build_model(dst_cfg, n_layers)
+    try:
+        weights = model.sanitize(weights, raw_hf=_source_is_raw_hf(tensors, mtp_keys))
+    except MissingMTPWeightsError as e:
+        raise ConversionError(_incomplete_head(src, e, "Use a complete original checkpoint "
+                                                        "as --source.")) from e
+    head = model.text.mtp
+    prefix = next(k for k in weights if is_mtp_key(k)).split("mtp.")[0] + "mtp."
+    head_weights = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+    if any(k.endswith(".scales") for k in head_weights):
+        q = copy.deepcopy(_config_quantization(src_cfg) or {})
+        q = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in q.items()}
+        quantize_like_checkpoint(head, head_weights, q)
+    try:
+        head.load_weights(list(head_weights.items()), strict=True)
+    except ValueError as e:
+        raise ConversionError(
+            f"The MTP head in {src} does not fit this model: {e}. The tensor shapes differ, "
+            "so the source is a different model (size or variant); use the original "
+            "checkpoint this model was converted from."
+        ) from e
+    packed = {p: m for p, m in head.named_modules() if "scales" in m and hasattr(m, "bits")}
+    _dequantize(head)
+    return model, head, prefix, packed
+
+
+def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool = False,
+            *, verbose: bool = True) -> dict:
+    """Graft the MTP head of ``source_path`` into the MLX model at ``model_path``.
+
+    Reads only the source shards that hold ``mtp.*`` tensors. The head is quantized
+    like the model (same bits and group size, router gates at 8 bits) unless
+    ``mtp_bits`` says otherwise (16 = floating point), written to ``mtp.safetensors``
+    and recorded in the index and config.json. Refuses when the source has no head,
+    when it does not fit the model, or when the model already has one (``force``).
+    """
+    if mtp_bits is not None and mtp_bits not in MTP_BITS:
+        raise ConversionError(
+            f"--mtp-bits must be one of {MTP_BITS} (16 keeps the head in floating point); "
+            f"got {mtp_bits}."
+        )
+    _recover_stale(Path(model_path).expanduser().absolute(), restore=True, verbose=verbose)
+    dst = _check_model_dir(model_path, "Model").resolve()  # swap the real directory
+    src = _check_model_dir(source_path, "Source")
+    if dst.resolve() == src.resolve():
+        raise ConversionError("--model and --source are the same directory.")
+    dst_cfg, src_cfg = load_config(dst), load_config(src)
+    dst_family, src_family = _family(dst_cfg), _family(src_cfg)
+    try:
+        get_model_module(dst_cfg.get("model_type", ""))
+    except UnsupportedModelError as e:
+        raise ConversionError(str(e)) from e
+    if dst_family != src_family:
+        raise ConversionError(
+            f"The source is a {src_family!r} model but {dst} is {dst_family!r}: its MTP head "
+            "cannot fit. Use the original checkpoint this model was converted from."
+        )
+
+    dst_tensors = _checkpoint_tensors(dst)
+    existing = sorted(k for k in dst_tensors if is_mtp_key(k))
+    if existing and not force:
+        files = sorted({dst_tensors[k][0].name for k in existing})
+        raise ConversionError(
+            f"{dst} already has an MTP head ({len(existing)} mtp.* tensors in "
+            f"{', '.join(files)}). Pass --force to replace it."
+        )
+    src_tensors = _checkpoint_tensors(src)
+    mtp_keys = sorted(k for k in src_tensors if is_mtp_key(k))
+    if not mtp_keys:
+        raise ConversionError(
+            f"{src} has no MTP weights (no mtp.* tensors in "
+            f"{', '.join(sorted({f.name for f, _ in src_tensors.values()}))}). Use the "
+            "original Hugging Face release as --source: conversions made by other tools "
+            "(mlx-lm, most GGUF/MLX uploads) strip the head."
+        )
+    mismatches = _config_mismatches(dst_cfg, src_cfg)
+    if mismatches:
+        raise ConversionError(
+            f"The source's config does not match {dst}: " + "; ".join(mismatches)
+            + ". The head belongs to a different model (size or variant); use the original "
+            "checkpoint this model was converted from."
+        )
+    n_layers = _count_mtp_layers(mtp_keys) or max(_config_mtp_layers(src_cfg), 1)
+
+    model, head, prefix, packed = _load_mtp_head(src, src_cfg, dst_cfg, src_tensors,
+                                                  mtp_keys, n_layers, verbose)
+    dst_dtype = _float_dtype_of(dst_tensors)
+    if dst_dtype is not None:
+        _cast(head, dst_dtype)
+
+    # Precision: like the model, unless --mtp-bits says otherwise.
+    dst_quant = _config_quantization(dst_cfg)
+    dst_quantized = any(k.endswith(".scales") for k in dst_tensors if not is_mtp_key(k))
+    group_size = (dst_quant or {}).get("group_size", 64) if dst_quantized else 64
+    if mtp_bits is None:
+        affine = (dst_quant or {}).get("mode", "affine") == "affine"
+        # Non-affine trunks (mxfp4...) keep a floating-point head.
+        bits = (dst_quant or {}).get("bits", 4) if dst_quantized and affine else None
+    else:
+        bits = None if mtp_bits == 16 else mtp_bits
+    scheme = QuantScheme(bits=None, group_size=group_size, mtp_bits=bits,
+                         mtp_group_size=group_size)
+    default = dst_quant if dst_quant else scheme.default()
+    record = scheme.apply(head, prefix=prefix, default=default, verbose=verbose)
+    same = [(p, packed[p]) for p, m in head.named_modules() if p in packed and hasattr(m, "bits")
+            and (m.bits, m.group_size, m.mode) == (packed[p].bits, packed[p].group_size,
+                                                   packed[p].mode)]
+    if same:
+        head.update_modules(tree_unflatten(same))
+        if dst_dtype is not None:
+            _cast(head, dst_dtype)  # their scales/biases
+
+    head_params = {prefix + k: v for k, v in tree_flatten(head.parameters())}
+    rows = _summarize(head_params, model)
+
+    # New config: MTP layer count, and the head's quantization entries.
+    new_cfg = copy.deepcopy(dst_cfg)
+    _set_config_mtp_layers(new_cfg, n_layers)
+    quant = None
+    if dst_quant:
+        quant = {k: v for k, v in copy.deepcopy(dst_quant).items()
+                 if not is_mtp_key(k + ".")}
+        quant.update(record)
+    elif bits is not None:
+        quant = dict(scheme.default(), **record)
+    for c in (new_cfg, _text(new_cfg)):
+        c.pop("quantization", None)
+        c.pop("quantization_config", None)
+    if quant is not None:
+        new_cfg["quantization"] = quant
+        new_cfg["quantization_config"] = copy.deepcopy(quant)
+
+    with _staging(dst, verbose, restore=True) as tmp:
+        _link_tree(dst, tmp)
+        # Drop the old head (--force): whole mtp-only files, or mtp.* keys of mixed files.
+        weight_map = {k: f.name for k, (f, _) in dst_tensors.items()}
+        sizes = {k: _entry_nbytes(e) for k, (_, e) in dst_tensors.items()}
+        for fname in sorted({weight_map[k] for k in existing}):
+            keep = [k for k, f in weight_map.items() if f == fname and not is_mtp_key(k)]
+            (tmp / fname).unlink()
+            if keep:
+                kept = {k: v for k, v in mx.load(str(dst / fname)).items() if k in set(keep)}
+                with tqdm(total=_param_bytes(kept), desc=f"rewriting {fname}", unit="B",
+                          unit_scale=True, disable=not verbose) as bar:
+                    _save_shard(tmp / fname, kept, bar)
+        for k in existing:
+            weight_map.pop(k)
+            sizes.pop(k)
+        if (tmp / MTP_SHARD).exists():
+            (tmp / MTP_SHARD).unlink()
+        with tqdm(total=_param_bytes(head_params), desc="writing", unit="B", unit_scale=True,
+                  disable=not verbose) as bar:
+            _save_shard(tmp / MTP_SHARD, head_params, bar)
+        weight_map.update({k: MTP_SHARD for k in head_params})
+        total = sum(sizes.values()) + _param_bytes(head_params)
+        _write_index(tmp, weight_map, total)
+        _write_json(tmp / "config.json", new_cfg)
+        old = _swap_into_place(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+
+    summary = {"path": str(dst), "mtp_layers": n_layers, "replaced": bool(existing),
+               "mtp_bits": bits or 16, "quantization": quant, "parts": rows}
+    if verbose:
+        what = f"{bits}-bit" if bits else "floating point"
+        _print_summary(
+            f"[mlx-mtp] {'replaced' if existing else 'added'} the MTP head of {src} in {dst} "
+            f"({n_layers} layer(s), {what}, in {MTP_SHARD}):", rows, [])
+    return summary
+
+
+def _entry_nbytes(entry: dict) -> int:
+    start, end = entry.get("data_offsets", (0, 0))
+    return int(end) - int(start)

@@ -1,0 +1,288 @@
+"""Shared by ``mlx-mtp convert`` and ``mlx-mtp add-mtp``: the error type, config and
+key helpers, input checks, the quantization scheme and model-level operations
+(dequantize, cast, report).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path, tree_unflatten
+from tqdm import tqdm
+
+from .loader import weight_files
+from .models import UnsupportedModelError, get_model_module
+
+MTP_BITS = (4, 8, 16)  # 16 = keep the head in floating point
+ROUTER_QUANT = {"group_size": 64, "bits": 8}
+# Checkpoint formats whose packed weights mlx-mtp cannot read.
+FOREIGN_QUANT_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale", ".qweight",
+                          ".qzeros", ".g_idx")
+
+_MTP_LAYER_RE = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.")
+
+
+class ConversionError(ValueError):
+    """A conversion that cannot go ahead; the message says what is wrong and how to fix it."""
+
+
+# --------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------
+
+def is_mtp_key(key: str) -> bool:
+    """``mtp.*`` (raw HF), ``model.mtp.*`` or ``language_model.mtp.*`` (MLX)."""
+    return key.startswith("mtp.") or ".mtp." in key
+
+
+def _text(config: dict) -> dict:
+    return config.get("text_config", config)
+
+
+def _family(config: dict) -> str:
+    model_type = config.get("model_type") or _text(config).get("model_type", "")
+    return model_type[: -len("_text")] if model_type.endswith("_text") else model_type
+
+
+def _is_router(path: str) -> bool:
+    return path.endswith("mlp.gate") or path.endswith("shared_expert_gate")
+
+
+def _config_quantization(config: dict) -> Optional[dict]:
+    return config.get("quantization") or _text(config).get("quantization")
+
+
+def _config_mtp_layers(config: dict) -> int:
+    text = _text(config)
+    if _family(config) == "qwen3_next":
+        return int(text.get("mtp_num_hidden_layers", text.get("num_nextn_predict_layers", 1)))
+    return int(text.get("mtp_num_hidden_layers", 0))
+
+
+def _set_config_mtp_layers(config: dict, n: int):
+    text = _text(config)
+    if _family(config) == "qwen3_next" and "mtp_num_hidden_layers" not in text:
+        if n != 1 or "num_nextn_predict_layers" in text:
+            text["num_nextn_predict_layers"] = n
+    else:
+        text["mtp_num_hidden_layers"] = n
+
+
+def _count_mtp_layers(keys: Iterable[str]) -> int:
+    found = [int(m.group(1)) for k in keys if (m := _MTP_LAYER_RE.search(k))]
+    return max(found) + 1 if found else 0
+
+
+def _build_model(config: dict, mtp_layers: int):
+    """Our model for ``config`` with ``mtp_layers`` MTP layers (parameters stay lazy)."""
+    config = copy.deepcopy(config)
+    _text(config)["mtp_num_hidden_layers"] = mtp_layers
+    _text(config)["num_nextn_predict_layers"] = mtp_layers
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise ConversionError("config.json has no model_type; is this a Hugging Face checkpoint?")
+    try:
+        module = get_model_module(model_type)
+    except UnsupportedModelError as e:
+        raise ConversionError(str(e)) from e
+    return module.Model(module.ModelArgs.from_dict(config))
+
+
+def _check_model_dir(path: Path, role: str) -> Path:
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ConversionError(
+            f"{role} {path} does not exist or is not a directory. Pass the local directory "
+            "of a checkpoint (config.json + *.safetensors); download it first if needed, "
+            "e.g. `huggingface-cli download Qwen/Qwen3.6-27B --local-dir DIR`."
+        )
+    if not (path / "config.json").exists():
+        raise ConversionError(f"{role} {path} has no config.json; is it a model directory?")
+    if not weight_files(path):
+        raise ConversionError(
+            f"{role} {path} has no *.safetensors weight files. Only safetensors checkpoints "
+            "are supported (not .bin, .gguf or .pt)."
+        )
+    return path
+
+def _check_foreign_quant(keys: Iterable[str], path: Path):
+    bad = [k for k in keys if k.endswith(FOREIGN_QUANT_SUFFIXES)]
+    if bad:
+        raise ConversionError(
+            f"{path} stores pre-quantized weights ({bad[0]}, ...: FP8/AWQ/GPTQ-style) that "
+            "mlx-mtp cannot read. Convert from the BF16 release of the model instead."
+        )
+
+
+def _param_bytes(params: Dict[str, mx.array]) -> int:
+    return sum(v.nbytes for v in params.values())
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+# --------------------------------------------------------------------------
+# Quantization scheme
+# --------------------------------------------------------------------------
+
+@dataclass
+class QuantScheme:
+    """Bits for the trunk and for the MTP head; ``None`` keeps a part in floating point."""
+
+    bits: Optional[int]
+    group_size: int
+    mtp_bits: Optional[int]
+    mtp_group_size: int
+
+    @property
+    def active(self) -> bool:
+        return self.bits is not None or self.mtp_bits is not None
+
+    def params(self, path: str, module) -> Optional[dict]:
+        """Quantization parameters for the module at ``path`` (None: keep it float)."""
+        if not hasattr(module, "to_quantized"):
+            return None
+        mtp = is_mtp_key(path + ".")
+        bits, group_size = (self.mtp_bits, self.mtp_group_size) if mtp else (
+            self.bits, self.group_size)
+        if bits is None:
+            return None
+        if _is_router(path):
+            # Router gates are tiny and steer every token: always 8 bits.
+            bits, group_size = ROUTER_QUANT["bits"], ROUTER_QUANT["group_size"]
+        if module.weight.shape[-1] % group_size:
+            return None
+        return {"group_size": group_size, "bits": bits}
+
+    def default(self) -> dict:
+        """The config's top-level entry: the trunk's parameters (the head's if no trunk)."""
+        bits, group_size = (self.bits, self.group_size) if self.bits is not None else (
+            self.mtp_bits, self.mtp_group_size)
+        return {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+    def apply(self, model: nn.Module, prefix: str = "", default: Optional[dict] = None,
+              verbose: bool = True) -> dict:
+        """Quantize ``model`` (lazily) and return the per-path entries for config.json.
+
+        ``prefix`` turns ``model``'s paths into the checkpoint's; ``default`` is the
+        config's top-level entry: modules quantized otherwise get their own entry,
+        and MTP modules kept in floating point on purpose get ``false`` (which
+        mlx-lm's and our loaders read as "not quantized").
+        """
+        default = default or self.default()
+        record = {}
+        n_modules = sum(1 for _, m in model.named_modules() if hasattr(m, "to_quantized"))
+        bar = tqdm(total=n_modules, desc="quantizing", unit="module", disable=not verbose)
+
+        def predicate(path, module):
+            if not hasattr(module, "to_quantized"):
+                return False
+            bar.update(1)
+            full = prefix + path
+            params = self.params(full, module)
+            if params is None:
+                if is_mtp_key(full + ".") and self.mtp_bits is None:
+                    record[full] = False
+                return False
+            if (params["group_size"], params["bits"], "affine") != (
+                    default.get("group_size"), default.get("bits"),
+                    default.get("mode", "affine")):
+                record[full] = dict(params)
+            return dict(params, mode="affine")
+
+        with bar:
+            nn.quantize(model, default.get("group_size") or 64, default.get("bits") or 4,
+                        class_predicate=predicate)
+        return record
+
+
+# --------------------------------------------------------------------------
+# Model-level operations
+# --------------------------------------------------------------------------
+
+def _dequantize(model: nn.Module) -> int:
+    """Replace every quantized layer by its floating-point equivalent; returns the count."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    replaced = []
+    for path, m in model.named_modules():
+        if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
+            continue
+        w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits,
+                          mode=m.mode)
+        has_bias = "bias" in m
+        if isinstance(m, nn.QuantizedEmbedding):
+            f = nn.Embedding(w.shape[0], w.shape[1])
+        elif isinstance(m, QuantizedSwitchLinear):
+            f = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias=has_bias)
+        else:
+            f = nn.Linear(w.shape[1], w.shape[0], bias=has_bias)
+        f.weight = w
+        if has_bias:
+            f.bias = m.bias
+        replaced.append((path, f))
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+    return len(replaced)
+
+
+def _cast(model: nn.Module, dtype: mx.Dtype):
+    """Cast floating-point parameters to ``dtype``, except those the model keeps (A_log)."""
+    keep = getattr(model, "cast_predicate", None) or (lambda p: not p.endswith("A_log"))
+
+    def cast(path, v):
+        if keep(path) and mx.issubdtype(v.dtype, mx.floating):
+            return v.astype(dtype)
+        return v
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+
+
+def _incomplete_head(src: Path, error: Exception, fix: str) -> str:
+    detail = str(error).split(" This usually means")[0].split("weights lack the MTP head: ")[-1]
+    return f"The MTP head in {src} is incomplete: {detail.rstrip('.')}. {fix}"
+
+
+def _summarize(params: Dict[str, mx.array], model: nn.Module) -> List[dict]:
+    """Rows of (part, tensors, bytes, precision) for the final report."""
+    kinds = {}
+    for path, m in model.named_modules():
+        if "scales" in m and hasattr(m, "bits"):
+            kinds[path] = f"{m.bits}-bit (group {m.group_size})"
+    rows = {}
+    for k, v in params.items():
+        part = "MTP head" if is_mtp_key(k) else "trunk"
+        module = k.rsplit(".", 1)[0]
+        precision = kinds.get(module) or str(v.dtype).replace("mlx.core.", "")
+        row = rows.setdefault((part, precision), {"part": part, "precision": precision,
+                                                  "tensors": 0, "bytes": 0})
+        if not k.endswith((".scales", ".biases")) or module not in kinds:
+            row["tensors"] += 1
+        row["bytes"] += v.nbytes
+    return sorted(rows.values(), key=lambda r: (r["part"] != "trunk", -r["bytes"]))
+
+
+def _print_summary(title: str, rows: List[dict], extra: List[str]):
+    print(title)
+    for r in rows:
+        print(f"  {r['part']:<9} {r['precision']:<22} {r['tensors']:>6} tensors "
+              f"{_fmt_bytes(r['bytes']):>10}")
+    for line in extra:
+        print(f"  {line}")
+
+
+def _warn(message: str, verbose: bool = True):
+    if verbose:
+        print(f"[mlx-mtp] warning: {message}", file=sys.stderr)

@@ -1,0 +1,200 @@
+"""Engine events -> OpenAI response bodies: whole ``chat.completion`` /
+``text_completion`` objects and the chunks of a stream (reasoning and tool calls
+split out by the output parser, logprobs, ``usage``/``timings``/``mtp``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from .engine import Delta, Done, TokenLogprob
+from .parsers import OutputParser, Piece
+from .prompts import PreparedChat
+
+if TYPE_CHECKING:
+    from .app import ServerState
+
+
+def _token_bytes(s: str) -> List[int]:
+    return list(s.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(items: List[TokenLogprob], top: bool) -> List[dict]:
+    out = []
+    for t in items:
+        e = {"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token),
+             "top_logprobs": [{"token": x.token, "logprob": x.logprob,
+                               "bytes": _token_bytes(x.token)} for x in t.top] if top else []}
+        out.append(e)
+    return out
+
+
+def completion_logprobs(items: List[TokenLogprob], offset: int) -> dict:
+    tokens, lps, tops, offsets = [], [], [], []
+    for t in items:
+        tokens.append(t.token)
+        lps.append(t.logprob)
+        tops.append({x.token: x.logprob for x in t.top} if t.top else None)
+        offsets.append(offset)
+        offset += len(t.token)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+class ChatFormatter:
+    object_chunk = "chat.completion.chunk"
+
+    def __init__(self, state: ServerState, model: str, prepared: PreparedChat,
+                 logprobs: Optional[int], parse_tools: bool):
+        self.id = "chatcmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.state = state
+        self.logprobs = logprobs
+        self.parser = OutputParser(reasoning=state.reasoning_parser != "none",
+                                   start_in_reasoning=prepared.start_in_reasoning,
+                                   tools=prepared.tools, parse_tools=parse_tools,
+                                   tool_format=state.tool_call_parser)
+        self.num_calls = 0
+        self.lp_items: List[TokenLogprob] = []
+
+    def _chunk(self, delta: dict, finish=None, logprobs=None, **extra) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        out = {"id": self.id, "object": self.object_chunk, "created": self.created,
+               "model": self.model, "choices": [choice]}
+        out.update(extra)
+        return out
+
+    def _reasoning_delta(self, text: str) -> dict:
+        f = self.state.reasoning_field
+        d = {}
+        if f in ("reasoning_content", "both"):
+            d["reasoning_content"] = text
+        if f in ("reasoning", "both"):
+            d["reasoning"] = text
+        return d
+
+    def _piece_deltas(self, pieces: List[Piece]) -> List[dict]:
+        deltas = []
+        for p in pieces:
+            if p.kind == "content":
+                deltas.append({"content": p.text})
+            elif p.kind == "reasoning":
+                deltas.append(self._reasoning_delta(p.text))
+            else:
+                call = dict(p.call, index=self.num_calls)
+                self.num_calls += 1
+                deltas.append({"tool_calls": [call]})
+        return deltas
+
+    # streaming
+    def start(self) -> List[dict]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def on_delta(self, ev: Delta) -> List[dict]:
+        deltas = self._piece_deltas(self.parser.feed(ev.text))
+        lp = None
+        if self.logprobs is not None and ev.logprobs:
+            lp = {"content": chat_logprobs(ev.logprobs, self.logprobs > 0), "refusal": None}
+        if lp is not None and not deltas:
+            deltas = [{}]
+        return [self._chunk(d, logprobs=lp if i == 0 else None) for i, d in enumerate(deltas)]
+
+    def finish_reason(self, done: Done) -> str:
+        if self.num_calls and done.finish_reason == "stop":
+            return "tool_calls"
+        return done.finish_reason
+
+    def on_done(self, done: Done, include_usage: bool) -> List[dict]:
+        chunks = [self._chunk(d) for d in self._piece_deltas(self.parser.finish())]
+        extra = {"usage": done.usage, "timings": done.timings, "mtp": done.mtp}
+        chunks.append(self._chunk({}, finish=self.finish_reason(done), **extra))
+        if include_usage:
+            chunks.append({"id": self.id, "object": self.object_chunk, "created": self.created,
+                           "model": self.model, "choices": [], **extra})
+        return chunks
+
+    # whole response
+    def response(self, deltas: List[Delta], done: Done) -> dict:
+        pieces: List[Piece] = []
+        lp_items: List[TokenLogprob] = []
+        for ev in deltas:
+            pieces += self.parser.feed(ev.text)
+            lp_items += ev.logprobs or []
+        pieces += self.parser.finish()
+        content = "".join(p.text for p in pieces if p.kind == "content")
+        reasoning = "".join(p.text for p in pieces if p.kind == "reasoning").strip()
+        calls = []
+        for p in pieces:
+            if p.kind == "tool_call":
+                calls.append(p.call)
+                self.num_calls += 1
+        if calls:
+            content = content.strip()
+        message: Dict[str, Any] = {"role": "assistant",
+                                   "content": content if (content or not calls) else None}
+        if reasoning:
+            message.update(self._reasoning_delta(reasoning))
+        if calls:
+            message["tool_calls"] = calls
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = {"content": chat_logprobs(lp_items, self.logprobs > 0), "refusal": None}
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                             "finish_reason": self.finish_reason(done)}],
+                "usage": done.usage, "timings": done.timings, "mtp": done.mtp}
+
+
+class CompletionFormatter:
+    object_chunk = "text_completion"
+
+    def __init__(self, state: ServerState, model: str, logprobs: Optional[int]):
+        self.id = "cmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.logprobs = logprobs
+        self.offset = 0
+
+    def _chunk(self, text: str, finish=None, logprobs=None, **extra) -> dict:
+        out = {"id": self.id, "object": "text_completion", "created": self.created,
+               "model": self.model,
+               "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                            "finish_reason": finish}]}
+        out.update(extra)
+        return out
+
+    def start(self) -> List[dict]:
+        return []
+
+    def on_delta(self, ev: Delta) -> List[dict]:
+        lp = None
+        if self.logprobs is not None and ev.logprobs:
+            lp = completion_logprobs(ev.logprobs, self.offset)
+        self.offset += len(ev.text)
+        if not ev.text and lp is None:
+            return []
+        return [self._chunk(ev.text, logprobs=lp)]
+
+    def on_done(self, done: Done, include_usage: bool) -> List[dict]:
+        extra = {"usage": done.usage, "timings": done.timings, "mtp": done.mtp}
+        chunks = [self._chunk("", finish=done.finish_reason, **extra)]
+        if include_usage:
+            chunks.append({"id": self.id, "object": "text_completion", "created": self.created,
+                           "model": self.model, "choices": [], **extra})
+        return chunks
+
+    def response(self, deltas: List[Delta], done: Done) -> dict:
+        text = "".join(d.text for d in deltas)
+        lp = None
+        if self.logprobs is not None:
+            lp = completion_logprobs([x for d in deltas for x in (d.logprobs or [])], 0)
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": lp,
+                             "finish_reason": done.finish_reason}],
+                "usage": done.usage, "timings": done.timings, "mtp": done.mtp}
+
