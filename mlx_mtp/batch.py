@@ -87,9 +87,11 @@ class BatchDecoder:
         self.rows: List[_Row] = []
         self.cache: Optional[list] = None
         self.mtp_cache: Optional[list] = None
-        self.controller = DraftController(self.K, adaptive)
-        self.next_k = 0
-        self._last = None
+        self.adaptive = adaptive
+        # One controller per load level (batch size 1, 2-3, 4-7, ...): step costs
+        # and so the best K depend on how many rows share the forward.
+        self.controllers: Dict[int, DraftController] = {}
+        self._start = 0.0
 
     def __len__(self):
         return len(self.rows)
@@ -141,10 +143,11 @@ class BatchDecoder:
     def step(self) -> Dict[Hashable, StepOutput]:
         if not self.rows:
             return {}
-        k = min([self.next_k] + [r.max_k for r in self.rows])
+        k = min([self.controller.choose() if self.K else 0] + [r.max_k for r in self.rows])
         if k and any(r.owed() == 0 for r in self.rows):
             k = 0
         snap = self._checkpoint()
+        self._start = time.perf_counter()
         try:
             out = self._plain_step() if k == 0 else self._spec_step(k)
         except Exception as e:
@@ -153,7 +156,6 @@ class BatchDecoder:
                 raise BatchStepError(e.key, e.cause) from e.cause
             victim = max(range(len(self.rows)), key=lambda b: self._context(b))
             raise BatchStepError(self.rows[victim].key, e) from e
-        self.next_k = self.controller.choose() if self.K else 0
         return out
 
     def _context(self, b: int) -> int:
@@ -182,10 +184,17 @@ class BatchDecoder:
         for r, y, h, t in rows:
             r.y, r.owed_hidden, r.owed_tokens = y, h, t
 
+    @property
+    def controller(self) -> DraftController:
+        level = len(self.rows).bit_length()
+        if level not in self.controllers:
+            self.controllers[level] = DraftController(self.K, self.adaptive)
+        return self.controllers[level]
+
     def _tick(self):
-        now = time.perf_counter()
-        prev, self._last = self._last, now
-        return None if prev is None else now - prev
+        # Time the step itself: the server runs other work (prompt chunks)
+        # between steps, which must not count against any K.
+        return time.perf_counter() - self._start
 
     def _sample_rows(self, lp):
         """Per-row filtered distributions and samples (rows may sample differently)."""

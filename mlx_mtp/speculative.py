@@ -159,14 +159,21 @@ class DraftController:
         self._time = 0.0
         return self.k
 
+    def _reach(self, k: int) -> float:
+        """Estimated probability that all k drafts of a step are accepted."""
+        p = 1.0
+        for a in self.alpha[:k]:
+            p *= a
+        return p
+
     def _next_epoch(self):
         measured = [k for k in range(self.max_k + 1) if self.rate[k] is not None]
         best = max(measured, key=lambda k: self.rate[k])
-        # Explore one level deeper when the deepest position is accepted often.
-        deeper = best + 1
-        if deeper <= self.max_k and self.rate[deeper] is None and \
-                (best == 0 or self.alpha[best - 1] >= 0.5) and self.alpha[0] >= 0.3:
-            return deeper, self.probe_epoch
+        # Explore an unmeasured depth whose drafts would mostly be accepted, even
+        # past a losing K: fixed per-step overheads can make K=1 lose where K=3 wins.
+        for k in range(1, self.max_k + 1):
+            if self.rate[k] is None and self._reach(k) >= 0.5:
+                return k, self.probe_epoch
         if best > 0:
             self._since_probe = 0
             self.probe_every = 4
@@ -181,8 +188,8 @@ class DraftController:
             self._since_probe = 0
             self.probe_every = min(2 * self.probe_every, 256)
             self.rate[1] = None  # re-measure; the head may have started to agree
-            if self.alpha[0] < 0.3:
-                self.hits[0] = 0.3 * self.trials[0]  # let the probe count
+            if self.alpha[0] < 0.5:
+                self.hits[0] = 0.5 * self.trials[0]  # let the probe count
             return 1, self.probe_epoch
         return 0, self.epoch
 

@@ -20,7 +20,6 @@ N = 16
 def run_batch(model, k, prompts, params=None, n=N):
     """Staggered joins (one per step), removal when done. Returns tokens per row."""
     bd = BatchDecoder(model, k, adaptive=False)
-    bd.next_k = k
     outs, done = {}, set()
     for i, pr in enumerate(prompts):
         dec = MTPDecoder(model, k, params[i] if params else SamplingParams(), adaptive=False)
@@ -64,7 +63,6 @@ def test_per_row_rollback_matches_plain_decode(tiny_ckpt):
     """Each row's valid KV entries and recurrent state equal its own plain decode."""
     model, _ = load_model(Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1)))
     bd = BatchDecoder(model, 3, adaptive=False)
-    bd.next_k = 3
     emitted = {}
     for i, p in enumerate(PROMPTS[:4]):
         dec = MTPDecoder(model, 3, adaptive=False)
@@ -118,7 +116,6 @@ def test_failed_step_restores_batch_and_names_one_row(tiny_ckpt):
     refs = [[t for t, _, _ in generate_step(p, model, num_draft_tokens=0, max_tokens=N)]
             for p in prompts]
     bd = BatchDecoder(model, 2, adaptive=False)
-    bd.next_k = 2
     outs = {}
     for i, p in enumerate(prompts):
         dec = MTPDecoder(model, 2, adaptive=False)
