@@ -212,7 +212,7 @@ class BatchDecoder:
         lp = log_softmax(model.logits(h_norm[:, -1]))  # (B, V)
         toks, _ = self._sample_rows(lp)
         ids = toks.tolist()  # the one host sync
-        self.controller.record_time(0, self._tick(), len(self.rows))
+        self.controller.record_time(0, self._tick(), 1.0)  # tokens per row
         out = {}
         for b, r in enumerate(self.rows):
             if self.mtp_cache is not None:
@@ -298,5 +298,5 @@ class BatchDecoder:
             self.controller.record_acceptance(k, n)
             ids = draft_ids[b * k : b * k + n] + [nxt_ids[b]]
             result[r.key] = StepOutput(ids, raw[b, : n + 1], k, n)
-        self.controller.record_time(k, seconds, sum(n + 1 for n in n_acc))
+        self.controller.record_time(k, seconds, sum(n + 1 for n in n_acc) / B)  # per row
         return result

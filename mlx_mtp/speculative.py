@@ -120,6 +120,7 @@ class DraftController:
         self.forget = 0.9
         self.rate: List[Optional[float]] = [None] * (max_k + 1)  # tokens/s per K
         self.decay = 0.5
+        self.margin = 1.05 if timed else 1.0
         self.k = 0 if adaptive else max_k
         self.length = epoch
         self._steps = self._tokens = 0
@@ -169,6 +170,8 @@ class DraftController:
     def _next_epoch(self):
         measured = [k for k in range(self.max_k + 1) if self.rate[k] is not None]
         best = max(measured, key=lambda k: self.rate[k])
+        if best and self.rate[0] is not None and self.rate[best] < self.margin * self.rate[0]:
+            best = 0  # drafting must win clearly: timing noise should not cost the user
         # Explore an unmeasured depth whose drafts would mostly be accepted, even
         # past a losing K: fixed per-step overheads can make K=1 lose where K=3 wins.
         for k in range(1, self.max_k + 1):

@@ -1,0 +1,984 @@
+"""``mlx-mtp train``: train a small hybrid model with its MTP head, or fit an MTP head.
+
+Two modes:
+
+* ``scratch``: a small Qwen3.5-architecture hybrid (Gated DeltaNet + gated
+  attention, 3:1) trained with the next-token loss plus ``w`` times the MTP loss
+  (predict t+2 from the trunk's post-norm hidden at t and token t+1), as the
+  engine uses the head.
+* ``head``: freeze an existing model and fit a new MTP head by self-distillation:
+  the target for the head at position t is the frozen model's own next-token
+  distribution at position t+1 (soft cross-entropy, i.e. KL up to a constant).
+  Only ``mtp.*`` weights change.
+
+Data: the corpus is tokenized once (token ids cached as ``.npy`` in the run
+directory); batches are random windows of ``seq_len + 1`` tokens drawn with a
+per-step seeded RNG, so resuming replays the same stream.
+
+Outputs under ``--out``: ``hf/`` (raw Hugging Face layout: ``mtp.*`` keys,
+zero-centred (1+w) norms, HF conv1d axis order, nested ``text_config``) and
+``mlx/`` (our parameter names, MLX conv layout, norms as applied), both with
+tokenizer files and ``generation_config.json``; ``ckpt-*`` resumable training
+checkpoints; ``metrics.jsonl``; ``loss.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+ASSETS = Path(__file__).parent / "assets"
+TOKENIZER_DIR = ASSETS / "tokenizer"
+DEMO_MODEL_DIR = ASSETS / "demo-model"
+FAMILY = "qwen3_5"
+ENDOFTEXT_ID = 4087
+IM_END_ID = 4089
+TEXT_SUFFIXES = {".py", ".pyi", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".js", ".ts",
+                 ".rs", ".go", ".java", ".json", ".toml", ".yaml", ".yml", ".sh", ".html",
+                 ".css", ".tex", ".jsonl", ".cfg", ".ini"}
+
+# Model sizes (text_config fields). "demo" is the shipped model.
+SIZES: Dict[str, dict] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=16, linear_value_head_dim=16),
+    "small": dict(hidden_size=192, num_hidden_layers=8, intermediate_size=512,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+                  linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=48, linear_value_head_dim=48),
+    # The shipped demo model: 3 Gated DeltaNet layers + 1 gated-attention layer + MTP.
+    "demo": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=64, linear_value_head_dim=64),
+    "base": dict(hidden_size=256, num_hidden_layers=8, intermediate_size=768,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=64, linear_value_head_dim=64),
+}
+
+
+def _user_error(msg: str):
+    from .cli import UserError
+
+    return UserError(msg)
+
+
+# --------------------------------------------------------------------------
+# Model config and construction
+# --------------------------------------------------------------------------
+
+
+def text_config(size: str = "demo", vocab_size: int = 4096, mtp_layers: int = 1,
+                **overrides) -> dict:
+    """A Qwen3.5 ``text_config`` (3 Gated DeltaNet : 1 attention, tied embeddings)."""
+    if size not in SIZES:
+        raise _user_error(f"--size must be one of {', '.join(SIZES)} (got {size!r})")
+    cfg = {
+        "model_type": f"{FAMILY}_text",
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 32768,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "mtp_num_hidden_layers": mtp_layers,
+        "mtp_use_dedicated_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0,
+                            "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                            "mrope_interleaved": True},
+        "eos_token_id": IM_END_ID,
+        "pad_token_id": ENDOFTEXT_ID,
+    }
+    cfg.update(SIZES[size])
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    hd = cfg["head_dim"]
+    cfg["rope_parameters"]["mrope_section"] = _mrope_section(int(hd * 0.25) // 2)
+    return cfg
+
+
+def _mrope_section(half_rot: int) -> List[int]:
+    a = -(-half_rot * 11 // 32)
+    b = a
+    return [a, b, max(0, half_rot - a - b)]
+
+
+def build_scratch_model(text: dict, seed: int = 0):
+    from .models import get_model_module
+    from .tiny import hf_config
+
+    mx.random.seed(seed)
+    module = get_model_module(FAMILY)
+    model = module.Model(module.ModelArgs.from_dict(hf_config(FAMILY, text)))
+    # Scale residual-branch output projections down with depth (GPT-2 style).
+    n = text["num_hidden_layers"] + text.get("mtp_num_hidden_layers", 0)
+    scale = 1.0 / math.sqrt(2 * n)
+    ups = [(k, v * scale) for k, v in tree_flatten(model.parameters())
+           if k.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight"))]
+    model.load_weights(ups, strict=False)
+    mx.eval(model.parameters())
+    return model
+
+
+def count_params(module) -> int:
+    return sum(v.size for _, v in tree_flatten(module.parameters()))
+
+
+# --------------------------------------------------------------------------
+# Corpus
+# --------------------------------------------------------------------------
+
+
+def _load_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    f = Path(path) / "tokenizer.json"
+    if not f.exists():
+        raise _user_error(f"No tokenizer.json in {path}")
+    return Tokenizer.from_file(str(f))
+
+
+def corpus_file_list(corpus: str, split: str = "train") -> List[Path]:
+    """Files of ``corpus``: ``stdlib`` (the CPython standard library split), a
+    directory (text files by suffix, recursively) or one file."""
+    from .tokenizer_build import corpus_files
+
+    if corpus == "stdlib":
+        return corpus_files(split)
+    p = Path(corpus).expanduser()
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+        if not files:
+            raise _user_error(f"--corpus {corpus}: no text files ({', '.join(sorted(TEXT_SUFFIXES))}) found")
+        return files
+    raise _user_error(f"--corpus must be 'stdlib', a directory or a file (got {corpus!r}: not found)")
+
+
+def _chat_wrap(text: str, rel: str) -> str:
+    """A chat-formatted training document (ChatML, as the shipped chat template renders)."""
+    module = rel[:-3].replace("/", ".") if rel.endswith(".py") else rel
+    user = f"Write the Python module `{module}`."
+    return (f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+            f"<think>\n\n</think>\n\n```python\n{text}```<|im_end|>\n")
+
+
+def tokenize_corpus(files: Sequence[Path], tokenizer_dir: Path = TOKENIZER_DIR,
+                    chat_fraction: float = 0.0, seed: int = 0) -> np.ndarray:
+    """All files tokenized and concatenated, each followed by <|endoftext|>.
+
+    ``chat_fraction`` of the documents (chosen by a seeded RNG) are wrapped as a
+    chat turn so the model also follows the chat template.
+    """
+    from .tokenizer_build import read_corpus_file
+
+    tok = _load_tokenizer(tokenizer_dir)
+    rng = np.random.default_rng(seed)
+    texts = []
+    for f in files:
+        t = read_corpus_file(f)
+        if chat_fraction > 0 and rng.random() < chat_fraction:
+            t = _chat_wrap(t, Path(f).name)
+        texts.append(t)
+    ids: List[np.ndarray] = []
+    for i in range(0, len(texts), 64):
+        for enc in tok.encode_batch(texts[i:i + 64], add_special_tokens=False):
+            ids.append(np.asarray(enc.ids, dtype=np.int32))
+            ids.append(np.array([ENDOFTEXT_ID], np.int32))
+    out = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+    return out.astype(np.uint16 if out.size and out.max() < 65535 else np.int32)
+
+
+def load_or_tokenize(run_dir: Path, name: str, files, tokenizer_dir, chat_fraction=0.0,
+                     seed=0) -> np.ndarray:
+    cache = run_dir / f"tokens-{name}.npy"
+    if cache.exists():
+        return np.load(cache)
+    ids = tokenize_corpus(files, tokenizer_dir, chat_fraction, seed)
+    tmp = run_dir / f".tokens-{name}.tmp.npy"
+    np.save(tmp, ids)
+    os.replace(tmp, cache)
+    return ids
+
+
+def sample_batch(tokens: np.ndarray, batch_size: int, length: int, seed: int, step: int):
+    """``batch_size`` random windows of ``length`` tokens (deterministic per step)."""
+    rng = np.random.default_rng([seed, step])
+    hi = len(tokens) - length
+    if hi <= 0:
+        raise _user_error(f"corpus has {len(tokens)} tokens; need more than seq_len+1={length}")
+    starts = rng.integers(0, hi + 1, size=batch_size)
+    return np.stack([tokens[s:s + length] for s in starts]).astype(np.int32)
+
+
+# --------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------
+
+
+def scratch_losses(model, batch: mx.array):
+    """(trunk CE, MTP CE) for a (B, L+1) batch; mean over positions."""
+    text = model.text
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    hidden, h_mtp = text.trunk(inputs)
+    logits = text.logits(hidden)
+    ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="mean")
+    if text.num_mtp_layers == 0:
+        return ce, mx.array(0.0)
+    # Pair (h_t, token t+1) predicts token t+2.
+    m = text.mtp_forward(h_mtp[:, :-1], inputs[:, 1:], None)
+    mtp_logits = text.logits(m)
+    mtp_ce = nn.losses.cross_entropy(mtp_logits.astype(mx.float32), batch[:, 2:], reduction="mean")
+    return ce, mtp_ce
+
+
+def head_targets(model, batch: mx.array, temperature: float = 1.0):
+    """Frozen trunk pass: (MTP input hidden, log-probs the head must match, hard targets)."""
+    text = model.text
+    hidden, h_mtp = text.trunk(batch)
+    logits = text.logits(hidden).astype(mx.float32)
+    # Head at t (pair h_t, token t+1) predicts t+2: the trunk's own distribution at t+1.
+    target_lp = nn.log_softmax(logits[:, 1:] / temperature, axis=-1)
+    return mx.stop_gradient(h_mtp[:, :-1]), mx.stop_gradient(target_lp)
+
+
+def head_loss(model, h, next_tokens, target_lp):
+    """Soft cross-entropy of the head against the trunk's distribution, and the KL."""
+    text = model.text
+    lp = nn.log_softmax(text.logits(text.mtp_forward(h, next_tokens, None)).astype(mx.float32), -1)
+    p = mx.exp(target_lp)
+    soft_ce = -(p * lp).sum(-1).mean()
+    ent = -(p * target_lp).sum(-1).mean()
+    return soft_ce, soft_ce - ent
+
+
+# --------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------
+
+
+def generation_config() -> dict:
+    # No temperature: the CLI then decodes greedily by default (where MTP is
+    # exactly lossless and the demo's draft acceptance is highest).
+    return {"eos_token_id": [IM_END_ID, ENDOFTEXT_ID], "pad_token_id": ENDOFTEXT_ID,
+            "bos_token_id": None, "do_sample": False, "top_p": 0.95, "top_k": 20,
+            "transformers_version": "4.57.0"}
+
+
+def _full_config(model, text: dict) -> dict:
+    from .tiny import hf_config
+
+    cfg = hf_config(FAMILY, text)
+    cfg["eos_token_id"] = IM_END_ID
+    cfg["pad_token_id"] = ENDOFTEXT_ID
+    return cfg
+
+
+def _atomic_dir(final: Path):
+    tmp = final.with_name(final.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _swap_in(tmp: Path, final: Path):
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json")
+
+
+def copy_tokenizer_files(src: Path, dst: Path):
+    """Copy only the tokenizer files (never weights or config) from ``src``."""
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
+
+
+def save_model(model, config: dict, out: Path, layout: str = "hf", dtype=mx.float32,
+               tokenizer_dir: Optional[Path] = TOKENIZER_DIR, extra_files: Optional[dict] = None):
+    """Write a loadable checkpoint (atomically) in ``hf`` or ``mlx`` layout.
+
+    ``config`` is the full config.json (nested ``text_config`` for Qwen3.5).
+    """
+    from .tiny import _to_hf
+
+    out = Path(out)
+    tmp = _atomic_dir(out)
+    family = config.get("model_type", FAMILY)
+    text = config.get("text_config", config)
+    if layout == "hf":
+        weights = _to_hf(model, family, "fused", "per_expert")
+        if text.get("tie_word_embeddings"):
+            weights.pop("lm_head.weight", None)
+    elif layout == "mlx":
+        weights = dict(tree_flatten(model.parameters()))
+        if text.get("tie_word_embeddings"):
+            weights = {k: v for k, v in weights.items() if not k.endswith("lm_head.weight")}
+    else:
+        raise ValueError(f"layout must be 'hf' or 'mlx' (got {layout!r})")
+    weights = {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
+                   and not k.endswith("A_log") else v) for k, v in weights.items()}
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights,
+                        metadata={"format": "pt" if layout == "hf" else "mlx"})
+    with open(tmp / "config.json", "w") as f:
+        json.dump(config, f, indent=2)
+    with open(tmp / "generation_config.json", "w") as f:
+        json.dump(generation_config(), f, indent=2)
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(Path(tokenizer_dir), tmp)
+    for name, content in (extra_files or {}).items():
+        (tmp / name).write_text(content)
+    _swap_in(tmp, out)
+    return out
+
+
+# --------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------
+
+
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, meta: dict, keep: int = 1):
+    ck = run_dir / f"ckpt-{step:07d}"
+    tmp = _atomic_dir(ck)
+    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    opt_state = dict(tree_flatten(optimizer.state))
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt_state)
+    with open(tmp / "state.json", "w") as f:
+        json.dump(dict(meta, step=step), f, indent=2)
+    _swap_in(tmp, ck)
+    latest = run_dir / "latest.json"
+    with open(run_dir / ".latest.tmp", "w") as f:
+        json.dump({"step": step, "dir": ck.name}, f)
+    os.replace(run_dir / ".latest.tmp", latest)
+    old = sorted(p for p in run_dir.glob("ckpt-*") if p.is_dir() and not p.name.endswith(".tmp")
+                 and p.name != ck.name)
+    for p in old[:max(0, len(old) - (keep - 1))]:
+        shutil.rmtree(p, ignore_errors=True)
+    return ck
+
+
+def load_checkpoint(run_dir: Path, model, optimizer) -> Optional[dict]:
+    latest = run_dir / "latest.json"
+    if not latest.exists():
+        return None
+    with open(latest) as f:
+        ck = run_dir / json.load(f)["dir"]
+    model.load_weights(list(mx.load(str(ck / "model.safetensors")).items()), strict=False)
+    opt = mx.load(str(ck / "optimizer.safetensors"))
+    optimizer.state = tree_unflatten(list(opt.items()))
+    with open(ck / "state.json") as f:
+        meta = json.load(f)
+    mx.eval(model.parameters(), optimizer.state)
+    return meta
+
+
+# --------------------------------------------------------------------------
+# Loss curve
+# --------------------------------------------------------------------------
+
+
+def read_metrics(path: Path) -> List[dict]:
+    if not Path(path).exists():
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+    return rows
+
+
+def plot_loss_curve(metrics_path: Path, png: Path, title: str = "") -> Optional[Path]:
+    rows = read_metrics(metrics_path)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    train = [r for r in rows if r.get("kind") == "train"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+
+    def smooth(y, n=20):
+        if len(y) < n:
+            return y
+        k = np.ones(n) / n
+        return np.convolve(y, k, mode="valid").tolist()
+
+    keys = [("loss", "next-token CE (train)"), ("mtp_loss", "MTP t+2 CE (train)"),
+            ("kl", "MTP KL to trunk (train)")]
+    for key, label in keys:
+        pts = [(r["step"], r[key]) for r in train if key in r]
+        if pts:
+            s, y = zip(*pts)
+            ys = smooth(list(y))
+            ax.plot(s[len(s) - len(ys):], ys, label=label, lw=1.2)
+    for key, label in [("loss", "next-token CE (held-out)"), ("mtp_loss", "MTP t+2 CE (held-out)"),
+                       ("kl", "MTP KL (held-out)")]:
+        pts = [(r["step"], r[key]) for r in evals if key in r]
+        if pts:
+            s, y = zip(*pts)
+            ax.plot(s, y, "o--", ms=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats / token")
+    ax.set_title(title or "mlx-mtp train")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png)
+    plt.close(fig)
+    return png
+
+
+# --------------------------------------------------------------------------
+# Training loop
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class TrainConfig:
+    mode: str = "scratch"
+    model: Optional[str] = None
+    corpus: str = "stdlib"
+    eval_corpus: Optional[str] = None
+    out: str = "runs/train"
+    size: str = "demo"
+    steps: int = 1000
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    mtp_loss_weight: float = 0.5
+    mtp_layers: int = 1
+    distill_temperature: float = 1.0
+    chat_fraction: float = 0.2
+    seed: int = 0
+    resume: bool = False
+    save_every: int = 200
+    eval_every: int = 200
+    eval_batches: int = 4
+    export_every: int = 0
+    export_to: Optional[str] = None
+    export_dtype: str = "float32"
+    compile: bool = True
+    progress: bool = True
+    hidden_size: Optional[int] = None
+    num_hidden_layers: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    keep_head: bool = False
+
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        if cfg.mode not in ("scratch", "head"):
+            raise _user_error(f"--mode must be scratch or head (got {cfg.mode!r})")
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(cfg, name) < 1:
+                raise _user_error(f"--{name.replace('_', '-')} must be >= 1")
+        if cfg.seq_len < 3:
+            raise _user_error("--seq-len must be >= 3 (the MTP loss needs t+2)")
+        if cfg.export_dtype not in DTYPES:
+            raise _user_error(f"--export-dtype must be one of {', '.join(DTYPES)}")
+        self.run_dir = Path(cfg.out).expanduser()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        if cfg.mode == "scratch":
+            self._setup_scratch()
+        else:
+            self._setup_head()
+        self._setup_data()
+        self._setup_optimizer()
+
+    # -- setup -------------------------------------------------------------
+    def _setup_scratch(self):
+        cfg = self.cfg
+        self.tokenizer_dir = TOKENIZER_DIR
+        vocab = _load_tokenizer(TOKENIZER_DIR).get_vocab_size()
+        self.text_cfg = text_config(cfg.size, vocab_size=vocab, mtp_layers=cfg.mtp_layers,
+                                    hidden_size=cfg.hidden_size,
+                                    num_hidden_layers=cfg.num_hidden_layers,
+                                    intermediate_size=cfg.intermediate_size)
+        if cfg.hidden_size is not None and "head_dim" in self.text_cfg:
+            pass  # head dims stay as the preset's
+        self.config = _full_config(None, self.text_cfg)
+        self.model = build_scratch_model(self.text_cfg, cfg.seed)
+        self.model.train()
+
+    def _setup_head(self):
+        from .loader import ModelLoadError, load_config, load_model, resolve_model_path
+        from .models.hybrid import MTPHead
+
+        cfg = self.cfg
+        if not cfg.model:
+            raise _user_error("--mode head needs --model PATH (the model to fit a head for)")
+        try:
+            path = resolve_model_path(cfg.model)
+            model, config = load_model(path, mtp=False)
+        except ModelLoadError as e:
+            raise _user_error(str(e))
+        self.source = path
+        self.tokenizer_dir = path if (path / "tokenizer.json").exists() else TOKENIZER_DIR
+        text = model.text
+        n = cfg.mtp_layers
+        text.args.mtp_num_hidden_layers = n
+        mx.random.seed(cfg.seed)
+        text.mtp = MTPHead(text.args)
+        if cfg.keep_head:
+            try:
+                with_head, _ = load_model(path, mtp=True)
+                text.mtp.update(with_head.text.mtp.parameters())
+            except Exception as e:  # noqa: BLE001
+                raise _user_error(f"--keep-head: the model's own head could not be loaded: {e}")
+        # Train the head in float32 whatever the trunk's dtype.
+        text.mtp.set_dtype(mx.float32)
+        model.freeze()
+        text.mtp.unfreeze()
+        model.eval()
+        self.model = model
+        config = json.loads(json.dumps(load_config(path)))
+        tc = config.get("text_config", config)
+        if config.get("model_type") == "qwen3_next":
+            tc["num_nextn_predict_layers"] = n
+        else:
+            tc["mtp_num_hidden_layers"] = n
+            tc["mtp_use_dedicated_embeddings"] = False
+        self.config = config
+        self.text_cfg = tc
+        self.frozen = {k: v for k, v in tree_flatten(model.parameters()) if not k.startswith(
+            ("mtp.", "language_model.mtp."))}
+
+    def _setup_data(self):
+        cfg = self.cfg
+        files = corpus_file_list(cfg.corpus, "train")
+        chat = cfg.chat_fraction if cfg.corpus == "stdlib" else 0.0
+        self.train_tokens = load_or_tokenize(self.run_dir, "train", files, self.tokenizer_dir,
+                                             chat, cfg.seed)
+        if cfg.eval_corpus:
+            efiles = corpus_file_list(cfg.eval_corpus, "heldout")
+        elif cfg.corpus == "stdlib":
+            efiles = corpus_file_list("stdlib", "heldout")
+        else:
+            efiles = []
+        self.eval_tokens = (load_or_tokenize(self.run_dir, "eval", efiles, self.tokenizer_dir)
+                            if efiles else None)
+        if self.eval_tokens is not None and len(self.eval_tokens) <= cfg.seq_len + 1:
+            self.eval_tokens = None
+        vocab = self.text_cfg["vocab_size"]
+        if len(self.train_tokens) and int(self.train_tokens.max()) >= vocab:
+            raise _user_error(f"tokenizer ids exceed the model's vocab_size {vocab}")
+
+    def _setup_optimizer(self):
+        cfg = self.cfg
+        warm = min(cfg.warmup, max(1, cfg.steps // 10))
+        decay_steps = max(1, cfg.steps - warm)
+        sched = optim.join_schedules(
+            [optim.linear_schedule(cfg.lr * 0.01, cfg.lr, warm),
+             optim.cosine_decay(cfg.lr, decay_steps, cfg.lr * cfg.min_lr_ratio)],
+            [warm])
+        self.optimizer = optim.AdamW(learning_rate=sched, betas=[0.9, 0.95],
+                                     weight_decay=cfg.weight_decay)
+        self.step = 0
+        self.wall = 0.0
+        if cfg.resume:
+            meta = load_checkpoint(self.run_dir, self.model, self.optimizer)
+            if meta is not None:
+                self.step = meta["step"]
+                self.wall = meta.get("wall_seconds", 0.0)
+                # Drop metrics logged after the checkpoint (they will be redone).
+                rows = [r for r in read_metrics(self.metrics_path) if r.get("step", 0) <= self.step]
+                with open(self.metrics_path, "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in rows)
+        else:
+            # A fresh run starts a fresh metrics log.
+            if self.metrics_path.exists():
+                self.metrics_path.unlink()
+        self.optimizer.init(self.trainable())
+
+    def trainable(self):
+        return self.model.trainable_parameters()
+
+    # -- steps -------------------------------------------------------------
+    def _make_step(self):
+        cfg = self.cfg
+        model, opt = self.model, self.optimizer
+        w = cfg.mtp_loss_weight
+
+        if cfg.mode == "scratch":
+            def loss_fn(batch):
+                ce, mtp_ce = scratch_losses(model, batch)
+                return ce + w * mtp_ce, (ce, mtp_ce)
+        else:
+            T = cfg.distill_temperature
+
+            def loss_fn(batch):
+                h, target_lp = head_targets(model, batch, T)
+                soft_ce, kl = head_loss(model, h, batch[:, 1:], target_lp)
+                return soft_ce, (kl, soft_ce)
+
+        vg = nn.value_and_grad(model, loss_fn)
+
+        def step(batch):
+            (loss, aux), grads = vg(batch)
+            if cfg.grad_clip > 0:
+                grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
+            opt.update(model, grads)
+            return loss, aux[0], aux[1]
+
+        if cfg.compile:
+            state = [model.state, opt.state]
+            step = mx.compile(step, inputs=state, outputs=state)
+        return step
+
+    def eval_losses(self, n_batches: Optional[int] = None) -> Optional[dict]:
+        if self.eval_tokens is None:
+            return None
+        cfg = self.cfg
+        n = n_batches or cfg.eval_batches
+        tot = np.zeros(2)
+        for i in range(n):
+            b = mx.array(sample_batch(self.eval_tokens, cfg.batch_size, cfg.seq_len + 1,
+                                      cfg.seed + 7919, i))
+            if cfg.mode == "scratch":
+                ce, mtp_ce = scratch_losses(self.model, b)
+                mx.eval(ce, mtp_ce)
+                tot += [ce.item(), mtp_ce.item()]
+            else:
+                h, t = head_targets(self.model, b, cfg.distill_temperature)
+                soft, kl = head_loss(self.model, h, b[:, 1:], t)
+                mx.eval(soft, kl)
+                tot += [kl.item(), soft.item()]
+        tot /= n
+        if cfg.mode == "scratch":
+            return {"loss": float(tot[0]), "mtp_loss": float(tot[1])}
+        return {"kl": float(tot[0]), "soft_ce": float(tot[1])}
+
+    def _log(self, row: dict):
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def checkpoint(self):
+        meta = {"wall_seconds": self.wall, "config": self.cfg.__dict__}
+        save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, meta)
+
+    def export(self, out_dir: Optional[Path] = None, dtype=None):
+        """Save the model in both layouts under ``out_dir`` (default: the run dir)."""
+        out_dir = Path(out_dir) if out_dir else self.run_dir
+        dtype = dtype or DTYPES[self.cfg.export_dtype]
+        self.model.eval()
+        save_model(self.model, self.config, out_dir / "hf", "hf", dtype, self.tokenizer_dir)
+        save_model(self.model, self.config, out_dir / "mlx", "mlx", dtype, self.tokenizer_dir)
+        if self.cfg.mode == "scratch":
+            self.model.train()
+        return out_dir
+
+    def export_demo(self, target: Path, dtype=None):
+        """Write the HF-layout model to ``target`` (e.g. the package's demo model)."""
+        dtype = dtype or DTYPES[self.cfg.export_dtype]
+        info = {"step": self.step, "wall_seconds": round(self.wall, 1),
+                "train_config": {k: v for k, v in self.cfg.__dict__.items()}}
+        self.model.eval()
+        save_model(self.model, self.config, Path(target), "hf", dtype, self.tokenizer_dir,
+                   extra_files={"training_info.json": json.dumps(info, indent=2) + "\n"})
+        if self.cfg.mode == "scratch":
+            self.model.train()
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        step_fn = self._make_step()
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+        bar = None
+        if cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train[{cfg.mode}]",
+                       dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
+        last_save = time.perf_counter()
+        ema = None
+        last = {}
+        while self.step < cfg.steps:
+            t0 = time.perf_counter()
+            batch = mx.array(sample_batch(self.train_tokens, cfg.batch_size, cfg.seq_len + 1,
+                                          cfg.seed, self.step))
+            loss, a, b = step_fn(batch)
+            mx.eval(loss, a, b, self.model.state, self.optimizer.state)
+            dt = time.perf_counter() - t0
+            self.wall += dt
+            self.step += 1
+            loss_v = loss.item()
+            if not math.isfinite(loss_v):
+                raise RuntimeError(f"loss became {loss_v} at step {self.step}; lower --lr")
+            if cfg.mode == "scratch":
+                last = {"loss": a.item(), "mtp_loss": b.item()}
+            else:
+                last = {"kl": a.item(), "soft_ce": b.item()}
+            ema = loss_v if ema is None else 0.95 * ema + 0.05 * loss_v
+            lr = float(self.optimizer.learning_rate.item())
+            self._log(dict(kind="train", step=self.step, total=loss_v, lr=lr,
+                           tok_s=tokens_per_step / dt, wall=round(self.wall, 2), **last))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix({**{k: f"{v:.3f}" for k, v in last.items()},
+                                 "tok/s": f"{tokens_per_step / dt:.0f}"}, refresh=False)
+            done = self.step >= cfg.steps
+            if cfg.eval_every and (self.step % cfg.eval_every == 0 or done):
+                ev = self.eval_losses()
+                if ev is not None:
+                    self._log(dict(kind="eval", step=self.step, wall=round(self.wall, 2), **ev))
+                    msg = " ".join(f"{k}={v:.3f}" for k, v in ev.items())
+                    (bar.write if bar is not None else print)(
+                        f"step {self.step}: held-out {msg} ({self.wall / 60:.1f} min)")
+            if cfg.save_every and (self.step % cfg.save_every == 0) and not done:
+                self.checkpoint()
+                last_save = time.perf_counter()
+            if cfg.export_every and cfg.export_to and self.step % cfg.export_every == 0 \
+                    and not done:
+                self.export_demo(Path(cfg.export_to))
+        if bar is not None:
+            bar.close()
+        self.checkpoint()
+        self.export()
+        if cfg.export_to:
+            self.export_demo(Path(cfg.export_to))
+        png = plot_loss_curve(self.metrics_path, self.run_dir / "loss.png",
+                              title=f"mlx-mtp train --mode {cfg.mode}")
+        del last_save
+        return {"step": self.step, "wall_seconds": self.wall, "last": last, "png": str(png)}
+
+
+# --------------------------------------------------------------------------
+# Acceptance evaluation
+# --------------------------------------------------------------------------
+
+
+def heldout_prompts(n_prompts: int, prompt_tokens: int, tokenizer_dir: Path = TOKENIZER_DIR,
+                    files: Optional[Sequence[Path]] = None, seed: int = 0) -> List[List[int]]:
+    """Prompts cut from held-out files: each the first ``prompt_tokens`` tokens after a
+    random line start of a different file (files long enough)."""
+    from .tokenizer_build import corpus_files, read_corpus_file
+
+    files = list(files) if files is not None else corpus_files("heldout")
+    tok = _load_tokenizer(tokenizer_dir)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(files))
+    prompts = []
+    for i in order:
+        ids = tok.encode(read_corpus_file(files[i]), add_special_tokens=False).ids
+        if len(ids) < prompt_tokens + 64:
+            continue
+        start = int(rng.integers(0, len(ids) - prompt_tokens - 64))
+        prompts.append(ids[start:start + prompt_tokens])
+        if len(prompts) >= n_prompts:
+            break
+    return prompts
+
+
+def evaluate_acceptance(model_path=None, ks: Sequence[int] = (1, 2, 3),
+                        temps: Sequence[float] = (0.0, 0.7), n_prompts: int = 16,
+                        prompt_tokens: int = 128, max_tokens: int = 64, seed: int = 0,
+                        files: Optional[Sequence[Path]] = None, model=None) -> dict:
+    """Per-position acceptance of the MTP head on held-out text, fixed K (not adaptive).
+
+    Returns ``{"K=k,T=t": {"acceptance_per_pos": [...], "mean_acceptance_length": ..}}``.
+    """
+    from .loader import load_model, resolve_model_path
+    from .sampling import SamplingParams
+    from .speculative import MTPDecoder
+
+    if model is None:
+        path = resolve_model_path(None if model_path is None else str(model_path))
+        model, _ = load_model(path)
+    prompts = heldout_prompts(n_prompts, prompt_tokens, files=files, seed=seed)
+    results = {}
+    for t in temps:
+        for k in ks:
+            from .speculative import SpecStats
+
+            total = SpecStats()
+            for i, p in enumerate(prompts):
+                params = SamplingParams(temperature=float(t), seed=seed + i if t > 0 else None)
+                dec = MTPDecoder(model, k, params, adaptive=False)
+                dec.prefill(p)
+                emitted = 0
+                while emitted < max_tokens:
+                    out = dec.step()
+                    emitted += len(out.tokens)
+                total.merge(dec.stats)
+            results[f"K={k},T={t}"] = {
+                "K": k, "temperature": t,
+                "acceptance_per_pos": total.acceptance_per_pos,
+                "mean_acceptance_length": total.mean_acceptance_length,
+                "acceptance_rate": total.acceptance_rate,
+                "num_drafts": total.num_drafts,
+            }
+    return results
+
+
+def format_acceptance_table(results: dict) -> str:
+    lines = ["| K | temperature | pos 1 | pos 2 | pos 3 | mean acceptance length |",
+             "|---|---|---|---|---|---|"]
+    for r in results.values():
+        pos = [f"{100 * a:.1f}%" for a in r["acceptance_per_pos"]] + ["–"] * 3
+        lines.append(f"| {r['K']} | {r['temperature']} | {pos[0]} | {pos[1]} | {pos[2]} | "
+                     f"{r['mean_acceptance_length']:.2f} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------
+
+
+def add_arguments(p):
+    p.add_argument("--mode", choices=["scratch", "head"], default="scratch",
+                   help="scratch: train a small hybrid model + MTP head; head: freeze --model "
+                        "and fit a new MTP head by self-distillation")
+    p.add_argument("--model", default=None, help="(head mode) model directory to fit a head for")
+    p.add_argument("--corpus", default="stdlib",
+                   help="'stdlib' (the CPython standard library's source, train split), a "
+                        "directory of text files, or one file")
+    p.add_argument("--eval-corpus", default=None,
+                   help="held-out text for the eval loss (default: stdlib held-out split when "
+                        "--corpus stdlib)")
+    p.add_argument("--out", default="runs/train", help="run directory (checkpoints, exports)")
+    p.add_argument("--size", choices=list(SIZES), default="demo", help="(scratch) model size preset")
+    p.add_argument("--hidden-size", type=int, default=None)
+    p.add_argument("--num-layers", type=int, default=None, dest="num_hidden_layers")
+    p.add_argument("--intermediate-size", type=int, default=None)
+    p.add_argument("--mtp-layers", type=int, default=1)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default 1e-3 scratch, 5e-4 head)")
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--mtp-loss-weight", type=float, default=0.5,
+                   help="(scratch) weight of the MTP (t+2) loss")
+    p.add_argument("--distill-temperature", type=float, default=1.0,
+                   help="(head) temperature of the frozen model's target distribution")
+    p.add_argument("--keep-head", action="store_true",
+                   help="(head) start from the model's existing head instead of a fresh one")
+    p.add_argument("--chat-fraction", type=float, default=0.2,
+                   help="(stdlib corpus) fraction of files wrapped as chat turns")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
+    p.add_argument("--eval-every", type=int, default=200, help="held-out loss every N steps")
+    p.add_argument("--export-every", type=int, default=0,
+                   help="with --export-to: also export the model every N steps")
+    p.add_argument("--export-to", default=None,
+                   help="also write the final model (HF layout) to this directory")
+    p.add_argument("--export-dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--no-compile", action="store_true", help="do not mx.compile the step")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(args) -> TrainConfig:
+    lr = args.lr if args.lr is not None else (1e-3 if args.mode == "scratch" else 5e-4)
+    return TrainConfig(
+        mode=args.mode, model=args.model, corpus=args.corpus, eval_corpus=args.eval_corpus,
+        out=args.out, size=args.size, steps=args.steps, batch_size=args.batch_size,
+        seq_len=args.seq_len, lr=lr, warmup=args.warmup, weight_decay=args.weight_decay,
+        mtp_loss_weight=args.mtp_loss_weight, mtp_layers=args.mtp_layers,
+        distill_temperature=args.distill_temperature, chat_fraction=args.chat_fraction,
+        seed=args.seed, resume=args.resume, save_every=args.save_every,
+        eval_every=args.eval_every, export_every=args.export_every, export_to=args.export_to,
+        export_dtype=args.export_dtype, compile=not args.no_compile,
+        progress=not args.no_progress, hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_hidden_layers, intermediate_size=args.intermediate_size,
+        keep_head=args.keep_head,
+    )
+
+
+def run(args) -> int:
+    cfg = config_from_args(args)
+    if cfg.mode == "head" and cfg.hidden_size is not None:
+        raise _user_error("--hidden-size/--num-layers only apply to --mode scratch")
+    trainer = Trainer(cfg)
+    n_total = count_params(trainer.model)
+    n_train = sum(v.size for _, v in tree_flatten(trainer.trainable()))
+    print(f"mode={cfg.mode} params={n_total / 1e6:.2f}M trainable={n_train / 1e6:.2f}M "
+          f"train tokens={len(trainer.train_tokens):,} out={trainer.run_dir}", file=sys.stderr)
+    res = trainer.run()
+    print(json.dumps({"step": res["step"], "wall_seconds": round(res["wall_seconds"], 1),
+                      **res["last"], "hf": str(trainer.run_dir / "hf"),
+                      "mlx": str(trainer.run_dir / "mlx"), "loss_png": res["png"]}))
+    return 0
+
+
+def eval_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m mlx_mtp.train eval [--model PATH]``: per-position acceptance table."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m mlx_mtp.train eval")
+    p.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    p.add_argument("--ks", default="1,2,3")
+    p.add_argument("--temps", default="0,0.7")
+    p.add_argument("--n-prompts", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    res = evaluate_acceptance(a.model, [int(k) for k in a.ks.split(",")],
+                              [float(t) for t in a.temps.split(",")], a.n_prompts,
+                              a.prompt_tokens, a.max_tokens, a.seed)
+    print(format_acceptance_table(res))
+    print(f"({a.n_prompts} held-out prompts x {a.prompt_tokens} tokens, {a.max_tokens} new tokens "
+          f"each; {time.perf_counter() - t0:.0f} s)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "results": res}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "eval":
+        sys.exit(eval_main(sys.argv[2:]))
+    from .cli import main as _cli_main
+
+    sys.exit(_cli_main(["train"] + sys.argv[1:]))
