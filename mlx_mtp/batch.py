@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from .cache import BatchKVCache, KVCache, RecurrentCache
 from .sampling import Sampler, SamplingParams, filtered_logprobs, log_softmax, verify
-from .speculative import DraftController, MTPDecoder, SpecStats, StepOutput
+from .speculative import MAX_OWED_WHILE_PAUSED, DraftController, MTPDecoder, SpecStats, StepOutput
 
 
 @dataclass
@@ -204,8 +204,12 @@ class BatchDecoder:
 
     def _plain_step(self):
         model = self.model
-        if self.mtp_cache is not None and max(r.owed() for r in self.rows) > 256:
-            self._write_owed()
+        if self.mtp_cache is not None:
+            for r in self.rows:  # drafting pauses: keep a short history only
+                if r.owed() > 2 * MAX_OWED_WHILE_PAUSED:
+                    h, t = r.take_owed()
+                    keep = MAX_OWED_WHILE_PAUSED
+                    r.owed_hidden, r.owed_tokens = [h[:, -keep:]], [t[:, -keep:]]
         y = mx.stack([r.y for r in self.rows])  # (B, 1)
         _prepare(self.cache, 1)
         h_norm, h_mtp = model.trunk(y, self.cache)
@@ -222,14 +226,11 @@ class BatchDecoder:
             out[r.key] = StepOutput([ids[b]], lp[b : b + 1], 0, 0)
         return out
 
-    def _owed_batch(self, keep_last: bool):
+    def _owed_batch(self):
         """Every row's owed MTP pairs, right-aligned in one (B, S) chunk."""
         hs, ts, lengths = [], [], []
         for r in self.rows:
             h, t = r.take_owed()
-            if keep_last:
-                r.owed_hidden, r.owed_tokens = [h[:, -1:]], [t[:, -1:]]
-                h, t = h[:, :-1], t[:, :-1]
             hs.append(h)
             ts.append(t)
             lengths.append(h.shape[1])
@@ -242,17 +243,10 @@ class BatchDecoder:
             for t, n in zip(ts, lengths)])
         return hidden, tokens, lengths
 
-    def _write_owed(self):
-        hidden, tokens, lengths = self._owed_batch(keep_last=True)
-        if max(lengths):
-            _prepare(self.mtp_cache, hidden.shape[1], lengths)
-            self.model.mtp_forward(hidden, tokens, self.mtp_cache)
-            mx.eval([c.keys for c in self.mtp_cache])
-
     def _spec_step(self, k: int):
         model, rows, B = self.model, self.rows, len(self.rows)
         # 1. draft: the first call also writes every row's owed pairs.
-        hidden, tokens, lengths = self._owed_batch(keep_last=False)
+        hidden, tokens, lengths = self._owed_batch()
         _prepare(self.mtp_cache, hidden.shape[1], lengths)
         out = model.mtp_forward(hidden, tokens, self.mtp_cache)[:, -1:]
         drafts, draft_lps = [], []

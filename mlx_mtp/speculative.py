@@ -32,6 +32,7 @@ from .cache import cache_state_arrays, rollback
 from .sampling import Sampler, SamplingParams, filtered_logprobs, log_softmax, verify
 
 MAX_DRAFT_TOKENS = 8
+MAX_OWED_WHILE_PAUSED = 4
 
 
 @dataclass
@@ -120,7 +121,7 @@ class DraftController:
         self.forget = 0.9
         self.rate: List[Optional[float]] = [None] * (max_k + 1)  # tokens/s per K
         self.decay = 0.5
-        self.margin = 1.05 if timed else 1.0
+        self.margin = 1.05
         self.k = 0 if adaptive else max_k
         self.length = epoch
         self._steps = self._tokens = 0
@@ -191,9 +192,7 @@ class DraftController:
             self._since_probe = 0
             self.probe_every = min(2 * self.probe_every, 256)
             self.rate[1] = None  # re-measure; the head may have started to agree
-            if self.alpha[0] < 0.5:
-                self.hits[0] = 0.5 * self.trials[0]  # let the probe count
-            return 1, self.probe_epoch
+            return 1, 1  # one step: enough to see whether drafts agree again
         return 0, self.epoch
 
     def update(self, k: int, n_accepted: int, seconds: Optional[float]):
@@ -362,6 +361,17 @@ class MTPDecoder:
         self.owed_hidden, self.owed_tokens = [], []
         return h, t
 
+    def _drop_owed(self, keep: int):
+        """While drafting pauses, keep only the newest ``keep`` owed pairs.
+
+        The MTP head then sees a shorter history when drafting resumes (it only
+        drafts, so output is unaffected), and a probe after a long pause costs
+        one short MTP pass instead of one over every token since.
+        """
+        if sum(h.shape[1] for h in self.owed_hidden) > 2 * keep:
+            h, t = self._take_owed()
+            self._owe(h[:, -keep:], t[:, -keep:])
+
     def _flush_owed(self, max_owed: int = 0):
         """Write owed pairs into the MTP cache when more than ``max_owed`` are pending.
 
@@ -405,7 +415,7 @@ class MTPDecoder:
         k = self.next_k if self.owed_hidden else 0
         if k == 0:
             if self.mtp_cache is not None:
-                self._flush_owed(max_owed=256)  # bound what a long pause accumulates
+                self._drop_owed(MAX_OWED_WHILE_PAUSED)
             tok, lp = self._launch_plain(self.y)
             return self._finish_plain(tok, lp)
 
