@@ -213,6 +213,26 @@ class DraftController:
             self.trials[j] = self.forget * self.trials[j] + 1
 
 
+class _Controllers:
+    """Timed controllers of one model, by K (kept on the model object)."""
+
+    def __init__(self):
+        self.by_k = {}
+
+
+def shared_controller(model, max_k: int) -> DraftController:
+    """One timed controller per (model, K): step costs belong to the model, so a new
+    generation starts from what earlier ones measured instead of exploring again.
+    (Seeded runs keep their own deterministic controller.)"""
+    reg = getattr(model, "_mtp_controllers", None)
+    if reg is None:
+        reg = _Controllers()
+        model._mtp_controllers = reg  # a plain object: not a module parameter
+    if max_k not in reg.by_k:
+        reg.by_k[max_k] = DraftController(max_k, adaptive=True, timed=True)
+    return reg.by_k[max_k]
+
+
 @dataclass
 class DecoderState:
     """Prompt-processing state after ``n_processed`` tokens (prefix-cache entry)."""
@@ -270,7 +290,8 @@ class MTPDecoder:
         self.prefill_step_size = prefill_step_size
         self.cache = cache if cache is not None else model.make_cache()
         self.mtp_cache = model.make_mtp_cache() if self.K > 0 else None
-        self.controller = DraftController(self.K, adaptive, timed=sampling.seed is None)
+        self.controller = (shared_controller(model, self.K) if adaptive and sampling.seed is None
+                           else DraftController(self.K, adaptive, timed=sampling.seed is None))
         self.next_k = 0
         self.stats = SpecStats()
         # MTP pairs (hidden at i, token i+1) committed but not yet in the MTP cache.
