@@ -205,11 +205,10 @@ class BatchDecoder:
     def _plain_step(self):
         model = self.model
         if self.mtp_cache is not None:
+            keep = MAX_OWED_WHILE_PAUSED
             for r in self.rows:  # drafting pauses: keep a short history only
-                if r.owed() > 2 * MAX_OWED_WHILE_PAUSED:
-                    h, t = r.take_owed()
-                    keep = MAX_OWED_WHILE_PAUSED
-                    r.owed_hidden, r.owed_tokens = [h[:, -keep:]], [t[:, -keep:]]
+                if len(r.owed_hidden) > 2 * keep:
+                    del r.owed_hidden[:-keep], r.owed_tokens[:-keep]
         y = mx.stack([r.y for r in self.rows])  # (B, 1)
         _prepare(self.cache, 1)
         h_norm, h_mtp = model.trunk(y, self.cache)

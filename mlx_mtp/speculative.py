@@ -383,15 +383,15 @@ class MTPDecoder:
         return h, t
 
     def _drop_owed(self, keep: int):
-        """While drafting pauses, keep only the newest ``keep`` owed pairs.
+        """While drafting pauses, keep only the newest ``keep`` owed entries.
 
         The MTP head then sees a shorter history when drafting resumes (it only
         drafts, so output is unaffected), and a probe after a long pause costs
-        one short MTP pass instead of one over every token since.
+        one short MTP pass instead of one over every token since. Plain steps
+        owe one pair each, so this is list trimming, no array work.
         """
-        if sum(h.shape[1] for h in self.owed_hidden) > 2 * keep:
-            h, t = self._take_owed()
-            self._owe(h[:, -keep:], t[:, -keep:])
+        if len(self.owed_hidden) > 2 * keep:
+            del self.owed_hidden[:-keep], self.owed_tokens[:-keep]
 
     def _flush_owed(self, max_owed: int = 0):
         """Write owed pairs into the MTP cache when more than ``max_owed`` are pending.
