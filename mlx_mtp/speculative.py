@@ -411,6 +411,7 @@ class MTPDecoder:
         tok = self.sampler.sample(filtered_logprobs(lp, self.params))
         if self.mtp_cache is not None:
             self._owe(h_mtp, tok[:, None])
+            self._drop_owed(MAX_OWED_WHILE_PAUSED)
         mx.async_eval(tok, lp)
         return tok, lp
 
@@ -435,8 +436,6 @@ class MTPDecoder:
             return self._finish_plain(tok, lp)
         k = self.next_k if self.owed_hidden else 0
         if k == 0:
-            if self.mtp_cache is not None:
-                self._drop_owed(MAX_OWED_WHILE_PAUSED)
             tok, lp = self._launch_plain(self.y)
             return self._finish_plain(tok, lp)
 
