@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from .checkpoint_io import (MTP_SHARD, _checkpoint_tensors, _link_tree, _recover_stale,
+from .checkpoint_io import (MTP_SHARD, read_tensors, _checkpoint_tensors, _link_tree, _recover_stale,
                             _save_shard, _staging, _swap_into_place, _write_index, _write_json)
 from .convert_common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast,
                              _check_foreign_quant, _check_model_dir, _config_mtp_layers,
@@ -70,14 +70,7 @@ def _load_mtp_head(src: Path, src_cfg: dict, dst_cfg: dict, tensors, mtp_keys: L
     where the target precision is the same (re-quantizing would add error).
     """
     files = sorted({tensors[k][0] for k in mtp_keys})
-    wanted = set(mtp_keys)
-    weights = {}
-    total = sum(f.stat().st_size for f in files)
-    with tqdm(total=total, desc="reading", unit="B", unit_scale=True,
-              disable=not verbose) as bar:
-        for f in files:
-            weights.update({k: v for k, v in mx.load(str(f)).items() if k in wanted})
-            bar.update(f.stat().st_size)
+    weights = read_tensors(files, set(mtp_keys), verbose)
     _check_foreign_quant(weights, src)
 
     model = _build_model(dst_cfg, n_layers)

@@ -27,6 +27,20 @@ from tqdm import tqdm
 from .convert_common import ConversionError, _param_bytes, _text, _warn, is_mtp_key
 from .loader import weight_files
 
+
+def read_tensors(files: List[Path], wanted=None, verbose: bool = True) -> Dict[str, mx.array]:
+    """Load safetensors files (lazily) with a progress bar; only ``wanted`` keys if given."""
+    weights = {}
+    total = sum(f.stat().st_size for f in files)
+    with tqdm(total=total, desc="reading", unit="B", unit_scale=True,
+              disable=not verbose) as bar:
+        for f in files:
+            part = mx.load(str(f))  # lazy: data is read when used
+            weights.update(part if wanted is None else
+                           {k: v for k, v in part.items() if k in wanted})
+            bar.update(f.stat().st_size)
+    return weights
+
 INDEX_FILE = "model.safetensors.index.json"
 MTP_SHARD = "mtp.safetensors"
 TOKENIZER_FILES = (

@@ -34,10 +34,9 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
-from tqdm import tqdm
 
 from .add_mtp import add_mtp
-from .checkpoint_io import (MTP_SHARD, _copy_tokenizer, _finalize_config, _staging,
+from .checkpoint_io import (MTP_SHARD, read_tensors, _copy_tokenizer, _finalize_config, _staging,
                             _terminate_as_interrupt, _write_index, _write_json, _write_weights)
 from .convert_common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast,
                              _check_foreign_quant, _check_model_dir, _config_mtp_layers,
@@ -71,13 +70,7 @@ class _Source:
 def _load_source(src: Path, verbose: bool) -> _Source:
     config = load_config(src)
     files = weight_files(src)
-    weights = {}
-    total = sum(f.stat().st_size for f in files)
-    with tqdm(total=total, desc="reading", unit="B", unit_scale=True,
-              disable=not verbose) as bar:
-        for f in files:
-            weights.update(mx.load(str(f)))  # lazy: data is read when written
-            bar.update(f.stat().st_size)
+    weights = read_tensors(files, verbose=verbose)
     _check_foreign_quant(weights, src)
 
     n_keys = _count_mtp_layers(k for k in weights if is_mtp_key(k))

@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten
 
 from .models import get_model_module
 from .models.hybrid import SparseMoeBlock

@@ -108,7 +108,7 @@ def make_oracle(model, trunk_scale: float = 0.0, fc_noise: float = 0.0, seed: in
     text = model.text
     args = text.args
     rng = np.random.default_rng(seed + 1)
-    V, H = args.vocab_size, args.hidden_size
+    H = args.hidden_size
     out_proj_suffixes = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
     updates = [(k, v * trunk_scale) for k, v in tree_flatten(text.parameters())
                if k.endswith(out_proj_suffixes)]
