@@ -6,8 +6,8 @@ drafts K tokens for every row (the MTP head runs batched too), verifies all
 rows' ``[y, d_1..d_K]`` in one trunk pass, and lets each row accept its own
 number of drafts: recurrent layers select each row's captured state, attention
 and MTP caches turn each row's rejected slots into holes (``BatchKVCache``).
-K is shared by the batch and adapts to the measured batch step cost and the
-rows' acceptance, so MTP keeps paying (or pauses) under load.
+K is shared by the batch; ``DraftPolicy`` picks it from the rows' acceptance and
+a model of step cost by batch size, so MTP keeps paying under load or pauses.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import mlx.core as mx
 
 from .cache import BatchKVCache, KVCache, RecurrentCache
 from .sampling import Sampler, SamplingParams, filtered_logprobs, log_softmax, verify
-from .speculative import MAX_OWED_WHILE_PAUSED, DraftController, MTPDecoder, SpecStats, StepOutput
+from .draft_policy import DraftPolicy
+from .speculative import MAX_OWED_WHILE_PAUSED, MTPDecoder, SpecStats, StepOutput
 
 
 @dataclass
@@ -88,10 +89,7 @@ class BatchDecoder:
         self.cache: Optional[list] = None
         self.mtp_cache: Optional[list] = None
         self.adaptive = adaptive
-        # One controller per load level (batch size 1, 2-3, 4-7, ...): step costs
-        # and so the best K depend on how many rows share the forward.
-        self.controllers: Dict[int, DraftController] = {}
-        self._start = 0.0
+        self.policy = DraftPolicy(self.K, adaptive)
 
     def __len__(self):
         return len(self.rows)
@@ -143,13 +141,18 @@ class BatchDecoder:
     def step(self) -> Dict[Hashable, StepOutput]:
         if not self.rows:
             return {}
-        k = min([self.controller.choose() if self.K else 0] + [r.max_k for r in self.rows])
+        B = len(self.rows)
+        k = min([self.policy.choose(B) if self.K else 0] + [r.max_k for r in self.rows])
         if k and any(r.owed() == 0 for r in self.rows):
             k = 0
         snap = self._checkpoint()
-        self._start = time.perf_counter()
+        start = time.perf_counter()
         try:
             out = self._plain_step() if k == 0 else self._spec_step(k)
+            # The whole step counts (rollback included); work the server runs
+            # between steps (prompt chunks) does not.
+            accepted = [o.num_accepted for o in out.values()]
+            self.policy.record_step(B, k, time.perf_counter() - start, accepted)
         except Exception as e:
             self._restore(snap)
             if isinstance(e, _RowError):
@@ -169,7 +172,7 @@ class BatchDecoder:
             if isinstance(c, RecurrentCache):
                 caches.append((c, c.conv, c.ssm))
             else:
-                caches.append((c, c.idx, list(c.pos), c.valid))
+                caches.append((c, c.idx, list(c.pos), c.valid, c.keys, c.values))
         rows = [(r, r.y, list(r.owed_hidden), list(r.owed_tokens)) for r in self.rows]
         return caches, rows
 
@@ -180,21 +183,14 @@ class BatchDecoder:
                 c.conv, c.ssm = state
                 c.clear_captured()
             else:
-                c.idx, c.pos, c.valid = state
+                c.idx, c.pos, c.valid, c.keys, c.values = state
         for r, y, h, t in rows:
             r.y, r.owed_hidden, r.owed_tokens = y, h, t
 
-    @property
-    def controller(self) -> DraftController:
-        level = len(self.rows).bit_length()
-        if level not in self.controllers:
-            self.controllers[level] = DraftController(self.K, self.adaptive)
-        return self.controllers[level]
-
-    def _tick(self):
-        # Time the step itself: the server runs other work (prompt chunks)
-        # between steps, which must not count against any K.
-        return time.perf_counter() - self._start
+    def would_draft(self, batch_size: int) -> bool:
+        """Whether a batch of this size drafts now: a joining prompt needs its MTP
+        pairs only then (paused, a short recent history is enough)."""
+        return self.K > 0 and self.policy.would_draft(batch_size)
 
     def _sample_rows(self, lp):
         """Per-row filtered distributions and samples (rows may sample differently)."""
@@ -215,7 +211,6 @@ class BatchDecoder:
         lp = log_softmax(model.logits(h_norm[:, -1]))  # (B, V)
         toks, _ = self._sample_rows(lp)
         ids = toks.tolist()  # the one host sync
-        self.controller.record_time(0, self._tick(), 1.0)  # tokens per row
         out = {}
         for b, r in enumerate(self.rows):
             if self.mtp_cache is not None:
@@ -271,7 +266,6 @@ class BatchDecoder:
         ns, nxts = map(list, zip(*_per_row(rows, accept)))
         values = mx.concatenate(ns + nxts + [drafts.reshape(-1)]).tolist()  # the one sync
         n_acc, nxt_ids, draft_ids = values[:B], values[B : 2 * B], values[2 * B :]
-        seconds = self._tick()
         # 4. per-row rollback.
         for c in self.cache:
             if isinstance(c, RecurrentCache):
@@ -288,8 +282,6 @@ class BatchDecoder:
             r.owed_tokens.append(mx.concatenate([drafts[b : b + 1, :n], nxt[:, None]], axis=1))
             r.y = nxt
             r.stats.record(k, n)
-            self.controller.record_acceptance(k, n)
             ids = draft_ids[b * k : b * k + n] + [nxt_ids[b]]
             result[r.key] = StepOutput(ids, raw[b, : n + 1], k, n)
-        self.controller.record_time(k, seconds, sum(n + 1 for n in n_acc) / B)  # per row
         return result

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import sys
 
-from . import __version__
+from . import __version__, fast_blas
 
 # command -> (module, function adding its arguments, function running it)
 COMMANDS = {
@@ -22,6 +23,8 @@ COMMANDS = {
                 "Graft MTP weights into an existing MLX model"),
     "train": ("mlx_mtp.train", "add_arguments", "run", "Train a model or an MTP head"),
 }
+# Commands that run a model on MLX, and so take --blas (see fast_blas.py).
+BLAS_COMMANDS = ("generate", "serve", "bench", "train")
 
 
 class UserError(Exception):
@@ -148,6 +151,8 @@ def run_generate(args) -> int:
     if args.verbose and last is not None:
         print("==========")
         print(format_stats(last))
+        if sys.platform == "linux":
+            print(fast_blas.describe())
     return 0
 
 
@@ -160,10 +165,35 @@ def build_parser(command: str = None):
         sp = sub.add_parser(name, help=help_, description=help_)
         if name == command:  # import only the module that runs
             getattr(importlib.import_module(mod), add_fn)(sp)
+            if name in BLAS_COMMANDS:
+                sp.add_argument(
+                    "--blas", choices=fast_blas.MODES, default=fast_blas.default_mode(),
+                    help="CPU matmul library on Linux: auto = numpy's OpenBLAS through a small "
+                         "compiled shim when possible, else MLX's reference BLAS; openblas = "
+                         "fail if that is impossible (default: $MLX_MTP_BLAS or auto)")
     return parser
 
 
+def setup_blas(args, argv):
+    """Move this process onto OpenBLAS if wanted (re-executes it), verify, and report it.
+
+    Only when main() is the process's entry point: re-executing replaces the whole process,
+    which must not happen to a caller of main(argv) (tests, python -m mlx_mtp.train).
+    """
+    if getattr(args, "server", None):  # bench --server: a client, it runs no model
+        return
+    fast_blas.maybe_reexec(args.blas, argv)
+    fast_blas.check(args.blas, argv)
+    if args.command == "serve":  # app.run's basicConfig is then a no-op: keep its format
+        logging.basicConfig(level=args.log_level,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        fast_blas.log.info(fast_blas.describe())
+    elif args.command != "generate" and not getattr(args, "quiet", False):
+        print(fast_blas.describe(), file=sys.stderr)  # generate prints it with its stats
+
+
 def main(argv=None) -> int:
+    entry_point = argv is None
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     if command is not None and command not in COMMANDS:
@@ -179,8 +209,11 @@ def main(argv=None) -> int:
     from .models.hybrid import MissingMTPWeightsError
 
     try:
+        if entry_point and args.command in BLAS_COMMANDS:
+            setup_blas(args, argv)
         return getattr(importlib.import_module(mod), run_fn)(args) or 0
-    except (UserError, ModelLoadError, UnsupportedModelError, MissingMTPWeightsError) as e:
+    except (UserError, ModelLoadError, UnsupportedModelError, MissingMTPWeightsError,
+            fast_blas.BlasError) as e:
         return fail(str(e))
     except KeyboardInterrupt:
         return 130

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Generator, List, Optional, Sequence, Tuple
+from typing import Callable, Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -302,6 +302,9 @@ class MTPDecoder:
         self.snapshot_state: Optional[DecoderState] = None
         self.y: Optional[mx.array] = None  # last emitted token, shape (1,)
         self._ahead: Optional[Tuple] = None  # a launched plain step not yet read
+        # Called during prefill: False when drafting is paused where the sequence
+        # will decode (the server's batch), so the MTP head need not see the prompt.
+        self.drafting_hint: Optional[Callable[[], bool]] = None
         self._last_read: Optional[float] = None
 
     # -- prompt ------------------------------------------------------------
@@ -325,7 +328,10 @@ class MTPDecoder:
             _, h_mtp = self.model.trunk(tokens[:, start:end], self.cache)
             if self.mtp_cache is not None:
                 self._owe_hidden(h_mtp, tokens[:, start:end])
-                self._flush_owed(max_owed=self.prefill_step_size)
+                if self.drafting_hint is None or self.drafting_hint():
+                    self._flush_owed(max_owed=self.prefill_step_size)
+                else:  # drafting is paused where this sequence will run: skip the head
+                    self._keep_recent_owed(MAX_OWED_WHILE_PAUSED)
             mx.eval(cache_state_arrays(self.cache), *self.owed_hidden)
             self.n_processed = end
             if end == snapshot_at:
@@ -392,6 +398,12 @@ class MTPDecoder:
         """
         if len(self.owed_hidden) > 2 * keep:
             del self.owed_hidden[:-keep], self.owed_tokens[:-keep]
+
+    def _keep_recent_owed(self, n: int):
+        """Keep only the newest ``n`` owed positions (entries may span many)."""
+        if sum(h.shape[1] for h in self.owed_hidden) > n:
+            h, t = self._take_owed()
+            self._owe(h[:, -n:], t[:, -n:])
 
     def _flush_owed(self, max_owed: int = 0):
         """Write owed pairs into the MTP cache when more than ``max_owed`` are pending.

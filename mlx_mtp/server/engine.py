@@ -14,12 +14,12 @@ and ``cancel`` it when the client goes away. Every scheduler iteration
    reusable boundaries;
 4. runs one decode step for each decoding sequence (``_decode_round``).
 
-Each sequence has its own ``MTPDecoder``: own trunk cache, MTP cache, rollback,
-acceptance statistics and adaptive K, so a sequence accepts its own number of
-drafts per step and greedy output does not depend on what else is running.
-This first version steps the sequences one after another; ``_decode_round``
-is the one place a batched forward (all sequences' verify passes in one call)
-will replace, without changing the submit/cancel/step/event interface.
+A sequence's prompt runs through its own ``MTPDecoder``; then it joins the
+``BatchDecoder``: one trunk forward per step for all decoding sequences, each
+accepting its own number of drafts and rolling back its own state, so greedy
+output does not depend on what else is running. The batch's ``DraftPolicy``
+picks K per step from acceptance and a step-cost model by batch size; while it
+pauses drafting, joining prompts skip the MTP head (a short history suffices).
 
 Events sent to ``on_event``: ``Delta`` (new text, token ids, logprobs),
 then exactly one of ``Done`` or ``Failed``. A cancelled request gets nothing.
@@ -281,6 +281,8 @@ class Engine:
             k = 0
         dec = MTPDecoder(self.model, k, req.sampling, adaptive=self.adaptive,
                             prefill_step_size=self.prefill_step_size)
+        if dec.mtp_cache is not None:
+            dec.drafting_hint = lambda: self.batch.would_draft(len(self.batch) + 1)
         n_cached = 0
         pc = self.prefix_cache
         if req.cache_prompt and pc.enabled:

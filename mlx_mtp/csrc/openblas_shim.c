@@ -1,0 +1,151 @@
+/* LD_PRELOAD shim: route MLX's cblas_{s,d,c}gemm to numpy's bundled OpenBLAS.
+ *
+ * Why: the mlx[cpu] Linux wheel links a bundled *reference* BLAS, whose GEMM costs ~M times a
+ * matrix-vector product for an M-row input, which defeats speculative decoding and batching.
+ * numpy's wheel already ships an optimised OpenBLAS (ILP64, symbols prefixed "scipy_" and
+ * suffixed "64_"). Preloading this file makes libmlx's cblas_* references bind here, and we
+ * forward them to that OpenBLAS, widening the int dimensions to 64 bits.
+ *
+ * Safety: the OpenBLAS path comes from $MLX_MTP_OPENBLAS. If it is unset, cannot be loaded, or
+ * lacks any of the three symbols, every call goes to the next definition of the same cblas_*
+ * symbol (the reference BLAS), so preloading this can change speed but never break MLX.
+ * mlx_mtp_shim_uses_openblas() lets the Python side ask which path was taken.
+ *
+ * Build: cc -O2 -shared -fPIC -o openblas-shim.so openblas_shim.c -ldl -lpthread
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <link.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int64_t i64;
+typedef void (*sgemm64_fn)(int, int, int, i64, i64, i64, float, const float *, i64,
+                           const float *, i64, float, float *, i64);
+typedef void (*dgemm64_fn)(int, int, int, i64, i64, i64, double, const double *, i64,
+                           const double *, i64, double, double *, i64);
+typedef void (*cgemm64_fn)(int, int, int, i64, i64, i64, const void *, const void *, i64,
+                           const void *, i64, const void *, void *, i64);
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *,
+                         int, float, float *, int);
+typedef void (*dgemm_fn)(int, int, int, int, int, int, double, const double *, int,
+                         const double *, int, double, double *, int);
+typedef void (*cgemm_fn)(int, int, int, int, int, int, const void *, const void *, int,
+                         const void *, int, const void *, void *, int);
+
+void cblas_sgemm(int, int, int, int, int, int, float, const float *, int, const float *, int,
+                 float, float *, int);
+void cblas_dgemm(int, int, int, int, int, int, double, const double *, int, const double *, int,
+                 double, double *, int);
+void cblas_cgemm(int, int, int, int, int, int, const void *, const void *, int, const void *,
+                 int, const void *, void *, int);
+
+/* ---- OpenBLAS: resolved once, all three symbols or none ---- */
+static pthread_once_t openblas_once = PTHREAD_ONCE_INIT;
+static sgemm64_fn ob_sgemm;
+static dgemm64_fn ob_dgemm;
+static cgemm64_fn ob_cgemm;
+
+static void load_openblas(void) {
+  const char *path = getenv("MLX_MTP_OPENBLAS");
+  void *h = (path && *path) ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : NULL;
+  if (!h) return;
+  sgemm64_fn s = (sgemm64_fn)dlsym(h, "scipy_cblas_sgemm64_");
+  dgemm64_fn d = (dgemm64_fn)dlsym(h, "scipy_cblas_dgemm64_");
+  cgemm64_fn c = (cgemm64_fn)dlsym(h, "scipy_cblas_cgemm64_");
+  if (s && d && c) {
+    ob_sgemm = s;
+    ob_dgemm = d;
+    ob_cgemm = c;
+  }
+}
+
+int mlx_mtp_shim_uses_openblas(void) {
+  pthread_once(&openblas_once, load_openblas);
+  return ob_sgemm != NULL;
+}
+
+/* ---- Fallback: the next definition of the same symbol ----
+ * Resolved lazily, on the first call, because the reference BLAS is only loaded together with
+ * libmlx. RTLD_NEXT only searches the global scope, and Python loads extension modules (and so
+ * libmlx's libblas) with RTLD_LOCAL, so we also look through every loaded object. */
+#define MAX_OBJECTS 1024
+struct names { int n; char *v[MAX_OBJECTS]; };
+
+static int collect_name(struct dl_phdr_info *info, size_t size, void *data) {
+  struct names *names = data;
+  (void)size;
+  if (info->dlpi_name && *info->dlpi_name && names->n < MAX_OBJECTS)
+    names->v[names->n++] = strdup(info->dlpi_name);
+  return 0;
+}
+
+static void *find_next(const char *sym, void *self) {
+  void *p = dlsym(RTLD_NEXT, sym);
+  if (p && p != self) return p;
+  struct names names = {0};
+  dl_iterate_phdr(collect_name, &names); /* dlopen is not called under its lock */
+  p = NULL;
+  for (int i = 0; i < names.n; i++) {
+    if (!p) {
+      void *h = dlopen(names.v[i], RTLD_LAZY | RTLD_NOLOAD);
+      if (h) {
+        void *q = dlsym(h, sym);
+        if (q && q != self) p = q;
+        dlclose(h);
+      }
+    }
+    free(names.v[i]);
+  }
+  if (!p) {
+    fprintf(stderr, "mlx-mtp openblas shim: no BLAS provides %s\n", sym);
+    abort();
+  }
+  return p;
+}
+
+static pthread_once_t ref_once = PTHREAD_ONCE_INIT;
+static sgemm_fn ref_sgemm;
+static dgemm_fn ref_dgemm;
+static cgemm_fn ref_cgemm;
+
+static void load_reference(void) {
+  ref_sgemm = (sgemm_fn)find_next("cblas_sgemm", (void *)cblas_sgemm);
+  ref_dgemm = (dgemm_fn)find_next("cblas_dgemm", (void *)cblas_dgemm);
+  ref_cgemm = (cgemm_fn)find_next("cblas_cgemm", (void *)cblas_cgemm);
+}
+
+/* ---- The exported cblas entry points (standard signatures, int dimensions) ---- */
+void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
+                 int lda, const float *b, int ldb, float beta, float *c, int ldc) {
+  if (mlx_mtp_shim_uses_openblas()) {
+    ob_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  pthread_once(&ref_once, load_reference);
+  ref_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha, const double *a,
+                 int lda, const double *b, int ldb, double beta, double *c, int ldc) {
+  if (mlx_mtp_shim_uses_openblas()) {
+    ob_dgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  pthread_once(&ref_once, load_reference);
+  ref_dgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void cblas_cgemm(int order, int ta, int tb, int m, int n, int k, const void *alpha,
+                 const void *a, int lda, const void *b, int ldb, const void *beta, void *c,
+                 int ldc) {
+  if (mlx_mtp_shim_uses_openblas()) {
+    ob_cgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  pthread_once(&ref_once, load_reference);
+  ref_cgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
