@@ -19,7 +19,8 @@ at every join and leave.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from collections import deque
+from typing import Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -29,55 +30,68 @@ def _features(B: int, K: int):
 
 
 class StepCosts:
-    """Seconds per batch step by (batch size, K): cell averages plus a pooled linear fit."""
+    """Seconds per batch step by (batch size, K): cell averages plus a pooled linear fit.
 
-    def __init__(self, memory: int = 8):
-        self.memory = memory  # a cell averages its last ~memory steps
-        self.cells: Dict[Tuple[int, int], List[float]] = {}  # (B, K) -> [mean, count]
-        self._coef: Optional[np.ndarray] = None
-        self._dirty = False
+    The fit is local: cells are weighted by how close their batch size is to the one
+    asked about (on a log scale), so costs that grow sub-linearly with rows (a tuned
+    BLAS, a GPU) are followed instead of extrapolated from small batches.
+    """
+
+    def __init__(self, memory: int = 24):
+        self.memory = memory  # a cell keeps its last ``memory`` steps
+        self.cells: Dict[Tuple[int, int], Deque[float]] = {}  # (B, K) -> recent seconds
+        self._coef: Dict[int, Optional[np.ndarray]] = {}  # per batch size asked about
 
     def observe(self, B: int, K: int, seconds: float):
-        mean, n = self.cells.get((B, K), (0.0, 0))
-        n += 1
-        mean += (seconds - mean) / min(n, self.memory)
-        self.cells[(B, K)] = [mean, n]
-        self._dirty = True
+        self.cells.setdefault((B, K), deque(maxlen=self.memory)).append(seconds)
+        self._coef.clear()
+
+    def count(self, B: int, K: int) -> int:
+        return len(self.cells.get((B, K), ()))
 
     def measured(self, B: int, K: int, min_count: int = 1) -> Optional[float]:
+        """The median of the cell's recent steps, leaving out its very first once
+        there are others: one-off costs (first use of a shape, a cache growing as rows
+        join) must not decide K for good."""
         cell = self.cells.get((B, K))
-        return cell[0] if cell is not None and cell[1] >= min_count else None
+        if cell is None or len(cell) < min_count:
+            return None
+        steps = list(cell)
+        if len(steps) > 1 and len(steps) < self.memory:
+            steps = steps[1:]
+        return float(np.median(steps))
 
     def predict(self, B: int, K: int) -> Optional[float]:
-        """The cell's own average when it has a few steps, else the fit (None: unknown)."""
-        direct = self.measured(B, K, min_count=3)
-        if direct is not None:
+        """The cell's own median once it has a few steps, else the fit or the thin
+        cell, whichever is lower (None: unknown). Optimism is self-correcting: a K
+        chosen on a low estimate gets measured; one dismissed on a high one would not."""
+        direct = self.measured(B, K)
+        if direct is not None and self.count(B, K) >= 3:
             return direct
-        coef = self._fit()
-        if coef is not None:
-            t = float(np.dot(coef, _features(B, K)))
-            if t > 0:
-                return t
-        return self.measured(B, K)
+        coef = self._fit(B)
+        fitted = float(np.dot(coef, _features(B, K))) if coef is not None else None
+        estimates = [t for t in (direct, fitted) if t is not None and t > 0]
+        return min(estimates) if estimates else None
 
-    def _fit(self) -> Optional[np.ndarray]:
-        if self._dirty:
-            self._dirty = False
-            self._coef = None
+    def _fit(self, B: int) -> Optional[np.ndarray]:
+        if B not in self._coef:
+            self._coef[B] = None
             keys = list(self.cells)
-            X = np.array([_features(B, K) for B, K in keys])
+            X = np.array([_features(b, k) for b, k in keys])
             if len(keys) >= 4 and np.linalg.matrix_rank(X) == 4:
-                w = np.sqrt([min(self.cells[k][1], 4 * self.memory) for k in keys])
-                y = np.array([self.cells[k][0] for k in keys])
-                self._coef = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)[0]
-        return self._coef
+                count = np.array([len(self.cells[c]) for c in keys])
+                near = np.exp(-np.abs(np.log2([b for b, _ in keys]) - np.log2(B)))
+                w = np.sqrt(count * near)
+                y = np.array([self.measured(*c) for c in keys])
+                self._coef[B] = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)[0]
+        return self._coef[B]
 
 
 class DraftPolicy:
     """Chooses K for each batch step (``choose``) from what steps cost and what rows accept."""
 
     def __init__(self, max_k: int, adaptive: bool = True, margin: float = 1.05,
-                 forget: float = 0.9, probe_gap: Tuple[int, int] = (16, 1024)):
+                 forget: float = 0.97, probe_gap: Tuple[int, int] = (8, 1024)):
         self.max_k = max_k
         self.adaptive = adaptive
         self.margin = margin  # drafting must win clearly: timing noise must not cost users
@@ -88,8 +102,13 @@ class DraftPolicy:
         self.hits = [0.7] * max_k
         self.trials = [1.0] * max_k
         self.probe_gap = probe_gap
-        self._gap: Dict[int, int] = {}  # batch size -> steps between acceptance probes
-        self._wait: Dict[int, int] = {}
+        # A probe is worth it if drafting could win with a somewhat cheaper step than
+        # predicted: a probe measures the cell itself, correcting the fit.
+        self.optimism = 0.8
+        # Probe intervals: key -> (steps between probes, steps to go); key is a
+        # batch size (cost probes) or None (acceptance re-checks while paused).
+        self._gaps: Dict[Optional[int], Tuple[int, int]] = {}
+        self._drafting = False
 
     # -- measurements ------------------------------------------------------------
     def record_step(self, B: int, k: int, seconds: float, accepted: List[int] = ()):
@@ -121,11 +140,11 @@ class DraftPolicy:
         if not self.adaptive or self.max_k == 0:
             return self.max_k
         k, _ = self._decide(B)
-        if k == 0:
-            k = self._maybe_probe(B)
-        elif B in self._gap:
-            self._gap[B], self._wait[B] = self.probe_gap[0], self.probe_gap[0]
-        return k
+        if k and not self._drafting:  # drafting pays again: re-check soon after a pause
+            self._gaps.pop(None, None)
+        self._drafting = k > 0
+        probe = self._maybe_probe(B, k)
+        return k if probe is None else probe
 
     def would_draft(self, B: int) -> bool:
         """Whether a batch of B rows drafts now (or explores): no side effects."""
@@ -151,22 +170,46 @@ class DraftPolicy:
                 best, best_rate = k, rate
         return best, False
 
-    def _maybe_probe(self, B: int) -> int:
-        """While paused, re-measure acceptance now and then (at doubling intervals),
-        but only where drafting could win at all: perfect acceptance must beat plain."""
+    def _maybe_probe(self, B: int, chosen: int) -> Optional[int]:
+        """Now and then (at doubling intervals) try another K.
+
+        Per batch size: a K whose cost here is barely measured (a fit, or one or two
+        perhaps unlucky steps): plain steps, or a K whose drafts would mostly land.
+        Across batch sizes, while paused: K=1 to re-check acceptance, where even
+        perfect acceptance would beat plain steps.
+        """
         t0 = self.costs.predict(B, 0)
         if t0 is None:
-            return 0
-        hopeful = [k for k in range(1, self.max_k + 1)
-                   if (t := self.costs.predict(B, k)) is not None
-                   and (k + 1) / t > self.margin / t0]
-        if not hopeful:
-            return 0
-        gap = self._gap.setdefault(B, self.probe_gap[0])
-        wait = self._wait.get(B, gap) - 1
-        if wait > 0:
-            self._wait[B] = wait
-            return 0
-        self._gap[B] = min(2 * gap, self.probe_gap[1])
-        self._wait[B] = self._gap[B]
-        return hopeful[0]
+            return None
+        thin = [k for k in range(self.max_k + 1) if k != chosen
+                and self.costs.count(B, k) < 3 and (k == 0 or self._reach(k) >= 0.5)]
+        if thin and self._due(B):
+            return min(thin, key=lambda k: (self.costs.count(B, k), k))
+        t1 = self.costs.predict(B, 1)
+        if chosen == 0 and (t1 is None or 2 / (self.optimism * t1) > self.margin / t0):
+            if self._due(None):
+                return 1
+        return None
+
+    def _due(self, key) -> bool:
+        """Count down the probe interval of ``key``; True (and double it) when it ends."""
+        gap, wait = self._gaps.get(key, (self.probe_gap[0], self.probe_gap[0]))
+        wait -= 1
+        if wait <= 0:
+            gap = min(2 * gap, self.probe_gap[1])
+            wait = gap
+        self._gaps[key] = (gap, wait)
+        return wait == gap
+
+    def describe(self, B: int) -> str:
+        """One log line: the choice at batch size B and what it rests on."""
+        if not self.adaptive or self.max_k == 0:
+            return f"K={self.max_k} (fixed)"
+        parts = []
+        for k in range(self.max_k + 1):
+            t = self.costs.predict(B, k)
+            n = self.costs.count(B, k)
+            parts.append("?" if t is None else f"{1e3 * t:.1f}" + ("" if n >= 3 else "~"))
+        gains = " ".join(f"{self.expected_tokens(k):.2f}" for k in range(1, self.max_k + 1))
+        return (f"batch {B}: K={self._decide(B)[0]}; step ms by K=0..{self.max_k}: "
+                f"{' '.join(parts)} (~ fitted); tokens/row by K=1..: {gains}")

@@ -14,7 +14,7 @@ from mlx_mtp.draft_policy import DraftPolicy, StepCosts
 
 
 def linear_cost(B, K):  # ms
-    return 8 + 4 * B * (K + 1) + 0.5 * K * B
+    return 8 + 4 * B * (K + 1) + 2.0 * K * B
 
 
 def flat_cost(B, K):
@@ -22,9 +22,13 @@ def flat_cost(B, K):
 
 
 def simulate(policy, cost, accept_p, batch_sizes, seed=0):
-    """Run the policy for one step per entry of ``batch_sizes``; returns tokens/ms and K's."""
+    """Run the policy for one step per entry of ``batch_sizes``.
+
+    Returns the speedup over plain decoding (the time plain steps at the same batch
+    sizes would need for the same tokens, over the time taken) and the K's chosen.
+    """
     rng = random.Random(seed)
-    tokens = elapsed = 0.0
+    plain_time = elapsed = 0.0
     ks = []
     for B in batch_sizes:
         k = policy.choose(B)
@@ -35,15 +39,18 @@ def simulate(policy, cost, accept_p, batch_sizes, seed=0):
             while n < k and rng.random() < accept_p:
                 n += 1
             accepted.append(n)
-        tokens += sum(n + 1 for n in accepted)
+        plain_time += sum(n + 1 for n in accepted) / B * cost(B, 0)
         elapsed += t
         policy.record_step(B, k, t / 1e3, accepted)
         ks.append(k)
-    return tokens / elapsed, ks
+    return plain_time / elapsed, ks
 
 
-def plain_rate(cost, batch_sizes):
-    return sum(batch_sizes) / sum(cost(B, 0) for B in batch_sizes)
+def best_fixed_speedup(cost, accept_p, batch_sizes, K):
+    """Noise-free speedup of always drafting K (expected tokens per row per step)."""
+    expected = sum(accept_p ** j for j in range(K + 1))
+    plain = sum(expected * cost(B, 0) for B in batch_sizes)
+    return plain / sum(cost(B, K) for B in batch_sizes)
 
 
 def varying_batch(n=3000, seed=1):
@@ -59,27 +66,29 @@ def varying_batch(n=3000, seed=1):
 @pytest.mark.parametrize("accept_p", [0.0, 0.5, 1.0])
 def test_never_loses_to_plain_decoding(cost, accept_p):
     sizes = varying_batch()
-    rate, ks = simulate(DraftPolicy(3), cost, accept_p, sizes)
-    assert rate >= 0.97 * plain_rate(cost, sizes)
+    speedup, ks = simulate(DraftPolicy(3), cost, accept_p, sizes)
+    assert speedup >= 0.98
     if accept_p == 0.0:
         assert sum(k > 0 for k in ks) / len(ks) < 0.03  # drafting paused, probes rare
 
 
 def test_pays_where_drafting_is_cheap():
     sizes = varying_batch()
-    rate, ks = simulate(DraftPolicy(3), flat_cost, 1.0, sizes)
-    always_k3 = 4 * sum(sizes) / sum(flat_cost(B, 3) for B in sizes)
-    assert rate >= 0.93 * always_k3 and always_k3 > 2 * plain_rate(flat_cost, sizes)
+    speedup, ks = simulate(DraftPolicy(3), flat_cost, 1.0, sizes)
+    always_k3 = best_fixed_speedup(flat_cost, 1.0, sizes, 3)
+    assert always_k3 > 2 and speedup >= 0.93 * always_k3
     assert sum(k == 3 for k in ks[500:]) / len(ks[500:]) > 0.95
 
 
 def test_linear_costs_draft_alone_but_not_in_a_big_batch():
     policy = DraftPolicy(3)
     simulate(policy, linear_cost, 1.0, [1] * 200 + [2] * 200 + [16] * 400)
-    assert policy.choose(1) == 3
-    # At 16 rows the fit predicts drafting loses: no K > 0 steps late in the run.
-    _, ks = simulate(policy, linear_cost, 1.0, [16] * 200, seed=3)
-    assert set(ks) == {0}
+    assert policy.choose(1) >= 2  # K=2 and K=3 within 6% of each other
+    # At 16 rows drafting cannot win (at best a tie for K=1): paused, never slower.
+    assert not policy.would_draft(16)
+    speedup, ks = simulate(policy, linear_cost, 1.0, [16] * 400, seed=3)
+    assert speedup >= 0.98
+    assert ks.count(3) <= 3  # the deepest, clearly losing K: a few probes only
 
 
 def test_fit_extrapolates_to_unseen_batch_sizes():
@@ -109,11 +118,22 @@ def test_fixed_k_and_no_mtp():
 
 def test_acceptance_is_per_position_and_forgets():
     policy = DraftPolicy(2)
-    for _ in range(50):
+    for _ in range(300):
         policy.record_step(2, 2, 0.01, [1, 1])  # position 1 always, position 2 never
     a1, a2 = policy.alpha
     assert a1 > 0.98 and a2 < 0.02
     assert policy.expected_tokens(2) == pytest.approx(1 + a1 + a1 * a2)
-    for _ in range(50):
+    for _ in range(300):
         policy.record_step(2, 2, 0.01, [2, 2])
     assert policy.alpha[1] > 0.98
+
+
+def test_one_slow_step_does_not_stop_drafting_for_good():
+    """A first step that was slow for a one-off reason (caches growing as rows join)
+    must not keep drafting paused: barely measured costs get re-probed."""
+    policy = DraftPolicy(3)
+    simulate(policy, flat_cost, 1.0, [1] * 100 + [4] * 100)
+    policy.record_step(16, 0, flat_cost(16, 0) / 1e3)
+    policy.record_step(16, 3, 20 * flat_cost(16, 3) / 1e3, [3] * 16)  # a spike
+    _, ks = simulate(policy, flat_cost, 1.0, [16] * 300, seed=5)
+    assert all(k == 3 for k in ks[-100:])

@@ -32,8 +32,10 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"server-{self.port}.log"
         self.hf_home = workdir / "hf-home-must-not-exist"
+        # Exact-equality checks (batched == alone) need a row-invariant BLAS; the
+        # OpenBLAS path is covered by tests/test_fast_blas.py.
         env = dict(os.environ, HF_HOME=str(self.hf_home), HF_HUB_OFFLINE="1",
-                   TRANSFORMERS_OFFLINE="1")
+                   TRANSFORMERS_OFFLINE="1", MLX_MTP_BLAS="reference")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlx_mtp.cli", "serve", "--model", str(ckpt),

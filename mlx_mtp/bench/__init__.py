@@ -160,6 +160,9 @@ def machine_info() -> dict:
         info["mlx_lm"] = mlx_lm.__version__
     except Exception:  # pragma: no cover - mlx-lm is a dependency
         pass
+    from ..fast_blas import describe
+
+    info["blas"] = describe()  # in-process runs: which BLAS ran the CPU matmuls
     if hasattr(os, "getloadavg"):
         info["load_avg_1m"] = round(os.getloadavg()[0], 2)  # other work sharing the CPU
     return info

@@ -275,6 +275,10 @@ class Engine:
                 log.exception("Could not start request %s", req.request_id)
                 self._emit(req, Failed(*self._error_status(e)))
 
+    def _load(self) -> int:
+        """Sequences in the batch soon: running (decoding or in prefill) and queued."""
+        return min(len(self.running) + len(self.waiting), self.max_concurrency)
+
     def _make_seq(self, req: EngineRequest) -> _Seq:
         k = self.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens
         if not self.has_mtp:
@@ -282,7 +286,8 @@ class Engine:
         dec = MTPDecoder(self.model, k, req.sampling, adaptive=self.adaptive,
                             prefill_step_size=self.prefill_step_size)
         if dec.mtp_cache is not None:
-            dec.drafting_hint = lambda: self.batch.would_draft(len(self.batch) + 1)
+            dec.drafting_hint = lambda: self.batch.would_draft(max(len(self.batch) + 1,
+                                                                   self._load()))
         n_cached = 0
         pc = self.prefix_cache
         if req.cache_prompt and pc.enabled:
@@ -367,7 +372,7 @@ class Engine:
         if not decoding:
             return
         try:
-            outs = self.batch.step()
+            outs = self.batch.step(load=self._load())
         except BatchStepError as e:
             for seq in decoding:
                 if seq.req.request_id == e.key:
@@ -566,4 +571,6 @@ class Engine:
                          f"acceptance rate: {per_pos}, Avg Draft acceptance rate: "
                          f"{100 * s.acceptance_rate:.1f}%")
             log.info(line)
+            if self.batch.K and self.running:
+                log.info("MTP draft policy at %s", self.batch.policy.describe(self._load()))
         self._log_t, self._log_stats, self._log_tokens = now, SpecStats(), 0
