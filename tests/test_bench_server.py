@@ -215,6 +215,26 @@ def test_cli_server_compare_writes_outputs(tmp_path):
         assert (tmp_path / f).stat().st_size > 0, f
 
 
+def test_passes_interleave_abba_and_pool(tmp_path):
+    """--passes: each level runs per server in A B B A order; rows pool the passes."""
+    with StubServer(tokens_per_chunk=2, delay=0.001) as a, StubServer(delay=0.001) as b:
+        rc = main(["bench", "--server", a.url, "--compare", b.url, "--label", "A",
+                   "--compare-label", "B", "--concurrency", "1", "--rounds", "1",
+                   "--passes", "3", "--max-tokens", "4", "--prompts", "builtin:qa",
+                   "-o", str(tmp_path), "--quiet"])
+    assert rc == 0
+    data = json.loads((tmp_path / "server.json").read_text())
+    order = [(r["server"], r["pass"]) for r in data["requests"]]
+    assert order == [("A", 0), ("B", 0), ("B", 1), ("A", 1), ("A", 2), ("B", 2)]
+    for row in data["levels"]:
+        assert row["requests"] == 3 and len(row["pass_aggregate_tps"]) == 3
+        assert min(row["pass_aggregate_tps"]) <= row["aggregate_tps"] <= max(
+            row["pass_aggregate_tps"])
+    c = data["compare"][0]
+    assert 0 < c["pass_ratio_min"] <= c["pass_ratio_max"]
+    assert main(["bench", "--server", "http://127.0.0.1:1", "--passes", "0"]) == 2
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -105,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="Comma-separated concurrency levels (1,4,8,16)")
     g.add_argument("--rounds", type=int, default=2,
                    help="Requests per concurrent client at each level (2)")
+    g.add_argument("--passes", type=int, default=1,
+                   help="With --compare: run each level this many times per server, in "
+                        "A B B A order, to average out drift; ratios get a per-pass spread (1)")
     g.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="Bearer token (default: $OPENAI_API_KEY)")
@@ -375,6 +378,8 @@ def _run_server(args, prompts, out_dir: Path) -> int:
     levels = _int_list("--concurrency", args.concurrency, 1, 1024)
     if args.rounds < 1:
         raise UserError(f"--rounds must be >= 1 (got {args.rounds})")
+    if args.passes < 1:
+        raise UserError(f"--passes must be >= 1 (got {args.passes})")
     targets = [Target(args.server, args.model, args.label or "", args.api_key,
                       parse_json_arg(args.extra_body, "--extra-body"))]
     if args.compare:
@@ -403,17 +408,18 @@ def _run_server(args, prompts, out_dir: Path) -> int:
     if extra:
         req_kw["extra_body"] = extra
     with _progress(args.quiet) as prog:
-        task = prog.add_task("requests", total=request_units(levels, args.rounds, len(targets)))
+        task = prog.add_task("requests", total=args.passes * request_units(
+            levels, args.rounds, len(targets)))
         try:
             result = run_server_bench(targets, prompts, levels, args.rounds, args.max_tokens,
-                                      warmup=not args.no_warmup,
+                                      warmup=not args.no_warmup, passes=args.passes,
                                       tick=lambda: prog.update(task, advance=1), **req_kw)
         except ServerError as e:
             raise UserError(str(e))
     rows = result["levels"]
     console.print(report.server_table(
         rows, f"{len(prompts)} prompts, {args.max_tokens} max tokens, {args.rounds} requests per "
-              f"client per level, temp {temp}"))
+              f"client per level x {args.passes} pass(es), temp {temp}"))
     ab = report.compare_rows(rows) if args.compare else []
     if ab:
         console.print(report.compare_table(ab))
@@ -425,7 +431,7 @@ def _run_server(args, prompts, out_dir: Path) -> int:
             "targets": [{"label": t.label, "url": t.url, "model": t.model,
                          "extra_body": t.extra_body} for t in targets],
             "notes": notes,
-            "config": {"concurrency": levels, "rounds": args.rounds,
+            "config": {"concurrency": levels, "rounds": args.rounds, "passes": args.passes,
                        "max_tokens": args.max_tokens, "temperature": temp,
                        "endpoint": args.endpoint, "ignore_eos": args.ignore_eos,
                        "prompts": [p.name for p in prompts]}}

@@ -147,8 +147,12 @@ def compare_rows(rows: List[dict]) -> List[dict]:
             x, y = ra.get(key), rb.get(key)
             return x / y if x and y else None
 
+        pa, pb = ra.get("pass_aggregate_tps") or [], rb.get("pass_aggregate_tps") or []
+        per_pass = [x / y for x, y in zip(pa, pb) if y] if len(pa) > 1 else []
         out.append({"concurrency": c, "a": a, "b": b,
                     "aggregate_tps_ratio": ratio("aggregate_tps"),
+                    "pass_ratio_min": min(per_pass) if per_pass else None,
+                    "pass_ratio_max": max(per_pass) if per_pass else None,
                     "request_tps_ratio": ratio("request_tps_mean"),
                     "ttft_p50_ratio": ratio("ttft_p50_ms"), "tpot_ratio": ratio("tpot_mean_ms"),
                     "e2e_p50_ratio": ratio("e2e_p50_ms")})
@@ -164,18 +168,25 @@ def compare_table(rows: List[dict]):
 
     t = Table(title=escape(f"A/B: {rows[0]['a']} vs {rows[0]['b']} (ratio A/B)"),
               title_justify="left")
-    for h in ("conc", "agg tok/s", "req tok/s", "TTFT p50", "TPOT", "E2E p50"):
+    spread = any(r.get("pass_ratio_min") for r in rows)
+    heads = ["conc", "agg tok/s"] + (["per pass"] if spread else []) + [
+        "req tok/s", "TTFT p50", "TPOT", "E2E p50"]
+    for h in heads:
         t.add_column(h, justify="right")
     for r in rows:
-        t.add_row(str(r["concurrency"]), *[fmt(r[k], ".2f") + "×" if r[k] else "-" for k in (
+        cells = [fmt(r[k], ".2f") + "×" if r[k] else "-" for k in (
             "aggregate_tps_ratio", "request_tps_ratio", "ttft_p50_ratio", "tpot_ratio",
-            "e2e_p50_ratio")])
+            "e2e_p50_ratio")]
+        if spread:
+            lo, hi = r.get("pass_ratio_min"), r.get("pass_ratio_max")
+            cells.insert(1, f"{lo:.2f}–{hi:.2f}" if lo else "-")
+        t.add_row(str(r["concurrency"]), *cells)
     return t
 
 
 SERVER_CSV = [
     "server", "url", "model", "concurrency", "requests", "errors", "wall_s", "completion_tokens",
-    "aggregate_tps", "request_tps_mean", "request_tps_p50", "request_tps_min",
+    "aggregate_tps", "pass_aggregate_tps", "request_tps_mean", "request_tps_p50", "request_tps_min",
     *[f"{m}_{k}_ms" for m in ("ttft", "itl", "tpot", "e2e")
       for k in ("mean", "p50", "p95", "p99", "min", "max")],
     "chunks", "tokens_per_chunk", "tokens_from_usage", "acceptance_rate", "draft_n",

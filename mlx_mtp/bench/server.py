@@ -410,8 +410,13 @@ def resolve_targets(targets: List[Target], wait: float = 0.0) -> List[str]:
 
 def run_server_bench(targets: List[Target], prompts: Sequence[Prompt], levels: Sequence[int],
                      rounds: int, max_tokens: int, warmup: bool = True,
-                     tick: Callable[[], None] = lambda: None, **req_kw) -> dict:
-    """Run every level on every target, alternating targets within a level."""
+                     tick: Callable[[], None] = lambda: None, passes: int = 1, **req_kw) -> dict:
+    """Run every level on every target, alternating targets within a level.
+
+    With ``passes`` > 1 each level runs that many times per target in A B B A ...
+    order (a linear drift then costs both alike); a target's row pools its passes
+    (tokens over summed wall time) and keeps each pass's throughput.
+    """
     if warmup:
         for t in targets:
             w = stream_request(t, prompts[0].text, min(8, max_tokens), **req_kw)
@@ -419,11 +424,22 @@ def run_server_bench(targets: List[Target], prompts: Sequence[Prompt], levels: S
                 raise ServerError(f"warm-up request to {t.url} failed: {w.error}")
     rows, requests = [], []
     for c in levels:
+        runs = {id(t): [] for t in targets}
+        for p in range(passes):
+            for t in (targets if p % 2 == 0 else targets[::-1]):
+                out = run_level(t, prompts, c, rounds, max_tokens, tick, **req_kw)
+                runs[id(t)].append(out)
+                for r in out["results"]:
+                    requests.append({"server": t.label, "concurrency": c, "pass": p,
+                                     **r.to_dict()})
         for t in targets:
-            out = run_level(t, prompts, c, rounds, max_tokens, tick, **req_kw)
-            rows.append(summarize_level(t, c, out["wall"], out["results"]))
-            for r in out["results"]:
-                requests.append({"server": t.label, "concurrency": c, **r.to_dict()})
+            outs = runs[id(t)]
+            row = summarize_level(t, c, sum(o["wall"] for o in outs),
+                                  [r for o in outs for r in o["results"]])
+            row["pass_aggregate_tps"] = [
+                sum(r.completion_tokens for r in o["results"] if r.ok) / o["wall"]
+                if o["wall"] > 0 else 0.0 for o in outs]
+            rows.append(row)
     return {"levels": rows, "requests": requests}
 
 
