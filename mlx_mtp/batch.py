@@ -139,13 +139,14 @@ class BatchDecoder:
 
     # -- decoding ----------------------------------------------------------
     def step(self, load: int = 0) -> Dict[Hashable, StepOutput]:
-        """One step for every row. ``load``: rows expected soon (e.g. prompts being
-        processed); K is chosen for that batch size, since a slower step also delays
-        them, and drafting that would not pay at full load is not worth starting."""
+        """One step for every row. ``load``: rows expected soon (prompts being
+        processed or queued); K is chosen for that batch size, and by a wider margin
+        while they wait, since a slower step delays them too."""
         if not self.rows:
             return {}
         B = len(self.rows)
-        k = min([self.policy.choose(max(B, load)) if self.K else 0] + [r.max_k for r in self.rows])
+        policy_k = self.policy.choose(max(B, load), load > B) if self.K else 0
+        k = min([policy_k] + [r.max_k for r in self.rows])
         if k and any(r.owed() == 0 for r in self.rows):
             k = 0
         snap = self._checkpoint()

@@ -95,6 +95,7 @@ class DraftPolicy:
         self.max_k = max_k
         self.adaptive = adaptive
         self.margin = margin  # drafting must win clearly: timing noise must not cost users
+        self.waiting_margin = 0.1
         self.forget = forget
         self.costs = StepCosts()
         # Acceptance per draft position, a forgetting average over steps with a
@@ -136,10 +137,13 @@ class DraftPolicy:
         return float(np.prod(self.alpha[:k]))
 
     # -- decision ----------------------------------------------------------------
-    def choose(self, B: int) -> int:
+    def choose(self, B: int, prompts_waiting: bool = False) -> int:
+        """K for the next step of a batch of B rows. ``prompts_waiting``: sequences
+        are waiting for their prompt to run, and a longer step delays them (the
+        batch stays smaller for longer), so drafting must win by a wider margin."""
         if not self.adaptive or self.max_k == 0:
             return self.max_k
-        k, _ = self._decide(B)
+        k, _ = self._decide(B, self.margin + (self.waiting_margin if prompts_waiting else 0))
         if k and not self._drafting:  # drafting pays again: re-check soon after a pause
             self._gaps.pop(None, None)
         self._drafting = k > 0
@@ -152,12 +156,12 @@ class DraftPolicy:
             return self.max_k > 0
         return self._decide(B)[0] > 0
 
-    def _decide(self, B: int) -> Tuple[int, bool]:
+    def _decide(self, B: int, margin: Optional[float] = None) -> Tuple[int, bool]:
         """(K, exploring): the best K by predicted tokens per second per row."""
         t0 = self.costs.predict(B, 0)
         if t0 is None:
             return 0, False  # time plain steps at this batch size first
-        best, best_rate = 0, self.margin / t0
+        best, best_rate = 0, (margin or self.margin) / t0
         for k in range(1, self.max_k + 1):
             t = self.costs.predict(B, k)
             if t is None:

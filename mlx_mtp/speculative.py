@@ -327,11 +327,14 @@ class MTPDecoder:
                 end = snapshot_at
             _, h_mtp = self.model.trunk(tokens[:, start:end], self.cache)
             if self.mtp_cache is not None:
-                self._owe_hidden(h_mtp, tokens[:, start:end])
                 if self.drafting_hint is None or self.drafting_hint():
+                    self._owe_hidden(h_mtp, tokens[:, start:end])
                     self._flush_owed(max_owed=self.prefill_step_size)
-                else:  # drafting is paused where this sequence will run: skip the head
-                    self._keep_recent_owed(MAX_OWED_WHILE_PAUSED)
+                else:
+                    # Drafting is paused where this sequence will run: the head skips
+                    # this prompt, and leaving the hiddens unread lets the lazy graph
+                    # skip the last layer's per-position work, as plain prefill does.
+                    self.owed_hidden, self.owed_tokens, self.last_hidden = [], [], None
             mx.eval(cache_state_arrays(self.cache), *self.owed_hidden)
             self.n_processed = end
             if end == snapshot_at:
@@ -398,12 +401,6 @@ class MTPDecoder:
         """
         if len(self.owed_hidden) > 2 * keep:
             del self.owed_hidden[:-keep], self.owed_tokens[:-keep]
-
-    def _keep_recent_owed(self, n: int):
-        """Keep only the newest ``n`` owed positions (entries may span many)."""
-        if sum(h.shape[1] for h in self.owed_hidden) > n:
-            h, t = self._take_owed()
-            self._owe(h[:, -n:], t[:, -n:])
 
     def _flush_owed(self, max_owed: int = 0):
         """Write owed pairs into the MTP cache when more than ``max_owed`` are pending.

@@ -137,3 +137,13 @@ def test_one_slow_step_does_not_stop_drafting_for_good():
     policy.record_step(16, 3, 20 * flat_cost(16, 3) / 1e3, [3] * 16)  # a spike
     _, ks = simulate(policy, flat_cost, 1.0, [16] * 300, seed=5)
     assert all(k == 3 for k in ks[-100:])
+
+
+def test_wider_margin_while_prompts_wait():
+    """A step that drafts delays the prompts waiting to join: a small gain is not enough."""
+    policy = DraftPolicy(1)
+    for _ in range(10):
+        policy.record_step(8, 0, 0.010)
+        policy.record_step(8, 1, 0.0185, [1] * 8)  # 2 tokens per 1.85 plain steps: +8%
+    assert policy.choose(8) == 1
+    assert policy.choose(8, prompts_waiting=True) == 0
