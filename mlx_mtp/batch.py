@@ -191,6 +191,33 @@ class BatchDecoder:
         for r, y, h, t in rows:
             r.y, r.owed_hidden, r.owed_tokens = y, h, t
 
+    def calibrate(self, batch_sizes=(1, 4, 16), steps: int = 3, prompt_len: int = 16) -> float:
+        """Time steps of dummy batches at a few (batch size, K) cells before serving.
+
+        Gives ``DraftPolicy`` a cost model from the start, so live traffic does not
+        pay for exploring it. Only costs are recorded (dummy drafts say nothing about
+        acceptance). Needs an empty batch; returns the seconds spent.
+        """
+        if not self.K or not self.adaptive or self.rows:
+            return 0.0
+        t_start = time.perf_counter()
+        ks = sorted({0, 1, self.K})
+        prompt = [(7 * j + 3) % self.model.text.args.vocab_size for j in range(prompt_len)]
+        for B in batch_sizes:
+            for i in range(B):
+                dec = MTPDecoder(self.model, self.K, adaptive=False)
+                dec.prefill(prompt)
+                self.add(("calibration", i), dec)
+            for k in ks:
+                for j in range(steps + 1):  # the first step of a shape pays one-off costs
+                    start = time.perf_counter()
+                    self._plain_step() if k == 0 else self._spec_step(k)
+                    if j:
+                        self.policy.costs.observe(B, k, time.perf_counter() - start)
+            for i in range(B):
+                self.remove(("calibration", i))
+        return time.perf_counter() - t_start
+
     def would_draft(self, batch_size: int) -> bool:
         """Whether a batch of this size drafts now: a joining prompt needs its MTP
         pairs only then (paused, a short recent history is enough)."""

@@ -145,3 +145,24 @@ def test_failed_step_restores_batch_and_names_one_row(tiny_ckpt):
     for i in outs:
         if i != longest:
             assert outs[i][:N] == refs[i]
+
+
+def test_calibrate_fills_the_cost_model_and_leaves_the_batch_empty():
+    from mlx_mtp.tiny import make_tiny
+    import tempfile
+    from mlx_mtp.loader import load
+
+    with tempfile.TemporaryDirectory() as d:
+        model, _ = load(str(make_tiny(d + "/m", "qwen3_5", "oracle")))
+    bd = BatchDecoder(model, 2)
+    assert bd.calibrate((1, 3), steps=3) > 0
+    assert len(bd) == 0 and bd.cache is None
+    for B in (1, 3):
+        for k in (0, 1, 2):
+            assert bd.policy.costs.count(B, k) == 3
+    assert bd.policy.alpha == [0.7, 0.7]  # dummy drafts teach nothing about acceptance
+    # the batch still works afterwards
+    dec = MTPDecoder(model, 2, SamplingParams(), adaptive=False)
+    dec.prefill([5, 6, 7, 8])
+    bd.add("r", dec)
+    assert bd.step()["r"].tokens

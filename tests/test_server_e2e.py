@@ -87,7 +87,10 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    srv = ServerProcess(ckpt, tmp_path_factory.mktemp("srv"), "--max-kv-size", str(CTX))
+    # --fixed-k: always draft, so every test exercises MTP inside the batch (the adaptive
+    # policy may rightly pause drafting for this tiny model; it is tested on its own).
+    srv = ServerProcess(ckpt, tmp_path_factory.mktemp("srv"), "--max-kv-size", str(CTX),
+                        "--fixed-k")
     yield srv
     assert srv.stop(signal.SIGINT) == 0, srv.logs()
 

@@ -142,6 +142,7 @@ class Engine:
         max_queue: int = 1024,
         model_name: str = "model",
         log_interval: float = 10.0,
+        calibrate: bool = True,
     ):
         if prefill_step_size < 1:
             raise ValueError("prefill_step_size must be >= 1")
@@ -170,6 +171,7 @@ class Engine:
         self._stopped = threading.Event()
         self.alive = False
         self.log_interval = log_interval
+        self.calibrate = calibrate  # time a few batch shapes before serving (start())
         self._log_t = time.perf_counter()
         self._log_stats = SpecStats()
         self._log_tokens = 0
@@ -215,7 +217,21 @@ class Engine:
         return len(self.waiting) + len(self._incoming)
 
     # -- the loop -------------------------------------------------------------------
+    def _calibrate(self):
+        sizes = sorted({1, min(4, self.max_concurrency), self.max_concurrency})
+        try:
+            seconds = self.batch.calibrate(sizes)
+        except Exception:  # never fatal: the policy then learns from live steps
+            log.exception("MTP step-cost calibration failed")
+            self.batch = BatchDecoder(self.model, self.batch.K, self.adaptive)
+            return
+        if seconds:
+            log.info("MTP step costs calibrated in %.1f s; draft policy at %s", seconds,
+                     self.batch.policy.describe(self.max_concurrency))
+
     def _run(self):
+        if self.calibrate:
+            self._calibrate()
         while True:
             with self._cv:
                 while (not self._stopping and not self._incoming and not self.waiting
