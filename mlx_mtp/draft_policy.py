@@ -41,10 +41,18 @@ class StepCosts:
         self.memory = memory  # a cell keeps its last ``memory`` steps
         self.cells: Dict[Tuple[int, int], Deque[float]] = {}  # (B, K) -> recent seconds
         self._coef: Dict[int, Optional[np.ndarray]] = {}  # per batch size asked about
+        self._clock = 0  # steps observed
+        self._last: Dict[Tuple[int, int], int] = {}  # cell -> step of its last observation
 
     def observe(self, B: int, K: int, seconds: float):
         self.cells.setdefault((B, K), deque(maxlen=self.memory)).append(seconds)
+        self._clock += 1
+        self._last[(B, K)] = self._clock
         self._coef.clear()
+
+    def stale(self, B: int, K: int, horizon: int = 256) -> bool:
+        """Not measured in the last ``horizon`` steps (contexts grow, load changes)."""
+        return self._clock - self._last.get((B, K), 0) > horizon
 
     def count(self, B: int, K: int) -> int:
         return len(self.cells.get((B, K), ()))
@@ -177,8 +185,9 @@ class DraftPolicy:
     def _maybe_probe(self, B: int, chosen: int) -> Optional[int]:
         """Now and then (at doubling intervals) try another K.
 
-        Per batch size: a K whose cost here is barely measured (a fit, or one or two
-        perhaps unlucky steps): plain steps, or a K whose drafts would mostly land.
+        Per batch size: a K whose cost here is barely or long ago measured (a fit, one
+        or two perhaps unlucky steps, an old figure): plain steps, or a K whose drafts
+        would mostly land.
         Across batch sizes, while paused: K=1 to re-check acceptance, where even
         perfect acceptance would beat plain steps.
         """
@@ -186,7 +195,8 @@ class DraftPolicy:
         if t0 is None:
             return None
         thin = [k for k in range(self.max_k + 1) if k != chosen
-                and self.costs.count(B, k) < 3 and (k == 0 or self._reach(k) >= 0.5)]
+                and (self.costs.count(B, k) < 3 or self.costs.stale(B, k))
+                and (k == 0 or self._reach(k) >= 0.5)]
         if thin and self._due(B):
             return min(thin, key=lambda k: (self.costs.count(B, k), k))
         t1 = self.costs.predict(B, 1)

@@ -147,3 +147,18 @@ def test_wider_margin_while_prompts_wait():
         policy.record_step(8, 1, 0.0185, [1] * 8)  # 2 tokens per 1.85 plain steps: +8%
     assert policy.choose(8) == 1
     assert policy.choose(8, prompts_waiting=True) == 0
+
+
+def test_stale_plain_cost_is_remeasured_while_drafting():
+    """A plain-step cost measured once under load (startup) must not keep drafting on."""
+    policy = DraftPolicy(1, margin=1.0)
+    for _ in range(3):
+        policy.record_step(16, 0, 0.031)  # inflated: measured while the machine was busy
+        policy.record_step(16, 1, 0.050, [1] * 16)
+    true_cost = {0: 0.0235, 1: 0.050}
+    ks = []
+    for _ in range(2000):
+        k = policy.choose(16)
+        ks.append(k)
+        policy.record_step(16, k, true_cost[k], [1] * 16 if k else [])
+    assert ks[0] == 1 and ks[-200:].count(1) < 10  # 2 per 50 ms < 1 per 23.5 ms
