@@ -1,8 +1,8 @@
 #!/bin/bash
 # Build the model first: python -c "from mlx_mtp.tiny import make_tiny; make_tiny('/tmp/srv_oracle', 'qwen3_5', 'oracle', trunk_scale=0.1, vocab_size=4096, hidden=512, num_layers=8)"
 # Example: PASSES=3 benchmarks/server_ab.sh auto out_openblas 1,4,8,16
-# usage: ab.sh BLAS OUT CONC [extra serve args]
-. /work/main/.venv/bin/activate
+# usage: server_ab.sh BLAS(auto|reference) OUT CONC [extra serve args]; env PASSES, MODEL
+set -u  # needs mlx-mtp on PATH (an activated venv)
 BLAS=$1; OUT=$2; CONC=$3; shift 3
 pkill -f "serve --model ${MODEL:-/tmp/srv_oracle}"; while pgrep -f "serve --model ${MODEL:-/tmp/srv_oracle}" >/dev/null; do sleep 0.5; done
 # one at a time, so the MTP server's start-up calibration runs on an otherwise idle machine
