@@ -21,7 +21,7 @@ import mlx.core as mx
 from .cache import BatchKVCache, KVCache, RecurrentCache
 from .sampling import Sampler, SamplingParams, filtered_logprobs, log_softmax, verify
 from .draft_policy import DraftPolicy
-from .speculative import MAX_OWED_WHILE_PAUSED, MTPDecoder, SpecStats, StepOutput
+from .speculative import MTPDecoder, SpecStats, StepOutput, trim_owed
 
 
 @dataclass
@@ -219,8 +219,8 @@ class BatchDecoder:
         return time.perf_counter() - t_start
 
     def would_draft(self, batch_size: int) -> bool:
-        """Whether a batch of this size drafts now: a joining prompt needs its MTP
-        pairs only then (paused, a short recent history is enough)."""
+        """Whether a batch of this size drafts now: only then does a joining prompt
+        run through the MTP head (paused, the head's history starts after it)."""
         return self.K > 0 and self.policy.would_draft(batch_size)
 
     def _sample_rows(self, lp):
@@ -232,10 +232,8 @@ class BatchDecoder:
     def _plain_step(self):
         model = self.model
         if self.mtp_cache is not None:
-            keep = MAX_OWED_WHILE_PAUSED
-            for r in self.rows:  # drafting pauses: keep a short history only
-                if len(r.owed_hidden) > 2 * keep:
-                    del r.owed_hidden[:-keep], r.owed_tokens[:-keep]
+            for r in self.rows:
+                trim_owed(r.owed_hidden, r.owed_tokens)
         y = mx.stack([r.y for r in self.rows])  # (B, 1)
         _prepare(self.cache, 1)
         h_norm, h_mtp = model.trunk(y, self.cache)

@@ -19,8 +19,10 @@ at every join and leave.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -67,7 +69,7 @@ class StepCosts:
         steps = list(cell)
         if len(steps) > 1 and len(steps) < self.memory:
             steps = steps[1:]
-        return float(np.median(steps))
+        return statistics.median(steps)
 
     def predict(self, B: int, K: int) -> Optional[float]:
         """The cell's own median once it has a few steps, else the fit or the thin
@@ -95,6 +97,41 @@ class StepCosts:
         return self._coef[B]
 
 
+class AcceptanceEstimate:
+    """Acceptance per draft position: a forgetting average over steps, with a prior
+    worth one observation at 0.7 (optimistic enough to try drafting, quick to give up)."""
+
+    def __init__(self, max_k: int, forget: float):
+        self.forget = forget
+        self.hits = [0.7] * max_k
+        self.trials = [1.0] * max_k
+
+    def record(self, k: int, accepted: Sequence[int]):
+        """One step that drafted ``k`` for each row; ``accepted``: each row's count."""
+        for j in range(k):
+            reached = sum(1 for n in accepted if n >= j)
+            if reached:
+                hit = sum(1 for n in accepted if n > j)
+                self.hits[j] = self.forget * self.hits[j] + hit
+                self.trials[j] = self.forget * self.trials[j] + reached
+
+    @property
+    def alpha(self) -> List[float]:
+        return [h / t for h, t in zip(self.hits, self.trials)]
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a row emits per step with k drafts: 1 + a1 + a1*a2 + ..."""
+        total, run = 1.0, 1.0
+        for a in self.alpha[:k]:
+            run *= a
+            total += run
+        return total
+
+    def reach(self, k: int) -> float:
+        """Probability that all k drafts of a step are accepted."""
+        return math.prod(self.alpha[:k])
+
+
 class DraftPolicy:
     """Chooses K for each batch step (``choose``) from what steps cost and what rows accept."""
 
@@ -104,12 +141,8 @@ class DraftPolicy:
         self.adaptive = adaptive
         self.margin = margin  # drafting must win clearly: timing noise must not cost users
         self.waiting_margin = 0.1
-        self.forget = forget
         self.costs = StepCosts()
-        # Acceptance per draft position, a forgetting average over steps with a
-        # prior worth one observation at 0.7: optimistic enough to try drafting.
-        self.hits = [0.7] * max_k
-        self.trials = [1.0] * max_k
+        self.acceptance = AcceptanceEstimate(max_k, forget)
         self.probe_gap = probe_gap
         # A probe is worth it if drafting could win with a somewhat cheaper step than
         # predicted: a probe measures the cell itself, correcting the fit.
@@ -123,26 +156,7 @@ class DraftPolicy:
     def record_step(self, B: int, k: int, seconds: float, accepted: List[int] = ()):
         """One finished step: its batch size, K, wall time and each row's accepted count."""
         self.costs.observe(B, k, seconds)
-        for j in range(k):
-            reached = sum(1 for n in accepted if n >= j)
-            if reached:
-                hit = sum(1 for n in accepted if n > j)
-                self.hits[j] = self.forget * self.hits[j] + hit
-                self.trials[j] = self.forget * self.trials[j] + reached
-
-    @property
-    def alpha(self) -> List[float]:
-        return [h / t for h, t in zip(self.hits, self.trials)]
-
-    def expected_tokens(self, k: int) -> float:
-        total, run = 1.0, 1.0
-        for a in self.alpha[:k]:
-            run *= a
-            total += run
-        return total
-
-    def _reach(self, k: int) -> float:
-        return float(np.prod(self.alpha[:k]))
+        self.acceptance.record(k, accepted)
 
     # -- decision ----------------------------------------------------------------
     def choose(self, B: int, prompts_waiting: bool = False) -> int:
@@ -151,7 +165,7 @@ class DraftPolicy:
         batch stays smaller for longer), so drafting must win by a wider margin."""
         if not self.adaptive or self.max_k == 0:
             return self.max_k
-        k, _ = self._decide(B, self.margin + (self.waiting_margin if prompts_waiting else 0))
+        k = self._decide(B, self.margin + (self.waiting_margin if prompts_waiting else 0))
         if k and not self._drafting:  # drafting pays again: re-check soon after a pause
             self._gaps.pop(None, None)
         self._drafting = k > 0
@@ -162,25 +176,25 @@ class DraftPolicy:
         """Whether a batch of B rows drafts now (or explores): no side effects."""
         if not self.adaptive:
             return self.max_k > 0
-        return self._decide(B)[0] > 0
+        return self._decide(B) > 0
 
-    def _decide(self, B: int, margin: Optional[float] = None) -> Tuple[int, bool]:
-        """(K, exploring): the best K by predicted tokens per second per row."""
+    def _decide(self, B: int, margin: Optional[float] = None) -> int:
+        """The best K by predicted tokens per second per row."""
         t0 = self.costs.predict(B, 0)
         if t0 is None:
-            return 0, False  # time plain steps at this batch size first
+            return 0  # time plain steps at this batch size first
         best, best_rate = 0, (margin or self.margin) / t0
         for k in range(1, self.max_k + 1):
             t = self.costs.predict(B, k)
             if t is None:
                 # Unknown cost: try it for a step if its drafts would mostly land.
-                if self._reach(k) >= 0.5:
-                    return k, True
+                if self.acceptance.reach(k) >= 0.5:
+                    return k
                 break
-            rate = self.expected_tokens(k) / t
+            rate = self.acceptance.expected_tokens(k) / t
             if rate > best_rate:
                 best, best_rate = k, rate
-        return best, False
+        return best
 
     def _maybe_probe(self, B: int, chosen: int) -> Optional[int]:
         """Now and then (at doubling intervals) try another K.
@@ -196,7 +210,7 @@ class DraftPolicy:
             return None
         thin = [k for k in range(self.max_k + 1) if k != chosen
                 and (self.costs.count(B, k) < 3 or self.costs.stale(B, k))
-                and (k == 0 or self._reach(k) >= 0.5)]
+                and (k == 0 or self.acceptance.reach(k) >= 0.5)]
         if thin and self._due(B):
             return min(thin, key=lambda k: (self.costs.count(B, k), k))
         t1 = self.costs.predict(B, 1)
@@ -224,6 +238,7 @@ class DraftPolicy:
             t = self.costs.predict(B, k)
             n = self.costs.count(B, k)
             parts.append("?" if t is None else f"{1e3 * t:.1f}" + ("" if n >= 3 else "~"))
-        gains = " ".join(f"{self.expected_tokens(k):.2f}" for k in range(1, self.max_k + 1))
-        return (f"batch {B}: K={self._decide(B)[0]}; step ms by K=0..{self.max_k}: "
+        expected = self.acceptance.expected_tokens
+        gains = " ".join(f"{expected(k):.2f}" for k in range(1, self.max_k + 1))
+        return (f"batch {B}: K={self._decide(B)}; step ms by K=0..{self.max_k}: "
                 f"{' '.join(parts)} (~ fitted); tokens/row by K=1..: {gains}")

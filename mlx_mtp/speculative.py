@@ -29,10 +29,23 @@ from typing import Callable, Generator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import cache_state_arrays, rollback
+from .draft_policy import AcceptanceEstimate
 from .sampling import Sampler, SamplingParams, filtered_logprobs, log_softmax, verify
 
 MAX_DRAFT_TOKENS = 8
 MAX_OWED_WHILE_PAUSED = 4
+
+
+def trim_owed(hidden: list, tokens: list, keep: int = MAX_OWED_WHILE_PAUSED):
+    """While drafting pauses, keep only the newest ``keep`` owed entries (in place).
+
+    The MTP head then sees a shorter history when drafting resumes (it only drafts,
+    so output is unaffected), and a probe after a long pause costs one short MTP pass
+    instead of one over every token since. Plain steps owe one pair each, so this is
+    list trimming, no array work.
+    """
+    if len(hidden) > 2 * keep:
+        del hidden[:-keep], tokens[:-keep]
 
 
 @dataclass
@@ -114,11 +127,7 @@ class DraftController:
         self.timed = timed
         self.draft_cost = draft_cost
         self.epoch, self.probe_epoch = epoch, probe_epoch
-        # Acceptance per position as a forgetting average with a prior worth one
-        # observation at 0.7: optimistic enough to try drafting, quick to give up.
-        self.hits = [0.7] * max_k
-        self.trials = [1.0] * max_k
-        self.forget = 0.9
+        self.acceptance = AcceptanceEstimate(max_k, forget=0.9)
         self.rate: List[Optional[float]] = [None] * (max_k + 1)  # tokens/s per K
         self.decay = 0.5
         self.margin = 1.05
@@ -130,19 +139,8 @@ class DraftController:
         self._since_probe = 0
         self._exploit = 0
 
-    @property
-    def alpha(self) -> List[float]:
-        return [h / t for h, t in zip(self.hits, self.trials)]
-
-    def expected_tokens(self, k: int) -> float:
-        total, run = 1.0, 1.0
-        for a in self.alpha[:k]:
-            run *= a
-            total += run
-        return total
-
     def modelled_rate(self, k: int) -> float:
-        return self.expected_tokens(k) / (1 + self.draft_cost * k)
+        return self.acceptance.expected_tokens(k) / (1 + self.draft_cost * k)
 
     def choose(self) -> int:
         if not self.adaptive or self.max_k == 0:
@@ -161,13 +159,6 @@ class DraftController:
         self._time = 0.0
         return self.k
 
-    def _reach(self, k: int) -> float:
-        """Estimated probability that all k drafts of a step are accepted."""
-        p = 1.0
-        for a in self.alpha[:k]:
-            p *= a
-        return p
-
     def _next_epoch(self):
         measured = [k for k in range(self.max_k + 1) if self.rate[k] is not None]
         best = max(measured, key=lambda k: self.rate[k])
@@ -176,7 +167,7 @@ class DraftController:
         # Explore an unmeasured depth whose drafts would mostly be accepted, even
         # past a losing K: fixed per-step overheads can make K=1 lose where K=3 wins.
         for k in range(1, self.max_k + 1):
-            if self.rate[k] is None and self._reach(k) >= 0.5:
+            if self.rate[k] is None and self.acceptance.reach(k) >= 0.5:
                 return k, self.probe_epoch
         if best > 0:
             self._since_probe = 0
@@ -196,7 +187,7 @@ class DraftController:
         return 0, self.epoch
 
     def update(self, k: int, n_accepted: int, seconds: Optional[float]):
-        self.record_acceptance(k, n_accepted)
+        self.acceptance.record(k, [n_accepted])
         self.record_time(k, seconds, 1 + n_accepted)
 
     def record_time(self, k: int, seconds: Optional[float], tokens: int):
@@ -206,12 +197,6 @@ class DraftController:
             self._steps += 1
             self._tokens += tokens
             self._time += seconds
-
-    def record_acceptance(self, k: int, n_accepted: int):
-        for j in range(min(k, n_accepted + 1)):  # positions reached in this step
-            self.hits[j] = self.forget * self.hits[j] + (j < n_accepted)
-            self.trials[j] = self.forget * self.trials[j] + 1
-
 
 class _Controllers:
     """Timed controllers of one model, by K (kept on the model object)."""
@@ -391,17 +376,6 @@ class MTPDecoder:
         self.owed_hidden, self.owed_tokens = [], []
         return h, t
 
-    def _drop_owed(self, keep: int):
-        """While drafting pauses, keep only the newest ``keep`` owed entries.
-
-        The MTP head then sees a shorter history when drafting resumes (it only
-        drafts, so output is unaffected), and a probe after a long pause costs
-        one short MTP pass instead of one over every token since. Plain steps
-        owe one pair each, so this is list trimming, no array work.
-        """
-        if len(self.owed_hidden) > 2 * keep:
-            del self.owed_hidden[:-keep], self.owed_tokens[:-keep]
-
     def _flush_owed(self, max_owed: int = 0):
         """Write owed pairs into the MTP cache when more than ``max_owed`` are pending.
 
@@ -420,7 +394,7 @@ class MTPDecoder:
         tok = self.sampler.sample(filtered_logprobs(lp, self.params))
         if self.mtp_cache is not None:
             self._owe(h_mtp, tok[:, None])
-            self._drop_owed(MAX_OWED_WHILE_PAUSED)
+            trim_owed(self.owed_hidden, self.owed_tokens)
         mx.async_eval(tok, lp)
         return tok, lp
 

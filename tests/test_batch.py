@@ -160,7 +160,7 @@ def test_calibrate_fills_the_cost_model_and_leaves_the_batch_empty():
     for B in (1, 3):
         for k in (0, 1, 2):
             assert bd.policy.costs.count(B, k) == 3
-    assert bd.policy.alpha == [0.7, 0.7]  # dummy drafts teach nothing about acceptance
+    assert bd.policy.acceptance.alpha == [0.7, 0.7]  # dummy drafts teach nothing about acceptance
     # the batch still works afterwards
     dec = MTPDecoder(model, 2, SamplingParams(), adaptive=False)
     dec.prefill([5, 6, 7, 8])

@@ -120,12 +120,12 @@ def test_acceptance_is_per_position_and_forgets():
     policy = DraftPolicy(2)
     for _ in range(300):
         policy.record_step(2, 2, 0.01, [1, 1])  # position 1 always, position 2 never
-    a1, a2 = policy.alpha
+    a1, a2 = policy.acceptance.alpha
     assert a1 > 0.98 and a2 < 0.02
-    assert policy.expected_tokens(2) == pytest.approx(1 + a1 + a1 * a2)
+    assert policy.acceptance.expected_tokens(2) == pytest.approx(1 + a1 + a1 * a2)
     for _ in range(300):
         policy.record_step(2, 2, 0.01, [2, 2])
-    assert policy.alpha[1] > 0.98
+    assert policy.acceptance.alpha[1] > 0.98
 
 
 def test_one_slow_step_does_not_stop_drafting_for_good():

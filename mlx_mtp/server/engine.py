@@ -19,7 +19,7 @@ A sequence's prompt runs through its own ``MTPDecoder``; then it joins the
 accepting its own number of drafts and rolling back its own state, so greedy
 output does not depend on what else is running. The batch's ``DraftPolicy``
 picks K per step from acceptance and a step-cost model by batch size; while it
-pauses drafting, joining prompts skip the MTP head (a short history suffices).
+pauses drafting, joining prompts skip the MTP head.
 
 Events sent to ``on_event``: ``Delta`` (new text, token ids, logprobs),
 then exactly one of ``Done`` or ``Failed``. A cancelled request gets nothing.
