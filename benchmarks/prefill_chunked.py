@@ -12,8 +12,8 @@ from pathlib import Path
 import mlx.core as mx
 
 import mlx_mtp.models.hybrid as hybrid
-from mlx_mtp.loader import load_model
-from mlx_mtp.tiny import make_tiny
+from mlx_mtp.models.loader import load_model
+from mlx_mtp.testing.tiny import make_tiny
 
 
 def main():

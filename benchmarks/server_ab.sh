@@ -1,5 +1,5 @@
 #!/bin/bash
-# Build the model first: python -c "from mlx_mtp.tiny import make_tiny; make_tiny('/tmp/srv_oracle', 'qwen3_5', 'oracle', trunk_scale=0.1, vocab_size=4096, hidden=512, num_layers=8)"
+# Build the model first: python -c "from mlx_mtp.testing.tiny import make_tiny; make_tiny('/tmp/srv_oracle', 'qwen3_5', 'oracle', trunk_scale=0.1, vocab_size=4096, hidden=512, num_layers=8)"
 # Example: PASSES=3 benchmarks/server_ab.sh auto out_openblas 1,4,8,16
 # usage: server_ab.sh BLAS(auto|reference) OUT CONC [extra serve args]; env PASSES, MODEL
 set -u  # needs mlx-mtp on PATH (an activated venv)

@@ -18,9 +18,9 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate as lm_stream_generate
 from mlx_lm.utils import load as lm_load
 
-from mlx_mtp.loader import load
-from mlx_mtp.speculative import MTPDecoder
-from mlx_mtp.tiny import make_tiny
+from mlx_mtp.models.loader import load
+from mlx_mtp.decode.speculative import MTPDecoder
+from mlx_mtp.testing.tiny import make_tiny
 
 PROMPT = "def fibonacci(n):\n    "
 

@@ -25,7 +25,7 @@ Then::
     python benchmarks/vs_pr990.py --summarize results1.json [results2.json ...]   # pool rounds
 
 Checkpoints: tiny Qwen3.5 models in the raw Hugging Face layout (nested text_config,
-top-level ``mtp.*``) built by ``mlx_mtp.tiny.make_tiny`` in our venv, with an
+top-level ``mtp.*``) built by ``mlx_mtp.testing.tiny.make_tiny`` in our venv, with an
 "oracle" head (every draft accepted) and a "random" head (~0% accepted), float32
 and bfloat16.
 
@@ -63,7 +63,7 @@ MODELS = [("oracle", "f32"), ("oracle", "bf16"), ("random", "f32"), ("random", "
 
 BUILD = """
 import sys, mlx.core as mx
-from mlx_mtp.tiny import make_tiny
+from mlx_mtp.testing.tiny import make_tiny
 head, dt, path = sys.argv[1:4]
 make_tiny(path, "qwen3_5", head, vocab_size=4096, hidden=512, num_layers=8,
           trunk_scale=0.1, dtype={"f32": mx.float32, "bf16": mx.bfloat16}[dt])

@@ -9,7 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """Factory for tiny Hugging Face-layout checkpoints, built once per session."""
-    from mlx_mtp.tiny import make_tiny
+    from mlx_mtp.testing.tiny import make_tiny
 
     made = {}
 

@@ -6,11 +6,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_mtp.batch import BatchDecoder
-from mlx_mtp.cache import BatchKVCache, RecurrentCache
-from mlx_mtp.loader import load_model
-from mlx_mtp.sampling import SamplingParams
-from mlx_mtp.speculative import MTPDecoder, generate_step
+from mlx_mtp.decode.batch import BatchDecoder
+from mlx_mtp.models.cache import BatchKVCache, RecurrentCache
+from mlx_mtp.models.loader import load_model
+from mlx_mtp.decode.sampling import SamplingParams
+from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 
 RNG = np.random.default_rng(0)
 PROMPTS = [[int(x) for x in RNG.integers(0, 512, n)] for n in (5, 11, 3, 20, 1, 8)]
@@ -109,7 +109,7 @@ def test_batch_kv_cache_squeezes_holes_when_growing():
 
 def test_failed_step_restores_batch_and_names_one_row(tiny_ckpt):
     """A failure of the shared forward fails one row (longest context); the rest go on."""
-    from mlx_mtp.batch import BatchStepError
+    from mlx_mtp.decode.batch import BatchStepError
 
     model, _ = load_model(Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1)))
     prompts = PROMPTS[:3]
@@ -148,9 +148,9 @@ def test_failed_step_restores_batch_and_names_one_row(tiny_ckpt):
 
 
 def test_calibrate_fills_the_cost_model_and_leaves_the_batch_empty():
-    from mlx_mtp.tiny import make_tiny
+    from mlx_mtp.testing.tiny import make_tiny
     import tempfile
-    from mlx_mtp.loader import load
+    from mlx_mtp.models.loader import load
 
     with tempfile.TemporaryDirectory() as d:
         model, _ = load(str(make_tiny(d + "/m", "qwen3_5", "oracle")))

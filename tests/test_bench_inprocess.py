@@ -9,9 +9,9 @@ from mlx_mtp.bench import stats as st
 from mlx_mtp.bench.inprocess import BenchConfig, make_settings, run_inprocess
 from mlx_mtp.bench.prompts import builtin_prompts, load_prompts
 from mlx_mtp.cli import main
-from mlx_mtp.generate import encode_prompt
-from mlx_mtp.loader import load
-from mlx_mtp.tiny import make_tiny
+from mlx_mtp.decode.prompt import encode_prompt
+from mlx_mtp.models.loader import load
+from mlx_mtp.testing.tiny import make_tiny
 
 ROW_FIELDS = [
     "gen_tps_median", "gen_tps_run_p25", "gen_tps_run_p75", "gen_tps_min", "gen_tps_max",

@@ -252,7 +252,7 @@ def _server_importable() -> bool:
 
 @pytest.mark.skipif(not _server_importable(), reason="mlx_mtp.server is not available yet")
 def test_real_server_bench(tmp_path):
-    from mlx_mtp.tiny import make_tiny
+    from mlx_mtp.testing.tiny import make_tiny
 
     ckpt = make_tiny(tmp_path / "ckpt", "qwen3_5", "oracle", vocab_size=4096, trunk_scale=0.1)
     port = _free_port()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mlx_mtp.bench import stats as st
-from mlx_mtp.speculative import SpecStats
+from mlx_mtp.decode.speculative import SpecStats
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 10, 101, 1000])

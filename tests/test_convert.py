@@ -10,14 +10,16 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-import mlx_mtp.add_mtp as add_mtp_module  # the module (add_mtp below is the function)
-from mlx_mtp import checkpoint_io
-from mlx_mtp import convert as cv
-from mlx_mtp.convert import ConversionError, add_mtp, convert
-from mlx_mtp.loader import load_model
+import mlx_mtp.convert.add_mtp as add_mtp_module  # the module (add_mtp below is the function)
+from mlx_mtp.convert import checkpoint_io
+from mlx_mtp.convert import add_mtp as am
+from mlx_mtp.convert import main as cv
+from mlx_mtp.convert.add_mtp import add_mtp
+from mlx_mtp.convert.main import ConversionError, convert
+from mlx_mtp.models.loader import load_model
 from mlx_mtp.models.hybrid import MissingMTPWeightsError
-from mlx_mtp.speculative import MTPDecoder, generate_step
-from mlx_mtp.tiny import build_model, make_tiny, save_hf_checkpoint, tiny_text_config
+from mlx_mtp.decode.speculative import MTPDecoder, generate_step
+from mlx_mtp.testing.tiny import build_model, make_tiny, save_hf_checkpoint, tiny_text_config
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 5]
 N_TOKENS = 20
@@ -474,22 +476,22 @@ def test_interrupted_add_mtp_leaves_target_unchanged(where, sources, converted, 
 # --------------------------------------------------------------------------
 
 def test_cli_entry_points(sources, tmp_path, capsys):
-    p = cv.add_convert_arguments(argparse.ArgumentParser())
+    p = cv.add_arguments(argparse.ArgumentParser())
     args = p.parse_args(["--hf-path", str(sources["next"]), "--mlx-path", str(tmp_path / "o"),
                          "-q", "--mtp-bits", "8"])
-    assert cv.run_convert(args) == 0
+    assert cv.run(args) == 0
     out = capsys.readouterr().out
     assert "MTP head" in out and "8-bit" in out
-    assert cv.run_convert(args) == 2
+    assert cv.run(args) == 2
     err = capsys.readouterr().err
     assert "already exists" in err and "--mlx-path" in err
 
-    p = cv.add_add_mtp_arguments(argparse.ArgumentParser())
+    p = am.add_arguments(argparse.ArgumentParser())
     args = p.parse_args(["--model", str(tmp_path / "o"), "--source", str(sources["next"])])
-    assert cv.run_add_mtp(args) == 2
+    assert am.run(args) == 2
     assert "--force" in capsys.readouterr().err
     args = p.parse_args(["--model", str(tmp_path / "o"), "--source", str(sources["next"]),
                          "--force", "--mtp-bits", "16"])
-    assert cv.run_add_mtp(args) == 0
+    assert am.run(args) == 0
     model, _ = load_model(tmp_path / "o")
     assert type(model.mtp.fc) is nn.Linear

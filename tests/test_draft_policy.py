@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from mlx_mtp.draft_policy import DraftPolicy, StepCosts
+from mlx_mtp.decode.policy import DraftPolicy, StepCosts
 
 
 def linear_cost(B, K):  # ms

@@ -1,4 +1,4 @@
-"""OpenBLAS shim (mlx_mtp.fast_blas): same matmul results, real use of OpenBLAS, safe fallbacks,
+"""OpenBLAS shim (mlx_mtp.platform.blas): same matmul results, real use of OpenBLAS, safe fallbacks,
 the re-exec decision, and the CLI end to end."""
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_mtp import fast_blas
+from mlx_mtp.platform import blas as fast_blas
 
 pytestmark = pytest.mark.skipif(not fast_blas.reference_blas_in_use(),
                                 reason="needs the mlx[cpu] Linux wheel (reference BLAS)")

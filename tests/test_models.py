@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from mlx_mtp.loader import ModelLoadError, load_model
+from mlx_mtp.models.loader import ModelLoadError, load_model
 from mlx_mtp.models import UnsupportedModelError
 from mlx_mtp.models.hybrid import MissingMTPWeightsError
 
@@ -49,7 +49,7 @@ def test_mtp_weights_loaded_with_norm_shift(tiny_ckpt):
 
 def test_bf16_moe_runs_on_cpu(tiny_ckpt):
     """MLX's CPU gather_mm is float32-only; a bf16 MoE checkpoint must still decode."""
-    from mlx_mtp.speculative import MTPDecoder, generate_step
+    from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 
     path = tiny_ckpt("qwen3_5_moe", "random", dtype=mx.bfloat16)
     model, _ = load_model(Path(path))

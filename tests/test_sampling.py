@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from mlx_mtp.sampling import Sampler, SamplingParams, filtered_logprobs, log_softmax, verify
+from mlx_mtp.decode.sampling import Sampler, SamplingParams, filtered_logprobs, log_softmax, verify
 
 
 def lp(probs):
@@ -129,8 +129,8 @@ def test_seeded_sampling_is_reproducible():
 
 def test_end_to_end_sampling_distribution(tiny_ckpt):
     """Two tokens generated with MTP sampling follow the plain model's joint distribution."""
-    from mlx_mtp.loader import load_model
-    from mlx_mtp.speculative import MTPDecoder
+    from mlx_mtp.models.loader import load_model
+    from mlx_mtp.decode.speculative import MTPDecoder
 
     V = 8
     model, _ = load_model(Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.3, vocab_size=V,

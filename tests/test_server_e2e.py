@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from mlx_mtp.tiny import make_tiny
+from mlx_mtp.testing.tiny import make_tiny
 
 CTX = 1024  # --max-kv-size of the main server: small, so "prompt too long" is cheap
 

@@ -5,11 +5,11 @@ import time
 
 import pytest
 
-from mlx_mtp.loader import load
-from mlx_mtp.sampling import SamplingParams
+from mlx_mtp.models.loader import load
+from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest, Failed
 from mlx_mtp.server.prefix_cache import PrefixCache
-from mlx_mtp.tiny import make_tiny
+from mlx_mtp.testing.tiny import make_tiny
 
 
 @pytest.fixture(scope="module")

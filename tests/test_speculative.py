@@ -8,10 +8,10 @@ import pytest
 from mlx_lm.generate import generate_step as mlx_lm_generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from mlx_mtp.cache import KVCache, RecurrentCache
-from mlx_mtp.loader import load_model
-from mlx_mtp.sampling import SamplingParams
-from mlx_mtp.speculative import MTPDecoder, generate_step
+from mlx_mtp.models.cache import KVCache, RecurrentCache
+from mlx_mtp.models.loader import load_model
+from mlx_mtp.decode.sampling import SamplingParams
+from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 
 PROMPT = [1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 18]
 N_TOKENS = 24

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_mtp import tokenizer_build as tb
+from mlx_mtp.train import tokenizer_build as tb
 
 ASSET = tb.ASSET_DIR
 VOCAB = 4096

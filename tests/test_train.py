@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_mtp import train as T
-from mlx_mtp.loader import DEFAULT_MODEL, load, load_model
+from mlx_mtp.train import main as T
+from mlx_mtp.models.loader import DEFAULT_MODEL, load, load_model
 
 CODE = '''
 def add(a, b):
@@ -137,7 +137,7 @@ def test_head_mode_changes_only_mtp_weights(tmp_path, trained, corpus):
 
 
 def test_head_mode_requires_model(tmp_path, corpus):
-    from mlx_mtp.cli import UserError
+    from mlx_mtp.options import UserError
 
     with pytest.raises(UserError):
         T.Trainer(T.TrainConfig(mode="head", corpus=str(corpus), out=str(tmp_path / "x")))
@@ -161,8 +161,8 @@ def test_cli_train_smoke(tmp_path, corpus):
 
 @pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").exists(), reason="demo model not built")
 def test_demo_model_loads_generates_and_mtp_is_lossless():
-    from mlx_mtp.sampling import SamplingParams
-    from mlx_mtp.speculative import generate_step
+    from mlx_mtp.decode.sampling import SamplingParams
+    from mlx_mtp.decode.speculative import generate_step
 
     size = sum(f.stat().st_size for f in DEFAULT_MODEL.iterdir())
     assert size <= 30 * 1024 * 1024

@@ -22,9 +22,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..cache import RecurrentCache, cache_state_arrays
-from ..sampling import SamplingParams, log_softmax
-from ..speculative import MTPDecoder, SpecStats
+from ..models.cache import RecurrentCache, cache_state_arrays
+from ..decode.sampling import SamplingParams, log_softmax
+from ..decode.speculative import MTPDecoder, SpecStats
 from . import stats as st
 from .prompts import Prompt
 

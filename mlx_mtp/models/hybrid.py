@@ -7,6 +7,7 @@ layer(s) with their own KV cache -> ``mtp.norm`` -> the trunk's ``lm_head``.
 The interface the engine uses (see ``TextModel``):
     trunk(tokens, cache, capture)  -> (post-norm hidden, hidden fed to MTP)
     logits(hidden)                 -> lm_head
+    draft_logits(hidden)           -> the output layer the draft samples from
     mtp_forward(hidden, next_tokens, mtp_cache) -> post-mtp.norm hidden
     make_cache(), make_mtp_cache(), num_mtp_layers
 Family files differ only in how a Gated DeltaNet layer projects its input and
@@ -27,7 +28,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated as RMSNormGated
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..cache import KVCache, RecurrentCache
+from .cache import KVCache, RecurrentCache
 
 # Longer GDN inputs go through the chunked (matmul-form) recurrence when available.
 CHUNKED_MIN_TOKENS = 64
@@ -413,6 +414,12 @@ class TextModel(nn.Module):
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
+    def draft_logits(self, hidden):
+        """Logits the MTP draft samples from (full vocabulary, (..., V)). The target
+        distribution always comes from ``logits``; a cheaper draft head only lowers
+        acceptance, never changes output."""
+        return self.logits(hidden)
+
     def mtp_forward(self, hidden, next_tokens, mtp_cache):
         """hidden (B,S,H) at positions i, next_tokens (B,S) = t_{i+1}.
 
@@ -572,6 +579,9 @@ class WrappedTextModel(nn.Module):
 
     def logits(self, hidden):
         return self.language_model.logits(hidden)
+
+    def draft_logits(self, hidden):
+        return self.language_model.draft_logits(hidden)
 
     def mtp_forward(self, hidden, next_tokens, mtp_cache):
         return self.language_model.mtp_forward(hidden, next_tokens, mtp_cache)

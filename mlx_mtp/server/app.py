@@ -10,8 +10,8 @@ llama-server-style ``timings`` (``draft_n``, ``draft_n_accepted``...) and an
 param, code}}``; during a stream, one ``data: {"error": ...}`` event ends it.
 
 Prompt preparation lives in ``prompts``, response bodies and stream chunks in
-``responses``; this module holds the shared state, request validation, routes,
-the command-line arguments and ``run``.
+``responses``, the shared state in ``state``, the command in ``main``; this module
+holds request validation and the routes.
 """
 
 from __future__ import annotations
@@ -33,55 +33,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Delta, Done, Engine, EngineRequest, Failed
-from .metrics import ServerMetrics
-from .prefix_cache import PrefixCache
+from .engine import Delta, Done, EngineRequest, Failed
 from .prompts import prepare_chat, prepare_completion
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request,
                        parse_request)
 from .responses import ChatFormatter, CompletionFormatter
+from .state import ServerState
 
 log = logging.getLogger("mlx_mtp.server")
 
 KEEPALIVE_SECONDS = 10.0  # SSE comment while nothing else is sent (long prefill)
 FIRST_EVENT_WAIT = 2.0  # wait this long for the first event so early failures get a status
 MAX_TOP_LOGPROBS = 20
-
-
-# --- configuration and shared state ---------------------------------------------------------
-@dataclass
-class ServerState:
-    engine: Engine
-    tokenizer: Any
-    model_name: str
-    aliases: set
-    context_length: int
-    vocab_size: int
-    default_max_tokens: int = 512
-    sampling_defaults: Dict[str, Any] = field(default_factory=dict)
-    template_args: Dict[str, Any] = field(default_factory=dict)
-    reasoning_parser: str = "qwen3"
-    reasoning_field: str = "reasoning_content"
-    tool_call_parser: str = "auto"
-    api_key: Optional[str] = None
-    model_path: str = ""
-    num_mtp_layers: int = 0
-    num_draft_tokens: int = 0
-    adaptive: bool = True
-    max_draft_tokens: int = 8
-    created: int = field(default_factory=lambda: int(time.time()))
-    tokenize_pool: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="mlx-mtp-tokenize"))
-
-    @property
-    def im_start_id(self) -> Optional[int]:
-        tok = self.tokenizer
-        try:
-            i = tok.convert_tokens_to_ids("<|im_start|>")
-        except Exception:
-            return None
-        return i if isinstance(i, int) and i != getattr(tok, "unk_token_id", None) else None
 
 
 # --- request parameters ----------------------------------------------------------------
@@ -102,8 +65,8 @@ def check_model(state: ServerState, req):
 
 def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[int]):
     """Validate generation fields shared by both endpoints -> engine keyword arguments."""
-    from ..sampling import SamplingParams
-    from ..speculative import MAX_DRAFT_TOKENS
+    from ..decode.sampling import SamplingParams
+    from ..decode import check_num_draft_tokens
 
     check_model(state, req)
     if req.n is not None and req.n != 1:
@@ -161,9 +124,10 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
 
     k = req.num_draft_tokens
     if k is not None:
-        if not 0 <= k <= MAX_DRAFT_TOKENS:
-            raise bad_request(f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}.",
-                              param="num_draft_tokens")
+        try:
+            check_num_draft_tokens(k)
+        except ValueError as e:
+            raise bad_request(str(e), param="num_draft_tokens")
         if k > 0 and state.num_mtp_layers == 0:
             raise bad_request("This server runs without an MTP head (--no-mtp); "
                               "num_draft_tokens must be 0.", param="num_draft_tokens")
@@ -409,243 +373,3 @@ def create_app(state: ServerState):
                                  logprobs, fmt, bool(req.stream), include_usage)
 
     return app
-
-
-# --- command line --------------------------------------------------------------------------------
-def _size(text: str) -> int:
-    """'2G', '512M', '1000000' -> bytes."""
-    t = str(text).strip().upper().rstrip("B").rstrip("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    try:
-        if t and t[-1] in mult:
-            return int(float(t[:-1]) * mult[t[-1]])
-        return int(t)
-    except ValueError:
-        import argparse
-
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512M, 2G, 1000000)")
-
-
-def add_arguments(p):
-    from ..cli import add_model_arguments, add_sampling_arguments
-
-    add_model_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="Port (default 8080)")
-    add_sampling_arguments(p)
-    p.add_argument("--max-tokens", "-m", type=int, default=512,
-                   help="Default max_tokens of a request (default 512)")
-    p.add_argument("--chat-template", default=None,
-                   help="Chat template to use instead of the model's (a file or a Jinja string)")
-    p.add_argument("--chat-template-args", default=None,
-                   help='JSON passed to the chat template, e.g. \'{"enable_thinking": true}\' '
-                        "(requests may override with chat_template_kwargs)")
-    p.add_argument("--max-kv-size", "--max-model-len", type=int, default=None,
-                   dest="max_kv_size",
-                   help="Context limit in tokens (prompt + completion); default: the model's "
-                        "max_position_embeddings")
-    p.add_argument("--prefill-step-size", type=int, default=512,
-                   help="Prompt tokens processed per scheduler iteration (default 512)")
-    p.add_argument("--max-concurrency", "--decode-concurrency", type=int, default=16,
-                   dest="max_concurrency",
-                   help="Maximum number of requests in the running batch (default 16)")
-    p.add_argument("--max-queue", type=int, default=1024,
-                   help="Maximum number of waiting requests before answering 503 (default 1024)")
-    p.add_argument("--prompt-cache-size", type=int, default=32,
-                   help="Maximum number of prompt-prefix states kept (0 disables; default 32)")
-    p.add_argument("--prompt-cache-bytes", type=_size, default=2 << 30,
-                   help="Maximum memory of the prompt-prefix cache (default 2G)")
-    p.add_argument("--api-key", default=os.environ.get("MLX_MTP_API_KEY"),
-                   help="Require 'Authorization: Bearer KEY' (default: $MLX_MTP_API_KEY)")
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="Model name(s) in the API (default: the --model argument)")
-    p.add_argument("--reasoning-parser", choices=["qwen3", "none"], default="qwen3",
-                   help="Split <think>...</think> into a reasoning field (default qwen3)")
-    p.add_argument("--reasoning-field", choices=["reasoning_content", "reasoning", "both"],
-                   default="reasoning_content",
-                   help="Name of the reasoning field in responses (default reasoning_content)")
-    p.add_argument("--tool-call-parser", choices=["auto", "hermes", "qwen3_coder", "none"],
-                   default="auto",
-                   help="Tool-call format; auto accepts both Hermes JSON and Qwen3-Coder XML")
-    p.add_argument("--allowed-origins", nargs="*", default=None,
-                   help="CORS allowed origins (default: CORS disabled)")
-    p.add_argument("--log-level", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                   type=str.upper)
-    p.add_argument("--log-interval", type=float, default=10.0,
-                   help="Seconds between throughput/acceptance log lines (0 disables)")
-    p.add_argument("--shutdown-timeout", type=float, default=5.0,
-                   help="Seconds to wait for open connections on shutdown (default 5)")
-
-
-def _read_template(value: str) -> str:
-    """A template file's contents, or the argument itself (an inline Jinja template)."""
-    try:
-        p = Path(value).expanduser()
-        if "\n" not in value and p.is_file():
-            return p.read_text()
-    except OSError:  # not a usable path (too long...): inline template
-        pass
-    return value
-
-
-def _set_chat_template(tokenizer, template: str):
-    """Replace the chat template the tokenizer renders with."""
-    inner = getattr(tokenizer, "_tokenizer", tokenizer)
-    inner.chat_template = template
-    if getattr(tokenizer, "_chat_template", None) is not None:
-        tokenizer._chat_template = None  # a custom renderer would bypass the new template
-
-
-def _check_port(host: str, port: int):
-    import socket
-
-    from ..cli import UserError
-
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise UserError(f"cannot resolve --host {host!r}: {e}")
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(addr)
-        except OSError as e:
-            raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e} "
-                            "(is another server running? pick another --port)")
-
-
-def build_state(args, model, tokenizer, config: dict, k: int, sampling_defaults: dict,
-                template_args: dict, model_path=None) -> ServerState:
-    text_cfg = config.get("text_config", config)
-    ctx = args.max_kv_size or text_cfg.get("max_position_embeddings") or 32768
-    vocab = text_cfg.get("vocab_size") or len(tokenizer.get_vocab())
-    names = args.served_model_name or [args.model if args.model else "mlx-mtp-demo"]
-    aliases = set(names)
-    if args.model:
-        aliases.add(args.model)
-        resolved = str(Path(args.model).expanduser().resolve())
-        aliases.update({resolved, Path(resolved).name})
-    num_layers = int(getattr(model, "num_mtp_layers", 0) or 0)
-    metrics = ServerMetrics(names[0])
-    engine = Engine(
-        model, tokenizer, num_draft_tokens=k, adaptive=not args.fixed_k,
-        max_concurrency=args.max_concurrency, prefill_step_size=args.prefill_step_size,
-        prefix_cache=PrefixCache(args.prompt_cache_size, args.prompt_cache_bytes),
-        metrics=metrics, max_queue=args.max_queue, model_name=names[0],
-        log_interval=args.log_interval,
-    )
-    from ..speculative import MAX_DRAFT_TOKENS
-
-    return ServerState(
-        engine=engine, tokenizer=tokenizer, model_name=names[0], aliases=aliases,
-        context_length=int(ctx), vocab_size=int(vocab), default_max_tokens=args.max_tokens,
-        sampling_defaults=sampling_defaults, template_args=template_args,
-        reasoning_parser=args.reasoning_parser, reasoning_field=args.reasoning_field,
-        tool_call_parser=args.tool_call_parser, api_key=args.api_key or None,
-        model_path=str(model_path) if model_path else str(args.model or ""),
-        num_mtp_layers=num_layers, num_draft_tokens=k, adaptive=not args.fixed_k,
-        max_draft_tokens=MAX_DRAFT_TOKENS,
-    )
-
-
-def run(args) -> int:
-    import uvicorn
-
-    from ..cli import UserError, num_draft_tokens_from_args, parse_json_arg
-    from ..loader import generation_defaults, load, load_config, resolve_model_path
-    from ..sampling import SamplingParams
-
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.setLevel(args.log_level)
-    k = num_draft_tokens_from_args(args)
-    template_args = parse_json_arg(args.chat_template_args, "--chat-template-args")
-    for flag, v, lo in (("--max-tokens", args.max_tokens, 1),
-                        ("--prefill-step-size", args.prefill_step_size, 1),
-                        ("--max-concurrency", args.max_concurrency, 1),
-                        ("--max-queue", args.max_queue, 1),
-                        ("--prompt-cache-size", args.prompt_cache_size, 0)):
-        if v < lo:
-            raise UserError(f"{flag} must be >= {lo} (got {v})")
-    if args.max_kv_size is not None and args.max_kv_size < 2:
-        raise UserError(f"--max-kv-size must be >= 2 (got {args.max_kv_size})")
-    if not 0 < args.port < 65536:
-        raise UserError(f"--port must be between 1 and 65535 (got {args.port})")
-
-    _check_port(args.host, args.port)  # before spending minutes loading a model
-    path = resolve_model_path(args.model)
-    defaults = generation_defaults(args.model)
-    for name, flag in (("temp", "temp"), ("top_p", "top_p"), ("top_k", "top_k"),
-                       ("min_p", "min_p")):
-        v = getattr(args, flag)
-        if v is not None:
-            defaults[name] = v
-    try:
-        SamplingParams(temperature=defaults.get("temp", 0.0), top_p=defaults.get("top_p", 1.0),
-                       top_k=defaults.get("top_k", 0), min_p=defaults.get("min_p", 0.0))
-    except ValueError as e:
-        raise UserError(str(e))
-    if args.seed is not None:
-        import mlx.core as mx
-
-        mx.random.seed(args.seed)
-
-    log.info("Loading %s (MTP %s)", path, f"K={k}" if k else "off")
-    model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden)
-    if args.chat_template:
-        _set_chat_template(tokenizer, _read_template(args.chat_template))
-    state = build_state(args, model, tokenizer, load_config(path), k, defaults, template_args,
-                        model_path=path)
-    app = create_app(state)
-    if args.allowed_origins:
-        from fastapi.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
-                           allow_methods=["*"], allow_headers=["*"])
-
-    engine = state.engine
-    engine.start()
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            # uvicorn's version re-raises the signal after the graceful
-            # shutdown (exit status 130/143); a clean stop here exits with 0.
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            sigs = (signal.SIGINT, signal.SIGTERM)
-            original = {s: signal.signal(s, self.handle_exit) for s in sigs}
-            try:
-                yield
-            finally:
-                for s, h in original.items():
-                    signal.signal(s, h)
-
-        def handle_exit(self, sig, frame):
-            # End running streams now (they get an error event) instead of
-            # letting the graceful shutdown wait for them; a second Ctrl-C
-            # forces the exit.
-            engine.shutdown(timeout=0)
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            self.should_exit = True
-
-    config = uvicorn.Config(app, host=args.host, port=args.port,
-                            log_level=args.log_level.lower(),
-                            timeout_graceful_shutdown=args.shutdown_timeout,
-                            access_log=args.log_level == "DEBUG")
-    log.info("mlx-mtp serving %s at http://%s:%d/v1 (MTP: %s, max concurrency %d, "
-             "context %d tokens)", state.model_name, args.host, args.port,
-             f"{state.num_mtp_layers} layer(s), K={k}{'' if args.fixed_k else ' adaptive'}"
-             if k else "off", args.max_concurrency, state.context_length)
-    server = Server(config)
-    try:
-        server.run()  # exits the process with status 1 if the port cannot be bound
-    finally:
-        engine.shutdown()
-        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
-    log.info("Server stopped.")
-    return 0

@@ -37,10 +37,10 @@ from typing import Callable, Deque, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..cache import cache_state_arrays
-from ..sampling import SamplingParams
-from ..batch import BatchDecoder, BatchStepError
-from ..speculative import MTPDecoder, SpecStats, StepOutput
+from ..models.cache import cache_state_arrays
+from ..decode.sampling import SamplingParams
+from ..decode.batch import BatchDecoder, BatchStepError
+from ..decode.speculative import MTPDecoder, SpecStats, StepOutput
 from .metrics import ServerMetrics
 from .prefix_cache import PrefixCache
 

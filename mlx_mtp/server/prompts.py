@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 
 if TYPE_CHECKING:
-    from .app import ServerState
+    from .state import ServerState
 
 
 def _decode_arguments(args, i: int, j: int):
@@ -124,7 +124,7 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> List[int]:
     if isinstance(p, str):
         if not p:
             raise bad_request("The prompt is empty.", param="prompt")
-        from ..generate import encode_prompt
+        from ..decode.prompt import encode_prompt
 
         try:
             return encode_prompt(state.tokenizer, p)

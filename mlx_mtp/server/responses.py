@@ -14,7 +14,7 @@ from .parsers import OutputParser, Piece
 from .prompts import PreparedChat
 
 if TYPE_CHECKING:
-    from .app import ServerState
+    from .state import ServerState
 
 
 def _token_bytes(s: str) -> List[int]:

@@ -8,7 +8,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parent.parent / "assets"
 TOKENIZER_DIR = ASSETS / "tokenizer"
 DEMO_MODEL_DIR = ASSETS / "demo-model"
 FAMILY = "qwen3_5"
@@ -20,7 +20,7 @@ TEXT_SUFFIXES = {".py", ".pyi", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp"
 
 
 def _user_error(msg: str):
-    from .cli import UserError
+    from ..options import UserError
 
     return UserError(msg)
 

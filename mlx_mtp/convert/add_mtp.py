@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import copy
 import shutil
 from pathlib import Path
@@ -13,16 +15,16 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from .checkpoint_io import (MTP_SHARD, read_tensors, _checkpoint_tensors, _link_tree, _recover_stale,
+from .checkpoint_io import (MTP_SHARD, run_guarded, read_tensors, _checkpoint_tensors, _link_tree, _recover_stale,
                             _save_shard, _staging, _swap_into_place, _write_index, _write_json)
-from .convert_common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast,
+from .common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast,
                              _check_foreign_quant, _check_model_dir, _config_mtp_layers,
                              _config_quantization, _count_mtp_layers, _dequantize, _family,
                              _incomplete_head, _param_bytes, _print_summary,
                              _set_config_mtp_layers, _summarize, _text, is_mtp_key)
-from .loader import load_config, quantize_like_checkpoint
-from .models import UnsupportedModelError, get_model_module
-from .models.hybrid import HybridArgs, MissingMTPWeightsError
+from ..models.loader import load_config, quantize_like_checkpoint
+from ..models import UnsupportedModelError, get_model_module
+from ..models.hybrid import HybridArgs, MissingMTPWeightsError
 
 # Text-config fields that must agree for a head to fit a trunk.
 _SHAPE_FIELDS = (
@@ -246,3 +248,23 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
 def _entry_nbytes(entry: dict) -> int:
     start, end = entry.get("data_offsets", (0, 0))
     return int(end) - int(start)
+
+
+# --- command line ---------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", required=True,
+                        help="MLX model to add the head to (e.g. an mlx-lm conversion).")
+    parser.add_argument("--source", required=True,
+                        help="Original checkpoint holding mtp.* weights (only the shards "
+                             "holding them are read).")
+    parser.add_argument("--mtp-bits", type=int, default=None, choices=MTP_BITS,
+                        help="Precision of the head: 4, 8, or 16 (floating point). Default: "
+                             "the model's own quantization (floating point if it has none).")
+    parser.add_argument("--force", action="store_true",
+                        help="Replace a head the model already has.")
+    return parser
+
+
+def run(args) -> int:
+    return run_guarded("add-mtp", lambda: add_mtp(args.model, args.source, mtp_bits=args.mtp_bits,
+                                           force=args.force))

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .train_data import ENDOFTEXT_ID, FAMILY, IM_END_ID, TOKENIZER_DIR, _load_tokenizer
+from .data import ENDOFTEXT_ID, FAMILY, IM_END_ID, TOKENIZER_DIR, _load_tokenizer
 
 
 # --------------------------------------------------------------------------
@@ -29,7 +29,7 @@ def generation_config() -> dict:
 
 
 def _full_config(model, text: dict) -> dict:
-    from .tiny import hf_config
+    from ..testing.tiny import hf_config
 
     cfg = hf_config(FAMILY, text)
     cfg["eos_token_id"] = IM_END_ID
@@ -74,7 +74,7 @@ def save_model(model, config: dict, out: Path, layout: str = "hf", dtype=mx.floa
 
     ``config`` is the full config.json (nested ``text_config`` for Qwen3.5).
     """
-    from .tiny import _to_hf
+    from ..testing.tiny import _to_hf
 
     out = Path(out)
     tmp = _atomic_dir(out)
@@ -247,9 +247,9 @@ def evaluate_acceptance(model_path=None, ks: Sequence[int] = (1, 2, 3),
 
     Returns ``{"K=k,T=t": {"acceptance_per_pos": [...], "mean_acceptance_length": ..}}``.
     """
-    from .loader import load_model, resolve_model_path
-    from .sampling import SamplingParams
-    from .speculative import MTPDecoder
+    from ..models.loader import load_model, resolve_model_path
+    from ..decode.sampling import SamplingParams
+    from ..decode.speculative import MTPDecoder
 
     if model is None:
         path = resolve_model_path(None if model_path is None else str(model_path))
@@ -258,7 +258,7 @@ def evaluate_acceptance(model_path=None, ks: Sequence[int] = (1, 2, 3),
     results = {}
     for t in temps:
         for k in ks:
-            from .speculative import SpecStats
+            from ..decode.speculative import SpecStats
 
             total = SpecStats()
             for i, p in enumerate(prompts):

@@ -18,9 +18,9 @@ from typing import Dict, Hashable, List, Optional
 
 import mlx.core as mx
 
-from .cache import BatchKVCache, KVCache, RecurrentCache
+from ..models.cache import BatchKVCache, KVCache, RecurrentCache
 from .sampling import Sampler, SamplingParams, filtered_logprobs, log_softmax, verify
-from .draft_policy import DraftPolicy
+from .policy import DraftPolicy
 from .speculative import MTPDecoder, SpecStats, StepOutput, trim_owed
 
 

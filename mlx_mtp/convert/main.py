@@ -16,10 +16,9 @@ the target, changes it there and swaps the two directories. On any error or
 interrupt the staging directory is removed: the source is never touched and the
 target is either absent (convert) or unchanged (add-mtp).
 
-This module holds ``convert`` and the command-line glue of both commands; the rest
-lives in ``add_mtp`` (the add-mtp command), ``checkpoint_io`` (writing, staging,
-atomic swap) and ``convert_common`` (helpers and the quantization scheme shared
-by both).
+This module holds ``convert`` and its command; ``add_mtp`` the add-mtp command,
+``checkpoint_io`` writing, staging and the atomic swap, ``common`` the helpers and
+quantization scheme shared by both.
 """
 
 from __future__ import annotations
@@ -35,17 +34,16 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from .add_mtp import add_mtp
-from .checkpoint_io import (MTP_SHARD, read_tensors, _copy_tokenizer, _finalize_config, _staging,
+from .checkpoint_io import (MTP_SHARD, run_guarded, read_tensors, _copy_tokenizer, _finalize_config, _staging,
                             _terminate_as_interrupt, _write_index, _write_json, _write_weights)
-from .convert_common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast,
+from .common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast,
                              _check_foreign_quant, _check_model_dir, _config_mtp_layers,
                              _config_quantization, _count_mtp_layers, _dequantize, _fmt_bytes,
                              _incomplete_head, _param_bytes, _print_summary,
                              _set_config_mtp_layers, _summarize, _text, _warn, is_mtp_key)
-from .loader import ModelLoadError, load_config, quantize_like_checkpoint, weight_files
-from .models import UnsupportedModelError
-from .models.hybrid import MissingMTPWeightsError
+from ..models.loader import ModelLoadError, load_config, quantize_like_checkpoint, weight_files
+from ..models import UnsupportedModelError
+from ..models.hybrid import MissingMTPWeightsError
 
 DEFAULT_MAX_SHARD_GB = 5.0
 Q_BITS = (2, 3, 4, 5, 6, 8)
@@ -264,7 +262,7 @@ def convert(
 # CLI
 # --------------------------------------------------------------------------
 
-def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--hf-path", "--model", dest="hf_path", required=True,
                         help="Local Hugging Face checkpoint (single file or sharded), or an "
                              "MLX model for --dequantize.")
@@ -289,38 +287,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     return parser
 
 
-def add_add_mtp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", required=True,
-                        help="MLX model to add the head to (e.g. an mlx-lm conversion).")
-    parser.add_argument("--source", required=True,
-                        help="Original checkpoint holding mtp.* weights (only the shards "
-                             "holding them are read).")
-    parser.add_argument("--mtp-bits", type=int, default=None, choices=MTP_BITS,
-                        help="Precision of the head: 4, 8, or 16 (floating point). Default: "
-                             "the model's own quantization (floating point if it has none).")
-    parser.add_argument("--force", action="store_true",
-                        help="Replace a head the model already has.")
-    return parser
-
-
-def _run(command: str, fn) -> int:
-    try:
-        with _terminate_as_interrupt():
-            fn()
-    except (ConversionError, ModelLoadError, UnsupportedModelError) as e:
-        print(f"mlx-mtp {command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"mlx-mtp {command}: interrupted; nothing was changed.", file=sys.stderr)
-        return 130
-    except OSError as e:  # disk full, permissions...: nothing was changed either
-        print(f"mlx-mtp {command}: error: {e}. Nothing was changed.", file=sys.stderr)
-        return 1
-    return 0
-
-
-def run_convert(args) -> int:
-    return _run("convert", lambda: convert(
+def run(args) -> int:
+    return run_guarded("convert", lambda: convert(
         args.hf_path, args.mlx_path, quantize=args.quantize, q_bits=args.q_bits,
         q_group_size=args.q_group_size, mtp_bits=args.mtp_bits, dtype=args.dtype,
         dequantize=args.dequantize,
@@ -328,6 +296,3 @@ def run_convert(args) -> int:
     ))
 
 
-def run_add_mtp(args) -> int:
-    return _run("add-mtp", lambda: add_mtp(args.model, args.source, mtp_bits=args.mtp_bits,
-                                           force=args.force))

@@ -38,13 +38,13 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-# Re-exported: callers and tests import these from mlx_mtp.train.
-from .train_data import (  # noqa: F401
+# Re-exported: callers and tests import these from mlx_mtp.train.main.
+from .data import (  # noqa: F401
     ASSETS, DEMO_MODEL_DIR, ENDOFTEXT_ID, FAMILY, IM_END_ID, TEXT_SUFFIXES, TOKENIZER_DIR,
     _chat_wrap, _load_tokenizer, _user_error, corpus_file_list, load_or_tokenize, sample_batch,
     tokenize_corpus,
 )
-from .train_export import (  # noqa: F401
+from .export import (  # noqa: F401
     TOKENIZER_FILES, _atomic_dir, _full_config, _swap_in, copy_tokenizer_files,
     evaluate_acceptance, format_acceptance_table, generation_config, heldout_prompts,
     load_checkpoint, plot_loss_curve, read_metrics, save_checkpoint, save_model,
@@ -115,8 +115,8 @@ def _mrope_section(half_rot: int) -> List[int]:
 
 
 def build_scratch_model(text: dict, seed: int = 0):
-    from .models import get_model_module
-    from .tiny import hf_config
+    from ..models import get_model_module
+    from ..testing.tiny import hf_config
 
     mx.random.seed(seed)
     module = get_model_module(FAMILY)
@@ -258,8 +258,8 @@ class Trainer:
         self.model.train()
 
     def _setup_head(self):
-        from .loader import ModelLoadError, load_config, load_model, resolve_model_path
-        from .models.hybrid import MTPHead
+        from ..models.loader import ModelLoadError, load_config, load_model, resolve_model_path
+        from ..models.hybrid import MTPHead
 
         cfg = self.cfg
         if not cfg.model:
@@ -582,10 +582,10 @@ def run(args) -> int:
 
 
 def eval_main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m mlx_mtp.train eval [--model PATH]``: per-position acceptance table."""
+    """``python -m mlx_mtp.train.main eval [--model PATH]``: per-position acceptance table."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m mlx_mtp.train eval")
+    p = argparse.ArgumentParser(prog="python -m mlx_mtp.train.main eval")
     p.add_argument("--model", default=None, help="model directory (default: the demo model)")
     p.add_argument("--ks", default="1,2,3")
     p.add_argument("--temps", default="0,0.7")
@@ -609,8 +609,6 @@ def eval_main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "eval":
-        sys.exit(eval_main(sys.argv[2:]))
-    from .cli import main as _cli_main
-
-    sys.exit(_cli_main(["train"] + sys.argv[1:]))
+    # ``python -m mlx_mtp.train.main eval ...``: acceptance on held-out code
+    # (training itself runs as ``mlx-mtp train``).
+    sys.exit(eval_main(sys.argv[2:] if sys.argv[1:2] == ["eval"] else sys.argv[1:]))

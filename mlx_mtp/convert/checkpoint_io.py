@@ -24,8 +24,9 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 from tqdm import tqdm
 
-from .convert_common import ConversionError, _param_bytes, _text, _warn, is_mtp_key
-from .loader import weight_files
+from .common import ConversionError, _param_bytes, _text, _warn, is_mtp_key
+from ..models import UnsupportedModelError
+from ..models.loader import ModelLoadError, weight_files
 
 
 def read_tensors(files: List[Path], wanted=None, verbose: bool = True) -> Dict[str, mx.array]:
@@ -310,3 +311,18 @@ def _terminate_as_interrupt():
         for sig, h in saved.items():
             signal.signal(sig, h)
 
+
+def run_guarded(command: str, fn) -> int:
+    try:
+        with _terminate_as_interrupt():
+            fn()
+    except (ConversionError, ModelLoadError, UnsupportedModelError) as e:
+        print(f"mlx-mtp {command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"mlx-mtp {command}: interrupted; nothing was changed.", file=sys.stderr)
+        return 130
+    except OSError as e:  # disk full, permissions...: nothing was changed either
+        print(f"mlx-mtp {command}: error: {e}. Nothing was changed.", file=sys.stderr)
+        return 1
+    return 0

@@ -11,8 +11,10 @@ Two kinds of per-layer state:
   decision ``select(n)`` keeps the state after the ``n``-th verified token.
   Nothing is re-run.
 
-``rollback(caches, n_keep, n_total)`` applies the right operation to every
-layer, so the engine never needs to know which layer is which.
+Every cache answers ``accept(n_keep)`` after a speculative (verify) pass:
+``n_keep[b]`` is how many of that pass's positions row ``b`` keeps (>= 1, the
+first verified token is always committed). The decode step calls it on every
+layer without knowing which kind of layer it is.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class KVCache:
         self.keys[..., prev : prev + n, :] = keys
         self.values[..., prev : prev + n, :] = values
         self.offset += n
+        self.last_write = n
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
     @property
@@ -61,6 +64,10 @@ class KVCache:
         n = min(self.offset, n)
         self.offset -= n
         return n
+
+    def accept(self, n_keep):
+        """Keep the first ``n_keep[0]`` positions of the last write (one row)."""
+        self.trim(self.last_write - n_keep[0])
 
     def is_trimmable(self) -> bool:
         return True
@@ -125,6 +132,14 @@ class RecurrentCache:
     def clear_captured(self):
         self.captured_conv = self.captured_ssm = None
 
+    def accept(self, n_keep):
+        """Row ``b`` keeps its state after ``n_keep[b]`` tokens of the captured pass."""
+        if self.captured_ssm is None:
+            raise RuntimeError("accept() needs a forward pass run with capture=True")
+        S = len(self.captured_ssm)
+        self.offset -= S - max(n_keep)
+        self.select_rows(list(n_keep))
+
     def select_rows(self, n_keep: List[int]):
         """Batched ``select``: row b keeps its state after ``n_keep[b]`` tokens."""
         S = len(self.captured_ssm)
@@ -167,22 +182,9 @@ class RecurrentCache:
 
 
 def rollback(caches, n_keep: int, n_total: int):
-    """Undo the last ``n_total - n_keep`` positions of a verify pass of ``n_total``.
-
-    Recurrent layers take their captured state after ``n_keep`` tokens; attention
-    layers drop the rejected rows. ``n_keep`` >= 1 always (the first verified
-    token is the committed one).
-    """
-    n_drop = n_total - n_keep
+    """Single-sequence form of ``accept``: keep ``n_keep`` of the last ``n_total`` positions."""
     for c in caches:
-        if isinstance(c, RecurrentCache):
-            if c.captured_ssm is not None:
-                if n_drop:
-                    c.select(n_keep)
-                else:
-                    c.clear_captured()
-        elif n_drop:
-            c.trim(n_drop)
+        c.accept([n_keep])
 
 
 def cache_state_arrays(caches) -> List[mx.array]:
@@ -272,6 +274,7 @@ class BatchKVCache:
         self.values[..., self.idx : self.idx + S, :] = values
         self.valid[:, self.idx : self.idx + S] = self._new_valid()
         self.idx += S
+        self.last_write = S
         lengths = self._lengths or [S] * len(self.pos)
         self.pos = [p + n for p, n in zip(self.pos, lengths)]
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
@@ -292,6 +295,10 @@ class BatchKVCache:
         cut = mx.array([self.idx - c for c in counts])[:, None]
         self.valid = self.valid & ~((i >= cut) & (i < self.idx))
         self.pos = [p - c for p, c in zip(self.pos, counts)]
+
+    def accept(self, n_keep):
+        """Row ``b`` keeps the first ``n_keep[b]`` positions of the last write."""
+        self.drop_last([self.last_write - n for n in n_keep])
 
     def _grow(self, S: int):
         """Squeeze out holes (left-pad to the longest row), then add room."""

@@ -84,7 +84,7 @@ def hf_config(family: str, text: dict, nested: bool = True) -> dict:
 
 def build_model(family: str, text: dict, seed: int = 0):
     """Our model (float32) with random weights, norms scattered around 1."""
-    from .models import get_model_module
+    from ..models import get_model_module
 
     mx.random.seed(seed)
     module = get_model_module(family)
@@ -160,7 +160,7 @@ def _to_hf(model, family: str, expert_layout: str, mtp_expert_layout: str) -> di
 
 
 def _shifted():
-    from .models.hybrid import SHIFTED_NORM_SUFFIXES
+    from ..models.hybrid import SHIFTED_NORM_SUFFIXES
 
     return SHIFTED_NORM_SUFFIXES
 
@@ -209,7 +209,7 @@ def _write_shards(weights: dict, path: Path, shards: int):
 def copy_tokenizer(path: Path, tokenizer_dir: Optional[Path] = None):
     import shutil
 
-    src = Path(tokenizer_dir) if tokenizer_dir else Path(__file__).parent / "assets" / "tokenizer"
+    src = Path(tokenizer_dir) if tokenizer_dir else Path(__file__).parent.parent / "assets" / "tokenizer"
     if src.exists():
         for f in src.iterdir():
             if f.is_file():

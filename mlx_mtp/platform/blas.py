@@ -12,7 +12,7 @@ compares a few MLX matmuls with numpy float64 results and goes back to the refer
 they disagree, so a bad BLAS can never silently change outputs. Without a C compiler, or with
 ``--blas reference`` / ``MLX_MTP_BLAS=reference``, nothing changes.
 
-``python -m mlx_mtp.fast_blas`` prints what is in use and times two matmuls.
+``python -m mlx_mtp.platform.blas`` prints what is in use and times two matmuls.
 """
 
 from __future__ import annotations
@@ -290,6 +290,32 @@ def check(mode: Optional[str] = None, argv: Optional[Sequence[str]] = None,
     return False  # only reached if os.execve is patched out
 
 
+def add_argument(parser):
+    parser.add_argument(
+        "--blas", choices=MODES, default=default_mode(),
+        help="CPU matmul library on Linux: auto = numpy's OpenBLAS through a small compiled "
+             "shim when possible, else MLX's reference BLAS; openblas = fail if that is "
+             "impossible (default: $MLX_MTP_BLAS or auto)")
+
+
+def setup(args, argv):
+    """Move this CLI process onto OpenBLAS if wanted (re-executes it), verify, report it.
+
+    Only for the process's entry point: re-executing replaces the whole process, which
+    must not happen to a caller of ``cli.main(argv)`` (tests, ``python -m``).
+    """
+    if getattr(args, "server", None):  # bench --server: a client, it runs no model
+        return
+    maybe_reexec(args.blas, argv)
+    check(args.blas, argv)
+    if args.command == "serve":  # the server's basicConfig is then a no-op: keep its format
+        logging.basicConfig(level=args.log_level,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        log.info(describe())
+    elif args.command != "generate" and not getattr(args, "quiet", False):
+        print(describe(), file=sys.stderr)  # generate prints it with its stats
+
+
 def describe() -> str:
     """One line for logs: which BLAS runs MLX's CPU matmuls, and why."""
     if active():
@@ -323,9 +349,9 @@ def _bench():
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        maybe_reexec(module="mlx_mtp.fast_blas")
-        check(module="mlx_mtp.fast_blas")
+        maybe_reexec(module="mlx_mtp.platform.blas")
+        check(module="mlx_mtp.platform.blas")
     except BlasError as e:
-        sys.exit(f"mlx_mtp.fast_blas: error: {e}")
+        sys.exit(f"mlx_mtp.platform.blas: error: {e}")
     print(describe())
     _bench()

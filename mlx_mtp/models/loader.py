@@ -11,14 +11,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .models import get_model_module
-from .models.hybrid import SparseMoeBlock
+from . import UnsupportedModelError, get_model_module
+from .hybrid import MissingMTPWeightsError, SparseMoeBlock
 
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "demo-model"
+DEFAULT_MODEL = Path(__file__).parent.parent / "assets" / "demo-model"
 
 
 class ModelLoadError(ValueError):
     pass
+
+
+# Errors that describe a problem with the user's checkpoint or arguments (CLI: exit 2).
+USER_ERRORS = (ModelLoadError, UnsupportedModelError, MissingMTPWeightsError)
 
 
 def resolve_model_path(path: Optional[str]) -> Path:

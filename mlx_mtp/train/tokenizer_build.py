@@ -7,7 +7,7 @@ the demo model is trained on.
 
 Usage::
 
-    python -m mlx_mtp.tokenizer_build OUT_DIR [--vocab-size 4096]
+    python -m mlx_mtp.train.tokenizer_build OUT_DIR [--vocab-size 4096]
 
 Design notes
 ------------
@@ -71,7 +71,7 @@ _EXCLUDED_DIRS = frozenset(
 )
 HELDOUT_MODULUS = 20  # crc32(relative path) % 20 == 0 -> heldout (~5%)
 
-ASSET_DIR = Path(__file__).resolve().parent / "assets" / "tokenizer"
+ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"
 
 CHAT_TEMPLATE = r"""{#- ChatML template in the Qwen3.5 style for the mlx_mtp demo model.
     Variables: messages, tools (optional), add_generation_prompt,
@@ -406,7 +406,7 @@ def build_tokenizer(
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m mlx_mtp.tokenizer_build",
+        prog="python -m mlx_mtp.train.tokenizer_build",
         description="Train the demo byte-level BPE tokenizer on the CPython stdlib.",
     )
     ap.add_argument("out_dir", help="output directory")

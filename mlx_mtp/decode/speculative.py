@@ -28,11 +28,11 @@ from typing import Callable, Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cache import cache_state_arrays, rollback
-from .draft_policy import AcceptanceEstimate
+from ..models.cache import cache_state_arrays, rollback
+from .policy import AcceptanceEstimate
 from .sampling import Sampler, SamplingParams, filtered_logprobs, log_softmax, verify
 
-MAX_DRAFT_TOKENS = 8
+from . import MAX_DRAFT_TOKENS, check_num_draft_tokens  # noqa: F401
 MAX_OWED_WHILE_PAUSED = 4
 
 
@@ -260,10 +260,7 @@ class MTPDecoder:
         prefill_step_size: int = 2048,
         cache=None,
     ):
-        if not 0 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ValueError(
-                f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS} (got {num_draft_tokens})"
-            )
+        check_num_draft_tokens(num_draft_tokens)
         if num_draft_tokens > 0 and model.num_mtp_layers == 0:
             raise ValueError(
                 "This model was loaded without an MTP head; use num_draft_tokens=0 (--no-mtp)."

@@ -17,8 +17,8 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path, tree_unflatten
 from tqdm import tqdm
 
-from .loader import weight_files
-from .models import UnsupportedModelError, get_model_module
+from ..models.loader import weight_files
+from ..models import UnsupportedModelError, get_model_module
 
 MTP_BITS = (4, 8, 16)  # 16 = keep the head in floating point
 ROUTER_QUANT = {"group_size": 64, "bits": 8}

@@ -1,0 +1,115 @@
+"""Text-level generation API: ``stream_generate`` and ``generate``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Generator, List, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from .prompt import encode_prompt
+from .sampling import SamplingParams
+from .speculative import MTPDecoder, SpecStats
+
+
+@dataclass
+class GenerationResponse:
+    text: str  # new text since the previous response
+    token: int
+    logprobs: mx.array  # (V,) target log-probabilities at this position
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: Optional[str]  # "stop" | "length" | None while running
+    spec: SpecStats
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: Union[str, Sequence[int]],
+    *,
+    max_tokens: int = 256,
+    sampling: SamplingParams = SamplingParams(),
+    num_draft_tokens: int = 3,
+    adaptive: bool = True,
+    prefill_step_size: int = 2048,
+) -> Generator[GenerationResponse, None, None]:
+    """Generate text, with MTP speculative decoding when ``num_draft_tokens`` > 0.
+
+    Output is identical (greedy) or identically distributed (sampling) to plain
+    decoding; ``num_draft_tokens=0`` is plain decoding.
+    """
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0 (got {max_tokens})")
+    ids = encode_prompt(tokenizer, prompt)
+    dec = MTPDecoder(model, num_draft_tokens, sampling, adaptive=adaptive,
+                     prefill_step_size=prefill_step_size)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    mx.reset_peak_memory()
+
+    tic = time.perf_counter()
+    dec.prefill(ids)
+    n = 0
+    prompt_time = None
+    finish = None
+    while n < max_tokens and finish is None:
+        out = dec.step()
+        if prompt_time is None:
+            prompt_time = time.perf_counter() - tic
+            tic = time.perf_counter()
+        for i, tok in enumerate(out.tokens):
+            n += 1
+            if tok in eos:
+                finish = "stop"
+            else:
+                detok.add_token(tok)
+            if finish is None and n >= max_tokens:
+                finish = "length"
+            if finish is not None:
+                detok.finalize()
+            elapsed = time.perf_counter() - tic
+            yield GenerationResponse(
+                text=detok.last_segment,
+                token=tok,
+                logprobs=out.logprobs[i],
+                from_draft=i < out.num_accepted,
+                prompt_tokens=len(ids),
+                prompt_tps=len(ids) / prompt_time if prompt_time else 0.0,
+                generation_tokens=n,
+                # The first token belongs to prompt processing, as in mlx-lm.
+                generation_tps=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+                spec=dec.stats,
+            )
+            if finish is not None:
+                return
+
+
+def generate(model, tokenizer, prompt, **kwargs) -> str:
+    return "".join(r.text for r in stream_generate(model, tokenizer, prompt, **kwargs))
+
+
+def format_stats(r: GenerationResponse) -> str:
+    """mlx-lm's familiar stats block plus one MTP line."""
+    lines = [
+        f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec",
+        f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec",
+        f"Peak memory: {r.peak_memory:.3f} GB",
+    ]
+    s = r.spec
+    if s.num_drafts:
+        per_pos = " ".join(f"{a:.2f}" for a in s.acceptance_per_pos)
+        lines.append(
+            f"MTP: accepted {s.num_accepted_tokens}/{s.num_draft_tokens} "
+            f"({100 * s.acceptance_rate:.1f}%), mean acceptance length "
+            f"{s.mean_acceptance_length:.2f}, per-pos [{per_pos}], drafts {s.num_drafts}"
+        )
+    return "\n".join(lines)
