@@ -6,6 +6,11 @@ command line can set up the platform before MLX loads).
 
 __version__ = "0.1.0"
 
+# Linux CPU wheel: load the OpenBLAS shim before anything imports MLX (platform/blas.py).
+from .platform import blas as _blas  # noqa: E402
+
+_blas.preload()
+
 _LAZY = {
     "load": "mlx_mtp.models.loader",
     "stream_generate": "mlx_mtp.decode.generation",

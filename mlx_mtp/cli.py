@@ -46,7 +46,6 @@ def build_parser(command=None):
 def main(argv=None) -> int:
     from .platform import blas
 
-    entry_point = argv is None
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     if command is not None and command not in COMMANDS:
@@ -57,8 +56,8 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
-        if entry_point and args.command in MODEL_COMMANDS:
-            blas.setup(args, argv)
+        if args.command in MODEL_COMMANDS:
+            blas.setup(args)
         # Errors meant for users (bad input, unusable checkpoints) derive from these.
         from .models.loader import USER_ERRORS
 

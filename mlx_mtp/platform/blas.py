@@ -1,18 +1,22 @@
-"""Fast CPU matmuls on Linux: run MLX's GEMMs on numpy's OpenBLAS instead of a reference BLAS.
+"""Fast CPU matmuls on Linux: run MLX's multi-row GEMMs on numpy's OpenBLAS.
 
 Why: the ``mlx[cpu]`` Linux wheel links a bundled *reference* (netlib) BLAS. Its GEMM costs about
 M times a single-row product for an M-row input, so verifying K draft tokens, or decoding a
 batch, costs K (or B) plain decode steps and speculative decoding cannot win. numpy's wheel
-bundles an optimised OpenBLAS, and libmlx only imports ``cblas_{s,d,c}gemm``, so a tiny
-``LD_PRELOAD`` shim (``csrc/openblas_shim.c``) can route those three calls to it.
+bundles an optimised OpenBLAS, and libmlx only imports ``cblas_{s,d,c}gemm``, so a tiny shim
+(``csrc/openblas_shim.c``) can route those three calls to it.
 
-How: :func:`maybe_reexec` compiles the shim once into the user cache directory and re-executes
-the CLI with it preloaded (a preload only takes effect at process start). :func:`check` then
-compares a few MLX matmuls with numpy float64 results and goes back to the reference BLAS if
-they disagree, so a bad BLAS can never silently change outputs. Without a C compiler, or with
-``--blas reference`` / ``MLX_MTP_BLAS=reference``, nothing changes.
+How: :func:`preload` (run by ``import mlx_mtp``, so the CLI and the Python API both get it)
+compiles the shim once into the user cache directory and loads it with ``RTLD_GLOBAL`` before
+MLX is first imported, so libmlx binds to it; nothing restarts. :func:`configure` then picks the
+routing (single-row products stay on the reference BLAS, which is faster for them here) and
+compares a few MLX matmuls with numpy float64 results, sending everything back to the reference
+BLAS if they disagree, so a bad BLAS can never silently change outputs. Without a C compiler, if
+MLX was imported before mlx_mtp, or with ``--blas reference`` / ``MLX_MTP_BLAS=reference``,
+nothing changes. bf16 and fp16 matmuls never go through BLAS on MLX's CPU backend: the choice
+only matters for float32 (and quantized models' float32 parts).
 
-``python -m mlx_mtp.platform.blas`` prints what is in use and times two matmuls.
+``python -m mlx_mtp.platform`` prints what is in use and times 1- to 8-row matmuls.
 """
 
 from __future__ import annotations
@@ -35,11 +39,10 @@ SHIM_SOURCE = Path(__file__).parent / "csrc" / "openblas_shim.c"
 SHIM_PREFIX = "openblas-shim-"
 ENV_MODE = "MLX_MTP_BLAS"  # default for --blas
 ENV_OPENBLAS = "MLX_MTP_OPENBLAS"  # the library the shim loads
-ENV_GUARD = "MLX_MTP_BLAS_ACTIVE"  # set on re-exec: "1" (shim preloaded) or a reason not to retry
-CHECK_FAILED = "check-failed"
+ENV_MIN_ROWS = "MLX_MTP_BLAS_MIN_ROWS"  # products with fewer rows (or columns) stay on reference
 
-# Why this process is on the reference BLAS (for describe()); set by maybe_reexec().
-_reason = "this process was not started through the mlx-mtp CLI"
+# Why this process is on the reference BLAS (for describe()).
+_reason = "the OpenBLAS shim was not loaded"
 
 
 class BlasError(RuntimeError):
@@ -120,64 +123,27 @@ def build_shim(cache_dir=None) -> Optional[Path]:
     return _build_shim(cache_dir)[0]
 
 
-def _mapped_shim() -> Optional[str]:
-    """Path of the shim if it is loaded into this process."""
+_shim = None  # the loaded shim (ctypes.CDLL), once preload() succeeded
+_configured = False
+
+
+def min_rows() -> int:
+    """Smallest row and column count routed to OpenBLAS ($MLX_MTP_BLAS_MIN_ROWS, default 2)."""
     try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rstrip("\n").partition("/")[2]
-                if path and os.path.basename(path).startswith(SHIM_PREFIX):
-                    return "/" + path
-    except OSError:
-        pass
-    return None
-
-
-def active() -> bool:
-    """True if the shim is loaded here *and* routes GEMMs to OpenBLAS (not to its fallback)."""
-    if _mapped_shim() is None:
-        return False
-    import ctypes
-
-    try:  # a preloaded shim's symbols are global; one merely dlopen'ed would not serve MLX
-        return bool(ctypes.CDLL(None).mlx_mtp_shim_uses_openblas())
-    except AttributeError:
-        return False
-
-
-def _preload_without_shim() -> list:
-    """$LD_PRELOAD entries (space- or colon-separated) other than our shim."""
-    return [p for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
-            if not os.path.basename(p).startswith(SHIM_PREFIX)]
-
-
-def _exec(argv, module: str, guard: str, shim: Optional[str] = None,
-          openblas: Optional[Path] = None):
-    preload = _preload_without_shim()
-    env = dict(os.environ, **{ENV_GUARD: guard})
-    env.pop("LD_PRELOAD", None)
-    if shim:
-        preload.insert(0, shim)
-        env[ENV_OPENBLAS] = str(openblas)
-        # MLX already runs its own CPU threads, and decode-sized GEMMs are memory bound:
-        # OpenBLAS's spinning worker threads measured 30x slower than 1 thread on a busy
-        # 2-core machine. An explicit OPENBLAS_NUM_THREADS wins.
-        env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    if preload:
-        env["LD_PRELOAD"] = " ".join(preload)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+        return max(1, int(os.environ.get(ENV_MIN_ROWS, "2")))
+    except ValueError:
+        return 2
 
 
 def _why_not_openblas() -> tuple[Optional[str], Optional[Path], Optional[Path]]:
     """(reason, None, None) or (None, shim, openblas)."""
-    if not sys.executable:
-        return "cannot re-execute Python (sys.executable is unknown)", None, None
     if sys.platform != "linux":
         return "MLX uses its platform BLAS here (the shim is for the Linux CPU wheel)", None, None
     if not reference_blas_in_use():
         return "MLX is not linked to the mlx-cpu wheel's reference BLAS", None, None
+    if "mlx.core" in sys.modules:
+        return ("MLX was imported before mlx_mtp (import mlx_mtp first to get OpenBLAS "
+                "matmuls)"), None, None
     openblas = find_openblas()
     if openblas is None:
         return ("numpy's bundled OpenBLAS (numpy.libs/libscipy_openblas64_*.so) not found; "
@@ -186,49 +152,81 @@ def _why_not_openblas() -> tuple[Optional[str], Optional[Path], Optional[Path]]:
     return (why, None, None) if shim is None else (None, shim, openblas)
 
 
-def maybe_reexec(mode: Optional[str] = None, argv: Optional[Sequence[str]] = None,
-                 module: str = "mlx_mtp.cli"):
-    """Re-execute ``python -m module *argv`` with the OpenBLAS shim preloaded, when useful.
+def preload() -> bool:
+    """Load the shim before MLX is imported, routing multi-row GEMMs to OpenBLAS.
 
-    mode: "auto" (use OpenBLAS when possible, else log one info line), "openblas" (raise
-    BlasError when impossible) or "reference" (leave MLX alone). Default: $MLX_MTP_BLAS or auto.
-    Returns normally when this process should simply continue.
+    Safe to call any number of times; never raises (a failure leaves the reference BLAS).
+    ``MLX_MTP_BLAS=reference`` skips it. Returns whether the shim is loaded.
     """
+    global _shim, _reason
+    if _shim is not None:
+        return True
+    if default_mode() == "reference":
+        _reason = f"requested with ${ENV_MODE}=reference"
+        return False
+    try:
+        why, shim, openblas = _why_not_openblas()
+        if why is not None:
+            _reason = why
+            return False
+        import ctypes
+
+        # Read by the shim on its first call; an explicit $MLX_MTP_OPENBLAS wins.
+        os.environ.setdefault(ENV_OPENBLAS, str(openblas))
+        _shim = ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL)
+        _shim.mlx_mtp_shim_configure(1, min_rows())
+    except Exception as e:  # a platform nicety must never stop the import
+        _shim, _reason = None, f"loading the OpenBLAS shim failed: {e}"
+    return _shim is not None
+
+
+def active() -> bool:
+    """True if the shim is loaded *and* routes multi-row GEMMs to OpenBLAS."""
+    return _shim is not None and bool(_shim.mlx_mtp_shim_uses_openblas())
+
+
+def _use_reference(why: str):
     global _reason
+    _reason = why
+    if _shim is not None:
+        _shim.mlx_mtp_shim_configure(0, min_rows())
+
+
+def configure(mode: Optional[str] = None, rtol: float = 1e-4):
+    """Apply ``mode`` ("auto", "openblas", "reference"; default $MLX_MTP_BLAS or auto) and,
+    when OpenBLAS is in use, check a few MLX matmuls against numpy (~10 ms); on a mismatch
+    everything goes back to the reference BLAS ("openblas": BlasError)."""
+    global _configured, _reason
     mode = mode or default_mode()
     if mode not in MODES:
         raise BlasError(f"--blas / ${ENV_MODE} must be one of {', '.join(MODES)} (got {mode!r})")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # The preload is for this process only: processes it starts decide for themselves.
-    guard = os.environ.pop(ENV_GUARD, None)
-    shim_here = _mapped_shim()
-    if shim_here:
-        kept = _preload_without_shim()
-        os.environ.pop("LD_PRELOAD", None)
-        if kept:
-            os.environ["LD_PRELOAD"] = " ".join(kept)
-
+    _configured = True
     if mode == "reference":
-        _reason = "requested with --blas reference"
-        if shim_here and active():  # inherited from a parent: restart without it
-            _exec(argv, module, guard="reference")
+        _use_reference("requested with --blas reference")
         return
-    if active():
+    if _shim is not None:
+        _shim.mlx_mtp_shim_configure(1, min_rows())
+    if not active():
+        if _shim is not None:
+            _reason = f"the shim could not use ${ENV_OPENBLAS} ({os.environ.get(ENV_OPENBLAS)})"
+        if mode == "openblas":
+            raise BlasError(f"--blas openblas is not possible: {_reason}. Fix that, or use "
+                            "--blas reference (or auto) to run on the reference BLAS.")
+        log.info("CPU matmuls stay on the reference BLAS: %s", _reason)
         return
-    if guard == CHECK_FAILED:
-        why = "OpenBLAS results disagreed with the reference check"
-    elif guard:
-        why = "the OpenBLAS shim was preloaded but did not take effect"
-    else:
-        why, shim, openblas = _why_not_openblas()
-        if why is None:
-            log.debug("re-executing with %s preloaded (OpenBLAS: %s)", shim, openblas)
-            _exec(argv, module, guard="1", shim=str(shim), openblas=openblas)
-    _reason = why
-    if mode == "openblas":
-        raise BlasError(f"--blas openblas is not possible: {why}. "
-                        "Fix that, or use --blas reference (or auto) to run on the reference BLAS.")
-    log.info("CPU matmuls stay on the reference BLAS: %s", why)
+    bad = _mismatch(rtol)
+    if bad is not None:
+        if mode == "openblas":
+            raise BlasError(f"--blas openblas: OpenBLAS results failed the check ({bad}); "
+                            "use --blas reference")
+        log.warning("OpenBLAS matmul check failed (%s); using the reference BLAS", bad)
+        _use_reference("OpenBLAS results disagreed with the reference check")
+
+
+def ensure_configured():
+    """For the Python API (``load``): configure once with the default mode."""
+    if not _configured:
+        configure()
 
 
 def _check_cases():
@@ -271,25 +269,6 @@ def _mismatch(rtol: float) -> Optional[str]:
     return None
 
 
-def check(mode: Optional[str] = None, argv: Optional[Sequence[str]] = None,
-          module: str = "mlx_mtp.cli", rtol: float = 1e-4) -> bool:
-    """If OpenBLAS is in use, verify a few MLX matmuls against numpy (float64) in ~10 ms.
-
-    On a mismatch: warn, then re-execute on the reference BLAS (mode "openblas": BlasError).
-    """
-    if not active():
-        return True
-    bad = _mismatch(rtol)
-    if bad is None:
-        return True
-    if (mode or default_mode()) == "openblas":
-        raise BlasError(f"--blas openblas: OpenBLAS results failed the check ({bad}); "
-                        "use --blas reference")
-    log.warning("OpenBLAS matmul check failed (%s); restarting on the reference BLAS", bad)
-    _exec(list(sys.argv[1:] if argv is None else argv), module, guard=CHECK_FAILED)
-    return False  # only reached if os.execve is patched out
-
-
 def add_argument(parser):
     parser.add_argument(
         "--blas", choices=MODES, default=default_mode(),
@@ -298,16 +277,11 @@ def add_argument(parser):
              "impossible (default: $MLX_MTP_BLAS or auto)")
 
 
-def setup(args, argv):
-    """Move this CLI process onto OpenBLAS if wanted (re-executes it), verify, report it.
-
-    Only for the process's entry point: re-executing replaces the whole process, which
-    must not happen to a caller of ``cli.main(argv)`` (tests, ``python -m``).
-    """
+def setup(args):
+    """The CLI's platform step: apply ``--blas``, verify, report which BLAS runs."""
     if getattr(args, "server", None):  # bench --server: a client, it runs no model
         return
-    maybe_reexec(args.blas, argv)
-    check(args.blas, argv)
+    configure(args.blas)
     if args.command == "serve":  # the server's basicConfig is then a no-op: keep its format
         logging.basicConfig(level=args.log_level,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -319,22 +293,20 @@ def setup(args, argv):
 def describe() -> str:
     """One line for logs: which BLAS runs MLX's CPU matmuls, and why."""
     if active():
-        return (f"CPU matmuls: OpenBLAS via mlx-mtp shim "
-                f"(numpy's {Path(os.environ.get(ENV_OPENBLAS, '?')).name})")
+        return (f"CPU matmuls: OpenBLAS for products of >= {min_rows()} rows, reference BLAS "
+                f"below (mlx-mtp shim, numpy's {Path(os.environ.get(ENV_OPENBLAS, '?')).name})")
     if not reference_blas_in_use():
         return "CPU matmuls: MLX's built-in BLAS"
-    if _mapped_shim():
-        return f"CPU matmuls: reference BLAS (shim loaded but ${ENV_OPENBLAS} could not be used)"
     return f"CPU matmuls: reference BLAS ({_reason})"
 
 
-def _bench():
+def bench():
     import time
 
     import mlx.core as mx
 
     w = mx.random.normal((2048, 2048))
-    for m in (1, 8):
+    for m in (1, 2, 3, 4, 8):
         x = mx.random.normal((m, 2048))
         mx.eval(x, w, x @ w)
         times = []
@@ -344,14 +316,3 @@ def _bench():
             times.append(time.perf_counter() - t)
         print(f"  {m}x2048 @ 2048x2048 float32: {sorted(times)[len(times) // 2] * 1e3:7.2f} ms"
               " (median of 20)")
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        maybe_reexec(module="mlx_mtp.platform.blas")
-        check(module="mlx_mtp.platform.blas")
-    except BlasError as e:
-        sys.exit(f"mlx_mtp.platform.blas: error: {e}")
-    print(describe())
-    _bench()

@@ -1,15 +1,26 @@
-/* LD_PRELOAD shim: route MLX's cblas_{s,d,c}gemm to numpy's bundled OpenBLAS.
+/* Shim: route MLX's cblas_{s,d,c}gemm to numpy's bundled OpenBLAS.
  *
  * Why: the mlx[cpu] Linux wheel links a bundled *reference* BLAS, whose GEMM costs ~M times a
  * matrix-vector product for an M-row input, which defeats speculative decoding and batching.
  * numpy's wheel already ships an optimised OpenBLAS (ILP64, symbols prefixed "scipy_" and
- * suffixed "64_"). Preloading this file makes libmlx's cblas_* references bind here, and we
- * forward them to that OpenBLAS, widening the int dimensions to 64 bits.
+ * suffixed "64_"). Loading this file with RTLD_GLOBAL before libmlx (or preloading it) makes
+ * libmlx's cblas_* references bind here, and we forward them to that OpenBLAS, widening the int
+ * dimensions to 64 bits.
+ *
+ * Routing (mlx_mtp_shim_configure): products with a single row or column (decoding one token)
+ * are faster on the reference BLAS here, multi-row ones (verify passes, batches, prompts) on
+ * OpenBLAS, so by default only products with at least `min_rows` rows and columns go to
+ * OpenBLAS; use_openblas = 0 sends everything to the reference BLAS (e.g. after a failed
+ * check) without restarting the process.
  *
  * Safety: the OpenBLAS path comes from $MLX_MTP_OPENBLAS. If it is unset, cannot be loaded, or
  * lacks any of the three symbols, every call goes to the next definition of the same cblas_*
  * symbol (the reference BLAS), so preloading this can change speed but never break MLX.
  * mlx_mtp_shim_uses_openblas() lets the Python side ask which path was taken.
+ *
+ * OpenBLAS threads: $MLX_MTP_OPENBLAS_THREADS (default 1: MLX runs its own threads, and
+ * decode-sized GEMMs are memory bound; spinning OpenBLAS threads measured ~30x slower on a
+ * busy 2-core machine).
  *
  * Build: cc -O2 -shared -fPIC -o openblas-shim.so openblas_shim.c -ldl -lpthread
  */
@@ -48,6 +59,8 @@ static pthread_once_t openblas_once = PTHREAD_ONCE_INIT;
 static sgemm64_fn ob_sgemm;
 static dgemm64_fn ob_dgemm;
 static cgemm64_fn ob_cgemm;
+static volatile int use_openblas = 1;
+static volatile long min_rows = 2;
 
 static void load_openblas(void) {
   const char *path = getenv("MLX_MTP_OPENBLAS");
@@ -60,12 +73,26 @@ static void load_openblas(void) {
     ob_sgemm = s;
     ob_dgemm = d;
     ob_cgemm = c;
+    typedef void (*threads_fn)(int);
+    threads_fn set_threads = (threads_fn)dlsym(h, "scipy_openblas_set_num_threads64_");
+    const char *t = getenv("MLX_MTP_OPENBLAS_THREADS");
+    if (set_threads) set_threads(t && *t ? atoi(t) : 1);
   }
+}
+
+/* use: 0 = every product on the reference BLAS; rows: smallest M and N sent to OpenBLAS. */
+void mlx_mtp_shim_configure(int use, long rows) {
+  use_openblas = use;
+  min_rows = rows < 1 ? 1 : rows;
 }
 
 int mlx_mtp_shim_uses_openblas(void) {
   pthread_once(&openblas_once, load_openblas);
-  return ob_sgemm != NULL;
+  return ob_sgemm != NULL && use_openblas;
+}
+
+static int route_openblas(int m, int n) {
+  return mlx_mtp_shim_uses_openblas() && m >= min_rows && n >= min_rows;
 }
 
 /* ---- Fallback: the next definition of the same symbol ----
@@ -121,7 +148,7 @@ static void load_reference(void) {
 /* ---- The exported cblas entry points (standard signatures, int dimensions) ---- */
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
                  int lda, const float *b, int ldb, float beta, float *c, int ldc) {
-  if (mlx_mtp_shim_uses_openblas()) {
+  if (route_openblas(m, n)) {
     ob_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
@@ -131,7 +158,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
 
 void cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha, const double *a,
                  int lda, const double *b, int ldb, double beta, double *c, int ldc) {
-  if (mlx_mtp_shim_uses_openblas()) {
+  if (route_openblas(m, n)) {
     ob_dgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
@@ -142,7 +169,7 @@ void cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha, c
 void cblas_cgemm(int order, int ta, int tb, int m, int n, int k, const void *alpha,
                  const void *a, int lda, const void *b, int ldb, const void *beta, void *c,
                  int ldc) {
-  if (mlx_mtp_shim_uses_openblas()) {
+  if (route_openblas(m, n)) {
     ob_cgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
