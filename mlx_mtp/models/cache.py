@@ -7,9 +7,11 @@ Two kinds of per-layer state:
   overwritten by the next write.
 * ``RecurrentCache`` for Gated DeltaNet layers: a convolution window and the
   recurrent (SSM) state. A recurrence cannot be trimmed, so a verify pass
-  asks the layer to *capture* the state after every position; after the accept
-  decision ``select(n)`` keeps the state after the ``n``-th verified token.
-  Nothing is re-run.
+  (``capture=True``) keeps the pre-verify state and the per-position
+  recurrence inputs (references only: MLX arrays are immutable). ``accept``
+  then *replays* the recurrence from the pre-verify state over the kept
+  prefix, with the same call plain decoding makes (bit-identical to it), as
+  a lazy graph; no per-position state is ever materialised.
 
 Every cache answers ``accept(n_keep)`` after a speculative (verify) pass:
 ``n_keep[b]`` is how many of that pass's positions row ``b`` keeps (>= 1, the
@@ -19,7 +21,7 @@ layer without knowing which kind of layer it is.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -90,21 +92,32 @@ class KVCache:
         return c
 
 
+class VerifyRecord(NamedTuple):
+    """What ``accept`` needs to recompute a Gated DeltaNet layer's state after
+    a verify pass: the state before it, the pass's conv input (pre-verify
+    window followed by the new positions) and the recurrence inputs."""
+
+    conv_input: mx.array  # (B, kernel-1+T, conv_dim)
+    ssm: Optional[mx.array]  # (B, Hv, Dv, Dk) before the pass (None: zeros)
+    inputs: Tuple[mx.array, ...]  # per-position (q, k, v, a, b), time axis 1
+    mask: Optional[mx.array]  # (B, T) mask the pass ran with
+    recurrence: Callable  # (*inputs, state, mask) -> (y, state): the layer's call
+
+
 class RecurrentCache:
     """Conv window + recurrent state of one Gated DeltaNet layer.
 
     ``conv``: (B, kernel-1, conv_dim) in the activation dtype.
     ``ssm``:  (B, Hv, Dv, Dk) in float32.
+    After a verify pass both hold the state after *all* its positions and
+    ``verify_record`` what ``accept`` needs to step back.
     """
 
     def __init__(self):
         self.conv: Optional[mx.array] = None
         self.ssm: Optional[mx.array] = None
         self.offset = 0
-        # Per-position states from the last verify pass (lists indexed by
-        # position, state *after* that position), set by the layer when asked.
-        self.captured_conv: Optional[List[mx.array]] = None
-        self.captured_ssm: Optional[List[mx.array]] = None
+        self.verify_record: Optional[VerifyRecord] = None
 
     # mlx-lm's ArraysCache indexing, so its kernels and helpers can read us.
     def __getitem__(self, i):
@@ -120,35 +133,50 @@ class RecurrentCache:
     def state(self):
         return self.conv, self.ssm
 
-    def select(self, n_keep: int):
-        """Keep the state after the first ``n_keep`` tokens of the captured pass."""
-        if self.captured_ssm is None:
-            raise RuntimeError("select() needs a forward pass run with capture=True")
-        self.conv = self.captured_conv[n_keep - 1]
-        self.ssm = self.captured_ssm[n_keep - 1]
-        self.offset -= len(self.captured_ssm) - n_keep
-        self.clear_captured()
-
-    def clear_captured(self):
-        self.captured_conv = self.captured_ssm = None
-
     def accept(self, n_keep):
-        """Row ``b`` keeps its state after ``n_keep[b]`` tokens of the captured pass."""
-        if self.captured_ssm is None:
+        """Row ``b`` keeps its state after ``n_keep[b]`` positions of the verify pass."""
+        if self.verify_record is None:
             raise RuntimeError("accept() needs a forward pass run with capture=True")
-        S = len(self.captured_ssm)
-        self.offset -= S - max(n_keep)
+        T = self.verify_record.inputs[0].shape[1]
+        self.offset -= T - max(n_keep)
         self.select_rows(list(n_keep))
 
+    def select(self, n_keep: int):
+        """Single-row ``select_rows``."""
+        self.select_rows([n_keep])
+
     def select_rows(self, n_keep: List[int]):
-        """Batched ``select``: row b keeps its state after ``n_keep[b]`` tokens."""
-        S = len(self.captured_ssm)
-        if any(n != S for n in n_keep):
-            ix = mx.array([n - 1 for n in n_keep])
-            rows = mx.arange(len(n_keep))
-            self.conv = mx.stack(self.captured_conv, axis=1)[rows, ix]
-            self.ssm = mx.stack(self.captured_ssm, axis=1)[rows, ix]
-        self.clear_captured()
+        """Keep row b's state after ``n_keep[b]`` positions (offset untouched).
+
+        One replay call for the whole batch: the recurrence over the longest kept
+        prefix from the pre-verify state, with a (B, T) mask when rows differ.
+        """
+        rec = self.verify_record
+        if rec is None:
+            raise RuntimeError("select_rows() needs a forward pass run with capture=True")
+        T = rec.inputs[0].shape[1]
+        longest = max(n_keep)
+        if not 1 <= min(n_keep) <= longest <= T or len(n_keep) != rec.conv_input.shape[0]:
+            raise ValueError(f"n_keep {n_keep} does not fit a verify pass of {T} positions")
+        self.verify_record = None
+        if all(n == T for n in n_keep):
+            return  # conv and ssm already hold the state after every position
+        window = rec.conv_input.shape[1] - T
+        mask = rec.mask[:, :longest] if rec.mask is not None else None
+        if any(n != longest for n in n_keep):
+            keep = mx.arange(longest)[None] < mx.array(n_keep)[:, None]
+            mask = keep if mask is None else mask & keep
+            # Row b's window is conv_input[b, n_b : n_b + window].
+            ix = mx.array(n_keep)[:, None] + mx.arange(window)[None]
+            self.conv = mx.take_along_axis(rec.conv_input, ix[..., None], axis=1)
+        else:
+            self.conv = mx.contiguous(rec.conv_input[:, longest : longest + window])
+        prefix = [x[:, :longest] for x in rec.inputs]
+        _, self.ssm = rec.recurrence(*prefix, rec.ssm, mask)
+
+    def clear_captured(self):
+        """Forget the last verify pass (its full-length state stays)."""
+        self.verify_record = None
 
     @staticmethod
     def concat(caches: List["RecurrentCache"]) -> "RecurrentCache":
@@ -162,6 +190,7 @@ class RecurrentCache:
         return out
 
     def filter(self, rows: List[int]):
+        self.verify_record = None  # its rows no longer line up
         if self.conv is not None:
             ix = mx.array(rows)
             self.conv, self.ssm = self.conv[ix], self.ssm[ix]

@@ -28,7 +28,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated as RMSNormGated
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from .cache import KVCache, RecurrentCache
+from .cache import KVCache, RecurrentCache, VerifyRecord
 
 # Longer GDN inputs go through the chunked (matmul-form) recurrence when available.
 CHUNKED_MIN_TOKENS = 64
@@ -189,30 +189,6 @@ class SparseMoeBlock(nn.Module):
         return y + shared
 
 
-def gated_delta_steps(q, k, v, g, beta, state, mask=None):
-    """Per-token recurrence that also returns the state after every position.
-
-    q, k: (B, T, Hk, Dk); v: (B, T, Hv, Dv); g, beta: (B, T, Hv);
-    state: (B, Hv, Dv, Dk) float32. Returns y (B, T, Hv, Dv), [state_t].
-    """
-    T = q.shape[1]
-    if (rep := v.shape[2] // q.shape[2]) > 1:
-        q, k = mx.repeat(q, rep, -2), mx.repeat(k, rep, -2)
-    ys, states = [], []
-    for t in range(T):
-        prev = state
-        state = state * g[:, t, :, None, None]
-        kv_mem = (state * k[:, t, :, None, :]).sum(axis=-1)
-        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
-        state = state + k[:, t, :, None, :] * delta[..., None]
-        y = (state * q[:, t, :, None, :]).sum(axis=-1)
-        if mask is not None:
-            state = mx.where(mask[:, t, None, None, None], state, prev)
-        ys.append(y.astype(q.dtype))
-        states.append(state)
-    return mx.stack(ys, axis=1), states
-
-
 def _chunked_impl():
     try:
         from .gated_delta_chunked import gated_delta_chunked
@@ -261,13 +237,19 @@ class GatedDeltaNetBase(nn.Module):
         """Return qkv (B,S,conv_dim), z (B,S,Hv,Dv), b (B,S,Hv), a (B,S,Hv)."""
         raise NotImplementedError
 
+    def recurrence(self, q, k, v, a, b, state, mask=None):
+        """The per-token recurrence: mlx-lm's entry point, the fused kernel on Metal."""
+        return gated_delta_update(
+            q, k, v, a, b, self.A_log, self.dt_bias, state, mask, use_kernel=not self.training
+        )
+
     def __call__(self, x, mask=None, cache: Optional[RecurrentCache] = None, capture=False):
         B, S, _ = x.shape
         qkv, z, b, a = self.project(x)
-        n_keep = self.conv_kernel_size - 1
+        window = self.conv_kernel_size - 1
         conv_state = cache.conv if cache is not None else None
         if conv_state is None:
-            conv_state = mx.zeros((B, n_keep, self.conv_dim), dtype=x.dtype)
+            conv_state = mx.zeros((B, window, self.conv_dim), dtype=x.dtype)
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
@@ -279,30 +261,20 @@ class GatedDeltaNetBase(nn.Module):
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
         state = cache.ssm if cache is not None else None
 
-        if capture:
-            if state is None:
-                state = mx.zeros(
-                    (B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32
-                )
+        # A verify pass (capture) makes the same call as plain decoding; the cache
+        # keeps what it needs to replay the accepted prefix (see RecurrentCache).
+        if not capture and S >= CHUNKED_MIN_TOKENS and (chunked := _chunked_impl()) is not None:
             g = compute_g(self.A_log, a, self.dt_bias)
-            out, states = gated_delta_steps(q, k, v, g, mx.sigmoid(b), state, mask)
-            state = states[-1]
-            if cache is not None:
-                cache.captured_ssm = states
-                cache.captured_conv = [
-                    conv_input[:, t + 1 : t + 1 + n_keep] for t in range(S)
-                ]
-        elif S >= CHUNKED_MIN_TOKENS and (chunked := _chunked_impl()) is not None:
-            g = compute_g(self.A_log, a, self.dt_bias)
-            out, state = chunked(q, k, v, g, mx.sigmoid(b), state, mask)
+            out, new_state = chunked(q, k, v, g, mx.sigmoid(b), state, mask)
         else:
-            out, state = gated_delta_update(
-                q, k, v, a, b, self.A_log, self.dt_bias, state, mask,
-                use_kernel=not self.training,
-            )
+            out, new_state = self.recurrence(q, k, v, a, b, state, mask)
         if cache is not None:
-            cache.conv = mx.contiguous(conv_input[:, -n_keep:])
-            cache.ssm = state
+            cache.verify_record = (
+                VerifyRecord(conv_input, state, (q, k, v, a, b), mask, self.recurrence)
+                if capture else None
+            )
+            cache.conv = mx.contiguous(conv_input[:, -window:])
+            cache.ssm = new_state
             cache.offset += S
         out = self.norm(out, z)
         return self.out_proj(out.reshape(B, S, -1))
