@@ -11,6 +11,7 @@ import mlx.core as mx
 from .prompt import encode_prompt
 from .sampling import SamplingParams
 from .speculative import MTPDecoder, SpecStats
+from .text_stream import TextStream
 
 
 @dataclass
@@ -38,53 +39,46 @@ def stream_generate(
     num_draft_tokens: int = 3,
     adaptive: bool = True,
     prefill_step_size: int = 2048,
+    stop: Sequence[str] = (),
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text, with MTP speculative decoding when ``num_draft_tokens`` > 0.
 
     Output is identical (greedy) or identically distributed (sampling) to plain
-    decoding; ``num_draft_tokens=0`` is plain decoding.
+    decoding; ``num_draft_tokens=0`` is plain decoding. The texts joined equal
+    ``tokenizer.decode`` of the generated ids (eos excluded), cut before the first of
+    the ``stop`` strings.
     """
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0 (got {max_tokens})")
     ids = encode_prompt(tokenizer, prompt)
     dec = MTPDecoder(model, num_draft_tokens, sampling, adaptive=adaptive,
                      prefill_step_size=prefill_step_size)
-    detok = tokenizer.detokenizer
-    detok.reset()
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    text = TextStream(tokenizer, stop=stop, max_tokens=max_tokens)
     mx.reset_peak_memory()
 
     tic = time.perf_counter()
     dec.prefill(ids)
-    n = 0
     prompt_time = None
-    finish = None
-    while n < max_tokens and finish is None:
+    while max_tokens > 0 and text.finish_reason is None:
         out = dec.step()
         if prompt_time is None:
             prompt_time = time.perf_counter() - tic
             tic = time.perf_counter()
         for i, tok in enumerate(out.tokens):
-            n += 1
-            if tok in eos:
-                finish = "stop"
-            else:
-                detok.add_token(tok)
-            if finish is None and n >= max_tokens:
-                finish = "length"
-            if finish is not None:
-                detok.finalize()
+            _, new_text = text.add([tok])
+            n = text.num_tokens
+            finish = text.finish_reason
             elapsed = time.perf_counter() - tic
             yield GenerationResponse(
-                text=detok.last_segment,
+                text=new_text,
                 token=tok,
                 logprobs=out.logprobs[i],
                 from_draft=i < out.num_accepted,
                 prompt_tokens=len(ids),
                 prompt_tps=len(ids) / prompt_time if prompt_time else 0.0,
                 generation_tokens=n,
-                # The first token belongs to prompt processing, as in mlx-lm.
-                generation_tps=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
+                # As mlx-lm: every token counts, the clock starts after the first step.
+                generation_tps=n / elapsed if n > 1 and elapsed > 0 else 0.0,
                 peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=finish,
                 spec=dec.stats,

@@ -41,6 +41,7 @@ from ..models.cache import cache_state_arrays
 from ..decode.sampling import SamplingParams
 from ..decode.batch import BatchDecoder, BatchStepError
 from ..decode.speculative import MTPDecoder, SpecStats, StepOutput
+from ..decode.text_stream import TextStream
 from .metrics import ServerMetrics
 from .prefix_cache import PrefixCache
 
@@ -98,33 +99,20 @@ class EngineRequest:
 class _Seq:
     """Engine-side state of one admitted request."""
 
-    def __init__(self, req: EngineRequest, dec: MTPDecoder, detok, n_cached: int):
+    def __init__(self, req: EngineRequest, dec: MTPDecoder, text: TextStream, n_cached: int):
         self.req = req
         self.dec = dec
-        self.detok = detok
+        self.text = text
         self.n_cached = n_cached
         self.prefilling = True
         self.mtp_enabled = dec.mtp_cache is not None
         self.n_generated = 0
-        self.pending = ""  # decoded text not yet sent (held back for stop strings)
-        self.stops = [s for s in req.stop if s]
         self.t_admit = time.perf_counter()
         self.t_prefill_done: Optional[float] = None
         self.t_first: Optional[float] = None
         self.t_last: Optional[float] = None
         n = len(req.prompt) - 1
         self.boundaries = sorted({b for b in req.boundaries if n_cached < b <= n})
-
-
-def _holdback(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that could begin a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
 
 
 class Engine:
@@ -313,7 +301,9 @@ class Engine:
                 dec.restore(entry.state)
                 n_cached = entry.state.n_processed
                 self.metrics.prefix_cache_hits.inc(n_cached)
-        return _Seq(req, dec, self.tokenizer.detokenizer, n_cached)
+        text = TextStream(self.tokenizer, stop=req.stop, max_tokens=req.max_tokens,
+                          eos_token_ids=self.eos)
+        return _Seq(req, dec, text, n_cached)
 
     # -- prompt processing ----------------------------------------------------------
     def _prefill_round(self):
@@ -408,28 +398,10 @@ class Engine:
         req = seq.req
         self.metrics.record_step(out.num_drafted, out.num_accepted)
         self._log_stats.record(out.num_drafted, out.num_accepted)
-        finish = None
-        used: List[int] = []
-        stopped_by_string = False
-        for tok in out.tokens:
-            seq.n_generated += 1
-            used.append(tok)
-            if tok in self.eos:
-                finish = "stop"
-                break
-            seq.detok.add_token(tok)
-            seq.pending += seq.detok.last_segment
-            if seq.stops and self._cut_stop(seq):
-                finish, stopped_by_string = "stop", True
-                break
-            if seq.n_generated >= req.max_tokens:
-                finish = "length"
-                break
-        if finish is not None and not stopped_by_string:
-            seq.detok.finalize()
-            seq.pending += seq.detok.last_segment
-            if seq.stops and self._cut_stop(seq):
-                finish = "stop"
+        n_used, text = seq.text.add(out.tokens)
+        used = out.tokens[:n_used]
+        finish = seq.text.finish_reason
+        seq.n_generated = seq.text.num_tokens
         self.metrics.generation_tokens.inc(len(used))
         self._log_tokens += len(used)
 
@@ -443,28 +415,14 @@ class Engine:
                 self.metrics.itl.observe(dt)
         seq.t_last = now
 
-        if finish is None:
-            keep = _holdback(seq.pending, seq.stops) if seq.stops else 0
-            text = seq.pending[: len(seq.pending) - keep]
-            seq.pending = seq.pending[len(text):]
-        else:
-            text, seq.pending = seq.pending, ""
         logprobs = None
         if req.logprobs is not None:
             text_tokens = [t for t in used if t not in self.eos]
             logprobs = self._logprobs(out, text_tokens, req.logprobs)
-        if text or logprobs:
+        if used:  # token ids of every step, also while text waits for a whole character
             self._emit(req, Delta(text, used, logprobs))
         if finish is not None:
             self._finish(seq, finish)
-
-    @staticmethod
-    def _cut_stop(seq: _Seq) -> bool:
-        hits = [i for i in (seq.pending.find(s) for s in seq.stops) if i >= 0]
-        if not hits:
-            return False
-        seq.pending = seq.pending[: min(hits)]
-        return True
 
     def _logprobs(self, out: StepOutput, tokens: List[int], top: int) -> List[TokenLogprob]:
         if not tokens:
