@@ -5,7 +5,6 @@ import random
 
 import pytest
 
-from mlx_mtp.server.engine import _holdback
 from mlx_mtp.server.metrics import ServerMetrics
 from mlx_mtp.server.parsers import OutputParser, parse_full, parse_tool_body
 from mlx_mtp.server.prefix_cache import PrefixCache
@@ -141,14 +140,6 @@ def test_reasoning_parser_off_keeps_tags():
 def test_think_tag_after_content_is_text():
     r = parse_full("Use <think> tags like this.")
     assert r["content"] == "Use <think> tags like this."
-
-
-# --- stop-string hold-back ------------------------------------------------------------
-def test_holdback():
-    assert _holdback("hello wor", ["world"]) == 3
-    assert _holdback("hello", ["world"]) == 0
-    assert _holdback("abc\n\n", ["\n\n\n", "x"]) == 2
-    assert _holdback("", ["abc"]) == 0
 
 
 # --- prefix cache ---------------------------------------------------------------------

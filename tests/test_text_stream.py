@@ -166,3 +166,9 @@ def test_engine_text_equals_decode_of_ids(oracle):
     assert len(ids) == 16 and ids[0] == 256
     assert "".join(d.text for d in deltas) == tok.decode(ids)
     assert deltas[0].text == "  "  # the first token's two spaces, none trimmed
+
+
+def test_partial_match_start_holds_the_longest_possible_stop_prefix():
+    assert partial_match_start("hello wor", ["world"]) == 6
+    assert partial_match_start("hello", ["world"]) == 5
+    assert partial_match_start("abc\n\n", ["\n\n\n", "x"]) == 3
