@@ -2,7 +2,9 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming
 SSE or not; also without the ``/v1`` prefix), ``GET /v1/models`` (with the MTP
-capability of the model), ``GET /health``, ``GET /metrics`` (Prometheus).
+capability of the model), ``GET /health``, ``GET /metrics`` (Prometheus); the
+Anthropic Messages API (``anthropic``) and the OpenAI Responses API
+(``openai_responses``) are translated onto the chat pipeline in their own modules.
 
 Every response carries ``usage`` (with ``prompt_tokens_details.cached_tokens``),
 llama-server-style ``timings`` (``draft_n``, ``draft_n_accepted``...) and an
@@ -287,11 +289,17 @@ def create_app(state: ServerState):
         def sse(obj) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+        # Formatters of other APIs (Anthropic, Responses) name their events and
+        # frame errors their own way; OpenAI chat streams end with [DONE].
+        encode = getattr(fmt, "encode_event", sse)
+        trailer = getattr(fmt, "stream_trailer", "data: [DONE]\n\n")
+        error_events = getattr(fmt, "error_events", lambda err: [err.body()])
+
         async def events():
             finished = False
             try:
                 for c in fmt.start():
-                    yield sse(c)
+                    yield encode(c)
                 pending = first
                 while True:
                     if pending is not None:
@@ -304,16 +312,18 @@ def create_app(state: ServerState):
                             continue
                     if isinstance(ev, Delta):
                         for c in fmt.on_delta(ev):
-                            yield sse(c)
+                            yield encode(c)
                     elif isinstance(ev, Done):
                         finished = True
                         for c in fmt.on_done(ev, include_usage):
-                            yield sse(c)
-                        yield "data: [DONE]\n\n"
+                            yield encode(c)
+                        if trailer:
+                            yield trailer
                         return
                     elif isinstance(ev, Failed):
                         finished = True
-                        yield sse(failed(ev).body())
+                        for c in error_events(failed(ev)):
+                            yield encode(c)
                         return
             finally:
                 if not finished:
@@ -372,4 +382,9 @@ def create_app(state: ServerState):
         return await run_request(request, kw, ids, [len(ids) - 1] if len(ids) > 1 else [],
                                  logprobs, fmt, bool(req.stream), include_usage)
 
+    from . import anthropic, openai_responses
+
+    for api in (anthropic, openai_responses):
+        api.add_routes(app, state, check_auth=check_auth, tokenize=tokenize,
+                       run_request=run_request, resolve_common=resolve_common)
     return app

@@ -1,0 +1,429 @@
+"""Anthropic Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+Translated at the edge onto the chat pipeline: a request becomes a
+``ChatCompletionRequest`` (system prompt, text / tool_use / tool_result / thinking
+blocks, tools, tool_choice), which the chat template, the engine and the output
+parser handle as for ``/v1/chat/completions``. The parser's pieces become content
+blocks (``thinking``, ``text``, ``tool_use``) and stream events in Anthropic's order.
+Errors use Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .engine import Delta, Done
+from .parsers import OutputParser, Piece
+from .prompts import PreparedChat, prepare_chat
+from .protocol import APIError, ChatCompletionRequest, bad_request, parse_request
+
+if TYPE_CHECKING:
+    from .state import ServerState
+
+log = logging.getLogger("mlx_mtp.server")
+
+# Anthropic's error type for each HTTP status; 503 (queue full, shutting down) is
+# answered as Anthropic's 529 "overloaded_error", which its clients retry.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+               429: "rate_limit_error", 529: "overloaded_error"}
+
+# Our own request fields passed through to the chat pipeline.
+EXTENSIONS = ("seed", "min_p", "num_draft_tokens", "cache_prompt", "chat_template_kwargs")
+
+
+def error_body(e: APIError) -> dict:
+    status = 529 if e.status == 503 else e.status
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(error_body(e), status_code=529 if e.status == 503 else e.status)
+
+
+# --- request ---------------------------------------------------------------------------
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class InputMessage(_Model):
+    role: Literal["user", "assistant"]
+    content: Union[str, List[Dict[str, Any]]]
+
+
+class CountTokensRequest(_Model):
+    model: Optional[str] = None
+    messages: List[InputMessage] = Field(min_length=1)
+    system: Optional[Union[str, List[Dict[str, Any]]]] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Dict[str, Any]] = None
+    thinking: Optional[Dict[str, Any]] = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int
+    stop_sequences: Optional[List[str]] = None
+    stream: Optional[bool] = False
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    metadata: Optional[Dict[str, Any]] = None
+
+
+def _text(blocks, where: str) -> str:
+    """A string or a list of text blocks -> the text; any other block is a 400."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise bad_request(f"{where} must be a string or a list of text blocks.", param=where)
+    out = []
+    for j, b in enumerate(blocks):
+        if not (isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)):
+            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+            raise bad_request(f"{where}[{j}]: only text blocks are supported here (got {kind!r}).",
+                              param=where)
+        out.append(b["text"])
+    return "".join(out)
+
+
+def _assistant(m: InputMessage, i: int) -> dict:
+    if isinstance(m.content, str):
+        return {"role": "assistant", "content": m.content}
+    text, reasoning, calls = [], [], []
+    for j, b in enumerate(m.content):
+        kind = b.get("type")
+        if kind == "text":
+            text.append(_text([b], f"messages[{i}].content"))
+        elif kind == "thinking":
+            reasoning.append(str(b.get("thinking", "")))
+        elif kind == "redacted_thinking":
+            continue
+        elif kind == "tool_use":
+            if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+                raise bad_request(f"messages[{i}].content[{j}]: a tool_use block needs a "
+                                  "string name and an object input.", param="messages")
+            calls.append({"id": b.get("id"), "type": "function",
+                          "function": {"name": b["name"], "arguments": b.get("input", {})}})
+        else:
+            raise bad_request(f"messages[{i}].content[{j}]: block type {kind!r} is not "
+                              "supported in assistant messages.", param="messages")
+    out: Dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if calls:
+        out["tool_calls"] = calls
+    if reasoning:
+        out["reasoning_content"] = "".join(reasoning)
+    return out
+
+
+def _user(m: InputMessage, i: int) -> List[dict]:
+    """One user turn -> tool messages (tool_result blocks) and user messages, in order."""
+    if isinstance(m.content, str):
+        return [{"role": "user", "content": m.content}]
+    out: List[dict] = []
+    for j, b in enumerate(m.content):
+        kind = b.get("type")
+        if kind == "tool_result":
+            content = _text(b.get("content", ""), f"messages[{i}].content[{j}].content")
+            out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": content})
+        elif kind == "text":
+            text = _text([b], f"messages[{i}].content")
+            if out and out[-1]["role"] == "user":
+                out[-1]["content"] += text
+            else:
+                out.append({"role": "user", "content": text})
+        else:
+            raise bad_request(f"messages[{i}].content[{j}]: block type {kind!r} is not "
+                              "supported (this server reads text, tool_use and tool_result).",
+                              param="messages")
+    return out or [{"role": "user", "content": ""}]
+
+
+def _tools(req: CountTokensRequest) -> Optional[list]:
+    tools = []
+    for j, t in enumerate(req.tools or []):
+        if t.get("type") not in (None, "custom"):
+            raise bad_request(f"tools[{j}]: server tool {t.get('type')!r} is not supported; "
+                              "only custom tools (name, input_schema) are.", param="tools")
+        if not isinstance(t.get("name"), str) or not isinstance(t.get("input_schema"), dict):
+            raise bad_request(f"tools[{j}] needs a string name and an object input_schema.",
+                              param="tools")
+        fn = {"name": t["name"], "parameters": t["input_schema"]}
+        if t.get("description") is not None:
+            fn["description"] = t["description"]
+        tools.append({"type": "function", "function": fn})
+    return tools or None
+
+
+def _tool_choice(choice: Optional[dict]):
+    if choice is None:
+        return None
+    kind = choice.get("type")
+    if kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise bad_request("tool_choice of type 'tool' needs a name.", param="tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if mapped is None:
+        raise bad_request(f"tool_choice.type must be auto, any, tool or none (got {kind!r}).",
+                          param="tool_choice")
+    return mapped
+
+
+def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
+    """An Anthropic request -> the equivalent chat completion request."""
+    messages: List[dict] = []
+    if req.system is not None:
+        system = _text(req.system, "system")
+        if system:
+            messages.append({"role": "system", "content": system})
+    for i, m in enumerate(req.messages):
+        messages += _assistant(m, i) if m.role == "assistant" else _user(m, i)
+    if req.messages[-1].role == "assistant":
+        raise bad_request("A final assistant message (prefill) is not supported; end the "
+                          "conversation with a user turn.", param="messages")
+    extra = req.model_extra or {}
+    body: Dict[str, Any] = {k: extra[k] for k in EXTENSIONS if k in extra}
+    body.update(model=req.model, messages=messages, tools=_tools(req),
+                tool_choice=_tool_choice(req.tool_choice))
+    if req.tool_choice and req.tool_choice.get("disable_parallel_tool_use"):
+        body["parallel_tool_calls"] = False
+    if req.thinking is not None:
+        kind = req.thinking.get("type")
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise bad_request("thinking.type must be enabled, disabled or adaptive.",
+                              param="thinking")
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        kwargs["enable_thinking"] = kind != "disabled"
+        body["chat_template_kwargs"] = kwargs
+    if isinstance(req, MessagesRequest):
+        if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:
+            raise bad_request(f"temperature must be between 0 and 1 (got {req.temperature}).",
+                              param="temperature")
+        body.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                    top_k=req.top_k, stop=req.stop_sequences)
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except Exception as e:  # a block the chat model rejects (e.g. a non-string tool_use id)
+        raise bad_request(f"Invalid message content: {e}", param="messages")
+
+
+# --- response ----------------------------------------------------------------------------
+def _input(arguments: str) -> dict:
+    try:
+        value = json.loads(arguments)
+    except (TypeError, json.JSONDecodeError):
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+def _usage(done: Done) -> dict:
+    u = done.usage
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+    # Anthropic's input_tokens excludes tokens read from the cache.
+    return {"input_tokens": u["prompt_tokens"] - cached, "cache_read_input_tokens": cached,
+            "output_tokens": u["completion_tokens"]}
+
+
+class MessageFormatter:
+    """Engine events -> an Anthropic message, or its stream events."""
+
+    def __init__(self, state: ServerState, model: str, prepared: PreparedChat,
+                 parse_tools: bool, stop_sequences: List[str]):
+        self.id = "msg_" + uuid.uuid4().hex[:24]
+        self.state = state
+        self.model = model
+        self.n_prompt = len(prepared.ids)
+        self.stops = [s for s in stop_sequences if s]
+        self.parser = OutputParser(reasoning=state.reasoning_parser != "none",
+                                   start_in_reasoning=prepared.start_in_reasoning,
+                                   tools=prepared.tools, parse_tools=parse_tools,
+                                   tool_format=state.tool_call_parser)
+        self.token_ids: List[int] = []
+        self.text = ""  # everything the engine sent, for telling stop strings from eos
+        self.num_calls = 0
+        self.index = -1  # index of the open content block
+        self.open_kind: Optional[str] = None
+
+    def _message(self, content: list, stop_reason, stop_sequence, usage: dict) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+                "usage": usage}
+
+    def _record(self, ev: Delta):
+        self.token_ids += ev.token_ids
+        self.text += ev.text
+
+    def _stop(self, done: Done):
+        """(stop_reason, stop_sequence) of a finished request."""
+        if done.finish_reason == "length":
+            return "max_tokens", None
+        if self.num_calls:
+            return "tool_use", None
+        seq = getattr(done, "stop_sequence", None) or self._matched_stop(done)
+        return ("stop_sequence", seq) if seq else ("end_turn", None)
+
+    def _matched_stop(self, done: Done) -> Optional[str]:
+        # An eos token ends the token list; a stop string leaves every token in it
+        # and the string right after the text we were sent.
+        if not self.stops or done.finish_reason != "stop" or not self.token_ids:
+            return None
+        if self.token_ids[-1] in getattr(self.state.engine, "eos", ()):
+            return None
+        if len(self.token_ids) < done.usage.get("completion_tokens", 0):
+            return None  # the last step sent no event: cannot tell
+        full = self.state.tokenizer.decode(self.token_ids)
+        start = max(0, len(self.text) - 1)  # a detokenizer may drop one leading space
+        hits = [(i, s) for s in self.stops for i in (full.find(s, start),) if i >= 0]
+        return min(hits)[1] if hits else None
+
+    # streaming
+    def start(self) -> List[dict]:
+        usage = {"input_tokens": self.n_prompt, "output_tokens": 0}
+        return [{"type": "message_start", "message": self._message([], None, None, usage)}]
+
+    def _close(self) -> List[dict]:
+        if self.open_kind is None:
+            return []
+        self.open_kind = None
+        return [{"type": "content_block_stop", "index": self.index}]
+
+    def _open(self, kind: str, block: dict) -> List[dict]:
+        events = self._close()
+        self.index += 1
+        self.open_kind = kind
+        events.append({"type": "content_block_start", "index": self.index, "content_block": block})
+        if self.index == 0:
+            events.append({"type": "ping"})
+        return events
+
+    def _events(self, pieces: List[Piece]) -> List[dict]:
+        events: List[dict] = []
+        for p in pieces:
+            if p.kind == "tool_call":
+                self.num_calls += 1
+                fn = p.call["function"]
+                events += self._open("tool_use", {"type": "tool_use", "id": _tool_id(p.call),
+                                                  "name": fn["name"], "input": {}})
+                events.append({"type": "content_block_delta", "index": self.index,
+                               "delta": {"type": "input_json_delta",
+                                         "partial_json": json.dumps(_input(fn["arguments"]))}})
+                events += self._close()
+                continue
+            if p.kind == "reasoning":
+                if self.open_kind != "thinking":
+                    events += self._open("thinking", {"type": "thinking", "thinking": "",
+                                                      "signature": ""})
+                delta = {"type": "thinking_delta", "thinking": p.text}
+            else:
+                if self.open_kind != "text":
+                    events += self._open("text", {"type": "text", "text": ""})
+                delta = {"type": "text_delta", "text": p.text}
+            events.append({"type": "content_block_delta", "index": self.index, "delta": delta})
+        return events
+
+    def on_delta(self, ev: Delta) -> List[dict]:
+        self._record(ev)
+        return self._events(self.parser.feed(ev.text))
+
+    def on_done(self, done: Done, include_usage: bool = False) -> List[dict]:
+        events = self._events(self.parser.finish()) + self._close()
+        reason, seq = self._stop(done)
+        events.append({"type": "message_delta",
+                       "delta": {"stop_reason": reason, "stop_sequence": seq},
+                       "usage": _usage(done), "mtp": done.mtp, "timings": done.timings})
+        events.append({"type": "message_stop"})
+        return events
+
+    # stream framing (see app.run_request): named events, no [DONE]
+    stream_trailer = ""
+
+    @staticmethod
+    def encode_event(obj: dict) -> str:
+        return f"event: {obj['type']}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    @staticmethod
+    def error_events(err: APIError) -> List[dict]:
+        return [error_body(err)]
+
+    # whole response
+    def response(self, deltas: List[Delta], done: Done) -> dict:
+        pieces: List[Piece] = []
+        for ev in deltas:
+            self._record(ev)
+            pieces += self.parser.feed(ev.text)
+        pieces += self.parser.finish()
+        content: List[dict] = []
+        for p in pieces:
+            kind, key = ("thinking", "thinking") if p.kind == "reasoning" else ("text", "text")
+            if p.kind == "tool_call":
+                self.num_calls += 1
+                fn = p.call["function"]
+                content.append({"type": "tool_use", "id": _tool_id(p.call), "name": fn["name"],
+                                "input": _input(fn["arguments"])})
+            elif content and content[-1]["type"] == kind:  # pieces of one block
+                content[-1][key] += p.text
+            elif p.text:
+                content.append({"type": kind, key: p.text})
+        # As in chat: no padding around thoughts, nor around text next to tool calls.
+        for b in content:
+            if b["type"] == "thinking":
+                b.update(thinking=b["thinking"].strip(), signature="")
+            elif b["type"] == "text" and self.num_calls:
+                b["text"] = b["text"].strip()
+        content = [b for b in content if b.get("thinking", b.get("text", True))]
+        reason, seq = self._stop(done)
+        out = self._message(content, reason, seq, _usage(done))
+        out.update(mtp=done.mtp, timings=done.timings)
+        return out
+
+
+def _tool_id(call: dict) -> str:
+    return "toolu_" + call["id"].split("_", 1)[-1]
+
+
+# --- routes ------------------------------------------------------------------------------
+def add_routes(app, state: ServerState, *, check_auth: Callable, tokenize: Callable,
+               run_request: Callable, resolve_common: Callable):
+    """Register the Anthropic endpoints on ``app`` (helpers come from ``app.create_app``)."""
+
+    async def prepare(request: Request, model_cls):
+        check_auth(request)
+        req = parse_request(await request.body(), model_cls)
+        chat = to_chat_request(req)
+        if chat.model is not None and chat.model not in state.aliases:
+            raise APIError(404, f"The model `{chat.model}` does not exist. This server serves "
+                           f"`{state.model_name}`.", param="model")
+        return req, chat, await tokenize(prepare_chat, state, chat)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        try:
+            req, chat, prepared = await prepare(request, MessagesRequest)
+            kw = resolve_common(state, chat, len(prepared.ids), req.max_tokens)
+            parse_tools = prepared.tools is not None and state.tool_call_parser != "none"
+            fmt = MessageFormatter(state, req.model or state.model_name, prepared, parse_tools,
+                                   kw["stop"])
+            return await run_request(request, kw, prepared.ids, prepared.boundaries, None, fmt,
+                                     bool(req.stream), False)
+        except APIError as e:
+            return error_response(e)
+        except Exception as e:
+            log.exception("Unhandled error on /v1/messages")
+            return error_response(APIError(500, f"Internal server error: {type(e).__name__}: "
+                                                f"{e}"))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        try:
+            _, _, prepared = await prepare(request, CountTokensRequest)
+        except APIError as e:
+            return error_response(e)
+        return {"input_tokens": len(prepared.ids)}
