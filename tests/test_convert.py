@@ -17,7 +17,7 @@ from mlx_mtp.convert import main as cv
 from mlx_mtp.convert.add_mtp import add_mtp
 from mlx_mtp.convert.main import ConversionError, convert
 from mlx_mtp.models.loader import load_model
-from mlx_mtp.models.hybrid import MissingMTPWeightsError
+from mlx_mtp.models.layout import MissingMTPWeightsError
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.testing.tiny import build_model, make_tiny, save_hf_checkpoint, tiny_text_config
 
@@ -250,11 +250,11 @@ def test_interrupted_convert_leaves_nothing(sources, tmp_path, monkeypatch, exc)
     before = snapshot(src)
     real, calls = checkpoint_io._save_shard, []
 
-    def failing(path, tensors, bar):
+    def failing(path, tensors, *rest):
         calls.append(path.name)
         if len(calls) == 2:
             raise exc
-        real(path, tensors, bar)
+        real(path, tensors, *rest)
 
     monkeypatch.setattr(checkpoint_io, "_save_shard", failing)
     out = tmp_path / "out"

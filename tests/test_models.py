@@ -9,7 +9,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from mlx_mtp.models.loader import ModelLoadError, load_model
 from mlx_mtp.models import UnsupportedModelError
-from mlx_mtp.models.hybrid import MissingMTPWeightsError
+from mlx_mtp.models.layout import MissingMTPWeightsError
 
 PROMPT = mx.array([[1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 300, 4]])
 
@@ -28,9 +28,11 @@ LAYOUTS = [
 def test_logits_match_mlx_lm(tiny_ckpt, family, kw):
     path = tiny_ckpt(family, "random", **kw)
     ours, _ = load_model(Path(path))
-    # mlx-lm reads only fused trunk experts for qwen3_5_moe: give it the same
-    # weights in that layout.
-    ref_kw = {**kw, "expert_layout": "fused"} if family == "qwen3_5_moe" else kw
+    # mlx-lm reads only fused trunk experts for qwen3_5_moe and has no module for a
+    # flat `qwen3_5_text` (Qwen3_5ForCausalLM) config: give it the same weights in the
+    # layout it reads.
+    ref_kw = {**kw, "expert_layout": "fused"} if family == "qwen3_5_moe" else dict(kw)
+    ref_kw.pop("nested", None)
     theirs, _ = mlx_lm_load_model(Path(tiny_ckpt(family, "random", **ref_kw)))
     assert ours.num_mtp_layers == 1
     assert mx.allclose(ours(PROMPT), theirs(PROMPT), atol=1e-5).item()

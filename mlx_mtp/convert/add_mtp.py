@@ -18,13 +18,14 @@ from tqdm import tqdm
 from .checkpoint_io import (MTP_SHARD, run_guarded, read_tensors, _checkpoint_tensors, _link_tree, _recover_stale,
                             _save_shard, _staging, _swap_into_place, _write_index, _write_json)
 from .common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast,
-                             _check_foreign_quant, _check_model_dir, _config_mtp_layers,
-                             _config_quantization, _count_mtp_layers, _dequantize, _family,
-                             _incomplete_head, _param_bytes, _print_summary,
-                             _set_config_mtp_layers, _summarize, _text, is_mtp_key)
-from ..models.loader import load_config, quantize_like_checkpoint
+                     _check_foreign_quant, _check_model_dir, _dequantize, _incomplete_head,
+                     _param_bytes, _print_summary, _summarize)
 from ..models import UnsupportedModelError, get_model_module
-from ..models.hybrid import HybridArgs, MissingMTPWeightsError
+from ..models.hybrid import HybridArgs
+from ..models.layout import (MissingMTPWeightsError, args_dict, config_mtp_layers,
+                             config_quantization, count_mtp_layers, family, is_mtp_key,
+                             set_config_mtp_layers, text_config)
+from ..models.loader import load_config, quantize_like_checkpoint
 
 # Text-config fields that must agree for a head to fit a trunk.
 _SHAPE_FIELDS = (
@@ -36,8 +37,8 @@ _SHAPE_FIELDS = (
 
 def _config_mismatches(dst_cfg: dict, src_cfg: dict) -> List[str]:
     # Compare effective values (e.g. head_dim derived when absent).
-    a = HybridArgs.from_dict(_text(dst_cfg))
-    b = HybridArgs.from_dict(_text(src_cfg))
+    a = HybridArgs.from_dict(args_dict(dst_cfg))
+    b = HybridArgs.from_dict(args_dict(src_cfg))
     out = []
     for k in _SHAPE_FIELDS:
         if k == "intermediate_size" and a.num_experts:
@@ -45,14 +46,6 @@ def _config_mismatches(dst_cfg: dict, src_cfg: dict) -> List[str]:
         if getattr(a, k) != getattr(b, k):
             out.append(f"{k}: model {getattr(a, k)} vs source {getattr(b, k)}")
     return out
-
-
-def _source_is_raw_hf(tensors: Dict[str, Tuple[Path, dict]], mtp_keys: List[str]) -> bool:
-    conv = [e["shape"] for k, (_, e) in tensors.items() if k.endswith("conv1d.weight")]
-    if conv:
-        return any(s[-1] != 1 for s in conv)
-    # A head-only source: MLX conversions use language_model.mtp.* or switch_mlp.
-    return not any(k.startswith("language_model.") or ".switch_mlp." in k for k in mtp_keys)
 
 
 def _float_dtype_of(tensors: Dict[str, Tuple[Path, dict]]) -> Optional[mx.Dtype]:
@@ -77,7 +70,7 @@ def _load_mtp_head(src: Path, src_cfg: dict, dst_cfg: dict, tensors, mtp_keys: L
 
     model = _build_model(dst_cfg, n_layers)
     try:
-        weights = model.sanitize(weights, raw_hf=_source_is_raw_hf(tensors, mtp_keys))
+        weights = model.sanitize(weights)  # the head's norm form is read from its weights
     except MissingMTPWeightsError as e:
         raise ConversionError(_incomplete_head(src, e, "Use a complete original checkpoint "
                                                         "as --source.")) from e
@@ -85,7 +78,7 @@ def _load_mtp_head(src: Path, src_cfg: dict, dst_cfg: dict, tensors, mtp_keys: L
     prefix = next(k for k in weights if is_mtp_key(k)).split("mtp.")[0] + "mtp."
     head_weights = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
     if any(k.endswith(".scales") for k in head_weights):
-        q = copy.deepcopy(_config_quantization(src_cfg) or {})
+        q = copy.deepcopy(config_quantization(src_cfg) or {})
         q = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in q.items()}
         quantize_like_checkpoint(head, head_weights, q)
     try:
@@ -122,7 +115,7 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
     if dst.resolve() == src.resolve():
         raise ConversionError("--model and --source are the same directory.")
     dst_cfg, src_cfg = load_config(dst), load_config(src)
-    dst_family, src_family = _family(dst_cfg), _family(src_cfg)
+    dst_family, src_family = family(dst_cfg), family(src_cfg)
     try:
         get_model_module(dst_cfg.get("model_type", ""))
     except UnsupportedModelError as e:
@@ -157,7 +150,7 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
             + ". The head belongs to a different model (size or variant); use the original "
             "checkpoint this model was converted from."
         )
-    n_layers = _count_mtp_layers(mtp_keys) or max(_config_mtp_layers(src_cfg), 1)
+    n_layers = count_mtp_layers(mtp_keys) or max(config_mtp_layers(src_cfg), 1)
 
     model, head, prefix, packed = _load_mtp_head(src, src_cfg, dst_cfg, src_tensors,
                                                   mtp_keys, n_layers, verbose)
@@ -166,7 +159,7 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
         _cast(head, dst_dtype)
 
     # Precision: like the model, unless --mtp-bits says otherwise.
-    dst_quant = _config_quantization(dst_cfg)
+    dst_quant = config_quantization(dst_cfg)
     dst_quantized = any(k.endswith(".scales") for k in dst_tensors if not is_mtp_key(k))
     group_size = (dst_quant or {}).get("group_size", 64) if dst_quantized else 64
     if mtp_bits is None:
@@ -192,7 +185,7 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
 
     # New config: MTP layer count, and the head's quantization entries.
     new_cfg = copy.deepcopy(dst_cfg)
-    _set_config_mtp_layers(new_cfg, n_layers)
+    set_config_mtp_layers(new_cfg, n_layers)
     quant = None
     if dst_quant:
         quant = {k: v for k, v in copy.deepcopy(dst_quant).items()
@@ -200,7 +193,7 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
         quant.update(record)
     elif bits is not None:
         quant = dict(scheme.default(), **record)
-    for c in (new_cfg, _text(new_cfg)):
+    for c in (new_cfg, text_config(new_cfg)):
         c.pop("quantization", None)
         c.pop("quantization_config", None)
     if quant is not None:

@@ -1,6 +1,7 @@
-"""Checkpoint files on disk: safetensors headers, shard/index/config writing, and the
-staging directories that make ``convert`` and ``add-mtp`` atomic (swap, recovery of
-killed runs, SIGTERM/SIGHUP as Ctrl-C).
+"""Checkpoint files on disk: THE checkpoint writer (``write_checkpoint``: safetensors
+shards, index, config, tokenizer files, published atomically) used by convert, add-mtp,
+train export and the tests' tiny checkpoints, and the staging directories that make
+them atomic (swap, recovery of killed runs, SIGTERM/SIGHUP as Ctrl-C).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import struct
 import sys
 import threading
 import uuid
@@ -24,9 +24,10 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 from tqdm import tqdm
 
-from .common import ConversionError, _param_bytes, _text, _warn, is_mtp_key
+from .common import ConversionError, _param_bytes, _warn
 from ..models import UnsupportedModelError
-from ..models.loader import ModelLoadError, weight_files
+from ..models.layout import CheckpointError, is_mtp_key, mlx_config, text_config
+from ..models.loader import INDEX_FILE, load_safetensors, read_safetensors_header, weight_files
 
 
 def read_tensors(files: List[Path], wanted=None, verbose: bool = True) -> Dict[str, mx.array]:
@@ -36,13 +37,13 @@ def read_tensors(files: List[Path], wanted=None, verbose: bool = True) -> Dict[s
     with tqdm(total=total, desc="reading", unit="B", unit_scale=True,
               disable=not verbose) as bar:
         for f in files:
-            part = mx.load(str(f))  # lazy: data is read when used
+            part = load_safetensors(f)  # lazy: data is read when used
             weights.update(part if wanted is None else
                            {k: v for k, v in part.items() if k in wanted})
             bar.update(f.stat().st_size)
     return weights
 
-INDEX_FILE = "model.safetensors.index.json"
+
 MTP_SHARD = "mtp.safetensors"
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -64,30 +65,10 @@ STAGING_TAG = ".mlx-mtp-"
 # Reading
 # --------------------------------------------------------------------------
 
-def read_safetensors_header(path: Path) -> Dict[str, dict]:
-    """Tensor names -> {"dtype", "shape"} of a safetensors file, without reading the data."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ConversionError(f"{path} is not a safetensors file (truncated header).")
-        (n,) = struct.unpack("<Q", head)
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ConversionError(f"{path} is not a valid safetensors file: {e}") from e
-    header.pop("__metadata__", None)
-    return header
-
-
 def _checkpoint_tensors(path: Path) -> Dict[str, Tuple[Path, dict]]:
     """Every tensor of a checkpoint -> (file, header entry), from headers only."""
     out = {}
-    for f in weight_files(path):
-        if not f.exists():
-            raise ConversionError(
-                f"{path / INDEX_FILE} names {f.name}, which is missing. The checkpoint is "
-                "incomplete: download it again."
-            )
+    for f in weight_files(path):  # checks that the index's shards exist
         for k, entry in read_safetensors_header(f).items():
             out[k] = (f, entry)
     return out
@@ -97,19 +78,26 @@ def _checkpoint_tensors(path: Path) -> Dict[str, Tuple[Path, dict]]:
 # Writing
 # --------------------------------------------------------------------------
 
-def _save_shard(path: Path, tensors: Dict[str, mx.array], bar) -> None:
+def _save_shard(path: Path, tensors: Dict[str, mx.array], bar, fmt: str = "mlx") -> None:
     """Compute (quantize/cast) and write one shard. Tests patch this to simulate a crash."""
     for v in tensors.values():
         mx.eval(v)
         bar.update(v.nbytes)
-    mx.save_safetensors(str(path), tensors, metadata={"format": "mlx"})
+    mx.save_safetensors(str(path), tensors, metadata={"format": fmt})
 
 
-def _make_shards(weights: Dict[str, mx.array], max_bytes: int) -> List[Dict[str, mx.array]]:
+def _make_shards(weights: Dict[str, mx.array], max_bytes: Optional[int],
+                 num_shards: Optional[int]) -> List[Dict[str, mx.array]]:
+    """Split by size (``max_bytes``), into ``num_shards`` by tensor count, or not at all."""
+    if num_shards:
+        keys = list(weights)
+        per = -(-len(keys) // num_shards)
+        return [{k: weights[k] for k in keys[i * per:(i + 1) * per]} for i in range(num_shards)
+                if keys[i * per:(i + 1) * per]]
     shards: List[Dict[str, mx.array]] = []
     size = 0
     for k, v in weights.items():
-        if not shards or (size + v.nbytes > max_bytes and shards[-1]):
+        if not shards or (max_bytes and size + v.nbytes > max_bytes and shards[-1]):
             shards.append({})
             size = 0
         shards[-1][k] = v
@@ -117,13 +105,18 @@ def _make_shards(weights: Dict[str, mx.array], max_bytes: int) -> List[Dict[str,
     return shards
 
 
-def _write_weights(out: Path, weights: Dict[str, mx.array], max_shard_bytes: int,
-                   verbose: bool) -> Dict[str, str]:
-    """Trunk shards + ``mtp.safetensors``; returns the weight map. Consumes ``weights``."""
-    trunk = {k: v for k, v in weights.items() if not is_mtp_key(k)}
-    head = {k: v for k, v in weights.items() if is_mtp_key(k)}
+def _write_weights(out: Path, weights: Dict[str, mx.array], max_shard_bytes: Optional[int],
+                   verbose: bool, num_shards: Optional[int] = None, mtp_file: bool = True,
+                   fmt: str = "mlx") -> Dict[str, str]:
+    """Weight shards (``mtp.*`` in ``mtp.safetensors`` when ``mtp_file``, else after the
+    trunk's tensors); returns the weight map. Consumes ``weights``."""
+    head = {k: v for k, v in weights.items() if is_mtp_key(k)} if mtp_file else {}
+    if mtp_file:
+        trunk = {k: v for k, v in weights.items() if not is_mtp_key(k)}
+    else:  # as released checkpoints tend to: the head in the last shard
+        trunk = {k: weights[k] for k in sorted(weights, key=lambda k: (is_mtp_key(k), k))}
     weights.clear()
-    shards = _make_shards(trunk, max_shard_bytes)
+    shards = _make_shards(trunk, max_shard_bytes, num_shards)
     if head:
         shards.append(head)
     n_trunk = len(shards) - (1 if head else 0)
@@ -140,10 +133,58 @@ def _write_weights(out: Path, weights: Dict[str, mx.array], max_shard_bytes: int
                 name = "model.safetensors"
             else:
                 name = f"model-{i + 1:05d}-of-{n_trunk:05d}.safetensors"
-            _save_shard(out / name, shard, bar)
+            _save_shard(out / name, shard, bar, fmt)
             weight_map.update({k: name for k in shard})
             del shard
     return weight_map
+
+
+def write_checkpoint(out, weights: Dict[str, mx.array], config: dict, *,
+                     tokenizer_from: Optional[Path] = None,
+                     tokenizer_files: Tuple[str, ...] = None,
+                     extra_files: Optional[Dict[str, str]] = None,
+                     dtype: Optional[mx.Dtype] = None, max_shard_bytes: Optional[int] = None,
+                     num_shards: Optional[int] = None, mtp_file: bool = True,
+                     fmt: str = "mlx", verbose: bool = False) -> Dict[str, str]:
+    """Write a checkpoint directory and publish it atomically; returns the weight map.
+
+    Weights go into shards (by ``max_shard_bytes`` or ``num_shards``; with ``mtp_file``
+    the head gets its own ``mtp.safetensors``, which plain mlx-lm never opens), with an
+    index when there is more than one file, then config.json, the tokenizer files of
+    ``tokenizer_from`` and ``extra_files`` (name -> text). ``dtype`` casts floating-point
+    weights except ``A_log``. ``fmt`` is the safetensors ``format`` metadata ("pt" for
+    the Hugging Face layout). An existing ``out`` is replaced as a whole, never mixed.
+    Consumes ``weights``.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if dtype is not None:
+        for k, v in weights.items():
+            if mx.issubdtype(v.dtype, mx.floating) and not k.endswith("A_log"):
+                weights[k] = v.astype(dtype)
+    total_size = _param_bytes(weights)
+    with _staging(out, verbose) as tmp:
+        weight_map = _write_weights(tmp, weights, max_shard_bytes, verbose, num_shards,
+                                    mtp_file, fmt)
+        if len(set(weight_map.values())) > 1:
+            _write_index(tmp, weight_map, total_size)
+        _write_json(tmp / "config.json", config)
+        if tokenizer_from is not None:
+            _copy_tokenizer(Path(tokenizer_from), tmp, tokenizer_files or TOKENIZER_FILES)
+        for name, content in (extra_files or {}).items():
+            (tmp / name).write_text(content)
+        _publish(tmp, out)
+    return weight_map
+
+
+def _publish(tmp: Path, out: Path):
+    try:
+        if out.exists():
+            shutil.rmtree(_swap_into_place(tmp, out), ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except OSError as e:
+        raise ConversionError(f"Could not move the new checkpoint into {out}: {e}") from e
 
 
 def _write_json(path: Path, data: dict):
@@ -164,11 +205,10 @@ def _write_index(out: Path, weight_map: Dict[str, str], total_size: int):
 
 
 def _finalize_config(config: dict, quantization: Optional[dict]) -> dict:
-    """config.json for the output: same structure, quantization recorded as mlx-lm does."""
-    config = copy.deepcopy(config)
-    config.pop("_name_or_path", None)
-    config.pop("vision_config", None)  # the vision tower is not converted
-    for c in (config, _text(config)):
+    """config.json for an MLX output (one plain mlx-lm loads), quantization recorded as
+    mlx-lm does."""
+    config = mlx_config(config)
+    for c in (config, text_config(config)):
         c.pop("quantization", None)
         c.pop("quantization_config", None)
     if quantization:
@@ -177,9 +217,9 @@ def _finalize_config(config: dict, quantization: Optional[dict]) -> dict:
     return config
 
 
-def _copy_tokenizer(src: Path, out: Path) -> List[str]:
+def _copy_tokenizer(src: Path, out: Path, names: Tuple[str, ...] = TOKENIZER_FILES) -> List[str]:
     copied = []
-    for name in TOKENIZER_FILES:
+    for name in names:
         f = src / name
         if f.is_file():
             shutil.copy2(f, out / name)
@@ -316,7 +356,7 @@ def run_guarded(command: str, fn) -> int:
     try:
         with _terminate_as_interrupt():
             fn()
-    except (ConversionError, ModelLoadError, UnsupportedModelError) as e:
+    except (ConversionError, CheckpointError, UnsupportedModelError) as e:
         print(f"mlx-mtp {command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -6,7 +6,6 @@ key helpers, input checks, the quantization scheme and model-level operations
 from __future__ import annotations
 
 import copy
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,16 +16,14 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path, tree_unflatten
 from tqdm import tqdm
 
-from ..models.loader import weight_files
-from ..models import UnsupportedModelError, get_model_module
+from ..models.layout import is_mtp_key, text_config
+from ..models.loader import build_model, weight_files
 
 MTP_BITS = (4, 8, 16)  # 16 = keep the head in floating point
 ROUTER_QUANT = {"group_size": 64, "bits": 8}
 # Checkpoint formats whose packed weights mlx-mtp cannot read.
 FOREIGN_QUANT_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale", ".qweight",
                           ".qzeros", ".g_idx")
-
-_MTP_LAYER_RE = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.")
 
 
 class ConversionError(ValueError):
@@ -37,62 +34,17 @@ class ConversionError(ValueError):
 # Small helpers
 # --------------------------------------------------------------------------
 
-def is_mtp_key(key: str) -> bool:
-    """``mtp.*`` (raw HF), ``model.mtp.*`` or ``language_model.mtp.*`` (MLX)."""
-    return key.startswith("mtp.") or ".mtp." in key
-
-
-def _text(config: dict) -> dict:
-    return config.get("text_config", config)
-
-
-def _family(config: dict) -> str:
-    model_type = config.get("model_type") or _text(config).get("model_type", "")
-    return model_type[: -len("_text")] if model_type.endswith("_text") else model_type
-
-
 def _is_router(path: str) -> bool:
     return path.endswith("mlp.gate") or path.endswith("shared_expert_gate")
-
-
-def _config_quantization(config: dict) -> Optional[dict]:
-    return config.get("quantization") or _text(config).get("quantization")
-
-
-def _config_mtp_layers(config: dict) -> int:
-    text = _text(config)
-    if _family(config) == "qwen3_next":
-        return int(text.get("mtp_num_hidden_layers", text.get("num_nextn_predict_layers", 1)))
-    return int(text.get("mtp_num_hidden_layers", 0))
-
-
-def _set_config_mtp_layers(config: dict, n: int):
-    text = _text(config)
-    if _family(config) == "qwen3_next" and "mtp_num_hidden_layers" not in text:
-        if n != 1 or "num_nextn_predict_layers" in text:
-            text["num_nextn_predict_layers"] = n
-    else:
-        text["mtp_num_hidden_layers"] = n
-
-
-def _count_mtp_layers(keys: Iterable[str]) -> int:
-    found = [int(m.group(1)) for k in keys if (m := _MTP_LAYER_RE.search(k))]
-    return max(found) + 1 if found else 0
 
 
 def _build_model(config: dict, mtp_layers: int):
     """Our model for ``config`` with ``mtp_layers`` MTP layers (parameters stay lazy)."""
     config = copy.deepcopy(config)
-    _text(config)["mtp_num_hidden_layers"] = mtp_layers
-    _text(config)["num_nextn_predict_layers"] = mtp_layers
-    model_type = config.get("model_type")
-    if model_type is None:
+    if config.get("model_type") is None:
         raise ConversionError("config.json has no model_type; is this a Hugging Face checkpoint?")
-    try:
-        module = get_model_module(model_type)
-    except UnsupportedModelError as e:
-        raise ConversionError(str(e)) from e
-    return module.Model(module.ModelArgs.from_dict(config))
+    text_config(config)["mtp_num_hidden_layers"] = mtp_layers  # read first of the aliases
+    return build_model(config)
 
 
 def _check_model_dir(path: Path, role: str) -> Path:

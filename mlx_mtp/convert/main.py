@@ -24,7 +24,6 @@ quantization scheme shared by both.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,16 +33,16 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from .checkpoint_io import (MTP_SHARD, run_guarded, read_tensors, _copy_tokenizer, _finalize_config, _staging,
-                            _terminate_as_interrupt, _write_index, _write_json, _write_weights)
+from .checkpoint_io import (MTP_SHARD, TOKENIZER_FILES, _finalize_config, read_tensors,
+                            run_guarded, write_checkpoint)
 from .common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast,
-                             _check_foreign_quant, _check_model_dir, _config_mtp_layers,
-                             _config_quantization, _count_mtp_layers, _dequantize, _fmt_bytes,
-                             _incomplete_head, _param_bytes, _print_summary,
-                             _set_config_mtp_layers, _summarize, _text, _warn, is_mtp_key)
-from ..models.loader import ModelLoadError, load_config, quantize_like_checkpoint, weight_files
+                     _check_foreign_quant, _check_model_dir, _dequantize, _fmt_bytes,
+                     _incomplete_head, _param_bytes, _print_summary, _summarize, _warn)
 from ..models import UnsupportedModelError
-from ..models.hybrid import MissingMTPWeightsError
+from ..models.layout import (CheckpointError, MissingMTPWeightsError, config_mtp_layers,
+                             config_quantization, count_mtp_layers, is_mtp_key,
+                             set_config_mtp_layers, text_config)
+from ..models.loader import load_config, quantize_like_checkpoint, weight_files
 
 DEFAULT_MAX_SHARD_GB = 5.0
 Q_BITS = (2, 3, 4, 5, 6, 8)
@@ -71,14 +70,14 @@ def _load_source(src: Path, verbose: bool) -> _Source:
     weights = read_tensors(files, verbose=verbose)
     _check_foreign_quant(weights, src)
 
-    n_keys = _count_mtp_layers(k for k in weights if is_mtp_key(k))
-    n_config = _config_mtp_layers(config)
+    n_keys = count_mtp_layers(k for k in weights if is_mtp_key(k))
+    n_config = config_mtp_layers(config)
     if n_keys == 0 and any(is_mtp_key(k) for k in weights):
         n_keys = max(n_config, 1)
     if n_keys and n_keys != n_config:
         _warn(f"{src}/config.json says {n_config} MTP layer(s) but the weights hold "
               f"{n_keys}; keeping {n_keys}.", verbose)
-        _set_config_mtp_layers(config, n_keys)
+        set_config_mtp_layers(config, n_keys)
 
     model = _build_model(config, n_keys)
     try:
@@ -88,7 +87,7 @@ def _load_source(src: Path, verbose: bool) -> _Source:
                                                         "download it again.")) from e
     quantized = any(k.endswith(".scales") for k in weights)
     if quantized:
-        quantize_like_checkpoint(model, weights, _config_quantization(config))
+        quantize_like_checkpoint(model, weights, config_quantization(config))
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -105,7 +104,7 @@ def _load_source(src: Path, verbose: bool) -> _Source:
 # --------------------------------------------------------------------------
 
 def _config_dtype(config: dict) -> Optional[str]:
-    for c in (config, _text(config)):
+    for c in (config, text_config(config)):
         for key in ("torch_dtype", "dtype"):
             if c.get(key) in DTYPES:
                 return c[key]
@@ -168,7 +167,7 @@ def convert(
 
     try:
         source = _load_source(src, verbose)
-    except (ModelLoadError, UnsupportedModelError) as e:
+    except (CheckpointError, UnsupportedModelError) as e:
         raise ConversionError(str(e)) from e
     model, config = source.model, source.config
 
@@ -203,7 +202,7 @@ def convert(
     if dequantize:
         quantization = None
     elif source.quantized:
-        quantization = _config_quantization(config)  # passed through unchanged
+        quantization = config_quantization(config)  # passed through unchanged
     else:
         if mtp_bits is None:
             mtp_bits = DEFAULT_MTP_BITS if quantize else 16
@@ -219,7 +218,7 @@ def convert(
 
     out_config = _finalize_config(config, quantization)
     if dtype is not None:
-        for c in (out_config, _text(out_config)):
+        for c in (out_config, text_config(out_config)):
             for key in ("torch_dtype", "dtype"):
                 if key in c:
                     c[key] = dtype
@@ -230,15 +229,11 @@ def convert(
     # Hand the tensors to the writer only, so each shard is freed once written.
     model.update(tree_map(lambda _: mx.array([]), model.parameters()))
 
-    with _staging(dst, verbose) as tmp:
-        weight_map = _write_weights(tmp, weights, int(max_shard_size_gb * (1 << 30)), verbose)
-        _write_index(tmp, weight_map, total_size)
-        _write_json(tmp / "config.json", out_config)
-        tokenizer_files = _copy_tokenizer(src, tmp)
-        try:
-            os.rename(tmp, dst)
-        except OSError as e:
-            raise ConversionError(f"Could not move the converted model into {dst}: {e}") from e
+    weight_map = write_checkpoint(dst, weights, out_config, tokenizer_from=src,
+                                  max_shard_bytes=int(max_shard_size_gb * (1 << 30)),
+                                  verbose=verbose)
+    tokenizer_files = [f.name for f in sorted(dst.iterdir())
+                       if f.name in TOKENIZER_FILES or f.suffix == ".tiktoken"]
 
     summary = {
         "path": str(dst),

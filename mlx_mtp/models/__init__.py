@@ -2,14 +2,17 @@
 
 import importlib
 
-# model_type -> module name. The ``*_text`` names are the nested text configs of
-# the multimodal Qwen3.5/3.6 checkpoints, seen when a config is flattened.
+# model_type -> module name. The ``*_text`` names are the text configs of the
+# multimodal Qwen3.5/3.6 checkpoints (flat ``*ForCausalLM`` exports); ``*_mtp`` are
+# vLLM's draft-model types, which some re-exports keep (dense or MoE by the config).
 MODEL_TYPES = {
     "qwen3_5": "qwen3_5",
     "qwen3_5_text": "qwen3_5",
+    "qwen3_5_mtp": "qwen3_5",
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
     "qwen3_next": "qwen3_next",
+    "qwen3_next_mtp": "qwen3_next",
 }
 
 

@@ -52,6 +52,8 @@ class HybridArgs:
     linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
     full_attention_interval: int = 4
+    # Per-layer "linear_attention" / "full_attention" (transformers 5); wins over the interval.
+    layer_types: Optional[List[str]] = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     # MoE
@@ -96,6 +98,8 @@ class HybridArgs:
         return cls(**{k: v for k, v in params.items() if k in names})
 
     def is_linear(self, layer_idx: int) -> bool:
+        if self.layer_types is not None:
+            return self.layer_types[layer_idx] == "linear_attention"
         return (layer_idx + 1) % self.full_attention_interval != 0
 
     def is_moe(self, layer_idx: int) -> bool:
@@ -423,111 +427,6 @@ class TextModel(nn.Module):
     @staticmethod
     def cast_predicate(path: str) -> bool:
         return not path.endswith("A_log")
-
-
-# Norms stored zero-centred ((1 + w) scaling) in raw Hugging Face checkpoints.
-SHIFTED_NORM_SUFFIXES = (
-    ".input_layernorm.weight",
-    ".post_attention_layernorm.weight",
-    "model.norm.weight",
-    ".q_norm.weight",
-    ".k_norm.weight",
-    "mtp.norm.weight",
-    "mtp.pre_fc_norm_hidden.weight",
-    "mtp.pre_fc_norm_embedding.weight",
-)
-
-
-class MissingMTPWeightsError(ValueError):
-    pass
-
-
-def _split_experts(weights: dict, prefix: str, num_experts: int):
-    """Bring one MoE block's experts into ``switch_mlp`` form (stacked per projection).
-
-    Accepts Hugging Face fused tensors (``experts.gate_up_proj`` [E, 2I, H] with the
-    gate half first, ``experts.down_proj`` [E, H, I]) or per-expert Linear weights.
-    """
-    fused = f"{prefix}.experts.gate_up_proj"
-    if fused in weights:
-        gate_up = weights.pop(fused)
-        mid = gate_up.shape[-2] // 2
-        weights[f"{prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
-        weights[f"{prefix}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
-        weights[f"{prefix}.switch_mlp.down_proj.weight"] = weights.pop(
-            f"{prefix}.experts.down_proj"
-        )
-    elif f"{prefix}.experts.0.gate_proj.weight" in weights:
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            weights[f"{prefix}.switch_mlp.{name}.weight"] = mx.stack(
-                [weights.pop(f"{prefix}.experts.{e}.{name}.weight") for e in range(num_experts)]
-            )
-
-
-def sanitize_text_weights(model: TextModel, weights: dict, raw_hf: Optional[bool] = None):
-    """Turn text-level weights (keys ``model.*``, ``lm_head.*``, ``mtp.*``) into ours.
-
-    Handles both raw Hugging Face checkpoints and MLX conversions: conv1d axis
-    order, (1 + w) norms (raw HF only: MLX conversions are already shifted),
-    fused or per-expert MoE experts in the trunk and in the MTP layers, tied
-    heads, and the MTP weights themselves (kept, or dropped when MTP is off).
-    """
-    args = model.args
-    if raw_hf is None:
-        raw_hf = any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in weights.items())
-    has_mtp_keys = any(k.startswith("mtp.") for k in weights)
-    if model.num_mtp_layers > 0:
-        if not has_mtp_keys:
-            raise MissingMTPWeightsError(missing_mtp_message(model))
-    else:
-        weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
-    if args.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-
-    if args.num_experts > 0:
-        prefixes = [f"model.layers.{i}.mlp" for i in range(args.num_hidden_layers)]
-        prefixes += [f"mtp.layers.{i}.mlp" for i in range(model.num_mtp_layers)]
-        for p in prefixes:
-            _split_experts(weights, p, args.num_experts)
-
-    out = {}
-    for k, v in weights.items():
-        if "conv1d.weight" in k and v.shape[-1] != 1:
-            v = v.moveaxis(2, 1)
-        if raw_hf and v.ndim == 1 and k.endswith(SHIFTED_NORM_SUFFIXES):
-            v = v + 1.0
-        out[k] = v
-
-    if model.num_mtp_layers > 0:
-        expected = {k for k, _ in _flat_params(model) if k.startswith("mtp.")}
-        missing = sorted(expected - out.keys())
-        if missing:
-            raise MissingMTPWeightsError(missing_mtp_message(model, missing))
-    return out
-
-
-def _flat_params(module):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(module.parameters())
-
-
-def missing_mtp_message(model: TextModel, missing: Optional[List[str]] = None) -> str:
-    n = model.num_mtp_layers
-    what = (
-        f"it has none of the {len([k for k, _ in _flat_params(model) if k.startswith('mtp.')])} "
-        "mtp.* tensors"
-        if not missing
-        else f"{len(missing)} mtp.* tensors are missing, e.g. " + ", ".join(missing[:5])
-    )
-    return (
-        f"The config promises {n} MTP layer(s) (model_type={model.model_type!r}) but the "
-        f"weights lack the MTP head: {what}. This usually means the checkpoint was "
-        "converted by a tool that strips mtp.* weights. Fix: convert again from the "
-        "original Hugging Face checkpoint with `mlx-mtp convert --hf-path SRC --mlx-path DST`, "
-        "or graft the head into this model with `mlx-mtp add-mtp --model THIS --source SRC`. "
-        "To run without MTP, pass --no-mtp."
-    )
 
 
 class WrappedTextModel(nn.Module):

@@ -4,25 +4,28 @@ from __future__ import annotations
 
 import glob
 import json
+import struct
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import UnsupportedModelError, get_model_module
-from .hybrid import MissingMTPWeightsError, SparseMoeBlock
+from . import UnsupportedModelError, get_model_module, layout
+from .hybrid import SparseMoeBlock
+from .layout import CheckpointError
 
 DEFAULT_MODEL = Path(__file__).parent.parent / "assets" / "demo-model"
+INDEX_FILE = "model.safetensors.index.json"
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(CheckpointError):
     pass
 
 
 # Errors that describe a problem with the user's checkpoint or arguments (CLI: exit 2).
-USER_ERRORS = (ModelLoadError, UnsupportedModelError, MissingMTPWeightsError)
+USER_ERRORS = (CheckpointError, UnsupportedModelError)
 
 
 def resolve_model_path(path: Optional[str]) -> Path:
@@ -44,21 +47,77 @@ def resolve_model_path(path: Optional[str]) -> Path:
     return p
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON ({e}); the file is damaged.") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object; the file is damaged.")
+    return data
+
+
 def load_config(path: Path) -> dict:
-    with open(path / "config.json") as f:
-        return json.load(f)
+    return _read_json(path / "config.json")
 
 
 def weight_files(path: Path) -> list:
-    """Safetensors files of a checkpoint: those named by the index, or all of them."""
-    index = path / "model.safetensors.index.json"
+    """Safetensors files of a checkpoint: those named by the index, and all others present
+    (some releases ship the MTP head in an extra file such as mtp.safetensors)."""
+    index = path / INDEX_FILE
     files = set()
     if index.exists():
-        with open(index) as f:
-            files = {path / name for name in json.load(f)["weight_map"].values()}
-    # Some releases ship the MTP head in an extra file (e.g. mtp.safetensors).
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index} has no weight_map; the file is damaged.")
+        files = {path / name for name in weight_map.values()}
+        missing = sorted(f.name for f in files if not f.exists())
+        if missing:
+            raise ModelLoadError(
+                f"{index} names {', '.join(missing[:3])}, which "
+                f"{'is' if len(missing) == 1 else 'are'} missing: the checkpoint is "
+                "incomplete. Download the missing file(s) again.")
     files |= {Path(p) for p in glob.glob(str(path / "*.safetensors"))}
     return sorted(files)
+
+
+def _damaged(f: Path, why: str) -> ModelLoadError:
+    return ModelLoadError(f"{f} is not a readable safetensors file ({why}). It is probably "
+                          "truncated or corrupt (an interrupted download?): download it again.")
+
+
+def read_safetensors_header(f: Path) -> Dict[str, dict]:
+    """Tensor name -> {"dtype", "shape", "data_offsets"}, checked against the file's size,
+    without reading the data."""
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            raise _damaged(f, "empty" if not head else "no header")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise _damaged(f, "invalid header length")
+        try:
+            header = json.loads(fh.read(n))
+            header.pop("__metadata__", None)
+            end = max((int(e["data_offsets"][1]) for e in header.values()), default=0)
+        except (ValueError, UnicodeDecodeError, TypeError, KeyError, IndexError,
+                AttributeError) as e:
+            raise _damaged(f, f"invalid header: {e}") from e
+    if 8 + n + end > size:
+        raise _damaged(f, f"{size} bytes, the header needs {8 + n + end}")
+    return header
+
+
+def load_safetensors(f: Path) -> Dict[str, mx.array]:
+    """``mx.load`` (lazy) of one file, with the file checked first: a damaged file would
+    otherwise fail only when the data is used, deep inside a forward pass."""
+    read_safetensors_header(f)
+    try:
+        return mx.load(str(f))
+    except RuntimeError as e:
+        raise _damaged(f, str(e)) from e
 
 
 def read_weights(path: Path) -> dict:
@@ -67,28 +126,17 @@ def read_weights(path: Path) -> dict:
         raise ModelLoadError(f"No *.safetensors weight files found in {path}.")
     weights = {}
     for f in files:
-        weights.update(mx.load(str(f)))
+        weights.update(load_safetensors(f))
     return weights
-
-
-def _text_config(config: dict) -> dict:
-    return config.get("text_config", config)
 
 
 def _apply_overrides(config: dict, mtp: bool, mtp_hidden: Optional[str]) -> dict:
     config = json.loads(json.dumps(config))
-    text = _text_config(config)
     if not mtp:
-        text["mtp_num_hidden_layers"] = 0
-        text["num_nextn_predict_layers"] = 0
+        layout.set_config_mtp_layers(config, 0)
     if mtp_hidden is not None:
-        text["mtp_hidden"] = mtp_hidden
+        layout.text_config(config)["mtp_hidden"] = mtp_hidden
     return config
-
-
-def _quantization(config: dict) -> Optional[dict]:
-    q = config.get("quantization") or _text_config(config).get("quantization")
-    return q
 
 
 def quantize_like_checkpoint(model: nn.Module, weights: dict, quantization: Optional[dict]):
@@ -128,6 +176,18 @@ def _upcast_cpu_experts(model: nn.Module):
                     proj.weight = proj.weight.astype(mx.float32)
 
 
+def build_model(config: dict, where="config.json") -> nn.Module:
+    """The model ``config`` describes (parameters lazy, not loaded)."""
+    module = get_model_module(config.get("model_type"))
+    try:
+        return module.Model(module.ModelArgs.from_dict(config))
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise ModelLoadError(f"{where} describes a model mlx-mtp cannot build: "
+                             f"{type(e).__name__}: {e}") from e
+
+
 def load_model(
     path,
     mtp: bool = True,
@@ -144,10 +204,9 @@ def load_model(
     model_type = config.get("model_type")
     if model_type is None:
         raise ModelLoadError(f"{path / 'config.json'} has no model_type.")
-    module = get_model_module(model_type)
-    model = module.Model(module.ModelArgs.from_dict(config))
+    model = build_model(config, path / "config.json")
     weights = model.sanitize(read_weights(path))
-    quantize_like_checkpoint(model, weights, _quantization(config))
+    quantize_like_checkpoint(model, weights, layout.config_quantization(config))
     if dtype is not None:
         weights = {
             k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)

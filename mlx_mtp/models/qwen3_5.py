@@ -12,18 +12,17 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
-from . import hybrid
+from . import hybrid, layout
 
 
 @dataclass
 class ModelArgs:
     model_type: str
-    text_config: dict
+    text_config: dict  # resolved by layout.args_dict (tied head, MTP count, layer types)
 
     @classmethod
     def from_dict(cls, params: dict):
-        text = params.get("text_config", params)
-        return cls(model_type=params["model_type"], text_config=text)
+        return cls(model_type=params["model_type"], text_config=layout.args_dict(params))
 
 
 class GatedDeltaNet(hybrid.GatedDeltaNetBase):
@@ -52,17 +51,6 @@ class Model(hybrid.WrappedTextModel):
         super().__init__(args)
         self.language_model = self.text_model_cls(hybrid.HybridArgs.from_dict(args.text_config))
 
-    def sanitize(self, weights: dict, raw_hf=None):
-        text = {}
-        for k, v in weights.items():
-            if k.startswith(("model.visual", "visual.", "vision_tower", "model.vision")):
-                continue
-            if k.startswith("model.language_model."):
-                k = "model." + k[len("model.language_model.") :]
-            elif k.startswith("language_model."):
-                k = k[len("language_model.") :]
-            elif k.startswith("model.mtp."):
-                k = k[len("model.") :]
-            text[k] = v
-        text = hybrid.sanitize_text_weights(self.language_model, text, raw_hf)
+    def sanitize(self, weights: dict):
+        text = layout.sanitize_text_weights(self.language_model, layout.text_weight_names(weights))
         return {f"language_model.{k}": v for k, v in text.items()}

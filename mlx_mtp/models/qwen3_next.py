@@ -3,7 +3,7 @@
 Differences from Qwen3.5: fused Gated DeltaNet projections (``in_proj_qkvz``,
 ``in_proj_ba``, grouped per key head), per-expert MoE weights, optional dense
 ``mlp_only_layers``, a flat config, and no MTP count in config.json (one layer,
-as vLLM assumes; ``num_nextn_predict_layers`` overrides it).
+as vLLM assumes; the count fields of ``layout.MTP_LAYER_COUNT_KEYS`` override it).
 """
 
 from __future__ import annotations
@@ -11,16 +11,13 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import hybrid
+from . import hybrid, layout
 
 
 class ModelArgs(hybrid.HybridArgs):
     @classmethod
     def from_dict(cls, params: dict):
-        params = dict(params)
-        if "mtp_num_hidden_layers" not in params:
-            params["mtp_num_hidden_layers"] = params.get("num_nextn_predict_layers", 1)
-        return super().from_dict(params)
+        return super().from_dict(layout.args_dict(params))
 
 
 class GatedDeltaNet(hybrid.GatedDeltaNetBase):
@@ -47,7 +44,5 @@ class GatedDeltaNet(hybrid.GatedDeltaNetBase):
 class Model(hybrid.TextModel):
     linear_cls = GatedDeltaNet
 
-    def sanitize(self, weights: dict, raw_hf=None):
-        weights = {(k[len("model."):] if k.startswith("model.mtp.") else k): v
-                   for k, v in weights.items()}
-        return hybrid.sanitize_text_weights(self, weights, raw_hf)
+    def sanitize(self, weights: dict):
+        return layout.sanitize_text_weights(self, layout.text_weight_names(weights))

@@ -16,7 +16,6 @@ Heads:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -24,7 +23,11 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..convert.checkpoint_io import write_checkpoint
+from ..models.layout import hf_config, is_mtp_key, to_hf
+
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+TOKENIZER_DIR = Path(__file__).parent.parent / "assets" / "tokenizer"
 
 
 def tiny_text_config(family: str, vocab_size: int = 512, num_layers: int = 4, moe: bool = None,
@@ -68,18 +71,6 @@ def tiny_text_config(family: str, vocab_size: int = 512, num_layers: int = 4, mo
                              "mrope_interleaved": True},
         )
     return cfg
-
-
-def hf_config(family: str, text: dict, nested: bool = True) -> dict:
-    if family == "qwen3_next":
-        return dict(text)
-    arch = "Qwen3_5MoeForConditionalGeneration" if family == "qwen3_5_moe" else \
-        "Qwen3_5ForConditionalGeneration"
-    if not nested:
-        flat = dict(text, model_type=family, architectures=[arch.replace("ConditionalGeneration", "CausalLM")])
-        return flat
-    return {"architectures": [arch], "model_type": family, "text_config": text,
-            "tie_word_embeddings": text["tie_word_embeddings"]}
 
 
 def build_model(family: str, text: dict, seed: int = 0):
@@ -129,91 +120,23 @@ def make_oracle(model, trunk_scale: float = 0.0, fc_noise: float = 0.0, seed: in
     return model
 
 
-def _to_hf(model, family: str, expert_layout: str, mtp_expert_layout: str) -> dict:
-    """Our parameter tree -> the weight names and forms released checkpoints use."""
-    text = model.text
-    out = {}
-    for k, v in tree_flatten(text.parameters()):
-        if "conv1d.weight" in k:
-            v = v.moveaxis(1, 2)  # (C, K, 1) -> HF (C, 1, K)
-        if v.ndim == 1 and k.endswith(_shifted()):
-            v = v - 1.0  # zero-centred (1 + w) norms
-        if family != "qwen3_next" and k.startswith("model."):
-            k = "model.language_model." + k[len("model."):]
-        out[k] = v
-    # Experts: switch_mlp -> fused 3-D or per-expert Linear weights.
-    for k in [k for k in out if ".switch_mlp.gate_proj.weight" in k]:
-        prefix = k[: -len(".switch_mlp.gate_proj.weight")]
-        gate = out.pop(k)
-        up = out.pop(f"{prefix}.switch_mlp.up_proj.weight")
-        down = out.pop(f"{prefix}.switch_mlp.down_proj.weight")
-        layout = mtp_expert_layout if prefix.startswith("mtp.") else expert_layout
-        if layout == "fused":
-            out[f"{prefix}.experts.gate_up_proj"] = mx.concatenate([gate, up], axis=1)
-            out[f"{prefix}.experts.down_proj"] = down
-        else:
-            for e in range(gate.shape[0]):
-                out[f"{prefix}.experts.{e}.gate_proj.weight"] = gate[e]
-                out[f"{prefix}.experts.{e}.up_proj.weight"] = up[e]
-                out[f"{prefix}.experts.{e}.down_proj.weight"] = down[e]
-    return out
-
-
-def _shifted():
-    from ..models.hybrid import SHIFTED_NORM_SUFFIXES
-
-    return SHIFTED_NORM_SUFFIXES
-
-
 def save_hf_checkpoint(model, family: str, text: dict, path, *, nested: bool = True,
                        expert_layout: str = "fused", mtp_expert_layout: str = "per_expert",
                        shards: int = 1, dtype=mx.float32, drop_mtp: bool = False,
-                       tokenizer_dir: Optional[Path] = None):
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    if family == "qwen3_next":
-        expert_layout = mtp_expert_layout = "per_expert"
-    weights = _to_hf(model, family, expert_layout, mtp_expert_layout)
+                       tokenizer_dir: Optional[Path] = None, config: Optional[dict] = None):
+    """Write ``model`` as a Hugging Face checkpoint (``config``: config.json to write
+    instead of the one built from ``text``)."""
+    weights = to_hf(model, family, nested=nested, expert_layout=expert_layout,
+                    mtp_expert_layout=mtp_expert_layout)
     if drop_mtp:
-        weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
-    if text["tie_word_embeddings"]:
-        weights.pop("lm_head.weight", None)
-    weights = {k: v.astype(dtype) if v.dtype in (mx.float32, mx.bfloat16, mx.float16)
-               and not k.endswith("A_log") else v for k, v in weights.items()}
-    _write_shards(weights, path, shards)
-    with open(path / "config.json", "w") as f:
-        json.dump(hf_config(family, text, nested), f, indent=2)
-    copy_tokenizer(path, tokenizer_dir)
-    return path
-
-
-def _write_shards(weights: dict, path: Path, shards: int):
-    keys = sorted(weights)
-    if shards <= 1:
-        mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
-        return
-    # Put mtp.* in the last shard, as the released checkpoints tend to.
-    keys = [k for k in keys if not k.startswith("mtp.")] + [k for k in keys if k.startswith("mtp.")]
-    per = (len(keys) + shards - 1) // shards
-    weight_map = {}
-    for i in range(shards):
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        part = {k: weights[k] for k in keys[i * per:(i + 1) * per]}
-        mx.save_safetensors(str(path / name), part, metadata={"format": "pt"})
-        weight_map.update({k: name for k in part})
-    total = sum(v.nbytes for v in weights.values())
-    with open(path / "model.safetensors.index.json", "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-
-
-def copy_tokenizer(path: Path, tokenizer_dir: Optional[Path] = None):
-    import shutil
-
-    src = Path(tokenizer_dir) if tokenizer_dir else Path(__file__).parent.parent / "assets" / "tokenizer"
-    if src.exists():
-        for f in src.iterdir():
-            if f.is_file():
-                shutil.copy(f, path / f.name)
+        weights = {k: v for k, v in weights.items() if not is_mtp_key(k)}
+    src = Path(tokenizer_dir) if tokenizer_dir else TOKENIZER_DIR
+    write_checkpoint(path, weights, config or hf_config(family, text, nested),
+                     tokenizer_from=src if src.is_dir() else None,
+                     tokenizer_files=tuple(f.name for f in src.glob("*") if f.is_file()),
+                     dtype=dtype, num_shards=shards if shards > 1 else None, mtp_file=False,
+                     fmt="pt")
+    return Path(path)
 
 
 def make_tiny(path, family: str = "qwen3_5", head: str = "random", *, vocab_size: int = 512,

@@ -29,7 +29,7 @@ def generation_config() -> dict:
 
 
 def _full_config(model, text: dict) -> dict:
-    from ..testing.tiny import hf_config
+    from ..models.layout import hf_config
 
     cfg = hf_config(FAMILY, text)
     cfg["eos_token_id"] = IM_END_ID
@@ -74,36 +74,23 @@ def save_model(model, config: dict, out: Path, layout: str = "hf", dtype=mx.floa
 
     ``config`` is the full config.json (nested ``text_config`` for Qwen3.5).
     """
-    from ..testing.tiny import _to_hf
+    from ..convert.checkpoint_io import write_checkpoint
+    from ..models.layout import family, text_config, to_hf
 
-    out = Path(out)
-    tmp = _atomic_dir(out)
-    family = config.get("model_type", FAMILY)
-    text = config.get("text_config", config)
     if layout == "hf":
-        weights = _to_hf(model, family, "fused", "per_expert")
-        if text.get("tie_word_embeddings"):
-            weights.pop("lm_head.weight", None)
+        weights = to_hf(model, family(config) or FAMILY, nested="text_config" in config)
     elif layout == "mlx":
         weights = dict(tree_flatten(model.parameters()))
-        if text.get("tie_word_embeddings"):
+        if text_config(config).get("tie_word_embeddings"):
             weights = {k: v for k, v in weights.items() if not k.endswith("lm_head.weight")}
     else:
         raise ValueError(f"layout must be 'hf' or 'mlx' (got {layout!r})")
-    weights = {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
-                   and not k.endswith("A_log") else v) for k, v in weights.items()}
-    mx.save_safetensors(str(tmp / "model.safetensors"), weights,
-                        metadata={"format": "pt" if layout == "hf" else "mlx"})
-    with open(tmp / "config.json", "w") as f:
-        json.dump(config, f, indent=2)
-    with open(tmp / "generation_config.json", "w") as f:
-        json.dump(generation_config(), f, indent=2)
-    if tokenizer_dir is not None:
-        copy_tokenizer_files(Path(tokenizer_dir), tmp)
-    for name, content in (extra_files or {}).items():
-        (tmp / name).write_text(content)
-    _swap_in(tmp, out)
-    return out
+    files = {"generation_config.json": json.dumps(generation_config(), indent=2)}
+    write_checkpoint(out, weights, config, dtype=dtype, mtp_file=False,
+                     fmt="pt" if layout == "hf" else "mlx",
+                     tokenizer_from=tokenizer_dir, tokenizer_files=TOKENIZER_FILES,
+                     extra_files=dict(files, **(extra_files or {})))
+    return Path(out)
 
 
 # --------------------------------------------------------------------------

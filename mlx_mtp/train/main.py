@@ -116,7 +116,7 @@ def _mrope_section(half_rot: int) -> List[int]:
 
 def build_scratch_model(text: dict, seed: int = 0):
     from ..models import get_model_module
-    from ..testing.tiny import hf_config
+    from ..models.layout import hf_config
 
     mx.random.seed(seed)
     module = get_model_module(FAMILY)
