@@ -128,7 +128,8 @@ def test_health_and_models_without_hf_cache(server, client, ckpt):
     models = client.models.list().data
     assert len(models) == 1
     m = models[0]
-    assert m.id == str(ckpt) and m.object == "model"
+    assert m.id == ckpt.name and m.object == "model"  # a served name, not a local path
+    assert str(ckpt) not in httpx.get(server.url + "/v1/models").text
     extra = m.model_extra
     assert extra["mtp"]["enabled"] and extra["mtp"]["num_layers"] == 1
     assert extra["mtp"]["num_draft_tokens"] == 3
@@ -477,3 +478,89 @@ def test_no_mtp_is_lossless_api_key_and_clean_shutdown(ckpt, tmp_path_factory, c
         assert last["error"]["code"] == "shutting_down"
     finally:
         srv.stop(signal.SIGKILL) if srv.proc.poll() is None else None
+
+
+# --- output fidelity: what the model wrote reaches the client unchanged ----------------------
+# The oracle model continues any token t with t+1, t+2, ..., so the generated ids are known.
+# A chat template that renders the messages' text alone makes a chat's last prompt token
+# the last token of its message.
+RAW_TEMPLATE = "{%- for m in messages %}{{ m.content }}{%- endfor %}"
+
+
+@pytest.fixture(scope="module")
+def oracle_server(tiny_ckpt, tmp_path_factory):
+    path = tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1, vocab_size=4096)
+    work = tmp_path_factory.mktemp("oracle")
+    (work / "raw.jinja").write_text(RAW_TEMPLATE)
+    srv = ServerProcess(path, work, "--chat-template", str(work / "raw.jinja"))
+    srv.decode = __import__("tokenizers").Tokenizer.from_file(str(path / "tokenizer.json")).decode
+    yield srv
+    assert srv.stop(signal.SIGINT) == 0, srv.logs()
+
+
+def sse_chunks(url, body) -> list:
+    with httpx.stream("POST", url, json=dict(body, stream=True), timeout=60) as r:
+        assert r.status_code == 200
+        data = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_completion_text_equals_decode_of_generated_ids(oracle_server):
+    srv = oracle_server
+    # "def f():\n   " ends with token 258 ("   "); then come 8 spaces, "se", 7 spaces...
+    body = {"prompt": "def f():\n   ", "max_tokens": 8, "temperature": 0, "logprobs": 0}
+    expected = srv.decode(list(range(259, 267)), skip_special_tokens=False)
+    assert expected.startswith(" " * 8)
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["text"] == expected
+    assert "".join(r["choices"][0]["logprobs"]["tokens"]) == expected
+    chunks = sse_chunks(srv.url + "/v1/completions", body)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected
+
+
+def test_chat_text_equals_decode_of_generated_ids(oracle_server):
+    srv = oracle_server
+    # "re" is token 263; the answer starts with token 264, " t" (a leading space).
+    body = {"messages": [{"role": "user", "content": "re"}], "max_tokens": 10,
+            "temperature": 0, "logprobs": True}
+    expected = srv.decode(list(range(264, 274)), skip_special_tokens=False)
+    assert expected.startswith(" t")
+    r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["message"]["content"] == expected
+    token_bytes = b"".join(bytes(t["bytes"]) for t in r["choices"][0]["logprobs"]["content"])
+    assert token_bytes.decode() == expected
+    chunks = sse_chunks(srv.url + "/v1/chat/completions", body)
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert streamed == expected
+
+
+def test_whitespace_only_answer_is_kept(oracle_server):
+    srv = oracle_server
+    # After "\x08" (token 196) come "\t", "\n", "\x0b", "\x0c", "\r": only whitespace.
+    body = {"messages": [{"role": "user", "content": "\x08"}], "max_tokens": 5,
+            "temperature": 0}
+    r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["message"]["content"] == "\t\n\x0b\x0c\r"
+    assert r["usage"]["completion_tokens"] == 5
+    chunks = sse_chunks(srv.url + "/v1/chat/completions", body)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == \
+        "\t\n\x0b\x0c\r"
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "re"}]}),
+    ("/v1/completions", {"prompt": "re"}),
+])
+def test_stream_usage_only_in_a_final_chunk_and_only_when_asked(oracle_server, path, body):
+    body = dict(body, max_tokens=6, temperature=0)
+    plain = sse_chunks(oracle_server.url + path, body)
+    assert not any("usage" in c for c in plain)
+    assert plain[-1]["choices"][0]["finish_reason"] == "length"
+    assert plain[-1]["timings"]["predicted_n"] == 6 and "mtp" in plain[-1]
+    asked = sse_chunks(oracle_server.url + path,
+                       dict(body, stream_options={"include_usage": True}))
+    with_usage = [c for c in asked if "usage" in c]
+    assert with_usage == [asked[-1]] and asked[-1]["choices"] == []
+    assert asked[-1]["usage"]["completion_tokens"] == 6
+    assert asked[-2]["choices"][0]["finish_reason"] == "length"

@@ -172,3 +172,28 @@ def test_partial_match_start_holds_the_longest_possible_stop_prefix():
     assert partial_match_start("hello wor", ["world"]) == 6
     assert partial_match_start("hello", ["world"]) == 5
     assert partial_match_start("abc\n\n", ["\n\n\n", "x"]) == 3
+
+
+# --- the output parser removes only reasoning and tool-call markup ----------------------
+def test_whitespace_only_content_is_content():
+    from mlx_mtp.server.parsers import OutputParser, parse_full
+
+    assert parse_full("\n" * 24)["content"] == "\n" * 24
+    p = OutputParser()
+    pieces = [x for piece in ("  ", "\n", "\t") for x in p.feed(piece)] + p.finish()
+    assert "".join(x.text for x in pieces if x.kind == "content") == "  \n\t"
+
+
+def test_indentation_after_a_think_block_is_kept():
+    from mlx_mtp.server.parsers import parse_full
+
+    r = parse_full("plan\n</think>\n\n    return 1\n", start_in_reasoning=True)
+    assert r == {"content": "    return 1\n", "reasoning": "plan", "tool_calls": []}
+
+
+def test_whitespace_around_a_tool_call_is_markup():
+    from mlx_mtp.server.parsers import parse_full
+
+    r = parse_full('\n\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n',
+                   parse_tools=True)
+    assert r["content"] == "" and len(r["tool_calls"]) == 1

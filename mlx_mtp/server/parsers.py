@@ -182,8 +182,11 @@ class OutputParser:
         self.buf = ""
         self.seen_content = False
         self.reasoning_started = False
-        self.strip_content = False  # left-strip content that follows a think block
-        self.ws_held = ""  # whitespace-only content kept until more content arrives
+        # The newlines a think block ends with ("</think>\n\n") are markup, not content.
+        self.strip_content = False
+        # Whitespace-only content waits: it is dropped if a tool call follows (markup
+        # around the call), sent otherwise, also when it is the whole answer.
+        self.ws_held = ""
         self.num_calls = 0
 
     def _tags(self):
@@ -206,9 +209,10 @@ class OutputParser:
             out.append(Piece("reasoning", text))
             return
         if self.strip_content and not self.seen_content:
-            text = text.lstrip()
+            text = text.lstrip("\n")  # only the separator: indentation is content
             if not text:
                 return
+            self.strip_content = False
         if not text.strip():
             self.ws_held += text
             return
@@ -222,7 +226,7 @@ class OutputParser:
 
     def finish(self) -> List[Piece]:
         out = self._drain(final=True)
-        if self.ws_held and not self.num_calls and self.seen_content:
+        if self.ws_held and not self.num_calls:
             out.append(Piece("content", self.ws_held))
         self.ws_held = ""
         return _merge(out)
@@ -261,7 +265,7 @@ class OutputParser:
                 if tag == THINK_END:
                     self.state, self.strip_content = "content", True
                 elif tag == THINK_START:
-                    self.state = "reasoning"
+                    self.state, self.ws_held = "reasoning", ""  # whitespace before the tag
                 else:  # TOOL_START
                     self.state = "tool"
                 continue

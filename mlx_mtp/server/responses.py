@@ -43,6 +43,20 @@ def completion_logprobs(items: List[TokenLogprob], offset: int) -> dict:
             "text_offset": offsets}
 
 
+def end_of_stream(fmt, finish_chunk: dict, done: Done, include_usage: bool) -> List[dict]:
+    """The finish chunk, then (only for ``stream_options.include_usage``, as OpenAI does) a
+    chunk with no choices and the ``usage``. No other chunk carries ``usage``: clients that
+    add up the usage of every chunk (LangChain's ``stream_usage``) count the tokens once.
+    ``timings`` and ``mtp`` go on the last chunk, as llama-server puts its ``timings``.
+    """
+    chunks = [finish_chunk]
+    if include_usage:
+        chunks.append({"id": fmt.id, "object": fmt.object_chunk, "created": fmt.created,
+                       "model": fmt.model, "choices": [], "usage": done.usage})
+    chunks[-1].update(timings=done.timings, mtp=done.mtp)
+    return chunks
+
+
 class ChatFormatter:
     object_chunk = "chat.completion.chunk"
 
@@ -109,12 +123,8 @@ class ChatFormatter:
 
     def on_done(self, done: Done, include_usage: bool) -> List[dict]:
         chunks = [self._chunk(d) for d in self._piece_deltas(self.parser.finish())]
-        extra = {"usage": done.usage, "timings": done.timings, "mtp": done.mtp}
-        chunks.append(self._chunk({}, finish=self.finish_reason(done), **extra))
-        if include_usage:
-            chunks.append({"id": self.id, "object": self.object_chunk, "created": self.created,
-                           "model": self.model, "choices": [], **extra})
-        return chunks
+        finish = self._chunk({}, finish=self.finish_reason(done))
+        return chunks + end_of_stream(self, finish, done, include_usage)
 
     # whole response
     def response(self, deltas: List[Delta], done: Done) -> dict:
@@ -180,12 +190,8 @@ class CompletionFormatter:
         return [self._chunk(ev.text, logprobs=lp)]
 
     def on_done(self, done: Done, include_usage: bool) -> List[dict]:
-        extra = {"usage": done.usage, "timings": done.timings, "mtp": done.mtp}
-        chunks = [self._chunk("", finish=done.finish_reason, **extra)]
-        if include_usage:
-            chunks.append({"id": self.id, "object": "text_completion", "created": self.created,
-                           "model": self.model, "choices": [], **extra})
-        return chunks
+        return end_of_stream(self, self._chunk("", finish=done.finish_reason), done,
+                             include_usage)
 
     def response(self, deltas: List[Delta], done: Done) -> dict:
         text = "".join(d.text for d in deltas)
