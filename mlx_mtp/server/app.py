@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hmac
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Delta, Done, EngineRequest, Failed
+from .http_guard import BODY_BYTES, GuardConfig, RequestGuard
 from .prompts import prepare_chat, prepare_completion
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request,
                        parse_request)
@@ -47,6 +49,11 @@ log = logging.getLogger("mlx_mtp.server")
 KEEPALIVE_SECONDS = 10.0  # SSE comment while nothing else is sent (long prefill)
 FIRST_EVENT_WAIT = 2.0  # wait this long for the first event so early failures get a status
 MAX_TOP_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+# Stop strings: OpenAI allows 4; a few more for clients that send their own set. Both caps
+# bound the per-step hold-back and matching work of a stream.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 # --- request parameters ----------------------------------------------------------------
@@ -65,7 +72,20 @@ def check_model(state: ServerState, req):
                        f"`{state.model_name}`.", param="model", code="model_not_found")
 
 
-def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[int]):
+def check_stop(stop) -> List[str]:
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"At most {MAX_STOP_STRINGS} stop sequences are supported "
+                          f"(got {len(stop)}).", param="stop")
+    long = [s for s in stop if len(s) > MAX_STOP_CHARS]
+    if long:
+        raise bad_request(f"Stop sequences may be at most {MAX_STOP_CHARS} characters long "
+                          f"(got one of {len(long[0])}).", param="stop")
+    return [s for s in stop if s]
+
+
+def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[int],
+                   prompt_param: str = "messages"):
     """Validate generation fields shared by both endpoints -> engine keyword arguments."""
     from ..decode.sampling import SamplingParams
     from ..decode import check_num_draft_tokens
@@ -92,7 +112,7 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
     if n_prompt >= ctx:
         raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, "
                        f"your prompt has {n_prompt} tokens. Please reduce the length of the "
-                       "prompt.", param="messages", code="context_length_exceeded")
+                       "prompt.", param=prompt_param, code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(state.default_max_tokens, ctx - n_prompt)
     elif max_tokens < 1:
@@ -105,6 +125,9 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
                        "prompt or of the completion (max_tokens).",
                        param="max_tokens", code="context_length_exceeded")
 
+    if req.temperature is not None and not 0 <= req.temperature <= MAX_TEMPERATURE:
+        raise bad_request(f"temperature must be between 0 and {MAX_TEMPERATURE:g} "
+                          f"(got {req.temperature}).", param="temperature")
     d = state.sampling_defaults
     top_k = req.top_k if req.top_k is not None else d.get("top_k", 0)
     if top_k == -1:  # vLLM's "disabled"
@@ -133,20 +156,36 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
         if k > 0 and state.num_mtp_layers == 0:
             raise bad_request("This server runs without an MTP head (--no-mtp); "
                               "num_draft_tokens must be 0.", param="num_draft_tokens")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    stop = [s for s in stop if s]
+    stop = check_stop(req.stop)
     return dict(max_tokens=max_tokens, sampling=sampling, stop=stop, num_draft_tokens=k,
                 cache_prompt=req.cache_prompt is not False)
 
 
+def _parse_off_loop(raw: bytes, model_cls, tok=None):
+    return parse_request(raw, model_cls)
+
+
+DISCONNECTED = object()  # queued by _disconnected when the client goes away
+
+
+async def _disconnected(request: Request, queue: asyncio.Queue):
+    """Wait until the client disconnects (the body has been read), then tell ``queue``."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    queue.put_nowait(DISCONNECTED)
+
+
 # --- the application -------------------------------------------------------------------------
-def create_app(state: ServerState):
+def create_app(state: ServerState, guard: Optional[GuardConfig] = None):
+    """The FastAPI app; ``guard``: size, time and browser limits (defaults if None)."""
     app = FastAPI(title="mlx-mtp", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    app.add_middleware(RequestGuard, config=guard or GuardConfig(
+        check_origin=state.api_key is None))
     engine = state.engine
 
     def error_response(e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -166,13 +205,21 @@ def create_app(state: ServerState):
         return error_response(APIError(500, f"Internal server error: {type(e).__name__}: {e}",
                                        code="internal_error"))
 
+    expected_key = state.api_key.encode() if state.api_key is not None else None
+
+    def key_matches(sent: Optional[str]) -> bool:
+        # Constant time: the comparison must not reveal how much of a guess was right.
+        return sent is not None and hmac.compare_digest(sent.strip().encode(), expected_key)
+
     def check_auth(request: Request):
-        if state.api_key is None:
+        if expected_key is None:
             return
-        auth = request.headers.get("authorization", "")
-        if auth != f"Bearer {state.api_key}" and request.headers.get("x-api-key") != state.api_key:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if not ((scheme.lower() == "bearer" and key_matches(token))
+                or key_matches(request.headers.get("x-api-key"))):
             raise APIError(401, "Invalid or missing API key (send 'Authorization: Bearer KEY').",
-                           code="invalid_api_key")
+                           code="invalid_api_key",
+                           headers={"WWW-Authenticate": 'Bearer realm="mlx-mtp"'})
 
     @app.get("/health")
     @app.get("/v1/health")
@@ -182,7 +229,9 @@ def create_app(state: ServerState):
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if state.protect_metrics:
+            check_auth(request)
         return PlainTextResponse(engine.metrics.render(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -192,7 +241,7 @@ def create_app(state: ServerState):
             "object": "model",
             "created": state.created,
             "owned_by": "mlx-mtp",
-            "root": state.model_path,
+            "root": state.model_name,
             "parent": None,
             "max_model_len": state.context_length,
             "mtp": {
@@ -227,9 +276,15 @@ def create_app(state: ServerState):
                            code="model_not_found")
         return model_card()
 
+    async def parse_body(request: Request, model_cls):
+        raw = await request.body()
+        if len(raw) <= state.prompt_workers.small_body_bytes:
+            return parse_request(raw, model_cls)
+        return await state.prompt_workers.run(len(raw), _parse_off_loop, raw, model_cls)
+
     async def tokenize(fn, *args):
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(state.tokenize_pool, fn, *args)
+        """``fn(*args, tok=...)`` on a prompt worker (the lane follows the body's size)."""
+        return await state.prompt_workers.run(BODY_BYTES.get(), fn, *args)
 
     async def run_request(request: Request, ereq_kwargs: dict, prompt: List[int],
                           boundaries: List[int], logprobs: Optional[int], fmt, stream: bool,
@@ -255,15 +310,15 @@ def create_app(state: ServerState):
 
         if not stream:
             deltas: List[Delta] = []
+            # The client going away is noticed at once, not between token events:
+            # a task waits for the disconnect and wakes the loop below.
+            watcher = asyncio.ensure_future(_disconnected(request, queue))
             try:
                 while True:
-                    try:
-                        ev = await asyncio.wait_for(queue.get(), 1.0)
-                    except asyncio.TimeoutError:
-                        if await request.is_disconnected():
-                            engine.cancel(ereq)
-                            return Response(status_code=499)
-                        continue
+                    ev = await queue.get()
+                    if ev is DISCONNECTED:
+                        engine.cancel(ereq)
+                        return Response(status_code=499)
                     if isinstance(ev, Delta):
                         deltas.append(ev)
                     elif isinstance(ev, Done):
@@ -271,6 +326,7 @@ def create_app(state: ServerState):
                     elif isinstance(ev, Failed):
                         raise failed(ev)
             finally:
+                watcher.cancel()
                 engine.cancel(ereq)  # no-op once finished; frees the slot if we were cancelled
 
         # Streaming: wait briefly for the first event so that an early failure
@@ -337,7 +393,7 @@ def create_app(state: ServerState):
     @app.post("/chat/completions")
     async def chat_completions(request: Request):
         check_auth(request)
-        req = parse_request(await request.body(), ChatCompletionRequest)
+        req = await parse_body(request, ChatCompletionRequest)
         check_model(state, req)
         prepared = await tokenize(prepare_chat, state, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -355,6 +411,8 @@ def create_app(state: ServerState):
         parse_tools = prepared.tools is not None and state.tool_call_parser != "none"
         fmt = ChatFormatter(state, req.model or state.model_name, prepared, logprobs,
                             parse_tools)
+        if prepared.forced_prefix:  # a forced tool call: the parser reads its opening first
+            fmt.parser.feed(prepared.forced_prefix)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await run_request(request, kw, prepared.ids, prepared.boundaries, logprobs, fmt,
                                  bool(req.stream), include_usage)
@@ -363,7 +421,7 @@ def create_app(state: ServerState):
     @app.post("/completions")
     async def completions(request: Request):
         check_auth(request)
-        req = parse_request(await request.body(), CompletionRequest)
+        req = await parse_body(request, CompletionRequest)
         check_model(state, req)
         if req.echo:
             raise bad_request("echo is not supported.", param="echo")
@@ -372,7 +430,7 @@ def create_app(state: ServerState):
         if req.best_of is not None and req.best_of != 1:
             raise bad_request("Only best_of=1 is supported.", param="best_of")
         ids = await tokenize(prepare_completion, state, req)
-        kw = resolve_common(state, req, len(ids), req.max_tokens)
+        kw = resolve_common(state, req, len(ids), req.max_tokens, prompt_param="prompt")
         logprobs = req.logprobs
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}.",
@@ -387,4 +445,7 @@ def create_app(state: ServerState):
     for api in (anthropic, openai_responses):
         api.add_routes(app, state, check_auth=check_auth, tokenize=tokenize,
                        run_request=run_request, resolve_common=resolve_common)
+    from .dashboard import register_dashboard
+
+    register_dashboard(app, state, check_auth)  # the live page at / and its event stream
     return app

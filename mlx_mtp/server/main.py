@@ -20,9 +20,11 @@ from ..options import (UserError, add_model_arguments, add_sampling_arguments,
                        sampling_from_args)
 from .app import create_app
 from .engine import Engine
+from .http_guard import (LOCAL_HOST_NAMES, GuardConfig, host_name as host_name_of, is_loopback,
+                         split_list, timed_http_protocol)
 from .metrics import ServerMetrics
 from .prefix_cache import PrefixCache
-from .state import ServerState
+from .state import ServerState, max_token_chars
 
 log = logging.getLogger("mlx_mtp.server")
 
@@ -68,8 +70,10 @@ def add_arguments(p):
                    help="Maximum memory of the prompt-prefix cache (default 2G)")
     p.add_argument("--api-key", default=os.environ.get("MLX_MTP_API_KEY"),
                    help="Require 'Authorization: Bearer KEY' (default: $MLX_MTP_API_KEY)")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="/metrics requires the API key too (default: open, like /health)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="Model name(s) in the API (default: the --model argument)")
+                   help="Model name(s) in the API (default: the model directory's name)")
     p.add_argument("--reasoning-parser", choices=["qwen3", "none"], default="qwen3",
                    help="Split <think>...</think> into a reasoning field (default qwen3)")
     p.add_argument("--reasoning-field", choices=["reasoning_content", "reasoning", "both"],
@@ -79,7 +83,19 @@ def add_arguments(p):
                    default="auto",
                    help="Tool-call format; auto accepts both Hermes JSON and Qwen3-Coder XML")
     p.add_argument("--allowed-origins", nargs="*", default=None,
-                   help="CORS allowed origins (default: CORS disabled)")
+                   help="Comma-separated origins allowed to call the server from a browser "
+                        "(CORS), '*' for any (default: none; without --api-key, requests from "
+                        "other origins are refused)")
+    p.add_argument("--allowed-hosts", nargs="*", default=None,
+                   help="Comma-separated Host names accepted, '*' for any (default: local "
+                        "names on a loopback --host, any otherwise)")
+    p.add_argument("--max-request-bytes", type=_size, default=16 << 20,
+                   help="Largest request body accepted (default 16M; larger: 413)")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="Seconds a client may take to send a request's headers, and again "
+                        "its body (default 30)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="Seconds an idle kept-alive connection stays open (default 5)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    type=str.upper)
@@ -130,12 +146,13 @@ def build_state(args, model, tokenizer, config: dict, k: int, sampling_defaults:
     text_cfg = config.get("text_config", config)
     ctx = args.max_kv_size or text_cfg.get("max_position_embeddings") or 32768
     vocab = text_cfg.get("vocab_size") or len(tokenizer.get_vocab())
-    names = args.served_model_name or [args.model if args.model else "mlx-mtp-demo"]
+    # The API names the model by its directory, never by a path of this machine;
+    # requests may still name it by the path they know.
+    resolved = str(Path(args.model).expanduser().resolve()) if args.model else None
+    names = args.served_model_name or [Path(resolved).name if resolved else "mlx-mtp-demo"]
     aliases = set(names)
     if args.model:
-        aliases.add(args.model)
-        resolved = str(Path(args.model).expanduser().resolve())
-        aliases.update({resolved, Path(resolved).name})
+        aliases.update({args.model, resolved, Path(resolved).name})
     num_layers = int(getattr(model, "num_mtp_layers", 0) or 0)
     metrics = ServerMetrics(names[0])
     engine = Engine(
@@ -151,6 +168,7 @@ def build_state(args, model, tokenizer, config: dict, k: int, sampling_defaults:
         sampling_defaults=sampling_defaults, template_args=template_args,
         reasoning_parser=args.reasoning_parser, reasoning_field=args.reasoning_field,
         tool_call_parser=args.tool_call_parser, api_key=args.api_key or None,
+        protect_metrics=args.protect_metrics, max_chars_per_token=max_token_chars(tokenizer),
         model_path=str(model_path) if model_path else str(args.model or ""),
         num_mtp_layers=num_layers, num_draft_tokens=k, adaptive=not args.fixed_k,
         max_draft_tokens=MAX_DRAFT_TOKENS,
@@ -172,6 +190,12 @@ def run(args) -> int:
             raise UserError(f"{flag} must be >= {lo} (got {v})")
     if args.max_kv_size is not None and args.max_kv_size < 2:
         raise UserError(f"--max-kv-size must be >= 2 (got {args.max_kv_size})")
+    if args.max_request_bytes < 1024:
+        raise UserError(f"--max-request-bytes must be at least 1K (got {args.max_request_bytes})")
+    for flag, v in (("--read-timeout", args.read_timeout),
+                    ("--timeout-keep-alive", args.timeout_keep_alive)):
+        if not v > 0:
+            raise UserError(f"{flag} must be > 0 (got {v})")
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be between 1 and 65535 (got {args.port})")
 
@@ -189,11 +213,18 @@ def run(args) -> int:
         _set_chat_template(tokenizer, _read_template(args.chat_template))
     state = build_state(args, model, tokenizer, load_config(path), k, defaults, template_args,
                         model_path=path)
-    app = create_app(state)
-    if args.allowed_origins:
+    origins = split_list(args.allowed_origins)
+    hosts = split_list(args.allowed_hosts)
+    if not hosts and is_loopback(args.host):
+        hosts = list(LOCAL_HOST_NAMES)
+    guard = GuardConfig(max_body_bytes=args.max_request_bytes, read_timeout=args.read_timeout,
+                        allowed_hosts={host_name_of(h) for h in hosts} if hosts else None,
+                        allowed_origins=set(origins), check_origin=state.api_key is None)
+    app = create_app(state, guard)
+    if origins:  # outermost: CORS headers on every answer, errors included
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
+        app.add_middleware(CORSMiddleware, allow_origins=origins,
                            allow_methods=["*"], allow_headers=["*"])
 
     engine = state.engine
@@ -225,6 +256,8 @@ def run(args) -> int:
             self.should_exit = True
 
     config = uvicorn.Config(app, host=args.host, port=args.port,
+                            http=timed_http_protocol(args.read_timeout),
+                            timeout_keep_alive=args.timeout_keep_alive,
                             log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=args.shutdown_timeout,
                             access_log=args.log_level == "DEBUG")
@@ -237,6 +270,6 @@ def run(args) -> int:
         server.run()  # exits the process with status 1 if the port cannot be bound
     finally:
         engine.shutdown()
-        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        state.prompt_workers.shutdown()
     log.info("Server stopped.")
     return 0

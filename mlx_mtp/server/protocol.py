@@ -8,6 +8,7 @@ silent coercion) and lenient about unknown fields (clients send ``user``,
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -16,8 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",
@@ -28,9 +32,11 @@ class APIError(Exception):
     """An error answered with the OpenAI envelope ``{"error": {message, type, param, code}}``."""
 
     def __init__(self, status: int, message: str, *, param: Optional[str] = None,
-                 code: Optional[str] = None, type: Optional[str] = None):
+                 code: Optional[str] = None, type: Optional[str] = None,
+                 headers: Optional[Dict[str, str]] = None):
         super().__init__(message)
         self.status = status
+        self.headers = dict(headers or {})  # e.g. WWW-Authenticate on a 401
         self.message = message
         self.param = param
         self.code = code
@@ -138,14 +144,61 @@ def _loc(loc) -> str:
     return out
 
 
-def parse_request(raw: bytes, model_cls):
-    """Bytes of a request body -> validated model, or APIError(400)."""
+MAX_JSON_DEPTH = 64  # far deeper than any real request (tool schemas included)
+# How a UTF-16 surrogate gets into a string: a \u escape, or its UTF-8 form (json.loads
+# decodes bytes with "surrogatepass").
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
+
+
+def _too_deep(data, limit: int) -> bool:
+    stack = [(data, 1)]
+    while stack:
+        obj, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in (obj.values() if isinstance(obj, dict) else obj):
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
+def _has_lone_surrogate(data) -> bool:
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def load_json_body(raw: bytes) -> dict:
+    """Bytes of a request body -> a JSON object no deeper than ``MAX_JSON_DEPTH`` whose
+    strings are valid Unicode, or APIError(400)."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"The request body is not valid JSON: {e}", code="invalid_json")
+    except RecursionError:
+        data = None
+        deep = True
+    else:
+        # Cheap test first: fewer brackets than the limit cannot nest deeper.
+        deep = (raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
+                and _too_deep(data, MAX_JSON_DEPTH))
+    if deep:
+        raise APIError(400, f"The request body is nested more than {MAX_JSON_DEPTH} levels "
+                       "deep.", code="invalid_json")
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+        raise APIError(400, "The request body contains a lone UTF-16 surrogate (\\ud800-"
+                       "\\udfff without its pair); strings must be valid Unicode.",
+                       code="invalid_json")
+    return data
+
+
+def parse_request(raw: bytes, model_cls):
+    """Bytes of a request body -> validated model, or APIError(400)."""
+    data = load_json_body(raw)
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:
