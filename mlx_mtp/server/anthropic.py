@@ -185,7 +185,7 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         if system:
             messages.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
-        messages += _assistant(m, i) if m.role == "assistant" else _user(m, i)
+        messages += [_assistant(m, i)] if m.role == "assistant" else _user(m, i)
     if req.messages[-1].role == "assistant":
         raise bad_request("A final assistant message (prefill) is not supported; end the "
                           "conversation with a user turn.", param="messages")
