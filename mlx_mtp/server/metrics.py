@@ -208,6 +208,11 @@ class ServerMetrics:
         self.spec_accepted_per_pos = r.counter(
             p + "spec_decode_num_accepted_tokens_per_pos_total",
             "Accepted tokens per draft position.", ("position",))
+        # Not in vLLM: with an adaptive K, positions are drafted unequally often, so the
+        # acceptance at position j is accepted_per_pos / drafted_per_pos, not / num_drafts.
+        self.spec_drafted_per_pos = r.counter(
+            p + "spec_decode_num_drafted_tokens_per_pos_total",
+            "Drafted tokens per draft position.", ("position",))
         self.ttft = r.histogram(p + "time_to_first_token_seconds",
                                 "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = r.histogram(p + "inter_token_latency_seconds",
@@ -228,6 +233,40 @@ class ServerMetrics:
         for j in range(num_drafted):
             # Every drafted position gets a series (0 when rejected), as in vLLM.
             self.spec_accepted_per_pos.inc(1 if j < num_accepted else 0, position=str(j))
+            self.spec_drafted_per_pos.inc(position=str(j))
+
+    def snapshot(self) -> dict:
+        """Running totals for the live page (``dashboard`` adds rates and engine state)."""
+        def per_pos(counter):
+            with self.registry._lock:
+                items = list(counter.values.items())
+            return {int(key[0]): v for key, v in items}
+
+        def mean(h):
+            s = h.series.get((), [0.0, 0])
+            return s[-2] / s[-1] if s[-1] else None
+
+        accepted, drafted = per_pos(self.spec_accepted_per_pos), per_pos(self.spec_drafted_per_pos)
+        with self.registry._lock:
+            finished = sum(self.request_success.values.values())
+            failed = sum(self.request_failure.values.values())
+        return {
+            "requests_running": self.num_requests_running.get(),
+            "requests_waiting": self.num_requests_waiting.get(),
+            "requests_finished": finished,
+            "requests_failed": failed,
+            "prompt_tokens": self.prompt_tokens.get(),
+            "generation_tokens": self.generation_tokens.get(),
+            "prefix_cache_query_tokens": self.prefix_cache_queries.get(),
+            "prefix_cache_hit_tokens": self.prefix_cache_hits.get(),
+            "num_drafts": self.spec_drafts.get(),
+            "num_draft_tokens": self.spec_draft_tokens.get(),
+            "num_accepted_tokens": self.spec_accepted.get(),
+            "per_position": [{"position": j, "drafted": drafted[j], "accepted": accepted.get(j, 0)}
+                             for j in sorted(drafted)],
+            "mean_ttft_seconds": mean(self.ttft),
+            "mean_itl_seconds": mean(self.itl),
+        }
 
     def render(self) -> str:
         return self.registry.render()

@@ -1,0 +1,187 @@
+"""The live page: ``GET /`` (chat and dashboard, static files) and its data feed.
+
+Routes (registered by ``register_dashboard``):
+
+* ``GET /`` and ``GET /static/<file>``: the page (``static/``; no build step, no CDN).
+  Served without a key, since it holds no data; the page asks for the key.
+* ``GET /v1/dashboard``: one snapshot (JSON).
+* ``GET /v1/dashboard/events``: a server-sent event stream, one snapshot per second.
+
+Both data routes need the same key as the API (``Authorization: Bearer KEY``).
+Browsers' ``EventSource`` cannot send headers, so the page reads the stream with
+``fetch``; with no ``--api-key`` an ``EventSource`` works as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+import time
+from collections import deque
+from importlib import resources
+from typing import Callable, List, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .protocol import APIError
+
+SNAPSHOT_INTERVAL = 1.0  # seconds between two events of the stream
+RATE_WINDOW = 3.0  # tokens/s is measured over this many seconds
+
+STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
+# The page loads nothing from elsewhere and may not be framed (clickjacking).
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+                               "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+def _static_files() -> dict:
+    """name -> (bytes, content type) of every file under ``static/``, read once."""
+    root = resources.files(__package__).joinpath("static")
+    files = {}
+    for entry in root.iterdir():
+        suffix = "." + entry.name.rsplit(".", 1)[-1]
+        if entry.is_file() and suffix in STATIC_TYPES:
+            files[entry.name] = (entry.read_bytes(), STATIC_TYPES[suffix])
+    return files
+
+
+def _batch_sizes(max_concurrency: int, current: int) -> List[int]:
+    """Powers of two up to the concurrency limit, the limit itself and the current size."""
+    sizes = {max_concurrency}
+    b = 1
+    while b < max_concurrency:
+        sizes.add(b)
+        b *= 2
+    if current:
+        sizes.add(current)
+    return sorted(sizes)
+
+
+def _policy_copy(policy, attempts: int = 3):
+    """A private copy of the engine thread's DraftPolicy: reading a copy never races
+    with the engine (a deep copy only reads; it is retried if the engine changes a
+    container in the middle of it)."""
+    for _ in range(attempts):
+        try:
+            return copy.deepcopy(policy)
+        except RuntimeError:  # "dictionary/deque changed size during iteration"
+            continue
+    return None
+
+
+def draft_policy_view(engine) -> Optional[dict]:
+    """The K the batch's DraftPolicy picks now at each batch size (from ``describe``)."""
+    batch = engine.batch
+    policy = getattr(batch, "policy", None)
+    if policy is None:
+        return None
+    current = len(batch)
+    view = {"max_k": batch.K, "adaptive": bool(getattr(policy, "adaptive", False)),
+            "batch_size": current, "by_batch_size": []}
+    policy = _policy_copy(policy)
+    if policy is None:
+        return view
+    for size in _batch_sizes(engine.max_concurrency, current):
+        line = policy.describe(size)
+        found = re.search(r"\bK=(\d+)", line)
+        view["by_batch_size"].append({"batch_size": size,
+                                      "k": int(found.group(1)) if found else None,
+                                      "detail": line})
+    return view
+
+
+class DashboardFeed:
+    """Snapshots for the page: the metrics' totals, rates over the last seconds,
+    the engine's queue, prefix cache and draft policy. One feed serves every viewer."""
+
+    def __init__(self, state, clock: Callable[[], float] = time.monotonic):
+        self.state = state
+        self.clock = clock
+        self.samples: deque = deque()  # (time, generation tokens, prompt tokens)
+
+    def _rates(self, now: float, generated: float, prompt: float):
+        self.samples.append((now, generated, prompt))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= RATE_WINDOW:
+            self.samples.popleft()
+        t0, g0, p0 = self.samples[0]
+        dt = now - t0
+        if dt <= 0:
+            return 0.0, 0.0
+        return (generated - g0) / dt, (prompt - p0) / dt
+
+    def snapshot(self) -> dict:
+        state, engine = self.state, self.state.engine
+        totals = engine.metrics.snapshot()
+        gen_rate, prompt_rate = self._rates(self.clock(), totals["generation_tokens"],
+                                            totals["prompt_tokens"])
+        for row in totals["per_position"]:
+            row["rate"] = row["accepted"] / row["drafted"] if row["drafted"] else None
+        drafted = totals["num_draft_tokens"]
+        pc = engine.prefix_cache
+        return {
+            "time": time.time(),
+            "model": state.model_name,
+            "alive": bool(engine.alive),
+            "max_concurrency": engine.max_concurrency,
+            "generation_tokens_per_second": gen_rate,
+            "prompt_tokens_per_second": prompt_rate,
+            **totals,
+            "acceptance_rate": totals["num_accepted_tokens"] / drafted if drafted else None,
+            "mean_acceptance_length": (1 + totals["num_accepted_tokens"] / totals["num_drafts"]
+                                       if totals["num_drafts"] else None),
+            "prefix_cache": {"enabled": pc.enabled, "entries": len(pc), "bytes": pc.nbytes,
+                             "max_bytes": pc.max_bytes, "hits": pc.hits, "misses": pc.misses},
+            "draft_policy": draft_policy_view(engine),
+        }
+
+
+def register_dashboard(app, state, check_auth: Callable[[Request], None]):
+    """Add the page and its data routes to ``app``."""
+    files = _static_files()
+    feed = DashboardFeed(state)
+    engine = state.engine
+
+    def static(name: str) -> Response:
+        if name not in files:
+            raise APIError(404, f"Not found: /static/{name}", code=None,
+                           type="invalid_request_error")
+        body, media_type = files[name]
+        return Response(body, media_type=media_type, headers=PAGE_HEADERS)
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return static("index.html")
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def static_file(name: str):
+        return static(name)
+
+    @app.get("/v1/dashboard")
+    async def dashboard_snapshot(request: Request):
+        check_auth(request)
+        return JSONResponse(feed.snapshot())
+
+    @app.get("/v1/dashboard/events")
+    async def dashboard_events(request: Request):
+        check_auth(request)
+
+        async def events():
+            # Ends with the engine (shutdown must not wait for viewers); Starlette
+            # cancels it when the client goes away.
+            while engine.alive:
+                yield f"data: {json.dumps(feed.snapshot())}\n\n"
+                await asyncio.sleep(SNAPSHOT_INTERVAL)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache",
+                                          "X-Accel-Buffering": "no"})

@@ -1,0 +1,224 @@
+"""The live page at ``/`` in a real headless browser (Debian's chromium driven by
+Playwright), its event stream, and the snapshot the dashboard shows."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlx_mtp.server.dashboard import DashboardFeed
+from mlx_mtp.server.metrics import ServerMetrics
+
+CHROMIUM = os.environ.get("MLX_MTP_CHROMIUM", "/usr/bin/chromium")
+# The network is closed: without these, chromium keeps trying to reach Google's hosts.
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                  "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"]
+KEY = "page-key"
+PROMPT = "Tell me about speculative decoding."
+MAX_TOKENS = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, tmp_path_factory):
+    """``mlx-mtp serve --api-key`` on a tiny checkpoint whose MTP head is partly right."""
+    ckpt = tiny_ckpt("qwen3_5", "noisy", vocab_size=4096, trunk_scale=2.0, fc_noise=1.0)
+    work = tmp_path_factory.mktemp("dashboard")
+    port = free_port()
+    log_path = work / "server.log"
+    env = dict(os.environ, HF_HOME=str(work / "hf-home"), HF_HUB_OFFLINE="1",
+               MLX_MTP_BLAS="reference")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_mtp.cli", "serve", "--model", str(ckpt), "--port",
+             str(port), "--api-key", KEY, "--max-concurrency", "4", "--log-level", "WARNING",
+             # Always draft: the adaptive policy may rightly pause for this tiny model, and
+             # the page must show acceptance.
+             "--fixed-k"],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited:\n{log_path.read_text()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"server did not start:\n{log_path.read_text()}")
+        time.sleep(0.2)
+    yield url
+    proc.send_signal(signal.SIGINT)
+    try:
+        assert proc.wait(20) == 0, log_path.read_text()
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"server ignored SIGINT:\n{log_path.read_text()}")
+
+
+def api_chat(url: str, thinking: bool) -> dict:
+    """The same greedy request the page sends, answered by the API without streaming."""
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "chat_template_kwargs": {"enable_thinking": thinking}}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]
+
+
+# --- the snapshot ------------------------------------------------------------------------
+class FakeEngine:
+    def __init__(self, metrics):
+        from mlx_mtp.decode.policy import DraftPolicy
+        from mlx_mtp.server.prefix_cache import PrefixCache
+
+        self.metrics, self.alive, self.max_concurrency = metrics, True, 4
+        self.prefix_cache = PrefixCache(8, 1 << 20)
+        self.batch = type("Batch", (), {"K": 3, "policy": DraftPolicy(3), "__len__":
+                                        lambda self: 2})()
+
+
+def test_snapshot_rates_acceptance_and_policy():
+    metrics = ServerMetrics("m", running=lambda: 2, waiting=lambda: 1)
+    engine = FakeEngine(metrics)
+    now = [100.0]
+    feed = DashboardFeed(type("State", (), {"engine": engine, "model_name": "m"})(),
+                         clock=lambda: now[0])
+    first = feed.snapshot()
+    assert first["generation_tokens_per_second"] == 0 and first["per_position"] == []
+    assert first["acceptance_rate"] is None
+    # Steps of K=3 (2 and 0 accepted) and one of K=1 (accepted): position 3 is drafted
+    # twice, position 1 three times.
+    for drafted, accepted in ((3, 2), (3, 0), (1, 1)):
+        metrics.record_step(drafted, accepted)
+    metrics.generation_tokens.inc(30)
+    now[0] += 2.0
+    s = feed.snapshot()
+    assert s["generation_tokens_per_second"] == pytest.approx(15.0)
+    assert [(p["drafted"], p["accepted"]) for p in s["per_position"]] == [(3, 2), (2, 1), (2, 0)]
+    assert [p["rate"] for p in s["per_position"]] == pytest.approx([2 / 3, 0.5, 0.0])
+    assert s["acceptance_rate"] == pytest.approx(3 / 7)
+    assert s["mean_acceptance_length"] == pytest.approx(2.0)
+    assert (s["requests_running"], s["requests_waiting"]) == (2, 1)
+    # The policy view covers 1, 2, 4 (the limit) and the current batch size.
+    policy = s["draft_policy"]
+    assert [r["batch_size"] for r in policy["by_batch_size"]] == [1, 2, 4]
+    assert all(r["k"] is not None and 0 <= r["k"] <= 3 for r in policy["by_batch_size"])
+    assert policy["batch_size"] == 2 and policy["max_k"] == 3
+    # Older samples leave the rate window: seconds later with no new tokens, the rate is 0.
+    now[0] += 4.0
+    assert feed.snapshot()["generation_tokens_per_second"] == 0
+    json.dumps(s)  # the event stream sends it as JSON
+
+
+# --- the routes --------------------------------------------------------------------------
+def test_page_is_public_data_needs_the_key(server):
+    page = httpx.get(server + "/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert "/static/app.js" in page.text
+    assert httpx.get(server + "/static/app.js", timeout=10).headers["content-type"].startswith(
+        "text/javascript")
+    missing = httpx.get(server + "/static/secret.py", timeout=10)
+    assert missing.status_code == 404 and "error" in missing.json()
+
+    for path in ("/v1/dashboard", "/v1/dashboard/events"):
+        r = httpx.get(server + path, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    snap = httpx.get(server + "/v1/dashboard", headers=auth, timeout=10).json()
+    assert snap["alive"] and snap["max_concurrency"] == 4
+    t0 = time.monotonic()
+    events = []
+    with httpx.stream("GET", server + "/v1/dashboard/events", headers=auth, timeout=10) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if len(events) == 2:
+                    break
+    # One snapshot per second.
+    assert 0.8 < time.monotonic() - t0 < 5
+    assert events[1]["time"] - events[0]["time"] == pytest.approx(1.0, abs=0.3)
+
+
+# --- the browser -------------------------------------------------------------------------
+def test_browser_chat_round_trip_and_live_dashboard(server, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    assert shutil.which(CHROMIUM), (f"no chromium at {CHROMIUM}: install Debian's chromium "
+                                    "(.ci/run does) or set MLX_MTP_CHROMIUM")
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, args=CHROMIUM_FLAGS,
+            headless=True, viewport={"width": 1280, "height": 800})
+        try:
+            page = browser.new_page()
+            problems = []
+            page.on("console", lambda m: m.type == "error" and "401" not in m.text
+                    and problems.append(m.text))  # the 401 before the key is expected
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.goto(server + "/")
+            # Without the key, the event stream answers 401 and the page asks for it.
+            expect(page.locator("#status")).to_have_attribute("data-state", "error")
+            page.fill("#api-key", KEY)
+            page.click("#key-form button")
+            expect(page.locator("#status")).to_have_attribute("data-state", "live")
+            expect(page.locator("#finished")).to_have_text("0")
+            generated_before = page.text_content("#generated")
+
+            page.fill("#max-tokens", str(MAX_TOKENS))
+            page.fill("#temperature", "0")
+            answers = {}
+            for thinking in ("off", "on"):
+                page.click("#new-chat")
+                page.select_option("#thinking", thinking)
+                page.fill("#prompt", PROMPT)
+                page.press("#prompt", "Enter")
+                reply = page.locator(".msg.assistant")
+                expect(reply).to_have_attribute("data-state", "done", timeout=60_000)
+                answers[thinking] = (reply.locator(".content").text_content(),
+                                     reply.locator(".reasoning-text").text_content(),
+                                     reply.locator(".stats").text_content())
+
+            # What the page rendered is what the API returns for the same request.
+            plain, thought = api_chat(server, False), api_chat(server, True)
+            content, reasoning, stats = answers["off"]
+            assert content and content == plain["content"]
+            assert reasoning == "" and "reasoning_content" not in plain
+            assert f"{MAX_TOKENS} tokens" in stats and "MTP accepted" in stats
+            content, reasoning, _ = answers["on"]
+            assert reasoning and reasoning.strip() == thought["reasoning_content"]
+            assert content == (thought["content"] or "")
+
+            # The dashboard moved: four requests (two from the page, two from the API).
+            expect(page.locator("#finished")).to_have_text("4", timeout=10_000)
+            assert page.text_content("#generated") != generated_before
+            assert int(page.text_content("#generated").replace(",", "")) >= 4 * MAX_TOKENS - 8
+            assert page.locator("#positions tbody tr").count() >= 1
+            assert "%" in page.text_content("#positions tbody tr:first-child")
+            assert page.locator("#k-table tbody tr").count() >= 2
+            assert page.text_content("#cache-tokens") != "0 of 0"
+            page.screenshot(path=str(tmp_path / "dashboard.png"))
+            assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+            assert not problems, problems
+        finally:
+            browser.close()
