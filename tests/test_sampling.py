@@ -47,6 +47,60 @@ def test_filters_match_numpy_reference():
     np.testing.assert_allclose(np.exp(out), ref, rtol=1e-4, atol=1e-6)
 
 
+def _reference_filter(logprobs, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    """numpy, full sort: temperature, then top-k, top-p, min-p (transformers' order)."""
+    x = logprobs / temperature
+    keep = np.ones_like(x, bool)
+    for r in range(len(x)):
+        p = np.exp(x[r] - np.logaddexp.reduce(x[r]))
+        order = np.argsort(-p, kind="stable")
+        if top_k:
+            keep[r, order[top_k:]] = False
+        p = np.where(keep[r], p, 0) / np.where(keep[r], p, 0).sum()
+        mass_before = np.cumsum(p[order]) - p[order]
+        keep[r, order[mass_before >= top_p]] = False
+        keep[r] &= p >= min_p * p.max()
+    out = np.where(keep, x, -np.inf)
+    return out - np.logaddexp.reduce(out, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.5, top_p=0.7), dict(temperature=2.0, min_p=0.3),
+                                dict(temperature=0.7, top_k=8, top_p=0.6),
+                                dict(temperature=1.5, top_k=20, top_p=0.9, min_p=0.05),
+                                dict(temperature=0.9, top_k=1)])
+def test_filters_apply_temperature_first(kw):
+    rng = np.random.default_rng(3)
+    x = log_softmax(mx.array(rng.standard_normal((5, 300)).astype(np.float32) * 3))
+    got = np.array(filtered_logprobs(x, SamplingParams(**kw)))
+    want = _reference_filter(np.array(x, np.float64), **kw)
+    assert (np.isfinite(got) == np.isfinite(want)).all()
+    np.testing.assert_allclose(np.exp(got), np.exp(want), atol=1e-5)
+
+
+def test_top_k_one_keeps_only_the_argmax():
+    x = log_softmax(mx.random.normal((3, 2, 50), key=mx.random.key(4)))
+    out = np.array(filtered_logprobs(x, SamplingParams(temperature=0.8, top_k=1)))
+    assert (np.isfinite(out).sum(axis=-1) == 1).all()
+    assert (out.argmax(-1) == np.array(x).argmax(-1)).all()
+    assert np.allclose(out.max(-1), 0.0)
+
+
+def test_top_k_never_sorts_the_vocabulary(monkeypatch):
+    """With top_k set, top-p sorts only the k survivors (partition selects them)."""
+    sorted_lengths = []
+    for name in ("sort", "argsort"):
+        real = getattr(mx, name)
+
+        def recording(a, *args, _real=real, **kwargs):
+            sorted_lengths.append(a.shape[-1])
+            return _real(a, *args, **kwargs)
+
+        monkeypatch.setattr(mx, name, recording)
+    x = log_softmax(mx.random.normal((4, 5000), key=mx.random.key(5)))
+    mx.eval(filtered_logprobs(x, SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.01)))
+    assert sorted_lengths == [20]
+
+
 def onehot_rows(idx, V=6):
     m = np.full((len(idx), V), -100.0, np.float32)
     m[np.arange(len(idx)), idx] = 100.0
@@ -74,7 +128,8 @@ def _random_dists(rng, rows, V, sharp=1.5):
 @pytest.mark.parametrize("K", [1, 2, 3])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
                                     SamplingParams(temperature=0.7, top_k=4),
-                                    SamplingParams(temperature=1.3, top_p=0.8)])
+                                    SamplingParams(temperature=1.3, top_p=0.8),
+                                    SamplingParams(temperature=0.8, top_k=4, top_p=0.7)])
 def test_every_emitted_position_follows_target(K, params):
     """Goodness of fit: at each position j (given it is reached) the emitted token
     ~ p_j, including the bonus position K. Target and draft go through the same filter."""
@@ -160,3 +215,20 @@ def test_end_to_end_sampling_distribution(tiny_ckpt):
     obs = np.append(counts[keep], counts[~keep].sum())
     exp = np.append(joint[keep], joint[~keep].sum()) * n_runs
     assert sps.chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_top_k_one_sampling_equals_greedy(tiny_ckpt):
+    """top_k=1 leaves one token: sampling (with MTP drafts) must give greedy output."""
+    from mlx_mtp.models.loader import load_model
+    from mlx_mtp.decode.speculative import generate_step
+
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1)))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+
+    def run(params, k):
+        return [t for t, _, _ in generate_step(prompt, model, num_draft_tokens=k,
+                                               sampling=params, max_tokens=12, adaptive=False)]
+
+    greedy = run(SamplingParams(), 0)
+    for k in (0, 2):
+        assert run(SamplingParams(temperature=0.8, top_k=1, seed=1), k) == greedy, k

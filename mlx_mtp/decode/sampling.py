@@ -6,12 +6,11 @@ rejected position) or one ``bonus`` token (when every draft was accepted).
 Mean acceptance length counts the bonus/recovered token: ``1 + accepted/drafts``.
 
 Both target ``p`` and draft ``q`` are the *same* transform of their logits:
-top-k / top-p / min-p masks on the model's log-probabilities (as mlx-lm applies
-them), then temperature. With that, accepting a draft ``d ~ q`` with
-probability ``min(1, p(d)/q(d))`` and otherwise sampling from
-``normalize(max(0, p - q))`` emits tokens distributed exactly as ``p``
-(Leviathan et al. 2023). Greedy is the temperature-0 limit: accept iff the
-draft is the target argmax, emit the argmax otherwise.
+temperature, then top-k / top-p / min-p masks (``filtered_logprobs``). With
+that, accepting a draft ``d ~ q`` with probability ``min(1, p(d)/q(d))`` and
+otherwise sampling from ``normalize(max(0, p - q))`` emits tokens distributed
+exactly as ``p`` (Leviathan et al. 2023). Greedy is the temperature-0 limit:
+accept iff the draft is the target argmax, emit the argmax otherwise.
 """
 
 from __future__ import annotations
@@ -60,29 +59,45 @@ def log_softmax(logits: mx.array) -> mx.array:
 def filtered_logprobs(logprobs: mx.array, params: SamplingParams) -> mx.array:
     """Log-probabilities of the distribution actually sampled from (..., V).
 
-    ``logprobs`` are the model's normalised log-probabilities (float32).
+    ``logprobs`` are the model's normalised log-probabilities (float32). Order as in
+    Hugging Face transformers: temperature, then top-k, top-p and min-p on the
+    tempered distribution, then renormalisation. (vLLM applies min-p before top-k
+    and top-p; the two agree unless min-p and top-p are both set.) Greedy returns
+    ``logprobs`` as they are: every filter keeps the argmax.
+
+    Top-k selects by partition, O(V), and top-p then sorts only the k survivors, so
+    with top_k set (Qwen's recommended settings use 20) no row is sorted over the
+    whole vocabulary.
     """
-    x = logprobs
+    if params.greedy:
+        return logprobs
+    x = logprobs if params.temperature == 1 else logprobs / params.temperature
+    V = x.shape[-1]
     neg_inf = mx.array(-float("inf"), x.dtype)
+    top = None  # the top_k largest values, unordered, when top-k filters
+    if 0 < params.top_k < V:
+        top = mx.partition(x, kth=V - params.top_k, axis=-1)[..., V - params.top_k :]
+        x = mx.where(x >= top[..., :1], x, neg_inf)  # ties with the k-th largest stay
     if params.top_p < 1.0:
-        order = mx.argsort(-x, axis=-1)
-        sorted_lp = mx.take_along_axis(x, order, axis=-1)
-        p = mx.exp(sorted_lp)
-        mass_before = mx.cumsum(p, axis=-1) - p
-        # Smallest prefix whose mass reaches top_p; its last member sets the cut.
-        kept = mx.where(mass_before < params.top_p, sorted_lp, mx.inf)
-        cut = kept.min(axis=-1, keepdims=True)
-        x = mx.where(x >= cut, x, neg_inf)
+        x = _top_p(x, params.top_p, x if top is None else top)
     if params.min_p > 0.0:
         cut = x.max(axis=-1, keepdims=True) + math.log(params.min_p)
         x = mx.where(x >= cut, x, neg_inf)
-    if params.top_k > 0 and params.top_k < x.shape[-1]:
-        cut = mx.sort(x, axis=-1)[..., -params.top_k : -params.top_k + 1]
-        x = mx.where(x >= cut, x, neg_inf)
-    if params.greedy:
-        return x
-    x = x / params.temperature
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def _top_p(x: mx.array, top_p: float, candidates: mx.array) -> mx.array:
+    """Keep the smallest set of most likely tokens whose mass reaches ``top_p``.
+
+    ``candidates`` hold every value that can be kept (all of ``x``, or just the
+    top-k survivors), so only they are sorted.
+    """
+    desc = -mx.sort(-candidates, axis=-1)
+    p = mx.exp(desc - mx.logsumexp(x, axis=-1, keepdims=True))
+    mass_before = mx.cumsum(p, axis=-1) - p
+    # The last member of the prefix whose mass reaches top_p sets the cut.
+    cut = mx.where(mass_before < top_p, desc, mx.inf).min(axis=-1, keepdims=True)
+    return mx.where(x >= cut, x, mx.array(-float("inf"), x.dtype))
 
 
 class Sampler:
