@@ -349,10 +349,15 @@ class ResponseFormatter:
         for ev in deltas:
             self._events(self.parser.feed(ev.text))
         self._events(self.parser.finish())
-        if self.open and self.output[-1]["type"] == "reasoning":  # as in chat: no padding
-            part = self.output[-1]["content"][0]
-            part["text"] = part["text"].strip()
         self._close("incomplete" if done.finish_reason == "length" else "completed")
+        # As in chat: no padding around thoughts, nor around text next to tool calls.
+        calls = any(x["type"] == "function_call" for x in self.output)
+        for item in self.output:
+            if item["type"] == "reasoning" or (item["type"] == "message" and calls):
+                part = item["content"][0]
+                part["text"] = part["text"].strip()
+        self.output = [x for x in self.output if x["type"] == "function_call"
+                       or x["content"][0]["text"]]
         return self._final(done)
 
 
