@@ -59,11 +59,12 @@ def main(argv=None) -> int:
         if args.command in MODEL_COMMANDS:
             blas.setup(args)
         # Errors meant for users (bad input, unusable checkpoints) derive from these.
+        from .decode.prompt import EmptyPromptError
         from .models.loader import USER_ERRORS
 
         try:
             return importlib.import_module(COMMANDS[args.command][0]).run(args) or 0
-        except USER_ERRORS as e:
+        except USER_ERRORS + (EmptyPromptError,) as e:
             return fail(str(e))
     except (UserError, blas.BlasError) as e:
         return fail(str(e))

@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path, tree_unflatten
 from tqdm import tqdm
 
-from ..models.layout import is_mtp_key, text_config
+from ..models.layout import CheckpointError, is_mtp_key, text_config
 from ..models.loader import build_model, weight_files
 
 MTP_BITS = (4, 8, 16)  # 16 = keep the head in floating point
@@ -57,7 +57,11 @@ def _check_model_dir(path: Path, role: str) -> Path:
         )
     if not (path / "config.json").exists():
         raise ConversionError(f"{role} {path} has no config.json; is it a model directory?")
-    if not weight_files(path):
+    try:
+        files = weight_files(path)
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from e
+    if not files:
         raise ConversionError(
             f"{role} {path} has no *.safetensors weight files. Only safetensors checkpoints "
             "are supported (not .bin, .gguf or .pt)."

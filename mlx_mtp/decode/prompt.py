@@ -16,17 +16,22 @@ def build_prompt(tokenizer, text: str, system: Optional[str] = None,
                                          **(template_args or {}))
 
 
+class EmptyPromptError(ValueError):
+    """Nothing to generate from (CLI: exit 2; server: 400)."""
+
+
 def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]]) -> List[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise ValueError("The prompt is empty.")
+            raise EmptyPromptError("The prompt is empty.")
         bos = getattr(tokenizer, "bos_token", None)
         add_special = bos is None or not prompt.startswith(bos)
         ids = tokenizer.encode(prompt, add_special_tokens=add_special)
     else:
         ids = list(prompt)
     if not ids:
-        raise ValueError("The prompt is empty after tokenization.")
+        raise EmptyPromptError("The prompt is empty after tokenization (the tokenizer "
+                               "produced no tokens for it).")
     return ids
 
 
