@@ -389,3 +389,19 @@ def test_writer_shards_index_and_atomic_replace(tmp_path):
     # One file: no index.
     write_checkpoint(out, dict(w), {"model_type": "qwen3_5"}, mtp_file=False)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_generation_warns_when_head_accepts_nothing(tiny_ckpt, caplog):
+    """End to end: a head that accepts ~nothing (here a random one, as a head read in the
+    wrong norm layout behaves) is reported once the warm-up has passed."""
+    from mlx_mtp.decode.generation import stream_generate
+    from mlx_mtp.models.loader import load
+
+    model, tokenizer = load(tiny_ckpt("qwen3_5", "random"))
+    layout._warned.discard(model.model_type)
+    with caplog.at_level(logging.WARNING, logger="mlx_mtp"):
+        for r in stream_generate(model, tokenizer, "def f(x):", max_tokens=40,
+                                 num_draft_tokens=3, adaptive=False):
+            pass
+    assert r.spec.num_draft_tokens >= layout.WARMUP_DRAFT_TOKENS
+    assert sum("MTP acceptance is" in rec.getMessage() for rec in caplog.records) == 1

@@ -8,6 +8,7 @@ from typing import Generator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from ..models.layout import check_acceptance
 from .prompt import encode_prompt
 from .sampling import SamplingParams
 from .speculative import MTPDecoder, SpecStats
@@ -61,6 +62,9 @@ def stream_generate(
     prompt_time = None
     while max_tokens > 0 and text.finish_reason is None:
         out = dec.step()
+        # A head loaded in the wrong layout fails silently: warn once if it accepts ~nothing.
+        check_acceptance(dec.stats.num_draft_tokens, dec.stats.num_accepted_tokens,
+                         getattr(model, "model_type", ""))
         if prompt_time is None:
             prompt_time = time.perf_counter() - tic
             tic = time.perf_counter()
