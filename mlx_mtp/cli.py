@@ -37,6 +37,7 @@ def build_parser(command=None):
     for name, (module, help_) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
         if name == command:
+            parser.command_parser = sp  # reports the verb's own usage on bad flags
             importlib.import_module(module).add_arguments(sp)
             if name in MODEL_COMMANDS:
                 blas.add_argument(sp)
@@ -51,7 +52,10 @@ def main(argv=None) -> int:
     if command is not None and command not in COMMANDS:
         return fail(f"unknown command {command!r}; choose from {', '.join(COMMANDS)}")
     parser = build_parser(command)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # exits with status 2 after the subcommand's usage
+        getattr(parser, "command_parser", parser).error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2

@@ -8,6 +8,11 @@ from .options import (UserError, add_model_arguments, add_sampling_arguments,
                       num_draft_tokens_from_args, parse_json_arg, sampling_from_args)
 
 
+def str_to_bool(value: str) -> bool:
+    """mlx_lm.generate's reading of --verbose: anything but "false" / "f" is true."""
+    return value.lower() not in ("false", "f")
+
+
 def add_arguments(p):
     add_model_arguments(p)
     p.add_argument("--prompt", "-p", required=True, help="Prompt text, or '-' to read stdin")
@@ -19,7 +24,9 @@ def add_arguments(p):
     p.add_argument("--chat-template-args", default=None,
                    help='JSON passed to the chat template, e.g. \'{"enable_thinking": false}\'')
     p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    p.add_argument("--verbose", type=str_to_bool, nargs="?", const=True, default=True,
+                   help="As mlx_lm.generate: True (default) frames the text and prints the "
+                        "stats; False or F prints the text only")
 
 
 def run(args) -> int:
@@ -28,7 +35,9 @@ def run(args) -> int:
     from .models.loader import generation_defaults, load
     from .platform import blas
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    # As mlx_lm.generate: "\n" and "\t" typed on the command line are a newline and a tab.
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    prompt = sys.stdin.read() if prompt == "-" else prompt
     if not prompt.strip():
         raise UserError("the prompt is empty; pass --prompt TEXT or pipe text with --prompt -")
     if args.max_tokens < 1:

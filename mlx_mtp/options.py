@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Optional
 
 from .decode import MAX_DRAFT_TOKENS, check_num_draft_tokens
@@ -26,6 +27,15 @@ def add_model_arguments(p: argparse.ArgumentParser):
     g.add_argument("--no-mtp", action="store_true", help="Plain decoding; MTP head not loaded")
     p.add_argument("--fixed-k", action="store_true",
                    help="Always draft K tokens (default: adapt K to measured acceptance/cost)")
+    # llama-server's speculative flags, so its command lines work unchanged.
+    p.add_argument("--spec-type", default=None, metavar="TYPE",
+                   help="llama-server compatibility: draft-mtp (the default) or none (= --no-mtp)")
+    p.add_argument("--spec-draft-n-min", type=int, default=None, metavar="N",
+                   help="llama-server compatibility: 0 (K adapts, drafting may pause) or the "
+                        "value of --spec-draft-n-max (= --fixed-k)")
+    p.add_argument("--spec-draft-p-min", type=float, default=None, metavar="P",
+                   help="llama-server compatibility: accepted and not used (K adapts to the "
+                        "measured acceptance instead of a per-token confidence cut-off)")
     p.add_argument("--mtp-hidden", choices=["post_norm", "pre_norm"], default=None,
                    help="Trunk hidden state fed to the MTP head (default post_norm)")
 
@@ -41,12 +51,33 @@ def add_sampling_arguments(p: argparse.ArgumentParser):
 
 
 def num_draft_tokens_from_args(args) -> int:
-    if getattr(args, "no_mtp", False):
+    """K from the flags (0: plain decoding); llama-server's flags map onto ours
+    (``--spec-draft-n-min`` equal to K sets ``args.fixed_k``)."""
+    spec_type = getattr(args, "spec_type", None)
+    if spec_type not in (None, "draft-mtp", "none"):
+        raise UserError(f"--spec-type {spec_type} is not supported: mlx-mtp drafts with the "
+                        "model's own MTP head (--spec-type draft-mtp) or not at all "
+                        "(--spec-type none)")
+    if getattr(args, "no_mtp", False) or spec_type == "none":
         return 0
     k = args.num_draft_tokens
     if k == 0 or not _in_range(k):
         raise UserError(f"--num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS} "
                         f"(got {k}); use --no-mtp for plain decoding.")
+    n_min = getattr(args, "spec_draft_n_min", None)
+    if n_min is not None and n_min not in (0, k):
+        raise UserError(f"--spec-draft-n-min {n_min} is not supported: use 0 (K adapts between "
+                        f"0 and {k} to the measured acceptance and step cost) or {k}, the value "
+                        "of --spec-draft-n-max (always draft K tokens, as --fixed-k)")
+    if n_min == k:
+        args.fixed_k = True
+    p_min = getattr(args, "spec_draft_p_min", None)
+    if p_min is not None:
+        if not 0.0 <= p_min <= 1.0:
+            raise UserError(f"--spec-draft-p-min must be between 0 and 1 (got {p_min})")
+        print("mlx-mtp: note: --spec-draft-p-min has no effect: K adapts to the measured "
+              "acceptance instead of stopping drafts at a confidence threshold.",
+              file=sys.stderr)
     return k
 
 

@@ -67,3 +67,78 @@ def test_unknown_model_type(tmp_path):
 def test_unknown_command():
     code, _, err = run("frobnicate")
     assert code == 2 and "unknown command" in err
+
+
+# --- output fidelity and mlx-lm / llama-server conventions ------------------------------
+def oracle_text(model, first, n):
+    """What the oracle model writes: tokens first, first+1, ..., decoded."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{model}/tokenizer.json")
+    return tok.decode(list(range(first, first + n)), skip_special_tokens=False)
+
+
+def test_printed_text_equals_decode_of_generated_ids(model):
+    # The prompt ends with token 258 ("   "); the model continues with 259 (8 spaces),
+    # 260 "se", 261 (7 spaces), ...: the first token's leading spaces must all be printed.
+    expected = oracle_text(model, 259, 8)
+    assert expected.startswith(" " * 8)
+    code, out, err = run("generate", "--model", model, "--prompt", "def f():\\n   ",
+                         "--ignore-chat-template", "-m", "8", "--verbose", "False")
+    assert code == 0, err
+    assert out == expected + "\n"
+    code, out, err = run("generate", "--model", model, "--prompt", "def f():\\n   ",
+                         "--ignore-chat-template", "-m", "8")
+    assert code == 0, err
+    assert out.startswith("==========\n" + expected + "\n==========\nPrompt:")
+
+
+def test_incomplete_utf8_bytes_print_as_decode_does(model):
+    # After "a\x1f" (ending with token 219): " ", "\x7f", then lone UTF-8 continuation bytes.
+    expected = oracle_text(model, 220, 6)
+    assert "\ufffd" in expected
+    code, out, err = run("generate", "--model", model, "--prompt", "a\x1f",
+                         "--ignore-chat-template", "-m", "6", "--verbose", "F")
+    assert code == 0, err
+    assert out == expected + "\n"
+
+
+def test_verbose_is_mlx_lm_boolean(model):
+    base = ("generate", "--model", model, "--prompt", "x", "-m", "3")
+    for flag, stats in ((["--verbose", "False"], False), (["--verbose", "f"], False),
+                        (["--verbose", "True"], True), (["--verbose"], True), ([], True)):
+        code, out, err = run(*base, *flag)
+        assert code == 0, err
+        assert ("Generation: 3 tokens" in out) == stats, flag
+
+
+def test_unknown_flag_prints_the_subcommand_usage(model):
+    code, out, err = run("generate", "--model", model, "--prompt", "x", "--no-such-flag")
+    assert code == 2 and "usage: mlx-mtp generate" in err
+    assert "unrecognized arguments: --no-such-flag" in err and "Traceback" not in err
+
+
+def test_llama_server_speculative_flags(model):
+    base = ("generate", "--model", model, "--prompt", "def f():", "-m", "8")
+    code, out, err = run(*base, "--spec-type", "draft-mtp", "--spec-draft-n-max", "2",
+                         "--spec-draft-n-min", "2", "--spec-draft-p-min", "0.75")
+    assert code == 0, err
+    assert "MTP: accepted" in out and "has no effect" in err
+    code, out, err = run(*base, "--spec-type", "none")
+    assert code == 0 and "MTP:" not in out, err
+    code, _, err = run(*base, "--spec-type", "ngram-simple")
+    assert code == 2 and "draft-mtp" in err
+    code, _, err = run(*base, "--spec-draft-n-max", "3", "--spec-draft-n-min", "1")
+    assert code == 2 and "--spec-draft-n-min 1 is not supported" in err
+
+
+def test_generate_and_serve_build_the_same_prompt(model):
+    from mlx_mtp.decode.prompt import build_prompt, chat_template_args
+    from mlx_mtp.models.loader import load
+
+    _, tok = load(model)
+    # One default for both commands: thinking off unless asked for.
+    assert chat_template_args() == {"enable_thinking": False}
+    assert build_prompt(tok, "hi").endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    thinking = build_prompt(tok, "hi", template_args={"enable_thinking": True})
+    assert thinking.endswith("<|im_start|>assistant\n<think>\n")

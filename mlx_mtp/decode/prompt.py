@@ -5,6 +5,22 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Union
 
 
+# The chat-template variables every prompt starts from, in `generate` and `serve` alike.
+# Thinking is off unless asked for (--chat-template-args '{"enable_thinking": true}', or a
+# request's chat_template_kwargs): mlx-lm's tokenizer wrapper would otherwise switch it on
+# for any vocabulary that has <think>, whatever the template's own default.
+DEFAULT_TEMPLATE_ARGS = {"enable_thinking": False}
+
+
+def chat_template_args(*layers: Optional[dict]) -> dict:
+    """The template variables: the defaults, then each layer over the previous one
+    (the command's ``--chat-template-args``, then a request's ``chat_template_kwargs``)."""
+    out = dict(DEFAULT_TEMPLATE_ARGS)
+    for layer in layers:
+        out.update(layer or {})
+    return out
+
+
 def build_prompt(tokenizer, text: str, system: Optional[str] = None,
                  template_args: Optional[dict] = None, ignore_template: bool = False) -> str:
     """The text to tokenize: ``text`` as one user turn in the chat template, or raw."""
@@ -13,7 +29,7 @@ def build_prompt(tokenizer, text: str, system: Optional[str] = None,
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": text}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         **(template_args or {}))
+                                         **chat_template_args(template_args))
 
 
 class EmptyPromptError(ValueError):
