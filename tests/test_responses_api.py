@@ -190,3 +190,16 @@ def test_parameters_auth_and_failure(scripted):  # noqa: F811
     assert events[-1].type == "response.failed"
     assert events[-1].response.status == "failed"
     assert "Out of memory" in events[-1].response.error.message
+
+
+def test_instructions_and_leading_system_items_join():
+    from mlx_mtp.server.openai_responses import ResponsesRequest, to_chat_request
+
+    chat = to_chat_request(ResponsesRequest.model_validate({"instructions": "A", "input": [
+        {"role": "developer", "content": "B"}, {"role": "user", "content": "hi"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]}))
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "A\n\nB"), ("user", "hi"), ("assistant", "")]
+    last = chat.messages[-1]
+    assert last.reasoning_content == "think" and last.tool_calls[0].id == "c1"

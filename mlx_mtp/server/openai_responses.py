@@ -122,6 +122,9 @@ def _messages(req: ResponsesRequest) -> List[dict]:
             raise bad_request(f"{where}: input item type {kind!r} is not supported (this server "
                               "reads message, function_call, function_call_output, reasoning).",
                               param="input")
+    # The template takes one system message: instructions and leading system items join.
+    while len(out) > 1 and out[0]["role"] == out[1]["role"] == "system":
+        out[0]["content"] += "\n\n" + out.pop(1)["content"]
     return out
 
 
