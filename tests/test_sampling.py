@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from mlx_mtp.decode.sampling import Sampler, SamplingParams, filtered_logprobs, log_softmax, verify
+from mlx_mtp.decode.noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, uniform
+from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs, log_softmax, sample, verify
 
 
 def lp(probs):
@@ -114,10 +115,22 @@ def onehot_rows(idx, V=6):
     ([], [4], 0, 4),                   # no drafts: plain step
 ])
 def test_greedy_verify_table(drafts, argmax, n, nxt):
-    s = Sampler(SamplingParams())
-    got_n, got_next = verify(onehot_rows(argmax), mx.array([drafts], mx.uint32).reshape(1, -1),
-                             None, s)
+    got_n, got_next = verify(onehot_rows(argmax), mx.array([drafts], mx.uint32).reshape(1, -1))
     assert got_n.item() == n and got_next.item() == nxt
+
+
+@pytest.mark.parametrize("limit,n,nxt", [(3, 3, 4), (2, 2, 3), (1, 1, 2), (0, 0, 1)])
+def test_greedy_verify_stops_at_the_rows_own_limit(limit, n, nxt):
+    """A row that asked for fewer drafts than the batch drafted ends where a step with
+    its own K would: the target's token at its limit."""
+    got_n, got_next = verify(onehot_rows([1, 2, 3, 4]), mx.array([[1, 2, 3]], mx.uint32),
+                             limit=mx.array([limit]))
+    assert got_n.item() == n and got_next.item() == nxt
+
+
+def _noise(B, count, stream, V, start=0):
+    """Independent per-row noise: row b is a request with seed b."""
+    return position_keys(range(B), [start] * B, count, stream)
 
 
 def _random_dists(rng, rows, V, sharp=1.5):
@@ -139,9 +152,9 @@ def test_every_emitted_position_follows_target(K, params):
     draft = filtered_logprobs(log_softmax(lp(_random_dists(rng, K, V))), params)
     tgt = mx.broadcast_to(target[None], (B, K + 1, V))
     dq = mx.broadcast_to(draft[None], (B, K, V))
-    sampler = Sampler(SamplingParams(temperature=params.temperature, seed=K))
-    drafts = mx.random.categorical(dq, axis=-1, key=mx.random.key(100 + K))
-    n, nxt = verify(tgt, drafts, dq, sampler)
+    drafts = sample(dq, gumbel(_noise(B, K, DRAFT, V), V))
+    n, nxt = verify(tgt, drafts, dq, gumbel(_noise(B, K + 1, TARGET, V), V),
+                    uniform(_noise(B, K, ACCEPT, V)))
     n, nxt, drafts = np.array(n), np.array(nxt), np.array(drafts)
     p = np.exp(np.array(target, np.float64))
     for j in range(K + 1):
@@ -163,23 +176,54 @@ def test_exact_acceptance_probability():
     p, q = _random_dists(rng, 2, V), _random_dists(rng, 1, V)
     target = log_softmax(lp(p))
     draft = log_softmax(lp(q))
-    sampler = Sampler(SamplingParams(temperature=1.0, seed=1))
-    drafts = mx.random.categorical(mx.broadcast_to(draft[None], (B, 1, V)), axis=-1,
-                                   key=mx.random.key(2))
-    n, _ = verify(mx.broadcast_to(target[None], (B, 2, V)), drafts,
-                  mx.broadcast_to(draft[None], (B, 1, V)), sampler)
+    dq = mx.broadcast_to(draft[None], (B, 1, V))
+    drafts = sample(dq, gumbel(_noise(B, 1, DRAFT, V), V))
+    n, _ = verify(mx.broadcast_to(target[None], (B, 2, V)), drafts, dq,
+                  gumbel(_noise(B, 2, TARGET, V), V), uniform(_noise(B, 1, ACCEPT, V)))
     alpha = np.minimum(p[0], q[0]).sum()
     rate = np.array(n).mean()
     assert abs(rate - alpha) < 4 * np.sqrt(alpha * (1 - alpha) / B)
 
 
-def test_seeded_sampling_is_reproducible():
-    x = log_softmax(mx.random.normal((3, 4, 20), key=mx.random.key(0)))
-    d = mx.array([[1, 2, 3]] * 3, mx.uint32)
-    q = log_softmax(mx.random.normal((3, 3, 20), key=mx.random.key(1)))
-    a = verify(x, d, q, Sampler(SamplingParams(temperature=1, seed=5)))
-    b = verify(x, d, q, Sampler(SamplingParams(temperature=1, seed=5)))
-    assert all(mx.array_equal(u, v).item() for u, v in zip(a, b))
+def test_noise_is_a_function_of_seed_and_position():
+    """The noise of position p does not depend on where the window of positions starts."""
+    V = 50
+    whole = gumbel(position_keys([5, 6], [0, 0], 6, TARGET), V)
+    part = gumbel(position_keys([5, 6], [3, 3], 2, TARGET), V)
+    assert mx.array_equal(whole[:, 3:5], part).item()
+    assert not mx.array_equal(whole[0], whole[1]).item()  # seeds differ
+    other = gumbel(position_keys([5], [0], 6, DRAFT), V)
+    assert not mx.allclose(whole[0], other[0]).item()  # streams are independent
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_coupled_verify_emits_the_plain_samples_and_follows_target(K):
+    """Coupled mode: drafts use the target's own noise and are accepted iff they equal
+    its Gumbel-max choice, so every emitted token is the plain sample of its position
+    (and therefore ~ p), whatever the draft distribution."""
+    rng = np.random.default_rng(K)
+    V, B = 6, 40000
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    target = filtered_logprobs(log_softmax(lp(_random_dists(rng, K + 1, V))), params)
+    draft = filtered_logprobs(log_softmax(lp(_random_dists(rng, K, V))), params)
+    tgt = mx.broadcast_to(target[None], (B, K + 1, V))
+    g = gumbel(_noise(B, K + 1, TARGET, V), V)
+    drafts = sample(mx.broadcast_to(draft[None], (B, K, V)), g[:, :K])
+    n, nxt = verify(tgt, drafts, None, g)
+    plain = np.array(sample(tgt, g))  # (B, K+1): what plain sampling emits per position
+    n, nxt, drafts = np.array(n), np.array(nxt), np.array(drafts)
+    assert (nxt == plain[np.arange(B), n]).all()
+    for j in range(K):
+        reached = n > j
+        assert (drafts[reached, j] == plain[reached, j]).all()
+    p = np.exp(np.array(target, np.float64))
+    for j in range(K + 1):
+        counts = np.bincount(plain[:, j], minlength=V)
+        support = p[j] > 0
+        assert counts[~support].sum() == 0
+        assert sps.chisquare(counts[support], p[j][support] / p[j][support].sum() * B).pvalue > 1e-3
+    alpha = np.array(n).mean()
+    assert 0 < alpha < K  # drafts from another distribution: some accepted, some not
 
 
 def test_end_to_end_sampling_distribution(tiny_ckpt):

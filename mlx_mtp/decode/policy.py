@@ -1,4 +1,5 @@
-"""How many tokens a batch drafts per step: measured acceptance against a step-cost model.
+"""How many tokens to draft per step, for one sequence or a batch: measured
+acceptance against a step-cost model.
 
 Drafting K tokens for B rows pays when the tokens a row gains per step,
 ``E_K = 1 + a1 + a1*a2 + ...`` (``a_j``: acceptance at draft position j), outweigh
@@ -10,11 +11,18 @@ one trunk pass over B*(K+1) positions. The fit carries what was measured at one
 batch size over to the others. Where extra rows cost almost nothing (Apple GPUs,
 a good CPU BLAS) drafting stays on under load; where they cost linearly (the
 reference BLAS of the Linux CPU wheel) it stops at the batch sizes where it
-would lose, without probing each of them.
+would lose, without probing each of them. A single sequence is the batch of one.
 
-``DraftController`` (speculative.py) does the same job for a single sequence
-by timing epochs; this policy serves ``BatchDecoder``, whose batch size changes
-at every join and leave.
+The policy's state (costs, acceptance) belongs to whoever decodes: the server's
+engine, a generator, a benchmark; never the model object.
+
+**Seeded requests.** Greedy rows and coupled rows (``SamplingParams.coupled``)
+emit the target's own per-position choice whatever was drafted, so K is free for
+them. A seeded row sampled with independent drafts emits tokens that depend on
+*which* positions were drafted; its K therefore comes from a ``SeededSchedule``:
+its own acceptance and a fixed cost model, never timings or batch mates. The
+batch drafts the largest K any row asks for; a row asking for fewer stops at its
+own (``step.py``), so every row's output is what it would be alone.
 """
 
 from __future__ import annotations
@@ -106,12 +114,14 @@ class AcceptanceEstimate:
         self.hits = [0.7] * max_k
         self.trials = [1.0] * max_k
 
-    def record(self, k: int, accepted: Sequence[int]):
-        """One step that drafted ``k`` for each row; ``accepted``: each row's count."""
+    def record(self, k: int, accepted: Sequence[int], ks: Optional[Sequence[int]] = None):
+        """One step that drafted ``k`` (``ks[b]`` for row b if given); ``accepted``:
+        each row's count."""
+        ks = [k] * len(accepted) if ks is None else ks
         for j in range(k):
-            reached = sum(1 for n in accepted if n >= j)
+            reached = sum(1 for n, kb in zip(accepted, ks) if n >= j and kb > j)
             if reached:
-                hit = sum(1 for n in accepted if n > j)
+                hit = sum(1 for n, kb in zip(accepted, ks) if n > j and kb > j)
                 self.hits[j] = self.forget * self.hits[j] + hit
                 self.trials[j] = self.forget * self.trials[j] + reached
 
@@ -153,10 +163,21 @@ class DraftPolicy:
         self._drafting = False
 
     # -- measurements ------------------------------------------------------------
-    def record_step(self, B: int, k: int, seconds: float, accepted: List[int] = ()):
-        """One finished step: its batch size, K, wall time and each row's accepted count."""
-        self.costs.observe(B, k, seconds)
-        self.acceptance.record(k, accepted)
+    def record_step(self, B: int, k: int, seconds: Optional[float], accepted: Sequence[int] = (),
+                    ks: Optional[Sequence[int]] = None):
+        """One finished step: its batch size, K, wall time (None: unknown) and each
+        row's accepted count (``ks``: each row's own K, if not all drafted ``k``)."""
+        if seconds is not None:
+            self.costs.observe(B, k, seconds)
+        self.acceptance.record(k, accepted, ks)
+
+    def row_ks(self, rows, B: int, prompts_waiting: bool = False) -> List[int]:
+        """Drafts per row for the next step (``step.Row``s): seeded schedules for rows
+        that need one, the policy's K for the others, 0 where a row cannot draft."""
+        free = [r for r in rows if r.schedule is None and r.can_draft()]
+        k = self.choose(B, prompts_waiting) if free else 0
+        return [0 if not r.can_draft() else r.schedule.next_k() if r.schedule is not None
+                else min(k, r.max_k) for r in rows]
 
     # -- decision ----------------------------------------------------------------
     def choose(self, B: int, prompts_waiting: bool = False) -> int:
@@ -242,3 +263,46 @@ class DraftPolicy:
         gains = " ".join(f"{expected(k):.2f}" for k in range(1, self.max_k + 1))
         return (f"batch {B}: K={self._decide(B)}; step ms by K=0..{self.max_k}: "
                 f"{' '.join(parts)} (~ fitted); tokens/row by K=1..: {gains}")
+
+
+def needs_schedule(params) -> bool:
+    """The rule for seeded requests (module docstring): a seeded row sampled with
+    independent drafts takes its K from its own ``SeededSchedule``."""
+    return params.seed is not None and not params.greedy and not params.coupled
+
+
+class SeededSchedule:
+    """K per step for one seeded row, from its own acceptance and a fixed cost model.
+
+    The modelled rate of K is ``E_K / (1 + draft_cost * K)`` (a step that drafts K
+    costs ``1 + draft_cost * K`` plain steps). When plain decoding wins, K=1 is
+    re-tried after a pause that doubles each time, so a useless head costs little.
+    Deterministic: the same request takes the same K at every step.
+    """
+
+    def __init__(self, max_k: int, adaptive: bool = True, draft_cost: float = 0.35,
+                 margin: float = 1.05, probe_gap: Tuple[int, int] = (4, 256)):
+        self.max_k, self.adaptive = max_k, adaptive
+        self.draft_cost, self.margin = draft_cost, margin
+        self.acceptance = AcceptanceEstimate(max_k, forget=0.9)
+        self.probe_gap = probe_gap
+        self._gap = self._wait = probe_gap[0]
+
+    def next_k(self) -> int:
+        if not self.adaptive:
+            return self.max_k
+        rates = [self.acceptance.expected_tokens(k) / (1 + self.draft_cost * k)
+                 for k in range(self.max_k + 1)]
+        best = max(range(self.max_k + 1), key=lambda k: rates[k])
+        if best and rates[best] >= self.margin:
+            self._gap = self._wait = self.probe_gap[0]
+            return best
+        self._wait -= 1
+        if self._wait > 0:
+            return 0
+        self._gap = min(2 * self._gap, self.probe_gap[1])
+        self._wait = self._gap
+        return 1
+
+    def record(self, k: int, n_accepted: int):
+        self.acceptance.record(k, [n_accepted])

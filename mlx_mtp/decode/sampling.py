@@ -11,6 +11,13 @@ that, accepting a draft ``d ~ q`` with probability ``min(1, p(d)/q(d))`` and
 otherwise sampling from ``normalize(max(0, p - q))`` emits tokens distributed
 exactly as ``p`` (Leviathan et al. 2023). Greedy is the temperature-0 limit:
 accept iff the draft is the target argmax, emit the argmax otherwise.
+
+Randomness is keyed by output position (``noise.py``): every token is drawn by
+Gumbel-max, ``argmax(logprobs + g)``, with ``g`` the noise of its position. In
+the *coupled* mode (``SamplingParams.coupled``) the draft uses the target's own
+noise and a draft is accepted iff it equals the target's Gumbel-max choice: the
+output is then token for token the output of plain sampling with the same seed,
+at any K, at the price of some acceptance (the coupling is not the optimal one).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: Optional[int] = None
+    coupled: bool = False  # drafts share the target's per-position noise (see module doc)
 
     def __post_init__(self):
         problems = []
@@ -41,8 +49,10 @@ class SamplingParams:
             problems.append(f"top_k must be an integer >= 0, 0 disables it (got {self.top_k!r})")
         if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p < 1):
             problems.append(f"min_p must be in [0, 1) (got {self.min_p!r})")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             problems.append(f"seed must be an integer (got {self.seed!r})")
+        if not isinstance(self.coupled, bool):
+            problems.append(f"coupled must be true or false (got {self.coupled!r})")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -101,63 +111,84 @@ def _top_p(x: mx.array, top_p: float, candidates: mx.array) -> mx.array:
 
 
 class Sampler:
-    """Draws tokens from filtered distributions; owns the PRNG stream of one request."""
+    """The randomness of one request: a 64-bit seed, and noise keyed by output position.
+
+    Unseeded requests draw their seed from MLX's global generator, so
+    ``mx.random.seed`` makes them repeatable as it does in mlx-lm.
+    """
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self._key = mx.random.key(params.seed) if params.seed is not None else None
+        if params.seed is not None:
+            self.seed = params.seed
+        elif params.greedy:
+            self.seed = 0  # never used
+        else:
+            hi, lo = mx.random.randint(0, 1 << 31, (2,)).tolist()
+            self.seed = (hi << 31) | lo
 
-    def next_key(self):
-        if self._key is None:
-            return None
-        self._key, sub = mx.random.split(self._key)
-        return sub
+    def filter(self, logprobs: mx.array) -> mx.array:
+        """This request's filtered distribution (rows sampling alike share one call)."""
+        return filtered_logprobs(logprobs, self.params)
 
-    def sample(self, filtered: mx.array) -> mx.array:
-        """One token per row of ``filtered`` (..., V) -> (...)."""
-        if self.params.greedy:
-            return mx.argmax(filtered, axis=-1)
-        return mx.random.categorical(filtered, axis=-1, key=self.next_key())
 
-    def uniform(self, shape) -> mx.array:
-        return mx.random.uniform(shape=shape, key=self.next_key())
+def sample(filtered: mx.array, noise: Optional[mx.array] = None) -> mx.array:
+    """Gumbel-max: one token per row of ``filtered`` (..., V) -> (...); greedy without noise."""
+    return mx.argmax(filtered if noise is None else filtered + noise, axis=-1)
 
 
 def verify(
     target: mx.array,
     drafts: mx.array,
-    draft_logprobs: Optional[mx.array],
-    sampler: Sampler,
+    draft_logprobs: Optional[mx.array] = None,
+    target_noise: Optional[mx.array] = None,
+    accept_uniform: Optional[mx.array] = None,
+    limit: Optional[mx.array] = None,
 ) -> Tuple[mx.array, mx.array]:
     """Accept a prefix of the drafts and pick the token that follows it.
 
     target:         (B, K+1, V) filtered target log-probs at the K+1 verified positions
     drafts:         (B, K) draft tokens
-    draft_logprobs: (B, K, V) filtered draft log-probs (None for greedy)
+    draft_logprobs: (B, K, V) filtered draft log-probs; None: match verification
+    target_noise:   (B, K+1, V) Gumbel noise of the K+1 positions (None: greedy)
+    accept_uniform: (B, K) uniforms of the acceptance tests (rejection sampling)
+    limit:          (B,) drafts each row asked for (<= K; None: K): a row stops there
+                    and takes the target's own token at that position, as a step
+                    with fewer drafts would
     Returns ``num_accepted`` (B,) and ``next_token`` (B,): the recovered token at
     the first rejected position, or the bonus token when all K were accepted.
+
+    Match verification (greedy, coupled): the target's choice at each position is
+    ``argmax(target + noise)``; drafts are accepted while they equal it. Rejection
+    sampling (``draft_logprobs`` given): accept ``d ~ q`` with probability
+    ``min(1, p(d)/q(d))``, else draw from ``max(0, p - q)``.
     Everything stays on device; the caller reads both in one sync.
     """
-    B, K1, _ = target.shape
-    K = K1 - 1
-    if sampler.params.greedy:
-        best = mx.argmax(target, axis=-1)  # (B, K+1)
-        accept = drafts == best[:, :K]
-        n = mx.cumprod(accept.astype(mx.int32), axis=1).sum(axis=1)
-        return n, mx.take_along_axis(best, n[:, None], axis=1)[:, 0]
+    K = drafts.shape[1]
+    if draft_logprobs is None:
+        choice = sample(target, target_noise)  # (B, K+1)
+        n = mx.cumprod((drafts == choice[:, :K]).astype(mx.int32), axis=1).sum(axis=1)
+        if limit is not None:
+            n = mx.minimum(n, limit)
+        return n, mx.take_along_axis(choice, n[:, None], axis=1)[:, 0]
 
     p_all = mx.exp(target[:, :K])  # (B, K, V)
     q_all = mx.exp(draft_logprobs)
     p = mx.take_along_axis(p_all, drafts[..., None], axis=-1)[..., 0]
     q = mx.take_along_axis(q_all, drafts[..., None], axis=-1)[..., 0]
-    u = sampler.uniform((B, K))
-    accept = u * q < p  # u < p/q without dividing; q > 0 since d was drawn from q
+    accept = accept_uniform * q < p  # u < p/q without dividing; q > 0 since d was drawn from q
     n = mx.cumprod(accept.astype(mx.int32), axis=1).sum(axis=1)
 
     residual = mx.maximum(p_all - q_all, 0.0)
     # p == q leaves no residual mass; rejection then has probability 0, any row will do.
     residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p_all)
-    recovered = sampler.sample(mx.log(residual))  # (B, K)
-    bonus = sampler.sample(target[:, K])  # (B,)
-    candidates = mx.concatenate([recovered, bonus[:, None]], axis=1)
+    recovered = sample(mx.log(residual), target_noise[:, :K])  # (B, K)
+    if limit is None:
+        bonus = sample(target[:, K], target_noise[:, K])  # (B,)
+        candidates = mx.concatenate([recovered, bonus[:, None]], axis=1)
+    else:
+        n = mx.minimum(n, limit)
+        choice = sample(target, target_noise)  # (B, K+1): the bonus at every cut
+        cut = mx.arange(K + 1)[None] >= limit[:, None]
+        candidates = mx.where(cut, choice, mx.concatenate([recovered, choice[:, K:]], axis=1))
     return n, mx.take_along_axis(candidates, n[:, None], axis=1)[:, 0]

@@ -71,6 +71,11 @@ class KVCache:
         """Keep the first ``n_keep[0]`` positions of the last write (one row)."""
         self.trim(self.last_write - n_keep[0])
 
+    def prepare(self, S: int, lengths=None):
+        """Per-row chunk lengths (``BatchKVCache``'s interface); one row has no holes."""
+        if lengths is not None and list(lengths) != [S]:
+            raise ValueError(f"a single-row cache cannot take a padded chunk ({lengths} of {S})")
+
     def is_trimmable(self) -> bool:
         return True
 
@@ -328,6 +333,11 @@ class BatchKVCache:
     def accept(self, n_keep):
         """Row ``b`` keeps the first ``n_keep[b]`` positions of the last write."""
         self.drop_last([self.last_write - n for n in n_keep])
+
+    def trim(self, n: int) -> int:
+        """Drop every row's last ``n`` tokens (``KVCache.trim`` for a batch)."""
+        self.drop_last([n] * len(self.pos))
+        return n
 
     def _grow(self, S: int):
         """Squeeze out holes (left-pad to the longest row), then add room."""

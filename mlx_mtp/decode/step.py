@@ -1,0 +1,351 @@
+"""One speculative step over B >= 1 rows: draft, verify, accept, roll back.
+
+With ``y`` each row's last emitted token (not yet in the trunk) and ``k_b`` the
+drafts row ``b`` asked for (``k = max k_b``):
+
+1. draft: chain the MTP head k times for every row. Its first call also writes
+   the MTP pairs each row still owes (``OwedPairs``: trunk hidden at ``i`` with
+   token ``i+1``); later calls feed the head its own post-norm output and the
+   previous draft.
+2. verify: one trunk pass over every row's ``[y, d_1..d_k]`` (``capture=True``).
+3. accept: ``sampling.verify`` per group of rows sampling alike; a row that asked
+   for fewer drafts stops at its own ``k_b`` and takes the target's token there,
+   exactly as a ``k_b``-step would. Reading accepted counts, next tokens and
+   drafts is the step's only host sync.
+4. roll back: every trunk cache keeps ``n_b + 1`` positions of the pass
+   (``accept``), the MTP caches drop their ``k - 1`` chained (draft-conditioned)
+   entries, and the accepted positions' hiddens become owed MTP pairs.
+
+``k = 0`` is a plain step through the same object. Noise comes from each row's
+``Sampler``, keyed by output position, so a row's tokens do not depend on the
+other rows or on how many drafts earlier steps made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Hashable, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, uniform
+from .sampling import Sampler, SamplingParams, log_softmax, sample, verify
+from .stats import SpecStats
+
+MAX_OWED_WHILE_PAUSED = 4
+
+
+class OwedPairs:
+    """MTP pairs ``(hidden at i, token i+1)`` committed but not yet in the MTP cache.
+
+    The newest pair always stays owed between steps: the next draft starts from its
+    output.
+    """
+
+    def __init__(self, hidden: Optional[list] = None, tokens: Optional[list] = None):
+        self.hidden: List[mx.array] = list(hidden or [])  # (1, S, H) chunks
+        self.tokens: List[mx.array] = list(tokens or [])  # (1, S) chunks
+
+    def __len__(self) -> int:
+        return sum(h.shape[1] for h in self.hidden)
+
+    def owe(self, hidden: mx.array, tokens: mx.array):
+        self.hidden.append(hidden)
+        self.tokens.append(tokens)
+
+    def take(self):
+        """All pairs as one (1, S, H), (1, S) chunk; nothing stays owed."""
+        h, t = self.hidden, self.tokens
+        self.hidden, self.tokens = [], []
+        if len(h) == 1:
+            return h[0], t[0]
+        return mx.concatenate(h, axis=1), mx.concatenate(t, axis=1)
+
+    def trim(self, keep: int = MAX_OWED_WHILE_PAUSED):
+        """While drafting pauses, keep only the newest ``keep`` chunks (list work only).
+
+        The head then sees a shorter history when drafting resumes (it only drafts,
+        so greedy and coupled output are unaffected), and a probe after a long pause
+        costs one short MTP pass instead of one over every token since.
+        """
+        if len(self.hidden) > 2 * keep:
+            del self.hidden[:-keep], self.tokens[:-keep]
+
+    def flush(self, model, mtp_cache, max_owed: int = 0):
+        """Write all but the newest pair into ``mtp_cache`` when more than ``max_owed`` wait."""
+        if len(self) > max(max_owed, 1):
+            h, t = self.take()
+            model.mtp_forward(h[:, :-1], t[:, :-1], mtp_cache)
+            self.owe(h[:, -1:], t[:, -1:])
+            mx.eval([c.state for c in mtp_cache])
+
+    def copy(self) -> "OwedPairs":
+        return OwedPairs(self.hidden, self.tokens)
+
+
+@dataclass
+class StepOutput:
+    tokens: List[int]  # accepted drafts then the recovered/bonus token
+    logprobs: mx.array  # (len(tokens), V) target log-probs for each emitted token
+    num_drafted: int
+    num_accepted: int
+
+
+@dataclass
+class Row:
+    """One sequence's decode state (the caches hold its other state)."""
+
+    key: Hashable
+    sampler: Sampler
+    max_k: int  # 0: this row never drafts
+    y: mx.array  # (1,) last emitted token, not yet in the trunk
+    owed: Optional[OwedPairs]  # None when the row never drafts
+    stats: SpecStats = field(default_factory=SpecStats)
+    n_out: int = 0  # tokens emitted: the output position of the next one
+    schedule: Optional[object] = None  # policy.SeededSchedule: K from this row alone
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.sampler.params
+
+    def can_draft(self) -> bool:
+        return self.max_k > 0 and self.owed is not None and len(self.owed) > 0
+
+
+class RowError(Exception):
+    """Work of one row (its filter, its sampler) failed; ``key`` names the row."""
+
+    def __init__(self, key, cause: Exception):
+        super().__init__(str(cause))
+        self.key, self.cause = key, cause
+
+
+def _prepare(caches, S: int, lengths=None):
+    """Announce the next chunk to caches that mask per row (recurrent ones need nothing)."""
+    for c in caches:
+        prepare = getattr(c, "prepare", None)
+        if prepare is not None:
+            prepare(S, lengths)
+
+
+@dataclass
+class _Group:
+    """Rows that filter and verify alike (same sampling parameters but the seed)."""
+
+    params: SamplingParams
+    rows: List[int]
+    index: Optional[mx.array]  # None: every row, in order
+
+    def take(self, x: mx.array) -> mx.array:
+        return x if self.index is None else x[self.index]
+
+
+@dataclass
+class _Pending:
+    """A launched step, not yet read."""
+
+    k: int
+    ks: List[int]
+    tokens: mx.array  # plain: (B,); speculative: (B,) next tokens
+    logprobs: mx.array  # plain: (B, V); speculative: (B, k+1, V)
+    n_accepted: Optional[mx.array] = None  # (B,)
+    drafts: Optional[mx.array] = None  # (B, k)
+    h_mtp: Optional[mx.array] = None  # (B, k+1, H)
+
+
+class DecodeBatch:
+    """Rows decoding together through one trunk forward per step.
+
+    ``cache`` / ``mtp_cache`` are per-layer caches holding every row (one row:
+    ``KVCache``; many: ``BatchKVCache``; ``RecurrentCache`` either way).
+    """
+
+    def __init__(self, model, rows: List[Row], cache: list, mtp_cache: Optional[list]):
+        self.model = model
+        self.rows = rows
+        self.cache = cache
+        self.mtp_cache = mtp_cache
+
+    def step(self, ks: Sequence[int]) -> List[StepOutput]:
+        return self.finish(self.launch(ks))
+
+    def launch(self, ks: Sequence[int]) -> _Pending:
+        """Build the step's graph (``ks[b]``: drafts for row b) and start evaluating it."""
+        ks = list(ks)
+        k = max(ks) if ks else 0
+        if k and self.mtp_cache is None:
+            raise ValueError("drafting needs an MTP cache")
+        pending = self._launch_plain() if k == 0 else self._launch_spec(k, ks)
+        mx.async_eval(pending.tokens, pending.logprobs)
+        return pending
+
+    def finish(self, p: _Pending) -> List[StepOutput]:
+        """Read the step (the one host sync) and commit it: rollback, owed pairs, stats."""
+        if p.k == 0:
+            ids = p.tokens.tolist()
+            return [StepOutput([ids[b]], p.logprobs[b : b + 1], 0, 0)
+                    for b in range(len(self.rows))]
+        B, k = len(self.rows), p.k
+        values = mx.concatenate([p.n_accepted, p.tokens, p.drafts.reshape(-1)]).tolist()
+        n_acc, next_ids, draft_ids = values[:B], values[B : 2 * B], values[2 * B :]
+        n_keep = [n + 1 for n in n_acc]
+        for c in self.cache:
+            c.accept(n_keep)
+        for c in self.mtp_cache:
+            c.trim(k - 1)  # entries conditioned on drafts, not on trunk hiddens
+        out = []
+        for b, r in enumerate(self.rows):
+            n = n_acc[b]
+            nxt = p.tokens[b : b + 1]
+            if r.owed is not None:
+                tokens = mx.concatenate([p.drafts[b : b + 1, :n], nxt[:, None]], axis=1)
+                r.owed.owe(p.h_mtp[b : b + 1, : n + 1], tokens)
+            r.y = nxt
+            r.n_out += n + 1
+            r.stats.record(p.ks[b], n)
+            if r.schedule is not None:
+                r.schedule.record(p.ks[b], n)
+            ids = draft_ids[b * k : b * k + n] + [next_ids[b]]
+            out.append(StepOutput(ids, p.logprobs[b, : n + 1], p.ks[b], n))
+        return out
+
+    # -- internals -------------------------------------------------------------------
+    def _groups(self) -> List[_Group]:
+        by_params = {}
+        for b, r in enumerate(self.rows):
+            by_params.setdefault(replace(r.params, seed=None), []).append(b)
+        if len(by_params) == 1:
+            (params, rows), = by_params.items()
+            return [_Group(params, rows, None)]
+        return [_Group(p, rows, mx.array(rows)) for p, rows in by_params.items()]
+
+    def _per_group(self, groups, fn) -> list:
+        out = []
+        for g in groups:
+            try:
+                out.append(fn(g))
+            except Exception as e:
+                raise RowError(self.rows[g.rows[0]].key, e) from e
+        return out
+
+    def _filter(self, g: _Group, logprobs: mx.array) -> mx.array:
+        return self.rows[g.rows[0]].sampler.filter(g.take(logprobs))
+
+    def _merge(self, groups, parts: List[mx.array]) -> mx.array:
+        """Per-group results (rows of each group in order) back into row order."""
+        if len(groups) == 1:
+            return parts[0]
+        order = [b for g in groups for b in g.rows]
+        inverse = [0] * len(order)
+        for i, b in enumerate(order):
+            inverse[b] = i
+        return mx.concatenate(parts)[mx.array(inverse)]
+
+    def _noise(self, g: _Group, count: int, stream: int, vocab_size: int) -> Optional[mx.array]:
+        """Gumbel noise (b, count, V) from each row's next output position; None if greedy."""
+        if g.params.greedy:
+            return None
+        rows = [self.rows[b] for b in g.rows]
+        keys = position_keys([r.sampler.seed for r in rows], [r.n_out for r in rows], count, stream)
+        return gumbel(keys, vocab_size)
+
+    def _launch_plain(self) -> _Pending:
+        model, rows = self.model, self.rows
+        y = mx.stack([r.y for r in rows])  # (B, 1)
+        _prepare(self.cache, 1)
+        h_norm, h_mtp = model.trunk(y, self.cache)
+        lp = log_softmax(model.logits(h_norm[:, -1]))  # (B, V)
+        V = lp.shape[-1]
+        groups = self._groups()
+
+        def draw(g):
+            noise = self._noise(g, 1, TARGET, V)
+            return sample(self._filter(g, lp),
+                          None if noise is None else noise[:, 0])
+
+        toks = self._merge(groups, self._per_group(groups, draw))  # (B,)
+        for b, r in enumerate(rows):
+            if r.owed is not None:
+                r.owed.owe(h_mtp[b : b + 1], toks[b : b + 1, None])
+                if r.schedule is None:  # a seeded schedule keeps its whole history
+                    r.owed.trim()
+            r.y = toks[b : b + 1]
+            r.n_out += 1
+        return _Pending(0, [0] * len(rows), toks, lp)
+
+    def _owed_chunk(self):
+        """Every row's owed pairs, right-aligned in one (B, S) chunk, and their lengths."""
+        taken = [r.owed.take() if r.owed is not None and len(r.owed) else None for r in self.rows]
+        lengths = [0 if t is None else t[0].shape[1] for t in taken]
+        if len(taken) == 1:
+            return taken[0][0], taken[0][1], lengths
+        S = max(lengths)
+        ref = next(t[0] for t in taken if t is not None)
+        hs, ts = [], []
+        for t, n in zip(taken, lengths):
+            pad_h = mx.zeros((1, S - n, ref.shape[-1]), ref.dtype)
+            pad_t = mx.zeros((1, S - n), mx.uint32)
+            hs.append(pad_h if t is None else mx.concatenate([pad_h, t[0]], axis=1))
+            ts.append(pad_t if t is None else mx.concatenate([pad_t, t[1].astype(mx.uint32)], axis=1))
+        return mx.concatenate(hs), mx.concatenate(ts), lengths
+
+    def _launch_spec(self, k: int, ks: List[int]) -> _Pending:
+        model, rows = self.model, self.rows
+        for r, kb in zip(rows, ks):
+            if kb and not r.can_draft():
+                raise ValueError(f"row {r.key!r} cannot draft (no MTP pairs owed)")
+        groups = self._groups()
+        target_noise = draft_noise = None
+
+        # 1. draft; the first call also writes every row's owed pairs.
+        hidden, tokens, lengths = self._owed_chunk()
+        _prepare(self.mtp_cache, hidden.shape[1], lengths)
+        out = model.mtp_forward(hidden, tokens, self.mtp_cache)[:, -1:]
+        drafts, draft_lps = [], []  # per step j: (B,), per group (b, V)
+        for j in range(k):
+            if j:
+                _prepare(self.mtp_cache, 1)
+                out = model.mtp_forward(out, drafts[-1][:, None], self.mtp_cache)
+            lq = log_softmax(model.draft_logits(out[:, -1]))  # (B, V)
+            if j == 0:  # per position: coupled drafts share the target's noise
+                V = lq.shape[-1]
+                target_noise = [self._noise(g, k + 1, TARGET, V) for g in groups]
+                draft_noise = [None if n is None else n[:, :k] if g.params.coupled
+                               else self._noise(g, k, DRAFT, V)
+                               for g, n in zip(groups, target_noise)]
+            qs = self._per_group(groups, lambda g: self._filter(g, lq))
+            picks = [sample(q, None if n is None else n[:, j])
+                     for q, n in zip(qs, draft_noise)]
+            drafts.append(self._merge(groups, picks))
+            draft_lps.append(qs)
+        drafts = mx.stack(drafts, axis=1)  # (B, k)
+
+        # 2. verify every row in one trunk pass.
+        inputs = mx.concatenate([mx.stack([r.y for r in rows]), drafts], axis=1)
+        _prepare(self.cache, k + 1)
+        h_norm, h_mtp = model.trunk(inputs, self.cache, capture=True)
+        raw = log_softmax(model.logits(h_norm))  # (B, k+1, V)
+
+        # 3. accept, per group.
+        def accept(g, gi):
+            target = self._filter(g, raw)
+            limit = [ks[b] for b in g.rows]
+            limit = None if min(limit) == k else mx.array(limit)
+            d = g.take(drafts)
+            if g.params.greedy or g.params.coupled:
+                return verify(target, d, None, target_noise[gi], limit=limit)
+            q = mx.stack([lps[gi] for lps in draft_lps], axis=1)  # (b, k, V)
+            sel = [self.rows[b] for b in g.rows]
+            u = uniform(position_keys([r.sampler.seed for r in sel], [r.n_out for r in sel],
+                                      k, ACCEPT))
+            return verify(target, d, q, target_noise[gi], u, limit=limit)
+
+        results = []
+        for gi, g in enumerate(groups):
+            try:
+                results.append(accept(g, gi))
+            except Exception as e:
+                raise RowError(self.rows[g.rows[0]].key, e) from e
+        n_acc = self._merge(groups, [n for n, _ in results])
+        nxt = self._merge(groups, [t for _, t in results])
+        return _Pending(k, ks, nxt.astype(mx.uint32), raw, n_acc, drafts, h_mtp)
