@@ -271,17 +271,16 @@ class MessageFormatter:
         return ("stop_sequence", seq) if seq else ("end_turn", None)
 
     def _matched_stop(self, done: Done) -> Optional[str]:
-        # An eos token ends the token list; a stop string leaves every token in it
-        # and the string right after the text we were sent.
+        # The engine sends every step's token ids and text == decode(ids) up to the
+        # cut: an eos token ends the id list; a stop string starts where the text ends.
         if not self.stops or done.finish_reason != "stop" or not self.token_ids:
             return None
         if self.token_ids[-1] in getattr(self.state.engine, "eos", ()):
             return None
         if len(self.token_ids) < done.usage.get("completion_tokens", 0):
-            return None  # the last step sent no event: cannot tell
+            return None  # some step sent no event: cannot tell
         full = self.state.tokenizer.decode(self.token_ids)
-        start = max(0, len(self.text) - 1)  # a detokenizer may drop one leading space
-        hits = [(i, s) for s in self.stops for i in (full.find(s, start),) if i >= 0]
+        hits = [(i, s) for s in self.stops for i in (full.find(s, len(self.text)),) if i >= 0]
         return min(hits)[1] if hits else None
 
     # streaming
