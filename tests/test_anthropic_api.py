@@ -165,6 +165,19 @@ def test_tool_conversation_renders_like_chat(server, claude, gpt):
     assert "".join(b.text for b in m.content if b.type == "text") == expected
 
 
+def test_forced_tool_choice_yields_tool_use(server, claude):
+    """tool_choice tool / any forces a call (the prompt opens it); a random model's
+    arguments are garbage, but the call and its name come back as a tool_use block."""
+    for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
+        m = claude.messages.create(model=server.model, max_tokens=8, tools=[WEATHER_TOOL],
+                                   tool_choice=choice, extra_body=GREEDY,
+                                   messages=[{"role": "user", "content": "Weather in Paris?"}])
+        calls = [b for b in m.content if b.type == "tool_use"]
+        assert len(calls) == 1 and calls[0].name == "get_weather", m.content
+        assert isinstance(calls[0].input, dict)
+        assert m.stop_reason in ("tool_use", "max_tokens")
+
+
 @pytest.mark.parametrize("body, status, kind, words", [
     ({"messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error",
      "max_tokens"),

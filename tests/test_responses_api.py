@@ -102,6 +102,15 @@ def test_function_call_items_render_like_chat(server, gpt):  # noqa: F811
     assert r.output_text == expected
 
 
+def test_forced_tool_choice_yields_function_call(server, gpt):  # noqa: F811
+    for choice in ({"type": "function", "name": "get_weather"}, "required"):
+        r = gpt.responses.create(model=server.model, tools=[WEATHER], tool_choice=choice,
+                                 temperature=0, max_output_tokens=8, input="Weather in Paris?")
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "get_weather", r.output
+        assert isinstance(json.loads(calls[0].arguments), dict)
+
+
 @pytest.mark.parametrize("body, status, words", [
     ({"input": "hi", "previous_response_id": "resp_123"}, 400, "stateless"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "function tools"),

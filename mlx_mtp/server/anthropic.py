@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .engine import Delta, Done
 from .parsers import OutputParser, Piece
 from .prompts import PreparedChat, prepare_chat
-from .protocol import APIError, ChatCompletionRequest, bad_request, parse_request
+from .protocol import APIError, ChatCompletionRequest, bad_request
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -46,7 +46,8 @@ def error_body(e: APIError) -> dict:
 
 
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e), status_code=529 if e.status == 503 else e.status)
+    return JSONResponse(error_body(e), status_code=529 if e.status == 503 else e.status,
+                        headers=getattr(e, "headers", None) or None)
 
 
 # --- request ---------------------------------------------------------------------------
@@ -389,13 +390,13 @@ def _tool_id(call: dict) -> str:
 
 
 # --- routes ------------------------------------------------------------------------------
-def add_routes(app, state: ServerState, *, check_auth: Callable, tokenize: Callable,
-               run_request: Callable, resolve_common: Callable):
+def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Callable,
+               tokenize: Callable, run_request: Callable, resolve_common: Callable):
     """Register the Anthropic endpoints on ``app`` (helpers come from ``app.create_app``)."""
 
     async def prepare(request: Request, model_cls):
         check_auth(request)
-        req = parse_request(await request.body(), model_cls)
+        req = await parse_body(request, model_cls)
         chat = to_chat_request(req)
         if chat.model is not None and chat.model not in state.aliases:
             raise APIError(404, f"The model `{chat.model}` does not exist. This server serves "
@@ -410,6 +411,8 @@ def add_routes(app, state: ServerState, *, check_auth: Callable, tokenize: Calla
             parse_tools = prepared.tools is not None and state.tool_call_parser != "none"
             fmt = MessageFormatter(state, req.model or state.model_name, prepared, parse_tools,
                                    kw["stop"])
+            if prepared.forced_prefix:  # a forced tool call: the parser reads its opening
+                fmt.parser.feed(prepared.forced_prefix)
             return await run_request(request, kw, prepared.ids, prepared.boundaries, None, fmt,
                                      bool(req.stream), False)
         except APIError as e:

@@ -443,8 +443,8 @@ def create_app(state: ServerState, guard: Optional[GuardConfig] = None):
     from . import anthropic, openai_responses
 
     for api in (anthropic, openai_responses):
-        api.add_routes(app, state, check_auth=check_auth, tokenize=tokenize,
-                       run_request=run_request, resolve_common=resolve_common)
+        api.add_routes(app, state, check_auth=check_auth, parse_body=parse_body,
+                       tokenize=tokenize, run_request=run_request, resolve_common=resolve_common)
     from .dashboard import register_dashboard
 
     register_dashboard(app, state, check_auth)  # the live page at / and its event stream

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from .engine import Delta, Done
 from .parsers import OutputParser, Piece
 from .prompts import PreparedChat, prepare_chat
-from .protocol import APIError, ChatCompletionRequest, bad_request, parse_request
+from .protocol import APIError, ChatCompletionRequest, bad_request
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -365,20 +365,22 @@ class ResponseFormatter:
 
 
 # --- route -------------------------------------------------------------------------------
-def add_routes(app, state: ServerState, *, check_auth: Callable, tokenize: Callable,
-               run_request: Callable, resolve_common: Callable):
+def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Callable,
+               tokenize: Callable, run_request: Callable, resolve_common: Callable):
     """Register ``POST /v1/responses`` on ``app`` (helpers come from ``app.create_app``)."""
 
     @app.post("/v1/responses")
     @app.post("/responses")
     async def responses(request: Request):
         check_auth(request)
-        req = parse_request(await request.body(), ResponsesRequest)
+        req = await parse_body(request, ResponsesRequest)
         chat = to_chat_request(req)
         prepared = await tokenize(prepare_chat, state, chat)
         kw = resolve_common(state, chat, len(prepared.ids), req.max_output_tokens)
         parse_tools = prepared.tools is not None and state.tool_call_parser != "none"
         fmt = ResponseFormatter(state, req.model or state.model_name, prepared, parse_tools,
                                 req, req.tools)
+        if prepared.forced_prefix:  # a forced tool call: the parser reads its opening
+            fmt.parser.feed(prepared.forced_prefix)
         return await run_request(request, kw, prepared.ids, prepared.boundaries, None, fmt,
                                  bool(req.stream), False)
