@@ -98,7 +98,7 @@ def test_transformers5_config_with_layer_types_loads(family, tmp_path):
     assert same_model(loaded, model)
 
 
-def test_non_periodic_layer_types(tmp_path):
+def test_non_periodic_layer_types(tmp_path, capsys):
     types = ["linear_attention", "full_attention", "full_attention", "linear_attention"]
     model, text = built("qwen3_5", layer_types=types, head="noisy")
     path = save_hf_checkpoint(model, "qwen3_5", text, tmp_path / "m",
@@ -109,6 +109,9 @@ def test_non_periodic_layer_types(tmp_path):
     plain, _ = greedy(loaded, 0)
     tokens, dec = greedy(loaded, 3)
     assert tokens == plain and dec.stats.num_accepted_tokens > 0
+    convert(path, tmp_path / "mlx")  # converts, and says plain mlx-lm cannot load it
+    assert "not periodic" in capsys.readouterr().err
+    assert same_model(load_model(tmp_path / "mlx")[0], model)
 
 
 @pytest.mark.parametrize("types,match", [
@@ -123,6 +126,26 @@ def test_bad_layer_types_refused(types, match, tiny_ckpt, tmp_path):
     config = json.loads((dst / "config.json").read_text())
     config["text_config"]["layer_types"] = types
     (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=match):
+        load_model(dst)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"linear_num_value_heads": 3}, "must be a multiple"),
+    ({"full_attention_interval": 0}, "full_attention_interval must be >= 1"),
+    (None, "not valid JSON"),
+])
+def test_unusable_config_refused(change, match, tiny_ckpt, tmp_path):
+    src = Path(tiny_ckpt("qwen3_5", "random"))
+    dst = tmp_path / "m"
+    shutil.copytree(src, dst)
+    if change is None:
+        (dst / "config.json").write_text('{"model_type": "qwen3_5", ')
+    else:
+        config = json.loads((dst / "config.json").read_text())
+        config["text_config"].update(change)
+        config["text_config"].pop("layer_types", None)
+        (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=match):
         load_model(dst)
 

@@ -217,6 +217,9 @@ def convert(
             quantization = dict(scheme.default(), **record)
 
     out_config = _finalize_config(config, quantization)
+    if "full_attention_interval" not in text_config(out_config):
+        _warn("the attention pattern (layer_types) is not periodic: mlx-mtp loads the output, "
+              "plain mlx-lm (which reads only full_attention_interval) cannot.", verbose)
     if dtype is not None:
         for c in (out_config, text_config(out_config)):
             for key in ("torch_dtype", "dtype"):

@@ -177,6 +177,8 @@ def mlx_config(config: dict) -> dict:
     interval = periodic_interval(layer_types(text))
     if interval is not None:
         text["full_attention_interval"] = interval
+    else:  # a stale interval would silently build the wrong layers in mlx-lm
+        text.pop("full_attention_interval", None)
     return config
 
 
