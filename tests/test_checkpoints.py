@@ -428,3 +428,21 @@ def test_generation_warns_when_head_accepts_nothing(tiny_ckpt, caplog):
             pass
     assert r.spec.num_draft_tokens >= layout.WARMUP_DRAFT_TOKENS
     assert sum("MTP acceptance is" in rec.getMessage() for rec in caplog.records) == 1
+
+
+def test_completion_prompt_with_no_tokens_is_a_400():
+    from types import SimpleNamespace
+
+    from mlx_mtp.server.prompts import prepare_completion
+    from mlx_mtp.server.protocol import APIError, CompletionRequest
+
+    class NoTokens:
+        bos_token = None
+
+        def encode(self, *args, **kwargs):
+            return []
+
+    state = SimpleNamespace(max_chars_per_token=0, context_length=4096, vocab_size=512)
+    with pytest.raises(APIError) as e:
+        prepare_completion(state, CompletionRequest(prompt="hello"), NoTokens())
+    assert e.value.status == 400 and "empty after tokenization" in str(e.value)
