@@ -295,6 +295,7 @@ def test_conversion_loads_in_plain_mlx_lm(case, tmp_path):
 
 @pytest.mark.parametrize("key,where", [
     ("num_nextn_predict_layers", "text"), ("num_mtp_layers", "text"), ("n_predict", "text"),
+    ("nextn_predict_layers", "text"), ("num_mtp_modules", "text"),
     ("num_nextn_predict_layers", "top"),
 ])
 def test_mtp_layer_count_aliases(key, where, tiny_ckpt, tmp_path):

@@ -41,9 +41,10 @@ class MissingMTPWeightsError(CheckpointError):
 
 # MTP layer count, in the order runtimes read it: Qwen3.5/3.6 (`mtp_num_hidden_layers`),
 # DeepSeek/GLM/Qwen3-Next re-exports (`num_nextn_predict_layers`), transformers'
-# generic MTP path (`num_mtp_layers`), vLLM draft configs (`n_predict`).
+# generic MTP path (`num_mtp_layers`), GGUF-style and training-framework exports
+# (`nextn_predict_layers`, `num_mtp_modules`), vLLM draft configs (`n_predict`).
 MTP_LAYER_COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "num_mtp_layers",
-                        "n_predict")
+                        "nextn_predict_layers", "num_mtp_modules", "n_predict")
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
