@@ -144,6 +144,7 @@ def test_function_call_and_reasoning_items(scripted):  # noqa: F811
     assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
     assert r.output[0].content[0].text == "Paris, so the weather tool."
     assert r.output_text == "Checking."
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
     call = r.output[2]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
     assert call.call_id.startswith("call_") and call.status == "completed"

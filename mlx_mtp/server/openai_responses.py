@@ -204,6 +204,7 @@ class ResponseFormatter:
         self.output: List[dict] = []  # items, the last one possibly still open
         self.open = False
         self.seq = 0
+        self.reasoning_tokens = 0
 
     def _response(self, status: str, usage=None, incomplete=None, error=None) -> dict:
         req = self.req
@@ -224,16 +225,18 @@ class ResponseFormatter:
 
     def _usage(self, done: Done) -> dict:
         u = done.usage
-        reasoning = "".join(c["text"] for x in self.output if x["type"] == "reasoning"
-                            for c in x["content"])
-        n_reasoning = len(self.state.tokenizer.encode(reasoning, add_special_tokens=False)) \
-            if reasoning else 0
         return {"input_tokens": u["prompt_tokens"],
                 "input_tokens_details": dict(u.get("prompt_tokens_details") or
                                              {"cached_tokens": 0}),
                 "output_tokens": u["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": n_reasoning},
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": u["total_tokens"]}
+
+    def _feed(self, ev: Delta) -> List[Piece]:
+        # Reasoning tokens: those of the steps that began inside the think block.
+        if self.parser.state == "reasoning":
+            self.reasoning_tokens += len(ev.token_ids)
+        return self.parser.feed(ev.text)
 
     # items: open one, add text to it, close it (each returns its stream events)
     def _open(self, kind: str) -> List[dict]:
@@ -327,7 +330,7 @@ class ResponseFormatter:
                 self._event("response.in_progress", response=self._response("in_progress"))]
 
     def on_delta(self, ev: Delta) -> List[dict]:
-        return self._events(self.parser.feed(ev.text))
+        return self._events(self._feed(ev))
 
     def on_done(self, done: Done, include_usage: bool = False) -> List[dict]:
         truncated = done.finish_reason == "length"
@@ -350,7 +353,7 @@ class ResponseFormatter:
     # whole response
     def response(self, deltas: List[Delta], done: Done) -> dict:
         for ev in deltas:
-            self._events(self.parser.feed(ev.text))
+            self._events(self._feed(ev))
         self._events(self.parser.finish())
         self._close("incomplete" if done.finish_reason == "length" else "completed")
         # As in chat: no padding around thoughts, nor around text next to tool calls.
