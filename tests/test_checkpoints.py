@@ -133,6 +133,7 @@ def test_bad_layer_types_refused(types, match, tiny_ckpt, tmp_path):
 @pytest.mark.parametrize("change,match", [
     ({"linear_num_value_heads": 3}, "must be a multiple"),
     ({"full_attention_interval": 0}, "full_attention_interval must be >= 1"),
+    ({"mtp_use_dedicated_embeddings": True}, "--no-mtp"),
     (None, "not valid JSON"),
 ])
 def test_unusable_config_refused(change, match, tiny_ckpt, tmp_path):

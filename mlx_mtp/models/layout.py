@@ -133,6 +133,11 @@ def args_dict(config: dict) -> dict:
     text = dict(text_config(config))
     text["tie_word_embeddings"] = tie_word_embeddings(config)
     text["mtp_num_hidden_layers"] = config_mtp_layers(config)
+    if text["mtp_num_hidden_layers"] and text.get("mtp_use_dedicated_embeddings"):
+        # No released checkpoint sets it; vLLM and SGLang share the trunk's embeddings too.
+        raise CheckpointError(
+            "mtp_use_dedicated_embeddings is true: MTP heads with their own embedding table "
+            "are not supported. Run with --no-mtp to use the model without its head.")
     text["layer_types"] = layer_types(text)
     if not text.get("model_type"):
         text["model_type"] = config.get("model_type", "")
