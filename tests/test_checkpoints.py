@@ -149,6 +149,8 @@ def test_unusable_config_refused(change, match, tiny_ckpt, tmp_path):
         (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=match):
         load_model(dst)
+    if match == "--no-mtp":
+        assert load_model(dst, mtp=False)[0].num_mtp_layers == 0
 
 
 # --------------------------------------------------------------------------
