@@ -327,6 +327,9 @@ def test_model_type_qwen3_5_mtp(family, tiny_ckpt, tmp_path):
     loaded, _ = load_model(dst)
     assert loaded.num_mtp_layers == 1 and layout.family(config) == family
     assert mx.array_equal(mtp_logits(loaded), mtp_logits(ref)).item()
+    convert(dst, tmp_path / "mlx", verbose=False)  # written as the family plain mlx-lm knows
+    assert json.loads((tmp_path / "mlx" / "config.json").read_text())["model_type"] == family
+    assert mx.array_equal(load_model(tmp_path / "mlx")[0](X), ref(X)).item()
 
 
 # --------------------------------------------------------------------------

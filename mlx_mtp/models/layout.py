@@ -178,8 +178,10 @@ def mlx_config(config: dict) -> dict:
                   "tie_word_embeddings": text.get("tie_word_embeddings", False)}
     text = text_config(config)
     text["tie_word_embeddings"] = tie_word_embeddings(config)
+    config["model_type"] = name  # vLLM's *_mtp draft types are unknown to mlx-lm
     if "text_config" in config:
         config["tie_word_embeddings"] = text["tie_word_embeddings"]
+        text["model_type"] = f"{name}_text"
     interval = periodic_interval(layer_types(text))
     if interval is not None:
         text["full_attention_interval"] = interval
