@@ -8,6 +8,7 @@ The interface the engine uses (see ``TextModel``):
     trunk(tokens, cache, capture)  -> (post-norm hidden, hidden fed to MTP)
     logits(hidden)                 -> lm_head
     draft_logits(hidden)           -> the output layer the draft samples from
+    set_draft_head(bits)           -> drafts from a 4/8-bit copy of it (None: off)
     mtp_forward(hidden, next_tokens, mtp_cache) -> post-mtp.norm hidden
     make_cache(), make_mtp_cache(), num_mtp_layers
 Family files differ only in how a Gated DeltaNet layer projects its input and
@@ -355,6 +356,32 @@ class MTPHead(nn.Module):
         return self.norm(x)
 
 
+class DraftHead:
+    """A quantized copy of the output projection, for draft logits only.
+
+    Drafting reads the whole output projection once per draft token (248k rows on
+    Qwen3.5/3.6); a 4- or 8-bit copy reads a fraction of the bytes where decoding is
+    bandwidth-bound (Apple GPUs). Lossless: acceptance compares the full-precision
+    target with the distribution the draft was really sampled from. Not a module:
+    never among the model's parameters, so never saved or loaded.
+    """
+
+    def __init__(self, projection: nn.Module, bits: int, group_size: int = 64):
+        if bits not in (4, 8):
+            raise ValueError(f"draft head bits must be 4 or 8 (got {bits!r})")
+        weight = projection.weight
+        if "scales" in projection:  # already quantized: requantize from its values
+            weight = mx.dequantize(weight, projection.scales, projection.get("biases"),
+                                   projection.group_size, projection.bits)
+        self.bits, self.group_size = bits, group_size
+        self.weight, self.scales, self.biases = mx.quantize(weight, group_size, bits)
+        mx.eval(self.weight, self.scales, self.biases)
+
+    def __call__(self, hidden: mx.array) -> mx.array:
+        return mx.quantized_matmul(hidden, self.weight, self.scales, self.biases,
+                                   transpose=True, group_size=self.group_size, bits=self.bits)
+
+
 class TextModel(nn.Module):
     """Trunk + lm_head + optional MTP head; the engine-facing interface."""
 
@@ -362,6 +389,7 @@ class TextModel(nn.Module):
 
     def __init__(self, args: HybridArgs):
         super().__init__()
+        self.draft_head: Optional[DraftHead] = None  # set_draft_head
         self.args = args
         self.model_type = args.model_type
         self.model = Trunk(args, self.linear_cls)
@@ -394,7 +422,17 @@ class TextModel(nn.Module):
         """Logits the MTP draft samples from (full vocabulary, (..., V)). The target
         distribution always comes from ``logits``; a cheaper draft head only lowers
         acceptance, never changes output."""
+        if self.draft_head is not None:
+            return self.draft_head(hidden)
         return self.logits(hidden)
+
+    def set_draft_head(self, bits: Optional[int], group_size: int = 64):
+        """Draft from a ``bits``-bit copy of the output projection (None: the full one)."""
+        if bits is None:
+            self.draft_head = None
+            return
+        out = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
+        self.draft_head = DraftHead(out, bits, group_size)
 
     def mtp_forward(self, hidden, next_tokens, mtp_cache):
         """hidden (B,S,H) at positions i, next_tokens (B,S) = t_{i+1}.
@@ -453,6 +491,9 @@ class WrappedTextModel(nn.Module):
 
     def draft_logits(self, hidden):
         return self.language_model.draft_logits(hidden)
+
+    def set_draft_head(self, bits: Optional[int], group_size: int = 64):
+        self.language_model.set_draft_head(bits, group_size)
 
     def mtp_forward(self, hidden, next_tokens, mtp_cache):
         return self.language_model.mtp_forward(hidden, next_tokens, mtp_cache)
