@@ -24,7 +24,6 @@ quantization scheme shared by both.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
