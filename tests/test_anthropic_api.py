@@ -207,6 +207,22 @@ def test_errors_use_anthropic_shape(server, body, status, kind, words):
     assert words in err["error"]["message"]
 
 
+def test_errors_from_outside_the_route_use_anthropic_shape(server):
+    """The request guard and routing answer in Anthropic's shape on these paths too."""
+    cases = [(httpx.post(server.url + "/v1/messages", content="hi",
+                         headers={"content-type": "text/plain"}), 415, "invalid_request_error"),
+             (httpx.post(server.url + "/v1/messages/nope", json={}), 404, "not_found_error"),
+             (httpx.get(server.url + "/v1/messages"), 405, "invalid_request_error")]
+    for r, status, kind in cases:
+        assert r.status_code == status, r.text
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind
+        assert int(r.headers["content-length"]) == len(r.content)
+    # other paths keep the OpenAI envelope
+    r = httpx.post(server.url + "/v1/chat/completions", content="hi",
+                   headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and "message" in r.json()["error"]
+
+
 def test_sdk_raises_typed_errors(server, claude):
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.create(model="claude-nope", max_tokens=4,

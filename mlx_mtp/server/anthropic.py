@@ -16,7 +16,6 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Union
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import Delta, Done
@@ -39,15 +38,51 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 EXTENSIONS = ("seed", "min_p", "num_draft_tokens", "cache_prompt", "chat_template_kwargs")
 
 
+def _status(status: int) -> int:
+    return 529 if status == 503 else status
+
+
 def error_body(e: APIError) -> dict:
-    status = 529 if e.status == 503 else e.status
+    status = _status(e.status)
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": e.message}}
 
 
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e), status_code=529 if e.status == 503 else e.status,
-                        headers=getattr(e, "headers", None) or None)
+class AnthropicErrors:
+    """ASGI middleware: error responses under ``/v1/messages`` in Anthropic's shape, whoever
+    made them (these routes, the request guard, routing); other paths pass untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/messages"):
+            return await self.app(scope, receive, send)
+        start, chunks = None, []
+
+        async def reshape(msg):
+            nonlocal start
+            if msg["type"] == "http.response.start" and msg["status"] >= 400:
+                start = msg  # held until the body is known
+                return
+            if start is None or msg["type"] != "http.response.body":
+                return await send(msg)
+            chunks.append(msg.get("body", b""))
+            if msg.get("more_body"):
+                return
+            status, body = start["status"], b"".join(chunks)
+            try:
+                err = json.loads(body)["error"]
+                body = json.dumps(error_body(APIError(status, err["message"]))).encode()
+                status = _status(status)
+            except (ValueError, KeyError, TypeError):
+                pass  # not an OpenAI error envelope (e.g. already Anthropic's): as it is
+            headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode()))
+            await send(dict(start, status=status, headers=headers))
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, reshape)
 
 
 # --- request ---------------------------------------------------------------------------
@@ -415,17 +450,15 @@ def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Cal
                 fmt.parser.feed(prepared.forced_prefix)
             return await run_request(request, kw, prepared.ids, prepared.boundaries, None, fmt,
                                      bool(req.stream), False)
-        except APIError as e:
-            return error_response(e)
-        except Exception as e:
+        except APIError:
+            raise
+        except Exception as e:  # the app's own handler for these answers outside middleware
             log.exception("Unhandled error on /v1/messages")
-            return error_response(APIError(500, f"Internal server error: {type(e).__name__}: "
-                                                f"{e}"))
+            raise APIError(500, f"Internal server error: {type(e).__name__}: {e}")
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
-        try:
-            _, _, prepared = await prepare(request, CountTokensRequest)
-        except APIError as e:
-            return error_response(e)
+        _, _, prepared = await prepare(request, CountTokensRequest)
         return {"input_tokens": len(prepared.ids)}
+
+    app.add_middleware(AnthropicErrors)
