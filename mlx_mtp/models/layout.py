@@ -319,7 +319,7 @@ def sanitize_text_weights(model, weights: dict) -> dict:
     trunk_raw = _trunk_zero_centred(weights, trunk_keys)
     head_raw = norms_zero_centred(weights, [k for k in weights if is_mtp_key(k)])
     head_raw = trunk_raw if head_raw is None else head_raw
-    if n_mtp > 0 and head_raw != trunk_raw:
+    if n_mtp > 0 and trunk_keys and head_raw != trunk_raw:
         log.info("The MTP head's norms are stored %s, the trunk's %s: converting each as stored.",
                  *(("zero-centred", "applied") if head_raw else ("applied", "zero-centred")))
 
