@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_mtp.decode.batch import BatchDecoder
-from mlx_mtp.models.cache import BatchKVCache, RecurrentCache
+from mlx_mtp.models.cache import RecurrentCache
 from mlx_mtp.models.loader import load_model
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
@@ -90,21 +90,6 @@ def test_per_row_rollback_matches_plain_decode(tiny_ckpt):
                 assert mx.allclose(k, ref.state[0], atol=1e-4).item()
                 assert mx.allclose(v, ref.state[1], atol=1e-4).item()
                 assert mine.pos[b] == ref.offset
-
-
-def test_batch_kv_cache_squeezes_holes_when_growing():
-    c = BatchKVCache([0, 0])
-    c.step = 8
-    for i in range(12):
-        c.prepare(2)
-        k = mx.full((2, 1, 2, 4), float(i))
-        c.update_and_fetch(k, k)
-        c.drop_last([1, 0])  # row 0 keeps one of every two tokens
-    k0, _ = c.row_state(0)
-    k1, _ = c.row_state(1)
-    assert k0.shape[2] == 12 and k1.shape[2] == 24
-    assert k0[0, 0, :, 0].tolist() == [float(i) for i in range(12)]
-    assert c.pos == [12, 24]
 
 
 def test_failed_step_restores_batch_and_names_one_row(tiny_ckpt):

@@ -215,12 +215,6 @@ class RecurrentCache:
         return c
 
 
-def rollback(caches, n_keep: int, n_total: int):
-    """Single-sequence form of ``accept``: keep ``n_keep`` of the last ``n_total`` positions."""
-    for c in caches:
-        c.accept([n_keep])
-
-
 def cache_state_arrays(caches) -> List[mx.array]:
     """Every array that makes up the live state (for mx.eval and comparisons)."""
     out = []
