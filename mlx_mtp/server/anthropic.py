@@ -5,7 +5,8 @@ Translated at the edge onto the chat pipeline: a request becomes a
 blocks, tools, tool_choice), which the chat template, the engine and the output
 parser handle as for ``/v1/chat/completions``. The parser's pieces become content
 blocks (``thinking``, ``text``, ``tool_use``) and stream events in Anthropic's order.
-Errors use Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``.
+Errors under ``/v1/messages`` use Anthropic's shape ``{"type": "error", "error": {"type",
+"message"}}`` (``AnthropicErrors`` reshapes the app's OpenAI envelopes on these paths).
 """
 
 from __future__ import annotations
