@@ -382,6 +382,20 @@ def test_raw_trunk_with_converted_head(tiny_ckpt, tmp_path):
     assert mx.array_equal(mtp_logits(ref), mtp_logits(out)).item()
 
 
+def test_norm_form_statistic_ignores_final_and_qk_norms():
+    """Trained final and q/k norms can sit far from 0 even when zero-centred: the decision
+    rests on the layer and pre-fc norms."""
+    raw = {"mtp.layers.0.input_layernorm.weight": mx.full((8,), 0.05),
+           "mtp.layers.0.post_attention_layernorm.weight": mx.full((8,), -0.1),
+           "mtp.pre_fc_norm_hidden.weight": mx.full((8,), 0.2),
+           "mtp.pre_fc_norm_embedding.weight": mx.full((8,), 0.0),
+           "mtp.norm.weight": mx.full((8,), 4.0),
+           "mtp.layers.0.self_attn.q_norm.weight": mx.full((4,), 1.2)}
+    applied = {k: v + 1 for k, v in raw.items()}
+    assert layout.norms_zero_centred(raw, list(raw)) is True
+    assert layout.norms_zero_centred(applied, list(applied)) is False
+
+
 def test_implausibly_low_acceptance_warns_once(caplog):
     layout._warned.discard("test-model")
     with caplog.at_level(logging.WARNING, logger="mlx_mtp"):

@@ -240,10 +240,11 @@ SHIFTED_NORM_SUFFIXES = (
     "mtp.pre_fc_norm_hidden.weight",
     "mtp.pre_fc_norm_embedding.weight",
 )
-# Zero-centred norms sit near 0, applied ones near 1; q/k norms are left out of the
-# statistic (trained ones drift far from either).
-_STAT_NORM_SUFFIXES = tuple(s for s in SHIFTED_NORM_SUFFIXES
-                            if s not in (".q_norm.weight", ".k_norm.weight"))
+# Zero-centred layer norms sit near 0, applied ones near 1. q/k norms and the final
+# norms (model.norm, mtp.norm) are left out of the statistic: trained ones drift far
+# from either.
+_STAT_NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+                       "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight")
 ZERO_CENTRED_MEAN = 0.5
 _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
