@@ -162,3 +162,78 @@ def test_stale_plain_cost_is_remeasured_while_drafting():
         ks.append(k)
         policy.record_step(16, k, true_cost[k], [1] * 16 if k else [])
     assert ks[0] == 1 and ks[-200:].count(1) < 10  # 2 per 50 ms < 1 per 23.5 ms
+
+
+# --- one sequence and rows of different kinds: the same policy ------------------------
+from types import SimpleNamespace  # noqa: E402
+
+from mlx_mtp.decode.policy import SeededSchedule, needs_schedule  # noqa: E402
+from mlx_mtp.decode.sampling import SamplingParams  # noqa: E402
+
+
+@pytest.mark.parametrize("cost", [linear_cost, flat_cost])
+def test_one_sequence_is_the_batch_of_one(cost):
+    """A single sequence uses the same policy at B=1: drafts a head that agrees, drops
+    one that does not, and never loses to plain decoding either way."""
+    good, ks_good = simulate(DraftPolicy(3), cost, 1.0, [1] * 1500)
+    bad, ks_bad = simulate(DraftPolicy(3), cost, 0.0, [1] * 1500)
+    assert good >= 0.95 * best_fixed_speedup(cost, 1.0, [1], 3) and good > 1.5
+    assert bad >= 0.97 and sum(k > 0 for k in ks_bad[100:]) < 20
+
+
+def row(max_k=3, owed=1, schedule=None):
+    return SimpleNamespace(max_k=max_k, schedule=schedule,
+                           can_draft=lambda: max_k > 0 and owed > 0)
+
+
+def test_each_row_gets_its_own_k():
+    """Rows asking for fewer drafts than the policy's K keep their own limit; rows that
+    cannot draft get 0; seeded rows follow their schedule whatever the policy says."""
+    policy = DraftPolicy(3, adaptive=False)
+    fixed_schedule = SeededSchedule(2, adaptive=False)
+    rows = [row(1), row(3), row(0), row(3, owed=0), row(3, schedule=fixed_schedule)]
+    assert policy.row_ks(rows, 5) == [1, 3, 0, 0, 2]
+    paused = DraftPolicy(3)  # no costs measured yet: plain steps first ...
+    assert paused.row_ks(rows, 5) == [0, 0, 0, 0, 2]  # ... but not for the seeded row
+
+
+def test_the_seeded_rule():
+    assert needs_schedule(SamplingParams(temperature=0.7, seed=1))
+    assert not needs_schedule(SamplingParams(temperature=0.7))  # unseeded: timings decide
+    assert not needs_schedule(SamplingParams(seed=1))  # greedy: output does not depend on K
+    assert not needs_schedule(SamplingParams(temperature=0.7, seed=1, coupled=True))
+
+
+def drive(schedule, accept_p, steps, seed=0):
+    rng = random.Random(seed)
+    ks = []
+    for _ in range(steps):
+        k = schedule.next_k()
+        n = 0
+        while n < k and rng.random() < accept_p:
+            n += 1
+        schedule.record(k, n)
+        ks.append(k)
+    return ks
+
+
+def test_seeded_schedule_is_deterministic_goes_deep_and_pauses():
+    assert drive(SeededSchedule(3), 0.6, 300) == drive(SeededSchedule(3), 0.6, 300)
+    good = drive(SeededSchedule(3), 1.0, 200)
+    assert all(k == 3 for k in good[5:])
+    useless = drive(SeededSchedule(3), 0.0, 1000)
+    probes = [i for i, k in enumerate(useless) if k]
+    assert len(probes) < 20  # a short try, then probes at doubling intervals
+    gaps = [b - a for a, b in zip(probes[5:], probes[6:])]
+    assert gaps == sorted(gaps)
+
+
+def test_acceptance_counts_only_positions_a_row_drafted():
+    policy = DraftPolicy(3)
+    for _ in range(200):
+        # Row 0 asked for one draft (accepted), row 1 for three (the first rejected):
+        # positions 2 and 3 were never reached, so only the prior remains there.
+        policy.record_step(2, 3, None, [1, 0], ks=[1, 3])
+    a1, a2, a3 = policy.acceptance.alpha
+    assert 0.45 < a1 < 0.55
+    assert a2 == pytest.approx(0.7) and a3 == pytest.approx(0.7)

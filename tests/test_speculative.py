@@ -141,6 +141,16 @@ def test_seeded_schedule_keeps_drafting_deep_for_a_good_head(tiny_ckpt):
     assert len(dec.stats.drafted_per_pos) == 3  # it went deep
 
 
+def test_policy_state_lives_in_the_decoder_not_on_the_model(tiny_ckpt):
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1)))
+    before = set(vars(model))
+    first = MTPDecoder(model, 2)
+    list(generate_step(PROMPT, model, decoder=first, max_tokens=20))
+    assert set(vars(model)) == before
+    second = MTPDecoder(model, 2, policy=first.policy)  # shared on purpose: costs carry over
+    assert second.policy is first.policy and second.policy.costs.count(1, 0) > 0
+
+
 def test_logprobs_come_from_the_target(tiny_ckpt):
     """Reported logprobs equal the plain decode's (target), not the draft head's."""
     model, _ = load_model(Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1)))

@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from ..models.cache import RecurrentCache, cache_state_arrays
+from ..decode.policy import DraftPolicy
 from ..decode.sampling import SamplingParams, log_softmax
 from ..decode.speculative import MTPDecoder, SpecStats
 from . import stats as st
@@ -87,11 +88,13 @@ class RunResult:
 
 def run_once(model, ids: Sequence[int], setting: Setting, sampling: SamplingParams,
              max_tokens: int, eos: set = frozenset(), prefill_step_size: int = 2048,
-             label: str = "", category: str = "", repeat: int = 0) -> RunResult:
-    """Decode ``max_tokens`` tokens (fewer on EOS) with one setting, timing each phase."""
+             label: str = "", category: str = "", repeat: int = 0,
+             policy: Optional[DraftPolicy] = None) -> RunResult:
+    """Decode ``max_tokens`` tokens (fewer on EOS) with one setting, timing each phase.
+    ``policy``: the adaptive setting's draft policy, kept across its runs."""
     mx.reset_peak_memory()
     dec = MTPDecoder(model, setting.k, sampling, adaptive=setting.adaptive,
-                     prefill_step_size=prefill_step_size)
+                     prefill_step_size=prefill_step_size, policy=policy)
     tokens: List[int] = []
     steps_by_k: Counter = Counter()
     drafted = accepted = 0
@@ -342,8 +345,13 @@ def run_inprocess(model, prompts: List[Prompt], encoded: List[List[int]], cfg: B
     eos = frozenset() if cfg.ignore_eos else frozenset(eos)
     tick = progress or (lambda _: None)
 
+    # An adaptive setting keeps one policy over its runs, as a server keeps one: step
+    # costs measured once carry over instead of being explored on every prompt.
+    policies = {s.name: DraftPolicy(s.k, True) for s in settings if s.adaptive}
+
     def go(s, ids, n, **kw):
-        return run_once(model, ids, s, cfg.sampling, n, eos, cfg.prefill_step_size, **kw)
+        return run_once(model, ids, s, cfg.sampling, n, eos, cfg.prefill_step_size,
+                        policy=policies.get(s.name), **kw)
 
     # Warm up every setting once on a short prompt (allocations, first-call costs).
     short = min(encoded, key=len)
