@@ -34,14 +34,23 @@ GREEDY = {"temperature": 0}  # the SDK has no temperature argument any more: ext
 
 
 # --- a real server -------------------------------------------------------------------------
+_shared = {}  # one server process for this module and test_responses_api
+
+
 @pytest.fixture(scope="module")
-def server(tiny_ckpt, tmp_path_factory):
-    ckpt = tiny_ckpt("qwen3_5", "noisy", vocab_size=4096, trunk_scale=2.0, fc_noise=1.0)
-    srv = ServerProcess(ckpt, tmp_path_factory.mktemp("anthropic"), "--max-kv-size", "1024",
-                        "--fixed-k")
-    srv.model = str(ckpt)
-    yield srv
-    assert srv.stop() == 0, srv.logs()
+def server(tiny_ckpt, tmp_path_factory, request):
+    if "server" not in _shared:
+        ckpt = tiny_ckpt("qwen3_5", "noisy", vocab_size=4096, trunk_scale=2.0, fc_noise=1.0)
+        srv = ServerProcess(ckpt, tmp_path_factory.mktemp("apis"), "--max-kv-size", "1024",
+                            "--fixed-k")
+        srv.model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+
+        def stop():
+            assert srv.stop() == 0, srv.logs()
+
+        request.config.add_cleanup(stop)
+        _shared["server"] = srv
+    return _shared["server"]
 
 
 @pytest.fixture(scope="module")
