@@ -33,49 +33,112 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Server:
+    """``mlx-mtp serve`` as a process on 127.0.0.1 (``wait`` once it is started)."""
+
+    def __init__(self, ckpt: Path, work: Path, *flags):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log_path = work / f"server-{self.url.rsplit(':', 1)[1]}.log"
+        env = dict(os.environ, HF_HOME=str(work / "hf-home"), HF_HUB_OFFLINE="1",
+                   MLX_MTP_BLAS="reference")
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mlx_mtp.cli", "serve", "--model", str(ckpt),
+                 "--port", self.url.rsplit(":", 1)[1], "--log-level", "WARNING", *flags],
+                stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def wait(self, timeout: float = 180):
+        deadline = time.time() + timeout
+        while self.proc.poll() is None and time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.proc.kill()
+        raise RuntimeError(f"server did not start:\n{self.log_path.read_text()}")
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            assert self.proc.wait(20) == 0, self.log_path.read_text()
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"server ignored SIGINT:\n{self.log_path.read_text()}")
+
+
 @pytest.fixture(scope="module")
-def server(tiny_ckpt, tmp_path_factory):
-    """``mlx-mtp serve --api-key`` on a tiny checkpoint whose MTP head is partly right."""
+def servers(tiny_ckpt, tmp_path_factory):
+    """Two servers on a tiny checkpoint whose MTP head is partly right, started together:
+    one with ``--api-key`` that always drafts (the adaptive policy may rightly pause for
+    this tiny model, and the page must show acceptance), one as started by default
+    (no key: the Host/Origin guard is on) without MTP."""
     ckpt = tiny_ckpt("qwen3_5", "noisy", vocab_size=4096, trunk_scale=2.0, fc_noise=1.0)
     work = tmp_path_factory.mktemp("dashboard")
-    port = free_port()
-    log_path = work / "server.log"
-    env = dict(os.environ, HF_HOME=str(work / "hf-home"), HF_HUB_OFFLINE="1",
-               MLX_MTP_BLAS="reference")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_mtp.cli", "serve", "--model", str(ckpt), "--port",
-             str(port), "--api-key", KEY, "--max-concurrency", "4", "--log-level", "WARNING",
-             # Always draft: the adaptive policy may rightly pause for this tiny model, and
-             # the page must show acceptance.
-             "--fixed-k"],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited:\n{log_path.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server did not start:\n{log_path.read_text()}")
-        time.sleep(0.2)
-    yield url
-    proc.send_signal(signal.SIGINT)
+    keyed = Server(ckpt, work, "--api-key", KEY, "--max-concurrency", "4", "--fixed-k")
+    open_ = Server(ckpt, work, "--no-mtp", "--max-concurrency", "2")
     try:
-        assert proc.wait(20) == 0, log_path.read_text()
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError(f"server ignored SIGINT:\n{log_path.read_text()}")
+        keyed.wait()
+        open_.wait()
+        yield {"keyed": keyed.url, "open": open_.url}
+    finally:
+        for srv in (keyed, open_):
+            srv.stop()
 
 
-def api_chat(url: str, thinking: bool) -> dict:
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["keyed"]
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from playwright.sync_api import sync_playwright
+
+    assert shutil.which(CHROMIUM), (f"no chromium at {CHROMIUM}: install Debian's chromium "
+                                    "(.ci/run does) or set MLX_MTP_CHROMIUM")
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM,
+            args=CHROMIUM_FLAGS, headless=True, viewport={"width": 1280, "height": 900})
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+def open_page(browser, url: str):
+    """A new tab on ``url``; returns it and the list its errors are collected in."""
+    page = browser.new_page()
+    problems = []
+    page.on("console", lambda m: m.type == "error" and "401" not in m.text
+            and problems.append(m.text))  # a 401 before the key is given is expected
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.goto(url + "/")
+    return page, problems
+
+
+def page_chat(page, thinking: str, max_tokens: int):
+    """Send PROMPT from a new chat; returns the reply's (answer, thoughts, stats)."""
+    from playwright.sync_api import expect
+
+    page.click("#new-chat")
+    page.select_option("#thinking", thinking)
+    page.fill("#max-tokens", str(max_tokens))
+    page.fill("#temperature", "0")
+    page.fill("#prompt", PROMPT)
+    page.press("#prompt", "Enter")
+    reply = page.locator(".msg.assistant")
+    expect(reply).to_have_attribute("data-state", "done", timeout=60_000)
+    return (reply.locator(".content").text_content(),
+            reply.locator(".reasoning-text").text_content(),
+            reply.locator(".stats").text_content())
+
+
+def api_chat(url: str, thinking: bool, max_tokens: int = MAX_TOKENS) -> dict:
     """The same greedy request the page sends, answered by the API without streaming."""
-    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS,
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
             "temperature": 0, "chat_template_kwargs": {"enable_thinking": thinking}}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120,
                    headers={"Authorization": f"Bearer {KEY}"})
@@ -103,6 +166,7 @@ def test_snapshot_rates_acceptance_and_policy():
                          clock=lambda: now[0])
     first = feed.snapshot()
     assert first["generation_tokens_per_second"] == 0 and first["per_position"] == []
+    assert feed.snapshot() is first  # viewers within half a second share a snapshot
     assert first["acceptance_rate"] is None
     # Steps of K=3 (2 and 0 accepted) and one of K=1 (accepted): position 3 is drafted
     # twice, position 1 three times.
@@ -160,65 +224,55 @@ def test_page_is_public_data_needs_the_key(server):
 
 
 # --- the browser -------------------------------------------------------------------------
-def test_browser_chat_round_trip_and_live_dashboard(server, tmp_path):
-    from playwright.sync_api import expect, sync_playwright
+def test_browser_chat_round_trip_and_live_dashboard(server, browser, tmp_path):
+    from playwright.sync_api import expect
 
-    assert shutil.which(CHROMIUM), (f"no chromium at {CHROMIUM}: install Debian's chromium "
-                                    "(.ci/run does) or set MLX_MTP_CHROMIUM")
+    page, problems = open_page(browser, server)
+    # Without the key, the event stream answers 401 and the page asks for it.
+    expect(page.locator("#status")).to_have_attribute("data-state", "error")
+    page.fill("#api-key", KEY)
+    page.click("#key-form button")
+    expect(page.locator("#status")).to_have_attribute("data-state", "live")
+    expect(page.locator("#finished")).to_have_text("0")
+    generated_before = page.text_content("#generated")
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, args=CHROMIUM_FLAGS,
-            headless=True, viewport={"width": 1280, "height": 800})
-        try:
-            page = browser.new_page()
-            problems = []
-            page.on("console", lambda m: m.type == "error" and "401" not in m.text
-                    and problems.append(m.text))  # the 401 before the key is expected
-            page.on("pageerror", lambda e: problems.append(str(e)))
-            page.goto(server + "/")
-            # Without the key, the event stream answers 401 and the page asks for it.
-            expect(page.locator("#status")).to_have_attribute("data-state", "error")
-            page.fill("#api-key", KEY)
-            page.click("#key-form button")
-            expect(page.locator("#status")).to_have_attribute("data-state", "live")
-            expect(page.locator("#finished")).to_have_text("0")
-            generated_before = page.text_content("#generated")
+    answers = {thinking: page_chat(page, thinking, MAX_TOKENS) for thinking in ("off", "on")}
+    # What the page rendered is what the API returns for the same request.
+    plain, thought = api_chat(server, False), api_chat(server, True)
+    content, reasoning, stats = answers["off"]
+    assert content and content == plain["content"]
+    assert reasoning == "" and "reasoning_content" not in plain
+    assert f"{MAX_TOKENS} tokens" in stats and "MTP accepted" in stats
+    content, reasoning, _ = answers["on"]
+    assert reasoning and reasoning.strip() == thought["reasoning_content"]
+    assert content == (thought["content"] or "")
 
-            page.fill("#max-tokens", str(MAX_TOKENS))
-            page.fill("#temperature", "0")
-            answers = {}
-            for thinking in ("off", "on"):
-                page.click("#new-chat")
-                page.select_option("#thinking", thinking)
-                page.fill("#prompt", PROMPT)
-                page.press("#prompt", "Enter")
-                reply = page.locator(".msg.assistant")
-                expect(reply).to_have_attribute("data-state", "done", timeout=60_000)
-                answers[thinking] = (reply.locator(".content").text_content(),
-                                     reply.locator(".reasoning-text").text_content(),
-                                     reply.locator(".stats").text_content())
+    # The dashboard moved: four requests (two from the page, two from the API).
+    expect(page.locator("#finished")).to_have_text("4", timeout=10_000)
+    assert page.text_content("#generated") != generated_before
+    assert int(page.text_content("#generated").replace(",", "")) >= 4 * MAX_TOKENS - 8
+    assert page.locator("#positions tbody tr").count() >= 1
+    assert "%" in page.text_content("#positions tbody tr:first-child")
+    assert page.locator("#k-table tbody tr").count() >= 2
+    assert page.text_content("#cache-tokens") != "0 of 0"
+    page.screenshot(path=str(tmp_path / "dashboard.png"))
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    assert not problems, problems
+    page.close()
 
-            # What the page rendered is what the API returns for the same request.
-            plain, thought = api_chat(server, False), api_chat(server, True)
-            content, reasoning, stats = answers["off"]
-            assert content and content == plain["content"]
-            assert reasoning == "" and "reasoning_content" not in plain
-            assert f"{MAX_TOKENS} tokens" in stats and "MTP accepted" in stats
-            content, reasoning, _ = answers["on"]
-            assert reasoning and reasoning.strip() == thought["reasoning_content"]
-            assert content == (thought["content"] or "")
 
-            # The dashboard moved: four requests (two from the page, two from the API).
-            expect(page.locator("#finished")).to_have_text("4", timeout=10_000)
-            assert page.text_content("#generated") != generated_before
-            assert int(page.text_content("#generated").replace(",", "")) >= 4 * MAX_TOKENS - 8
-            assert page.locator("#positions tbody tr").count() >= 1
-            assert "%" in page.text_content("#positions tbody tr:first-child")
-            assert page.locator("#k-table tbody tr").count() >= 2
-            assert page.text_content("#cache-tokens") != "0 of 0"
-            page.screenshot(path=str(tmp_path / "dashboard.png"))
-            assert (tmp_path / "dashboard.png").stat().st_size > 10_000
-            assert not problems, problems
-        finally:
-            browser.close()
+def test_browser_without_key_passes_the_origin_guard(servers, browser):
+    """Started without a key, the server refuses cross-origin browser requests; the
+    page's own (same-origin) requests must get through."""
+    from playwright.sync_api import expect
+
+    url = servers["open"]
+    page, problems = open_page(browser, url)
+    expect(page.locator("#status")).to_have_attribute("data-state", "live")
+    content, _, stats = page_chat(page, "off", 8)
+    assert content == api_chat(url, False, 8)["content"]
+    assert "8 tokens" in stats and "MTP" not in stats
+    expect(page.locator("#policy-mode")).to_have_text("MTP off")
+    expect(page.locator("#finished")).to_have_text("2", timeout=10_000)
+    assert not problems, problems
+    page.close()

@@ -261,15 +261,23 @@ function update(s) {
 }
 
 let dashboardAbort = null;
+let wakeDashboard = () => {};  // resolves the wait for a key or for the tab to show again
+const untilWoken = () => new Promise((resolve) => { wakeDashboard = resolve; });
 
 function setStatus(state, title) {
   $("status").dataset.state = state;
   $("status").title = title;
 }
 
+// A hidden tab does not follow the stream: snapshots cost the server a little work.
 async function followDashboard() {
   let delay = 1000;
   for (;;) {
+    if (document.hidden) {
+      setStatus("connecting", "paused while the tab is hidden");
+      await untilWoken();
+      continue;
+    }
     dashboardAbort = new AbortController();
     try {
       const response = await fetch("/v1/dashboard/events",
@@ -278,7 +286,7 @@ async function followDashboard() {
         setStatus("error", "API key required");
         $("model").textContent = "enter the server's API key";
         $("api-key").focus();
-        await new Promise((resolve) => { keyChanged = resolve; });
+        await untilWoken();
         continue;
       }
       if (!response.ok) throw new Error(await errorMessage(response));
@@ -287,14 +295,13 @@ async function followDashboard() {
       for await (const data of sseData(response)) update(JSON.parse(data));
       setStatus("error", "stream ended");
     } catch (e) {
-      if (e.name !== "AbortError") setStatus("error", String(e.message || e));
+      if (e.name === "AbortError") continue;  // a new key, or the tab was hidden
+      setStatus("error", String(e.message || e));
     }
     await new Promise((resolve) => setTimeout(resolve, delay));
     delay = Math.min(2 * delay, 10000);
   }
 }
-
-let keyChanged = () => {};
 
 // --- wiring ----------------------------------------------------------------------------
 document.addEventListener("DOMContentLoaded", () => {
@@ -304,7 +311,14 @@ document.addEventListener("DOMContentLoaded", () => {
     apiKey = $("api-key").value.trim();
     sessionStorage.setItem(KEY_STORAGE, apiKey);
     if (dashboardAbort) dashboardAbort.abort();
-    keyChanged();
+    wakeDashboard();
+  });
+  document.addEventListener("visibilitychange", () => {
+    if (document.hidden) {
+      if (dashboardAbort) dashboardAbort.abort();
+    } else {
+      wakeDashboard();
+    }
   });
   $("chat-form").addEventListener("submit", (e) => {
     e.preventDefault();
