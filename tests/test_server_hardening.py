@@ -399,3 +399,17 @@ def test_api_key(tiny_ckpt, tmp_path_factory):
         assert httpx.get(srv.url + "/health").status_code == 200
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--read-timeout", "0"], "--read-timeout must be > 0"),
+    (["--max-request-bytes", "10"], "--max-request-bytes must be at least 1K"),
+    (["--max-request-bytes", "lots"], "not a size"),
+])
+def test_bad_limit_flags_exit_2(flags, message):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "serve", "--port", "1", *flags],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
