@@ -209,18 +209,18 @@ def test_page_is_public_data_needs_the_key(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     snap = httpx.get(server + "/v1/dashboard", headers=auth, timeout=10).json()
     assert snap["alive"] and snap["max_concurrency"] == 4
-    t0 = time.monotonic()
-    events = []
+    events, arrivals = [], []
     with httpx.stream("GET", server + "/v1/dashboard/events", headers=auth, timeout=10) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(json.loads(line[6:]))
-                if len(events) == 2:
+                arrivals.append(time.monotonic())
+                if len(events) == 3:
                     break
-    # One snapshot per second.
-    assert 0.8 < time.monotonic() - t0 < 5
-    assert events[1]["time"] - events[0]["time"] == pytest.approx(1.0, abs=0.3)
+    # One snapshot per second (a loaded machine may stretch the second a little).
+    assert all(0.8 < b - a < 3 for a, b in zip(arrivals, arrivals[1:])), arrivals
+    assert events[0]["time"] < events[1]["time"] < events[2]["time"]
 
 
 # --- the browser -------------------------------------------------------------------------

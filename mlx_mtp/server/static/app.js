@@ -186,8 +186,10 @@ function drawChart() {
   ctx.strokeStyle = getComputedStyle(document.documentElement).getPropertyValue("--accent");
   ctx.lineWidth = 2;
   ctx.beginPath();
+  // The last minute, one point per snapshot, the newest at the right edge.
+  const n = tpsHistory.length;
   tpsHistory.forEach((v, i) => {
-    const x = (i / 59) * w, y = h - 2 - (v / top) * (h - 4);
+    const x = w - ((n - 1 - i) / 59) * w, y = h - 2 - (v / top) * (h - 4);
     i ? ctx.lineTo(x, y) : ctx.moveTo(x, y);
   });
   ctx.stroke();
