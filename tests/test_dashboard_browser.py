@@ -192,6 +192,39 @@ def test_snapshot_rates_acceptance_and_policy():
     json.dumps(s)  # the event stream sends it as JSON
 
 
+def test_policy_view_reads_a_copy_while_the_engine_records_steps():
+    import threading
+
+    from mlx_mtp.server.dashboard import _policy_copy, draft_policy_view
+
+    engine = FakeEngine(ServerMetrics("m"))
+    policy = engine.batch.policy
+    for step in range(200):
+        policy.record_step(1 + step % 4, step % 4, 0.01 * (1 + step % 4), [step % 4])
+    before = [policy.describe(b) for b in (1, 2, 4)]
+    mine = _policy_copy(policy)
+    mine.record_step(4, 3, 5.0, [0, 0, 0, 0])  # the copy's measurements are its own
+    assert [policy.describe(b) for b in (1, 2, 4)] == before
+
+    # The engine thread keeps recording (new cells too) while viewers read.
+    stop = threading.Event()
+
+    def engine_steps():
+        step = 0
+        while not stop.is_set():
+            step += 1
+            policy.record_step(1 + step % 7, step % 4, 0.01, [step % 4] * (1 + step % 7))
+
+    worker = threading.Thread(target=engine_steps)
+    worker.start()
+    try:
+        views = [draft_policy_view(engine) for _ in range(100)]
+    finally:
+        stop.set()
+        worker.join()
+    assert all(len(v["by_batch_size"]) == 3 for v in views)
+
+
 # --- the routes --------------------------------------------------------------------------
 def test_page_is_public_data_needs_the_key(server):
     page = httpx.get(server + "/", timeout=10)

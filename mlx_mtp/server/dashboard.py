@@ -67,13 +67,16 @@ def _batch_sizes(max_concurrency: int, current: int) -> List[int]:
     return sorted(sizes)
 
 
-def _policy_copy(policy, attempts: int = 3):
-    """A private copy of the engine thread's DraftPolicy: reading a copy never races
-    with the engine (a deep copy only reads; it is retried if the engine changes a
-    container in the middle of it)."""
+def _policy_copy(policy, attempts: int = 5):
+    """A private copy of the engine thread's DraftPolicy, so that ``describe`` never
+    races with the engine: its measurements (``costs``, ``acceptance``) are copied
+    deeply, the rest (settings) shallowly. Copying only reads; it is retried if the
+    engine changes a container in the middle of it."""
     for _ in range(attempts):
         try:
-            return copy.deepcopy(policy)
+            mine = copy.copy(policy)
+            mine.costs, mine.acceptance = copy.deepcopy((policy.costs, policy.acceptance))
+            return mine
         except RuntimeError:  # "dictionary/deque changed size during iteration"
             continue
     return None
@@ -109,7 +112,6 @@ class DashboardFeed:
         self.clock = clock
         self.samples: deque = deque()  # (time, generation tokens, prompt tokens)
         self._last: Optional[tuple] = None  # (time, snapshot), shared by viewers
-
 
     def _rates(self, now: float, generated: float, prompt: float):
         self.samples.append((now, generated, prompt))
