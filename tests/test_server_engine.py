@@ -131,6 +131,38 @@ def test_long_prompt_is_chunked_and_does_not_stall_streams(tiny):
     assert l_sink.tokens == run_alone(tiny, long_prompt, prefill_step_size=4096).tokens[:4]
 
 
+def test_prompt_work_per_step_is_bounded_while_streams_decode(tiny):
+    # Defaults: prompt chunks of up to 512 tokens, a step budget of 128 tokens.
+    eng = make_engine(tiny, calibrate=False)
+    running, r_sink = request(prompts(1)[0], max_tokens=300)
+    eng.submit(running)
+    while not r_sink.tokens:
+        eng.step()
+    long_prompt = [(7 * j) % 3000 + 50 for j in range(1500)]
+    lreq, l_sink = request(long_prompt, max_tokens=4)
+    eng.submit(lreq)
+    eng.step()
+    lseq = next(s for s in eng.running if s.req is lreq)
+    late, late_sink = request(prompts(2)[1], max_tokens=4)  # arrives during the prefill
+    eng.submit(late)
+    chunks, steps_with_tokens, late_done_during_prefill = [], 0, False
+    while lseq.prefilling:
+        before, n_before = lseq.dec.n_processed, len(r_sink.tokens)
+        eng.step()
+        chunks.append(lseq.dec.n_processed - before)
+        steps_with_tokens += len(r_sink.tokens) > n_before
+        late_done_during_prefill |= late_sink.done is not None
+    # Each step ran at most the budget of prompt tokens and one decode step for the
+    # running stream (before: a whole 512-token chunk per step).
+    assert 0 < max(chunks) <= eng.max_batched_tokens
+    assert steps_with_tokens == len(chunks)
+    # The short prompt went first: it finished while the long one was still in prefill.
+    assert late_done_during_prefill and isinstance(late_sink.done, Done)
+    drive(eng, [l_sink])
+    # Output does not depend on the chunking.
+    assert l_sink.tokens == run_alone(tiny, long_prompt, prefill_step_size=4096).tokens[:4]
+
+
 def test_prefix_cache_reuse_gives_same_output(tiny):
     pc = PrefixCache(max_entries=8, max_bytes=1 << 30)
     eng = make_engine(tiny, prefix_cache=pc)

@@ -8,10 +8,10 @@ and ``cancel`` it when the client goes away. Every scheduler iteration
 1. takes new submissions and drops cancelled requests;
 2. admits waiting requests into the running batch, up to ``max_concurrency``,
    restoring the longest cached prompt prefix into the new sequence's decoder;
-3. runs prompt chunks (``prefill_step_size`` tokens per iteration, shared by the
-   sequences still in prefill, oldest first) so a long prompt never stalls the
-   running streams; prefix-cache snapshots are taken at chunk ends that fall on
-   reusable boundaries;
+3. runs prompt chunks under a token budget, shortest remaining prompt first: while
+   streams decode, ``max_batched_tokens`` per iteration minus their rows' tokens, so a
+   long prompt never stalls the running streams; otherwise ``prefill_step_size``.
+   Prefix-cache snapshots are taken at chunk ends that fall on reusable boundaries;
 4. runs one decode step for each decoding sequence (``_decode_round``).
 
 A sequence's prompt runs through its own ``MTPDecoder``; then it joins the
@@ -42,10 +42,15 @@ from ..decode.sampling import SamplingParams
 from ..decode.batch import BatchDecoder, BatchStepError
 from ..decode.speculative import MTPDecoder, SpecStats, StepOutput
 from ..decode.text_stream import TextStream
+from ..models.hybrid import CHUNKED_MIN_TOKENS
 from .metrics import ServerMetrics
 from .prefix_cache import PrefixCache
 
 log = logging.getLogger("mlx_mtp.server")
+
+# Prompt chunks end on a grid of this many tokens: the shortest input the chunked delta
+# rule takes, so every call but a short prompt's only one runs the same algorithm.
+PREFILL_GRID = CHUNKED_MIN_TOKENS
 
 
 # --- events -----------------------------------------------------------------------
@@ -125,6 +130,7 @@ class Engine:
         adaptive: bool = True,
         max_concurrency: int = 16,
         prefill_step_size: int = 512,
+        max_batched_tokens: int = 128,
         prefix_cache: Optional[PrefixCache] = None,
         metrics: Optional[ServerMetrics] = None,
         max_queue: int = 1024,
@@ -134,6 +140,8 @@ class Engine:
     ):
         if prefill_step_size < 1:
             raise ValueError("prefill_step_size must be >= 1")
+        if max_batched_tokens < 1:
+            raise ValueError("max_batched_tokens must be >= 1")
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
         self.model = model
@@ -143,6 +151,9 @@ class Engine:
         self.adaptive = adaptive
         self.max_concurrency = max_concurrency
         self.prefill_step_size = prefill_step_size
+        self.max_batched_tokens = max_batched_tokens
+        # Smaller steps than the grid: one step per call, each the same size.
+        self.prefill_grid = min(PREFILL_GRID, prefill_step_size)
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0, 0)
         self.metrics = metrics or ServerMetrics(model_name)
         self.metrics.num_requests_running.fn = lambda: len(self.running)
@@ -306,33 +317,59 @@ class Engine:
         return _Seq(req, dec, text, n_cached)
 
     # -- prompt processing ----------------------------------------------------------
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this iteration may run (vLLM's chunked prefill).
+
+        While streams decode, the step's token budget (``max_batched_tokens``) goes to
+        their rows first (1 + K tokens each) and prompts get the rest, at least one grid
+        cell, so a long prompt cannot stall running streams; with nothing decoding,
+        prompts run in chunks of up to ``prefill_step_size``.
+        """
+        n_decoding = sum(1 for s in self.running if not s.prefilling)
+        if not n_decoding:
+            return self.prefill_step_size
+        rest = self.max_batched_tokens - n_decoding * (1 + self.batch.K)
+        return min(self.prefill_step_size, max(self.prefill_grid, rest))
+
     def _prefill_round(self):
-        budget = self.prefill_step_size
-        for seq in [s for s in self.running if s.prefilling]:
-            while budget > 0 and seq.prefilling and not seq.req.cancelled:
+        waiting = [s for s in self.running if s.prefilling and not s.req.cancelled]
+        if not waiting:
+            return
+        budget = self._prefill_budget()
+        # Shortest remaining prompt first: a short request joins the batch at once
+        # instead of waiting behind a long prompt's prefill.
+        waiting.sort(key=lambda s: (len(s.req.prompt) - s.dec.n_processed, s.req.arrival))
+        spent = 0
+        for seq in waiting:
+            while seq.prefilling and spent < budget:
                 try:
-                    budget -= max(1, self._prefill_chunk(seq))
+                    spent += self._prefill_chunk(seq, budget - spent)
                 except Exception as e:
                     self._fail(seq, e)
                     break
-            if budget <= 0:
+            if spent >= budget:
                 break
 
-    def _prefill_chunk(self, seq: _Seq) -> int:
-        """Process the next chunk of the prompt; returns the number of tokens run.
+    def _prefill_chunk(self, seq: _Seq, max_tokens: int) -> int:
+        """Process the next chunk of the prompt (about ``max_tokens``); returns its length.
 
-        Chunk ends depend only on the prompt, the restored prefix, the step
-        size and the snapshot boundaries, never on what else is running, so a
-        prompt is computed the same way alone or in a batch.
+        Chunk ends lie on a grid of ``prefill_grid`` tokens counted from the restored
+        prefix and from each snapshot boundary, and a segment's last cell takes in a
+        remainder shorter than a cell. The trunk's state after a run of cells does not
+        depend on how many cells each call covered (checked bit for bit on the CPU with
+        both BLAS settings), so a prompt is computed the same way alone or in a batch,
+        whatever budget the iteration had.
         """
         prompt, dec = seq.req.prompt, seq.dec
         n = len(prompt) - 1
         start = dec.n_processed
-        end = min(start + self.prefill_step_size, n)
-        for b in seq.boundaries:
-            if start < b < end:
-                end = b
-                break
+        seg_start = max([seq.n_cached] + [b for b in seq.boundaries if b <= start])
+        seg_end = min([n] + [b for b in seq.boundaries if b > start])
+        grid = self.prefill_grid
+        cells = max(1, min(max_tokens, self.prefill_step_size) // grid)
+        end = seg_start + ((start - seg_start) // grid + cells) * grid
+        if seg_end - end < grid:
+            end = seg_end
         # MTPDecoder.prefill continues after n_processed and stops at the last
         # token it is given, which becomes the pending input: passing the
         # prompt up to ``end`` runs exactly tokens [start, end).

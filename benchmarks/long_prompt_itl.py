@@ -1,0 +1,171 @@
+"""Inter-token latency of running streams while a long prompt arrives, A/B over checkouts.
+
+The scheduler in-process (no HTTP, so only scheduling shows): ``--streams`` requests decode,
+then a ``--prompt-tokens`` prompt arrives, then a short request. Reported per run: the gaps
+between successive token events of the running streams before the long prompt (baseline) and
+during its prefill (p50 / p99 / max), the long prompt's time to first token, and the short
+request's. Each ``--trees`` entry is a checkout (its ``mlx_mtp`` is imported from there); the
+runs are interleaved A B B A ... and the table shows medians over passes.
+
+    python benchmarks/long_prompt_itl.py --trees /work/before . --passes 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+STREAM_PROMPT = "Write a long story about a lighthouse keeper number {i}."
+LONG_TEXT = "def f(x):\n    return x + 1\n\n"
+
+
+def percentile(values, q):
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def worker(args) -> dict:
+    """One run in this process, with the mlx_mtp found on sys.path."""
+    try:
+        from mlx_mtp.models.loader import load
+    except ImportError:  # the flat layout of older checkouts
+        from mlx_mtp.loader import load
+    from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest
+
+    model, tok = load(args.model)
+    wanted = dict(num_draft_tokens=args.k, max_concurrency=16, log_interval=0,
+                  prefill_step_size=args.prefill_step_size, calibrate=False,
+                  max_batched_tokens=args.max_batched_tokens)
+    accepted = inspect.signature(Engine.__init__).parameters
+    engine = Engine(model, tok, **{k: v for k, v in wanted.items() if k in accepted})
+    engine.start()
+
+    lock = threading.Lock()
+    stamps = [[] for _ in range(args.streams)]  # per stream: times of token events
+    firsts = {}
+
+    def recorder(i):
+        def on_event(ev):
+            if isinstance(ev, Delta) and ev.token_ids:
+                with lock:
+                    stamps[i].append(time.perf_counter())
+        return on_event
+
+    def first_token(name, done_event):
+        def on_event(ev):
+            if isinstance(ev, Delta) and ev.token_ids and name not in firsts:
+                firsts[name] = time.perf_counter()
+            if isinstance(ev, Done) or not isinstance(ev, Delta):
+                done_event.set()
+        return on_event
+
+    streams = []
+    for i in range(args.streams):
+        ids = tok.encode(STREAM_PROMPT.format(i=i), add_special_tokens=False)
+        streams.append(EngineRequest(prompt=ids, max_tokens=10 ** 6, on_event=recorder(i)))
+        engine.submit(streams[-1])
+    deadline = time.time() + 300
+    while not all(len(s) > 5 for s in stamps):
+        if time.time() > deadline:
+            raise RuntimeError("streams did not start")
+        time.sleep(0.05)
+    t_base = time.perf_counter()
+    time.sleep(args.baseline_s)
+
+    long_ids = tok.encode(LONG_TEXT * (args.prompt_tokens // 8 + 1),
+                          add_special_tokens=False)[: args.prompt_tokens]
+    long_done, short_done = threading.Event(), threading.Event()
+    t_long = time.perf_counter()
+    engine.submit(EngineRequest(prompt=long_ids, max_tokens=1,
+                                on_event=first_token("long", long_done)))
+    time.sleep(args.short_delay_s)
+    t_short = time.perf_counter()
+    engine.submit(EngineRequest(prompt=tok.encode("Say hi.", add_special_tokens=False),
+                                max_tokens=4, on_event=first_token("short", short_done)))
+    long_done.wait(3600)
+    short_done.wait(600)
+    t_end = time.perf_counter()
+    for r in streams:
+        engine.cancel(r)
+    engine.shutdown()
+
+    def gaps(t0, t1):
+        return [(b - a) * 1e3 for s in stamps for a, b in zip(s, s[1:]) if t0 <= a and b <= t1]
+
+    base, during = gaps(t_base, t_long), gaps(t_long, t_end)
+    return {
+        "baseline_p50_ms": percentile(base, 0.5), "baseline_p99_ms": percentile(base, 0.99),
+        "during_p50_ms": percentile(during, 0.5), "during_p99_ms": percentile(during, 0.99),
+        "during_max_ms": max(during, default=float("nan")), "during_gaps": len(during),
+        "long_ttft_s": firsts.get("long", float("nan")) - t_long,
+        "short_ttft_s": firsts.get("short", float("nan")) - t_short,
+        "prompt_tokens": len(long_ids),
+    }
+
+
+def run_tree(tree: str, args) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--prompt-tokens",
+           str(args.prompt_tokens), "--streams", str(args.streams), "--k", str(args.k),
+           "--prefill-step-size", str(args.prefill_step_size), "--max-batched-tokens",
+           str(args.max_batched_tokens), "--baseline-s", str(args.baseline_s),
+           "--short-delay-s", str(args.short_delay_s)]
+    if args.model:
+        cmd += ["--model", args.model]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd="/")
+    if out.returncode:
+        raise RuntimeError(f"{tree}: exit {out.returncode}\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trees", nargs="+", default=["."], help="checkouts to compare")
+    ap.add_argument("--passes", type=int, default=2, help="A B, then B A, ... (default 2)")
+    ap.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    ap.add_argument("--prompt-tokens", type=int, default=30000)
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--k", type=int, default=3, help="MTP draft tokens (0: plain)")
+    ap.add_argument("--prefill-step-size", type=int, default=512)
+    ap.add_argument("--max-batched-tokens", type=int, default=128)
+    ap.add_argument("--baseline-s", type=float, default=3.0)
+    ap.add_argument("--short-delay-s", type=float, default=0.5)
+    ap.add_argument("--json", default=None, help="write every run to this file")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+
+    runs = {t: [] for t in args.trees}
+    for p in range(args.passes):
+        for tree in (args.trees if p % 2 == 0 else args.trees[::-1]):
+            r = run_tree(tree, args)
+            runs[tree].append(r)
+            print(f"pass {p + 1} {tree}: " + ", ".join(
+                f"{k} {v:.3g}" for k, v in r.items() if isinstance(v, float)), flush=True)
+    print(f"\nload average {os.getloadavg()[0]:.1f}; medians over {args.passes} passes; "
+          f"{args.streams} streams, {args.prompt_tokens}-token prompt")
+    keys = ["baseline_p50_ms", "baseline_p99_ms", "during_p50_ms", "during_p99_ms",
+            "during_max_ms", "long_ttft_s", "short_ttft_s"]
+    print("| tree | " + " | ".join(keys) + " |")
+    print("|---|" + "---:|" * len(keys))
+    for tree, rs in runs.items():
+        print(f"| {tree} | " + " | ".join(
+            f"{statistics.median(r[k] for r in rs):.3g}" for k in keys) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
