@@ -197,3 +197,21 @@ def test_whitespace_around_a_tool_call_is_markup():
     r = parse_full('\n\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n',
                    parse_tools=True)
     assert r["content"] == "" and len(r["tool_calls"]) == 1
+
+
+def test_logprob_bytes_join_to_the_text_inside_a_character(oracle):
+    import mlx.core as mx
+
+    from mlx_mtp.decode.speculative import StepOutput
+    from mlx_mtp.server.engine import Engine
+    from mlx_mtp.server.responses import chat_logprobs
+
+    model, tok = oracle
+    ids = tok.encode("\u00e9\u20ac", add_special_tokens=False)  # 2 + 3 bytes
+    assert len(ids) > 2  # some token holds part of a character
+    eng = Engine(model, tok, log_interval=0, calibrate=False)
+    lp = mx.log(mx.softmax(mx.random.normal((len(ids), 4096)), axis=-1))
+    items = eng._logprobs(StepOutput(ids, lp, 0, 0), ids, 2)
+    entries = chat_logprobs(items, top=True)
+    assert bytes(b for e in entries for b in e["bytes"]).decode() == "\u00e9\u20ac"
+    assert all(len(e["top_logprobs"]) == 2 for e in entries)

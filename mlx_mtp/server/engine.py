@@ -41,7 +41,7 @@ from ..models.cache import cache_state_arrays
 from ..decode.sampling import SamplingParams
 from ..decode.batch import BatchDecoder, BatchStepError
 from ..decode.speculative import MTPDecoder, SpecStats, StepOutput
-from ..decode.text_stream import TextStream
+from ..decode.text_stream import TextStream, token_bytes
 from ..models.hybrid import CHUNKED_MIN_TOKENS
 from .metrics import ServerMetrics
 from .prefix_cache import PrefixCache
@@ -60,6 +60,8 @@ class TokenLogprob:
     token: str
     logprob: float
     top: List["TokenLogprob"] = field(default_factory=list)
+    # The token's own bytes (its text can be part of a character): these join to the text.
+    raw: Optional[bytes] = None
 
 
 @dataclass
@@ -472,11 +474,13 @@ class Engine:
             tops_i = order.tolist()
             tops_v = mx.take_along_axis(lp, order, axis=-1).tolist()
         dec = self.tokenizer.decode
+        raw = token_bytes(getattr(self.tokenizer, "_tokenizer", self.tokenizer)) or \
+            (lambda t: None)
         result = []
         for j, (t, v) in enumerate(zip(tokens, chosen)):
-            entry = TokenLogprob(t, dec([t]), float(v))
+            entry = TokenLogprob(t, dec([t]), float(v), raw=raw(t))
             if tops_i is not None:
-                entry.top = [TokenLogprob(i, dec([i]), float(x))
+                entry.top = [TokenLogprob(i, dec([i]), float(x), raw=raw(i))
                              for i, x in zip(tops_i[j], tops_v[j])]
             result.append(entry)
         return result

@@ -17,16 +17,18 @@ if TYPE_CHECKING:
     from .state import ServerState
 
 
-def _token_bytes(s: str) -> List[int]:
-    return list(s.encode("utf-8", errors="replace"))
+def _token_bytes(t: TokenLogprob) -> List[int]:
+    """The token's bytes: they join to the text even where a token holds part of a
+    character (its ``token`` string then shows a replacement character)."""
+    return list(t.raw if t.raw is not None else t.token.encode("utf-8", errors="replace"))
 
 
 def chat_logprobs(items: List[TokenLogprob], top: bool) -> List[dict]:
     out = []
     for t in items:
-        e = {"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token),
+        e = {"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t),
              "top_logprobs": [{"token": x.token, "logprob": x.logprob,
-                               "bytes": _token_bytes(x.token)} for x in t.top] if top else []}
+                               "bytes": _token_bytes(x)} for x in t.top] if top else []}
         out.append(e)
     return out
 
