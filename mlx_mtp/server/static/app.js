@@ -135,6 +135,8 @@ async function send(text) {
         reasoningBox.dataset.hasText = "";
       }
       if (delta.content) {
+        // Thoughts fold away once the answer starts (a click opens them again).
+        if (!answer && reasoningBox.hasAttribute("data-has-text")) reasoningBox.open = false;
         answer += delta.content;
         content.textContent = answer;
       }
