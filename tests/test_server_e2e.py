@@ -564,3 +564,16 @@ def test_stream_usage_only_in_a_final_chunk_and_only_when_asked(oracle_server, p
     assert with_usage == [asked[-1]] and asked[-1]["choices"] == []
     assert asked[-1]["usage"]["completion_tokens"] == 6
     assert asked[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_prompt_equals_the_generate_prompt(server, client, model_id, ckpt):
+    from mlx_mtp.decode.prompt import build_prompt
+    from mlx_mtp.models.loader import load_tokenizer
+
+    tok = load_tokenizer(ckpt, {})
+    for kwargs in ({}, {"enable_thinking": True}):
+        r = chat(client, model_id, "Hello there", max_tokens=1,
+                 extra_body={"chat_template_kwargs": kwargs} if kwargs else {})
+        ids = tok.encode(build_prompt(tok, "Hello there", template_args=kwargs),
+                         add_special_tokens=False)
+        assert r.usage.prompt_tokens == len(ids)

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
+from ..decode.prompt import chat_template_args
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 
 if TYPE_CHECKING:
@@ -183,9 +184,8 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, tok=None) -> Pr
     use_tools = bool(req.tools) and req.tool_choice != "none"
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
     check_template_variables(tok, req.chat_template_kwargs or {})
-    kwargs = dict(state.template_args)
-    kwargs.update(req.chat_template_kwargs or {})
-    kwargs.setdefault("enable_thinking", False)
+    # The defaults `generate` uses too, then --chat-template-args, then the request's.
+    kwargs = chat_template_args(state.template_args, req.chat_template_kwargs)
     for reserved in ("tools", "tokenize", "add_generation_prompt", "conversation", "messages"):
         kwargs.pop(reserved, None)  # from --chat-template-args
     try:
