@@ -42,6 +42,7 @@ MSG = [{"role": "user", "content": "Write a haiku about caches."}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 JSON = {"content-type": "application/json"}
+TEXT_FIELDS = ("content", "reasoning_content", "reasoning")  # a token arrived
 
 
 class Server:
@@ -256,7 +257,8 @@ def stream_chat(srv: Server, content: str, max_tokens: int, stamps: Optional[lis
                 if "error" in obj:
                     return obj["error"].get("code"), False
                 for c in obj.get("choices") or []:
-                    if stamps is not None and (c.get("delta") or {}).get("content"):
+                    delta = c.get("delta") or {}
+                    if stamps is not None and any(delta.get(k) for k in TEXT_FIELDS):
                         stamps.append(time.perf_counter())
                     finish = c.get("finish_reason") or finish
     except httpx.HTTPError as e:
@@ -338,6 +340,7 @@ def main():
     ap.add_argument("--json", default=None, help="write the figures to this file")
     ap.add_argument("--long-prompt-tokens", type=int, default=30000)
     ap.add_argument("--skip-itl", action="store_true", help="skip step 6 (long prefill)")
+    ap.add_argument("--itl-only", action="store_true", help="run step 6 only")
     args = ap.parse_args()
 
     probe = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "serve", "--help"],
@@ -352,6 +355,12 @@ def main():
     report = {"code": args.code or "this checkout", "model": card["id"]}
     print(f"server: {report['code']}, model {card['id']}, context {ctx}")
 
+    if args.itl_only:
+        itl = itl_while_long_prompt(srv, 4, min(args.long_prompt_tokens, ctx - 100))
+        print(json.dumps(itl))
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(60)
+        return
     cases = bad_inputs(ctx)
     failures = {}
     for case in cases:
