@@ -120,6 +120,13 @@ class RowError(Exception):
         self.key, self.cause = key, cause
 
 
+def _share(model, *arrays: mx.array):
+    """What the step reads, the same on every rank of a split model (one small message);
+    a single-process model has no ``share`` and keeps its own values."""
+    share = getattr(model, "share", None)
+    return arrays if share is None else share(*arrays)
+
+
 def _prepare(caches, S: int, lengths=None):
     """Announce the next chunk to caches that mask per row (recurrent ones need nothing)."""
     for c in caches:
@@ -263,7 +270,7 @@ class DecodeBatch:
             return sample(self._filter(g, lp),
                           None if noise is None else noise[:, 0])
 
-        toks = self._merge(groups, self._per_group(groups, draw))  # (B,)
+        toks, = _share(model, self._merge(groups, self._per_group(groups, draw)))  # (B,)
         for b, r in enumerate(rows):
             if r.owed is not None:
                 r.owed.owe(h_mtp[b : b + 1], toks[b : b + 1, None])
@@ -318,7 +325,7 @@ class DecodeBatch:
                      for q, n in zip(qs, draft_noise)]
             drafts.append(self._merge(groups, picks))
             draft_lps.append(qs)
-        drafts = mx.stack(drafts, axis=1)  # (B, k)
+        drafts, = _share(model, mx.stack(drafts, axis=1))  # (B, k): what every rank verifies
 
         # 2. verify every row in one trunk pass.
         inputs = mx.concatenate([mx.stack([r.y for r in rows]), drafts], axis=1)
@@ -346,6 +353,6 @@ class DecodeBatch:
                 results.append(accept(g, gi))
             except Exception as e:
                 raise RowError(self.rows[g.rows[0]].key, e) from e
-        n_acc = self._merge(groups, [n for n, _ in results])
-        nxt = self._merge(groups, [t for _, t in results])
+        n_acc, nxt = _share(model, self._merge(groups, [n for n, _ in results]),
+                            self._merge(groups, [t for _, t in results]))
         return _Pending(k, ks, nxt.astype(mx.uint32), raw, n_acc, drafts, h_mtp)
