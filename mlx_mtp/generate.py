@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 from .options import (UserError, add_model_arguments, add_sampling_arguments,
-                      num_draft_tokens_from_args, parse_json_arg, sampling_from_args)
+                      apply_model_options, num_draft_tokens_from_args, parse_json_arg,
+                      sampling_from_args)
 
 
 def str_to_bool(value: str) -> bool:
@@ -46,6 +47,7 @@ def run(args) -> int:
     template_args = parse_json_arg(args.chat_template_args, "--chat-template-args")
     sampling = sampling_from_args(args, generation_defaults(args.model))
     model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden)
+    apply_model_options(model, args)
     text = build_prompt(tokenizer, prompt, args.system_prompt, template_args,
                         args.ignore_chat_template)
     last = None

@@ -42,7 +42,7 @@ def _int_list(flag: str, value: str, lo: int, hi: int = 1 << 30) -> List[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    from ..options import add_sampling_arguments
+    from ..options import add_draft_head_argument, add_sampling_arguments
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = "\n\n".join(__doc__.strip().split("\n\n")[:4])
@@ -86,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser):
     g.add_argument("--chat-template-args", default=None,
                    help='JSON for the chat template, e.g. \'{"enable_thinking": false}\'')
     g.add_argument("--mtp-hidden", choices=["post_norm", "pre_norm"], default=None)
+    add_draft_head_argument(g)
     g.add_argument("--prefill-step-size", type=int, default=2048)
 
     g = p.add_argument_group("server mode")
@@ -211,7 +212,7 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
     from ..decode import MAX_DRAFT_TOKENS
     from ..decode.prompt import build_prompt, encode_prompt
     from ..models.loader import generation_defaults, load, parameter_count, resolve_model_path
-    from ..options import UserError, parse_json_arg, sampling_from_args
+    from ..options import UserError, apply_model_options, parse_json_arg, sampling_from_args
     from . import report
     from .inprocess import BenchConfig, make_settings, run_inprocess, work_units
 
@@ -227,6 +228,7 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
     console.print(f"[bold]mlx-mtp bench[/bold]: loading {escape(str(model_path))}",
                   highlight=False)
     model, tokenizer = load(args.model, mtp=max(ks) > 0, mtp_hidden=args.mtp_hidden)
+    apply_model_options(model, args)
     encoded = []
     for p in prompts:
         text = build_prompt(tokenizer, p.text, None, template_args, args.ignore_chat_template)
@@ -257,7 +259,8 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
                    "repeats": args.repeats, "temperature": sampling.temperature,
                    "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": sampling.min_p,
                    "seed": sampling.seed, "ignore_eos": args.ignore_eos, "auto": cfg.auto,
-                   "chat_template": not args.ignore_chat_template},
+                   "chat_template": not args.ignore_chat_template,
+                   "draft_head_bits": args.draft_head_bits},
     }
     title = (f"{model_path.name}: {n_params / 1e6:.1f}M params, {len(prompts)} prompts x "
              f"{args.repeats} repeats, {args.max_tokens} tokens, "

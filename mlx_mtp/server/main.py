@@ -16,8 +16,8 @@ import uvicorn
 from ..decode import MAX_DRAFT_TOKENS
 from ..models.loader import generation_defaults, load, load_config, resolve_model_path
 from ..options import (UserError, add_model_arguments, add_sampling_arguments,
-                       num_draft_tokens_from_args, parse_json_arg, sampling_defaults,
-                       sampling_from_args)
+                       apply_model_options, num_draft_tokens_from_args, parse_json_arg,
+                       sampling_defaults, sampling_from_args)
 from .app import create_app
 from .engine import Engine
 from .http_guard import (LOCAL_HOST_NAMES, GuardConfig, host_name as host_name_of, is_loopback,
@@ -216,6 +216,7 @@ def run(args) -> int:
 
     log.info("Loading %s (MTP %s)", path, f"K={k}" if k else "off")
     model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden)
+    apply_model_options(model, args)
     if args.chat_template:
         _set_chat_template(tokenizer, _read_template(args.chat_template))
     state = build_state(args, model, tokenizer, load_config(path), k, defaults, template_args,
