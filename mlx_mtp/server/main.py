@@ -14,6 +14,7 @@ import mlx.core as mx
 import uvicorn
 
 from ..decode import MAX_DRAFT_TOKENS
+from ..models.layout import text_config
 from ..models.loader import generation_defaults, load, load_config, resolve_model_path
 from ..options import (UserError, add_model_arguments, add_sampling_arguments,
                        apply_model_options, num_draft_tokens_from_args, parse_json_arg,
@@ -148,7 +149,7 @@ def _check_port(host: str, port: int):
 
 def build_state(args, model, tokenizer, config: dict, k: int, sampling_defaults: dict,
                 template_args: dict, model_path=None) -> ServerState:
-    text_cfg = config.get("text_config", config)
+    text_cfg = text_config(config)
     ctx = args.max_kv_size or text_cfg.get("max_position_embeddings") or 32768
     vocab = text_cfg.get("vocab_size") or len(tokenizer.get_vocab())
     # The API names the model by its directory, never by a path of this machine;
