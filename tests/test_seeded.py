@@ -119,3 +119,38 @@ def test_unseeded_sampling_at_fixed_k_repeats_after_mx_random_seed(model):
     assert outs[0] == outs[1]
     mx.random.seed(4321)
     assert alone(model, params, 2, adaptive=False)[0] != outs[0]
+
+
+def test_identical_seeded_requests_to_the_server_engine_agree(tiny_ckpt):
+    """Issue 12.11: identical seeded requests, sent together with other traffic and
+    decoded in one batch under the adaptive policy, all return the same tokens as the
+    same request sent alone."""
+    from mlx_mtp.models.loader import load
+    from mlx_mtp.server.engine import Done, Engine, EngineRequest
+
+    model, tok = load(str(tiny_ckpt("qwen3_5", "random", vocab_size=8)))
+    params = SamplingParams(temperature=0.9, seed=42)
+
+    def submit(engine, prompt, sampling):
+        events = []
+        engine.submit(EngineRequest(prompt=list(prompt), max_tokens=N, on_event=events.append,
+                                    sampling=sampling))
+        return events
+
+    def drive(engine, sinks):
+        for _ in range(2000):
+            if all(any(isinstance(e, Done) for e in s) for s in sinks):
+                return [[t for e in s if hasattr(e, "token_ids") for t in e.token_ids]
+                        for s in sinks]
+            engine.step()
+        raise AssertionError("requests did not finish")
+
+    solo_engine = Engine(model, tok, num_draft_tokens=3, log_interval=0)
+    solo = drive(solo_engine, [submit(solo_engine, PROMPT, params)])[0]
+    engine = Engine(model, tok, num_draft_tokens=3, log_interval=0, max_concurrency=8)
+    sinks = []
+    for i in range(6):
+        sinks.append(submit(engine, PROMPT, params))
+        sinks.append(submit(engine, [i % 8, 3], SamplingParams(temperature=1.0)))
+    outs = drive(engine, sinks)
+    assert len(solo) == N and all(o == solo for o in outs[0::2])
