@@ -92,6 +92,35 @@ def test_inprocess_oracle_every_field_and_engine_consistency(oracle):
     auto = rows["auto"]
     assert auto["k"] == 2 and auto["adaptive"] and auto["c_verify"] is None
 
+    # Per-step figures: one host sync per step, graphs split by part.
+    n_gdn = sum(layer.is_linear for layer in model.layers)
+    graphs = out["graphs"]
+    assert graphs["plain"]["recurrence_calls"] == n_gdn
+    for name, r in rows.items():
+        assert r["host_syncs_per_step"] == 1.0, name
+        assert r["realised_over_ideal"] == r["efficiency"]
+    for k in (1, 2):
+        g, r = graphs[k], rows[f"K={k}"]
+        # verify: one recurrence call per DeltaNet layer; the head has none; a rejection
+        # replays one call per layer.
+        assert g["verify"]["recurrence_calls"] == n_gdn
+        assert g["draft"]["recurrence_calls"] == 0 and g["draft"]["nodes"] > 0
+        assert g["replay"]["recurrence_calls"] == n_gdn
+        for part in ("draft", "verify", "replay"):
+            assert g[part]["own_nodes"] == g[part]["nodes"] - g[part]["recurrence_nodes"]
+        # The oracle accepts everything: no replay, one state per DeltaNet layer written.
+        assert r["nodes_per_step"] == g["draft"]["nodes"] + g["verify"]["nodes"]
+        assert r["state_bytes_per_step"] == g["state_bytes_verify"] == graphs["plain"]["state_bytes"]
+    assert graphs[2]["draft"]["nodes"] > graphs[1]["draft"]["nodes"]
+    # The cost model on this run: measured profile first, then the hypothetical ones.
+    pred = out["predictions"]
+    from mlx_mtp.bench.cost_model import HYPOTHETICAL
+
+    assert [p["profile"] for p in pred[::2]] == ["this machine (measured)"] + [
+        h.name for h in HYPOTHETICAL]
+    measured = {p["k"]: p["speedup"] for p in pred if p["profile"] == "this machine (measured)"}
+    assert measured == {k: pytest.approx(rows[f"K={k}"]["ideal_speedup"]) for k in (1, 2)}
+
 
 def test_inprocess_random_head_accepts_almost_nothing(random_head):
     _, model, tok = random_head
@@ -124,6 +153,13 @@ def test_cli_bench_writes_all_outputs(oracle, tmp_path):
     assert [r["setting"] for r in rows] == ["plain", "K=1", "auto"]
     snippet = (out_dir / "README_snippet.md").read_text()
     assert data["command"] in snippet and "| K=1 |" in snippet
+    for head in ("realised/ideal", "nodes/step (own)", "state KB/step", "syncs/step"):
+        assert head in snippet, head
+    assert "| K=1 verify (K+1 tokens) |" in snippet and "Cost model" in snippet
+    assert set(data["graphs"]) == {"plain", "1"}
+    with open(out_dir / "inprocess.csv") as f:
+        header = f.readline()
+    assert "nodes_per_step" in header and "host_syncs_per_step" in header
 
 
 def test_cli_bench_rejects_bad_input(oracle, tmp_path, capsys):

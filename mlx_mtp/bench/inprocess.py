@@ -15,6 +15,7 @@ efficiency (what Python, sampling, rollback and the host sync leave over).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from ..decode.policy import DraftPolicy
 from ..decode.sampling import SamplingParams, log_softmax
 from ..decode.speculative import MTPDecoder, SpecStats
 from . import stats as st
+from .graph import count_host_syncs, step_graphs
 from .prompts import Prompt
 
 
@@ -64,6 +66,7 @@ class RunResult:
     tokens: List[int] = field(repr=False, default_factory=list)
     own_drafted: int = 0  # drafts and acceptances counted from StepOutput
     own_accepted: int = 0
+    host_syncs: Optional[int] = None  # during the steps after the first (count_syncs)
 
     @property
     def prompt_tps(self) -> float:
@@ -89,9 +92,10 @@ class RunResult:
 def run_once(model, ids: Sequence[int], setting: Setting, sampling: SamplingParams,
              max_tokens: int, eos: set = frozenset(), prefill_step_size: int = 2048,
              label: str = "", category: str = "", repeat: int = 0,
-             policy: Optional[DraftPolicy] = None) -> RunResult:
+             policy: Optional[DraftPolicy] = None, count_syncs: bool = False) -> RunResult:
     """Decode ``max_tokens`` tokens (fewer on EOS) with one setting, timing each phase.
-    ``policy``: the adaptive setting's draft policy, kept across its runs."""
+    ``policy``: the adaptive setting's draft policy, kept across its runs;
+    ``count_syncs``: count host syncs in the decode loop (not for timed runs)."""
     mx.reset_peak_memory()
     dec = MTPDecoder(model, setting.k, sampling, adaptive=setting.adaptive,
                      prefill_step_size=prefill_step_size, policy=policy)
@@ -117,9 +121,10 @@ def run_once(model, ids: Sequence[int], setting: Setting, sampling: SamplingPara
     t1 = time.perf_counter()
     n_first = len(tokens)
     steps = 0
-    while not done:
-        take(dec.step())
-        steps += 1
+    with count_host_syncs() if count_syncs else contextlib.nullcontext([None]) as syncs:
+        while not done:
+            take(dec.step())
+            steps += 1
     t2 = time.perf_counter()
     mx.synchronize()  # a plain decoder may have launched one more step: let it finish here
     return RunResult(
@@ -127,7 +132,7 @@ def run_once(model, ids: Sequence[int], setting: Setting, sampling: SamplingPara
         prompt_tokens=len(ids), prompt_time=t1 - t0, gen_tokens=len(tokens) - n_first,
         gen_time=t2 - t1, total_tokens=len(tokens), steps=steps, steps_by_k=dict(steps_by_k),
         peak_memory_gb=mx.get_peak_memory() / 1e9, spec=dec.stats, tokens=tokens,
-        own_drafted=drafted, own_accepted=accepted,
+        own_drafted=drafted, own_accepted=accepted, host_syncs=syncs[0],
     )
 
 
@@ -353,11 +358,15 @@ def run_inprocess(model, prompts: List[Prompt], encoded: List[List[int]], cfg: B
         return run_once(model, ids, s, cfg.sampling, n, eos, cfg.prefill_step_size,
                         policy=policies.get(s.name), **kw)
 
-    # Warm up every setting once on a short prompt (allocations, first-call costs).
+    # Warm up every setting once on a short prompt (allocations, first-call costs),
+    # counting host syncs per step while at it (the timed runs are not instrumented).
     short = min(encoded, key=len)
+    syncs = {}
     for s in settings:
-        go(s, short, cfg.warmup_tokens)
+        w = go(s, short, cfg.warmup_tokens, count_syncs=True)
+        syncs[s.name] = w.host_syncs / w.steps if w.steps else None
         tick(f"warmup {s.name}")
+    graphs = measure_graphs(model, short, cfg.ks, cfg.prefill_step_size)
     # Pass costs, on each prompt's context.
     per_prompt = []
     for p, ids in zip(prompts, encoded):
@@ -381,6 +390,8 @@ def run_inprocess(model, prompts: List[Prompt], encoded: List[List[int]], cfg: B
     plain = {(r.repeat, r.prompt): r for r in runs if r.setting == "plain"}
     rows = [summarize_setting(s, [r for r in runs if r.setting == s.name], plain, costs)
             for s in settings]
+    for s, row in zip(settings, rows):
+        row.update(step_figures(row, graphs, syncs.get(s.name)))
     # Lossless check: with greedy decoding every setting must emit plain's tokens.
     if cfg.sampling.greedy:
         for row in rows:
@@ -388,7 +399,58 @@ def run_inprocess(model, prompts: List[Prompt], encoded: List[List[int]], cfg: B
                        for r in runs if r.setting == row["setting"])
             row["outputs_match_plain"] = mism == 0
             row["mismatched_runs"] = mism
-    return {"settings": rows, "runs": runs, "costs": costs}
+    return {"settings": rows, "runs": runs, "costs": costs, "graphs": graphs,
+            "predictions": predictions(rows, costs)}
+
+
+def measure_graphs(model, ids: Sequence[int], ks: Sequence[int],
+                   prefill_step_size: int = 2048) -> dict:
+    """``graph.step_graphs`` on the caches left by ``ids`` (one owed MTP pair, as in
+    steady decoding)."""
+    kmax = max(ks) if model.num_mtp_layers > 0 and ks else 0
+    dec = MTPDecoder(model, kmax, SamplingParams(), adaptive=False,
+                     prefill_step_size=prefill_step_size)
+    dec.prefill(ids)
+    dec.sync_mtp_cache()
+    return step_graphs(dec, [k for k in ks if k > 0] if kmax else [])
+
+
+def step_figures(row: dict, graphs: dict, syncs_per_step: Optional[float]) -> dict:
+    """Per-step graph nodes and state writes of a setting (expected over its measured
+    rejections: a step replays the recurrence when a draft is rejected)."""
+    out = {"host_syncs_per_step": syncs_per_step, "realised_over_ideal": row["efficiency"],
+           "nodes_per_step": None, "own_nodes_per_step": None, "state_bytes_per_step": None,
+           "nodes_draft": None, "nodes_verify": None, "nodes_replay": None}
+    k = row["k"]
+    if k == 0 and "plain" in graphs:
+        g = graphs["plain"]
+        out.update(nodes_per_step=g["nodes"], own_nodes_per_step=g["own_nodes"],
+                   state_bytes_per_step=g["state_bytes"])
+    elif not row["adaptive"] and k in graphs:
+        g = graphs[k]
+        cum = row["acceptance_per_pos"]
+        p_replay = 1.0 - cum[-1] if len(cum) == k else 1.0
+        parts = ("draft", "verify", "replay")
+        weight = {"draft": 1.0, "verify": 1.0, "replay": p_replay}
+        out.update(
+            nodes_draft=g["draft"]["nodes"], nodes_verify=g["verify"]["nodes"],
+            nodes_replay=g["replay"]["nodes"],
+            nodes_per_step=sum(weight[p] * g[p]["nodes"] for p in parts),
+            own_nodes_per_step=sum(weight[p] * g[p]["own_nodes"] for p in parts),
+            state_bytes_per_step=g["state_bytes_verify"] + p_replay * g["state_bytes_replay"])
+    return out
+
+
+def predictions(rows: List[dict], costs: dict) -> List[dict]:
+    """The cost model on this run's acceptance: measured costs and hypothetical ones."""
+    from .cost_model import HYPOTHETICAL, MeasuredProfile, prediction_rows
+
+    acc = {r["k"]: r["acceptance_per_pos_conditional"] for r in rows
+           if r["k"] > 0 and not r["adaptive"] and len(r["acceptance_per_pos_conditional"]) == r["k"]}
+    if not acc or "c_draft" not in costs:
+        return []
+    measured = MeasuredProfile("this machine (measured)", costs["c_verify"], costs["c_draft"])
+    return prediction_rows(acc, [measured, *HYPOTHETICAL])
 
 
 def work_units(n_settings: int, n_prompts: int, repeats: int) -> int:

@@ -270,8 +270,17 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
     console.print(
         f"plain step {costs.get('plain_step_ms', float('nan')):.2f} ms; c_verify(K) = trunk "
         "over K+1 tokens / plain step, c_draft = one MTP call / plain step; ideal = E[tokens/"
-        "step] / (c_verify + K*c_draft); efficiency = speedup / ideal", highlight=False,
+        "step] / (c_verify + K*c_draft); realised/ideal = speedup / ideal; nodes/step: graph "
+        "primitives one step launches (own: without the recurrence call's), state KB/step: "
+        "recurrent state written, both expected over the measured rejections", highlight=False,
         markup=False)
+    console.print(report.graph_markdown(result["graphs"]), highlight=False, markup=False)
+    if result["predictions"]:
+        from .cost_model import markdown as cost_markdown
+
+        console.print("cost model, this run's acceptance: predicted speedup (c_verify(K))",
+                      highlight=False, markup=False)
+        console.print(cost_markdown(result["predictions"]), highlight=False, markup=False)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [
@@ -280,6 +289,7 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
             "costs": {**costs, "c_verify": {str(k): v for k, v in costs.get("c_verify", {}).items()},
                       "per_prompt": [{**c, "verify_s": {str(k): v for k, v in c["verify_s"].items()}}
                                      for c in costs.get("per_prompt", [])]},
+            "graphs": result["graphs"], "predictions": result["predictions"],
             "runs": [r.to_dict() for r in result["runs"]]}),
         report.write_csv(out_dir / "inprocess.csv", rows, report.INPROCESS_CSV),
         report.write_csv(out_dir / "inprocess_runs.csv", [r.to_dict() for r in result["runs"]]),
@@ -288,7 +298,9 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
         written += report.plot_inprocess(rows, out_dir, title=f"{model_path.name}: tok/s vs K")
     snippet = out_dir / "README_snippet.md"
     snippet.write_text(readme_snippet(meta, rows, costs,
-                                      plots_dir=None if args.no_plots else out_dir))
+                                      plots_dir=None if args.no_plots else out_dir,
+                                      graphs=result["graphs"],
+                                      predictions=result["predictions"]))
     written.append(snippet)
     console.print("wrote " + ", ".join(str(p) for p in written), highlight=False, markup=False)
     bad = [r["setting"] for r in rows if r.get("outputs_match_plain") is False]
@@ -299,7 +311,7 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
 
 
 def readme_snippet(meta: dict, rows: List[dict], costs: dict,
-                   plots_dir: Path = None) -> str:
+                   plots_dir: Path = None, graphs: dict = None, predictions: list = None) -> str:
     from . import report
 
     m = meta["machine"]
@@ -332,13 +344,28 @@ def readme_snippet(meta: dict, rows: List[dict], costs: dict,
         f"- **c_verify**, **c_draft**: one trunk pass over K+1 tokens and one MTP draft call, "
         f"relative to a plain decoding step ({costs.get('plain_step_ms', float('nan')):.2f} ms "
         "here). **ideal** = E[tokens/step] / (c_verify + K·c_draft); **efficiency** = "
-        "speedup / ideal. **auto**: adaptive K up to the largest K.",
+        "speedup / ideal (**realised/ideal**). **auto**: adaptive K up to the largest K.",
+        "- **nodes/step**: graph primitives one step launches, counted with `mx.export_to_dot` "
+        "on its lazy outputs (own: without the nodes of the Gated DeltaNet recurrence call, one "
+        "fused kernel on Apple GPUs); **state KB/step**: recurrent state written (verify, plus "
+        "the replay after a rejection), both expected over the measured rejections; "
+        "**syncs/step**: host waits per decode step.",
         "- **lossless**: greedy outputs identical to plain decoding in every run.",
     ]
     load = m.get("load_avg_1m")
     if load is not None and m.get("cpu_count") and load > 0.5 * m["cpu_count"]:
         lines.append(f"- The 1-minute load average was {load} on {m['cpu_count']} cores when the "
                      "run ended: other processes shared the CPU, so timings are noisy.")
+    if graphs:
+        from . import report as _report
+
+        lines += ["", "Per step part:", "", _report.graph_markdown(graphs)]
+    if predictions:
+        from .cost_model import markdown as cost_markdown
+
+        lines += ["", "Cost model (`mlx_mtp/bench/cost_model.py`) on this run's acceptance: "
+                  "predicted speedup = E_K / (c_verify(K) + K·c_draft), c_verify(K) in brackets:",
+                  "", cost_markdown(predictions)]
     if plots_dir is not None:
         lines += ["", f"![tok/s vs K]({(plots_dir / 'tok_s_vs_k.png').as_posix()})",
                   f"![acceptance per position]({(plots_dir / 'acceptance_per_pos.png').as_posix()})"]

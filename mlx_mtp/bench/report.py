@@ -42,8 +42,13 @@ INPROCESS_COLUMNS = [
     ("c_verify", lambda r: fmt(r["c_verify"], ".2f")),
     ("c_draft", lambda r: fmt(r["c_draft"], ".2f") if r["k"] else "-"),
     ("ideal", lambda r: fmt(r["ideal_speedup"], ".2f")),
-    ("efficiency", lambda r: fmt(r["efficiency"] * 100 if r["efficiency"] else None, ".0f") +
+    ("realised/ideal", lambda r: fmt(r["efficiency"] * 100 if r["efficiency"] else None, ".0f") +
      ("%" if r["efficiency"] else "")),
+    ("nodes/step (own)", lambda r: f"{r['nodes_per_step']:.0f} ({r['own_nodes_per_step']:.0f})"
+     if r.get("nodes_per_step") is not None else "-"),
+    ("state KB/step", lambda r: fmt(r["state_bytes_per_step"] / 1e3
+                                    if r.get("state_bytes_per_step") is not None else None, ".0f")),
+    ("syncs/step", lambda r: fmt(r.get("host_syncs_per_step"), ".2f")),
     ("peak mem", lambda r: f"{r['peak_memory_gb'] * 1e3:.0f} MB" if r["peak_memory_gb"] < 1
      else f"{r['peak_memory_gb']:.2f} GB"),
     ("lossless", lambda r: {True: "yes", False: f"NO ({r.get('mismatched_runs')})"}.get(
@@ -82,7 +87,29 @@ INPROCESS_CSV = [
     "mean_acceptance_length", "acceptance_per_pos", "acceptance_per_pos_conditional",
     "num_drafts", "num_draft_tokens", "num_accepted_tokens", "c_verify", "c_draft",
     "step_cost_model", "ideal_speedup", "efficiency", "peak_memory_gb", "outputs_match_plain",
+    "nodes_draft", "nodes_verify", "nodes_replay", "nodes_per_step", "own_nodes_per_step",
+    "state_bytes_per_step", "host_syncs_per_step",
 ]
+
+
+def graph_markdown(graphs: dict) -> str:
+    """Graph nodes of each part of a step (recurrence-call nodes apart) and state writes."""
+    lines = ["| step part | nodes | own nodes | recurrence calls (nodes) | state written |",
+             "|---|---:|---:|---:|---:|"]
+
+    def line(name, g, state=None):
+        lines.append(f"| {name} | {g['nodes']:.0f} | {g['own_nodes']:.0f} | "
+                     f"{g['recurrence_calls']:.0f} ({g['recurrence_nodes']:.0f}) | "
+                     + (f"{state / 1e3:.1f} KB" if state is not None else "-") + " |")
+
+    if "plain" in graphs:
+        line("plain step", graphs["plain"], graphs["plain"]["state_bytes"])
+    for k in sorted(k for k in graphs if k != "plain"):
+        g = graphs[k]
+        line(f"K={k} draft (K head calls)", g["draft"])
+        line(f"K={k} verify (K+1 tokens)", g["verify"], g["state_bytes_verify"])
+        line(f"K={k} replay (on rejection)", g["replay"], g["state_bytes_replay"])
+    return "\n".join(lines)
 
 
 # --- server ---------------------------------------------------------------------------------
