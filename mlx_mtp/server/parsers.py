@@ -27,6 +27,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from ..decode.text_stream import partial_match_start
+
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
 
@@ -159,17 +161,6 @@ def parse_tool_body(body: str, tools: Optional[list] = None,
 
 
 # --- the streaming state machine -----------------------------------------------------
-def _partial_tag(text: str, tags) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a tag."""
-    best = 0
-    for tag in tags:
-        for k in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:k]):
-                best = k
-                break
-    return best
-
-
 class OutputParser:
     def __init__(self, *, reasoning: bool = True, start_in_reasoning: bool = False,
                  tools: Optional[list] = None, parse_tools: bool = False,
@@ -269,9 +260,10 @@ class OutputParser:
                 else:  # TOOL_START
                     self.state = "tool"
                 continue
-            keep = 0 if final else _partial_tag(self.buf, tags)
-            self._emit_text(out, self.buf[: len(self.buf) - keep])
-            self.buf = self.buf[len(self.buf) - keep:]
+            # A tail that may still become a tag waits (the stop-string hold-back's rule).
+            cut = len(self.buf) if final else partial_match_start(self.buf, tags)
+            self._emit_text(out, self.buf[:cut])
+            self.buf = self.buf[cut:]
             break
         return _merge(out)
 
