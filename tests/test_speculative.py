@@ -178,7 +178,7 @@ def test_prefix_snapshot_restores_identically(tiny_ckpt):
         assert got == ref
 
 
-def test_invalid_arguments(tiny_ckpt):
+def test_bad_arguments_are_refused_with_clear_messages(tiny_ckpt):
     model, _ = load_model(Path(tiny_ckpt("qwen3_5", "random")))
     with pytest.raises(ValueError, match="between 0 and 8"):
         MTPDecoder(model, 9)
