@@ -215,3 +215,20 @@ def test_logprob_bytes_join_to_the_text_inside_a_character(oracle):
     entries = chat_logprobs(items, top=True)
     assert bytes(b for e in entries for b in e["bytes"]).decode() == "\u00e9\u20ac"
     assert all(len(e["top_logprobs"]) == 2 for e in entries)
+
+
+def test_generation_tps_is_computed_as_mlx_lm_does(oracle, monkeypatch):
+    import itertools
+    import types
+
+    from mlx_mtp.decode import generation
+
+    # A clock that advances one second per reading: plain decoding makes one token per
+    # step, so mlx-lm's figure (all tokens over the time since the first) is exactly 1.
+    ticks = itertools.count()
+    monkeypatch.setattr(generation, "time",
+                        types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    model, tok = oracle
+    rs = list(generation.stream_generate(model, tok, [10, 11, 300], max_tokens=6,
+                                         num_draft_tokens=0))
+    assert rs[-1].generation_tokens == 6 and rs[-1].generation_tps == 1.0
