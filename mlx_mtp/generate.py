@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from .options import (UserError, add_model_arguments, add_sampling_arguments,
@@ -46,7 +47,20 @@ def run(args) -> int:
     k = num_draft_tokens_from_args(args)
     template_args = parse_json_arg(args.chat_template_args, "--chat-template-args")
     sampling = sampling_from_args(args, generation_defaults(args.model))
-    model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden)
+    group = _distributed_group(args)
+    adaptive = not args.fixed_k
+    if group is None:
+        model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden)
+    else:
+        import mlx.core as mx
+        from .models.distributed import load_distributed, shared_seed
+
+        model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=k > 0,
+                                            mtp_hidden=args.mtp_hidden)
+        mx.random.seed(shared_seed(group))  # unseeded sampling: the same seed on every rank
+        adaptive = False  # K from per-rank timings could differ between ranks: fixed K
+        if group.rank() != 0:  # rank 0 prints; the others only compute
+            args.verbose, sys.stdout = False, open(os.devnull, "w")
     apply_model_options(model, args)
     text = build_prompt(tokenizer, prompt, args.system_prompt, template_args,
                         args.ignore_chat_template)
@@ -54,7 +68,7 @@ def run(args) -> int:
     if args.verbose:
         print("==========")
     for r in stream_generate(model, tokenizer, text, max_tokens=args.max_tokens,
-                             sampling=sampling, num_draft_tokens=k, adaptive=not args.fixed_k,
+                             sampling=sampling, num_draft_tokens=k, adaptive=adaptive,
                              prefill_step_size=args.prefill_step_size):
         print(r.text, end="", flush=True)
         last = r
@@ -64,4 +78,22 @@ def run(args) -> int:
         print(format_stats(last))
         if sys.platform == "linux":
             print(blas.describe())
+        if group is not None:
+            print(f"Distributed: {model.mode} over {group.size()} ranks")
+    if group is not None:
+        import mlx.core as mx
+
+        mx.synchronize()  # a step launched ahead still talks to the other ranks
     return 0
+
+
+def _distributed_group(args):
+    """The mx.distributed group to split the model over (None: run in one process)."""
+    import mlx.core as mx
+
+    if not mx.distributed.is_available():
+        if args.distributed:
+            raise UserError("--distributed: this MLX build has no distributed backend")
+        return None
+    group = mx.distributed.init()
+    return group if group.size() > 1 or args.distributed else None

@@ -39,6 +39,11 @@ def add_model_arguments(p: argparse.ArgumentParser):
     p.add_argument("--mtp-hidden", choices=["post_norm", "pre_norm"], default=None,
                    help="Trunk hidden state fed to the MTP head (default post_norm)")
     add_draft_head_argument(p)
+    p.add_argument("--distributed", choices=["pipeline", "tensor"], default=None,
+                   help="Split the model over the ranks of `mlx.launch` (on by itself when "
+                        "launched with more than one rank): pipeline (layers) or tensor "
+                        "(heads). Default: tensor when the heads divide evenly and all ranks "
+                        "are on this machine, else pipeline")
 
 
 def add_draft_head_argument(p):

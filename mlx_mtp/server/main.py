@@ -206,6 +206,10 @@ def run(args) -> int:
             raise UserError(f"{flag} must be > 0 (got {v})")
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be between 1 and 65535 (got {args.port})")
+    if args.distributed or (mx.distributed.is_available() and mx.distributed.init().size() > 1):
+        # The follower loop (ranks > 0 replaying joins, leaves and K) is not built yet.
+        raise UserError("serve does not run over several ranks yet; use `mlx-mtp generate "
+                        "--distributed ...` under mlx.launch, or serve from one process")
 
     _check_port(args.host, args.port)  # before spending minutes loading a model
     path = resolve_model_path(args.model)

@@ -1,0 +1,51 @@
+"""One rank of distributed decodes, for tests/test_distributed.py (run under mlx.launch).
+
+argv[1]: a JSON file holding a list of jobs {"model", "mode", "ks", "prompt" (ids),
+"max_tokens", "temp", "seed", "memory_limit" (bytes, optional)}; argv[2]: where each
+rank writes its results (``<argv[2]>.<rank>``, one entry per job): the mode, the ids per
+K, its layer range, memory after loading, bytes and messages it sent.
+"""
+
+import json
+import sys
+
+import mlx.core as mx
+
+from mlx_mtp.decode.sampling import SamplingParams
+from mlx_mtp.decode.speculative import generate_step
+from mlx_mtp.models.distributed import load_distributed
+
+
+def run(job, group) -> dict:
+    limit = job.get("memory_limit")
+    previous = mx.set_memory_limit(limit) if limit else None
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    model, _ = load_distributed(job["model"], job.get("mode"), group, mtp=max(job["ks"]) > 0)
+    loaded = {"active": mx.get_active_memory() - base, "peak": mx.get_peak_memory() - base}
+    sampling = SamplingParams(temperature=job.get("temp", 0.0), seed=job.get("seed"))
+    tokens = {}
+    for k in job["ks"]:
+        out = generate_step(job["prompt"], model, num_draft_tokens=k, sampling=sampling,
+                            max_tokens=job["max_tokens"], adaptive=False)
+        tokens[k] = [t for t, _, _ in out]
+    mx.synchronize()
+    if previous is not None:
+        mx.set_memory_limit(previous)
+    return {"mode": model.mode, "tokens": tokens, "layer_range": model.layer_range,
+            "loaded": loaded, "bytes_sent": model.bytes_sent, "messages": model.messages}
+
+
+def main():
+    group = mx.distributed.init()
+    with open(sys.argv[1]) as f:
+        jobs = json.load(f)
+    results = [run(job, group) for job in jobs]
+    with open(f"{sys.argv[2]}.{group.rank()}", "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

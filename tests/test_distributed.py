@@ -1,0 +1,184 @@
+"""MTP over mx.distributed: two local ranks over the ring backend, launched with mlx.launch.
+
+Each launch runs many decodes (families x modes x K) in one pair of processes: starting
+ranks costs more than the tiny decodes. Every distributed output is compared with the
+same decode in this (single) process.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_mtp.convert.main import convert
+from mlx_mtp.decode.sampling import SamplingParams
+from mlx_mtp.decode.speculative import generate_step
+from mlx_mtp.models.distributed import DistributedError, choose_mode, split_layers
+from mlx_mtp.models.hybrid import HybridArgs
+from mlx_mtp.models.loader import load_model
+from mlx_mtp.testing.tiny import make_tiny
+
+RANK_SCRIPT = Path(__file__).parent / "distributed_rank.py"
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+TIMEOUT = 420  # two cold Python+MLX starts on a shared, loaded 2-core machine
+PROMPT = [5, 17, 301, 44, 9, 120, 77, 3, 250, 61, 18]
+MAX_TOKENS = 10
+KS = [0, 1, 2, 3]
+MEMORY_MODEL_BYTES_FRACTION = 0.7  # per-rank cap, as a fraction of the whole model
+
+
+def free_port_base(n: int = 4) -> int:
+    """A base port with ``n`` free ports after it (other engineers launch rings too)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def launch(*argv, timeout=TIMEOUT) -> subprocess.CompletedProcess:
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port",
+           str(free_port_base()), "--", sys.executable, *map(str, argv)]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"mlx.launch did not finish in {timeout}s: {e.stderr!r}")
+
+
+def single_process(path, ks, temp=0.0, seed=None) -> dict:
+    model, _ = load_model(Path(path), mtp=max(ks) > 0)
+    sampling = SamplingParams(temperature=temp, seed=seed)
+    return {str(k): [t for t, _, _ in generate_step(PROMPT, model, num_draft_tokens=k,
+                                                    sampling=sampling, max_tokens=MAX_TOKENS,
+                                                    adaptive=False)]
+            for k in ks}
+
+
+def model_bytes(path) -> int:
+    model, _ = load_model(Path(path))
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    out = {
+        "dense": make_tiny(root / "dense", "qwen3_5", head="random", seed=1),
+        "moe": make_tiny(root / "moe", "qwen3_5_moe", head="noisy", trunk_scale=0.2, seed=2),
+        "next": make_tiny(root / "next", "qwen3_next", head="noisy", trunk_scale=0.2, seed=3),
+        # many layers, so that half of them is well under the whole
+        "deep": make_tiny(root / "deep", "qwen3_5", head="random", seed=4, num_layers=12),
+    }
+    out["q8"] = root / "q8"  # MLX layout, quantized
+    convert(out["dense"], out["q8"], quantize=True, q_bits=8, q_group_size=32, verbose=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(models, tmp_path_factory):
+    """One launch: every distributed job; returns [(job, rank 0 result, rank 1 result)]."""
+    jobs = [{"name": f"{fam}-{mode}", "model": str(models[fam]), "mode": mode, "ks": KS}
+            for fam in ("dense", "moe", "next", "q8") for mode in ("pipeline", "tensor")]
+    jobs += [{"name": f"seeded-{mode}", "model": str(models["moe"]), "mode": mode,
+              "ks": [0, 2], "temp": 1.0, "seed": 11} for mode in ("pipeline", "tensor")]
+    cap = int(MEMORY_MODEL_BYTES_FRACTION * model_bytes(models["deep"]))
+    jobs.append({"name": "memory-cap", "model": str(models["deep"]), "mode": "pipeline",
+                 "ks": [0, 2], "memory_limit": cap})
+    for j in jobs:
+        j.update(prompt=PROMPT, max_tokens=MAX_TOKENS)
+    d = tmp_path_factory.mktemp("runs")
+    (d / "jobs.json").write_text(json.dumps(jobs))
+    proc = launch(RANK_SCRIPT, d / "jobs.json", d / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    per_rank = [json.loads((d / f"out.{r}").read_text()) for r in (0, 1)]
+    return {j["name"]: (j, per_rank[0][i], per_rank[1][i]) for i, j in enumerate(jobs)}
+
+
+GREEDY = [f"{fam}-{mode}" for fam in ("dense", "moe", "next", "q8")
+          for mode in ("pipeline", "tensor")]
+
+
+@pytest.mark.parametrize("name", GREEDY)
+def test_greedy_equals_single_process(runs, name):
+    job, r0, r1 = runs[name]
+    assert r0["mode"] == r1["mode"] == job["mode"]
+    expected = single_process(job["model"], KS)
+    assert r0["tokens"] == expected  # K = 0..3, each the plain greedy output
+    assert r1["tokens"] == r0["tokens"]  # every rank holds the same tokens
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_seeded_sampling_equals_single_process(runs, mode):
+    job, r0, r1 = runs[f"seeded-{mode}"]
+    expected = single_process(job["model"], job["ks"], temp=job["temp"], seed=job["seed"])
+    assert r0["tokens"] == expected and r1["tokens"] == r0["tokens"]
+
+
+def test_pipeline_splits_layers_and_keeps_the_head_on_rank_0(runs):
+    job, r0, r1 = runs["dense-pipeline"]
+    (s0, e0), (s1, e1) = r0["layer_range"], r1["layer_range"]
+    assert s1 == 0 and e1 == s0 and e0 == 4  # rank 1 runs the first layers, rank 0 the rest
+    # per speculative step rank 1 sends one hidden and its two zero contributions
+    assert r1["messages"] > 0 and r0["bytes_sent"] < r1["bytes_sent"]
+
+
+def test_model_over_a_per_rank_memory_cap_runs_split(runs, models):
+    job, r0, r1 = runs["memory-cap"]
+    assert r0["tokens"] == single_process(job["model"], job["ks"])
+    whole = model_bytes(models["deep"])
+    assert job["memory_limit"] < whole  # the whole model does not fit one rank's cap
+    for r in (r0, r1):
+        # each rank materialised its own part only (never the other rank's tensors)
+        assert r["loaded"]["active"] <= job["memory_limit"], (r["loaded"], whole)
+        assert r["loaded"]["peak"] <= job["memory_limit"], (r["loaded"], whole)
+
+
+def test_cli_generate_distributed(models):
+    args = ["-m", "mlx_mtp.cli", "generate", "--model", str(models["moe"]), "--prompt",
+            "hello there", "--temp", "0", "-m", "8", "--verbose", "F"]
+    single = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    assert single.returncode == 0, single.stderr
+    dist = launch(*args, "--distributed", "pipeline")
+    assert dist.returncode == 0, dist.stderr[-3000:]
+    assert dist.stdout == single.stdout  # rank 0 prints, the other rank prints nothing
+
+
+def test_split_layers_balances_bytes_and_gives_rank0_the_head():
+    assert split_layers([10] * 8, 0, 2) == [(4, 8), (0, 4)]
+    # the head's bytes count on rank 0: it takes fewer layers
+    assert split_layers([10] * 8, 40, 2) == [(6, 8), (0, 6)]
+    ranges = split_layers([10] * 3, 1000, 3)
+    assert ranges == [(2, 3), (1, 2), (0, 1)]  # every rank keeps at least one layer
+    with pytest.raises(DistributedError):
+        split_layers([10], 0, 2)
+
+
+def test_choose_mode(monkeypatch):
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    args = HybridArgs(num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
+                      linear_num_value_heads=4, intermediate_size=128)
+    assert choose_mode(None, args, 2) == "tensor"
+    assert choose_mode(None, args, 3) == "pipeline"  # heads do not divide by 3
+    assert choose_mode("pipeline", args, 2) == "pipeline"
+    with pytest.raises(DistributedError, match="num_attention_heads=4"):
+        choose_mode("tensor", args, 3)
