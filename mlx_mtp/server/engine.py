@@ -323,9 +323,9 @@ class Engine:
         """Prompt tokens this iteration may run (vLLM's chunked prefill).
 
         While streams decode, the step's token budget (``max_batched_tokens``) goes to
-        their rows first (1 + K tokens each) and prompts get the rest, at least one grid
-        cell, so a long prompt cannot stall running streams; with nothing decoding,
-        prompts run in chunks of up to ``prefill_step_size``.
+        their rows first (1 + K tokens each) and prompts get the rest, rounded up to whole
+        grid cells (at least one), so a long prompt cannot stall running streams; with
+        nothing decoding, prompts run in chunks of up to ``prefill_step_size``.
         """
         n_decoding = sum(1 for s in self.running if not s.prefilling)
         if not n_decoding:
