@@ -87,6 +87,9 @@ def models(tmp_path_factory):
         "next": make_tiny(root / "next", "qwen3_next", head="noisy", trunk_scale=0.2, seed=3),
         # many layers, so that half of them is well under the whole
         "deep": make_tiny(root / "deep", "qwen3_5", head="random", seed=4, num_layers=12),
+        # the tokenizer's whole vocabulary: text prompts stay in range
+        "text": make_tiny(root / "text", "qwen3_5_moe", head="noisy", trunk_scale=0.2,
+                          seed=5, vocab_size=4096),
     }
     out["q8"] = root / "q8"  # MLX layout, quantized
     convert(out["dense"], out["q8"], quantize=True, q_bits=8, q_group_size=32, verbose=False)
@@ -153,7 +156,7 @@ def test_model_over_a_per_rank_memory_cap_runs_split(runs, models):
 
 
 def test_cli_generate_distributed(models):
-    args = ["-m", "mlx_mtp.cli", "generate", "--model", str(models["moe"]), "--prompt",
+    args = ["-m", "mlx_mtp.cli", "generate", "--model", str(models["text"]), "--prompt",
             "hello there", "--temp", "0", "-m", "8", "--verbose", "F"]
     single = subprocess.run([sys.executable, *args], capture_output=True, text=True,
                             timeout=TIMEOUT)
