@@ -125,6 +125,9 @@ def step_graphs(dec, ks: Sequence[int]) -> dict:
 
     out: Dict[object, dict] = {}
     core = DecodeBatch(dec.model, [dec.row], dec.cache, dec.mtp_cache)
+    compiled = getattr(dec.model, "compiled", False)
+    if compiled:  # count the lazy graph (a compiled step cannot be probed while traced)
+        dec.model.set_compiled(False)
     for k in [0] + sorted(k for k in set(ks) if k > 0):
         snap = _snapshot(dec)
         rec = _RecurrenceNodes()
@@ -158,6 +161,8 @@ def step_graphs(dec, ks: Sequence[int]) -> dict:
                 out[k] = row
         finally:
             _restore(dec, snap)
+    if compiled:
+        dec.model.set_compiled(True)
     return out
 
 

@@ -361,12 +361,12 @@ def run_inprocess(model, prompts: List[Prompt], encoded: List[List[int]], cfg: B
     # Warm up every setting once on a short prompt (allocations, first-call costs),
     # counting host syncs per step while at it (the timed runs are not instrumented).
     short = min(encoded, key=len)
+    graphs = measure_graphs(model, short, cfg.ks, cfg.prefill_step_size)
     syncs = {}
     for s in settings:
         w = go(s, short, cfg.warmup_tokens, count_syncs=True)
         syncs[s.name] = w.host_syncs / w.steps if w.steps else None
         tick(f"warmup {s.name}")
-    graphs = measure_graphs(model, short, cfg.ks, cfg.prefill_step_size)
     # Pass costs, on each prompt's context.
     per_prompt = []
     for p, ids in zip(prompts, encoded):

@@ -42,7 +42,7 @@ def _int_list(flag: str, value: str, lo: int, hi: int = 1 << 30) -> List[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    from ..options import add_draft_head_argument, add_sampling_arguments
+    from ..options import add_speed_arguments, add_sampling_arguments
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = "\n\n".join(__doc__.strip().split("\n\n")[:4])
@@ -86,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser):
     g.add_argument("--chat-template-args", default=None,
                    help='JSON for the chat template, e.g. \'{"enable_thinking": false}\'')
     g.add_argument("--mtp-hidden", choices=["post_norm", "pre_norm"], default=None)
-    add_draft_head_argument(g)
+    add_speed_arguments(g)
     g.add_argument("--prefill-step-size", type=int, default=2048)
 
     g = p.add_argument_group("server mode")
@@ -260,7 +260,8 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
                    "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": sampling.min_p,
                    "seed": sampling.seed, "ignore_eos": args.ignore_eos, "auto": cfg.auto,
                    "chat_template": not args.ignore_chat_template,
-                   "draft_head_bits": args.draft_head_bits},
+                   "draft_head_bits": args.draft_head_bits,
+                   "compile_steps": args.compile_steps},
     }
     title = (f"{model_path.name}: {n_params / 1e6:.1f}M params, {len(prompts)} prompts x "
              f"{args.repeats} repeats, {args.max_tokens} tokens, "

@@ -33,6 +33,8 @@ from .cache import KVCache, RecurrentCache, VerifyRecord
 
 # Longer GDN inputs go through the chunked (matmul-form) recurrence when available.
 CHUNKED_MIN_TOKENS = 64
+# Compiled decode steps (set_compiled) cover plain steps and verify passes up to K = 8.
+MAX_COMPILED_TOKENS = 9
 
 
 @dataclass
@@ -248,13 +250,12 @@ class GatedDeltaNetBase(nn.Module):
             q, k, v, a, b, self.A_log, self.dt_bias, state, mask, use_kernel=not self.training
         )
 
-    def __call__(self, x, mask=None, cache: Optional[RecurrentCache] = None, capture=False):
+    def inputs(self, x, conv_state, mask=None):
+        """Projection and short convolution: (conv_input, (q, k, v, a, b), z)."""
         B, S, _ = x.shape
         qkv, z, b, a = self.project(x)
-        window = self.conv_kernel_size - 1
-        conv_state = cache.conv if cache is not None else None
         if conv_state is None:
-            conv_state = mx.zeros((B, window, self.conv_dim), dtype=x.dtype)
+            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=x.dtype)
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
@@ -264,6 +265,26 @@ class GatedDeltaNetBase(nn.Module):
         k = k.reshape(B, S, self.num_k_heads, self.head_k_dim)
         v = v.reshape(B, S, self.num_v_heads, self.head_v_dim)
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+        return conv_input, (q, k, v, a, b), z
+
+    def output(self, out, z):
+        B, S = out.shape[:2]
+        return self.out_proj(self.norm(out, z).reshape(B, S, -1))
+
+    def commit(self, cache, conv_input, state, new_state, inputs, mask, capture):
+        """Write the pass into the cache (and what a verify pass needs to replay)."""
+        S = inputs[0].shape[1]
+        cache.verify_record = (
+            VerifyRecord(conv_input, state, inputs, mask, self.recurrence) if capture else None
+        )
+        cache.conv = mx.contiguous(conv_input[:, -(self.conv_kernel_size - 1):])
+        cache.ssm = new_state
+        cache.offset += S
+
+    def __call__(self, x, mask=None, cache: Optional[RecurrentCache] = None, capture=False):
+        S = x.shape[1]
+        conv_input, (q, k, v, a, b), z = self.inputs(
+            x, cache.conv if cache is not None else None, mask)
         state = cache.ssm if cache is not None else None
 
         # A verify pass (capture) makes the same call as plain decoding; the cache
@@ -274,15 +295,8 @@ class GatedDeltaNetBase(nn.Module):
         else:
             out, new_state = self.recurrence(q, k, v, a, b, state, mask)
         if cache is not None:
-            cache.verify_record = (
-                VerifyRecord(conv_input, state, (q, k, v, a, b), mask, self.recurrence)
-                if capture else None
-            )
-            cache.conv = mx.contiguous(conv_input[:, -window:])
-            cache.ssm = new_state
-            cache.offset += S
-        out = self.norm(out, z)
-        return self.out_proj(out.reshape(B, S, -1))
+            self.commit(cache, conv_input, state, new_state, (q, k, v, a, b), mask, capture)
+        return self.output(out, z)
 
 
 class DecoderLayer(nn.Module):
@@ -296,8 +310,28 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = SparseMoeBlock(args) if moe else MLP(args.hidden_size, args.intermediate_size)
+        self.compiled_step = None  # set_compiled: the decode step of a linear layer
+
+    def set_compiled(self, on: bool):
+        """Compile a Gated DeltaNet layer's decode step (state in, state out; MLX traces
+        one graph per input shape, i.e. per K and batch size). Weights are captured at
+        trace time: call after loading."""
+        self.compiled_step = mx.compile(self._linear_step) if on and self.is_linear else None
+
+    def _linear_step(self, x, conv_state, state):
+        mix = self.linear_attn
+        conv_input, inputs, z = mix.inputs(self.input_layernorm(x), conv_state)
+        out, new_state = mix.recurrence(*inputs, state)
+        h = x + mix.output(out, z)
+        return h + self.mlp(self.post_attention_layernorm(h)), conv_input, new_state, *inputs
 
     def __call__(self, x, mask=None, cache=None, capture=False):
+        if (self.compiled_step is not None and cache is not None and cache.ssm is not None
+                and x.shape[1] <= MAX_COMPILED_TOKENS):
+            h, conv_input, new_state, *inputs = self.compiled_step(x, cache.conv, cache.ssm)
+            self.linear_attn.commit(cache, conv_input, cache.ssm, new_state, tuple(inputs),
+                                    None, capture)
+            return h
         if self.is_linear:
             r = self.linear_attn(self.input_layernorm(x), mask, cache, capture)
         else:
@@ -434,6 +468,16 @@ class TextModel(nn.Module):
         out = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
         self.draft_head = DraftHead(out, bits, group_size)
 
+    def set_compiled(self, on: bool):
+        """Run Gated DeltaNet layers' decode steps as compiled graphs (off by default:
+        measured slower on MLX's CPU backend for a 1024-wide bf16 model)."""
+        for layer in self.model.layers:
+            layer.set_compiled(on)
+
+    @property
+    def compiled(self) -> bool:
+        return any(layer.compiled_step is not None for layer in self.model.layers)
+
     def mtp_forward(self, hidden, next_tokens, mtp_cache):
         """hidden (B,S,H) at positions i, next_tokens (B,S) = t_{i+1}.
 
@@ -494,6 +538,13 @@ class WrappedTextModel(nn.Module):
 
     def set_draft_head(self, bits: Optional[int], group_size: int = 64):
         self.language_model.set_draft_head(bits, group_size)
+
+    def set_compiled(self, on: bool):
+        self.language_model.set_compiled(on)
+
+    @property
+    def compiled(self) -> bool:
+        return self.language_model.compiled
 
     def mtp_forward(self, hidden, next_tokens, mtp_cache):
         return self.language_model.mtp_forward(hidden, next_tokens, mtp_cache)

@@ -1,0 +1,86 @@
+"""Compiled Gated DeltaNet decode steps (``set_compiled``): same tokens, same caches."""
+
+import mlx.core as mx
+import pytest
+
+from mlx_mtp.cli import main
+from mlx_mtp.decode.batch import BatchDecoder
+from mlx_mtp.decode.sampling import SamplingParams
+from mlx_mtp.decode.speculative import MTPDecoder, generate_step
+from mlx_mtp.models.cache import cache_state_arrays
+from mlx_mtp.models.loader import load
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+
+
+@pytest.fixture(scope="module")
+def noisy(tiny_ckpt):
+    path = str(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1, vocab_size=512, num_layers=4))
+    model, _ = load(path)
+    yield path, model
+    model.set_compiled(False)
+
+
+def _tokens(model, k, n=20, sampling=SamplingParams()):
+    return [t for t, _, _ in generate_step(PROMPT, model, num_draft_tokens=k, max_tokens=n,
+                                           adaptive=False, sampling=sampling)]
+
+
+def test_compiled_steps_give_plain_greedy_output_and_caches(noisy):
+    _, model = noisy
+    model.set_compiled(False)
+    plain = _tokens(model, 0)
+    ref = MTPDecoder(model, 0, adaptive=False, overlap=False)
+    ref.prefill(PROMPT)
+    model.set_compiled(True)
+    assert model.compiled
+    for k in (0, 1, 3):
+        assert _tokens(model, k) == plain, k
+    # Rejections replay the recurrence: caches still equal a plain (lazy) decode.
+    dec = MTPDecoder(model, 3, adaptive=False)
+    dec.prefill(PROMPT)
+    n = 0
+    while n < 12:
+        n += len(dec.step().tokens)
+    assert 0 < dec.stats.acceptance_rate < 1  # some drafts rejected
+    model.set_compiled(False)
+    for _ in range(n):
+        ref.step()
+    got, want = cache_state_arrays(dec.cache), cache_state_arrays(ref.cache)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+def test_compiled_steps_in_a_batch_and_with_sampling(noisy):
+    _, model = noisy
+    params = SamplingParams(temperature=0.8, seed=3)
+    model.set_compiled(False)
+    want = _tokens(model, 2, sampling=params)
+    model.set_compiled(True)
+    try:
+        assert _tokens(model, 2, sampling=params) == want
+        bd = BatchDecoder(model, num_draft_tokens=2, adaptive=False)
+        for i, prompt in enumerate((PROMPT, PROMPT[:7])):
+            dec = MTPDecoder(model, 2, adaptive=False)
+            dec.prefill(prompt)
+            bd.add(i, dec)
+        outs = {0: [], 1: []}
+        while min(len(v) for v in outs.values()) < 12:
+            for key, out in bd.step().items():
+                outs[key].extend(out.tokens)
+    finally:
+        model.set_compiled(False)
+    for i, prompt in enumerate((PROMPT, PROMPT[:7])):
+        plain = [t for t, _, _ in generate_step(prompt, model, num_draft_tokens=0,
+                                                max_tokens=12)]
+        assert outs[i][:12] == plain, i
+
+
+def test_generate_flag(noisy, capsys):
+    path, _ = noisy
+    args = ["generate", "--model", path, "--prompt", "hi", "-m", "8", "--verbose", "False"]
+    assert main(args + ["--no-mtp"]) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--num-draft-tokens", "2", "--fixed-k", "--compile-steps"]) == 0
+    assert capsys.readouterr().out == plain
