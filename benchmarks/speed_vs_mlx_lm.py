@@ -5,7 +5,11 @@
    cost of one verify pass and one draft pass.
 3. 0% acceptance (random head): adaptive MTP vs MTP off.
 
-    python benchmarks/speed_vs_mlx_lm.py [--hidden 512] [--layers 8] [--tokens 128] [--repeats 3]
+    python benchmarks/speed_vs_mlx_lm.py [--hidden 1024] [--layers 8] [--vocab 8192] [--dtype bf16]
+        [--tokens 128] [--repeats 3]
+
+Pass costs come from ``mlx_mtp.bench.inprocess.measure_costs`` (the numbers ``mlx-mtp bench``
+reports).
 """
 
 import argparse
@@ -18,6 +22,7 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate as lm_stream_generate
 from mlx_lm.utils import load as lm_load
 
+from mlx_mtp.bench.inprocess import measure_costs
 from mlx_mtp.models.loader import load
 from mlx_mtp.decode.speculative import MTPDecoder
 from mlx_mtp.testing.tiny import make_tiny
@@ -42,64 +47,18 @@ def mlx_lm_tps(model, tok, n):
     return last.generation_tps
 
 
-def timed(fn, reps=20):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
-def pass_costs(model, ids, k):
-    """Seconds for a plain step, a verify pass over k+1 tokens, one draft call."""
-    dec = MTPDecoder(model, k, adaptive=False)
-    dec.prefill(ids)
-    cache = dec.cache
-
-    def run(tokens, capture):
-        h, _ = model.trunk(mx.array([tokens]), cache, capture=capture)
-        mx.eval(model.logits(h))
-        for c in cache:
-            if hasattr(c, "trim"):
-                c.trim(len(tokens))
-            else:
-                c.clear_captured()
-
-    # Recurrent caches are overwritten, not trimmed: keep a copy to restore.
-    saved = [c.copy() for c in cache]
-
-    def plain():
-        run([5], False)
-        dec.cache[:] = [c.copy() for c in saved]
-        cache[:] = dec.cache
-
-    def verify():
-        run([5] * (k + 1), True)
-        cache[:] = [c.copy() for c in saved]
-
-    mcache = model.make_mtp_cache()
-    h = mx.zeros((1, 1, model.text.args.hidden_size))
-
-    def draft():
-        out = model.mtp_forward(h, mx.array([[5]]), mcache)
-        mx.eval(model.logits(out))
-        for c in mcache:
-            c.trim(1)
-
-    return timed(plain), timed(verify), timed(draft)
-
-
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
-    kw = dict(vocab_size=4096, hidden=a.hidden, num_layers=a.layers)
+    kw = dict(vocab_size=a.vocab, hidden=a.hidden, num_layers=a.layers,
+              dtype={"bf16": mx.bfloat16, "f32": mx.float32}[a.dtype])
     oracle = make_tiny(tmp / "oracle", "qwen3_5", "oracle", trunk_scale=0.1, **kw)
     rand = make_tiny(tmp / "random", "qwen3_5", "random", **kw)
 
@@ -119,13 +78,15 @@ def main():
         res["rand_k0"].append(ours_tps(rmodel, ids, n, 0, False)[0])
         res["rand_auto"].append(ours_tps(rmodel, ids, n, 3, True)[0])
     med = {k: statistics.median(v) for k, v in res.items()}
-    print(f"model: qwen3_5 hidden={a.hidden} layers={a.layers} vocab=4096 fp32, "
+    print(f"model: qwen3_5 hidden={a.hidden} layers={a.layers} vocab={a.vocab} {a.dtype}, "
           f"{n} tokens, {a.repeats} interleaved repeats (median tok/s)")
     for k, v in med.items():
         print(f"  {k:12s} {v:8.1f} tok/s")
     print(f"MTP off vs mlx-lm stream_generate: {med['ours_k0'] / med['mlx_lm']:.3f}x")
+    costs = measure_costs(model, ids, [1, 2, 3], reps=20)
+    t_plain, t_draft = costs["plain_s"], costs["draft_s"]
     for k in (1, 2, 3):
-        t_plain, t_verify, t_draft = pass_costs(model, ids, k)
+        t_verify = costs["verify_s"][k]
         ideal = (k + 1) / ((t_verify + k * t_draft) / t_plain)
         real = med[f"oracle_k{k}"] / med["ours_k0"]
         print(f"K={k}: verify {t_verify / t_plain:.2f} plain steps, draft {t_draft / t_plain:.2f}; "
