@@ -144,7 +144,9 @@ class BatchDecoder:
                 caches.append((c, c.conv, c.ssm, c.offset))
             else:
                 caches.append((c, c.idx, list(c.pos), c.valid, c.keys, c.values))
-        rows = [(r, r.y, r.n_out, None if r.owed is None else r.owed.copy()) for r in self.rows]
+        rows = [(r, r.y, r.n_out, None if r.owed is None else r.owed.copy(),
+                 None if r.sampler.history is None else r.sampler.history.state())
+                for r in self.rows]
         return caches, rows
 
     def _restore(self, snap):
@@ -155,8 +157,10 @@ class BatchDecoder:
                 c.clear_captured()
             else:
                 c.idx, c.pos, c.valid, c.keys, c.values = state
-        for r, y, n_out, owed in rows:
+        for r, y, n_out, owed, history in rows:
             r.y, r.n_out, r.owed = y, n_out, owed
+            if history is not None:
+                r.sampler.history.restore(history)
 
     def calibrate(self, batch_sizes=(1, 4, 16), steps: int = 3, prompt_len: int = 16) -> float:
         """Time steps of dummy batches at a few (batch size, K) cells before serving.

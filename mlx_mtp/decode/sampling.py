@@ -28,6 +28,8 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
+from .logits import TokenHistory
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -37,9 +39,34 @@ class SamplingParams:
     min_p: float = 0.0
     seed: Optional[int] = None
     coupled: bool = False  # drafts share the target's per-position noise (see module doc)
+    # On the raw logits, before temperature (``logits.py``); exact under MTP.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[Tuple[Tuple[int, float], ...]] = None  # a dict is accepted
 
     def __post_init__(self):
         problems = []
+        if isinstance(self.logit_bias, dict):  # frozen and hashable: sorted pairs
+            try:
+                pairs = tuple(sorted((int(k), v) for k, v in self.logit_bias.items()))
+            except (TypeError, ValueError):
+                pairs = None
+                problems.append("logit_bias keys must be token ids")
+            object.__setattr__(self, "logit_bias", pairs or None)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and -2 <= v <= 2):
+                problems.append(f"{name} must be a number in [-2, 2] (got {v!r})")
+        r = self.repetition_penalty
+        if not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r <= 10):
+            problems.append(f"repetition_penalty must be in (0, 10], 1 disables it (got {r!r})")
+        for tok, v in self.logit_bias or ():
+            if tok < 0:
+                problems.append(f"logit_bias token ids must be >= 0 (got {tok})")
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100):
+                problems.append(f"logit_bias values must be numbers in [-100, 100] "
+                                f"(got {v!r} for token {tok})")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             problems.append(f"temperature must be a finite number >= 0 (got {self.temperature!r})")
@@ -59,6 +86,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Penalties or a bias change the logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias)
 
 
 def log_softmax(logits: mx.array) -> mx.array:
@@ -126,6 +159,8 @@ class Sampler:
         else:
             hi, lo = mx.random.randint(0, 1 << 31, (2,)).tolist()
             self.seed = (hi << 31) | lo
+        # Tokens seen so far, for penalties and bias (None: logits go through as they are).
+        self.history = TokenHistory(params) if params.processes_logits else None
 
     def filter(self, logprobs: mx.array) -> mx.array:
         """This request's filtered distribution (rows sampling alike share one call)."""

@@ -129,6 +129,8 @@ class MTPDecoder:
             raise ValueError("The prompt is empty: at least one token is required.")
         tokens = mx.array(prompt, mx.uint32)[None]
         n = len(prompt) - 1
+        if self.sampler.history is not None:  # the repetition penalty covers the prompt
+            self.sampler.history.set_prompt(prompt)
         owed = self.row.owed
         self.snapshot_state = None
         while self.n_processed < n:

@@ -28,6 +28,7 @@ from typing import Hashable, List, Optional, Sequence
 
 import mlx.core as mx
 
+from . import logits as logits_processing
 from .noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, uniform
 from .sampling import Sampler, SamplingParams, log_softmax, sample, verify
 from .stats import SpecStats
@@ -209,6 +210,8 @@ class DecodeBatch:
                 r.owed.owe(p.h_mtp[b : b + 1, : n + 1], tokens)
             r.y = nxt
             r.n_out += n + 1
+            if r.sampler.history is not None:
+                r.sampler.history.commit(draft_ids[b * k : b * k + n] + [next_ids[b]])
             r.stats.record(p.ks[b], n)
             if r.schedule is not None:
                 r.schedule.record(p.ks[b], n)
@@ -261,7 +264,11 @@ class DecodeBatch:
         y = mx.stack([r.y for r in rows])  # (B, 1)
         _prepare(self.cache, 1)
         h_norm, h_mtp = model.trunk(y, self.cache)
-        lp = log_softmax(model.logits(h_norm[:, -1]))  # (B, V)
+        logits = model.logits(h_norm[:, -1:])  # (B, 1, V)
+        proc = logits_processing.build(rows, logits.shape[-1])
+        if proc is not None:
+            logits = proc.apply(logits)
+        lp = log_softmax(logits[:, 0])  # (B, V)
         V = lp.shape[-1]
         groups = self._groups()
 
@@ -278,6 +285,8 @@ class DecodeBatch:
                     r.owed.trim()
             r.y = toks[b : b + 1]
             r.n_out += 1
+            if r.sampler.history is not None:
+                r.sampler.history.commit(r.y)
         return _Pending(0, [0] * len(rows), toks, lp)
 
     def _owed_chunk(self):
@@ -309,11 +318,17 @@ class DecodeBatch:
         _prepare(self.mtp_cache, hidden.shape[1], lengths)
         out = model.mtp_forward(hidden, tokens, self.mtp_cache)[:, -1:]
         drafts, draft_lps = [], []  # per step j: (B,), per group (b, V)
+        proc = None
         for j in range(k):
             if j:
                 _prepare(self.mtp_cache, 1)
                 out = model.mtp_forward(out, drafts[-1][:, None], self.mtp_cache)
-            lq = log_softmax(model.draft_logits(out[:, -1]))  # (B, V)
+            draft_logits = model.draft_logits(out[:, -1:])  # (B, 1, V)
+            if j == 0:
+                proc = logits_processing.build(rows, draft_logits.shape[-1])
+            if proc is not None:  # the penalties verify row j will see
+                draft_logits = proc.apply(draft_logits, mx.stack(drafts, axis=1) if j else None)
+            lq = log_softmax(draft_logits[:, 0])  # (B, V)
             if j == 0:  # per position: coupled drafts share the target's noise
                 V = lq.shape[-1]
                 target_noise = [self._noise(g, k + 1, TARGET, V) for g in groups]
@@ -331,7 +346,8 @@ class DecodeBatch:
         inputs = mx.concatenate([mx.stack([r.y for r in rows]), drafts], axis=1)
         _prepare(self.cache, k + 1)
         h_norm, h_mtp = model.trunk(inputs, self.cache, capture=True)
-        raw = log_softmax(model.logits(h_norm))  # (B, k+1, V)
+        logits = model.logits(h_norm)  # (B, k+1, V)
+        raw = log_softmax(logits if proc is None else proc.apply(logits, drafts))
 
         # 3. accept, per group.
         def accept(g, gi):

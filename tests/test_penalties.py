@@ -1,0 +1,146 @@
+"""Penalties and logit bias under MTP: greedy identity with plain decoding and with
+mlx-lm's own processors, sampling distributed exactly as the penalised target."""
+
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy.stats import chi2 as chi2_dist
+from mlx_lm.generate import generate_step as mlx_lm_generate_step
+from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.utils import load_model as mlx_lm_load_model
+
+from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
+from mlx_mtp.decode.speculative import MTPDecoder, generate_step
+from mlx_mtp.models.loader import load_model
+
+PROMPT = [1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 18]
+REPEATING = [1, 5, 9, 22, 7, 3, 100, 20, 21, 19, 20, 21, 18]  # upcoming tokens in the prompt
+N_TOKENS = 20
+WHOLE = 10**6  # mlx-lm's context window, wide enough to cover every token
+
+
+def mtp_tokens(model, prompt, n, k, sampling):
+    dec = MTPDecoder(model, k, sampling, adaptive=False)
+    return [t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=n)], dec
+
+
+def mlx_lm_tokens(path, prompt, n, processors):
+    model, _ = mlx_lm_load_model(Path(path))
+    gen = mlx_lm_generate_step(mx.array(prompt), model, max_tokens=n,
+                               logits_processors=processors)
+    return [int(t) for t, _ in gen]
+
+
+def output_penalties(n_prompt, presence, frequency):
+    """OpenAI/vLLM presence and frequency penalties over output tokens, for mlx-lm."""
+    def processor(tokens, logits):
+        out = np.array(tokens[n_prompt:].tolist(), dtype=np.int64)
+        counts = np.bincount(out, minlength=logits.shape[-1]).astype(np.float32)
+        return logits - mx.array(frequency * counts + presence * (counts > 0))
+    return processor
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_greedy_with_repetition_penalty_and_bias_equals_mlx_lm(tiny_ckpt, family):
+    path = tiny_ckpt(family, "noisy", trunk_scale=0.1)
+    bias = {3: 2.5, 200: -4.0}
+    ref = mlx_lm_tokens(path, REPEATING, N_TOKENS, make_logits_processors(
+        logit_bias=bias, repetition_penalty=3.0, repetition_context_size=WHOLE))
+    unpenalised = mlx_lm_tokens(path, REPEATING, N_TOKENS, None)
+    assert ref != unpenalised  # the penalty changes the output
+    model, _ = load_model(Path(path))
+    params = SamplingParams(repetition_penalty=3.0, logit_bias=bias)
+    for k in (0, 1, 2, 3):
+        got, dec = mtp_tokens(model, REPEATING, N_TOKENS, k, params)
+        assert got == ref, f"K={k}"
+        if k:
+            assert dec.stats.num_accepted_tokens > 0  # drafts were accepted and penalised
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_greedy_with_presence_and_frequency_equals_plain(tiny_ckpt, family):
+    # A random model repeats itself (the oracle never does), so the penalties bite.
+    path = tiny_ckpt(family, "random")
+    n = 48
+    ref = mlx_lm_tokens(path, PROMPT, n, [output_penalties(len(PROMPT), 0.7, 0.9)])
+    assert ref != mlx_lm_tokens(path, PROMPT, n, None)
+    model, _ = load_model(Path(path))
+    params = SamplingParams(presence_penalty=0.7, frequency_penalty=0.9)
+    for k in (0, 1, 2, 3):
+        assert mtp_tokens(model, PROMPT, n, k, params)[0] == ref, f"K={k}"
+
+
+def test_logit_bias_forces_and_bans(tiny_ckpt):
+    # Random weights: logits within +-100 of each other, as in real models.
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "random")))
+    forced, _ = mtp_tokens(model, PROMPT, 8, 2, SamplingParams(logit_bias={77: 100}))
+    assert forced == [77] * 8
+    free, _ = mtp_tokens(model, PROMPT, 12, 2, SamplingParams())
+    banned = set(free[:3])
+    got, dec = mtp_tokens(model, PROMPT, 12, 2,
+                          SamplingParams(logit_bias={t: -100 for t in banned}))
+    assert not banned & set(got)
+    # Sampling too: a banned token never comes out.
+    got, _ = mtp_tokens(model, PROMPT, 12, 2, SamplingParams(
+        temperature=1.0, seed=3, logit_bias={t: -100 for t in banned}))
+    assert not banned & set(got)
+
+
+def penalised_logprobs(logits, prompt, output, params):
+    """Reference: the penalised, filtered target distribution in numpy terms."""
+    x = np.array(logits, dtype=np.float32)
+    for t, v in params.logit_bias or ():
+        x[t] += v
+    seen = sorted(set(prompt) | set(output))
+    x[seen] = np.where(x[seen] > 0, x[seen] / params.repetition_penalty,
+                       x[seen] * params.repetition_penalty)
+    counts = np.bincount(np.array(output, dtype=np.int64), minlength=len(x))
+    x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+    lp = x - np.log(np.exp(x - x.max()).sum()) - x.max()
+    return np.array(filtered_logprobs(mx.array(lp), params))
+
+
+def test_sampling_with_penalties_is_exact(tiny_ckpt):
+    """The first two tokens of a K=2 step (the second verified with the first draft
+    counted) follow the exact joint distribution of the penalised target."""
+    path = tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1)
+    model, _ = load_model(Path(path))
+    ref_model, _ = mlx_lm_load_model(Path(path))
+    # The oracle-like head is confident (logits ~100 apart): a high temperature and
+    # a bias make repeating the first token a live option the penalties act on.
+    params = SamplingParams(temperature=40.0, top_k=3, frequency_penalty=2.0,
+                            repetition_penalty=1.3, logit_bias={19: 60, 155: 60})
+
+    def target(prefix):
+        logits = ref_model(mx.array(PROMPT + prefix)[None])[0, -1]
+        return np.exp(penalised_logprobs(logits.tolist(), PROMPT, prefix, params))
+
+    p1 = target([])
+    joint = {}
+    for a in np.nonzero(p1 > 0)[0]:
+        p2 = target([int(a)])
+        for b in np.nonzero(p2 > 0)[0]:
+            joint[(int(a), int(b))] = p1[a] * p2[b]
+
+    repeat = sum(v for (a, b), v in joint.items() if a == b)
+    assert 0.01 < repeat < 0.99, joint  # the draft's own count matters at position 2
+    n_samples = 600
+    seen, accepted = Counter(), 0
+    for s in range(n_samples):
+        got, dec = mtp_tokens(model, PROMPT, 2, 2, replace(params, seed=s))
+        seen[tuple(got)] += 1
+        accepted += dec.stats.num_accepted_tokens
+    assert accepted > n_samples // 10  # the second token often came from a draft
+    assert set(seen) <= set(joint)
+    cells = [c for c in joint if joint[c] * n_samples >= 5]
+    rest = 1 - sum(joint[c] for c in cells)
+    obs = [seen[c] for c in cells] + [n_samples - sum(seen[c] for c in cells)]
+    exp = [joint[c] * n_samples for c in cells] + [rest * n_samples]
+    if exp[-1] < 1e-9:
+        obs, exp = obs[:-1], exp[:-1]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    assert chi2_dist.sf(chi2, len(obs) - 1) > 1e-3, (chi2, obs, exp)
