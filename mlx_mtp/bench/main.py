@@ -344,8 +344,8 @@ def readme_snippet(meta: dict, rows: List[dict], costs: dict,
         "1 + accepted / drafts (tokens per verify step).",
         f"- **c_verify**, **c_draft**: one trunk pass over K+1 tokens and one MTP draft call, "
         f"relative to a plain decoding step ({costs.get('plain_step_ms', float('nan')):.2f} ms "
-        "here). **ideal** = E[tokens/step] / (c_verify + K·c_draft); **efficiency** = "
-        "speedup / ideal (**realised/ideal**). **auto**: adaptive K up to the largest K.",
+        "here). **ideal** = E[tokens/step] / (c_verify + K·c_draft); **realised/ideal** = "
+        "speedup / ideal. **auto**: adaptive K up to the largest K.",
         "- **nodes/step**: graph primitives one step launches, counted with `mx.export_to_dot` "
         "on its lazy outputs (own: without the nodes of the Gated DeltaNet recurrence call, one "
         "fused kernel on Apple GPUs); **state KB/step**: recurrent state written (verify, plus "
