@@ -29,6 +29,7 @@ TIMEOUT = 420  # two cold Python+MLX starts on a shared, loaded 2-core machine
 PROMPT = [5, 17, 301, 44, 9, 120, 77, 3, 250, 61, 18]
 MAX_TOKENS = 10
 KS = [0, 1, 2, 3]
+FAMILIES = ("dense", "moe", "next", "q8", "tied")  # q8: MLX layout, 8-bit
 MEMORY_MODEL_BYTES_FRACTION = 0.7  # per-rank cap, as a fraction of the whole model
 
 
@@ -85,8 +86,12 @@ def models(tmp_path_factory):
         "dense": make_tiny(root / "dense", "qwen3_5", head="random", seed=1),
         "moe": make_tiny(root / "moe", "qwen3_5_moe", head="noisy", trunk_scale=0.2, seed=2),
         "next": make_tiny(root / "next", "qwen3_next", head="noisy", trunk_scale=0.2, seed=3),
-        # many layers, so that half of them is well under the whole
-        "deep": make_tiny(root / "deep", "qwen3_5", head="random", seed=4, num_layers=12),
+        # many layers, so that half of them is well under the whole; sharded with an index
+        "deep": make_tiny(root / "deep", "qwen3_5", head="random", seed=4, num_layers=12,
+                          shards=3),
+        # tied output projection: rank 0 keeps the embedding for it and for the MTP head
+        "tied": make_tiny(root / "tied", "qwen3_5", head="noisy", trunk_scale=0.2, seed=6,
+                          tie=True),
         # the tokenizer's whole vocabulary: text prompts stay in range
         "text": make_tiny(root / "text", "qwen3_5_moe", head="noisy", trunk_scale=0.2,
                           seed=5, vocab_size=4096),
@@ -100,7 +105,7 @@ def models(tmp_path_factory):
 def runs(models, tmp_path_factory):
     """One launch: every distributed job; returns [(job, rank 0 result, rank 1 result)]."""
     jobs = [{"name": f"{fam}-{mode}", "model": str(models[fam]), "mode": mode, "ks": KS}
-            for fam in ("dense", "moe", "next", "q8") for mode in ("pipeline", "tensor")]
+            for fam in FAMILIES for mode in ("pipeline", "tensor")]
     jobs += [{"name": f"seeded-{mode}", "model": str(models["moe"]), "mode": mode,
               "ks": [0, 2], "temp": 1.0, "seed": 11} for mode in ("pipeline", "tensor")]
     cap = int(MEMORY_MODEL_BYTES_FRACTION * model_bytes(models["deep"]))
@@ -116,8 +121,7 @@ def runs(models, tmp_path_factory):
     return {j["name"]: (j, per_rank[0][i], per_rank[1][i]) for i, j in enumerate(jobs)}
 
 
-GREEDY = [f"{fam}-{mode}" for fam in ("dense", "moe", "next", "q8")
-          for mode in ("pipeline", "tensor")]
+GREEDY = [f"{fam}-{mode}" for fam in FAMILIES for mode in ("pipeline", "tensor")]
 
 
 @pytest.mark.parametrize("name", GREEDY)
