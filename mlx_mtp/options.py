@@ -81,6 +81,14 @@ def add_sampling_arguments(p: argparse.ArgumentParser):
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
+    # Exact under MTP (decode/logits.py); serve: defaults for requests that do not set them.
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="Divide positive / multiply negative logits of tokens in the prompt "
+                        "or the output so far (1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=None,
+                   help="Subtract from the logits of tokens already in the output (-2..2)")
+    p.add_argument("--frequency-penalty", type=float, default=None,
+                   help="Subtract this times each token's count in the output (-2..2)")
 
 
 def num_draft_tokens_from_args(args) -> int:
@@ -122,10 +130,13 @@ def _in_range(k) -> bool:
     return True
 
 
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 def sampling_defaults(args, model_defaults: dict) -> dict:
     """Flags over the model's generation_config.json (keys temp, top_p, top_k, min_p)."""
     out = dict(model_defaults)
-    for name in ("temp", "top_p", "top_k", "min_p"):
+    for name in ("temp", "top_p", "top_k", "min_p") + PENALTIES:
         v = getattr(args, name, None)
         if v is not None:
             out[name] = v
@@ -140,7 +151,8 @@ def sampling_from_args(args, model_defaults: dict):
     try:
         return SamplingParams(temperature=d.get("temp", 0.0), top_p=d.get("top_p", 1.0),
                               top_k=d.get("top_k", 0), min_p=d.get("min_p", 0.0),
-                              seed=getattr(args, "seed", None))
+                              seed=getattr(args, "seed", None),
+                              **{name: d[name] for name in PENALTIES if name in d})
     except ValueError as e:
         raise UserError(str(e))
 

@@ -144,3 +144,64 @@ def test_sampling_with_penalties_is_exact(tiny_ckpt):
         obs, exp = obs[:-1], exp[:-1]
     chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
     assert chi2_dist.sf(chi2, len(obs) - 1) > 1e-3, (chi2, obs, exp)
+
+
+# --- server -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def penalty_server(tiny_ckpt, tmp_path_factory):
+    import signal
+
+    from test_server_e2e import ServerProcess
+
+    path = tiny_ckpt("qwen3_5", "random")
+    srv = ServerProcess(path, tmp_path_factory.mktemp("penalties"), "--fixed-k")
+    srv.path = path
+    yield srv
+    assert srv.stop(signal.SIGINT) == 0, srv.logs()
+
+
+def completion_ids(srv, **body):
+    import httpx
+
+    body = dict(prompt=PROMPT, max_tokens=16, temperature=0, logprobs=1, **body)
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_server_applies_penalties_and_bias_exactly(penalty_server):
+    """The API's penalties and bias give plain decoding's output with the same settings."""
+    from tokenizers import Tokenizer
+
+    srv = penalty_server
+    model, _ = load_model(Path(srv.path))
+    decode = Tokenizer.from_file(str(Path(srv.path) / "tokenizer.json")).decode
+    for fields, params in (
+        (dict(presence_penalty=0.7, frequency_penalty=0.9),
+         SamplingParams(presence_penalty=0.7, frequency_penalty=0.9)),
+        (dict(repetition_penalty=1.5, logit_bias={"7": 5.0, "82": -100}),
+         SamplingParams(repetition_penalty=1.5, logit_bias={7: 5.0, 82: -100})),
+    ):
+        want, _ = mtp_tokens(model, PROMPT, 16, 0, params)
+        got = completion_ids(srv, **fields)
+        assert got["choices"][0]["text"] == decode(want), fields
+    plain = completion_ids(srv)["choices"][0]["text"]
+    assert plain != completion_ids(srv, presence_penalty=0.7, frequency_penalty=0.9)[
+        "choices"][0]["text"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"999999": 1}), ("logit_bias", {"x": 1}),
+    ("logit_bias", [1, 2]),
+])
+def test_server_rejects_out_of_range_values(penalty_server, field, value):
+    import httpx
+
+    r = httpx.post(penalty_server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"]

@@ -57,15 +57,6 @@ MAX_STOP_CHARS = 256
 
 
 # --- request parameters ----------------------------------------------------------------
-_warned = set()
-
-
-def _warn_once(key: str, msg: str):
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(msg)
-
-
 def check_model(state: ServerState, req):
     if req.model is not None and req.model not in state.aliases:
         raise APIError(404, f"The model `{req.model}` does not exist. This server serves "
@@ -84,6 +75,35 @@ def check_stop(stop) -> List[str]:
     return [s for s in stop if s]
 
 
+def _or(value, default):
+    return default if value is None else value
+
+
+def check_logit_bias(bias, vocab_size: int):
+    """OpenAI's ``logit_bias``: token id (a JSON string) -> bias in [-100, 100]."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise bad_request("logit_bias must be an object mapping token ids to biases.",
+                          param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            raise bad_request(f"logit_bias keys must be token ids (got {key!r}).",
+                              param="logit_bias")
+        if not 0 <= tok < vocab_size:
+            raise bad_request(f"logit_bias token id {tok} is outside the vocabulary "
+                              f"(0..{vocab_size - 1}).", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -100 <= value <= 100:
+            raise bad_request(f"logit_bias values must be numbers in [-100, 100] "
+                              f"(got {value!r} for token {tok}).", param="logit_bias")
+        out[tok] = float(value)
+    return out or None
+
+
 def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[int],
                    prompt_param: str = "messages"):
     """Validate generation fields shared by both endpoints -> engine keyword arguments."""
@@ -93,15 +113,8 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
     check_model(state, req)
     if req.n is not None and req.n != 1:
         raise bad_request("Only n=1 is supported.", param="n")
-    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                          ("repetition_penalty", 1.0)):
-        v = getattr(req, name)
-        if v is not None and v != neutral:
-            _warn_once(name, f"{name} is not supported with speculative decoding yet; "
-                       "it is ignored.")
     extra = req.model_extra or {}
-    if extra.get("logit_bias"):
-        raise bad_request("logit_bias is not supported.", param="logit_bias")
+    logit_bias = check_logit_bias(extra.get("logit_bias"), state.vocab_size)
     rf = extra.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise bad_request("response_format (structured output) is not supported.",
@@ -142,6 +155,10 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
             top_k=top_k,
             min_p=req.min_p if req.min_p is not None else d.get("min_p", 0.0),
             seed=seed,
+            presence_penalty=_or(req.presence_penalty, d.get("presence_penalty", 0.0)),
+            frequency_penalty=_or(req.frequency_penalty, d.get("frequency_penalty", 0.0)),
+            repetition_penalty=_or(req.repetition_penalty, d.get("repetition_penalty", 1.0)),
+            logit_bias=logit_bias,
         )
     except ValueError as e:
         msg = str(e)
