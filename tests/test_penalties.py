@@ -146,6 +146,24 @@ def test_sampling_with_penalties_is_exact(tiny_ckpt):
     assert chi2_dist.sf(chi2, len(obs) - 1) > 1e-3, (chi2, obs, exp)
 
 
+def test_batched_rows_with_different_penalties_equal_solo(tiny_ckpt):
+    """Rows with and without penalties share a batch (staggered joins, leaves); each
+    row's greedy and seeded output equals its own solo decode."""
+    from test_batch import run_batch
+
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1)))
+    prompts = [REPEATING, PROMPT, PROMPT[:5], REPEATING[3:]]
+    params = [SamplingParams(repetition_penalty=3.0, logit_bias={3: 2.5}),
+              SamplingParams(),
+              SamplingParams(temperature=1.5, seed=7, frequency_penalty=2.0,
+                             repetition_penalty=1.3),
+              SamplingParams(presence_penalty=1.5, frequency_penalty=2.0)]
+    outs, bd = run_batch(model, 3, prompts, params, n=12)
+    for i, (pr, sp) in enumerate(zip(prompts, params)):
+        # greedy: plain decoding; seeded sampling: the same row decoded alone (same K)
+        assert outs[i] == mtp_tokens(model, pr, 12, 0 if sp.greedy else 3, sp)[0], i
+
+
 # --- server -------------------------------------------------------------------------------
 
 
