@@ -183,7 +183,7 @@ def penalty_server(tiny_ckpt, tmp_path_factory):
 def completion_ids(srv, **body):
     import httpx
 
-    body = dict(prompt=PROMPT, max_tokens=16, temperature=0, logprobs=1, **body)
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "logprobs": 1, **body}
     r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
@@ -210,7 +210,30 @@ def test_server_applies_penalties_and_bias_exactly(penalty_server):
         "choices"][0]["text"]
 
 
+def test_server_n_choices(penalty_server):
+    """n=2: two rows of the batch; choice 0 is the n=1 answer with the same seed, choice
+    1 another seed's answer; usage counts the prompt once and sums the completions."""
+    srv = penalty_server
+    sampled = dict(temperature=1.0, seed=11, max_tokens=12)
+    one = completion_ids(srv, **sampled)
+    two = completion_ids(srv, n=2, **sampled)
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    assert two["choices"][0]["text"] == one["choices"][0]["text"]
+    assert two["choices"][1]["text"] != two["choices"][0]["text"]
+    assert two["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    assert two["usage"]["completion_tokens"] == 24
+    assert two["usage"]["total_tokens"] == one["usage"]["prompt_tokens"] + 24
+    import httpx
+
+    chat = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 5,
+        "temperature": 0}).json()
+    texts = [c["message"]["content"] for c in chat["choices"]]
+    assert len(texts) == 3 and len(set(texts)) == 1  # greedy: three equal choices
+
+
 @pytest.mark.parametrize("field,value", [
+    ("n", 0), ("n", 17),
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
     ("logit_bias", {"5": 101}), ("logit_bias", {"999999": 1}), ("logit_bias", {"x": 1}),
     ("logit_bias", [1, 2]),

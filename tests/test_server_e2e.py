@@ -368,7 +368,7 @@ BAD = [
      400, "context_length_exceeded"),
     ("negative max_tokens", "/v1/chat/completions", {"messages": MSG, "max_tokens": -5}, 400,
      None),
-    ("n > 1", "/v1/chat/completions", {"messages": MSG, "n": 3}, 400, None),
+    ("n too large", "/v1/chat/completions", {"messages": MSG, "n": 99}, 400, None),
     ("bad top_p", "/v1/chat/completions", {"messages": MSG, "top_p": 5}, 400, None),
     ("too many top_logprobs", "/v1/chat/completions",
      {"messages": MSG, "logprobs": True, "top_logprobs": 99}, 400, None),

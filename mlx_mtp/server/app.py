@@ -28,7 +28,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -49,6 +49,7 @@ log = logging.getLogger("mlx_mtp.server")
 KEEPALIVE_SECONDS = 10.0  # SSE comment while nothing else is sent (long prefill)
 FIRST_EVENT_WAIT = 2.0  # wait this long for the first event so early failures get a status
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16  # n: independent choices of one request, each a row of the batch
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 # Stop strings: OpenAI allows 4; a few more for clients that send their own set. Both caps
 # bound the per-step hold-back and matching work of a stream.
@@ -111,8 +112,11 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
     from ..decode import check_num_draft_tokens
 
     check_model(state, req)
-    if req.n is not None and req.n != 1:
-        raise bad_request("Only n=1 is supported.", param="n")
+    n = 1 if req.n is None else req.n
+    if isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be between 1 and {MAX_CHOICES} (got {req.n}).", param="n")
+    if n > 1 and getattr(req, "stream", False):
+        raise bad_request("n > 1 is not supported with stream=true.", param="n")
     extra = req.model_extra or {}
     logit_bias = check_logit_bias(extra.get("logit_bias"), state.vocab_size)
     rf = extra.get("response_format")
@@ -176,6 +180,33 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
     stop = check_stop(req.stop)
     return dict(max_tokens=max_tokens, sampling=sampling, stop=stop, num_draft_tokens=k,
                 cache_prompt=req.cache_prompt is not False)
+
+
+def choice_kwargs(kw: dict, i: int) -> dict:
+    """Engine arguments of choice ``i``: a seed derived per choice (choice 0 keeps the
+    request's seed, so n=1 and the first of n agree); unseeded choices draw their own."""
+    sampling = kw["sampling"]
+    if i == 0 or sampling.seed is None:
+        return kw
+    seed = (sampling.seed + i * 0x9E3779B97F4A7C15) % (1 << 64)
+    return dict(kw, sampling=replace(sampling, seed=seed))
+
+
+def merge_choices(results: List[dict]) -> dict:
+    """n whole responses of one prompt -> one response with n choices; usage sums the
+    completions (the prompt counts once), as OpenAI's does."""
+    out = dict(results[0])
+    out["choices"] = [dict(r["choices"][0], index=i) for i, r in enumerate(results)]
+    completion = sum(r["usage"]["completion_tokens"] for r in results)
+    out["usage"] = dict(results[0]["usage"], completion_tokens=completion,
+                        total_tokens=results[0]["usage"]["prompt_tokens"] + completion)
+    out["timings"] = dict(results[0]["timings"], **{
+        k: sum(r["timings"][k] for r in results)
+        for k in ("predicted_n", "draft_n", "draft_n_accepted")})
+    out["mtp"] = dict(results[0]["mtp"], **{
+        k: sum(r["mtp"][k] for r in results)
+        for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")})
+    return out
 
 
 def _parse_off_loop(raw: bytes, model_cls, tok=None):
@@ -406,6 +437,24 @@ def create_app(state: ServerState, guard: Optional[GuardConfig] = None):
                                  headers={"Cache-Control": "no-cache",
                                           "X-Accel-Buffering": "no"})
 
+    async def run_choices(request: Request, kw: dict, n: int, make_fmt, prompt: List[int],
+                          boundaries: List[int], logprobs: Optional[int], stream: bool,
+                          include_usage: bool):
+        """``n`` choices as ``n`` rows of the running batch (not streamed when n > 1)."""
+        if n == 1:
+            return await run_request(request, kw, prompt, boundaries, logprobs, make_fmt(),
+                                     stream, include_usage)
+        tasks = [asyncio.ensure_future(run_request(request, choice_kwargs(kw, i), prompt,
+                                                   boundaries, logprobs, make_fmt(), False,
+                                                   False)) for i in range(n)]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:  # one failed or the client left: free the other rows
+                t.cancel()
+        gone = next((r for r in results if isinstance(r, Response)), None)
+        return gone if gone is not None else merge_choices(results)
+
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -426,13 +475,17 @@ def create_app(state: ServerState, guard: Optional[GuardConfig] = None):
         elif req.top_logprobs:
             raise bad_request("top_logprobs requires logprobs=true.", param="top_logprobs")
         parse_tools = prepared.tools is not None and state.tool_call_parser != "none"
-        fmt = ChatFormatter(state, req.model or state.model_name, prepared, logprobs,
-                            parse_tools)
-        if prepared.forced_prefix:  # a forced tool call: the parser reads its opening first
-            fmt.parser.feed(prepared.forced_prefix)
+
+        def make_fmt():
+            fmt = ChatFormatter(state, req.model or state.model_name, prepared, logprobs,
+                                parse_tools)
+            if prepared.forced_prefix:  # a forced tool call: the parser reads its opening
+                fmt.parser.feed(prepared.forced_prefix)
+            return fmt
+
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run_request(request, kw, prepared.ids, prepared.boundaries, logprobs, fmt,
-                                 bool(req.stream), include_usage)
+        return await run_choices(request, kw, req.n or 1, make_fmt, prepared.ids,
+                                 prepared.boundaries, logprobs, bool(req.stream), include_usage)
 
     @app.post("/v1/completions")
     @app.post("/completions")
@@ -452,10 +505,12 @@ def create_app(state: ServerState, guard: Optional[GuardConfig] = None):
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}.",
                               param="logprobs")
-        fmt = CompletionFormatter(state, req.model or state.model_name, logprobs)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run_request(request, kw, ids, [len(ids) - 1] if len(ids) > 1 else [],
-                                 logprobs, fmt, bool(req.stream), include_usage)
+        return await run_choices(
+            request, kw, req.n or 1,
+            lambda: CompletionFormatter(state, req.model or state.model_name, logprobs),
+            ids, [len(ids) - 1] if len(ids) > 1 else [], logprobs, bool(req.stream),
+            include_usage)
 
     from . import anthropic, openai_responses
 
