@@ -37,7 +37,7 @@ class TokenHistory:
         self.params = params
         self.prompt = list(prompt)
         self.counts: Optional[mx.array] = None  # (V,) float32, generated tokens
-        self.seen: Optional[mx.array] = None  # (V,) float32 0/1, prompt + generated
+        self.seen: Optional[mx.array] = None  # (V,) float32, > 0: in prompt or output
         self.bias: Optional[mx.array] = None  # (V,) float32 when logit_bias is set
 
     def set_prompt(self, prompt: Sequence[int]):
@@ -66,7 +66,7 @@ class TokenHistory:
             return  # nothing built yet: the first use counts from the prompt on
         ids = tokens if isinstance(tokens, mx.array) else mx.array(tokens, mx.uint32)
         self.counts = self.counts.at[ids.reshape(-1)].add(1.0)
-        self.seen = mx.minimum(self.seen.at[ids.reshape(-1)].add(1.0), 1.0)
+        self.seen = self.seen.at[ids.reshape(-1)].add(1.0)  # only > 0 matters
 
     def state(self):
         return self.counts, self.seen
@@ -102,6 +102,9 @@ class LogitsProcessing:
         self.pres = coef("presence_penalty", 0.0)
         self.any_rep = any(h is not None and h.params.repetition_penalty != 1.0
                            for h in histories)
+        self.any_count = any(h is not None and (h.params.presence_penalty
+                                                or h.params.frequency_penalty)
+                             for h in histories)
         self.bias = None
         if any(h is not None and h.bias is not None for h in histories):
             self.bias = mx.stack([h.bias if h is not None and h.bias is not None
@@ -113,6 +116,10 @@ class LogitsProcessing:
         tokens (verify: T = P + 1; one draft call: T = 1)."""
         x = logits.astype(mx.float32)
         B, T, V = x.shape
+        if self.bias is not None:
+            x = x + self.bias
+        if not (self.any_rep or self.any_count):
+            return x
         counts = self.counts[:, None]  # (B, 1, V)
         seen = self.seen[:, None]
         if pending is not None and pending.shape[1] > 0:
@@ -120,13 +127,13 @@ class LogitsProcessing:
             cum = mx.cumsum(one_hot_counts(pending, V), axis=1)  # (B, P, V)
             cum = mx.concatenate([mx.zeros((B, 1, V), mx.float32), cum], axis=1)[:, P + 1 - T:]
             counts = counts + cum
-            seen = mx.minimum(seen + cum, 1.0)
-        if self.bias is not None:
-            x = x + self.bias
+            seen = seen + cum
         if self.any_rep:
             scaled = mx.where(x > 0, x / self.rep, x * self.rep)
             x = mx.where(seen > 0, scaled, x)
-        return x - self.freq * counts - self.pres * (counts > 0)
+        if self.any_count:
+            x = x - self.freq * counts - self.pres * (counts > 0)
+        return x
 
 
 def build(rows, vocab_size: int) -> Optional[LogitsProcessing]:
