@@ -42,7 +42,12 @@ def main():
     group = mx.distributed.init()
     with open(sys.argv[1]) as f:
         jobs = json.load(f)
-    results = [run(job, group) for job in jobs]
+    results = []
+    with open(f"{sys.argv[2]}.{group.rank()}.log", "w") as log:  # progress, for a timeout
+        for job in jobs:
+            log.write(f"start {job.get('name')}\n")
+            log.flush()
+            results.append(run(job, group))
     with open(f"{sys.argv[2]}.{group.rank()}", "w") as f:
         json.dump(results, f)
 

@@ -56,13 +56,14 @@ def free_port_base(n: int = 4) -> int:
     raise RuntimeError("no free ports")
 
 
-def launch(*argv, timeout=TIMEOUT) -> subprocess.CompletedProcess:
+def launch(*argv, timeout=TIMEOUT, progress=None) -> subprocess.CompletedProcess:
     cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port",
            str(free_port_base()), "--", sys.executable, *map(str, argv)]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"mlx.launch did not finish in {timeout}s: {e.stderr!r}")
+        logs = {p.name: p.read_text()[-300:] for p in progress or [] if p.exists()}
+        pytest.fail(f"mlx.launch did not finish in {timeout}s; ranks' progress: {logs}")
 
 
 def single_process(path, ks, temp=0.0, seed=None) -> dict:
@@ -115,7 +116,8 @@ def runs(models, tmp_path_factory):
         j.update(prompt=PROMPT, max_tokens=MAX_TOKENS)
     d = tmp_path_factory.mktemp("runs")
     (d / "jobs.json").write_text(json.dumps(jobs))
-    proc = launch(RANK_SCRIPT, d / "jobs.json", d / "out")
+    proc = launch(RANK_SCRIPT, d / "jobs.json", d / "out",
+                  progress=[d / f"out.{r}.log" for r in (0, 1)])
     # mlx.launch exits 0 even when a rank failed: the ranks' result files tell
     if proc.returncode or not all((d / f"out.{r}").exists() for r in (0, 1)):
         pytest.fail(f"a rank failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
