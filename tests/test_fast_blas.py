@@ -31,7 +31,8 @@ CHILD = textwrap.dedent("""
     cases = [((1, 300), (300, 200), 0, 0), ((3, 300), (300, 200), 0, 0),
              ((64, 128), (128, 96), 0, 0), ((300, 5), (200, 300), 1, 1),
              ((7, 64), (32, 64), 0, 1), ((64, 7), (64, 32), 1, 0),
-             ((2, 3, 64), (2, 64, 40), 0, 0), ((4, 1, 128), (128, 64), 0, 0)]
+             ((2, 3, 64), (2, 64, 40), 0, 0), ((4, 1, 128), (128, 64), 0, 0),
+             ((1, 2048), (2048, 1024), 0, 0)]
     out = {}
     for i, (sa, sb, ta, tb) in enumerate(cases):
         a = mx.array(rng.standard_normal(sa).astype(np.float32))
@@ -45,7 +46,9 @@ CHILD = textwrap.dedent("""
     print(json.dumps({"shim_mapped": "openblas-shim-" in maps, "active": blas.active(),
                       "describe": blas.describe()}))
 """)
-SINGLE_ROW = ("f32_0",)  # a product with one row: routed to the reference BLAS
+# One row times a large weight: routed to the reference BLAS (one row times a small one,
+# f32_0, goes to OpenBLAS).
+SINGLE_ROW = ("f32_8",)
 
 
 def clean_env(tmp_path, **extra):
@@ -84,7 +87,7 @@ def reference(cache_home, tmp_path_factory):
 def test_import_loads_shim_in_process_and_results_match(cache_home, reference, tmp_path):
     got, info = run_child(tmp_path, clean_env(cache_home))
     assert info["shim_mapped"] and info["active"], info
-    assert "OpenBLAS for products of >= 2 rows" in info["describe"]
+    assert "OpenBLAS for products of >= 2 rows and small ones" in info["describe"]
     assert reference["f64"].dtype == np.float64
     for k in reference:
         if k in SINGLE_ROW:  # same library, same arithmetic: bit-identical
@@ -97,8 +100,8 @@ def test_single_rows_go_to_openblas_when_asked(cache_home, reference, tmp_path):
     got, info = run_child(tmp_path, clean_env(cache_home, MLX_MTP_BLAS_MIN_ROWS="1"))
     assert info["active"]
     # OpenBLAS rounds a 1-row product differently from the reference loop: proof it ran there.
-    assert not np.array_equal(got["f32_0"], reference["f32_0"])
-    np.testing.assert_allclose(got["f32_0"], reference["f32_0"], rtol=1e-5, atol=1e-5)
+    assert not np.array_equal(got["f32_8"], reference["f32_8"])
+    np.testing.assert_allclose(got["f32_8"], reference["f32_8"], rtol=1e-5, atol=1e-5)
 
 
 def test_bad_openblas_path_falls_back_to_reference(cache_home, reference, tmp_path):

@@ -39,7 +39,8 @@ SHIM_SOURCE = Path(__file__).parent / "csrc" / "openblas_shim.c"
 SHIM_PREFIX = "openblas-shim-"
 ENV_MODE = "MLX_MTP_BLAS"  # default for --blas
 ENV_OPENBLAS = "MLX_MTP_OPENBLAS"  # the library the shim loads
-ENV_MIN_ROWS = "MLX_MTP_BLAS_MIN_ROWS"  # products with fewer rows (or columns) stay on reference
+ENV_MIN_ROWS = "MLX_MTP_BLAS_MIN_ROWS"  # products with fewer rows (or columns) are "thin"
+ENV_SMALL = "MLX_MTP_BLAS_SMALL"  # thin products with a smaller weight still go to OpenBLAS
 
 # Why this process is on the reference BLAS (for describe()).
 _reason = "the OpenBLAS shim was not loaded"
@@ -127,6 +128,16 @@ _shim = None  # the loaded shim (ctypes.CDLL), once preload() succeeded
 _configured = False
 
 
+def small_elems() -> int:
+    """Thin (single-row) products go to OpenBLAS while their weight has fewer elements
+    than this ($MLX_MTP_BLAS_SMALL, default 1.3M: measured crossover between 1.05M, where
+    OpenBLAS is faster for one row, and 1.57M, where the reference BLAS is)."""
+    try:
+        return max(0, int(os.environ.get(ENV_SMALL, "1300000")))
+    except ValueError:
+        return 1300000
+
+
 def min_rows() -> int:
     """Smallest row and column count routed to OpenBLAS ($MLX_MTP_BLAS_MIN_ROWS, default 2)."""
     try:
@@ -174,7 +185,8 @@ def preload() -> bool:
         # Read by the shim on its first call; an explicit $MLX_MTP_OPENBLAS wins.
         os.environ.setdefault(ENV_OPENBLAS, str(openblas))
         _shim = ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL)
-        _shim.mlx_mtp_shim_configure(1, min_rows())
+        _shim.mlx_mtp_shim_configure.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        _shim.mlx_mtp_shim_configure(1, min_rows(), small_elems())
     except Exception as e:  # a platform nicety must never stop the import
         _shim, _reason = None, f"loading the OpenBLAS shim failed: {e}"
     return _shim is not None
@@ -189,7 +201,7 @@ def _use_reference(why: str):
     global _reason
     _reason = why
     if _shim is not None:
-        _shim.mlx_mtp_shim_configure(0, min_rows())
+        _shim.mlx_mtp_shim_configure(0, min_rows(), small_elems())
 
 
 def configure(mode: Optional[str] = None, rtol: float = 1e-4):
@@ -205,7 +217,7 @@ def configure(mode: Optional[str] = None, rtol: float = 1e-4):
         _use_reference("requested with --blas reference")
         return
     if _shim is not None:
-        _shim.mlx_mtp_shim_configure(1, min_rows())
+        _shim.mlx_mtp_shim_configure(1, min_rows(), small_elems())
     if not active():
         if _shim is not None:
             _reason = f"the shim could not use ${ENV_OPENBLAS} ({os.environ.get(ENV_OPENBLAS)})"
@@ -293,8 +305,9 @@ def setup(args):
 def describe() -> str:
     """One line for logs: which BLAS runs MLX's CPU matmuls, and why."""
     if active():
-        return (f"CPU matmuls: OpenBLAS for products of >= {min_rows()} rows, reference BLAS "
-                f"below (mlx-mtp shim, numpy's {Path(os.environ.get(ENV_OPENBLAS, '?')).name})")
+        return (f"CPU matmuls: OpenBLAS for products of >= {min_rows()} rows and small ones, "
+                f"reference BLAS for single rows of large weights (mlx-mtp shim, numpy's "
+                f"{Path(os.environ.get(ENV_OPENBLAS, '?')).name})")
     if not reference_blas_in_use():
         return "CPU matmuls: MLX's built-in BLAS"
     return f"CPU matmuls: reference BLAS ({_reason})"

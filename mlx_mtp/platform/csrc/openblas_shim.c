@@ -7,10 +7,10 @@
  * libmlx's cblas_* references bind here, and we forward them to that OpenBLAS, widening the int
  * dimensions to 64 bits.
  *
- * Routing (mlx_mtp_shim_configure): products with a single row or column (decoding one token)
- * are faster on the reference BLAS here, multi-row ones (verify passes, batches, prompts) on
- * OpenBLAS, so by default only products with at least `min_rows` rows and columns go to
- * OpenBLAS; use_openblas = 0 sends everything to the reference BLAS (e.g. after a failed
+ * Routing (mlx_mtp_shim_configure): multi-row products (verify passes, batches, prompts) go to
+ * OpenBLAS. A product with fewer than `min_rows` rows or columns (decoding one token) goes to
+ * OpenBLAS only while its other operand is small (< `small_elems` elements): on large weights
+ * the reference BLAS's simple loop streams memory as fast or faster for a single row; use_openblas = 0 sends everything to the reference BLAS (e.g. after a failed
  * check) without restarting the process.
  *
  * Safety: the OpenBLAS path comes from $MLX_MTP_OPENBLAS. If it is unset, cannot be loaded, or
@@ -61,6 +61,7 @@ static dgemm64_fn ob_dgemm;
 static cgemm64_fn ob_cgemm;
 static volatile int use_openblas = 1;
 static volatile long min_rows = 2;
+static volatile long small_elems = 1300000L;
 
 static void load_openblas(void) {
   const char *path = getenv("MLX_MTP_OPENBLAS");
@@ -80,10 +81,12 @@ static void load_openblas(void) {
   }
 }
 
-/* use: 0 = every product on the reference BLAS; rows: smallest M and N sent to OpenBLAS. */
-void mlx_mtp_shim_configure(int use, long rows) {
+/* use: 0 = every product on the reference BLAS; rows: smallest M and N always sent to
+ * OpenBLAS; small: thinner products go to OpenBLAS while K * max(M, N) stays below this. */
+void mlx_mtp_shim_configure(int use, long rows, long small) {
   use_openblas = use;
   min_rows = rows < 1 ? 1 : rows;
+  small_elems = small;
 }
 
 int mlx_mtp_shim_uses_openblas(void) {
@@ -91,8 +94,10 @@ int mlx_mtp_shim_uses_openblas(void) {
   return ob_sgemm != NULL && use_openblas;
 }
 
-static int route_openblas(int m, int n) {
-  return mlx_mtp_shim_uses_openblas() && m >= min_rows && n >= min_rows;
+static int route_openblas(int m, int n, int k) {
+  if (!mlx_mtp_shim_uses_openblas()) return 0;
+  if (m >= min_rows && n >= min_rows) return 1;
+  return (long)k * (m > n ? m : n) < small_elems;
 }
 
 /* ---- Fallback: the next definition of the same symbol ----
@@ -148,7 +153,7 @@ static void load_reference(void) {
 /* ---- The exported cblas entry points (standard signatures, int dimensions) ---- */
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
                  int lda, const float *b, int ldb, float beta, float *c, int ldc) {
-  if (route_openblas(m, n)) {
+  if (route_openblas(m, n, k)) {
     ob_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
@@ -158,7 +163,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
 
 void cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha, const double *a,
                  int lda, const double *b, int ldb, double beta, double *c, int ldc) {
-  if (route_openblas(m, n)) {
+  if (route_openblas(m, n, k)) {
     ob_dgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
@@ -169,7 +174,7 @@ void cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha, c
 void cblas_cgemm(int order, int ta, int tb, int m, int n, int k, const void *alpha,
                  const void *a, int lda, const void *b, int ldb, const void *beta, void *c,
                  int ldc) {
-  if (route_openblas(m, n)) {
+  if (route_openblas(m, n, k)) {
     ob_cgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
