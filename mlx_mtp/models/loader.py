@@ -236,6 +236,9 @@ def load_tokenizer(path: Path, config: dict):
 def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str] = None,
          dtype: Optional[mx.Dtype] = None, lazy: bool = False):
     """Load model and tokenizer. ``path=None`` loads the embedded demo model."""
+    from ..platform import blas
+
+    blas.ensure_configured()  # Linux CPU: OpenBLAS for multi-row matmuls, checked once
     p = resolve_model_path(path)
     model, config = load_model(p, mtp=mtp, mtp_hidden=mtp_hidden, dtype=dtype, lazy=lazy)
     return model, load_tokenizer(p, config)

@@ -43,6 +43,7 @@ from ..decode.batch import BatchDecoder, BatchStepError
 from ..decode.speculative import MTPDecoder, SpecStats, StepOutput
 from ..decode.text_stream import TextStream, token_bytes
 from ..models.hybrid import CHUNKED_MIN_TOKENS
+from ..models.layout import check_acceptance
 from .metrics import ServerMetrics
 from .prefix_cache import PrefixCache
 
@@ -158,6 +159,7 @@ class Engine:
         self.prefill_grid = min(PREFILL_GRID, prefill_step_size)
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0, 0)
         self.metrics = metrics or ServerMetrics(model_name)
+        self.model_name = model_name
         self.metrics.num_requests_running.fn = lambda: len(self.running)
         self.metrics.num_requests_waiting.fn = lambda: len(self.waiting) + len(self._incoming)
         self.max_queue = max_queue
@@ -490,6 +492,8 @@ class Engine:
         req, stats = seq.req, seq.dec.stats
         self._remove(seq)
         self.total_stats.merge(stats)
+        check_acceptance(self.total_stats.num_draft_tokens,
+                         self.total_stats.num_accepted_tokens, self.model_name)
         P, C = len(req.prompt), seq.n_generated
         prompt_s = (seq.t_prefill_done or now) - seq.t_admit
         gen_s = now - (seq.t_prefill_done or now)
