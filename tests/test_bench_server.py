@@ -1,6 +1,5 @@
 """Server-mode benchmark against a stub OpenAI-compatible SSE server (and the real one)."""
 
-import importlib
 import json
 import os
 import socket
@@ -241,16 +240,6 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _server_importable() -> bool:
-    """The module ``mlx-mtp serve`` runs (being written concurrently)."""
-    try:
-        importlib.import_module("mlx_mtp.server.app")
-        return True
-    except Exception:
-        return False
-
-
-@pytest.mark.skipif(not _server_importable(), reason="mlx_mtp.server is not available yet")
 def test_real_server_bench(tmp_path):
     from mlx_mtp.testing.tiny import make_tiny
 

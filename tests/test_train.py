@@ -202,7 +202,6 @@ def test_corpus_builder_licenses_files_and_split(tmp_path):
 # --- the shipped demo model -----------------------------------------------------
 
 
-@pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").exists(), reason="demo model not built")
 def test_demo_model_loads_generates_and_mtp_is_lossless():
     from mlx_mtp.decode.sampling import SamplingParams
     from mlx_mtp.decode.speculative import generate_step
