@@ -444,7 +444,9 @@ def test_generation_warns_when_head_accepts_nothing(tiny_ckpt, caplog):
     model, tokenizer = load(tiny_ckpt("qwen3_5", "random"))
     layout._warned.discard(model.model_type)
     with caplog.at_level(logging.WARNING, logger="mlx_mtp"):
-        for r in stream_generate(model, tokenizer, "def f(x):", max_tokens=40,
+        # Token ids, not text: the tiny model's vocabulary (512) is smaller than the
+        # tokenizer's, and an out-of-range id would read past the embedding table.
+        for r in stream_generate(model, tokenizer, [5, 17, 42, 99, 7], max_tokens=40,
                                  num_draft_tokens=3, adaptive=False):
             pass
     assert r.spec.num_draft_tokens >= layout.WARMUP_DRAFT_TOKENS
