@@ -187,8 +187,8 @@ def measure_costs(model, ids: Sequence[int], ks: Sequence[int], reps: int = 7,
         _restore(dec.cache, saved)
 
         def draft():
-            h = model.mtp_forward(hidden, y, dec.mtp_cache)
-            return [mx.argmax(log_softmax(model.logits(h[:, -1])), axis=-1),
+            h = model.mtp_forward(hidden, y, dec.mtp_cache)  # the head drafts from draft_logits
+            return [mx.argmax(log_softmax(model.draft_logits(h[:, -1])), axis=-1),
                     *[a for c in dec.mtp_cache for a in c.state if a is not None]]
         passes["draft"] = (draft, dec.mtp_cache)
     base = {name: _save(caches) for name, (_, caches) in passes.items()}
