@@ -4,18 +4,14 @@ Playwright), its event stream, and the snapshot the dashboard shows."""
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from mlx_mtp.server.dashboard import DashboardFeed
 from mlx_mtp.server.metrics import ServerMetrics
+from server_process import ServerProcess
 
 CHROMIUM = os.environ.get("MLX_MTP_CHROMIUM", "/usr/bin/chromium")
 # The network is closed: without these, chromium keeps trying to reach Google's hosts.
@@ -27,47 +23,6 @@ PROMPT = "Tell me about speculative decoding."
 MAX_TOKENS = 24
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``mlx-mtp serve`` as a process on 127.0.0.1 (``wait`` once it is started)."""
-
-    def __init__(self, ckpt: Path, work: Path, *flags):
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log_path = work / f"server-{self.url.rsplit(':', 1)[1]}.log"
-        env = dict(os.environ, HF_HOME=str(work / "hf-home"), HF_HUB_OFFLINE="1",
-                   MLX_MTP_BLAS="reference")
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mlx_mtp.cli", "serve", "--model", str(ckpt),
-                 "--port", self.url.rsplit(":", 1)[1], "--log-level", "WARNING", *flags],
-                stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    def wait(self, timeout: float = 180):
-        deadline = time.time() + timeout
-        while self.proc.poll() is None and time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.proc.kill()
-        raise RuntimeError(f"server did not start:\n{self.log_path.read_text()}")
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            assert self.proc.wait(20) == 0, self.log_path.read_text()
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"server ignored SIGINT:\n{self.log_path.read_text()}")
-
-
 @pytest.fixture(scope="module")
 def servers(tiny_ckpt, tmp_path_factory):
     """Two servers on a tiny checkpoint whose MTP head is partly right, started together:
@@ -76,15 +31,16 @@ def servers(tiny_ckpt, tmp_path_factory):
     (no key: the Host/Origin guard is on) without MTP."""
     ckpt = tiny_ckpt("qwen3_5", "noisy", vocab_size=4096, trunk_scale=2.0, fc_noise=1.0)
     work = tmp_path_factory.mktemp("dashboard")
-    keyed = Server(ckpt, work, "--api-key", KEY, "--max-concurrency", "4", "--fixed-k")
-    open_ = Server(ckpt, work, "--no-mtp", "--max-concurrency", "2")
+    keyed = ServerProcess(ckpt, work, "--api-key", KEY, "--max-concurrency", "4",
+                          "--fixed-k", wait=False)
+    open_ = ServerProcess(ckpt, work, "--no-mtp", "--max-concurrency", "2", wait=False)
     try:
         keyed.wait()
         open_.wait()
         yield {"keyed": keyed.url, "open": open_.url}
     finally:
-        for srv in (keyed, open_):
-            srv.stop()
+        codes = [srv.stop() for srv in (keyed, open_)]
+        assert codes == [0, 0], keyed.logs() + open_.logs()
 
 
 @pytest.fixture(scope="module")

@@ -2,80 +2,19 @@
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from mlx_mtp.testing.tiny import make_tiny
+# ServerProcess stays importable from here for the modules that import it from this one.
+from server_process import ServerProcess, free_port  # noqa: F401
 
 CTX = 1024  # --max-kv-size of the main server: small, so "prompt too long" is cheap
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    def __init__(self, ckpt: Path, workdir: Path, *flags):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / f"server-{self.port}.log"
-        self.hf_home = workdir / "hf-home-must-not-exist"
-        # Exact-equality checks (batched == alone) need a row-invariant BLAS; the
-        # OpenBLAS path is covered by tests/test_fast_blas.py.
-        env = dict(os.environ, HF_HOME=str(self.hf_home), HF_HUB_OFFLINE="1",
-                   TRANSFORMERS_OFFLINE="1", MLX_MTP_BLAS="reference")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_mtp.cli", "serve", "--model", str(ckpt),
-             "--port", str(self.port), "--log-level", "WARNING", *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.logs()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.proc.kill()
-        raise RuntimeError(f"server did not become healthy:\n{self.logs()}")
-
-    def logs(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text()
-
-    def metric(self, name: str, **labels) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        for line in text.splitlines():
-            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
-
-    def stop(self, sig=signal.SIGINT, timeout=20) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(f"server ignored signal {sig}:\n{self.logs()}")
-        self.log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -379,6 +318,8 @@ BAD = [
     ]}, 400, None),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, None),
     ("token id out of range", "/v1/completions", {"prompt": [1, 99999]}, 400, None),
+    ("token id = vocab size", "/v1/completions", {"prompt": [1, 4096]}, 400, None),
+    ("negative token id", "/v1/completions", {"prompt": [[-1, 5]]}, 400, None),
     ("several prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, None),
     ("completions unknown model", "/v1/completions", {"model": "nope", "prompt": "a"}, 404,
      "model_not_found"),
