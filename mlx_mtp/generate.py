@@ -34,7 +34,7 @@ def add_arguments(p):
 def run(args) -> int:
     from .decode.generation import format_stats, stream_generate
     from .decode.prompt import build_prompt
-    from .models.loader import generation_defaults, load
+    from .models.loader import check_tokenizer_fits, generation_defaults, load
     from .platform import blas
 
     # As mlx_lm.generate: "\n" and "\t" typed on the command line are a newline and a tab.
@@ -57,6 +57,7 @@ def run(args) -> int:
 
         model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=k > 0,
                                             mtp_hidden=args.mtp_hidden)
+        check_tokenizer_fits(model, tokenizer, args.model or "the demo model")
         mx.random.seed(shared_seed(group))  # unseeded sampling: the same seed on every rank
         adaptive = False  # K from per-rank timings could differ between ranks: fixed K
         if group.rank() != 0:  # rank 0 prints; the others only compute

@@ -144,10 +144,10 @@ def test_failed_step_restores_batch_and_names_one_row(tiny_ckpt):
 def test_calibrate_fills_the_cost_model_and_leaves_the_batch_empty():
     from mlx_mtp.testing.tiny import make_tiny
     import tempfile
-    from mlx_mtp.models.loader import load
+    from mlx_mtp.models.loader import load_model
 
-    with tempfile.TemporaryDirectory() as d:
-        model, _ = load(str(make_tiny(d + "/m", "qwen3_5", "oracle")))
+    with tempfile.TemporaryDirectory() as d:  # token ids only: the model without a tokenizer
+        model, _ = load_model(make_tiny(d + "/m", "qwen3_5", "oracle"))
     bd = BatchDecoder(model, 2)
     assert bd.calibrate((1, 3), steps=3) > 0
     assert len(bd) == 0 and bd.cache is None

@@ -15,7 +15,8 @@ PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 
 @pytest.fixture(scope="module")
 def noisy(tiny_ckpt):
-    path = str(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1, vocab_size=512, num_layers=4))
+    # The tokenizer's whole vocabulary: the CLI test below feeds text.
+    path = str(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1, vocab_size=4096, num_layers=4))
     model, _ = load(path)
     yield path, model
     model.set_compiled(False)

@@ -173,7 +173,7 @@ def penalty_server(tiny_ckpt, tmp_path_factory):
 
     from test_server_e2e import ServerProcess
 
-    path = tiny_ckpt("qwen3_5", "random")
+    path = tiny_ckpt("qwen3_5", "random", vocab_size=4096)  # the tokenizer's vocabulary
     srv = ServerProcess(path, tmp_path_factory.mktemp("penalties"), "--fixed-k")
     srv.path = path
     yield srv
@@ -206,7 +206,9 @@ def test_server_applies_penalties_and_bias_exactly(penalty_server):
         got = completion_ids(srv, **fields)
         assert got["choices"][0]["text"] == decode(want), fields
     plain = completion_ids(srv)["choices"][0]["text"]
-    assert plain != completion_ids(srv, presence_penalty=0.7, frequency_penalty=0.9)[
+    # The fields act: (this 4096-token model repeats no token within 16, so presence and
+    # frequency leave its greedy text alone; the bias and the repetition penalty do not)
+    assert plain != completion_ids(srv, repetition_penalty=1.5, logit_bias={"7": 5.0})[
         "choices"][0]["text"]
 
 

@@ -233,6 +233,23 @@ def load_tokenizer(path: Path, config: dict):
     return _load(path, eos_token_ids=eos)
 
 
+def tokenizer_id_limit(tokenizer) -> int:
+    """One past the largest token id the tokenizer can produce (added tokens included)."""
+    return max(tokenizer.get_vocab().values(), default=-1) + 1
+
+
+def check_tokenizer_fits(model, tokenizer, where) -> None:
+    """A tokenizer with ids past the embedding table would make prompts read outside it
+    (no error on the CPU, nor on the GPU): refuse the pair at load (ModelLoadError)."""
+    rows = model.text.args.vocab_size
+    limit = tokenizer_id_limit(tokenizer)
+    if limit > rows:
+        raise ModelLoadError(
+            f"The tokenizer of {where} has token ids up to {limit - 1}, but the model's "
+            f"embedding table has {rows} rows (vocab_size in config.json): prompts could "
+            "hold ids the model cannot embed. Use the tokenizer the checkpoint was made with.")
+
+
 def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str] = None,
          dtype: Optional[mx.Dtype] = None, lazy: bool = False):
     """Load model and tokenizer. ``path=None`` loads the embedded demo model."""
@@ -241,7 +258,9 @@ def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str]
     blas.ensure_configured()  # Linux CPU: OpenBLAS for multi-row matmuls, checked once
     p = resolve_model_path(path)
     model, config = load_model(p, mtp=mtp, mtp_hidden=mtp_hidden, dtype=dtype, lazy=lazy)
-    return model, load_tokenizer(p, config)
+    tokenizer = load_tokenizer(p, config)
+    check_tokenizer_fits(model, tokenizer, p)
+    return model, tokenizer
 
 
 def generation_defaults(path: Optional[str]) -> dict:
