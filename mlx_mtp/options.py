@@ -81,6 +81,10 @@ def add_sampling_arguments(p: argparse.ArgumentParser):
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--coupled", action="store_true", default=None,
+                   help="Sampled drafts share the target's per-position noise: with --seed the "
+                        "output equals --no-mtp's token for token at any K, for some "
+                        "acceptance (serve: the default of requests' mtp_coupled)")
     # Exact under MTP (decode/logits.py); serve: defaults for requests that do not set them.
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="Divide positive / multiply negative logits of tokens in the prompt "
@@ -136,7 +140,7 @@ PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 def sampling_defaults(args, model_defaults: dict) -> dict:
     """Flags over the model's generation_config.json (keys temp, top_p, top_k, min_p)."""
     out = dict(model_defaults)
-    for name in ("temp", "top_p", "top_k", "min_p") + PENALTIES:
+    for name in ("temp", "top_p", "top_k", "min_p", "coupled") + PENALTIES:
         v = getattr(args, name, None)
         if v is not None:
             out[name] = v
@@ -152,6 +156,7 @@ def sampling_from_args(args, model_defaults: dict):
         return SamplingParams(temperature=d.get("temp", 0.0), top_p=d.get("top_p", 1.0),
                               top_k=d.get("top_k", 0), min_p=d.get("min_p", 0.0),
                               seed=getattr(args, "seed", None),
+                              coupled=bool(d.get("coupled", False)),
                               **{name: d[name] for name in PENALTIES if name in d})
     except ValueError as e:
         raise UserError(str(e))

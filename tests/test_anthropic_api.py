@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from tokenizers import Tokenizer
 
 from mlx_mtp.server.engine import Delta, Done, Failed
 from test_server_e2e import ServerProcess
@@ -242,6 +243,44 @@ def test_sdk_raises_typed_errors(server, claude):
                 "type": "text", "media_type": "text/plain", "data": "x"}}]}])
 
 
+# Fields the Messages API lacks (penalties, bias, seed, min_p, our mtp_coupled): accepted as
+# the chat endpoint's vendor extensions, as vLLM and llama-server do.
+TOKENIZER = Tokenizer.from_file(str(Path(__file__).parent.parent / "mlx_mtp" / "assets" /
+                                    "tokenizer" / "tokenizer.json"))  # the tiny models' one
+SAMPLED = {"temperature": 0.8, "seed": 3, "min_p": 0.02, "presence_penalty": 0.6,
+           "frequency_penalty": 0.4, "repetition_penalty": 1.3, "logit_bias": {"198": -100}}
+
+
+def test_penalties_bias_and_seed_equal_chat_completions(server, claude, gpt):
+    messages = [{"role": "user", "content": "Write a story"}]
+    ref = gpt.chat.completions.create(model=server.model, messages=messages, max_tokens=16,
+                                      extra_body=dict(SAMPLED, top_k=50))
+    # (this SDK has no temperature or top_k arguments any more: extra_body)
+    m = claude.messages.create(model=server.model, max_tokens=16, messages=messages,
+                               extra_body=dict(SAMPLED, top_k=50))
+    assert m.content[0].text == ref.choices[0].message.content
+    # the fields reach the sampler (each one: test_vendor_fields_reach_the_engine): a bias of
+    # +100 on one token makes it the whole answer
+    forced = claude.messages.create(model=server.model, max_tokens=6, messages=messages,
+                                    extra_body={"logit_bias": {"87": 100}, "seed": 1,
+                                                "temperature": 1.0})
+    assert forced.content[0].text == TOKENIZER.decode([87] * 6)
+
+
+def test_n_is_refused_in_anthropic_shape(server, claude):
+    with pytest.raises(anthropic.BadRequestError, match="n is not a Messages API field"):
+        claude.messages.create(model=server.model, max_tokens=4, extra_body={"n": 2},
+                               messages=[{"role": "user", "content": "hi"}])
+    r = httpx.post(server.url + "/v1/messages", json={
+        "max_tokens": 4, "n": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/v1/messages", json={
+        "max_tokens": 4, "presence_penalty": "lots", "messages": [{"role": "user",
+                                                                   "content": "hi"}]})
+    assert r.status_code == 400 and "presence_penalty" in r.json()["error"]["message"]
+
+
 # --- the app over a scripted engine --------------------------------------------------------
 class ScriptedEngine:
     """Stands in for the engine: answers each request with the next scripted output,
@@ -385,6 +424,19 @@ def test_tool_choice_and_parameters_reach_the_engine(scripted):
     # tool_choice none: the tools stay out of the prompt
     assert "get_weather" not in scripted.tok.decode(req.prompt)
     assert m.content[0].text == "ok STOP here"  # the scripted engine ignores stop strings
+
+
+def test_vendor_fields_reach_the_engine(scripted):
+    claude = anthropic.Anthropic(base_url=scripted.url, api_key="secret-key", max_retries=0)
+    scripted.engine.scripts.append(("ok", "stop"))
+    claude.messages.create(model="scripted", max_tokens=5,
+                           extra_body=dict(SAMPLED, top_k=7, mtp_coupled=True),
+                           messages=[{"role": "user", "content": "hi"}])
+    req = scripted.engine.requests[-1]
+    s = req.sampling
+    assert (s.temperature, s.seed, s.top_k, s.min_p, s.coupled) == (0.8, 3, 7, 0.02, True)
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.6, 0.4, 1.3)
+    assert s.logit_bias == ((198, -100.0),)
 
 
 def test_auth_and_failure_mid_stream(scripted):

@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from mlx_mtp.server.engine import Failed
-from test_anthropic_api import SYSTEM, THOUGHT_AND_CALL, scripted, server  # noqa: F401 (fixtures)
+from test_anthropic_api import (SAMPLED, SYSTEM, THOUGHT_AND_CALL, TOKENIZER,  # noqa: F401
+                                scripted, server)  # fixtures
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -133,6 +134,36 @@ def test_sdk_raises_on_previous_response_id(server, gpt):  # noqa: F811
         gpt.responses.create(model=server.model, input="hi", previous_response_id="resp_1")
 
 
+def test_penalties_bias_and_seed_equal_chat_completions(server, gpt):  # noqa: F811
+    """Chat fields the Responses API lacks (penalties, logit_bias, seed, top_k, min_p, our
+    mtp_coupled) are accepted as on the chat endpoint, with the same meaning."""
+    messages = [{"role": "user", "content": "Write a story"}]
+    ref = gpt.chat.completions.create(model=server.model, messages=messages, max_tokens=16,
+                                      extra_body=dict(SAMPLED, top_k=50))
+    r = gpt.responses.create(model=server.model, input="Write a story", max_output_tokens=16,
+                             temperature=SAMPLED["temperature"],
+                             extra_body={k: v for k, v in dict(SAMPLED, top_k=50).items()
+                                         if k != "temperature"})
+    assert r.output_text == ref.choices[0].message.content
+    forced = gpt.responses.create(model=server.model, input="Write a story",
+                                  max_output_tokens=6, temperature=1.0,
+                                  extra_body={"logit_bias": {"87": 100}, "seed": 1})
+    assert forced.output_text == TOKENIZER.decode([87] * 6)
+
+
+def test_n_and_bad_extension_values_are_400(server, gpt):  # noqa: F811
+    with pytest.raises(openai.BadRequestError, match="n is not a Responses API field") as e:
+        gpt.responses.create(model=server.model, input="hi", extra_body={"n": 2})
+    assert e.value.body["param"] == "n" and e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:
+        gpt.responses.create(model=server.model, input="hi",
+                             extra_body={"repetition_penalty": "lots"})
+    assert e.value.body["param"] == "repetition_penalty"
+    with pytest.raises(openai.BadRequestError) as e:
+        gpt.responses.create(model=server.model, input="hi", extra_body={"mtp_coupled": 1})
+    assert e.value.body["param"] == "mtp_coupled"
+
+
 # --- the app over a scripted engine --------------------------------------------------------
 def test_function_call_and_reasoning_items(scripted):  # noqa: F811
     gpt = openai.OpenAI(base_url=scripted.url + "/v1", api_key="secret-key", max_retries=0)
@@ -191,6 +222,13 @@ def test_parameters_auth_and_failure(scripted):  # noqa: F811
     req = scripted.engine.requests[-1]
     assert req.max_tokens == 9 and (req.sampling.temperature, req.sampling.top_p) == (0.5, 0.9)
     assert "get_weather" not in scripted.tok.decode(req.prompt)  # tool_choice none
+    scripted.engine.scripts.append(("fine", "stop"))
+    gpt.responses.create(model="scripted", input="hi", temperature=0.8,
+                         extra_body=dict(SAMPLED, top_k=7, mtp_coupled=True))
+    s = scripted.engine.requests[-1].sampling
+    assert (s.temperature, s.seed, s.top_k, s.min_p, s.coupled) == (0.8, 3, 7, 0.02, True)
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.6, 0.4, 1.3)
+    assert s.logit_bias == ((198, -100.0),)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=scripted.url + "/v1", api_key="wrong", max_retries=0) \
             .responses.create(model="scripted", input="hi")

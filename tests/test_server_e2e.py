@@ -213,6 +213,22 @@ def test_seeded_sampling_is_reproducible(client, model_id):
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
+def test_coupled_seeded_output_is_the_same_with_mtp_on_and_off(client, model_id):
+    """mtp_coupled: sampled drafts share the target's noise, so a seeded answer does not
+    depend on whether (or how much) the request drafts."""
+    kw = dict(temperature=0.6, seed=5, max_tokens=24)
+    on = chat(client, model_id, "Tell me a story", extra_body={"mtp_coupled": True}, **kw)
+    off = chat(client, model_id, "Tell me a story",
+               extra_body={"mtp_coupled": True, "num_draft_tokens": 0}, **kw)
+    assert on.choices[0].message.content == off.choices[0].message.content
+    assert on.model_extra["mtp"]["num_accepted_tokens"] > 0  # drafts were accepted
+    assert off.model_extra["mtp"]["num_drafts"] == 0
+    text = client.completions.create(model=model_id, prompt="Once upon", extra_body={
+        "mtp_coupled": True, "num_draft_tokens": 1}, **kw).choices[0].text
+    assert text == client.completions.create(model=model_id, prompt="Once upon", extra_body={
+        "mtp_coupled": True, "num_draft_tokens": 0}, **kw).choices[0].text
+
+
 def test_prefix_cache_multi_turn(client, model_id):
     system = {"role": "system", "content": "You are a terse assistant for the unit tests."}
     turn1 = [system, {"role": "user", "content": "First question about the weather?"}]

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .engine import Delta, Done
 from .parsers import OutputParser, Piece
 from .prompts import PreparedChat, prepare_chat
-from .protocol import APIError, ChatCompletionRequest, bad_request
+from .protocol import APIError, ChatCompletionRequest, bad_request, translated_chat_request
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -35,8 +35,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                429: "rate_limit_error", 529: "overloaded_error"}
 
-# Our own request fields passed through to the chat pipeline.
-EXTENSIONS = ("seed", "min_p", "num_draft_tokens", "cache_prompt", "chat_template_kwargs")
+# Fields the Messages API lacks, passed through to the chat pipeline as the chat endpoint
+# reads them (vLLM's and llama-server's vendor extensions, and ours).
+EXTENSIONS = ("seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+              "logit_bias", "num_draft_tokens", "mtp_coupled", "cache_prompt",
+              "chat_template_kwargs")
 
 
 def _status(status: int) -> int:
@@ -227,6 +230,9 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         raise bad_request("A final assistant message (prefill) is not supported; end the "
                           "conversation with a user turn.", param="messages")
     extra = req.model_extra or {}
+    if "n" in extra:  # one message per request in this API: asking for more is an error
+        raise bad_request("n is not a Messages API field: a request returns one message; "
+                          "send several requests for several answers.", param="n")
     body: Dict[str, Any] = {k: extra[k] for k in EXTENSIONS if k in extra}
     body.update(model=req.model, messages=messages, tools=_tools(req),
                 tool_choice=_tool_choice(req.tool_choice))
@@ -246,10 +252,8 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
                               param="temperature")
         body.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                     top_k=req.top_k, stop=req.stop_sequences)
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except Exception as e:  # a block the chat model rejects (e.g. a non-string tool_use id)
-        raise bad_request(f"Invalid message content: {e}", param="messages")
+    # A block the chat model rejects (e.g. a non-string tool_use id) is a 400 on messages.
+    return translated_chat_request(body, "messages", "message content")
 
 
 # --- response ----------------------------------------------------------------------------

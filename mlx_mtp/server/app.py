@@ -163,6 +163,7 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
             frequency_penalty=_or(req.frequency_penalty, d.get("frequency_penalty", 0.0)),
             repetition_penalty=_or(req.repetition_penalty, d.get("repetition_penalty", 1.0)),
             logit_bias=logit_bias,
+            coupled=_or(req.mtp_coupled, bool(d.get("coupled", False))),
         )
     except ValueError as e:
         msg = str(e)

@@ -22,14 +22,16 @@ from pydantic import BaseModel, ConfigDict
 from .engine import Delta, Done
 from .parsers import OutputParser, Piece
 from .prompts import PreparedChat, prepare_chat
-from .protocol import APIError, ChatCompletionRequest, bad_request
+from .protocol import APIError, ChatCompletionRequest, bad_request, translated_chat_request
 
 if TYPE_CHECKING:
     from .state import ServerState
 
-# Our own request fields passed through to the chat pipeline.
-EXTENSIONS = ("seed", "top_k", "min_p", "stop", "num_draft_tokens", "cache_prompt",
-              "chat_template_kwargs")
+# Fields the Responses API lacks, passed through to the chat pipeline as the chat endpoint
+# reads them (OpenAI chat fields, vLLM's and llama-server's extensions, and ours).
+EXTENSIONS = ("seed", "top_k", "min_p", "stop", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "logit_bias", "num_draft_tokens", "mtp_coupled",
+              "cache_prompt", "chat_template_kwargs")
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -159,6 +161,10 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if not messages:
         raise bad_request("input is empty.", param="input")
     extra = req.model_extra or {}
+    if "n" in extra:  # one response per request in this API: asking for more is an error
+        raise bad_request("n is not a Responses API field: a request returns one response; "
+                          "send several requests for several answers.", param="n",
+                          code="unsupported_parameter")
     body: Dict[str, Any] = {k: extra[k] for k in EXTENSIONS if k in extra}
     body.update(model=req.model, messages=messages, tools=_tools(req.tools),
                 tool_choice=_tool_choice(req.tool_choice),
@@ -175,10 +181,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         kwargs = dict(body.get("chat_template_kwargs") or {})
         kwargs["enable_thinking"] = effort not in ("none", "minimal")
         body["chat_template_kwargs"] = kwargs
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except Exception as e:
-        raise bad_request(f"Invalid input: {e}", param="input")
+    return translated_chat_request(body, "input", "input")
 
 
 # --- response ----------------------------------------------------------------------------

@@ -113,6 +113,9 @@ class _GenerationFields(_Base):
     num_draft_tokens: Optional[int] = None
     # llama-server's switch for prompt (prefix) caching.
     cache_prompt: Optional[bool] = True
+    # Ours: sampled drafts share the target's noise (SamplingParams.coupled), so a seeded
+    # answer is the same with MTP on or off; None: the server's --coupled.
+    mtp_coupled: Optional[bool] = None
 
 
 class ChatCompletionRequest(_GenerationFields):
@@ -132,6 +135,21 @@ class CompletionRequest(_GenerationFields):
     echo: Optional[bool] = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+
+
+def translated_chat_request(body: dict, content_param: str, what: str) -> "ChatCompletionRequest":
+    """The chat request another API's request was translated to, or APIError(400): a bad
+    value of a field passed through (a penalty, the seed...) is named as that field, any
+    other problem as one of the content (``content_param``) described as ``what``."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        top = str(err["loc"][0]) if err.get("loc") else ""
+        if top in body and top not in ("messages", "tools", "tool_choice"):
+            raise bad_request(f"Invalid request: {_loc(err['loc'])}: {err.get('msg')}",
+                              param=top)
+        raise bad_request(f"Invalid {what}: {e}", param=content_param)
 
 
 def _loc(loc) -> str:
