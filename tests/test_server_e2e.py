@@ -13,6 +13,7 @@ import pytest
 from mlx_mtp.testing.tiny import make_tiny
 # ServerProcess stays importable from here for the modules that import it from this one.
 from server_process import ServerProcess, free_port  # noqa: F401
+from test_anthropic_api import scripted  # noqa: F401 (the app over a scripted engine)
 
 CTX = 1024  # --max-kv-size of the main server: small, so "prompt too long" is cheap
 
@@ -229,6 +230,65 @@ def test_coupled_seeded_output_is_the_same_with_mtp_on_and_off(client, model_id)
         "mtp_coupled": True, "num_draft_tokens": 0}, **kw).choices[0].text
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_n_choices_stream_interleaved_by_index(client, model_id, endpoint):
+    """n > 1 streamed as OpenAI does: the choices' chunks interleave, each names its choice
+    by index; every choice has its own role chunk and finish_reason; with include_usage a
+    last chunk without choices carries the usage of all of them. The texts equal the
+    non-streamed n > 1 answer with the same seed."""
+    kw = dict(model=model_id, temperature=2.0, seed=7, max_tokens=12, n=3)
+    if endpoint == "chat":
+        create = client.chat.completions.create
+        kw["messages"] = [{"role": "user", "content": "Tell me a story"}]
+    else:
+        create = client.completions.create
+        kw["prompt"] = "Once upon a time"
+    whole = create(**kw)
+    chunks = list(create(stream=True, stream_options={"include_usage": True}, **kw))
+    *body, last = chunks
+    assert last.choices == [] and len({c.id for c in chunks}) == 1
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert getattr(last.usage, key) == getattr(whole.usage, key), key
+    texts, finish, order = {}, {}, []
+    for c in body:
+        assert len(c.choices) == 1 and c.usage is None
+        ch = c.choices[0]
+        if endpoint == "chat":
+            if ch.index not in texts:  # a choice opens with its role
+                assert ch.delta.role == "assistant"
+            piece = ch.delta.content or ""
+        else:
+            piece = ch.text
+        assert ch.index not in finish, "a chunk after the choice's finish_reason"
+        texts[ch.index] = texts.get(ch.index, "") + piece
+        if ch.finish_reason:
+            finish[ch.index] = ch.finish_reason
+        order.append(ch.index)
+    want = [(c.message.content if endpoint == "chat" else c.text) for c in whole.choices]
+    assert [texts[i] for i in range(3)] == want and len(set(want)) > 1
+    assert [finish[i] for i in range(3)] == [c.finish_reason for c in whole.choices]
+    assert order != sorted(order)  # interleaved: the rows decode side by side
+    # no include_usage: no usage chunk
+    plain = list(create(stream=True, **kw))
+    assert all(c.choices and c.usage is None for c in plain)
+
+
+def test_n_choices_stream_ends_with_the_error_of_a_failing_choice(scripted):
+    """One choice failing mid-stream ends the stream with its error event (no [DONE])."""
+    from mlx_mtp.server.engine import Failed
+
+    scripted.engine.scripts += [("the first choice goes on", "stop"),
+                                ("the second breaks", Failed(500, "Out of memory while "
+                                                                  "generating"))]
+    r = httpx.post(scripted.url + "/v1/chat/completions", timeout=30,
+                   headers={"authorization": "Bearer secret-key"},
+                   json={"model": "scripted", "messages": MSG, "n": 2, "stream": True})
+    assert r.status_code == 200
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert "Out of memory" in events[-1]["error"]["message"]
+    assert {e["choices"][0]["index"] for e in events[:-1]} == {0, 1}
+
+
 def test_prefix_cache_multi_turn(client, model_id):
     system = {"role": "system", "content": "You are a terse assistant for the unit tests."}
     turn1 = [system, {"role": "user", "content": "First question about the weather?"}]
@@ -365,24 +425,25 @@ def test_openai_client_raises_typed_errors_and_server_still_healthy(server, clie
     assert chat(client, model_id, "still there?").usage.completion_tokens > 0
 
 
-def test_disconnect_mid_stream_frees_the_slot(server, client, model_id):
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_mid_stream_frees_the_slot(server, client, model_id, n):
     aborted = server.metric("mlx_mtp:request_failure_total", reason="abort") \
         if "reason=\"abort\"" in httpx.get(server.url + "/metrics").text else 0
     body = {"model": model_id, "messages": MSG, "max_tokens": 900, "temperature": 0,
-            "stream": True}
+            "stream": True, "n": n}
     with httpx.Client(timeout=30) as h:
         with h.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
             lines = 0
             for line in r.iter_lines():
                 lines += line.startswith("data:")
-                if lines >= 4:
+                if lines >= 4 + n:
                     break
-        assert server.metric("mlx_mtp:num_requests_running") <= 1
+        assert server.metric("mlx_mtp:num_requests_running") <= n
     deadline = time.time() + 5  # 900 tokens would take far longer than this
     while server.metric("mlx_mtp:num_requests_running") != 0:
         assert time.time() < deadline, "the disconnected stream kept its slot"
         time.sleep(0.05)
-    assert server.metric("mlx_mtp:request_failure_total", reason="abort") == aborted + 1
+    assert server.metric("mlx_mtp:request_failure_total", reason="abort") == aborted + n
     assert chat(client, model_id, "next one").usage.completion_tokens > 0
 
 

@@ -28,7 +28,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .choices import choice_kwargs, merge_choices, stream_choices  # noqa: F401 (re-exported)
 from .engine import Delta, Done, EngineRequest, Failed
 from .http_guard import BODY_BYTES, GuardConfig, RequestGuard
 from .prompts import prepare_chat, prepare_completion
@@ -115,8 +116,6 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
     n = 1 if req.n is None else req.n
     if isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"n must be between 1 and {MAX_CHOICES} (got {req.n}).", param="n")
-    if n > 1 and getattr(req, "stream", False):
-        raise bad_request("n > 1 is not supported with stream=true.", param="n")
     extra = req.model_extra or {}
     logit_bias = check_logit_bias(extra.get("logit_bias"), state.vocab_size)
     rf = extra.get("response_format")
@@ -181,33 +180,6 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
     stop = check_stop(req.stop)
     return dict(max_tokens=max_tokens, sampling=sampling, stop=stop, num_draft_tokens=k,
                 cache_prompt=req.cache_prompt is not False)
-
-
-def choice_kwargs(kw: dict, i: int) -> dict:
-    """Engine arguments of choice ``i``: a seed derived per choice (choice 0 keeps the
-    request's seed, so n=1 and the first of n agree); unseeded choices draw their own."""
-    sampling = kw["sampling"]
-    if i == 0 or sampling.seed is None:
-        return kw
-    seed = (sampling.seed + i * 0x9E3779B97F4A7C15) % (1 << 64)
-    return dict(kw, sampling=replace(sampling, seed=seed))
-
-
-def merge_choices(results: List[dict]) -> dict:
-    """n whole responses of one prompt -> one response with n choices; usage sums the
-    completions (the prompt counts once), as OpenAI's does."""
-    out = dict(results[0])
-    out["choices"] = [dict(r["choices"][0], index=i) for i, r in enumerate(results)]
-    completion = sum(r["usage"]["completion_tokens"] for r in results)
-    out["usage"] = dict(results[0]["usage"], completion_tokens=completion,
-                        total_tokens=results[0]["usage"]["prompt_tokens"] + completion)
-    out["timings"] = dict(results[0]["timings"], **{
-        k: sum(r["timings"][k] for r in results)
-        for k in ("predicted_n", "draft_n", "draft_n_accepted")})
-    out["mtp"] = dict(results[0]["mtp"], **{
-        k: sum(r["mtp"][k] for r in results)
-        for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")})
-    return out
 
 
 def _parse_off_loop(raw: bytes, model_cls, tok=None):
@@ -335,6 +307,15 @@ def create_app(state: ServerState, guard: Optional[GuardConfig] = None):
         """``fn(*args, tok=...)`` on a prompt worker (the lane follows the body's size)."""
         return await state.prompt_workers.run(BODY_BYTES.get(), fn, *args)
 
+    def submit(ereq: EngineRequest):
+        try:
+            engine.submit(ereq)
+        except OverflowError as e:
+            raise APIError(503, str(e), code="server_overloaded",
+                           type="service_unavailable_error")
+        except RuntimeError as e:
+            raise APIError(503, str(e), code="shutting_down", type="service_unavailable_error")
+
     async def run_request(request: Request, ereq_kwargs: dict, prompt: List[int],
                           boundaries: List[int], logprobs: Optional[int], fmt, stream: bool,
                           include_usage: bool):
@@ -346,13 +327,7 @@ def create_app(state: ServerState, guard: Optional[GuardConfig] = None):
 
         ereq = EngineRequest(prompt=prompt, on_event=on_event, logprobs=logprobs,
                              boundaries=boundaries, **ereq_kwargs)
-        try:
-            engine.submit(ereq)
-        except OverflowError as e:
-            raise APIError(503, str(e), code="server_overloaded",
-                           type="service_unavailable_error")
-        except RuntimeError as e:
-            raise APIError(503, str(e), code="shutting_down", type="service_unavailable_error")
+        submit(ereq)
 
         def failed(ev: Failed) -> APIError:
             return APIError(ev.status, ev.message, code=ev.code)
@@ -441,10 +416,17 @@ def create_app(state: ServerState, guard: Optional[GuardConfig] = None):
     async def run_choices(request: Request, kw: dict, n: int, make_fmt, prompt: List[int],
                           boundaries: List[int], logprobs: Optional[int], stream: bool,
                           include_usage: bool):
-        """``n`` choices as ``n`` rows of the running batch (not streamed when n > 1)."""
+        """``n`` choices as ``n`` rows of the running batch (``choices``)."""
         if n == 1:
             return await run_request(request, kw, prompt, boundaries, logprobs, make_fmt(),
                                      stream, include_usage)
+        if stream:
+            events = await stream_choices(submit, engine.cancel, kw,
+                                          [make_fmt() for _ in range(n)], prompt, boundaries,
+                                          logprobs, include_usage, FIRST_EVENT_WAIT)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache",
+                                              "X-Accel-Buffering": "no"})
         tasks = [asyncio.ensure_future(run_request(request, choice_kwargs(kw, i), prompt,
                                                    boundaries, logprobs, make_fmt(), False,
                                                    False)) for i in range(n)]

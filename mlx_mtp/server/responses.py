@@ -61,6 +61,7 @@ def end_of_stream(fmt, finish_chunk: dict, done: Done, include_usage: bool) -> L
 
 class ChatFormatter:
     object_chunk = "chat.completion.chunk"
+    index = 0  # the choice this formatter streams (n > 1: choices.stream_choices sets it)
 
     def __init__(self, state: ServerState, model: str, prepared: PreparedChat,
                  logprobs: Optional[int], parse_tools: bool):
@@ -77,7 +78,8 @@ class ChatFormatter:
         self.lp_items: List[TokenLogprob] = []
 
     def _chunk(self, delta: dict, finish=None, logprobs=None, **extra) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish}
         out = {"id": self.id, "object": self.object_chunk, "created": self.created,
                "model": self.model, "choices": [choice]}
         out.update(extra)
@@ -163,6 +165,7 @@ class ChatFormatter:
 
 class CompletionFormatter:
     object_chunk = "text_completion"
+    index = 0  # the choice this formatter streams (n > 1: choices.stream_choices sets it)
 
     def __init__(self, state: ServerState, model: str, logprobs: Optional[int]):
         self.id = "cmpl-" + uuid.uuid4().hex
@@ -174,7 +177,7 @@ class CompletionFormatter:
     def _chunk(self, text: str, finish=None, logprobs=None, **extra) -> dict:
         out = {"id": self.id, "object": "text_completion", "created": self.created,
                "model": self.model,
-               "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+               "choices": [{"index": self.index, "text": text, "logprobs": logprobs,
                             "finish_reason": finish}]}
         out.update(extra)
         return out
