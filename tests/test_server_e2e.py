@@ -289,6 +289,60 @@ def test_n_choices_stream_ends_with_the_error_of_a_failing_choice(scripted):
     assert {e["choices"][0]["index"] for e in events[:-1]} == {0, 1}
 
 
+# --- completions logprobs: text_offset in characters of the returned text ----------------
+def _offsets_of(pieces, split_at=()):
+    """text_offset and text of a completion whose tokens have bytes ``pieces``, whole
+    (response) and streamed in deltas split before the token indices ``split_at``."""
+    from mlx_mtp.server.engine import Delta, Done, TokenLogprob
+    from mlx_mtp.server.responses import CompletionFormatter
+
+    items = [TokenLogprob(i, b.decode("utf-8", "replace"), -1.0, raw=b)
+             for i, b in enumerate(pieces)]
+    text = b"".join(pieces).decode("utf-8", "replace")
+    done = Done("stop", {"prompt_tokens": 1, "completion_tokens": len(items),
+                         "total_tokens": 1 + len(items)}, {}, {})
+    whole = CompletionFormatter(None, "m", 0).response([Delta(text, [], items)], done)
+    fmt, streamed = CompletionFormatter(None, "m", 0), []
+    bounds = [0, *split_at, len(items)]
+    for a, b in zip(bounds, bounds[1:]):
+        for chunk in fmt.on_delta(Delta("", [], items[a:b])):
+            streamed += chunk["choices"][0]["logprobs"]["text_offset"]
+    assert streamed == whole["choices"][0]["logprobs"]["text_offset"]
+    return streamed, text
+
+
+@pytest.mark.parametrize("text", ["héllo wörld", "日本語のテキスト", "a🙂b🙂", "mixed é 中 🙂 end"])
+def test_text_offset_counts_characters_of_the_text(text):
+    """Whatever the token boundaries (here every byte its own token, as a byte-level BPE
+    may split a rare character), a token's offset is the index of the character its first
+    byte belongs to."""
+    raw = text.encode()
+    char_of_byte = [i for i, c in enumerate(text) for _ in c.encode()]
+    for pieces in ([raw[i:i + 1] for i in range(len(raw))],  # every byte
+                   [raw[i:i + 2] for i in range(0, len(raw), 2)],  # pairs across characters
+                   [c.encode() for c in text]):  # whole characters
+        starts = [sum(map(len, pieces[:j])) for j in range(len(pieces))]
+        offsets, decoded = _offsets_of(pieces, split_at=(1, len(pieces) // 2))
+        assert decoded == text
+        assert offsets == [char_of_byte[p] for p in starts]
+
+
+def test_text_offset_with_invalid_bytes_follows_the_replaced_text():
+    # a lead byte cut off by another lead byte becomes one U+FFFD of its own
+    offsets, text = _offsets_of([b"\xc3", b"\xc3", b"\xa9", b"\xa9", b"a"], split_at=(2,))
+    assert text == "\ufffdé\ufffda" and offsets == [0, 1, 1, 2, 3]
+
+
+def test_completion_logprobs_offsets_on_a_real_server(client, model_id):
+    r = client.completions.create(model=model_id, prompt="Once upon", max_tokens=16,
+                                  temperature=0, logprobs=1)
+    lp, text = r.choices[0].logprobs, r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for off, tok in zip(lp.text_offset, lp.tokens):
+        if "\ufffd" not in tok:  # a token of whole characters is found at its offset
+            assert text[off:off + len(tok)] == tok
+
+
 def test_prefix_cache_multi_turn(client, model_id):
     system = {"role": "system", "content": "You are a terse assistant for the unit tests."}
     turn1 = [system, {"role": "user", "content": "First question about the weather?"}]

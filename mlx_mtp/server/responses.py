@@ -5,6 +5,7 @@ split out by the output parser, logprobs, ``usage``/``timings``/``mtp``).
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
@@ -33,16 +34,44 @@ def chat_logprobs(items: List[TokenLogprob], top: bool) -> List[dict]:
     return out
 
 
-def completion_logprobs(items: List[TokenLogprob], offset: int) -> dict:
-    tokens, lps, tops, offsets = [], [], [], []
+class TextOffsets:
+    """Character offsets of tokens into the text their bytes decode to (UTF-8, invalid
+    bytes replaced, as the tokenizer decodes). A token that starts inside a multibyte
+    character points at that character; one token's ``token`` string is no guide, as it
+    shows a replacement character for part of a character."""
+
+    def __init__(self):
+        self.chars = 0  # characters decoded so far (a pending partial one not counted)
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def next(self, raw: bytes) -> int:
+        """The offset of the token with bytes ``raw``, the next one in the text."""
+        pending = self._decoder.getstate()[0]
+        at = self.chars
+        if pending and raw and not _continues(pending, raw[:1]):
+            at += 1  # the pending partial character ends as one replacement character
+        self.chars += len(self._decoder.decode(raw))
+        return at
+
+
+def _continues(pending: bytes, byte: bytes) -> bool:
+    """Whether ``byte`` continues the partial character ``pending`` (a valid prefix)."""
+    try:
+        (pending + byte).decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.reason == "unexpected end of data"  # still a valid, longer prefix
+    return True
+
+
+def completion_logprobs(items: List[TokenLogprob], offsets: TextOffsets) -> dict:
+    tokens, lps, tops, text_offset = [], [], [], []
     for t in items:
         tokens.append(t.token)
         lps.append(t.logprob)
         tops.append({x.token: x.logprob for x in t.top} if t.top else None)
-        offsets.append(offset)
-        offset += len(t.token)
+        text_offset.append(offsets.next(bytes(_token_bytes(t))))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
-            "text_offset": offsets}
+            "text_offset": text_offset}
 
 
 def end_of_stream(fmt, finish_chunk: dict, done: Done, include_usage: bool) -> List[dict]:
@@ -172,7 +201,7 @@ class CompletionFormatter:
         self.created = int(time.time())
         self.model = model
         self.logprobs = logprobs
-        self.offset = 0
+        self.offsets = TextOffsets()  # text_offset of the tokens, across the stream
 
     def _chunk(self, text: str, finish=None, logprobs=None, **extra) -> dict:
         out = {"id": self.id, "object": "text_completion", "created": self.created,
@@ -188,8 +217,7 @@ class CompletionFormatter:
     def on_delta(self, ev: Delta) -> List[dict]:
         lp = None
         if self.logprobs is not None and ev.logprobs:
-            lp = completion_logprobs(ev.logprobs, self.offset)
-        self.offset += len(ev.text)
+            lp = completion_logprobs(ev.logprobs, self.offsets)
         if not ev.text and lp is None:
             return []
         return [self._chunk(ev.text, logprobs=lp)]
@@ -202,7 +230,8 @@ class CompletionFormatter:
         text = "".join(d.text for d in deltas)
         lp = None
         if self.logprobs is not None:
-            lp = completion_logprobs([x for d in deltas for x in (d.logprobs or [])], 0)
+            lp = completion_logprobs([x for d in deltas for x in (d.logprobs or [])],
+                                     self.offsets)
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
                 "choices": [{"index": 0, "text": text, "logprobs": lp,
