@@ -29,6 +29,7 @@ import os
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx.utils import tree_flatten
@@ -41,6 +42,8 @@ from .loader import (ModelLoadError, _apply_overrides, _upcast_cpu_experts, buil
                      resolve_model_path)
 
 MODES = ("pipeline", "tensor")
+# int32 words in the first all_sum of a ``broadcast``: a serve step's message fits.
+MESSAGE_FRAME_WORDS = 256
 
 
 class DistributedError(ModelLoadError):
@@ -194,34 +197,6 @@ def shard_layer(layer, group):
         _shard_mlp(mlp, group, reduce=True)
 
 
-# -- caches for parts a rank does not hold ---------------------------------------------
-
-class NullCache:
-    """The MTP cache of a pipeline rank without the head: nothing to keep."""
-
-    offset = 0
-    nbytes = 0
-    state: list = []
-
-    def trim(self, n: int) -> int:
-        return 0
-
-    def accept(self, n_keep):
-        pass
-
-    def prepare(self, S: int, lengths=None):
-        pass
-
-    def make_mask(self, n: int):
-        return None
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def copy(self) -> "NullCache":
-        return self
-
-
 # -- the model every rank decodes with ------------------------------------------------
 
 class DistributedModel:
@@ -284,7 +259,43 @@ class DistributedModel:
             start += a.size
         return tuple(out)
 
+    def broadcast(self, payload: Optional[bytes] = None) -> bytes:
+        """Rank 0's ``payload`` on every rank (the others pass None): one all_sum of
+        ``MESSAGE_FRAME_WORDS`` int32 words (length, then the bytes), and one more for
+        the rest of a longer message. Ordered after the model's own collectives."""
+        frame = MESSAGE_FRAME_WORDS - 1
+        words = np.zeros(0, np.int32)
+        first = np.zeros(MESSAGE_FRAME_WORDS, np.int32)
+        if self.rank == 0:
+            data = payload or b""
+            words = np.frombuffer(data + b"\0" * (-len(data) % 4), np.int32)
+            first[0] = len(data)
+            first[1 : 1 + min(frame, words.size)] = words[:frame]
+        head = self._all_sum_words(first)
+        n = int(head[0])
+        size = (n + 3) // 4
+        parts = [head[1 : 1 + min(frame, size)]]
+        if size > frame:
+            rest = words[frame:] if self.rank == 0 else np.zeros(size - frame, np.int32)
+            parts.append(self._all_sum_words(rest))
+        return np.concatenate(parts).tobytes()[:n]
+
+    def _all_sum_words(self, words: np.ndarray) -> np.ndarray:
+        x = mx.array(words) if self.rank == 0 else mx.zeros(words.shape, mx.int32)
+        total = self._issue(mx.distributed.all_sum(self._after_last(x), group=self.group))
+        if self.rank == 0:
+            self._count(x)
+        return np.array(total)  # the host sync: the message is read now
+
     # engine interface
+    @property
+    def layers(self):
+        """The trunk layers this rank runs (its caches' order)."""
+        if self.mode == "tensor":
+            return self.inner.layers
+        start, end = self.layer_range
+        return self.text.model.layers[start:end]
+
     def trunk(self, inputs, cache=None, capture=False):
         if self.mode == "tensor":
             return self.inner.trunk(inputs, cache, capture)
@@ -324,6 +335,12 @@ class DistributedModel:
     def mtp_forward(self, hidden, next_tokens, mtp_cache):
         if self.is_head:
             return self.inner.mtp_forward(hidden, next_tokens, mtp_cache)
+        # Without the head: the caches only track positions (one-element entries), so
+        # batching, trimming and rollback work on them as on the head rank's.
+        B, S = next_tokens.shape
+        for c in mtp_cache:
+            z = mx.zeros((B, 1, S, 1), hidden.dtype)
+            c.update_and_fetch(z, z)
         return mx.zeros(hidden.shape, hidden.dtype)
 
     def make_cache(self):
@@ -336,7 +353,7 @@ class DistributedModel:
     def make_mtp_cache(self):
         if self.is_head:
             return self.inner.make_mtp_cache()
-        return [NullCache() for _ in range(self.num_mtp_layers)]
+        return [KVCache() for _ in range(self.num_mtp_layers)]  # positions only
 
     @property
     def num_mtp_layers(self) -> int:
@@ -406,6 +423,17 @@ def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None
             mx.eval(layer.parameters())  # read and slice one layer at a time
     mx.eval(model.parameters())
     return DistributedModel(model, mode, group, layer_range), load_tokenizer(p, config)
+
+
+def distributed_group(requested: Optional[str]):
+    """The group to split the model over, None to run in one process (no backend, or a
+    single rank without ``--distributed``)."""
+    if not mx.distributed.is_available():
+        if requested:
+            raise DistributedError("--distributed: this MLX build has no distributed backend")
+        return None
+    group = mx.distributed.init()
+    return group if group.size() > 1 or requested else None
 
 
 def shared_seed(group=None) -> int:

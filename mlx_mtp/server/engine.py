@@ -45,6 +45,7 @@ from ..decode.text_stream import TextStream, token_bytes
 from ..models.hybrid import CHUNKED_MIN_TOKENS
 from ..models.layout import check_acceptance
 from .metrics import ServerMetrics
+from .distributed import StepSync
 from .prefix_cache import PrefixCache
 
 log = logging.getLogger("mlx_mtp.server")
@@ -140,6 +141,7 @@ class Engine:
         model_name: str = "model",
         log_interval: float = 10.0,
         calibrate: bool = True,
+        sync: Optional[StepSync] = None,
     ):
         if prefill_step_size < 1:
             raise ValueError("prefill_step_size must be >= 1")
@@ -175,6 +177,8 @@ class Engine:
         self.alive = False
         self.log_interval = log_interval
         self.calibrate = calibrate  # time a few batch shapes before serving (start())
+        # Distributed serve: the other ranks replay what this engine does to the model.
+        self.sync = sync or StepSync()
         self._log_t = time.perf_counter()
         self._log_stats = SpecStats()
         self._log_tokens = 0
@@ -192,6 +196,8 @@ class Engine:
         with self._cv:
             if self._stopping:
                 raise RuntimeError("The server is shutting down.")
+            if self.sync.lost:
+                raise RuntimeError(self.sync.lost)
             if len(self._incoming) + len(self.waiting) >= self.max_queue:
                 raise OverflowError(
                     f"Too many requests waiting ({self.max_queue}); try again later.")
@@ -223,6 +229,7 @@ class Engine:
     def _calibrate(self):
         sizes = sorted({1, min(4, self.max_concurrency), self.max_concurrency})
         try:
+            self.sync.calibrating(sizes)
             seconds = self.batch.calibrate(sizes)
         except Exception:  # never fatal: the policy then learns from live steps
             log.exception("MTP step-cost calibration failed")
@@ -239,15 +246,19 @@ class Engine:
             with self._cv:
                 while (not self._stopping and not self._incoming and not self.waiting
                        and not self.running):
-                    self._cv.wait()
+                    if not self._cv.wait(self.sync.idle_seconds):
+                        break  # an idle iteration: the other ranks get a heartbeat
                 if self._stopping:
                     break
             try:
                 self.step()
             except Exception as e:  # a bug outside per-request handling: fail the batch
+                if self.sync.group_lost(e):
+                    continue
                 log.exception("Scheduler iteration failed")
                 self._fail_all(500, f"Internal error in the scheduler: {e}")
                 mx.clear_cache()
+        self.sync.stopped()
         self.alive = False
         self._fail_all(503, "The server is shutting down.", code="shutting_down")
         self._stopped.set()
@@ -265,6 +276,7 @@ class Engine:
         self._admit()
         self._prefill_round()
         self._decode_round()
+        self.sync.end_step()
         self._maybe_log()
         return bool(self.running or self.waiting)
 
@@ -307,7 +319,7 @@ class Engine:
         if dec.mtp_cache is not None:
             dec.drafting_hint = lambda: self.batch.would_draft(max(len(self.batch) + 1,
                                                                    self._load()))
-        n_cached = 0
+        n_cached, entry = 0, None
         pc = self.prefix_cache
         if req.cache_prompt and pc.enabled:
             entry = pc.lookup(req.prompt, need_mtp=dec.mtp_cache is not None)
@@ -318,7 +330,9 @@ class Engine:
                 self.metrics.prefix_cache_hits.inc(n_cached)
         text = TextStream(self.tokenizer, stop=req.stop, max_tokens=req.max_tokens,
                           eos_token_ids=self.eos)
-        return _Seq(req, dec, text, n_cached)
+        seq = _Seq(req, dec, text, n_cached)
+        self.sync.admitted(seq, entry)
+        return seq
 
     # -- prompt processing ----------------------------------------------------------
     def _prefill_budget(self) -> int:
@@ -377,6 +391,7 @@ class Engine:
         # MTPDecoder.prefill continues after n_processed and stops at the last
         # token it is given, which becomes the pending input: passing the
         # prompt up to ``end`` runs exactly tokens [start, end).
+        self.sync.prefill(seq, end)
         dec.prefill(prompt[: end + 1])
         if end in seq.boundaries:
             self._store_prefix(seq, end)
@@ -406,6 +421,7 @@ class Engine:
             arrays += cache_state_arrays(state.mtp_cache)
         mx.eval(arrays)
         pc.store(key, state, state.nbytes, has_mtp)
+        self.sync.stored(seq, key, state)
 
     # -- decoding -------------------------------------------------------------------
     def _decode_round(self):
@@ -419,6 +435,7 @@ class Engine:
         if not decoding:
             return
         try:
+            self.sync.decoding(self.batch)
             outs = self.batch.step(load=self._load())
         except BatchStepError as e:
             for seq in decoding:
@@ -542,6 +559,8 @@ class Engine:
         return 500, f"Generation failed: {type(e).__name__}: {e}", "internal_error"
 
     def _fail(self, seq: _Seq, e: Exception):
+        if self.sync.group_lost(e):
+            return  # every request failed already (503)
         log.error("Request %s failed: %s: %s", seq.req.request_id, type(e).__name__, e,
                   exc_info=not isinstance(e, MemoryError))
         self._remove(seq)
@@ -565,6 +584,7 @@ class Engine:
         if seq in self.running:
             self.running.remove(seq)
         self.batch.remove(seq.req.request_id)
+        self.sync.removed(seq)
 
     @staticmethod
     def _emit(req: EngineRequest, ev):

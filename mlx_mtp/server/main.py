@@ -15,11 +15,13 @@ import uvicorn
 
 from ..decode import MAX_DRAFT_TOKENS
 from ..models.layout import text_config
+from ..models.distributed import distributed_group, load_distributed
 from ..models.loader import generation_defaults, load, load_config, resolve_model_path
 from ..options import (UserError, add_model_arguments, add_sampling_arguments,
                        apply_model_options, num_draft_tokens_from_args, parse_json_arg,
                        sampling_defaults, sampling_from_args)
 from .app import create_app
+from .distributed import LeaderSync, run_follower
 from .engine import Engine
 from .http_guard import (LOCAL_HOST_NAMES, GuardConfig, host_name as host_name_of, is_loopback,
                          split_list, timed_http_protocol)
@@ -107,6 +109,9 @@ def add_arguments(p):
                    type=str.upper)
     p.add_argument("--log-interval", type=float, default=10.0,
                    help="Seconds between throughput/acceptance log lines (0 disables)")
+    p.add_argument("--distributed-timeout", type=float, default=120.0,
+                   help="Under mlx.launch: seconds without an answer from another rank "
+                        "before it counts as lost (requests then fail with 503; default 120)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="Seconds to wait for open connections on shutdown (default 5)")
 
@@ -148,7 +153,7 @@ def _check_port(host: str, port: int):
 
 
 def build_state(args, model, tokenizer, config: dict, k: int, sampling_defaults: dict,
-                template_args: dict, model_path=None) -> ServerState:
+                template_args: dict, model_path=None, sync=None) -> ServerState:
     text_cfg = text_config(config)
     ctx = args.max_kv_size or text_cfg.get("max_position_embeddings") or 32768
     vocab = text_cfg.get("vocab_size") or len(tokenizer.get_vocab())
@@ -167,7 +172,7 @@ def build_state(args, model, tokenizer, config: dict, k: int, sampling_defaults:
         max_batched_tokens=args.max_batched_tokens,
         prefix_cache=PrefixCache(args.prompt_cache_size, args.prompt_cache_bytes),
         metrics=metrics, max_queue=args.max_queue, model_name=names[0],
-        log_interval=args.log_interval,
+        log_interval=args.log_interval, sync=sync,
     )
     return ServerState(
         engine=engine, tokenizer=tokenizer, model_name=names[0], aliases=aliases,
@@ -206,12 +211,14 @@ def run(args) -> int:
             raise UserError(f"{flag} must be > 0 (got {v})")
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be between 1 and 65535 (got {args.port})")
-    if args.distributed or (mx.distributed.is_available() and mx.distributed.init().size() > 1):
-        # The follower loop (ranks > 0 replaying joins, leaves and K) is not built yet.
-        raise UserError("serve does not run over several ranks yet; use `mlx-mtp generate "
-                        "--distributed ...` under mlx.launch, or serve from one process")
+    if not args.distributed_timeout > 0:
+        raise UserError(f"--distributed-timeout must be > 0 (got {args.distributed_timeout})")
+    # Under mlx.launch: rank 0 serves HTTP, the other ranks follow its steps.
+    group = distributed_group(args.distributed)
+    leader = group is None or group.rank() == 0
 
-    _check_port(args.host, args.port)  # before spending minutes loading a model
+    if leader:
+        _check_port(args.host, args.port)  # before spending minutes loading a model
     path = resolve_model_path(args.model)
     model_defaults = generation_defaults(args.model)
     sampling_from_args(args, model_defaults)  # validates the server-wide defaults
@@ -220,12 +227,21 @@ def run(args) -> int:
         mx.random.seed(args.seed)
 
     log.info("Loading %s (MTP %s)", path, f"K={k}" if k else "off")
-    model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden)
+    if group is None:
+        model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden)
+    else:
+        model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=k > 0,
+                                            mtp_hidden=args.mtp_hidden)
     apply_model_options(model, args)
+    if not leader:
+        return run_follower(model, args.distributed_timeout)
     if args.chat_template:
         _set_chat_template(tokenizer, _read_template(args.chat_template))
+    sync = None if group is None else LeaderSync(model, args.distributed_timeout)
     state = build_state(args, model, tokenizer, load_config(path), k, defaults, template_args,
-                        model_path=path)
+                        model_path=path, sync=sync)
+    if sync is not None:
+        sync.attach(state.engine)
     origins = split_list(args.allowed_origins)
     hosts = split_list(args.allowed_hosts)
     if not hosts and is_loopback(args.host):
@@ -285,4 +301,7 @@ def run(args) -> int:
         engine.shutdown()
         state.prompt_workers.shutdown()
     log.info("Server stopped.")
+    if group is not None:  # the engine thread may sit in a collective of a lost rank
+        logging.shutdown()
+        os._exit(0)
     return 0
