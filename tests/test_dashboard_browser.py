@@ -23,6 +23,12 @@ PROMPT = "Tell me about speculative decoding."
 MAX_TOKENS = 24
 
 
+def Server(ckpt, work, *flags):  # noqa: N802 (the old class name, for modules importing it)
+    """A server process started without waiting (``wait()`` later), as this module's own
+    ``Server`` class did before the shared helper (``server_process.ServerProcess``)."""
+    return ServerProcess(ckpt, work, *flags, wait=False)
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_ckpt, tmp_path_factory):
     """Two servers on a tiny checkpoint whose MTP head is partly right, started together:
