@@ -31,3 +31,28 @@ def test_coupled_seeded_output_equals_no_mtp(model, capsys):
         assert accepted > 0, k  # drafts were accepted: not plain decoding in disguise
     # --coupled is a sampling flag: plain decoding takes it too (and ignores it)
     assert generate(capsys, "--model", model, "--no-mtp", "--coupled")[0] == plain
+
+
+def test_serve_coupled_is_the_default_of_requests_mtp_coupled():
+    """``serve --coupled`` makes coupled sampling the default; a request's mtp_coupled
+    overrides it either way."""
+    from types import SimpleNamespace
+
+    from mlx_mtp.cli import build_parser
+    from mlx_mtp.options import sampling_defaults
+    from mlx_mtp.server.app import resolve_common
+    from mlx_mtp.server.protocol import ChatCompletionRequest
+
+    def coupled(flags, body):
+        args = build_parser("serve").parse_args(["serve", *flags])
+        state = SimpleNamespace(aliases={"m"}, model_name="m", vocab_size=16,
+                                context_length=64, default_max_tokens=8, num_mtp_layers=1,
+                                sampling_defaults=sampling_defaults(args, {}))
+        req = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7, **body})
+        return resolve_common(state, req, 4, None)["sampling"].coupled
+
+    assert coupled([], {}) is False
+    assert coupled(["--coupled"], {}) is True
+    assert coupled(["--coupled"], {"mtp_coupled": False}) is False
+    assert coupled([], {"mtp_coupled": True}) is True
