@@ -195,10 +195,12 @@ def test_choose_mode(monkeypatch):
         choose_mode("tensor", args, 3)
 
 
-def test_serve_refuses_several_ranks_clearly():
+def test_serve_rejects_a_bad_distributed_timeout_clearly():
+    # distributed serve itself: tests/test_distributed_serve.py
     proc = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "serve", "--distributed",
-                           "pipeline", "--port", str(free_port_base(1))],
+                           "pipeline", "--distributed-timeout", "0",
+                           "--port", str(free_port_base(1))],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "serve does not run over several ranks yet" in proc.stderr
+    assert "--distributed-timeout must be > 0" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -186,6 +186,7 @@ class LeaderSync(StepSync):
     def calibrating(self, sizes):
         self.ops.append(["calibrate", list(sizes)])
         self._send()
+        self._last_exchange = None  # a long run without messages: re-armed after it
 
     def end_step(self):
         if self._last_exchange is None:
@@ -280,14 +281,17 @@ class Follower:
             for op in message["ops"]:
                 if op[0] == "stop":
                     return 0
+                if op[0] == "calibrate":  # a long run without messages
+                    self._last = None
                 self._apply(op)
-            self._last = time.monotonic()
+                self._last = time.monotonic()
 
     def _watch(self):
         # Waiting on rank 0 past this means it hangs; its heartbeats come every second.
         while True:
             time.sleep(1.0)
-            if time.monotonic() - self._last > self.timeout + HEARTBEAT_SECONDS:
+            last = self._last
+            if last is not None and time.monotonic() - last > self.timeout + HEARTBEAT_SECONDS:
                 log.error("No message from rank 0 for %.0f s; exiting", self.timeout)
                 os._exit(1)
 

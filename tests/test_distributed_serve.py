@@ -1,0 +1,216 @@
+"""``mlx-mtp serve`` over two local ranks (ring backend, mlx.launch), both split modes.
+
+Rank 0 serves HTTP; rank 1 replays its engine steps. Greedy answers (chat, stream,
+concurrent requests) must equal a single-process server's, byte for byte. Then each
+mode loses a rank on purpose: a follower that stops answering fails in-flight and new
+requests with a 503 envelope within the watchdog's timeout and ``/health`` says so; a
+SIGTERM to rank 0 fails in-flight requests with a 503 and every rank exits.
+"""
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_process import ServerProcess, free_port
+from test_distributed import LAUNCH, free_port_base
+
+START_TIMEOUT = 300.0  # two cold ranks on a loaded 2-core machine
+WATCHDOG = 15.0  # --distributed-timeout of the test servers
+EXIT_TIMEOUT = 60.0
+PROMPTS = ["hello there", "def fibonacci(n):", "import os\nimport sys\n"]
+MAX_TOKENS = 12
+
+
+def chat(url: str, content: str, timeout: float = 120.0, **extra) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+            **extra}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+
+
+def stream_text(url: str, content: str) -> str:
+    import json
+
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+            "stream": True}
+    parts = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    parts.append(choice["delta"].get("content") or "")
+    return "".join(parts)
+
+
+def rank_pids(launcher_pid: int) -> dict:
+    """{rank: pid} of the launcher's children (each rank's shell execs Python)."""
+    ranks = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher_pid:
+            for var in env:
+                if var.startswith(b"MLX_RANK="):
+                    ranks[int(var[9:])] = int(entry.name)
+    return ranks
+
+
+class Cluster:
+    """``mlx.launch -n 2 --backend ring -- mlx-mtp serve --distributed MODE``."""
+
+    def __init__(self, ckpt: Path, workdir: Path, mode: str, *flags):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"cluster-{mode}.log"
+        self.log = open(self.log_path, "w")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", MLX_MTP_BLAS="reference",
+                   HF_HOME=str(workdir / "hf-home-must-not-exist"))
+        cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port",
+               str(free_port_base()), "--", sys.executable, "-m", "mlx_mtp.cli", "serve",
+               "--model", str(ckpt), "--port", str(self.port), "--temp", "0",
+               "--distributed", mode, "--distributed-timeout", str(WATCHDOG),
+               "--log-level", "WARNING", *flags]
+        # Its own session: the whole group can be killed whatever a test did to it.
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.time() + START_TIMEOUT
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlx.launch exited ({self.proc.returncode}):\n{self.logs()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        else:
+            self.kill()
+            raise RuntimeError(f"the cluster did not become healthy:\n{self.logs()}")
+        self.ranks = rank_pids(self.proc.pid)
+        assert sorted(self.ranks) == [0, 1], self.ranks
+
+    def logs(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()[-4000:]
+
+    def wait_exit(self, timeout: float = EXIT_TIMEOUT) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            alive = [p for p in self.ranks.values() if Path(f"/proc/{p}").exists()]
+            self.kill()
+            raise AssertionError(f"not every rank exited in {timeout}s (alive: {alive}):\n"
+                                 f"{self.logs()}")
+
+    def kill(self):
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from mlx_mtp.testing.tiny import make_tiny
+
+    # MoE whose answers depend on the prompt and whose head is right a few % of the time
+    # (drafts accepted and rejected); the tokenizer's whole vocabulary, so text prompts
+    # stay in range.
+    return make_tiny(tmp_path_factory.mktemp("dserve") / "m", "qwen3_5_moe", head="noisy",
+                     trunk_scale=4.0, seed=5, vocab_size=4096)
+
+
+@pytest.fixture(scope="module")
+def expected(model, tmp_path_factory):
+    """The single-process server's greedy answers."""
+    server = ServerProcess(model, tmp_path_factory.mktemp("single"), "--temp", "0")
+    try:
+        return {p: chat(server.url, p).json()["choices"][0]["message"]["content"]
+                for p in PROMPTS}
+    finally:
+        server.stop()
+
+
+# pipeline: always K=2 (every step drafts and rolls back); tensor: K adapts (rank 0's
+# draft policy, calibrated at start on every rank, picks K for all).
+FLAGS = {"pipeline": ["--num-draft-tokens", "2", "--fixed-k"], "tensor": []}
+
+
+@pytest.fixture(scope="module", params=["pipeline", "tensor"])
+def cluster(request, model, tmp_path_factory):
+    c = Cluster(model, tmp_path_factory.mktemp(request.param), request.param,
+                *FLAGS[request.param])
+    c.mode = request.param
+    yield c
+    if c.proc.poll() is None:
+        c.kill()
+
+
+def test_chat_stream_and_concurrent_equal_single_process(cluster, expected):
+    assert len(set(expected.values())) == len(PROMPTS)  # answers tell prompts apart
+    for p in PROMPTS:
+        r = chat(cluster.url, p)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["message"]["content"] == expected[p]
+        if cluster.mode == "pipeline":  # MTP ran inside the distributed batch
+            assert body["mtp"]["num_draft_tokens"] > 0
+    assert stream_text(cluster.url, PROMPTS[1]) == expected[PROMPTS[1]]
+    # Several rows in one batch, joining at different steps; prefix-cache hits too.
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        jobs = [(p, pool.submit(chat, cluster.url, p)) for p in PROMPTS * 2]
+        for p, job in jobs:
+            r = job.result()
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == expected[p]
+    assert httpx.get(cluster.url + "/health", timeout=5).status_code == 200
+
+
+def eos_ids(ckpt) -> list:
+    from mlx_mtp.models.loader import load_config, load_tokenizer
+
+    return sorted(load_tokenizer(ckpt, load_config(ckpt)).eos_token_ids)
+
+
+def test_lost_rank_fails_requests_with_503_and_every_rank_exits(cluster, model):
+    # A request still decoding when the rank goes: no end of sequence, many tokens.
+    long = {"max_tokens": 3000, "logit_bias": {str(t): -100 for t in eos_ids(model)}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        start = time.time()
+        inflight = pool.submit(chat, cluster.url, PROMPTS[0], 180.0, **long)
+        time.sleep(2.0)  # the request decodes
+        if cluster.mode == "pipeline":
+            # A follower that hangs: the ring blocks, rank 0's watchdog notices.
+            os.kill(cluster.ranks[1], signal.SIGSTOP)
+            r = inflight.result()
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "distributed_rank_lost"
+            assert time.time() - start < WATCHDOG + 60
+            assert httpx.get(cluster.url + "/health", timeout=5).status_code == 503
+            again = chat(cluster.url, PROMPTS[1], 30.0)
+            assert again.status_code == 503 and again.json()["error"]["type"] == \
+                "service_unavailable_error"
+            os.kill(cluster.ranks[1], signal.SIGKILL)  # the launcher then stops rank 0
+            cluster.wait_exit()
+        else:
+            # SIGTERM to rank 0: in-flight requests get a 503, the follower is told to stop.
+            os.kill(cluster.ranks[0], signal.SIGTERM)
+            r = inflight.result()
+            assert r.status_code == 503, r.text
+            assert cluster.wait_exit() == 0
