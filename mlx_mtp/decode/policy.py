@@ -106,13 +106,14 @@ class StepCosts:
 
 
 class AcceptanceEstimate:
-    """Acceptance per draft position: a forgetting average over steps, with a prior
-    worth one observation at 0.7 (optimistic enough to try drafting, quick to give up)."""
+    """Acceptance per draft position: a forgetting average over steps, starting from a
+    prior of 0.7 worth ``prior_weight`` observations (optimistic enough to try drafting;
+    the weight sets how many early rejections it takes to give up)."""
 
-    def __init__(self, max_k: int, forget: float):
+    def __init__(self, max_k: int, forget: float, prior_weight: float = 1.0):
         self.forget = forget
-        self.hits = [0.7] * max_k
-        self.trials = [1.0] * max_k
+        self.hits = [0.7 * prior_weight] * max_k
+        self.trials = [float(prior_weight)] * max_k
 
     def record(self, k: int, accepted: Sequence[int], ks: Optional[Sequence[int]] = None):
         """One step that drafted ``k`` (``ks[b]`` for row b if given); ``accepted``:
@@ -146,14 +147,20 @@ class DraftPolicy:
     """Chooses K for each batch step (``choose``) from what steps cost and what rows accept."""
 
     def __init__(self, max_k: int, adaptive: bool = True, margin: float = 1.05,
-                 forget: float = 0.97, probe_gap: Tuple[int, int] = (8, 1024)):
+                 forget: float = 0.97, probe_gap: Tuple[int, int] = (8, 1024),
+                 recheck_gap: Tuple[int, int] = (4, 512), prior_weight: float = 3.0):
         self.max_k = max_k
         self.adaptive = adaptive
         self.margin = margin  # drafting must win clearly: timing noise must not cost users
         self.waiting_margin = 0.1
         self.costs = StepCosts()
-        self.acceptance = AcceptanceEstimate(max_k, forget)
-        self.probe_gap = probe_gap
+        # Worth 3 steps: one unlucky first draft of a good head (20% of the time at 80%
+        # acceptance) must not pause drafting; a useless head still stops after ~3 steps.
+        self.acceptance = AcceptanceEstimate(max_k, forget, prior_weight)
+        self.probe_gap = probe_gap  # cost probes, per batch size
+        # Acceptance re-checks while paused start sooner: a good head paused by bad luck
+        # loses every step until one; a useless one costs a fraction of a step per probe.
+        self.recheck_gap = recheck_gap
         # A probe is worth it if drafting could win with a somewhat cheaper step than
         # predicted: a probe measures the cell itself, correcting the fit.
         self.optimism = 0.8
@@ -224,7 +231,8 @@ class DraftPolicy:
         or two perhaps unlucky steps, an old figure): plain steps, or a K whose drafts
         would mostly land.
         Across batch sizes, while paused: K=1 to re-check acceptance, where even
-        perfect acceptance would beat plain steps.
+        perfect acceptance would beat plain steps or K=1's cost here is barely measured
+        (its first step carries one-off work: new shapes, a backlog of MTP pairs).
         """
         t0 = self.costs.predict(B, 0)
         if t0 is None:
@@ -235,17 +243,19 @@ class DraftPolicy:
         if thin and self._due(B):
             return min(thin, key=lambda k: (self.costs.count(B, k), k))
         t1 = self.costs.predict(B, 1)
-        if chosen == 0 and (t1 is None or 2 / (self.optimism * t1) > self.margin / t0):
+        if chosen == 0 and (t1 is None or self.costs.count(B, 1) < 3
+                            or 2 / (self.optimism * t1) > self.margin / t0):
             if self._due(None):
                 return 1
         return None
 
     def _due(self, key) -> bool:
         """Count down the probe interval of ``key``; True (and double it) when it ends."""
-        gap, wait = self._gaps.get(key, (self.probe_gap[0], self.probe_gap[0]))
+        first, longest = self.recheck_gap if key is None else self.probe_gap
+        gap, wait = self._gaps.get(key, (first, first))
         wait -= 1
         if wait <= 0:
-            gap = min(2 * gap, self.probe_gap[1])
+            gap = min(2 * gap, longest)
             wait = gap
         self._gaps[key] = (gap, wait)
         return wait == gap

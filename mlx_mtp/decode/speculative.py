@@ -145,7 +145,9 @@ class MTPDecoder:
                 if self.row.schedule is not None or self.drafting_hint is None \
                         or self.drafting_hint():
                     self._owe_prompt(h_mtp, tokens[:, start:end])
-                    owed.flush(self.model, self.mtp_cache, max_owed=self.prefill_step_size)
+                    # The head's pass over the prompt is prompt work: done here, the
+                    # first draft step costs what later ones do (its time decides K).
+                    owed.flush(self.model, self.mtp_cache)
                 else:
                     # Drafting is paused where this sequence will run: the head skips
                     # this prompt, and leaving the hiddens unread lets the lazy graph
