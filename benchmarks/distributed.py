@@ -2,6 +2,7 @@
 
     python benchmarks/distributed.py                 # builds a tiny model, runs everything
     python benchmarks/distributed.py --model PATH --ranks 2 --tokens 128
+    python benchmarks/distributed.py --serve         # mlx-mtp serve: one process vs ranks
 
 The driver runs the single-process decode itself and each mode under
 ``mlx.launch -n RANKS --backend ring``; every run decodes the same prompt greedily with
@@ -9,12 +10,22 @@ a fixed K (K = 0 is MTP off). Rank 0 counts its host syncs (reads of a step, ``m
 and ``mx.synchronize`` calls while decoding); bytes and messages are summed over ranks
 (payloads: hidden states sent down the pipeline, every rank's part of each all_sum;
 the all_sums inside tensor-parallel layers are not counted).
+
+``--serve`` starts ``mlx-mtp serve`` in one process and under ``mlx.launch`` in each mode
+(all at once; idle servers only exchange a heartbeat a second), then sends the same
+``--concurrency`` greedy chat requests to them in turn, in the order single, pipeline,
+tensor, tensor, pipeline, single (``--repeats`` times), and prints each server's median
+aggregate tokens/s (K = the last of ``--ks``, fixed).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -92,15 +103,18 @@ def run_rank(args):
         print(json.dumps({"mode": args.mode, "rows": rows}))
 
 
-def drive(args):
+def _tiny_model(directory) -> str:
     from mlx_mtp.testing.tiny import make_tiny
 
+    return str(make_tiny(Path(directory) / "bench", "qwen3_5", head="noisy", trunk_scale=0.1,
+                         hidden=256, num_layers=8, vocab_size=4096))
+
+
+def drive(args):
     tmp = None
     if args.model is None:
         tmp = tempfile.TemporaryDirectory()
-        args.model = str(make_tiny(Path(tmp.name) / "bench", "qwen3_5", head="noisy",
-                                   trunk_scale=0.1, hidden=256, num_layers=8,
-                                   vocab_size=4096))
+        args.model = _tiny_model(tmp.name)
     common = ["--model", args.model, "--tokens", str(args.tokens), "--repeats",
               str(args.repeats), "--ks", *map(str, args.ks)]
     launch = Path(sys.executable).parent / "mlx.launch"
@@ -124,6 +138,79 @@ def drive(args):
                   f"{r['messages_per_step']:13.1f} {r['host_syncs_per_step']:15.2f}  {speedup}")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_bench(args):
+    import httpx
+
+    k = args.ks[-1]
+    launch = Path(sys.executable).parent / "mlx.launch"
+    modes = ["single", "pipeline", "tensor"]
+    servers = {}
+    try:
+        for i, mode in enumerate(modes):
+            port = _free_port()
+            cmd = [sys.executable, "-m", "mlx_mtp.cli", "serve", "--model", args.model,
+                   "--port", str(port), "--temp", "0", "--num-draft-tokens", str(k),
+                   "--fixed-k", "--log-level", "WARNING"]
+            if mode != "single":
+                cmd = [str(launch), "-n", str(args.ranks), "--backend", "ring",
+                       "--starting-port", str(_free_port()), "--", *cmd,
+                       "--distributed", mode]
+            servers[mode] = (f"http://127.0.0.1:{port}",
+                             subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL,
+                                              start_new_session=True))
+        body = lambda j: {"messages": [{"role": "user", "content": f"request {j}: def f("}],
+                          "max_tokens": args.tokens}
+        for mode, (url, proc) in servers.items():
+            deadline = time.time() + 600
+            while True:
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.time() > deadline:
+                    sys.exit(f"{mode} server did not start")
+                time.sleep(0.5)
+            httpx.post(url + "/v1/chat/completions", json=body(0), timeout=600)  # warm-up
+
+        def round_(url) -> float:
+            with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+                tic = time.perf_counter()
+                rs = list(pool.map(lambda j: httpx.post(url + "/v1/chat/completions",
+                                                        json=body(j), timeout=600),
+                                   range(args.concurrency)))
+                seconds = time.perf_counter() - tic
+            return sum(r.json()["usage"]["completion_tokens"] for r in rs) / seconds
+
+        results = {m: [] for m in modes}
+        for _ in range(args.repeats):
+            for mode in modes + modes[::-1]:
+                results[mode].append(round_(servers[mode][0]))
+        print(f"serve, {args.concurrency} concurrent requests of {args.tokens} tokens, K={k} "
+              f"fixed, load {os.getloadavg()[0]:.1f}")
+        for mode in modes:
+            print(f"{mode:9} {statistics.median(results[mode]):8.1f} tok/s (aggregate; runs "
+                  f"{', '.join(f'{x:.1f}' for x in results[mode])})")
+    finally:
+        for _, proc in servers.values():
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for _, proc in servers.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint (default: a tiny one is built)")
@@ -132,9 +219,19 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ks", type=int, nargs="+", default=[0, 3])
     p.add_argument("--mode", default="single", choices=["single", "pipeline", "tensor"])
+    p.add_argument("--serve", action="store_true",
+                   help="Benchmark mlx-mtp serve (one process vs each mode) instead")
+    p.add_argument("--concurrency", type=int, default=4, help="--serve: requests at once")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    run_rank(args) if args.rank else drive(args)
+    if args.rank:
+        run_rank(args)
+    elif args.serve:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.model = args.model or _tiny_model(tmp)
+            serve_bench(args)
+    else:
+        drive(args)
 
 
 if __name__ == "__main__":
