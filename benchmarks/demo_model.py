@@ -92,9 +92,8 @@ def repetition(args):
 
 
 def speed(args):
-    import mlx.core as mx
 
-    dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16, None: None}[args.dtype]
+    dtype = None if args.dtype == "stored" else args.dtype
     mtp_model, tok = load(args.model, mtp=True, dtype=dtype)
     plain_model, _ = load(args.model, mtp=False, dtype=dtype)
     arms = {"mtp": (mtp_model, 3), "no_mtp": (plain_model, 0)}
@@ -141,8 +140,9 @@ def main(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="(speed) cast the weights at load (default: as stored)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "stored"], default="auto",
+                   help="(speed) weights at load, as generate's --dtype (default auto: float32 "
+                        "on the CPU); stored: as in the file")
     p.add_argument("--abba", type=int, default=1,
                    help="(speed) 1: ABBA per prompt (4 runs); 0: AB/BA alternating (2 runs)")
     p.add_argument("-o", "--output", default=None, help="write the results (JSON) here")

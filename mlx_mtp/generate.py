@@ -50,7 +50,8 @@ def run(args) -> int:
     group = _distributed_group(args)
     adaptive = not args.fixed_k
     if group is None:
-        model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden)
+        model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden,
+                                dtype=args.dtype)
     else:
         import mlx.core as mx
         from .models.distributed import load_distributed, shared_seed

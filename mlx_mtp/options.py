@@ -38,12 +38,23 @@ def add_model_arguments(p: argparse.ArgumentParser):
                         "measured acceptance instead of a per-token confidence cut-off)")
     p.add_argument("--mtp-hidden", choices=["post_norm", "pre_norm"], default=None,
                    help="Trunk hidden state fed to the MTP head (default post_norm)")
+    add_dtype_argument(p)
     add_speed_arguments(p)
     p.add_argument("--distributed", choices=["pipeline", "tensor"], default=None,
                    help="Split the model over the ranks of `mlx.launch` (on by itself when "
                         "launched with more than one rank): pipeline (layers) or tensor "
                         "(heads). Default: tensor when the heads divide evenly and all ranks "
                         "are on this machine, else pipeline")
+
+
+def add_dtype_argument(p):
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   default="auto",
+                   help="Float weights at load. auto (default): on the CPU, bf16/fp16 "
+                        "checkpoints whose float32 copy fits in 8 GB (and a quarter of the "
+                        "memory) are upcast to float32, which MLX's CPU backend multiplies "
+                        "with BLAS (the demo model decodes 1.6-1.7x faster); as stored on GPUs "
+                        "and for quantized checkpoints. Quantized layers are never changed")
 
 
 def add_speed_arguments(p):

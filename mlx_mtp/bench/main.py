@@ -42,7 +42,7 @@ def _int_list(flag: str, value: str, lo: int, hi: int = 1 << 30) -> List[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    from ..options import add_speed_arguments, add_sampling_arguments
+    from ..options import add_dtype_argument, add_speed_arguments, add_sampling_arguments
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = "\n\n".join(__doc__.strip().split("\n\n")[:4])
@@ -86,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser):
     g.add_argument("--chat-template-args", default=None,
                    help='JSON for the chat template, e.g. \'{"enable_thinking": false}\'')
     g.add_argument("--mtp-hidden", choices=["post_norm", "pre_norm"], default=None)
+    add_dtype_argument(g)
     add_speed_arguments(g)
     g.add_argument("--prefill-step-size", type=int, default=2048)
 
@@ -227,7 +228,8 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
     console = report.console()
     console.print(f"[bold]mlx-mtp bench[/bold]: loading {escape(str(model_path))}",
                   highlight=False)
-    model, tokenizer = load(args.model, mtp=max(ks) > 0, mtp_hidden=args.mtp_hidden)
+    model, tokenizer = load(args.model, mtp=max(ks) > 0, mtp_hidden=args.mtp_hidden,
+                            dtype=args.dtype)
     apply_model_options(model, args)
     encoded = []
     for p in prompts:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -174,6 +175,54 @@ def _upcast_cpu_experts(model: nn.Module):
                     proj.weight = proj.weight.astype(mx.float32)
 
 
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+DTYPE_CHOICES = ("auto",) + tuple(DTYPES)
+# ``auto`` upcasts half-precision weights to float32 on the CPU while the float32 copy stays
+# this small (and within a quarter of the memory): MLX's CPU backend runs float32 matmuls on
+# BLAS and bf16/fp16 ones without (demo model: 1.6-1.7x faster decoding in float32).
+AUTO_FLOAT32_MAX_BYTES = 8 << 30
+
+
+def _quantized_prefixes(weights: dict) -> set:
+    return {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
+
+
+def _castable(key: str, value: mx.array, model, quantized: set) -> bool:
+    """Float weights the dtype choice applies to: not quantized layers (their scales),
+    nor what the model keeps in float32 (the DeltaNet ``A_log``)."""
+    return (mx.issubdtype(value.dtype, mx.floating) and model.cast_predicate(key)
+            and key.rsplit(".", 1)[0] not in quantized)
+
+
+def resolve_dtype(choice, weights: dict, model) -> Optional[mx.Dtype]:
+    """The dtype float weights are cast to at load; None keeps them as stored.
+
+    ``choice``: None (as stored), an ``mx.Dtype``, a name of ``DTYPES``, or ``"auto"``:
+    float32 on the CPU for a checkpoint with half-precision weights, none quantized, whose
+    float32 copy fits ``AUTO_FLOAT32_MAX_BYTES``; as stored otherwise (GPUs run bf16 fast).
+    """
+    if choice is None or isinstance(choice, mx.Dtype):
+        return choice
+    if choice in DTYPES:
+        return DTYPES[choice]
+    if choice != "auto":
+        raise ModelLoadError(f"dtype must be one of {', '.join(DTYPE_CHOICES)} (got {choice!r})")
+    if mx.default_device() != mx.cpu:
+        return None
+    quantized = _quantized_prefixes(weights)
+    if quantized:
+        return None  # quantized checkpoints keep their dtype
+    floats = [v for k, v in weights.items() if _castable(k, v, model, quantized)]
+    if not any(v.dtype in (mx.bfloat16, mx.float16) for v in floats):
+        return None
+    limit = AUTO_FLOAT32_MAX_BYTES
+    try:
+        limit = min(limit, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4)
+    except (ValueError, OSError, AttributeError):
+        pass
+    return mx.float32 if sum(4 * v.size for v in floats) <= limit else None
+
+
 def build_model(config: dict, where="config.json") -> nn.Module:
     """The model ``config`` describes (parameters lazy, not loaded)."""
     module = get_model_module(config.get("model_type"))
@@ -190,12 +239,13 @@ def load_model(
     path,
     mtp: bool = True,
     mtp_hidden: Optional[str] = None,
-    dtype: Optional[mx.Dtype] = None,
+    dtype=None,
     lazy: bool = False,
 ) -> Tuple[nn.Module, dict]:
     """Build the model for ``path`` and load its weights (MTP head included).
 
-    ``mtp=False`` skips the head (and runs models whose weights lack one).
+    ``mtp=False`` skips the head (and runs models whose weights lack one). ``dtype``: see
+    ``resolve_dtype`` (None: as stored); the choice made is ``model.load_dtype``.
     """
     path = resolve_model_path(path) if not isinstance(path, Path) else path
     config = _apply_overrides(load_config(path), mtp, mtp_hidden)
@@ -205,17 +255,17 @@ def load_model(
     model = build_model(config, path / "config.json")
     weights = model.sanitize(read_weights(path))
     quantize_like_checkpoint(model, weights, layout.config_quantization(config))
+    dtype = resolve_dtype(dtype, weights, model)
     if dtype is not None:
-        weights = {
-            k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
-                and model.cast_predicate(k) else v)
-            for k, v in weights.items()
-        }
+        quantized = _quantized_prefixes(weights)
+        weights = {k: v.astype(dtype) if _castable(k, v, model, quantized) else v
+                   for k, v in weights.items()}
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise ModelLoadError(f"Weights in {path} do not match the model: {e}") from e
     _upcast_cpu_experts(model)
+    model.load_dtype = dtype
     model.eval()
     if not lazy:
         mx.eval(model.parameters())
@@ -251,8 +301,10 @@ def check_tokenizer_fits(model, tokenizer, where) -> None:
 
 
 def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str] = None,
-         dtype: Optional[mx.Dtype] = None, lazy: bool = False):
-    """Load model and tokenizer. ``path=None`` loads the embedded demo model."""
+         dtype=None, lazy: bool = False):
+    """Load model and tokenizer. ``path=None`` loads the embedded demo model. ``dtype``:
+    None (weights as stored), ``"auto"`` (the CLI's default: float32 on the CPU for small
+    half-precision checkpoints), ``"float32"``/``"bfloat16"``/``"float16"`` or an mx.Dtype."""
     from ..platform import blas
 
     blas.ensure_configured()  # Linux CPU: OpenBLAS for multi-row matmuls, checked once

@@ -228,7 +228,8 @@ def run(args) -> int:
 
     log.info("Loading %s (MTP %s)", path, f"K={k}" if k else "off")
     if group is None:
-        model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden)
+        model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden,
+                                dtype=args.dtype)
     else:
         model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=k > 0,
                                             mtp_hidden=args.mtp_hidden)
