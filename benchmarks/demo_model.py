@@ -92,7 +92,6 @@ def repetition(args):
 
 
 def speed(args):
-
     dtype = None if args.dtype == "stored" else args.dtype
     mtp_model, tok = load(args.model, mtp=True, dtype=dtype)
     plain_model, _ = load(args.model, mtp=False, dtype=dtype)
