@@ -214,3 +214,98 @@ def test_lost_rank_fails_requests_with_503_and_every_rank_exits(cluster, model):
             r = inflight.result()
             assert r.status_code == 503, r.text
             assert cluster.wait_exit() == 0
+
+
+def test_follower_replays_the_engine_step_for_step(model):
+    """In one process (a group of one): rank 0's engine records its messages, and a
+    ``Follower`` on a second copy of the model replays them; every row's tokens match
+    (joins at different steps, K per row, a prefix-cache restore, sampled rows seeded
+    and not, a cancelled row), and an iteration sends one message per prompt chunk and
+    one per decode step, nothing more."""
+    import json
+
+    import mlx.core as mx
+
+    from mlx_mtp.decode.sampling import SamplingParams
+    from mlx_mtp.models.distributed import load_distributed
+    from mlx_mtp.server.distributed import Follower, LeaderSync
+    from mlx_mtp.server.engine import Done, EngineRequest, Engine
+    from mlx_mtp.server.prefix_cache import PrefixCache
+
+    group = mx.distributed.init()
+    assert group.size() == 1
+    leader, tokenizer = load_distributed(str(model), "pipeline", group)
+    messages = []
+
+    def record(payload=None):
+        messages.append(payload)
+        return payload
+
+    leader.broadcast = record
+    sync = LeaderSync(leader)
+    sync.idle_seconds = 3600.0  # no heartbeats: every message carries model work
+    engine = Engine(leader, tokenizer, num_draft_tokens=2, adaptive=False, prefill_step_size=64,
+                    prefix_cache=PrefixCache(8, 1 << 30), sync=sync, calibrate=False,
+                    log_interval=0)
+    sync.attach(engine)
+    emitted, done, rows = {}, set(), {}
+    admitted = sync.admitted
+
+    def admit(seq, entry):
+        admitted(seq, entry)
+        rows[seq.req.request_id] = sync.rows[seq.req.request_id]
+
+    sync.admitted = admit
+    base = [(7 * i + 3) % 4000 for i in range(150)]  # two prompt chunks and a boundary
+
+    def request(prompt, **kw) -> EngineRequest:
+        def on_event(ev):
+            if isinstance(ev, Done):
+                done.add(req.request_id)
+            elif hasattr(ev, "token_ids"):
+                emitted.setdefault(req.request_id, []).extend(ev.token_ids)
+        req = EngineRequest(prompt=prompt, on_event=on_event, **{"max_tokens": 10, **kw})
+        return req
+
+    first = [request(base, boundaries=[100]),
+             request([5, 17, 301, 44, 9], sampling=SamplingParams(temperature=1.0, seed=3)),
+             request([11, 12, 13], sampling=SamplingParams(temperature=0.8))]
+    later = [request(base[:101] + [1, 2, 3]),  # restores the entry stored at 100
+             request([40, 41, 42, 43], num_draft_tokens=1)]
+    cancelled = request([9, 8, 7, 6, 5], max_tokens=1000)
+    for r in first + [cancelled]:
+        engine.submit(r)
+    per_iteration, n, stored = [], 0, False
+    while engine.step() or engine.num_waiting:
+        ops = [op for m in messages[n:] for op in json.loads(m)["ops"]]
+        work = sum(op[0] in ("prefill", "step") for op in ops)
+        per_iteration.append((len(messages) - n, work))
+        n = len(messages)
+        if not stored and (stored := sync.entries != {}):  # the prefix at 100 is cached
+            engine.cancel(cancelled)
+            for r in later:
+                engine.submit(r)
+    sync.stopped()
+    assert done == {r.request_id for r in first + later}
+    ops = [op for m in messages for op in json.loads(m)["ops"]]
+    assert any(op[0] == "admit" and op[6] is not None for op in ops)  # a restored prefix
+    assert any(op[0] == "step" and len(set(op[1])) > 1 for op in ops)  # K differs by row
+    assert all(count == work for count, work in per_iteration[1:]), per_iteration
+    assert any(work == 1 for _, work in per_iteration)  # decode-only iterations: 1 message
+
+    class Recording(Follower):
+        tokens = {}  # row id -> every token its steps produced
+
+        def _step(self, ks):
+            self.next_ks = ks
+            for rid, out in self.batch.step().items():
+                self.tokens.setdefault(rid, []).extend(out.tokens)
+
+    replica, _ = load_distributed(str(model), "pipeline", group)
+    feed = iter(messages)
+    replica.broadcast = lambda payload=None: next(feed)
+    follower = Recording(replica)
+    assert follower.run() == 0  # the last message says stop
+    for r in first + later:
+        ids = emitted[r.request_id]
+        assert follower.tokens[rows[r.request_id]][: len(ids)] == ids, r.request_id

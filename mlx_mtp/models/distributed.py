@@ -15,11 +15,11 @@ Every rank runs the same decode code (``step.DecodeBatch``); the model it gets i
 
 ``share(*arrays)`` is the step's one message per result: rank 0's values reach every
 rank in one ``all_sum`` of a small int32 array (the others add zeros), so all ranks
-roll back their caches identically and never diverge. In pipeline mode each
-communication op is queued (``async_eval``, no host sync) as soon as it is built and
-depends on the previous one: a stream runs its work in order, so every rank issues
-its ops in program order (a ``recv`` has no inputs to order it otherwise) and no rank
-waits on an op its peer has not reached.
+roll back their caches identically and never diverge. Each communication op is
+queued (``async_eval``, no host sync) as soon as it is built and depends on the
+previous one: a stream runs its work in order, so every rank issues its ops in program
+order (a ``recv`` has no inputs to order it otherwise) and no rank waits on an op its
+peer has not reached.
 """
 
 from __future__ import annotations
@@ -230,10 +230,7 @@ class DistributedModel:
 
     def _issue(self, op: mx.array) -> mx.array:
         self._last_comm = op
-        if self.mode == "pipeline":
-            # Tensor ranks build identical graphs: data dependencies order their
-            # collectives (queuing them early there was seen to deadlock).
-            mx.async_eval(op)
+        mx.async_eval(op)
         return op
 
     def _count(self, x: mx.array):
@@ -246,8 +243,11 @@ class DistributedModel:
         if self.rank == 0:
             mine = flat
         else:
-            # Tensor ranks ran the same collectives to get here: depend on them so they
-            # run; pipeline ranks' stand-in values are never computed.
+            # Tensor ranks ran the same collectives to get here: depend on them, so this
+            # all_sum runs after them as rank 0's does. Without it, queued early
+            # (async_eval) it ran before this rank's layer all_sums while rank 0's ran
+            # after its own: each rank waited on a different collective (deadlock,
+            # reproduced). Pipeline ranks' stand-in values are never computed.
             mine = mx.zeros(flat.shape, mx.int32)
             if self.mode == "tensor":
                 mine = mx.depends(mine, flat)

@@ -191,8 +191,9 @@ class LeaderSync(StepSync):
     def end_step(self):
         if self._last_exchange is None:
             self._last_exchange = time.monotonic()  # armed after calibration
-        if self.lost is None and (self.ops or time.monotonic() - self._last_exchange
-                                  >= self.idle_seconds):
+        # Operations that need no model work (rows leaving, cache evictions) wait for the
+        # next message: an iteration that only decodes stays one message.
+        if self.lost is None and time.monotonic() - self._last_exchange >= self.idle_seconds:
             try:
                 self._send()
             except GroupLost:
