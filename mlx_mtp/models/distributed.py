@@ -421,6 +421,11 @@ def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None
         for layer in list(text.model.layers) + (list(text.mtp.layers) if "mtp" in text else []):
             shard_layer(layer, group)
             mx.eval(layer.parameters())  # read and slice one layer at a time
+    if mode == "pipeline" and "embed_tokens" not in text.model:  # a middle rank
+        # The batch reads the model's dtype from the embedding: a one-element stand-in.
+        dtype = text.model.layers[layer_range[0]].input_layernorm.weight.dtype
+        text.model.embed_tokens = nn.Embedding(1, 1)
+        text.model.embed_tokens.set_dtype(dtype)
     mx.eval(model.parameters())
     return DistributedModel(model, mode, group, layer_range), load_tokenizer(p, config)
 
