@@ -110,10 +110,12 @@ class AcceptanceEstimate:
     prior of 0.7 worth ``prior_weight`` observations (optimistic enough to try drafting;
     the weight sets how many early rejections it takes to give up)."""
 
-    def __init__(self, max_k: int, forget: float, prior_weight: float = 1.0):
-        self.forget = forget
-        self.hits = [0.7 * prior_weight] * max_k
-        self.trials = [float(prior_weight)] * max_k
+    def __init__(self, max_k: int, forget: float, prior_weight: float = 1.0,
+                 prior: float = 0.7):
+        self.forget, self.prior = forget, prior
+        self.hits = [0.0] * max_k  # observed, forgetting
+        self.trials = [0.0] * max_k
+        self.weight = [float(prior_weight)] * max_k  # the prior's, forgotten alike
 
     def record(self, k: int, accepted: Sequence[int], ks: Optional[Sequence[int]] = None):
         """One step that drafted ``k`` (``ks[b]`` for row b if given); ``accepted``:
@@ -125,10 +127,13 @@ class AcceptanceEstimate:
                 hit = sum(1 for n, kb in zip(accepted, ks) if n > j and kb > j)
                 self.hits[j] = self.forget * self.hits[j] + hit
                 self.trials[j] = self.forget * self.trials[j] + reached
+                self.weight[j] *= self.forget
 
     @property
     def alpha(self) -> List[float]:
-        return [h / t for h, t in zip(self.hits, self.trials)]
+        # (hits + prior * weight) / (trials + weight), exactly the prior where unobserved
+        p = self.prior
+        return [p + (h - p * t) / (t + w) for h, t, w in zip(self.hits, self.trials, self.weight)]
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a row emits per step with k drafts: 1 + a1 + a1*a2 + ..."""
