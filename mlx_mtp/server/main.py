@@ -76,6 +76,13 @@ def add_arguments(p):
                    help="Maximum number of prompt-prefix states kept (0 disables; default 32)")
     p.add_argument("--prompt-cache-bytes", type=_size, default=2 << 30,
                    help="Maximum memory of the prompt-prefix cache (default 2G)")
+    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="Also keep prompt-prefix states of long prompts in DIR, so a restarted "
+                        "server resumes conversations without recomputing them")
+    p.add_argument("--prompt-cache-disk-bytes", type=_size, default=10 << 30, metavar="N",
+                   help="Size bound of --prompt-cache-dir, least recently used out (default 10G)")
+    p.add_argument("--prompt-cache-min-tokens", type=int, default=1024, metavar="N",
+                   help="Only prefixes of at least N tokens go to disk (default 1024)")
     p.add_argument("--api-key", default=os.environ.get("MLX_MTP_API_KEY"),
                    help="Require 'Authorization: Bearer KEY' (default: $MLX_MTP_API_KEY)")
     p.add_argument("--protect-metrics", action="store_true",
@@ -152,6 +159,20 @@ def _check_port(host: str, port: int):
                             "(is another server running? pick another --port)")
 
 
+def _session_store(args, model, metrics):
+    if not getattr(args, "prompt_cache_dir", None):
+        return None
+    from .session_store import SessionStore, model_fingerprint
+
+    try:
+        store = SessionStore(args.prompt_cache_dir, model_fingerprint(model),
+                             args.prompt_cache_disk_bytes, args.prompt_cache_min_tokens)
+    except OSError as e:
+        raise UserError(f"--prompt-cache-dir {args.prompt_cache_dir}: {e.strerror or e}")
+    store.on_restore = metrics.prefix_cache_disk_hits.inc
+    return store
+
+
 def build_state(args, model, tokenizer, config: dict, k: int, sampling_defaults: dict,
                 template_args: dict, model_path=None, sync=None) -> ServerState:
     text_cfg = text_config(config)
@@ -170,7 +191,8 @@ def build_state(args, model, tokenizer, config: dict, k: int, sampling_defaults:
         model, tokenizer, num_draft_tokens=k, adaptive=not args.fixed_k,
         max_concurrency=args.max_concurrency, prefill_step_size=args.prefill_step_size,
         max_batched_tokens=args.max_batched_tokens,
-        prefix_cache=PrefixCache(args.prompt_cache_size, args.prompt_cache_bytes),
+        prefix_cache=PrefixCache(args.prompt_cache_size, args.prompt_cache_bytes,
+                                 disk=_session_store(args, model, metrics)),
         metrics=metrics, max_queue=args.max_queue, model_name=names[0],
         log_interval=args.log_interval, sync=sync,
     )
@@ -213,6 +235,11 @@ def run(args) -> int:
         raise UserError(f"--port must be between 1 and 65535 (got {args.port})")
     if not args.distributed_timeout > 0:
         raise UserError(f"--distributed-timeout must be > 0 (got {args.distributed_timeout})")
+    if args.prompt_cache_dir and (args.prompt_cache_size == 0 or args.distributed):
+        raise UserError("--prompt-cache-dir needs the in-memory prompt cache "
+                        "(--prompt-cache-size > 0) and a single process (no --distributed)")
+    if args.prompt_cache_disk_bytes < 1 or args.prompt_cache_min_tokens < 1:
+        raise UserError("--prompt-cache-disk-bytes and --prompt-cache-min-tokens must be >= 1")
     # Under mlx.launch: rank 0 serves HTTP, the other ranks follow its steps.
     group = distributed_group(args.distributed)
     leader = group is None or group.rank() == 0

@@ -193,6 +193,9 @@ class ServerMetrics:
             p + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = r.counter(
             p + "prefix_cache_hits_total", "Prompt tokens served from the prefix cache.")
+        self.prefix_cache_disk_hits = r.counter(
+            p + "prefix_cache_disk_hits_total",
+            "Prompt tokens restored from the on-disk prompt cache (--prompt-cache-dir).")
         self.request_success = r.counter(
             p + "request_success_total", "Count of successfully finished requests.",
             ("finished_reason",))
@@ -259,6 +262,7 @@ class ServerMetrics:
             "generation_tokens": self.generation_tokens.get(),
             "prefix_cache_query_tokens": self.prefix_cache_queries.get(),
             "prefix_cache_hit_tokens": self.prefix_cache_hits.get(),
+            "prefix_cache_disk_hit_tokens": self.prefix_cache_disk_hits.get(),
             "num_drafts": self.spec_drafts.get(),
             "num_draft_tokens": self.spec_draft_tokens.get(),
             "num_accepted_tokens": self.spec_accepted.get(),

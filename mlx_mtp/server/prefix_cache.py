@@ -13,6 +13,11 @@ for token ``n``, so that token is part of what must match.
 
 Bounded by number of entries and by bytes, least recently used first out.
 Only the engine thread touches it (no locking).
+
+With a ``SessionStore`` (``serve --prompt-cache-dir``) stored entries of long prompts are
+also written to disk, and a lookup that finds a longer prefix on disk than in memory
+restores it (into memory too): a restarted server resumes a conversation without
+recomputing it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ class Entry:
 
 
 class PrefixCache:
-    def __init__(self, max_entries: int = 32, max_bytes: int = 2 << 30):
+    def __init__(self, max_entries: int = 32, max_bytes: int = 2 << 30, disk=None):
+        self.disk = disk  # session_store.SessionStore or None
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.entries: "OrderedDict[Tuple[int, ...], Entry]" = OrderedDict()
@@ -63,14 +69,38 @@ class PrefixCache:
                 continue
             if tokens[:n] == key:
                 best = e
+        if self.disk is not None:
+            best = self._from_disk(tokens, need_mtp, best)
         if best is None:
             self.misses += 1
             return None
         self.hits += 1
-        self.entries.move_to_end(best.key)
+        if best.key in self.entries:  # (a disk entry too large for memory is not)
+            self.entries.move_to_end(best.key)
         return best
 
+    def _from_disk(self, tokens, need_mtp: bool, best: Optional[Entry]) -> Optional[Entry]:
+        """A longer prefix than ``best`` from disk, kept in memory too; else ``best``."""
+        if best is not None:
+            self.disk.touch(best.key)  # disk LRU follows use
+        found = self.disk.lookup(tokens, need_mtp, longer_than=len(best.key) if best else 0)
+        if found is None:
+            return best
+        key, state = found
+        entry = Entry(key, state, state.nbytes, state.mtp_cache is not None)
+        self._store_memory(key, state, entry.nbytes, entry.has_mtp)
+        return self.entries.get(key, entry)
+
     def store(self, key: Sequence[int], state, nbytes: int, has_mtp: bool) -> bool:
+        """Keep a state (arrays already evaluated); long prompts' also go to disk."""
+        stored = self._store_memory(key, state, nbytes, has_mtp)
+        if stored and self.disk is not None:
+            e = self.entries.get(tuple(key))
+            if e is not None:  # the richer of the old and new states
+                self.disk.put(e.key, e.state, e.has_mtp)
+        return stored
+
+    def _store_memory(self, key, state, nbytes: int, has_mtp: bool) -> bool:
         if not self.enabled or nbytes > self.max_bytes:
             return False
         key = tuple(key)
