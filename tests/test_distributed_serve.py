@@ -206,7 +206,16 @@ def test_lost_rank_fails_requests_with_503_and_every_rank_exits(cluster, model):
             again = chat(cluster.url, PROMPTS[1], 30.0)
             assert again.status_code == 503 and again.json()["error"]["type"] == \
                 "service_unavailable_error"
-            os.kill(cluster.ranks[1], signal.SIGKILL)  # the launcher then stops rank 0
+            # SIGTERM to rank 0 while its engine thread sits in the blocked collective:
+            # rank 0 still exits.
+            os.kill(cluster.ranks[0], signal.SIGTERM)
+            deadline = time.time() + EXIT_TIMEOUT
+            while Path(f"/proc/{cluster.ranks[0]}").exists() and time.time() < deadline:
+                if Path(f"/proc/{cluster.ranks[0]}/stat").read_text().split()[2] == "Z":
+                    break  # exited; the launcher has not reaped it yet
+                time.sleep(0.5)
+            assert time.time() < deadline, "rank 0 ignored SIGTERM"
+            os.kill(cluster.ranks[1], signal.SIGKILL)
             cluster.wait_exit()
         else:
             # SIGTERM to rank 0: in-flight requests get a 503, the follower is told to stop.
@@ -214,6 +223,28 @@ def test_lost_rank_fails_requests_with_503_and_every_rank_exits(cluster, model):
             r = inflight.result()
             assert r.status_code == 503, r.text
             assert cluster.wait_exit() == 0
+
+
+def test_killed_follower_fails_requests_with_503(model, tmp_path):
+    # A follower process that dies (its sockets close): the in-flight request gets a 503
+    # at once, whichever notices first (rank 0's next collective raises, or mlx.launch
+    # stops rank 0 because a rank exited with an error), and every process exits.
+    cluster = Cluster(model, tmp_path, "pipeline")
+    try:
+        long = {"max_tokens": 3000, "logit_bias": {str(t): -100 for t in eos_ids(model)}}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            inflight = pool.submit(chat, cluster.url, PROMPTS[0], 180.0, **long)
+            time.sleep(2.0)
+            killed = time.time()
+            os.kill(cluster.ranks[1], signal.SIGKILL)
+            r = inflight.result()
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "service_unavailable_error"
+        assert time.time() - killed < WATCHDOG  # not the watchdog: the closed sockets
+        cluster.wait_exit()
+    finally:
+        if cluster.proc.poll() is None:
+            cluster.kill()
 
 
 def test_follower_replays_the_engine_step_for_step(model):

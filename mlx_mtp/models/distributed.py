@@ -261,27 +261,32 @@ class DistributedModel:
 
     def broadcast(self, payload: Optional[bytes] = None) -> bytes:
         """Rank 0's ``payload`` on every rank (the others pass None): one all_sum of
-        ``MESSAGE_FRAME_WORDS`` int32 words (length, then the bytes), and one more for
-        the rest of a longer message. Ordered after the model's own collectives."""
-        frame = MESSAGE_FRAME_WORDS - 1
+        ``MESSAGE_FRAME_WORDS`` int32 words (length, ranks present, then the bytes), and
+        one more for the rest of a longer message. Ordered after the model's own
+        collectives. Raises when a rank did not take part: after a peer's connection
+        failed, the ring was seen to complete later all_sums without it."""
+        frame = MESSAGE_FRAME_WORDS - 2
         words = np.zeros(0, np.int32)
         first = np.zeros(MESSAGE_FRAME_WORDS, np.int32)
+        first[1] = 1  # every rank counts itself
         if self.rank == 0:
             data = payload or b""
             words = np.frombuffer(data + b"\0" * (-len(data) % 4), np.int32)
             first[0] = len(data)
-            first[1 : 1 + min(frame, words.size)] = words[:frame]
+            first[2 : 2 + min(frame, words.size)] = words[:frame]
         head = self._all_sum_words(first)
+        if int(head[1]) != self.size:
+            raise RuntimeError(f"{self.size - int(head[1])} rank(s) missing from a message")
         n = int(head[0])
         size = (n + 3) // 4
-        parts = [head[1 : 1 + min(frame, size)]]
+        parts = [head[2 : 2 + min(frame, size)]]
         if size > frame:
             rest = words[frame:] if self.rank == 0 else np.zeros(size - frame, np.int32)
             parts.append(self._all_sum_words(rest))
         return np.concatenate(parts).tobytes()[:n]
 
     def _all_sum_words(self, words: np.ndarray) -> np.ndarray:
-        x = mx.array(words) if self.rank == 0 else mx.zeros(words.shape, mx.int32)
+        x = mx.array(words)  # other ranks: zeros (and their presence word)
         total = self._issue(mx.distributed.all_sum(self._after_last(x), group=self.group))
         if self.rank == 0:
             self._count(x)

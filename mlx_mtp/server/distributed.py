@@ -67,6 +67,7 @@ class StepSync:
     def calibrating(self, sizes): pass
     def end_step(self): pass
     def stopped(self): pass
+    def shutting_down(self): pass
 
     def group_lost(self, error: Exception) -> bool:
         """Whether ``error`` means the group is gone (requests were failed with a 503)."""
@@ -207,10 +208,26 @@ class LeaderSync(StepSync):
             except GroupLost:
                 pass
 
+    def shutting_down(self):
+        """SIGTERM / Ctrl-C: if the engine thread does not stop within a second (it may
+        sit in a collective of a lost rank), fail its requests from here."""
+        engine = self.engine
+
+        def fail_if_stuck():
+            if engine is not None and not engine._stopped.is_set():
+                engine._fail_all(503, "The server is shutting down.", code="shutting_down")
+
+        timer = threading.Timer(1.0, fail_if_stuck)
+        timer.daemon = True
+        timer.start()
+
     def group_lost(self, error: Exception) -> bool:
         if self.lost is not None or isinstance(error, GroupLost):
             return True
-        try:  # a peer that died mid-step fails the next exchange at once
+        # A peer that died mid-step fails the next exchange at once, unless that exchange
+        # waits on the failed collective (measured: it then blocks): start a new chain.
+        self.model._last_comm = None
+        try:
             self._send()
         except GroupLost:
             return True

@@ -214,6 +214,7 @@ class Engine:
         with self._cv:
             self._stopping = True
             self._cv.notify()
+        self.sync.shutting_down()
         if self._thread is not None:
             self._stopped.wait(timeout)
 
@@ -231,7 +232,9 @@ class Engine:
         try:
             self.sync.calibrating(sizes)
             seconds = self.batch.calibrate(sizes)
-        except Exception:  # never fatal: the policy then learns from live steps
+        except Exception as e:  # never fatal: the policy then learns from live steps
+            if self.sync.group_lost(e):
+                return
             log.exception("MTP step-cost calibration failed")
             self.batch = BatchDecoder(self.model, self.batch.K, self.adaptive)
             return
