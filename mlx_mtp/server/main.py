@@ -328,6 +328,8 @@ def run(args) -> int:
     finally:
         engine.shutdown()
         state.prompt_workers.shutdown()
+        if engine.prefix_cache.disk is not None:  # queued prompt states reach the disk
+            engine.prefix_cache.disk.flush(timeout=30)
     log.info("Server stopped.")
     if group is not None:  # the engine thread may sit in a collective of a lost rank
         logging.shutdown()
