@@ -290,8 +290,10 @@ class SessionStore:
         """
         tokens = tuple(tokens)
         with self._lock:
+            # The last-token check first: most keys differ there, and it costs no slice.
             candidates = sorted((k for k, e in self.index.items()
                                  if longer_than < len(k) <= len(tokens)
+                                 and k[-1] == tokens[len(k) - 1]
                                  and (e.has_mtp or not need_mtp) and tokens[:len(k)] == k),
                                 key=len, reverse=True)
         for key in candidates:
