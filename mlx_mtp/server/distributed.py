@@ -134,11 +134,13 @@ class LeaderSync(StepSync):
 
     # -- hooks ------------------------------------------------------------------------
     def admitted(self, seq, entry):
+        restore = None if entry is None else self.entries.get(tuple(entry.key))
+        if entry is not None and restore is None:  # e.g. read from disk on rank 0 only
+            raise RuntimeError("a prompt-cache entry the other ranks do not hold was restored")
         rid = self.rows[seq.req.request_id] = self._new_id()
         dec = seq.dec
         if dec.drafting_hint is not None:
             dec.drafting_hint = self.hints[seq.req.request_id] = _FrozenHint(dec.drafting_hint)
-        restore = None if entry is None else self.entries[tuple(entry.key)]
         self.ops.append(["admit", rid, list(seq.req.prompt), params_to_json(dec.params),
                          dec.K, dec.sampler.seed, restore])
 
