@@ -57,7 +57,7 @@ def run(args) -> int:
         from .models.distributed import load_distributed, shared_seed
 
         model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=k > 0,
-                                            mtp_hidden=args.mtp_hidden)
+                                            mtp_hidden=args.mtp_hidden, dtype=args.dtype)
         check_tokenizer_fits(model, tokenizer, args.model or "the demo model")
         mx.random.seed(shared_seed(group))  # unseeded sampling: the same seed on every rank
         adaptive = False  # K from per-rank timings could differ between ranks: fixed K

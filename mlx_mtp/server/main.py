@@ -259,7 +259,7 @@ def run(args) -> int:
                                 dtype=args.dtype)
     else:
         model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=k > 0,
-                                            mtp_hidden=args.mtp_hidden)
+                                            mtp_hidden=args.mtp_hidden, dtype=args.dtype)
     apply_model_options(model, args)
     if not leader:
         return run_follower(model, args.distributed_timeout)
