@@ -22,7 +22,7 @@ import uvicorn
 from tokenizers import Tokenizer
 
 from mlx_mtp.server.engine import Delta, Done, Failed
-from test_server_e2e import ServerProcess
+from server_process import ServerProcess
 
 SYSTEM = "You are terse."
 WEATHER_TOOL = {"name": "get_weather", "description": "Weather of a city",

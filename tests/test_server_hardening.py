@@ -19,7 +19,7 @@ from mlx_mtp.server.prompts import check_template_variables, prepare_chat
 from mlx_mtp.server.protocol import APIError, ChatCompletionRequest, load_json_body
 from mlx_mtp.server.state import PromptWorkers, ServerState, max_token_chars
 
-from test_server_e2e import ServerProcess
+from server_process import ServerProcess
 
 MSG = [{"role": "user", "content": "hi"}]
 WEATHER = [{"type": "function", "function": {
