@@ -340,3 +340,21 @@ def test_follower_replays_the_engine_step_for_step(model):
     for r in first + later:
         ids = emitted[r.request_id]
         assert follower.tokens[rows[r.request_id]][: len(ids)] == ids, r.request_id
+
+
+def test_follower_watchdog_ends_with_its_loop():
+    # The watchdog exits the process when rank 0 goes silent; once the loop has returned
+    # it must not (it killed the test process two minutes after the replay test).
+    import json as _json
+    import threading
+
+    from mlx_mtp.server.distributed import Follower
+
+    class Stub:
+        def broadcast(self, payload=None):
+            return _json.dumps({"seq": 0, "ops": [["stop"]]})
+
+    follower = Follower(Stub(), timeout=0.01)
+    assert follower.run() == 0
+    time.sleep(2.5)  # past timeout + heartbeat: with the old watchdog this process exits(1)
+    assert not any(t.name == "mlx-mtp-watchdog" for t in threading.enumerate())

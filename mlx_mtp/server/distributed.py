@@ -283,9 +283,16 @@ class Follower:
         self.next_ks: List[int] = []
         self.seq = 0
         self._last = time.monotonic()
+        self._done = threading.Event()  # run returned: the watchdog must not exit the process
 
     def run(self) -> int:
         threading.Thread(target=self._watch, name="mlx-mtp-watchdog", daemon=True).start()
+        try:
+            return self._follow()
+        finally:
+            self._done.set()
+
+    def _follow(self) -> int:
         while True:
             try:
                 message = json.loads(self.model.broadcast())
@@ -308,8 +315,7 @@ class Follower:
 
     def _watch(self):
         # Waiting on rank 0 past this means it hangs; its heartbeats come every second.
-        while True:
-            time.sleep(1.0)
+        while not self._done.wait(1.0):
             last = self._last
             if last is not None and time.monotonic() - last > self.timeout + HEARTBEAT_SECONDS:
                 log.error("No message from rank 0 for %.0f s; exiting", self.timeout)
