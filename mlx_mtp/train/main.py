@@ -96,6 +96,7 @@ class TrainConfig:
     num_hidden_layers: Optional[int] = None
     intermediate_size: Optional[int] = None
     keep_head: bool = False
+    init_from: Optional[str] = None
 
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -136,7 +137,26 @@ class Trainer:
             pass  # head dims stay as the preset's
         self.config = _full_config(None, self.text_cfg)
         self.model = build_scratch_model(self.text_cfg, cfg.seed)
+        if cfg.init_from:
+            self._init_weights(cfg.init_from)
         self.model.train()
+
+    def _init_weights(self, source: str):
+        """Start from a saved model of the same shape (e.g. the shipped demo model),
+        with a fresh optimizer: continued training when only the export survives."""
+        from ..models.loader import ModelLoadError, load_model
+
+        try:
+            saved, _ = load_model(source, mtp=True, dtype=mx.float32)
+        except ModelLoadError as e:
+            raise _user_error(f"--init-from: {e}")
+        mine = dict(tree_flatten(self.model.parameters()))
+        theirs = dict(tree_flatten(saved.parameters()))
+        if mine.keys() != theirs.keys() or any(mine[k].shape != theirs[k].shape for k in mine):
+            raise _user_error(f"--init-from {source}: its shape differs from --size "
+                              f"{self.cfg.size} (same preset and overrides needed)")
+        self.model.load_weights(list(theirs.items()))
+        mx.eval(self.model.parameters())
 
     def _setup_head(self):
         from ..models.loader import ModelLoadError, load_config, load_model, resolve_model_path
@@ -417,6 +437,8 @@ def add_arguments(p):
     p.add_argument("--chat-fraction", type=float, default=0.2,
                    help="(stdlib corpus) fraction of files wrapped as chat turns")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-from", default=None, metavar="MODEL",
+                   help="(scratch) start from this saved model's weights, fresh optimizer")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
     p.add_argument("--eval-every", type=int, default=200, help="held-out loss every N steps")
@@ -442,7 +464,7 @@ def config_from_args(args) -> TrainConfig:
         export_dtype=args.export_dtype, compile=not args.no_compile,
         progress=not args.no_progress, hidden_size=args.hidden_size,
         num_hidden_layers=args.num_hidden_layers, intermediate_size=args.intermediate_size,
-        keep_head=args.keep_head,
+        keep_head=args.keep_head, init_from=args.init_from,
     )
 
 
