@@ -9,6 +9,7 @@ from typing import Generator, List, Optional, Sequence, Union
 import mlx.core as mx
 
 from ..models.layout import check_acceptance
+from .grammar import Grammar
 from .prompt import encode_prompt
 from .sampling import SamplingParams
 from .speculative import MTPDecoder, SpecStats
@@ -41,20 +42,25 @@ def stream_generate(
     adaptive: bool = True,
     prefill_step_size: int = 2048,
     stop: Sequence[str] = (),
+    grammar: Optional[str] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text, with MTP speculative decoding when ``num_draft_tokens`` > 0.
 
     Output is identical (greedy) or identically distributed (sampling) to plain
     decoding; ``num_draft_tokens=0`` is plain decoding. The texts joined equal
     ``tokenizer.decode`` of the generated ids (eos excluded), cut before the first of
-    the ``stop`` strings.
+    the ``stop`` strings. ``grammar``: an llguidance grammar the output must match
+    (``grammar.json_schema_grammar(schema)`` for JSON); generation ends where it does.
     """
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0 (got {max_tokens})")
     ids = encode_prompt(tokenizer, prompt)
-    dec = MTPDecoder(model, num_draft_tokens, sampling, adaptive=adaptive,
-                     prefill_step_size=prefill_step_size)
     text = TextStream(tokenizer, stop=stop, max_tokens=max_tokens)
+    state = None
+    if grammar is not None:
+        state = Grammar(tokenizer, grammar, model.text.args.vocab_size, sorted(text.eos)).start()
+    dec = MTPDecoder(model, num_draft_tokens, sampling, adaptive=adaptive,
+                     prefill_step_size=prefill_step_size, grammar=state)
     mx.reset_peak_memory()
 
     tic = time.perf_counter()

@@ -150,8 +150,10 @@ class Sampler:
     ``mx.random.seed`` makes them repeatable as it does in mlx-lm.
     """
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, grammar=None):
         self.params = params
+        # A grammar.GrammarState when the output is constrained (structured output).
+        self.grammar = grammar
         if params.seed is not None:
             self.seed = params.seed
         elif params.greedy:

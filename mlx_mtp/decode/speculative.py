@@ -56,7 +56,8 @@ class MTPDecoder:
     Owns the trunk cache, the MTP cache and the MTP pairs still owed to it.
     ``prefill(prompt)`` then ``step()`` repeatedly; each step emits >= 1 token.
     ``policy``: a ``DraftPolicy`` to share across decoders of the same model (its
-    step costs carry over); by default the decoder makes its own.
+    step costs carry over); by default the decoder makes its own. ``grammar``: a
+    ``grammar.GrammarState`` constraining the output (structured output).
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class MTPDecoder:
         cache=None,
         policy: Optional[DraftPolicy] = None,
         overlap: bool = True,
+        grammar=None,
     ):
         check_num_draft_tokens(num_draft_tokens)
         if num_draft_tokens > 0 and model.num_mtp_layers == 0:
@@ -78,7 +80,7 @@ class MTPDecoder:
         self.model = model
         self.K = num_draft_tokens
         self.params = sampling
-        self.sampler = Sampler(sampling)
+        self.sampler = Sampler(sampling, grammar)  # grammar: a grammar.GrammarState
         self.adaptive = adaptive
         self.prefill_step_size = prefill_step_size
         self.overlap = overlap
@@ -207,7 +209,8 @@ class MTPDecoder:
         else:
             ks = self._choose()
             pending = core.launch(ks)
-        if ks[0] == 0 and self.overlap:
+        if ks[0] == 0 and self.overlap and self.sampler.grammar is None:
+            # (A grammar's next mask needs this step's token: no overlap then.)
             # Start the next plain step before reading this one's token.
             self._next_ks = self._choose()
             if self._next_ks[0] == 0:

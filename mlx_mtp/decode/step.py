@@ -16,6 +16,10 @@ drafts row ``b`` asked for (``k = max k_b``):
    (``accept``), the MTP caches drop their ``k - 1`` chained (draft-conditioned)
    entries, and the accepted positions' hiddens become owed MTP pairs.
 
+A row with a grammar (``sampler.grammar``, structured output) has the same mask applied
+to its draft logits at position ``j`` and its verify row ``j`` (``grammar.py``); such a
+step reads each draft as it is drawn, since the next mask depends on it.
+
 ``k = 0`` is a plain step through the same object. Noise comes from each row's
 ``Sampler``, keyed by output position, so a row's tokens do not depend on the
 other rows or on how many drafts earlier steps made.
@@ -29,6 +33,7 @@ from typing import Hashable, List, Optional, Sequence
 import mlx.core as mx
 
 from . import logits as logits_processing
+from .grammar import apply_masks, stack_masks
 from .noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, uniform
 from .sampling import Sampler, SamplingParams, log_softmax, sample, verify
 from .stats import SpecStats
@@ -191,6 +196,9 @@ class DecodeBatch:
         """Read the step (the one host sync) and commit it: rollback, owed pairs, stats."""
         if p.k == 0:
             ids = p.tokens.tolist()
+            for b, r in enumerate(self.rows):
+                if r.sampler.grammar is not None:
+                    r.sampler.grammar.commit([ids[b]])
             return [StepOutput([ids[b]], p.logprobs[b : b + 1], 0, 0)
                     for b in range(len(self.rows))]
         B, k = len(self.rows), p.k
@@ -216,6 +224,8 @@ class DecodeBatch:
             if r.schedule is not None:
                 r.schedule.record(p.ks[b], n)
             ids = draft_ids[b * k : b * k + n] + [next_ids[b]]
+            if r.sampler.grammar is not None:
+                r.sampler.grammar.commit(ids)
             out.append(StepOutput(ids, p.logprobs[b, : n + 1], p.ks[b], n))
         return out
 
@@ -251,6 +261,16 @@ class DecodeBatch:
             inverse[b] = i
         return mx.concatenate(parts)[mx.array(inverse)]
 
+    def _grammars(self):
+        """Each row's grammar state (None: unconstrained), or None when no row has one."""
+        states = [r.sampler.grammar for r in self.rows]
+        if all(g is None for g in states):
+            return None
+        if getattr(self.model, "share", None) is not None:
+            raise ValueError("structured output is not supported on a model split "
+                             "across processes")
+        return states
+
     def _noise(self, g: _Group, count: int, stream: int, vocab_size: int) -> Optional[mx.array]:
         """Gumbel noise (b, count, V) from each row's next output position; None if greedy."""
         if g.params.greedy:
@@ -268,6 +288,10 @@ class DecodeBatch:
         proc = logits_processing.build(rows, logits.shape[-1])
         if proc is not None:
             logits = proc.apply(logits)
+        grammars = self._grammars()
+        if grammars is not None:
+            masks = [None if g is None else g.mask() for g in grammars]
+            logits = apply_masks(logits, stack_masks(grammars, masks))
         lp = log_softmax(logits[:, 0])  # (B, V)
         V = lp.shape[-1]
         groups = self._groups()
@@ -319,6 +343,11 @@ class DecodeBatch:
         out = model.mtp_forward(hidden, tokens, self.mtp_cache)[:, -1:]
         drafts, draft_lps = [], []  # per step j: (B,), per group (b, V)
         proc = None
+        grammars = self._grammars()
+        masks = []  # per position j: (B, 1, W), the grammar after the first j drafts
+        if grammars is not None:
+            masks.append(stack_masks(grammars, [None if g is None else g.mask()
+                                                for g in grammars]))
         for j in range(k):
             if j:
                 _prepare(self.mtp_cache, 1)
@@ -328,6 +357,8 @@ class DecodeBatch:
                 proc = logits_processing.build(rows, draft_logits.shape[-1])
             if proc is not None:  # the penalties verify row j will see
                 draft_logits = proc.apply(draft_logits, mx.stack(drafts, axis=1) if j else None)
+            if grammars is not None:  # and the grammar's mask
+                draft_logits = apply_masks(draft_logits, masks[j])
             lq = log_softmax(draft_logits[:, 0])  # (B, V)
             if j == 0:  # per position: coupled drafts share the target's noise
                 V = lq.shape[-1]
@@ -340,6 +371,10 @@ class DecodeBatch:
                      for q, n in zip(qs, draft_noise)]
             drafts.append(self._merge(groups, picks))
             draft_lps.append(qs)
+            if grammars is not None:  # the next mask needs this draft: read it
+                ids = drafts[-1].tolist()
+                masks.append(stack_masks(grammars, [None if g is None else g.draft(ids[b])
+                                                    for b, g in enumerate(grammars)]))
         drafts, = _share(model, mx.stack(drafts, axis=1))  # (B, k): what every rank verifies
 
         # 2. verify every row in one trunk pass.
@@ -347,7 +382,11 @@ class DecodeBatch:
         _prepare(self.cache, k + 1)
         h_norm, h_mtp = model.trunk(inputs, self.cache, capture=True)
         logits = model.logits(h_norm)  # (B, k+1, V)
-        raw = log_softmax(logits if proc is None else proc.apply(logits, drafts))
+        if proc is not None:
+            logits = proc.apply(logits, drafts)
+        if grammars is not None:
+            logits = apply_masks(logits, mx.concatenate(masks, axis=1))
+        raw = log_softmax(logits)
 
         # 3. accept, per group.
         def accept(g, gi):

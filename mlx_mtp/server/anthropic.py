@@ -431,7 +431,7 @@ def _tool_id(call: dict) -> str:
 
 # --- routes ------------------------------------------------------------------------------
 def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Callable,
-               tokenize: Callable, run_request: Callable, resolve_common: Callable):
+               tokenize: Callable, run_request: Callable, resolve_common: Callable, **_):
     """Register the Anthropic endpoints on ``app`` (helpers come from ``app.create_app``)."""
 
     async def prepare(request: Request, model_cls):

@@ -98,6 +98,7 @@ class EngineRequest:
     num_draft_tokens: Optional[int] = None  # None: the server's K
     logprobs: Optional[int] = None  # None: off; n >= 0: chosen token plus top n
     cache_prompt: bool = True
+    grammar: Optional[object] = None  # decode.grammar.Grammar: structured output
     # Prompt positions worth a prefix-cache snapshot (number of tokens processed).
     boundaries: Sequence[int] = ()
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -318,7 +319,8 @@ class Engine:
         if not self.has_mtp:
             k = 0
         dec = MTPDecoder(self.model, k, req.sampling, adaptive=self.adaptive,
-                            prefill_step_size=self.prefill_step_size)
+                         prefill_step_size=self.prefill_step_size,
+                         grammar=None if req.grammar is None else req.grammar.start())
         if dec.mtp_cache is not None:
             dec.drafting_hint = lambda: self.batch.would_draft(max(len(self.batch) + 1,
                                                                    self._load()))

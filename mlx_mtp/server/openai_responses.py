@@ -372,7 +372,8 @@ class ResponseFormatter:
 
 # --- route -------------------------------------------------------------------------------
 def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Callable,
-               tokenize: Callable, run_request: Callable, resolve_common: Callable):
+               tokenize: Callable, run_request: Callable, resolve_common: Callable,
+               compile_response_format: Callable, **_):
     """Register ``POST /v1/responses`` on ``app`` (helpers come from ``app.create_app``)."""
 
     @app.post("/v1/responses")
@@ -383,6 +384,9 @@ def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Cal
         chat = to_chat_request(req)
         prepared = await tokenize(prepare_chat, state, chat)
         kw = resolve_common(state, chat, len(prepared.ids), req.max_output_tokens)
+        kw["grammar"] = await tokenize(compile_response_format, state,
+                                       (chat.model_extra or {}).get("response_format"),
+                                       prepared.start_in_reasoning)
         parse_tools = prepared.tools is not None and state.tool_call_parser != "none"
         fmt = ResponseFormatter(state, req.model or state.model_name, prepared, parse_tools,
                                 req, req.tools)

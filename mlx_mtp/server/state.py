@@ -119,6 +119,26 @@ class ServerState:
         if self.prompt_workers is None:
             self.prompt_workers = PromptWorkers(self.tokenizer)
         self.im_start_id  # now, on this thread: worker threads must not touch self.tokenizer
+        self.grammar_thinking  # (likewise: builds llguidance's tokenizer once)
+
+    @functools.cached_property
+    def eos_ids(self) -> list:
+        return sorted(getattr(self.tokenizer, "eos_token_ids", None) or [])
+
+    @functools.cached_property
+    def grammar_thinking(self) -> Optional[str]:
+        """How a structured-output grammar meets ``</think>`` (``grammar.thinking_mode``);
+        None when llguidance is not installed (structured output is then refused)."""
+        from ..decode import grammar
+
+        try:
+            return grammar.thinking_mode(self.tokenizer, self.vocab_size, self.eos_ids)
+        except grammar.GrammarError:
+            return None
+        except Exception:  # a tokenizer llguidance cannot read
+            log.warning("Structured output is off: llguidance cannot read this tokenizer",
+                        exc_info=True)
+            return None
 
     @functools.cached_property
     def im_start_id(self) -> Optional[int]:

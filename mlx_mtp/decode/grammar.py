@@ -1,0 +1,224 @@
+"""Structured output: a grammar's token masks, exact under speculative decoding.
+
+A constrained row samples, at every output position, from the model's (penalised)
+distribution restricted to the tokens its grammar allows after the tokens before that
+position. At verify row ``t`` those tokens are the committed ones plus the row's first
+``t`` drafts, the same tokens the head saw when it proposed ``d_{t+1}``: ``p`` at verify
+row ``t`` and ``q`` at draft position ``t`` get the same mask, so the acceptance rule
+(``sampling.verify``) stays lossless and a draft can never leave the grammar (it is
+drawn from the masked ``q``). EOS is allowed only where the grammar may end.
+
+The grammar runs on the host (llguidance's matcher, in Rust): the mask at draft
+position ``j`` needs ``d_j``, so a step with a constrained row reads each draft as it is
+drawn (``k`` extra host syncs; steps without one keep the single sync). Masks travel to
+the device packed (one bit per token, as llguidance writes them) and are unpacked there.
+
+Grammars are llguidance grammar strings (``json_schema_grammar`` builds one from a JSON
+schema); ``Grammar`` compiles one against a tokenizer, ``GrammarState`` is one row's
+matcher.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class GrammarError(ValueError):
+    """A grammar or schema llguidance cannot compile (the request's fault)."""
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:  # an optional extra
+        raise GrammarError("Structured output needs llguidance: pip install 'mlx-mtp[structured]'") from e
+    return llguidance
+
+
+THINK_END = "</think>"
+WHITESPACE = r"[ \t\n\r]{0,24}"
+
+
+def json_schema_grammar(schema: Optional[dict] = None, *, after_thinking: Optional[str] = None) -> str:
+    """The grammar of JSON documents matching ``schema`` (None: any JSON object).
+
+    ``after_thinking``: the output starts inside a think block (the prompt opened it):
+    any text up to the first ``</think>``, then whitespace, then the document (as vLLM
+    constrains only the answer of a reasoning model). ``"special"`` when ``</think>``
+    is one special token of the tokenizer, ``"text"`` when it is spelled in ordinary
+    tokens (``thinking_mode`` tells which).
+    Whitespace between JSON tokens is bounded (``WHITESPACE``: pretty-printing fits, an
+    endless run of spaces or newlines does not).
+    """
+    llg = _llguidance()
+    schema = {"type": "object"} if schema is None else schema
+    if not isinstance(schema, dict):
+        raise GrammarError("the JSON schema must be an object")
+    options = dict(schema.get("x-guidance") or {})
+    options.setdefault("whitespace_pattern", WHITESPACE)
+    body = json.dumps({**schema, "x-guidance": options})
+    if after_thinking is None:
+        lark = f"start: answer\nanswer: %json {body}"
+    elif after_thinking == "special":
+        lark = f"start: /(?s:.*)/ {THINK_END} /[ \\n]*/ answer\nanswer: %json {body}"
+    else:
+        lark = (f"start: thinking /[ \\n]*/ answer\n"
+                f"thinking[stop={json.dumps(THINK_END)}]: /(?s:.*)/\n"
+                f"answer: %json {body}")
+    try:
+        return llg.LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"invalid JSON schema: {e}") from e
+
+
+def lark_grammar(lark: str) -> str:
+    return _llguidance().LLMatcher.grammar_from_lark(lark)
+
+
+def _tokenizer_json(tokenizer) -> str:
+    """The Hugging Face ``tokenizers`` JSON behind an mlx-lm or transformers tokenizer."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        raise GrammarError("Structured output needs a fast (tokenizers) tokenizer.")
+    return backend.to_str()
+
+
+def llg_tokenizer(tokenizer, vocab_size: int, eos_ids: Sequence[int]):
+    """llguidance's view of ``tokenizer`` (built once per tokenizer: about a second)."""
+    key = (vocab_size, tuple(sorted(eos_ids)))
+    try:
+        cache: Dict = _TOKENIZERS.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: no caching
+        cache = {}
+    if key not in cache:
+        cache[key] = _llguidance().LLTokenizer(_tokenizer_json(tokenizer), n_vocab=vocab_size,
+                                               eos_token=list(key[1]))
+    return cache[key]
+
+
+def thinking_mode(tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> str:
+    """How ``</think>`` reaches llguidance: ``"special"`` (one special token) or ``"text"``."""
+    ids = tokenizer.encode(THINK_END, add_special_tokens=False)
+    llg_tok = llg_tokenizer(tokenizer, vocab_size, eos_ids)
+    return "special" if len(ids) == 1 and llg_tok.is_special_token(ids[0]) else "text"
+
+
+class Grammar:
+    """A grammar compiled for one tokenizer and vocabulary; ``start()`` gives a row's state."""
+
+    def __init__(self, tokenizer, grammar: str, vocab_size: int, eos_ids: Sequence[int]):
+        llg = _llguidance()
+        self.llg_tokenizer = llg_tokenizer(tokenizer, vocab_size, eos_ids)
+        self.grammar = grammar
+        self.vocab_size = vocab_size
+        self.eos_ids = list(eos_ids)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+            grammar, self.llg_tokenizer)
+        if is_error:
+            raise GrammarError(f"invalid grammar: {'; '.join(messages)}")
+
+    def start(self) -> "GrammarState":
+        return GrammarState(self)
+
+
+class GrammarState:
+    """One row's matcher: committed tokens, plus this step's drafts until ``end_step``."""
+
+    def __init__(self, grammar: Grammar):
+        llg = _llguidance()
+        self.grammar = grammar
+        self.matcher = llg.LLMatcher(grammar.llg_tokenizer, grammar.grammar, log_level=0)
+        if self.matcher.is_error():
+            raise GrammarError(f"invalid grammar: {self.matcher.get_error()}")
+        self.words = (grammar.vocab_size + 31) // 32
+        self._eos_mask = np.zeros(self.words, np.int32)
+        for t in grammar.eos_ids:
+            if t < grammar.vocab_size:
+                self._eos_mask.view(np.uint32)[t // 32] |= np.uint32(1 << (t % 32))
+        self._drafted = 0  # tokens consumed speculatively in the current step
+        self.n_committed = 0
+
+    @property
+    def done(self) -> bool:
+        """The grammar has ended (only EOS can follow)."""
+        return self.matcher.is_stopped()
+
+    def mask(self) -> np.ndarray:
+        """(W,) int32 bitmask of the tokens allowed next; never empty (EOS at worst)."""
+        out = np.zeros(self.words, np.int32)
+        if not self.matcher.is_stopped():
+            self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        if self.matcher.is_error():
+            raise RuntimeError(f"grammar matcher failed: {self.matcher.get_error()}")
+        if not out.any():
+            out[:] = self._eos_mask
+        return out
+
+    def draft(self, token: int) -> np.ndarray:
+        """Consume a draft tentatively; the mask after it."""
+        if not self.matcher.is_stopped():
+            self._drafted += self.matcher.try_consume_tokens([int(token)])
+        return self.mask()
+
+    def end_step(self):
+        """Forget this step's drafts (the committed tokens come through ``commit``)."""
+        if self._drafted:
+            self.matcher.rollback(self._drafted)
+            self._drafted = 0
+
+    def commit(self, tokens: Sequence[int]):
+        """Consume the step's emitted tokens (drafts rolled back first)."""
+        self.end_step()
+        for t in tokens:
+            if self.matcher.is_stopped():
+                break  # EOS ended the grammar; the caller stops the row there
+            if not self.matcher.consume_token(int(t)):
+                raise RuntimeError(f"token {t} left the grammar: {self.matcher.get_error()}")
+            self.n_committed += 1
+
+
+def stack_masks(states: List[Optional[GrammarState]], masks: List[Optional[np.ndarray]]):
+    """Per-row (W,) masks (None: unconstrained row) -> (B, 1, W) int32 on device."""
+    words = next(s.words for s in states if s is not None)
+    full = np.full(words, -1, np.int32)
+    rows = [full if m is None else m for m in masks]
+    return mx.array(np.stack(rows)[:, None])
+
+
+def apply_masks(logits: mx.array, bitmask: mx.array) -> mx.array:
+    """Logits (B, T, V) with tokens outside ``bitmask`` (B, T, W) int32 set to -inf."""
+    B, T, V = logits.shape
+    bits = (bitmask[..., None] >> mx.arange(32, dtype=mx.int32)) & 1  # (B, T, W, 32)
+    allowed = bits.reshape(B, T, -1)[..., :V].astype(mx.bool_)
+    return mx.where(allowed, logits, mx.array(-mx.inf, logits.dtype))
+
+
+def response_format_grammar(response_format, after_thinking: Optional[str] = None) -> Optional[str]:
+    """The grammar an OpenAI-style ``response_format`` asks for (None: free text)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_schema_grammar(None, after_thinking=after_thinking)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema", response_format)
+        schema = spec.get("schema")
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        if schema is None:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise GrammarError("json_schema.schema must be a JSON object")
+        return json_schema_grammar(schema, after_thinking=after_thinking)
+    raise GrammarError(f"unknown response_format type {kind!r} "
+                       "(expected text, json_object or json_schema)")

@@ -1,0 +1,212 @@
+"""Structured output (llguidance grammars) under MTP: greedy identity with mlx-lm's own
+generation under the same mask, sampling distributed exactly as the masked target,
+batches of constrained and free rows, and the server's ``response_format``."""
+
+import json
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy.stats import chi2 as chi2_dist
+from mlx_lm.generate import generate_step as mlx_lm_generate_step
+from mlx_lm.utils import load_model as mlx_lm_load_model
+from mlx_lm.utils import load_tokenizer
+
+import llguidance
+import llguidance.hf
+
+from mlx_mtp.decode import grammar as G
+from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
+from mlx_mtp.decode.speculative import MTPDecoder, generate_step
+from mlx_mtp.models.loader import load_model
+
+VOCAB = 4096  # the test tokenizer's vocabulary
+PROMPT = [1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 18]
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12},
+                   "size": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+    "required": ["name", "size", "tags"],
+    "additionalProperties": False,
+}
+
+
+def check_schema(doc):
+    assert set(doc) == {"name", "size", "tags"}, doc
+    assert isinstance(doc["name"], str) and len(doc["name"]) <= 12
+    assert isinstance(doc["size"], int) and 0 <= doc["size"] <= 999
+    assert isinstance(doc["tags"], list) and len(doc["tags"]) <= 3
+    assert set(doc["tags"]) <= {"a", "b", "c"}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_ckpt):
+    # A head that agrees with the trunk most of the time: drafts get accepted.
+    return tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt):
+    return load_tokenizer(Path(ckpt))
+
+
+def grammar(tok, text):
+    return G.Grammar(tok, text, VOCAB, sorted(tok.eos_token_ids))
+
+
+def mtp_tokens(model, prompt, n, k, sampling, gram):
+    dec = MTPDecoder(model, k, sampling, adaptive=False, grammar=gram.start())
+    out = []
+    for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=n):
+        out.append(t)
+        if t in gram.eos_ids:
+            break
+    return out, dec
+
+
+def reference_tokens(path, tok, text, prompt, n):
+    """mlx-lm's generation with a mask from an independent matcher (logits processor)."""
+    model, _ = mlx_lm_load_model(Path(path))
+    lltok = llguidance.hf.from_tokenizer(tok._tokenizer, n_vocab=VOCAB,
+                                         eos_token=sorted(tok.eos_token_ids))
+    matcher = llguidance.LLMatcher(lltok, text, log_level=0)
+    n_prompt = len(prompt)
+
+    def processor(tokens, logits):
+        if len(tokens) > n_prompt:
+            assert matcher.consume_token(int(tokens[-1])), matcher.get_error()
+        mask = np.zeros((VOCAB + 31) // 32, np.int32)
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[:VOCAB].astype(bool)
+        return mx.where(mx.array(allowed), logits, -mx.inf)
+
+    out = []
+    for t, _ in mlx_lm_generate_step(mx.array(prompt), model, max_tokens=n,
+                                     logits_processors=[processor]):
+        out.append(int(t))
+        if out[-1] in tok.eos_token_ids:
+            break
+    return out
+
+
+def test_greedy_json_schema_equals_mlx_lm_with_the_same_mask(ckpt, tok):
+    text = G.json_schema_grammar(SCHEMA)
+    ref = reference_tokens(ckpt, tok, text, PROMPT, 60)
+    assert ref[-1] in tok.eos_token_ids  # the document ended and the grammar stopped it
+    check_schema(json.loads(tok.decode(ref[:-1])))
+    model, _ = load_model(Path(ckpt))
+    gram = grammar(tok, text)
+    for k in (0, 1, 2, 3):
+        got, dec = mtp_tokens(model, PROMPT, 60, k, SamplingParams(), gram)
+        assert got == ref, f"K={k}"
+        if k:
+            assert dec.stats.num_accepted_tokens > 0  # drafts under the mask were accepted
+
+
+def test_seeded_sampling_outputs_validate(ckpt, tok):
+    model, _ = load_model(Path(ckpt))
+    gram = grammar(tok, G.json_schema_grammar(SCHEMA))
+    for seed in range(4):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        got, _ = mtp_tokens(model, PROMPT, 80, 3, params, gram)
+        assert got[-1] in tok.eos_token_ids, tok.decode(got)
+        check_schema(json.loads(tok.decode(got[:-1])))
+
+
+def test_sampling_under_a_grammar_is_exact(ckpt, tok):
+    """The first two tokens of a K=2 step (the second verified with the first draft
+    consumed by the grammar) follow the exact joint distribution of the masked target."""
+    text = G.lark_grammar('start: /[a-e][a-e0-3]/')
+    gram = grammar(tok, text)
+    model, _ = load_model(Path(ckpt))
+    ref_model, _ = mlx_lm_load_model(Path(ckpt))
+    params = SamplingParams(temperature=30.0)  # the oracle-like head is confident
+
+    def target(prefix):
+        state = gram.start()
+        state.commit(prefix)
+        allowed = np.unpackbits(state.mask().view(np.uint8), bitorder="little")[:VOCAB]
+        logits = np.array(ref_model(mx.array(PROMPT + prefix)[None])[0, -1].tolist())
+        x = np.where(allowed.astype(bool), logits, -np.inf)
+        lp = x - x.max() - np.log(np.exp(x - x.max()).sum())
+        return np.exp(np.array(filtered_logprobs(mx.array(lp, mx.float32), params)))
+
+    p1 = target([])
+    joint = {}
+    for a in np.nonzero(p1 > 0)[0]:
+        p2 = target([int(a)])
+        for b in np.nonzero(p2 > 0)[0]:
+            joint[(int(a), int(b))] = p1[a] * p2[b]
+    assert len(joint) > 4
+
+    n_samples = 500
+    seen, accepted = Counter(), 0
+    for s in range(n_samples):
+        got, dec = mtp_tokens(model, PROMPT, 2, 2, replace(params, seed=s), gram)
+        seen[tuple(got[:2])] += 1
+        accepted += dec.stats.num_accepted_tokens
+    assert accepted > n_samples // 10  # the second token often came from a draft
+    assert set(seen) <= set(joint), set(seen) - set(joint)
+    cells = [c for c in joint if joint[c] * n_samples >= 5]
+    rest = 1 - sum(joint[c] for c in cells)
+    obs = [seen[c] for c in cells] + [n_samples - sum(seen[c] for c in cells)]
+    exp = [joint[c] * n_samples for c in cells] + [rest * n_samples]
+    if exp[-1] < 1e-9:
+        obs, exp = obs[:-1], exp[:-1]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    assert chi2_dist.sf(chi2, len(obs) - 1) > 1e-3, (chi2, obs, exp)
+
+
+def test_batch_of_constrained_and_free_rows_equals_solo(ckpt, tok):
+    from mlx_mtp.decode.batch import BatchDecoder
+
+    model, _ = load_model(Path(ckpt))
+    gram = grammar(tok, G.json_schema_grammar(SCHEMA))
+    prompts = [PROMPT, PROMPT[:6], PROMPT[3:]]
+    grams = [gram, None, gram]
+    bd = BatchDecoder(model, 3, adaptive=False)
+    decs = []
+    for i, (pr, g) in enumerate(zip(prompts, grams)):
+        dec = MTPDecoder(model, 3, SamplingParams(), adaptive=False,
+                         grammar=None if g is None else g.start())
+        dec.prefill(pr)
+        bd.add(i, dec)
+        decs.append(dec)
+    outs = {i: [] for i in range(3)}
+    for _ in range(30):
+        for key, out in bd.step().items():
+            outs[key].extend(out.tokens)
+    for i, (pr, g) in enumerate(zip(prompts, grams)):
+        if g is None:
+            dec = MTPDecoder(model, 0, SamplingParams(), adaptive=False)
+            solo = [t for t, _, _ in generate_step(pr, model, decoder=dec, max_tokens=30)]
+            assert outs[i][:30] == solo, i
+        else:
+            solo, _ = mtp_tokens(model, pr, 30, 0, SamplingParams(), g)
+            end = solo.index(solo[-1]) + 1 if solo[-1] in g.eos_ids else len(solo)
+            assert outs[i][:end] == solo[:end], i
+
+
+def test_invalid_schema_is_a_grammar_error(tok):
+    with pytest.raises(G.GrammarError):
+        grammar(tok, G.json_schema_grammar({"type": "no-such-type"}))
+    with pytest.raises(G.GrammarError):
+        G.response_format_grammar({"type": "xml"})
+    assert G.response_format_grammar({"type": "text"}) is None
+
+
+def test_thinking_then_answer(tok):
+    """After an opened think block: free text up to the first ``</think>``, then JSON."""
+    mode = G.thinking_mode(tok, VOCAB, sorted(tok.eos_token_ids))
+    assert mode == "special"  # one special token in this tokenizer
+    gram = grammar(tok, G.json_schema_grammar(None, after_thinking=mode))
+    for text, ok in (('plan {x}</think>\n\n{"a": [1, 2]}', True), ('{"a": 1}', False),
+                     ('x</think>not json', False)):
+        state = gram.start()
+        ids = tok.encode(text, add_special_tokens=False)
+        fine = all(state.matcher.consume_token(i) for i in ids) and state.matcher.is_accepting()
+        assert fine == ok, text
