@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import math
 import time
 import uuid
 from collections import deque
@@ -56,6 +57,9 @@ PREFILL_GRID = CHUNKED_MIN_TOKENS
 
 
 # --- events -----------------------------------------------------------------------
+LOGPROB_FLOOR = -9999.0  # what the API reports for an impossible token (JSON has no -inf)
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -502,10 +506,11 @@ class Engine:
             (lambda t: None)
         result = []
         for j, (t, v) in enumerate(zip(tokens, chosen)):
-            entry = TokenLogprob(t, dec([t]), float(v), raw=raw(t))
+            # JSON has no -inf: a token the grammar forbids is left out of the top list
+            entry = TokenLogprob(t, dec([t]), max(float(v), LOGPROB_FLOOR), raw=raw(t))
             if tops_i is not None:
                 entry.top = [TokenLogprob(i, dec([i]), float(x), raw=raw(i))
-                             for i, x in zip(tops_i[j], tops_v[j])]
+                             for i, x in zip(tops_i[j], tops_v[j]) if x > -math.inf]
             result.append(entry)
         return result
 
