@@ -244,8 +244,14 @@ ASK = [{"role": "user", "content": "Describe an item as JSON."}]
 def test_server_json_schema_greedy_equals_plain_decoding(server, gpt, ckpt, tok):
     """The API's output parses, validates, and is the greedy masked decode of the prompt."""
     r = gpt.chat.completions.create(model=server.model, messages=ASK, temperature=0, max_tokens=80,
-                                    response_format=JSON_SCHEMA_FORMAT)
+                                    response_format=JSON_SCHEMA_FORMAT, logprobs=True,
+                                    top_logprobs=5)
     content = r.choices[0].message.content
+    # Log-probabilities are of the masked distribution: impossible tokens are not listed
+    for entry in r.choices[0].logprobs.content:
+        assert entry.logprob > -9999 and entry.top_logprobs
+        assert all(t.logprob > -9999 for t in entry.top_logprobs)
+    assert any(len(e.top_logprobs) < 5 for e in r.choices[0].logprobs.content)
     assert r.choices[0].finish_reason == "stop"
     check_schema(json.loads(content))
     ids = tok.apply_chat_template(ASK, add_generation_prompt=True, enable_thinking=False)

@@ -193,12 +193,18 @@ def stack_masks(states: List[Optional[GrammarState]], masks: List[Optional[np.nd
     return mx.array(np.stack(rows)[:, None])
 
 
+# What a forbidden token's logit becomes: exp() of it minus any real logit is exactly 0 in
+# float32, so it is out of every distribution as -inf would be. (An add and a multiply:
+# mx.where against a scalar costs 4-5x more on the CPU at a 248k vocabulary.)
+MASKED = 1e30
+
+
 def apply_masks(logits: mx.array, bitmask: mx.array) -> mx.array:
-    """Logits (B, T, V) with tokens outside ``bitmask`` (B, T, W) int32 set to -inf."""
+    """Logits (B, T, V) with tokens outside ``bitmask`` (B, T, W) int32 pushed to -1e30."""
     B, T, V = logits.shape
     bits = (bitmask[..., None] >> mx.arange(32, dtype=mx.int32)) & 1  # (B, T, W, 32)
-    allowed = bits.reshape(B, T, -1)[..., :V].astype(mx.bool_)
-    return mx.where(allowed, logits, mx.array(-mx.inf, logits.dtype))
+    allowed = bits.reshape(B, T, -1)[..., :V].astype(mx.float32)
+    return logits + (allowed - 1.0) * MASKED
 
 
 def response_format_grammar(response_format, after_thinking: Optional[str] = None) -> Optional[str]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import math
 import time
 import uuid
 from collections import deque
@@ -510,7 +509,7 @@ class Engine:
             entry = TokenLogprob(t, dec([t]), max(float(v), LOGPROB_FLOOR), raw=raw(t))
             if tops_i is not None:
                 entry.top = [TokenLogprob(i, dec([i]), float(x), raw=raw(i))
-                             for i, x in zip(tops_i[j], tops_v[j]) if x > -math.inf]
+                             for i, x in zip(tops_i[j], tops_v[j]) if x > LOGPROB_FLOOR]
             result.append(entry)
         return result
 
