@@ -43,7 +43,7 @@ def _llguidance():
 
 
 THINK_END = "</think>"
-WHITESPACE = r"[ \t\n\r]{0,24}"
+WHITESPACE = r"(?:\n {0,16}| ?)"  # a space, or a newline and indentation
 
 
 def json_schema_grammar(schema: Optional[dict] = None, *, after_thinking: Optional[str] = None) -> str:
@@ -54,8 +54,8 @@ def json_schema_grammar(schema: Optional[dict] = None, *, after_thinking: Option
     constrains only the answer of a reasoning model). ``"special"`` when ``</think>``
     is one special token of the tokenizer, ``"text"`` when it is spelled in ordinary
     tokens (``thinking_mode`` tells which).
-    Whitespace between JSON tokens is bounded (``WHITESPACE``: pretty-printing fits, an
-    endless run of spaces or newlines does not).
+    Whitespace between JSON tokens is bounded (``WHITESPACE``: one space, or a newline and
+    indentation), so a small model cannot pad the document with runs of blank lines.
     """
     llg = _llguidance()
     schema = {"type": "object"} if schema is None else schema
