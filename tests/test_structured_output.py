@@ -307,3 +307,93 @@ def test_server_rejects_a_bad_response_format(server, fmt):
                      {"messages": ASK, "response_format": fmt}, status=400)["error"]
     assert err["param"] == "response_format", err
     assert err["type"] == "invalid_request_error"
+
+
+# --- strict tool calls --------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "strict": True,
+    "parameters": {"type": "object", "additionalProperties": False,
+                   "properties": {"city": {"type": "string", "maxLength": 16},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "days", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "strict": True,
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                   "required": ["zone"]}}}
+
+
+def check_weather(args):
+    assert set(args) == {"city", "days", "unit"}, args
+    assert isinstance(args["city"], str) and len(args["city"]) <= 16
+    assert isinstance(args["days"], int) and 1 <= args["days"] <= 14
+    assert args["unit"] in ("celsius", "fahrenheit")
+
+
+def test_server_strict_named_tool_call(server, gpt):
+    """A forced call to a strict tool: arguments follow its schema; MTP on and off agree."""
+    calls = []
+    for k in (0, 3):
+        r = gpt.chat.completions.create(
+            model=server.model, temperature=0, max_tokens=80, tools=[WEATHER, TIME],
+            messages=[{"role": "user", "content": "Weather in Paris for 3 days?"}],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            extra_body={"num_draft_tokens": k})
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        check_weather(json.loads(call.function.arguments))
+        calls.append(call.function.arguments)
+    assert calls[0] == calls[1]
+
+
+def test_server_strict_required_tool_call_and_anthropic(server, gpt):
+    r = gpt.chat.completions.create(
+        model=server.model, temperature=0.8, seed=3, max_tokens=80, tools=[WEATHER, TIME],
+        messages=[{"role": "user", "content": "What now?"}], tool_choice="required")
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        check_weather(args)
+    else:
+        assert call.function.name == "get_time" and isinstance(args["zone"], str)
+    body = httpx_post(server, "/v1/messages", {
+        "model": server.model, "max_tokens": 80, "temperature": 0,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"name": "get_weather", "strict": True,
+                   "input_schema": WEATHER["function"]["parameters"]}],
+        "tool_choice": {"type": "tool", "name": "get_weather"}})
+    (use,) = [b for b in body["content"] if b["type"] == "tool_use"]
+    check_weather(use["input"])
+
+
+def test_hermes_tool_grammar(tok):
+    from mlx_mtp.server.structured import opening_json, tool_call_grammar
+
+    assert G.is_special(tok, "</tool_call>", VOCAB, sorted(tok.eos_token_ids))
+    text = tool_call_grammar("hermes", [WEATHER, TIME], "required", "</tool_call>")
+    gram = grammar(tok, text)
+    good = opening_json("get_time") + '{"zone": "UTC"}}\n</tool_call>'
+    bad = opening_json("get_weather") + '{"city": "Paris"}}\n</tool_call>'  # days missing
+    for doc, ok in ((good, True), (bad, False)):
+        state = gram.start()
+        ids = tok.encode(doc, add_special_tokens=False)
+        assert (all(state.matcher.consume_token(i) for i in ids)
+                and state.matcher.is_accepting()) == ok, doc
+
+
+def test_thinking_spelled_out_and_rollback(tok):
+    """``</think>`` in ordinary tokens (tokenizers without it as one token): the think text
+    ends at its spelling, and the matcher still rolls back drafts (no ``stop=`` lexemes)."""
+    gram = grammar(tok, G.json_schema_grammar(None, after_thinking="text"))
+    text = 'a </thi b</think>\n{"k": 2}'
+    ids = [i for ch in text for i in tok.encode(ch, add_special_tokens=False)]
+    state = gram.start()
+    mask_before = state.mask()
+    for t in ids[:9]:
+        state.draft(t)
+    state.end_step()  # rolled back: the same mask as before the drafts
+    assert np.array_equal(state.mask(), mask_before)
+    state.commit(ids)
+    assert state.matcher.is_accepting()

@@ -46,6 +46,15 @@ THINK_END = "</think>"
 WHITESPACE = r"(?:\n {0,16}| ?)"  # a space, or a newline and indentation
 
 
+def json_body(schema: dict) -> str:
+    """``schema`` as the JSON after Lark's ``%json``, with the whitespace rule added."""
+    if not isinstance(schema, dict):
+        raise GrammarError("the JSON schema must be an object")
+    options = dict(schema.get("x-guidance") or {})
+    options.setdefault("whitespace_pattern", WHITESPACE)
+    return json.dumps({**schema, "x-guidance": options})
+
+
 def json_schema_grammar(schema: Optional[dict] = None, *, after_thinking: Optional[str] = None) -> str:
     """The grammar of JSON documents matching ``schema`` (None: any JSON object).
 
@@ -58,19 +67,14 @@ def json_schema_grammar(schema: Optional[dict] = None, *, after_thinking: Option
     indentation), so a small model cannot pad the document with runs of blank lines.
     """
     llg = _llguidance()
-    schema = {"type": "object"} if schema is None else schema
-    if not isinstance(schema, dict):
-        raise GrammarError("the JSON schema must be an object")
-    options = dict(schema.get("x-guidance") or {})
-    options.setdefault("whitespace_pattern", WHITESPACE)
-    body = json.dumps({**schema, "x-guidance": options})
+    body = json_body({"type": "object"} if schema is None else schema)
     if after_thinking is None:
         lark = f"start: answer\nanswer: %json {body}"
     elif after_thinking == "special":
         lark = f"start: /(?s:.*)/ {THINK_END} /[ \\n]*/ answer\nanswer: %json {body}"
     else:
         lark = (f"start: thinking /[ \\n]*/ answer\n"
-                f"thinking[stop={json.dumps(THINK_END)}]: /(?s:.*)/\n"
+                f"thinking[suffix={json.dumps(THINK_END)}]: /(?s:.*)/\n"
                 f"answer: %json {body}")
     try:
         return llg.LLMatcher.grammar_from_lark(lark)
@@ -104,11 +108,17 @@ def llg_tokenizer(tokenizer, vocab_size: int, eos_ids: Sequence[int]):
     return cache[key]
 
 
+def is_special(tokenizer, text: str, vocab_size: int, eos_ids: Sequence[int]) -> bool:
+    """Whether ``text`` is one special token to llguidance (then Lark names it ``<text>``;
+    a quoted literal would match only its spelling in ordinary tokens)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    llg_tok = llg_tokenizer(tokenizer, vocab_size, eos_ids)
+    return len(ids) == 1 and llg_tok.is_special_token(ids[0])
+
+
 def thinking_mode(tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> str:
     """How ``</think>`` reaches llguidance: ``"special"`` (one special token) or ``"text"``."""
-    ids = tokenizer.encode(THINK_END, add_special_tokens=False)
-    llg_tok = llg_tokenizer(tokenizer, vocab_size, eos_ids)
-    return "special" if len(ids) == 1 and llg_tok.is_special_token(ids[0]) else "text"
+    return "special" if is_special(tokenizer, THINK_END, vocab_size, eos_ids) else "text"
 
 
 class Grammar:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import Delta, Done
 from .parsers import OutputParser, Piece
-from .prompts import PreparedChat, prepare_chat
+from .prompts import PreparedChat, forced_tool, prepare_chat
 from .protocol import APIError, ChatCompletionRequest, bad_request, translated_chat_request
 
 if TYPE_CHECKING:
@@ -198,6 +198,8 @@ def _tools(req: CountTokensRequest) -> Optional[list]:
         fn = {"name": t["name"], "parameters": t["input_schema"]}
         if t.get("description") is not None:
             fn["description"] = t["description"]
+        if t.get("strict") is not None:
+            fn["strict"] = t["strict"]
         tools.append({"type": "function", "function": fn})
     return tools or None
 
@@ -431,7 +433,8 @@ def _tool_id(call: dict) -> str:
 
 # --- routes ------------------------------------------------------------------------------
 def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Callable,
-               tokenize: Callable, run_request: Callable, resolve_common: Callable, **_):
+               tokenize: Callable, run_request: Callable, resolve_common: Callable,
+               compile_constraint: Callable, **_):
     """Register the Anthropic endpoints on ``app`` (helpers come from ``app.create_app``)."""
 
     async def prepare(request: Request, model_cls):
@@ -448,6 +451,8 @@ def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Cal
         try:
             req, chat, prepared = await prepare(request, MessagesRequest)
             kw = resolve_common(state, chat, len(prepared.ids), req.max_tokens)
+            kw["grammar"] = await tokenize(compile_constraint, state, None, prepared,
+                                           forced_tool(chat))
             parse_tools = prepared.tools is not None and state.tool_call_parser != "none"
             fmt = MessageFormatter(state, req.model or state.model_name, prepared, parse_tools,
                                    kw["stop"])

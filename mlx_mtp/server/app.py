@@ -39,11 +39,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .choices import choice_kwargs, merge_choices, stream_choices  # noqa: F401 (re-exported)
 from .engine import Delta, Done, EngineRequest, Failed
 from .http_guard import BODY_BYTES, GuardConfig, RequestGuard
-from .prompts import prepare_chat, prepare_completion
+from .prompts import forced_tool, prepare_chat, prepare_completion
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request,
                        parse_request)
 from .responses import ChatFormatter, CompletionFormatter
 from .state import ServerState
+from .structured import compile_constraint
 
 log = logging.getLogger("mlx_mtp.server")
 
@@ -176,32 +177,6 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
     stop = check_stop(req.stop)
     return dict(max_tokens=max_tokens, sampling=sampling, stop=stop, num_draft_tokens=k,
                 cache_prompt=req.cache_prompt is not False)
-
-
-def compile_response_format(state: ServerState, response_format, thinking: bool, tok=None):
-    """The request's ``response_format`` as a compiled ``grammar.Grammar`` (None: free
-    text). Runs on a prompt worker: compiling a large schema takes a while."""
-    from ..decode import grammar
-
-    rf = response_format
-    if rf is None or (isinstance(rf, dict) and rf.get("type") == "text"):
-        return None
-    if not isinstance(rf, dict):
-        raise bad_request("response_format must be an object with a type.",
-                          param="response_format")
-    if state.grammar_thinking is None:
-        raise bad_request("Structured output needs llguidance on the server: "
-                          "pip install 'mlx-mtp[structured]'.", param="response_format")
-    if getattr(state.engine.model, "share", None) is not None:
-        raise bad_request("Structured output is not supported when the model is split "
-                          "across processes (mlx.launch).", param="response_format")
-    try:
-        text = grammar.response_format_grammar(
-            rf, after_thinking=state.grammar_thinking if thinking else None)
-        return grammar.Grammar(state.tokenizer, text, state.vocab_size, state.eos_ids)
-    except (grammar.GrammarError, ValueError) as e:
-        raise bad_request(f"Invalid response_format: {e}", param="response_format",
-                          code="invalid_response_format")
 
 
 def _parse_off_loop(raw: bytes, model_cls, tok=None):
@@ -470,9 +445,9 @@ def create_app(state: ServerState, guard: Optional[GuardConfig] = None):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         kw = resolve_common(state, req, len(prepared.ids), max_tokens)
-        kw["grammar"] = await tokenize(compile_response_format, state,
+        kw["grammar"] = await tokenize(compile_constraint, state,
                                        (req.model_extra or {}).get("response_format"),
-                                       prepared.start_in_reasoning)
+                                       prepared, forced_tool(req))
         logprobs = None
         if req.logprobs:
             top = req.top_logprobs or 0
@@ -509,8 +484,8 @@ def create_app(state: ServerState, guard: Optional[GuardConfig] = None):
             raise bad_request("Only best_of=1 is supported.", param="best_of")
         ids = await tokenize(prepare_completion, state, req)
         kw = resolve_common(state, req, len(ids), req.max_tokens, prompt_param="prompt")
-        kw["grammar"] = await tokenize(compile_response_format, state,
-                                       (req.model_extra or {}).get("response_format"), False)
+        kw["grammar"] = await tokenize(compile_constraint, state,
+                                       (req.model_extra or {}).get("response_format"))
         logprobs = req.logprobs
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}.",
@@ -527,7 +502,7 @@ def create_app(state: ServerState, guard: Optional[GuardConfig] = None):
     for api in (anthropic, openai_responses):
         api.add_routes(app, state, check_auth=check_auth, parse_body=parse_body,
                        tokenize=tokenize, run_request=run_request, resolve_common=resolve_common,
-                       compile_response_format=compile_response_format)
+                       compile_constraint=compile_constraint)
     from .dashboard import register_dashboard
 
     register_dashboard(app, state, check_auth)  # the live page at / and its event stream

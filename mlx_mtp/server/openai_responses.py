@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .engine import Delta, Done
 from .parsers import OutputParser, Piece
-from .prompts import PreparedChat, prepare_chat
+from .prompts import PreparedChat, forced_tool, prepare_chat
 from .protocol import APIError, ChatCompletionRequest, bad_request, translated_chat_request
 
 if TYPE_CHECKING:
@@ -373,7 +373,7 @@ class ResponseFormatter:
 # --- route -------------------------------------------------------------------------------
 def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Callable,
                tokenize: Callable, run_request: Callable, resolve_common: Callable,
-               compile_response_format: Callable, **_):
+               compile_constraint: Callable, **_):
     """Register ``POST /v1/responses`` on ``app`` (helpers come from ``app.create_app``)."""
 
     @app.post("/v1/responses")
@@ -384,9 +384,9 @@ def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Cal
         chat = to_chat_request(req)
         prepared = await tokenize(prepare_chat, state, chat)
         kw = resolve_common(state, chat, len(prepared.ids), req.max_output_tokens)
-        kw["grammar"] = await tokenize(compile_response_format, state,
+        kw["grammar"] = await tokenize(compile_constraint, state,
                                        (chat.model_extra or {}).get("response_format"),
-                                       prepared.start_in_reasoning)
+                                       prepared, forced_tool(chat))
         parse_tools = prepared.tools is not None and state.tool_call_parser != "none"
         fmt = ResponseFormatter(state, req.model or state.model_name, prepared, parse_tools,
                                 req, req.tools)

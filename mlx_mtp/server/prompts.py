@@ -132,7 +132,7 @@ class PreparedChat:
     forced_prefix: str = ""
 
 
-def _forced_tool(req: ChatCompletionRequest) -> Optional[str]:
+def forced_tool(req: ChatCompletionRequest) -> Optional[str]:
     """The tool_choice in force: None (auto or none), "required" or a function name."""
     choice = req.tool_choice
     names = [t.function.name for t in req.tools or []]
@@ -158,13 +158,19 @@ def _forced_tool(req: ChatCompletionRequest) -> Optional[str]:
     return name
 
 
-def _tool_call_opening(state: ServerState, tok, forced: str) -> str:
-    """The start of a tool call in the model's own format; with a name, of a call to it."""
-    name = None if forced == "required" else forced
+def tool_call_format(state: ServerState, tok) -> str:
+    """The model's tool-call format: "qwen3_coder" (XML) or "hermes" (JSON)."""
     fmt = state.tool_call_parser
     if fmt == "auto":
         fmt = "qwen3_coder" if "<function=" in str(getattr(tok, "chat_template", "")) \
             else "hermes"
+    return fmt
+
+
+def _tool_call_opening(state: ServerState, tok, forced: str) -> str:
+    """The start of a tool call in the model's own format; with a name, of a call to it."""
+    name = None if forced == "required" else forced
+    fmt = tool_call_format(state, tok)
     if fmt == "qwen3_coder":
         return "<tool_call>\n<function=" + (f"{name}>\n" if name else "")
     return "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
@@ -177,7 +183,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, tok=None) -> Pr
         raise bad_request("This model has no chat template; use /v1/completions.",
                           param="messages")
     messages = _template_messages(req)
-    forced = _forced_tool(req)
+    forced = forced_tool(req)
     if forced is not None and state.tool_call_parser == "none":
         raise bad_request("tool_choice needs tool-call parsing, which this server has off "
                           "(--tool-call-parser none).", param="tool_choice")

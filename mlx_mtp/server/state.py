@@ -119,7 +119,17 @@ class ServerState:
         if self.prompt_workers is None:
             self.prompt_workers = PromptWorkers(self.tokenizer)
         self.im_start_id  # now, on this thread: worker threads must not touch self.tokenizer
-        self.grammar_thinking  # (likewise: builds llguidance's tokenizer once)
+        if self.grammar_thinking is not None:  # (likewise: builds llguidance's tokenizer)
+            self.grammar_call_end
+
+    @functools.cached_property
+    def grammar_call_end(self) -> str:
+        """``</tool_call>`` in a Lark grammar: bare when one special token, else quoted."""
+        from ..decode import grammar
+
+        special = grammar.is_special(self.tokenizer, "</tool_call>", self.vocab_size,
+                                     self.eos_ids)
+        return "</tool_call>" if special else '"</tool_call>"'
 
     @functools.cached_property
     def eos_ids(self) -> list:
