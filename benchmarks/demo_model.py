@@ -31,23 +31,30 @@ from collections import Counter
 from pathlib import Path
 
 from mlx_mtp.decode.generation import stream_generate
+from mlx_mtp.decode.prompt import build_prompt, encode_prompt
 from mlx_mtp.decode.sampling import SamplingParams
-from mlx_mtp.models.loader import load
+from mlx_mtp.models.loader import generation_defaults, load
+from mlx_mtp.options import PENALTIES, apply_model_options, sampling_from_args
 from mlx_mtp.train.data import corpus_file_list
 from mlx_mtp.train.export import heldout_prompts
 
 EOS = {4087, 4089}
 
 
-def prompts_for(args):
+def prompts_for(args, tok):
+    """Held-out token prompts; with ``--chat-template`` each one's text is the user turn of
+    the chat template, as ``mlx-mtp generate --prompt TEXT`` builds it by default."""
     files = None if args.heldout == "stdlib" else corpus_file_list(args.heldout, "heldout")
-    return heldout_prompts(args.n_prompts, args.prompt_tokens, files=files, seed=args.seed)
+    prompts = heldout_prompts(args.n_prompts, args.prompt_tokens, files=files, seed=args.seed)
+    if args.chat_template:
+        prompts = [encode_prompt(tok, build_prompt(tok, tok.decode(p))) for p in prompts]
+    return prompts
 
 
-def generate_ids(model, tok, prompt, n, k, adaptive=True):
+def generate_ids(model, tok, prompt, n, k, sampling=None, adaptive=True):
     ids, last = [], None
     t0 = time.perf_counter()
-    for r in stream_generate(model, tok, prompt, max_tokens=n, sampling=SamplingParams(),
+    for r in stream_generate(model, tok, prompt, max_tokens=n, sampling=sampling or SamplingParams(),
                              num_draft_tokens=k, adaptive=adaptive):
         ids.append(r.token)
         last = r
@@ -76,9 +83,10 @@ def rep_stats(ids, text):
 
 def repetition(args):
     model, tok = load(args.model, mtp=False)
+    sampling = sampling_of(args)
     rows = []
-    for p in prompts_for(args):
-        ids, _, _ = generate_ids(model, tok, p, args.max_tokens, 0)
+    for p in prompts_for(args, tok):
+        ids, _, _ = generate_ids(model, tok, p, args.max_tokens, 0, sampling)
         text = tok.decode(ids)
         rows.append(dict(rep_stats(ids, text), text=text))
     n = len(rows)
@@ -91,21 +99,33 @@ def repetition(args):
     return agg, rows
 
 
+def sampling_of(args):
+    """Greedy with the model's generation_config.json defaults (penalties included) and
+    the penalty flags over them, as ``generate`` builds its sampling."""
+    s = sampling_from_args(args, generation_defaults(args.model))
+    return SamplingParams(temperature=0.0, **{k: getattr(s, k) for k in PENALTIES})
+
+
 def speed(args):
     dtype = None if args.dtype == "stored" else args.dtype
     mtp_model, tok = load(args.model, mtp=True, dtype=dtype)
     plain_model, _ = load(args.model, mtp=False, dtype=dtype)
-    arms = {"mtp": (mtp_model, 3), "no_mtp": (plain_model, 0)}
-    prompts = prompts_for(args)
-    generate_ids(mtp_model, tok, prompts[0], 32, 3)  # warm-up (kernel compilation)
-    generate_ids(plain_model, tok, prompts[0], 32, 0)
+    apply_model_options(mtp_model, args)
+    apply_model_options(plain_model, args)
+    sampling = sampling_of(args)
+    k = args.num_draft_tokens
+    arms = {"mtp": (mtp_model, k), "no_mtp": (plain_model, 0)}
+    prompts = prompts_for(args, tok)
+    generate_ids(mtp_model, tok, prompts[0], 32, k, sampling)  # warm-up (kernel compilation)
+    generate_ids(plain_model, tok, prompts[0], 32, 0, sampling)
     rows = []
     for i, p in enumerate(prompts):
         order = ["mtp", "no_mtp"] if i % 2 == 0 else ["no_mtp", "mtp"]
         row = {}
         for arm in (order + order[::-1] if args.abba else order):  # ABBA or AB/BA
             model, k = arms[arm]
-            ids, last, wall = generate_ids(model, tok, p, args.max_tokens, k)
+            ids, last, wall = generate_ids(model, tok, p, args.max_tokens, k, sampling,
+                                           adaptive=not args.fixed_k)
             row.setdefault(arm, []).append({"ids": ids, "tps": last.generation_tps,
                                             "wall": wall,
                                             "accept": last.spec.acceptance_rate,
@@ -144,6 +164,14 @@ def main(argv=None):
                         "on the CPU); stored: as in the file")
     p.add_argument("--abba", type=int, default=1,
                    help="(speed) 1: ABBA per prompt (4 runs); 0: AB/BA alternating (2 runs)")
+    for name in PENALTIES:
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=None,
+                       help="(default: the model's generation_config.json, else off)")
+    p.add_argument("--num-draft-tokens", type=int, default=3, help="(speed) K, as generate's")
+    p.add_argument("--fixed-k", action="store_true", help="(speed) always draft K, as generate's")
+    p.add_argument("--chat-template", action="store_true",
+                   help="each prompt as a user turn of the chat template (generate's default)")
+    p.add_argument("--compile-steps", action="store_true", help="(speed) as generate's flag")
     p.add_argument("-o", "--output", default=None, help="write the results (JSON) here")
     args = p.parse_args(argv)
     t0 = time.perf_counter()

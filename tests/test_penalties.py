@@ -248,3 +248,41 @@ def test_server_rejects_out_of_range_values(penalty_server, field, value):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and field in err["message"]
+
+
+def test_generation_config_repetition_penalty_is_the_cli_default(tiny_ckpt, tmp_path):
+    """generate reads repetition_penalty from generation_config.json, as vLLM does (the
+    demo model ships 1.3 against greedy loops); a flag overrides it."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from mlx_mtp.models.loader import load_tokenizer
+
+    src = Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1, vocab_size=4096))
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    gen = path / "generation_config.json"
+    config = json.loads(gen.read_text()) if gen.exists() else {}
+    gen.write_text(json.dumps(dict(config, repetition_penalty=3.0)))
+    tok = load_tokenizer(path, json.loads((path / "config.json").read_text()))
+    # This model mostly continues with the next token id: 1500.. are in the prompt.
+    ids = [1500, 1501, 1502, 1503, 1600, 1601, 1499]
+    text = tok.decode(ids)
+    assert tok.encode(text, add_special_tokens=False) == ids
+
+    def cli(*flags):
+        p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "generate", "--model",
+                            str(path), "--prompt", text, "--ignore-chat-template", "-m", "16",
+                            "--verbose", "False", "--num-draft-tokens", "2", "--fixed-k",
+                            *flags], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        return p.stdout[:-1]  # the trailing newline
+
+    penalised = mlx_lm_tokens(path, ids, 16, make_logits_processors(
+        repetition_penalty=3.0, repetition_context_size=WHOLE))
+    plain = mlx_lm_tokens(path, ids, 16, None)
+    assert penalised != plain
+    assert cli() == tok.decode(penalised)
+    assert cli("--repetition-penalty", "1") == tok.decode(plain)

@@ -316,13 +316,15 @@ def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str]
 
 
 def generation_defaults(path: Optional[str]) -> dict:
-    """Sampling defaults from generation_config.json (as vLLM uses them)."""
+    """Sampling defaults from generation_config.json, the keys vLLM takes from it
+    (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``)."""
     p = resolve_model_path(path) / "generation_config.json"
     if not p.exists():
         return {}
     with open(p) as f:
         g = json.load(f)
-    keys = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p"}
+    keys = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty"}
     return {ours: g[k] for k, ours in keys.items() if k in g}
 
 
