@@ -39,3 +39,17 @@ def test_cli_exits_2_with_a_message(small_vocab, verb, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "embedding table has 512 rows" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("bad", [512, 10**6, -1])
+def test_python_api_refuses_prompt_ids_outside_the_vocabulary(small_vocab, bad):
+    from mlx_mtp.decode.generation import generate
+    from mlx_mtp.decode.speculative import MTPDecoder
+
+    model, config = load_model(Path(small_vocab))
+    tok = load_tokenizer(Path(small_vocab), config)
+    with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary"):
+        generate(model, tok, [1, 2, bad], max_tokens=2)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        MTPDecoder(model, 0).prefill([bad, 3])
+    MTPDecoder(model, 0).prefill([511, 0, 3])  # the first and last rows are in range

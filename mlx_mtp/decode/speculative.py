@@ -129,6 +129,12 @@ class MTPDecoder:
         """
         if len(prompt) == 0:
             raise ValueError("The prompt is empty: at least one token is required.")
+        # An id past the embedding table would be read out of bounds, with no error.
+        vocab = self.model.text.args.vocab_size
+        bad = [t for t in (min(prompt), max(prompt)) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"Prompt token id {bad[0]} is outside the vocabulary "
+                             f"(0..{vocab - 1}).")
         tokens = mx.array(prompt, mx.uint32)[None]
         n = len(prompt) - 1
         if self.sampler.history is not None:  # the repetition penalty covers the prompt

@@ -236,7 +236,8 @@ def heldout_prompts(n_prompts: int, prompt_tokens: int, tokenizer_dir: Path = TO
 def evaluate_acceptance(model_path=None, ks: Sequence[int] = (1, 2, 3),
                         temps: Sequence[float] = (0.0, 0.7), n_prompts: int = 16,
                         prompt_tokens: int = 128, max_tokens: int = 64, seed: int = 0,
-                        files: Optional[Sequence[Path]] = None, model=None) -> dict:
+                        files: Optional[Sequence[Path]] = None, model=None,
+                        repetition_penalty: float = 1.0) -> dict:
     """Per-position acceptance of the MTP head on held-out text, fixed K (not adaptive).
 
     Returns ``{"K=k,T=t": {"acceptance_per_pos": [...], "mean_acceptance_length": ..}}``.
@@ -256,7 +257,8 @@ def evaluate_acceptance(model_path=None, ks: Sequence[int] = (1, 2, 3),
 
             total = SpecStats()
             for i, p in enumerate(prompts):
-                params = SamplingParams(temperature=float(t), seed=seed + i if t > 0 else None)
+                params = SamplingParams(temperature=float(t), seed=seed + i if t > 0 else None,
+                                        repetition_penalty=repetition_penalty)
                 dec = MTPDecoder(model, k, params, adaptive=False)
                 dec.prefill(p)
                 emitted = 0

@@ -499,6 +499,8 @@ def eval_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--heldout", default=None,
                    help="held-out text: a directory (its text files) or 'stdlib' (default: "
                         "the standard library's held-out split)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="applied to target and drafts alike (default 1: the head alone)")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
     files = None
@@ -507,7 +509,8 @@ def eval_main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     res = evaluate_acceptance(a.model, [int(k) for k in a.ks.split(",")],
                               [float(t) for t in a.temps.split(",")], a.n_prompts,
-                              a.prompt_tokens, a.max_tokens, a.seed, files=files)
+                              a.prompt_tokens, a.max_tokens, a.seed, files=files,
+                              repetition_penalty=a.repetition_penalty)
     print(format_acceptance_table(res))
     print(f"({a.n_prompts} held-out prompts x {a.prompt_tokens} tokens, {a.max_tokens} new tokens "
           f"each; {time.perf_counter() - t0:.0f} s)")
