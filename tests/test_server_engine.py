@@ -327,3 +327,40 @@ def test_threaded_engine_and_shutdown(tiny):
     assert not eng.alive
     with pytest.raises(RuntimeError):
         eng.submit(EngineRequest(prompt=[1, 2], max_tokens=1))
+
+
+def test_scheduler_failure_fails_the_batch_and_empties_it(tiny):
+    """A bug outside per-request work fails every running request with a 500; their rows
+    leave the batch, and the next requests decode exactly as on a fresh engine."""
+    ps = prompts(3)
+    alone = [run_alone(tiny, p).tokens for p in ps]
+    eng = make_engine(tiny)
+    reqs = [request(p, max_tokens=64) for p in ps[:2]]
+    for r, _ in reqs:
+        eng.submit(r)
+    while len(eng.batch) < 2:
+        eng.step()
+    real = eng.batch.step
+
+    def boom(*a, **k):
+        raise RuntimeError("a bug in the step")
+
+    eng.batch.step = boom
+    eng.start()  # the thread's handler catches the failure and fails the batch
+    try:
+        for _, sink in reqs:
+            for _ in range(500):
+                if sink.done is not None:
+                    break
+                time.sleep(0.01)
+            assert isinstance(sink.done, Failed) and sink.done.status == 500
+        assert len(eng.batch) == 0 and not eng.running
+        eng.batch.step = real
+        done = threading.Event()
+        r, sink = request(ps[2])
+        r.on_event = lambda ev: (sink(ev), isinstance(ev, (Done, Failed)) and done.set())
+        eng.submit(r)
+        assert done.wait(60) and isinstance(sink.done, Done)
+        assert sink.tokens == alone[2]
+    finally:
+        eng.shutdown()

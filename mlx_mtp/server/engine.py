@@ -582,9 +582,21 @@ class Engine:
         with self._cv:
             while self._incoming:
                 self.waiting.append(self._incoming.popleft())
-        reqs = [s.req for s in self.running] + list(self.waiting)
+        running, waiting = self.running, list(self.waiting)
         self.running, self.waiting = [], deque()
-        for r in reqs:
+        # The failed rows leave the batch too, or the next step would decode them for
+        # nobody; a batch that cannot even drop them starts over (the policy's
+        # measurements are kept).
+        try:
+            for seq in running:
+                self.batch.remove(seq.req.request_id)
+                self.sync.removed(seq)
+        except Exception:
+            log.exception("Could not remove the failed rows; starting a new batch")
+            policy = self.batch.policy
+            self.batch = BatchDecoder(self.model, self.batch.K, self.adaptive)
+            self.batch.policy = policy
+        for r in [s.req for s in running] + waiting:
             if not r.cancelled:
                 self.metrics.request_failure.inc(reason="error")
                 self._emit(r, Failed(status, message, code))
