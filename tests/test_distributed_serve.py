@@ -206,6 +206,7 @@ def test_lost_rank_fails_requests_with_503_and_every_rank_exits(cluster, model):
             again = chat(cluster.url, PROMPTS[1], 30.0)
             assert again.status_code == 503 and again.json()["error"]["type"] == \
                 "service_unavailable_error"
+            assert again.json()["error"]["code"] == "distributed_rank_lost"
             # SIGTERM to rank 0 while its engine thread sits in the blocked collective:
             # rank 0 still exits.
             os.kill(cluster.ranks[0], signal.SIGTERM)

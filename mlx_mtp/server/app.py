@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .choices import choice_kwargs, merge_choices, stream_choices  # noqa: F401 (re-exported)
-from .engine import Delta, Done, EngineRequest, Failed
+from .engine import Delta, Done, EngineRequest, EngineUnavailable, Failed
 from .http_guard import BODY_BYTES, GuardConfig, RequestGuard
 from .prompts import forced_tool, prepare_chat, prepare_completion
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request,
@@ -310,8 +310,8 @@ def create_app(state: ServerState, guard: Optional[GuardConfig] = None):
         except OverflowError as e:
             raise APIError(503, str(e), code="server_overloaded",
                            type="service_unavailable_error")
-        except RuntimeError as e:
-            raise APIError(503, str(e), code="shutting_down", type="service_unavailable_error")
+        except EngineUnavailable as e:
+            raise APIError(503, str(e), code=e.code, type="service_unavailable_error")
 
     async def run_request(request: Request, ereq_kwargs: dict, prompt: List[int],
                           boundaries: List[int], logprobs: Optional[int], fmt, stream: bool,

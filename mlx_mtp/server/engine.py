@@ -128,6 +128,15 @@ class _Seq:
         self.boundaries = sorted({b for b in req.boundaries if n_cached < b <= n})
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine takes no new requests: it is stopping, or a rank of a split model is
+    gone. ``code`` names which, for the API's error."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
+
+
 class Engine:
     def __init__(
         self,
@@ -199,9 +208,9 @@ class Engine:
     def submit(self, req: EngineRequest):
         with self._cv:
             if self._stopping:
-                raise RuntimeError("The server is shutting down.")
+                raise EngineUnavailable("The server is shutting down.", "shutting_down")
             if self.sync.lost:
-                raise RuntimeError(self.sync.lost)
+                raise EngineUnavailable(self.sync.lost, "distributed_rank_lost")
             if len(self._incoming) + len(self.waiting) >= self.max_queue:
                 raise OverflowError(
                     f"Too many requests waiting ({self.max_queue}); try again later.")
