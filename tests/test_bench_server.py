@@ -279,3 +279,16 @@ def test_real_server_bench(tmp_path):
         if q["tokens_from_usage"]:
             assert 0 < q["completion_tokens"] <= 8
             assert q["chunks"] <= q["completion_tokens"]
+
+
+def test_cli_sampling_flags_become_request_fields(tmp_path):
+    with StubServer() as s:
+        rc = main(["bench", "--server", s.url, "--concurrency", "1", "--rounds", "1",
+                   "--max-tokens", "4", "--prompts", "builtin:qa", "-o", str(tmp_path),
+                   "--quiet", "--no-warmup", "--temp", "0.7", "--seed", "3", "--coupled",
+                   "--repetition-penalty", "1.2", "--frequency-penalty", "0.5"])
+    assert rc == 0 and s.bodies
+    for body in s.bodies:
+        assert body["temperature"] == 0.7 and body["seed"] == 3
+        assert body["mtp_coupled"] is True and body["repetition_penalty"] == 1.2
+        assert body["frequency_penalty"] == 0.5 and "presence_penalty" not in body

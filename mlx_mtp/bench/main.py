@@ -428,8 +428,14 @@ def _run_server(args, prompts, out_dir: Path) -> int:
     temp = args.temp if args.temp is not None else 0.0
     req_kw = dict(temperature=temp, endpoint=args.endpoint, timeout=args.timeout,
                   ignore_eos=args.ignore_eos)
+    # Sampling flags go to the server as request fields (mlx-mtp's names; vLLM and
+    # llama-server take the same ones); unset ones leave the server's defaults.
     extra = {k: v for k, v in (("top_p", args.top_p), ("top_k", args.top_k),
-                               ("min_p", args.min_p), ("seed", args.seed)) if v is not None}
+                               ("min_p", args.min_p), ("seed", args.seed),
+                               ("repetition_penalty", args.repetition_penalty),
+                               ("presence_penalty", args.presence_penalty),
+                               ("frequency_penalty", args.frequency_penalty),
+                               ("mtp_coupled", args.coupled)) if v is not None}
     if extra:
         req_kw["extra_body"] = extra
     with _progress(args.quiet) as prog:
