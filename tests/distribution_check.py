@@ -1,0 +1,19 @@
+"""One goodness-of-fit check for the distribution tests: observed outcomes against exact
+probabilities (Pearson's chi-square; cells expected < 5 times are pooled into one)."""
+
+from scipy.stats import chi2 as chi2_dist
+
+P_MIN = 1e-3  # a correct sampler fails one run in a thousand
+
+
+def assert_follows(seen, joint, n_samples: int):
+    """``seen``: outcome -> count over ``n_samples`` draws; ``joint``: outcome -> probability."""
+    assert set(seen) <= set(joint), set(seen) - set(joint)
+    cells = [c for c in joint if joint[c] * n_samples >= 5]
+    rest = 1 - sum(joint[c] for c in cells)
+    obs = [seen[c] for c in cells] + [n_samples - sum(seen[c] for c in cells)]
+    exp = [joint[c] * n_samples for c in cells] + [rest * n_samples]
+    if exp[-1] < 1e-9:
+        obs, exp = obs[:-1], exp[:-1]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    assert chi2_dist.sf(chi2, len(obs) - 1) > P_MIN, (chi2, obs, exp)
