@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Generator, List, Optional, Sequence, Union
+from typing import Generator, Optional, Sequence, Union
 
 import mlx.core as mx
 

@@ -30,7 +30,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 log = logging.getLogger("mlx_mtp.blas")
 

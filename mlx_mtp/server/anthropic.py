@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from .engine import Delta, Done
+from .events import Delta, Done
 from .parsers import OutputParser, Piece
 from .prompts import PreparedChat, forced_tool, prepare_chat
 from .protocol import APIError, ChatCompletionRequest, bad_request, translated_chat_request

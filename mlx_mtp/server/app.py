@@ -19,25 +19,17 @@ holds request validation and the routes.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import hmac
 import json
 import logging
-import os
-import signal
-import threading
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .choices import choice_kwargs, merge_choices, stream_choices  # noqa: F401 (re-exported)
-from .engine import Delta, Done, EngineRequest, EngineUnavailable, Failed
+from .events import Delta, Done, EngineRequest, EngineUnavailable, Failed
 from .http_guard import BODY_BYTES, GuardConfig, RequestGuard
 from .prompts import forced_tool, prepare_chat, prepare_completion
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request,

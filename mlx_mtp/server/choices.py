@@ -16,7 +16,7 @@ import json
 from dataclasses import replace
 from typing import Callable, List, Optional, Sequence
 
-from .engine import Delta, Done, EngineRequest, Failed
+from .events import Delta, Done, EngineRequest, Failed
 from .protocol import APIError
 
 # A stream sends a keep-alive comment after this long without a chunk (long prefill).

@@ -21,7 +21,7 @@ output does not depend on what else is running. The batch's ``DraftPolicy``
 picks K per step from acceptance and a step-cost model by batch size; while it
 pauses drafting, joining prompts skip the MTP head.
 
-Events sent to ``on_event``: ``Delta`` (new text, token ids, logprobs),
+Events sent to ``on_event`` (``events.py``): ``Delta`` (new text, token ids, logprobs),
 then exactly one of ``Done`` or ``Failed``. A cancelled request gets nothing.
 """
 
@@ -30,15 +30,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Deque, List, Optional, Sequence
+from typing import Deque, List, Optional
 
 import mlx.core as mx
 
 from ..models.cache import cache_state_arrays
-from ..decode.sampling import SamplingParams
 from ..decode.batch import BatchDecoder, BatchStepError
 from ..decode.speculative import MTPDecoder, SpecStats, StepOutput
 from ..decode.text_stream import TextStream, token_bytes
@@ -47,66 +44,16 @@ from ..models.layout import check_acceptance
 from .metrics import ServerMetrics
 from .distributed import StepSync
 from .prefix_cache import PrefixCache
+# The request and its events live apart (the API modules need only them); importable
+# from here as before.
+from .events import (LOGPROB_FLOOR, Delta, Done, EngineRequest, EngineUnavailable,  # noqa: F401
+                     Failed, TokenLogprob)
 
 log = logging.getLogger("mlx_mtp.server")
 
 # Prompt chunks end on a grid of this many tokens: the shortest input the chunked delta
 # rule takes, so every call but a short prompt's only one runs the same algorithm.
 PREFILL_GRID = CHUNKED_MIN_TOKENS
-
-
-# --- events -----------------------------------------------------------------------
-LOGPROB_FLOOR = -9999.0  # what the API reports for an impossible token (JSON has no -inf)
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
-    top: List["TokenLogprob"] = field(default_factory=list)
-    # The token's own bytes (its text can be part of a character): these join to the text.
-    raw: Optional[bytes] = None
-
-
-@dataclass
-class Delta:
-    text: str
-    token_ids: List[int]
-    logprobs: Optional[List[TokenLogprob]] = None
-
-
-@dataclass
-class Done:
-    finish_reason: str  # "stop" | "length"
-    usage: dict
-    timings: dict
-    mtp: dict
-
-
-@dataclass
-class Failed:
-    status: int
-    message: str
-    code: Optional[str] = None
-
-
-@dataclass
-class EngineRequest:
-    prompt: List[int]
-    max_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    on_event: Callable[[object], None] = lambda ev: None
-    stop: Sequence[str] = ()
-    num_draft_tokens: Optional[int] = None  # None: the server's K
-    logprobs: Optional[int] = None  # None: off; n >= 0: chosen token plus top n
-    cache_prompt: bool = True
-    grammar: Optional[object] = None  # decode.grammar.Grammar: structured output
-    # Prompt positions worth a prefix-cache snapshot (number of tokens processed).
-    boundaries: Sequence[int] = ()
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    arrival: float = field(default_factory=time.perf_counter)
-    cancelled: bool = False
 
 
 class _Seq:
@@ -126,15 +73,6 @@ class _Seq:
         self.t_last: Optional[float] = None
         n = len(req.prompt) - 1
         self.boundaries = sorted({b for b in req.boundaries if n_cached < b <= n})
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine takes no new requests: it is stopping, or a rank of a split model is
-    gone. ``code`` names which, for the API's error."""
-
-    def __init__(self, message: str, code: str):
-        super().__init__(message)
-        self.code = code
 
 
 class Engine:

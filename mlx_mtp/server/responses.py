@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from .engine import Delta, Done, TokenLogprob
+from .events import Delta, Done, TokenLogprob
 from .parsers import OutputParser, Piece
 from .prompts import PreparedChat
 

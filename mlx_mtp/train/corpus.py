@@ -39,7 +39,7 @@ import sys
 import sysconfig
 import zlib
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .data import _chat_wrap
 from .tokenizer_build import HELDOUT_MODULUS, corpus_files, read_corpus_file, stdlib_root

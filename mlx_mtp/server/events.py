@@ -1,0 +1,76 @@
+"""What a request to the engine is, and the events it sends back.
+
+``EngineRequest`` goes to ``Engine.submit``; its ``on_event`` callback then receives
+``Delta`` events (new text, token ids, logprobs) and exactly one ``Done`` or ``Failed``.
+``EngineUnavailable`` is raised by ``submit`` when no request can be taken.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+from ..decode.sampling import SamplingParams
+
+LOGPROB_FLOOR = -9999.0  # what the API reports for an impossible token (JSON has no -inf)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: List["TokenLogprob"] = field(default_factory=list)
+    # The token's own bytes (its text can be part of a character): these join to the text.
+    raw: Optional[bytes] = None
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: List[int]
+    logprobs: Optional[List[TokenLogprob]] = None
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop" | "length"
+    usage: dict
+    timings: dict
+    mtp: dict
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+    code: Optional[str] = None
+
+
+@dataclass
+class EngineRequest:
+    prompt: List[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    on_event: Callable[[object], None] = lambda ev: None
+    stop: Sequence[str] = ()
+    num_draft_tokens: Optional[int] = None  # None: the server's K
+    logprobs: Optional[int] = None  # None: off; n >= 0: chosen token plus top n
+    cache_prompt: bool = True
+    grammar: Optional[object] = None  # decode.grammar.Grammar: structured output
+    # Prompt positions worth a prefix-cache snapshot (number of tokens processed).
+    boundaries: Sequence[int] = ()
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    arrival: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine takes no new requests: it is stopping, or a rank of a split model is
+    gone. ``code`` names which, for the API's error."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
