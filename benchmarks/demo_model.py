@@ -9,12 +9,17 @@ different held-out file each, seed 0), 20 of them; the default held-out set is t
 library's held-out split (the files no demo model was trained on), or pass the corpus
 builder's held-out directory (``python -m mlx_mtp.train.corpus``).
 
+Both decode greedily with the model's penalty defaults (generation_config.json: the demo
+model's repetition_penalty 1.3) unless ``--repetition-penalty`` etc. override them, and
+``--chat-template`` makes each prompt a user turn, as ``generate`` builds it by default.
+
 repetition: 256 greedy tokens per prompt (plain decoding; MTP output is identical), then
   distinct-4 = distinct token 4-grams / 4-grams per sample; "one line repeated" = the complete
   non-empty lines of the sample's second half are all the same line (at least 4 of them);
   "looping tail" = the last 128 tokens repeat with some period p <= 64 at >= 90% of positions.
 speed: per prompt, in one process, what ``mlx-mtp generate --ignore-chat-template`` does with
-  its defaults (greedy, up to 3 drafts, adaptive) and with ``--no-mtp`` (the model loaded
+  its defaults (greedy, up to ``--num-draft-tokens`` drafts, adaptive unless ``--fixed-k``)
+  and with ``--no-mtp`` (the model loaded
   without its head), in ABBA order (or AB / BA alternating between prompts with --abba 0);
   256 new tokens. Reported:
   decode tok/s as ``generate`` prints it (first token excluded), total wall time per arm,

@@ -8,7 +8,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from distribution_check import assert_follows
 from mlx_lm.generate import generate_step as mlx_lm_generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -16,6 +15,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.loader import load_model
+from distribution_check import assert_follows
 
 PROMPT = [1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 18]
 REPEATING = [1, 5, 9, 22, 7, 3, 100, 20, 21, 19, 20, 21, 18]  # upcoming tokens in the prompt
@@ -163,7 +163,7 @@ def test_batched_rows_with_different_penalties_equal_solo(tiny_ckpt):
 def penalty_server(tiny_ckpt, tmp_path_factory):
     import signal
 
-    from test_server_e2e import ServerProcess
+    from server_process import ServerProcess
 
     path = tiny_ckpt("qwen3_5", "random", vocab_size=4096)  # the tokenizer's vocabulary
     srv = ServerProcess(path, tmp_path_factory.mktemp("penalties"), "--fixed-k")

@@ -10,7 +10,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from distribution_check import assert_follows
 from mlx_lm.generate import generate_step as mlx_lm_generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
@@ -22,6 +21,7 @@ from mlx_mtp.decode import grammar as G
 from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.loader import load_model
+from distribution_check import assert_follows
 
 VOCAB = 4096  # the test tokenizer's vocabulary
 PROMPT = [1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 18]

@@ -130,8 +130,10 @@ class MTPDecoder:
         if len(prompt) == 0:
             raise ValueError("The prompt is empty: at least one token is required.")
         # An id past the embedding table would be read out of bounds, with no error.
+        # Only tokens not yet processed (the engine calls this once per prompt chunk).
         vocab = self.model.text.args.vocab_size
-        bad = [t for t in (min(prompt), max(prompt)) if not 0 <= t < vocab]
+        new = prompt[self.n_processed:]
+        bad = [t for t in (min(new), max(new)) if not 0 <= t < vocab] if len(new) else []
         if bad:
             raise ValueError(f"Prompt token id {bad[0]} is outside the vocabulary "
                              f"(0..{vocab - 1}).")
