@@ -1,21 +1,57 @@
 """Single-row matmul time on OpenBLAS vs the reference BLAS, interleaved in one process
-(switching the shim's routing at run time). Used to pick MLX_MTP_BLAS_SMALL."""
-import time, mlx_mtp
+(switching the shim's routing at run time), for both weight layouts: ``x @ W`` (W stored
+(K, N)) and ``x @ W.T`` (W stored (N, K), what linear layers and tied output heads compute).
+Used to pick the shim's routing and MLX_MTP_BLAS_SMALL.
+
+    python benchmarks/blas_routing.py [--repeats 3]
+"""
+import argparse
+import time
+
+import mlx_mtp  # noqa: F401  (loads the shim before MLX)
 from mlx_mtp.platform import blas
+
 blas.configure()
-import mlx.core as mx
-shapes = [(256, 768), (384, 1152), (384, 4096), (1024, 1024), (1024, 3072), (2048, 2048), (4096, 4096)]
-def t(x, w, n=300):
-    mx.eval(x @ w)
+import mlx.core as mx  # noqa: E402
+
+SHAPES = [(256, 768), (384, 1152), (384, 4096), (1024, 1024), (1024, 3072), (2048, 2048),
+          (1024, 8192), (4096, 4096)]
+ROUTES = {"openblas": (1, 1, 0), "reference": (0, 2, 0)}  # mlx_mtp_shim_configure arguments
+
+
+def median_us(f, n):
+    mx.eval(f())
     ts = []
     for _ in range(n):
-        s = time.perf_counter(); mx.eval(x @ w); ts.append(time.perf_counter() - s)
+        s = time.perf_counter()
+        mx.eval(f())
+        ts.append(time.perf_counter() - s)
     return sorted(ts)[n // 2] * 1e6
-for k, n in shapes:
-    w = mx.random.normal((k, n)); x = mx.random.normal((1, k)); mx.eval(w, x)
-    cfg = {"openblas": (1, 1, 0), "reference": (0, 2, 0)}
-    res = {c: [] for c in cfg}
-    for rep in range(3):
-        for c in ("openblas", "reference", "reference", "openblas"):
-            blas._shim.mlx_mtp_shim_configure(*cfg[c]); res[c].append(t(x, w, 60))
-    print(f"1x{k}@{k}x{n} ({k*n/1e6:.2f}M): " + ", ".join(f"{c} {sorted(v)[len(v)//2]:.0f} us" for c, v in res.items()), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    if not blas.active():
+        raise SystemExit(f"the OpenBLAS shim is not active: {blas.describe()}")
+    print("| one row times | layout | OpenBLAS µs | reference µs | reference / OpenBLAS |")
+    print("|---|---|---:|---:|---:|")
+    for k, n in SHAPES:
+        x = mx.random.normal((1, k))
+        w, wt = mx.random.normal((k, n)), mx.random.normal((n, k))
+        mx.eval(x, w, wt)
+        for layout, f in (("x @ W", lambda: x @ w), ("x @ W.T", lambda: x @ wt.T)):
+            res = {r: [] for r in ROUTES}
+            for _ in range(a.repeats):
+                for r in ("openblas", "reference", "reference", "openblas"):  # A B B A
+                    blas._shim.mlx_mtp_shim_configure(*ROUTES[r])
+                    res[r].append(median_us(f, 40))
+            ob, ref = (sorted(v)[len(v) // 2] for v in (res["openblas"], res["reference"]))
+            print(f"| {k}×{n} ({k * n / 1e6:.2f}M) | {layout} | {ob:.0f} | {ref:.0f} | "
+                  f"{ref / ob:.2f} |", flush=True)
+    blas.configure()  # back to the default routing
+
+
+if __name__ == "__main__":
+    main()

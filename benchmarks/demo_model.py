@@ -177,6 +177,7 @@ def main(argv=None):
     p.add_argument("--chat-template", action="store_true",
                    help="each prompt as a user turn of the chat template (generate's default)")
     p.add_argument("--compile-steps", action="store_true", help="(speed) as generate's flag")
+    p.add_argument("--draft-vocab", default="auto", help="(speed) as generate's flag")
     p.add_argument("-o", "--output", default=None, help="write the results (JSON) here")
     args = p.parse_args(argv)
     t0 = time.perf_counter()

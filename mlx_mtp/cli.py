@@ -18,6 +18,8 @@ COMMANDS = {
                 "Convert/quantize a Hugging Face checkpoint, keeping the MTP head"),
     "add-mtp": ("mlx_mtp.convert.add_mtp", "Graft MTP weights into an existing MLX model"),
     "train": ("mlx_mtp.train.main", "Train a model or an MTP head"),
+    "draft-vocab": ("mlx_mtp.convert.draft_vocab",
+                    "Rank a model's tokens by frequency in a corpus (for --draft-vocab)"),
 }
 MODEL_COMMANDS = ("generate", "serve", "bench", "train")  # run models: take --blas
 

@@ -65,6 +65,12 @@ def add_speed_arguments(p):
                         "backend a quantized matmul with bf16 activations measured ~8x slower "
                         "than the dense one; on Apple GPUs, where drafting reads the whole "
                         "output layer per draft token, it is expected to pay")
+    p.add_argument("--draft-vocab", default="auto", metavar="N|auto",
+                   help="Draft only among the N most frequent tokens (the ranking in the "
+                        "model's draft_vocab.json, made by `mlx-mtp draft-vocab`): drafts read "
+                        "N rows of the output layer instead of all. Lossless: output is "
+                        "unchanged, only acceptance may drop. auto (default): the size the "
+                        "ranking file recommends, if the model has one, else off; 0 = off")
     p.add_argument("--compile-steps", action="store_true",
                    help="Run the Gated DeltaNet layers of decode and verify steps as "
                         "mx.compile'd graphs (one per K). Off by default: on MLX's CPU backend "
@@ -73,15 +79,31 @@ def add_speed_arguments(p):
 
 
 def apply_model_options(model, args):
-    """Settings applied to a loaded model: ``--draft-head-bits`` (MTP models only),
-    ``--compile-steps``."""
+    """Settings applied to a loaded model: ``--draft-head-bits`` and ``--draft-vocab`` (MTP
+    models only), ``--compile-steps``."""
     bits = getattr(args, "draft_head_bits", None)
-    if bits is not None and model.num_mtp_layers > 0:
-        model.set_draft_head(bits)
+    vocab = draft_vocab_from_args(model, args)
+    if (bits is not None or vocab is not None) and model.num_mtp_layers > 0:
+        model.set_draft_head(bits, vocab=vocab)
     if getattr(args, "compile_steps", False):
         if not hasattr(model, "set_compiled"):
             raise UserError("--compile-steps is not available for this model (distributed)")
         model.set_compiled(True)
+
+
+def draft_vocab_from_args(model, args):
+    """The token ids ``--draft-vocab`` restricts drafts to (None: the whole vocabulary)."""
+    value = getattr(args, "draft_vocab", None)
+    if value is None or value == "0" or model.num_mtp_layers == 0:
+        return None
+    from .models import draft_vocab
+    from .models.loader import resolve_model_path
+
+    try:
+        return draft_vocab.select(resolve_model_path(args.model), draft_vocab.parse_size(value),
+                                  model.text.args.vocab_size)
+    except draft_vocab.DraftVocabError as e:
+        raise UserError(str(e))
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser):

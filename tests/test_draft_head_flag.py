@@ -20,9 +20,9 @@ def draft_calls(monkeypatch):
     calls = []
     real = TextModel.draft_logits
 
-    def spy(self, hidden):
+    def spy(self, hidden, any_token=False):
         calls.append(None if self.draft_head is None else self.draft_head.bits)
-        return real(self, hidden)
+        return real(self, hidden, any_token)
 
     monkeypatch.setattr(TextModel, "draft_logits", spy)
     return calls

@@ -32,7 +32,7 @@ CHILD = textwrap.dedent("""
              ((64, 128), (128, 96), 0, 0), ((300, 5), (200, 300), 1, 1),
              ((7, 64), (32, 64), 0, 1), ((64, 7), (64, 32), 1, 0),
              ((2, 3, 64), (2, 64, 40), 0, 0), ((4, 1, 128), (128, 64), 0, 0),
-             ((1, 2048), (2048, 1024), 0, 0)]
+             ((1, 2048), (2048, 1024), 0, 0), ((1, 2048), (1024, 2048), 0, 1)]
     out = {}
     for i, (sa, sb, ta, tb) in enumerate(cases):
         a = mx.array(rng.standard_normal(sa).astype(np.float32))
@@ -46,9 +46,10 @@ CHILD = textwrap.dedent("""
     print(json.dumps({"shim_mapped": "openblas-shim-" in maps, "active": blas.active(),
                       "describe": blas.describe()}))
 """)
-# One row times a large weight: routed to the reference BLAS (one row times a small one,
-# f32_0, goes to OpenBLAS).
+# One row times a large weight stored (K, N) (x @ W): routed to the reference BLAS (one row
+# times a small one, f32_0, goes to OpenBLAS; so does x @ W.T, f32_9, whatever its size).
 SINGLE_ROW = ("f32_8",)
+SINGLE_ROW_TRANSPOSED = "f32_9"
 
 
 def clean_env(tmp_path, **extra):
@@ -87,13 +88,16 @@ def reference(cache_home, tmp_path_factory):
 def test_import_loads_shim_in_process_and_results_match(cache_home, reference, tmp_path):
     got, info = run_child(tmp_path, clean_env(cache_home))
     assert info["shim_mapped"] and info["active"], info
-    assert "OpenBLAS for products of >= 2 rows and small ones" in info["describe"]
+    assert "OpenBLAS except single rows times large x @ W weights" in info["describe"]
     assert reference["f64"].dtype == np.float64
     for k in reference:
         if k in SINGLE_ROW:  # same library, same arithmetic: bit-identical
             np.testing.assert_array_equal(got[k], reference[k], err_msg=k)
         else:
             np.testing.assert_allclose(got[k], reference[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    # A linear layer's single row (x @ W.T) runs on OpenBLAS even with a large weight: it
+    # rounds differently from the reference loop, which is the proof it ran there.
+    assert not np.array_equal(got[SINGLE_ROW_TRANSPOSED], reference[SINGLE_ROW_TRANSPOSED])
 
 
 def test_single_rows_go_to_openblas_when_asked(cache_home, reference, tmp_path):
@@ -174,7 +178,7 @@ def cli(env, *args):
 def test_cli_generate_auto_compiles_and_uses_openblas(tmp_path):
     code, out = cli(clean_env(tmp_path), "--blas", "auto")  # fresh cache: compiles the shim
     assert code == 0, out
-    assert "CPU matmuls: OpenBLAS for products of >= 2 rows" in out
+    assert "CPU matmuls: OpenBLAS except single rows" in out
     assert list((tmp_path / "mlx-mtp").glob("openblas-shim-*.so"))
 
 

@@ -105,6 +105,11 @@ def test_greedy_json_schema_equals_mlx_lm_with_the_same_mask(ckpt, tok):
         assert got == ref, f"K={k}"
         if k:
             assert dec.stats.num_accepted_tokens > 0  # drafts under the mask were accepted
+    # A draft vocabulary holding none of the document's tokens: under a grammar drafts come
+    # from the whole output layer (a subset could hold no allowed token), so still accepted.
+    model.set_draft_head(vocab=np.setdiff1d(np.arange(VOCAB), ref))
+    got, dec = mtp_tokens(model, PROMPT, 60, 2, SamplingParams(), gram)
+    assert got == ref and dec.stats.num_accepted_tokens > 0
 
 
 def test_seeded_sampling_outputs_validate(ckpt, tok):

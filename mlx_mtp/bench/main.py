@@ -263,6 +263,8 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
                    "seed": sampling.seed, "ignore_eos": args.ignore_eos, "auto": cfg.auto,
                    "chat_template": not args.ignore_chat_template,
                    "draft_head_bits": args.draft_head_bits,
+                   "draft_vocab": (None if model.text.draft_head is None
+                                   else model.text.draft_head.size),
                    "compile_steps": args.compile_steps},
     }
     title = (f"{model_path.name}: {n_params / 1e6:.1f}M params, {len(prompts)} prompts x "

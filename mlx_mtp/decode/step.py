@@ -352,7 +352,7 @@ class DecodeBatch:
             if j:
                 _prepare(self.mtp_cache, 1)
                 out = model.mtp_forward(out, drafts[-1][:, None], self.mtp_cache)
-            draft_logits = model.draft_logits(out[:, -1:])  # (B, 1, V)
+            draft_logits = model.draft_logits(out[:, -1:], any_token=grammars is not None)
             if j == 0:
                 proc = logits_processing.build(rows, draft_logits.shape[-1])
             if proc is not None:  # the penalties verify row j will see

@@ -332,9 +332,9 @@ class DistributedModel:
             return self.inner.logits(hidden)
         return mx.zeros((*hidden.shape[:-1], self.text.args.vocab_size), mx.float32)
 
-    def draft_logits(self, hidden):
+    def draft_logits(self, hidden, any_token: bool = False):
         if self.is_head:
-            return self.inner.draft_logits(hidden)
+            return self.inner.draft_logits(hidden, any_token)
         return self.logits(hidden)
 
     def mtp_forward(self, hidden, next_tokens, mtp_cache):
@@ -364,9 +364,9 @@ class DistributedModel:
     def num_mtp_layers(self) -> int:
         return self.text.args.mtp_num_hidden_layers
 
-    def set_draft_head(self, bits, group_size: int = 64):
+    def set_draft_head(self, bits=None, group_size: int = 64, vocab=None):
         if self.is_head:
-            self.inner.set_draft_head(bits, group_size)
+            self.inner.set_draft_head(bits, group_size, vocab)
 
     def __call__(self, inputs, cache=None):
         return self.logits(self.trunk(inputs, cache)[0])

@@ -391,29 +391,69 @@ class MTPHead(nn.Module):
 
 
 class DraftHead:
-    """A quantized copy of the output projection, for draft logits only.
+    """A cheaper copy of the output projection, for draft logits only.
 
     Drafting reads the whole output projection once per draft token (248k rows on
-    Qwen3.5/3.6); a 4- or 8-bit copy reads a fraction of the bytes where decoding is
-    bandwidth-bound (Apple GPUs). Lossless: acceptance compares the full-precision
-    target with the distribution the draft was really sampled from. Not a module:
-    never among the model's parameters, so never saved or loaded.
+    Qwen3.5/3.6). Two ways to read less, alone or together:
+
+    * ``bits``: a 4- or 8-bit copy (a fraction of the bytes where decoding is
+      bandwidth-bound, as on Apple GPUs);
+    * ``vocab``: only the rows of a token subset (``draft_vocab.py``); logits outside it
+      are -inf, so the draft distribution q is zero there.
+
+    Lossless either way: acceptance compares the full-precision target with the
+    distribution the draft was really sampled from. Not a module: never among the
+    model's parameters, so never saved or loaded.
     """
 
-    def __init__(self, projection: nn.Module, bits: int, group_size: int = 64):
-        if bits not in (4, 8):
+    def __init__(self, projection: nn.Module, bits: Optional[int] = None, vocab=None,
+                 group_size: int = 64):
+        if bits not in (None, 4, 8):
             raise ValueError(f"draft head bits must be 4 or 8 (got {bits!r})")
-        weight = projection.weight
-        if "scales" in projection:  # already quantized: requantize from its values
-            weight = mx.dequantize(weight, projection.scales, projection.get("biases"),
-                                   projection.group_size, projection.bits)
-        self.bits, self.group_size = bits, group_size
-        self.weight, self.scales, self.biases = mx.quantize(weight, group_size, bits)
-        mx.eval(self.weight, self.scales, self.biases)
+        quantized = "scales" in projection
+        rows = None if vocab is None else mx.array(vocab)
+        pick = (lambda a: a) if rows is None else (lambda a: a[rows])
+        if bits is None and quantized:  # keep the checkpoint's quantization: rows slice exactly
+            self.bits, self.group_size = projection.bits, projection.group_size
+            biases = projection.get("biases")
+            self.weight, self.scales = pick(projection.weight), pick(projection.scales)
+            self.biases = None if biases is None else pick(biases)
+        else:
+            weight = projection.weight
+            if quantized:  # requantize from its values
+                weight = mx.dequantize(weight, projection.scales, projection.get("biases"),
+                                       projection.group_size, projection.bits)
+            weight = pick(weight)
+            self.bits, self.group_size = bits, group_size
+            if bits is None:
+                self.weight, self.scales, self.biases = weight, None, None
+            else:
+                self.weight, self.scales, self.biases = mx.quantize(weight, group_size, bits)
+        self.vocab_size = projection.weight.shape[0]
+        self.size = self.vocab_size if rows is None else rows.size
+        # Subset position of every token, or the size (the -inf column) when outside it.
+        self.slot = None
+        if rows is not None:
+            self.slot = mx.full((self.vocab_size,), rows.size, mx.uint32)
+            self.slot[rows] = mx.arange(rows.size, dtype=mx.uint32)
+        mx.eval([a for a in (self.weight, self.scales, self.biases, self.slot) if a is not None])
+
+    @property
+    def restricted(self) -> bool:
+        return self.slot is not None
 
     def __call__(self, hidden: mx.array) -> mx.array:
-        return mx.quantized_matmul(hidden, self.weight, self.scales, self.biases,
-                                   transpose=True, group_size=self.group_size, bits=self.bits)
+        if self.scales is None:
+            logits = hidden @ self.weight.T
+        else:
+            logits = mx.quantized_matmul(hidden, self.weight, self.scales, self.biases,
+                                         transpose=True, group_size=self.group_size,
+                                         bits=self.bits)
+        if self.slot is None:
+            return logits
+        # (..., N) -> (..., V): one gather, -inf outside the subset.
+        outside = mx.full((*logits.shape[:-1], 1), -mx.inf, logits.dtype)
+        return mx.take(mx.concatenate([logits, outside], axis=-1), self.slot, axis=-1)
 
 
 class TextModel(nn.Module):
@@ -452,21 +492,25 @@ class TextModel(nn.Module):
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
-    def draft_logits(self, hidden):
+    def draft_logits(self, hidden, any_token: bool = False):
         """Logits the MTP draft samples from (full vocabulary, (..., V)). The target
         distribution always comes from ``logits``; a cheaper draft head only lowers
-        acceptance, never changes output."""
-        if self.draft_head is not None:
-            return self.draft_head(hidden)
+        acceptance, never changes output. ``any_token``: every token must stay possible
+        (drafts under a grammar, whose allowed tokens may all lie outside a draft
+        vocabulary), so a vocabulary-restricted head is bypassed."""
+        head = self.draft_head
+        if head is not None and not (any_token and head.restricted):
+            return head(hidden)
         return self.logits(hidden)
 
-    def set_draft_head(self, bits: Optional[int], group_size: int = 64):
-        """Draft from a ``bits``-bit copy of the output projection (None: the full one)."""
-        if bits is None:
+    def set_draft_head(self, bits: Optional[int] = None, group_size: int = 64, vocab=None):
+        """Draft from a ``bits``-bit copy of the output projection and/or only the rows of
+        the token ids ``vocab`` (both None: the output projection itself)."""
+        if bits is None and vocab is None:
             self.draft_head = None
             return
         out = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
-        self.draft_head = DraftHead(out, bits, group_size)
+        self.draft_head = DraftHead(out, bits, vocab, group_size)
 
     def set_compiled(self, on: bool):
         """Run Gated DeltaNet layers' decode steps as compiled graphs (off by default:
@@ -533,11 +577,11 @@ class WrappedTextModel(nn.Module):
     def logits(self, hidden):
         return self.language_model.logits(hidden)
 
-    def draft_logits(self, hidden):
-        return self.language_model.draft_logits(hidden)
+    def draft_logits(self, hidden, any_token: bool = False):
+        return self.language_model.draft_logits(hidden, any_token)
 
-    def set_draft_head(self, bits: Optional[int], group_size: int = 64):
-        self.language_model.set_draft_head(bits, group_size)
+    def set_draft_head(self, bits: Optional[int] = None, group_size: int = 64, vocab=None):
+        self.language_model.set_draft_head(bits, group_size, vocab)
 
     def set_compiled(self, on: bool):
         self.language_model.set_compiled(on)

@@ -129,9 +129,10 @@ _configured = False
 
 
 def small_elems() -> int:
-    """Thin (single-row) products go to OpenBLAS while their weight has fewer elements
-    than this ($MLX_MTP_BLAS_SMALL, default 1.3M: measured crossover between 1.05M, where
-    OpenBLAS is faster for one row, and 1.57M, where the reference BLAS is)."""
+    """Thin (single-row) products ``x @ W`` (W stored (K, N)) go to OpenBLAS while their weight
+    has fewer elements than this ($MLX_MTP_BLAS_SMALL, default 1.3M: measured crossover between
+    1.05M, where OpenBLAS is faster for one row, and 1.57M, where the reference BLAS is). Other
+    thin products, ``x @ W.T`` among them (linear layers), always go to OpenBLAS."""
     try:
         return max(0, int(os.environ.get(ENV_SMALL, "1300000")))
     except ValueError:
@@ -305,8 +306,8 @@ def setup(args):
 def describe() -> str:
     """One line for logs: which BLAS runs MLX's CPU matmuls, and why."""
     if active():
-        return (f"CPU matmuls: OpenBLAS for products of >= {min_rows()} rows and small ones, "
-                f"reference BLAS for single rows of large weights (mlx-mtp shim, numpy's "
+        return (f"CPU matmuls: OpenBLAS except single rows times large x @ W weights "
+                f"(reference BLAS; mlx-mtp shim, numpy's "
                 f"{Path(os.environ.get(ENV_OPENBLAS, '?')).name})")
     if not reference_blas_in_use():
         return "CPU matmuls: MLX's built-in BLAS"

@@ -9,8 +9,9 @@
  *
  * Routing (mlx_mtp_shim_configure): multi-row products (verify passes, batches, prompts) go to
  * OpenBLAS. A product with fewer than `min_rows` rows or columns (decoding one token) goes to
- * OpenBLAS only while its other operand is small (< `small_elems` elements): on large weights
- * the reference BLAS's simple loop streams memory as fast or faster for a single row; use_openblas = 0 sends everything to the reference BLAS (e.g. after a failed
+ * OpenBLAS too, unless it is x @ W with a weight of `small_elems` elements or more: in that one
+ * layout the reference BLAS's simple loop streams memory as fast or faster for a single row (see
+ * route_openblas). use_openblas = 0 sends everything to the reference BLAS (e.g. after a failed
  * check) without restarting the process.
  *
  * Safety: the OpenBLAS path comes from $MLX_MTP_OPENBLAS. If it is unset, cannot be loaded, or
@@ -94,9 +95,20 @@ int mlx_mtp_shim_uses_openblas(void) {
   return ob_sgemm != NULL && use_openblas;
 }
 
-static int route_openblas(int m, int n, int k) {
+/* Thin products (decoding one token) go to OpenBLAS, except one layout: x @ W with W stored
+ * (k, n) row-major, one axpy per input element, where the reference BLAS streams a large weight as
+ * fast or faster. Measured single-row, interleaved (benchmarks/blas_routing.py): for x @ W.T (every
+ * linear layer and tied output head) the reference BLAS is 1.3-1.9x slower at every size from 0.3M
+ * to 17M elements, and for W.T @ x.T about 8x slower. */
+static int thin_axpy_layout(int order, int tb, int m) {
+  return m < min_rows && (tb == 111) == (order == 101); /* CblasNoTrans, CblasRowMajor */
+}
+
+static int route_openblas(int order, int ta, int tb, int m, int n, int k) {
+  (void)ta;
   if (!mlx_mtp_shim_uses_openblas()) return 0;
   if (m >= min_rows && n >= min_rows) return 1;
+  if (!thin_axpy_layout(order, tb, m)) return 1;
   return (long)k * (m > n ? m : n) < small_elems;
 }
 
@@ -153,7 +165,7 @@ static void load_reference(void) {
 /* ---- The exported cblas entry points (standard signatures, int dimensions) ---- */
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
                  int lda, const float *b, int ldb, float beta, float *c, int ldc) {
-  if (route_openblas(m, n, k)) {
+  if (route_openblas(order, ta, tb, m, n, k)) {
     ob_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
@@ -163,7 +175,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
 
 void cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha, const double *a,
                  int lda, const double *b, int ldb, double beta, double *c, int ldc) {
-  if (route_openblas(m, n, k)) {
+  if (route_openblas(order, ta, tb, m, n, k)) {
     ob_dgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
@@ -174,7 +186,7 @@ void cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha, c
 void cblas_cgemm(int order, int ta, int tb, int m, int n, int k, const void *alpha,
                  const void *a, int lda, const void *b, int ldb, const void *beta, void *c,
                  int ldc) {
-  if (route_openblas(m, n, k)) {
+  if (route_openblas(order, ta, tb, m, n, k)) {
     ob_cgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
