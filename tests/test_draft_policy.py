@@ -184,6 +184,37 @@ def test_an_unlucky_first_draft_after_a_slow_first_step_does_not_end_drafting(se
     assert speedup >= 0.85 * fixed_k1
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_deep_k_that_pays_is_found_though_its_drafts_rarely_all_land(seed):
+    """Drafts cheap next to the verify pass (a GPU; the demo model here once verify rows
+    stopped costing extra): K=3 is the best fixed K although all three drafts land only
+    27% of the time. The policy must try K=3 from what K=1 and K=2 cost and keep it. It
+    used to try a K only when its drafts would mostly (50%) all land, and stayed at K=2."""
+    step_ms = {0: 9.2, 1: 11.0, 2: 11.4, 3: 11.8}
+    accept = [0.9, 0.6, 0.5]
+
+    def fixed(k):
+        return sum(math.prod(accept[:j]) for j in range(k + 1)) * step_ms[0] / step_ms[k]
+
+    assert max(range(4), key=fixed) == 3 and fixed(2) < 0.94 * fixed(3)
+    speedup, ks = one_sequence(DraftPolicy(3), step_ms, accept, tokens=3000, seed=seed)
+    assert ks[-200:].count(3) > 150
+    assert speedup >= 0.95 * fixed(3)
+
+
+def test_a_cost_measured_long_ago_is_replaced_not_averaged():
+    """Re-probing a stale cell must measure now: old samples (another context length,
+    another load) would outvote the new one in the median."""
+    costs = StepCosts(memory=24)
+    for _ in range(20):
+        costs.observe(1, 3, 0.020)  # slow, long ago
+    for _ in range(300):
+        costs.observe(1, 2, 0.010)
+    assert costs.stale(1, 3)
+    costs.observe(1, 3, 0.012)
+    assert costs.count(1, 3) == 1 and costs.measured(1, 3) == 0.012
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_useless_head_costs_little_on_one_sequence(seed):
     """Issue 11: >= 0.95x plain decoding with a head that is always wrong, first-step

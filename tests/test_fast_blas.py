@@ -44,7 +44,7 @@ CHILD = textwrap.dedent("""
     np.savez(sys.argv[1], **out)
     maps = open("/proc/self/maps").read()
     print(json.dumps({"shim_mapped": "openblas-shim-" in maps, "active": blas.active(),
-                      "describe": blas.describe()}))
+                      "describe": blas.describe(), "padded": blas.padded_calls()}))
 """)
 # One row times a large weight stored (K, N) (x @ W): routed to the reference BLAS (one row
 # times a small one, f32_0, goes to OpenBLAS; so does x @ W.T, f32_9, whatever its size).
@@ -95,6 +95,9 @@ def test_import_loads_shim_in_process_and_results_match(cache_home, reference, t
             np.testing.assert_array_equal(got[k], reference[k], err_msg=k)
         else:
             np.testing.assert_allclose(got[k], reference[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    # Products of 3, 5 and 7 rows (plain and transposed A, batched) ran padded to 4 or 8
+    # rows, and matched.
+    assert info["padded"] >= 4, info
     # A linear layer's single row (x @ W.T) runs on OpenBLAS even with a large weight: it
     # rounds differently from the reference loop, which is the proof it ran there.
     assert not np.array_equal(got[SINGLE_ROW_TRANSPOSED], reference[SINGLE_ROW_TRANSPOSED])

@@ -55,6 +55,8 @@ class StepCosts:
         self._last: Dict[Tuple[int, int], int] = {}  # cell -> step of its last observation
 
     def observe(self, B: int, K: int, seconds: float):
+        if self.stale(B, K):  # what it measured long ago (other contexts, load) is gone
+            self.cells.pop((B, K), None)
         self.cells.setdefault((B, K), deque(maxlen=self.memory)).append(seconds)
         self._clock += 1
         self._last[(B, K)] = self._clock
@@ -220,21 +222,40 @@ class DraftPolicy:
         for k in range(1, self.max_k + 1):
             t = self.costs.predict(B, k)
             if t is None:
-                # Unknown cost: try it for a step if its drafts would mostly land.
-                if self.acceptance.reach(k) >= 0.5:
-                    return k
-                break
+                # Unknown cost: try it for a step if it could win (measuring it is the
+                # only way to find out; a deeper K is not tried before this one is known).
+                return k if self._worth_trying(B, k, best_rate) else best
             rate = self.acceptance.expected_tokens(k) / t
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
+
+    def _cost_guess(self, B: int, k: int) -> Optional[float]:
+        """K's cost as measured, else optimistically continued from the two K below it
+        (each measured a few times): the last step of cost growth, discounted (None for
+        K=1, or with too little data)."""
+        t = self.costs.predict(B, k)
+        if t is not None or k < 2:
+            return t
+        if min(self.costs.count(B, k - 1), self.costs.count(B, k - 2)) < 3:
+            return None  # not on one-off figures (a first step at a new shape, a spike)
+        below, two_below = self.costs.predict(B, k - 1), self.costs.predict(B, k - 2)
+        return below + self.optimism * max(below - two_below, 0.0)
+
+    def _worth_trying(self, B: int, k: int, best_rate: float) -> bool:
+        """Whether K=k could beat ``best_rate`` at its guessed cost. Without anything to
+        go on (K=1 unmeasured) drafts must mostly land (the acceptance prior is 0.7)."""
+        guess = self._cost_guess(B, k)
+        if guess is None:
+            return self.acceptance.reach(k) >= 0.5
+        return self.acceptance.expected_tokens(k) / guess > best_rate
 
     def _maybe_probe(self, B: int, chosen: int) -> Optional[int]:
         """Now and then (at doubling intervals) try another K.
 
         Per batch size: a K whose cost here is barely or long ago measured (a fit, one
         or two perhaps unlucky steps, an old figure): plain steps, or a K whose drafts
-        would mostly land.
+        would mostly land or that could beat the chosen one at an optimistic cost.
         Across batch sizes, while paused: K=1 to re-check acceptance, where even
         perfect acceptance would beat plain steps or K=1's cost here is barely measured
         (its first step carries one-off work: new shapes, a backlog of MTP pairs).
@@ -242,9 +263,13 @@ class DraftPolicy:
         t0 = self.costs.predict(B, 0)
         if t0 is None:
             return None
+        chosen_t = self.costs.predict(B, chosen)
+        chosen_rate = (self.acceptance.expected_tokens(chosen) / chosen_t if chosen_t
+                       else self.margin / t0)
         thin = [k for k in range(self.max_k + 1) if k != chosen
                 and (self.costs.count(B, k) < 3 or self.costs.stale(B, k))
-                and (k == 0 or self.acceptance.reach(k) >= 0.5)]
+                and (k == 0 or self.acceptance.reach(k) >= 0.5
+                     or self._worth_trying(B, k, chosen_rate))]
         if thin and self._due(B):
             return min(thin, key=lambda k: (self.costs.count(B, k), k))
         t1 = self.costs.predict(B, 1)

@@ -41,6 +41,7 @@ ENV_MODE = "MLX_MTP_BLAS"  # default for --blas
 ENV_OPENBLAS = "MLX_MTP_OPENBLAS"  # the library the shim loads
 ENV_MIN_ROWS = "MLX_MTP_BLAS_MIN_ROWS"  # products with fewer rows (or columns) are "thin"
 ENV_SMALL = "MLX_MTP_BLAS_SMALL"  # thin products with a smaller weight still go to OpenBLAS
+ENV_PAD = "MLX_MTP_BLAS_PAD"  # 0: no row padding (see the shim's sgemm_padded)
 
 # Why this process is on the reference BLAS (for describe()).
 _reason = "the OpenBLAS shim was not loaded"
@@ -188,6 +189,8 @@ def preload() -> bool:
         _shim = ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL)
         _shim.mlx_mtp_shim_configure.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
         _shim.mlx_mtp_shim_configure(1, min_rows(), small_elems())
+        _shim.mlx_mtp_shim_padded_calls.restype = ctypes.c_long
+        _shim.mlx_mtp_shim_set_padding(int(os.environ.get(ENV_PAD, "1") != "0"))
     except Exception as e:  # a platform nicety must never stop the import
         _shim, _reason = None, f"loading the OpenBLAS shim failed: {e}"
     return _shim is not None
@@ -196,6 +199,17 @@ def preload() -> bool:
 def active() -> bool:
     """True if the shim is loaded *and* routes multi-row GEMMs to OpenBLAS."""
     return _shim is not None and bool(_shim.mlx_mtp_shim_uses_openblas())
+
+
+def set_row_padding(on: bool):
+    """Pad OpenBLAS products of 2..64 rows to a multiple of four (the default; see the shim)."""
+    if _shim is not None:
+        _shim.mlx_mtp_shim_set_padding(int(on))
+
+
+def padded_calls() -> int:
+    """Products the shim has run padded so far (0 without the shim)."""
+    return int(_shim.mlx_mtp_shim_padded_calls()) if _shim is not None else 0
 
 
 def _use_reference(why: str):

@@ -14,6 +14,9 @@
  * route_openblas). use_openblas = 0 sends everything to the reference BLAS (e.g. after a failed
  * check) without restarting the process.
  *
+ * Row padding: OpenBLAS products of 2..64 rows that are not a multiple of four run on a copy
+ * padded with zero rows to the next multiple (see sgemm_padded), which is faster here.
+ *
  * Safety: the OpenBLAS path comes from $MLX_MTP_OPENBLAS. If it is unset, cannot be loaded, or
  * lacks any of the three symbols, every call goes to the next definition of the same cblas_*
  * symbol (the reference BLAS), so preloading this can change speed but never break MLX.
@@ -162,10 +165,56 @@ static void load_reference(void) {
   ref_cgemm = (cgemm_fn)find_next("cblas_cgemm", (void *)cblas_cgemm);
 }
 
+/* ---- Row padding ----
+ * OpenBLAS's float32 kernels take rows four at a time; a remainder of 1-3 rows runs an edge path
+ * that costs about as much as four more rows (one 4096x384 weight, x @ W.T: M=2 370 us, M=3
+ * 510 us, M=4 324 us; M=9 599 us, M=12 533 us). Verify passes (K+1 rows) and small batches are
+ * exactly such products, so a row-major product of 2..PAD_MAX_ROWS rows that is not a multiple of
+ * four runs on a copy of A padded with zero rows; the extra rows of C are dropped. */
+#define PAD_MAX_ROWS 64
+static volatile int pad_rows = 1;
+static volatile long padded_calls = 0;
+static __thread float *scratch;
+static __thread size_t scratch_len;
+
+void mlx_mtp_shim_set_padding(int on) { pad_rows = on; }
+long mlx_mtp_shim_padded_calls(void) { return padded_calls; }
+
+static int sgemm_padded(int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
+                        const float *b, int ldb, float beta, float *c, int ldc) {
+  int mp = (m + 3) & ~3;
+  size_t need = (size_t)mp * ((size_t)k + (size_t)n);
+  if (need > scratch_len) {
+    float *grown = realloc(scratch, need * sizeof(float));
+    if (!grown) return 0;
+    scratch = grown;
+    scratch_len = need;
+  }
+  float *ap = scratch, *cp = scratch + (size_t)mp * k;  /* A as mp x k, C as mp x n */
+  for (int i = 0; i < m; i++) {
+    if (ta == 111)  /* CblasNoTrans: row i of A is contiguous */
+      memcpy(ap + (size_t)i * k, a + (size_t)i * lda, (size_t)k * sizeof(float));
+    else
+      for (int l = 0; l < k; l++) ap[(size_t)i * k + l] = a[(size_t)l * lda + i];
+  }
+  memset(ap + (size_t)m * k, 0, (size_t)(mp - m) * k * sizeof(float));
+  for (int i = 0; i < m; i++)  /* beta may be nonzero: C is an input too */
+    memcpy(cp + (size_t)i * n, c + (size_t)i * ldc, (size_t)n * sizeof(float));
+  memset(cp + (size_t)m * n, 0, (size_t)(mp - m) * n * sizeof(float));
+  ob_sgemm(101, 111, tb, mp, n, k, alpha, ap, k, b, ldb, beta, cp, n);
+  for (int i = 0; i < m; i++)
+    memcpy(c + (size_t)i * ldc, cp + (size_t)i * n, (size_t)n * sizeof(float));
+  __sync_fetch_and_add(&padded_calls, 1);
+  return 1;
+}
+
 /* ---- The exported cblas entry points (standard signatures, int dimensions) ---- */
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
                  int lda, const float *b, int ldb, float beta, float *c, int ldc) {
   if (route_openblas(order, ta, tb, m, n, k)) {
+    if (pad_rows && order == 101 && m >= 2 && m <= PAD_MAX_ROWS && m % 4 &&
+        sgemm_padded(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
+      return;
     ob_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
