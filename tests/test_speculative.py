@@ -187,3 +187,43 @@ def test_bad_arguments_are_refused_with_clear_messages(tiny_ckpt):
     plain, _ = load_model(Path(tiny_ckpt("qwen3_5", "random")), mtp=False)
     with pytest.raises(ValueError, match="without an MTP head"):
         MTPDecoder(plain, 2)
+
+
+class _ScriptedPolicy:
+    """K from a script; records what the decoder reports (k, seconds)."""
+
+    def __init__(self, script):
+        self.script, self.i, self.recorded = list(script), 0, []
+
+    def row_ks(self, rows, B, prompts_waiting=False):
+        k = self.script[min(self.i, len(self.script) - 1)]
+        self.i += 1
+        return [k]
+
+    def record_step(self, B, k, seconds, accepted=(), ks=None):
+        self.recorded.append((k, seconds))
+
+
+def test_overlapped_plain_steps_are_timed_together(tiny_ckpt, monkeypatch):
+    """A plain step read after its successor was launched reads as about two steps and
+    the successor as almost nothing; each must count their mean (the policy's median
+    used to swing between the two, pausing drafting for two plain steps per draft)."""
+    import mlx_mtp.decode.speculative as spec
+
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1)))
+    policy = _ScriptedPolicy([2, 0, 0, 2, 0, 0, 0, 0, 0, 2])
+    dec = MTPDecoder(model, 2, SamplingParams(), policy=policy)
+    # When each step is read (s): s2 launches s3 before being read; s5..s8 launch their
+    # successors; s9 does not (a draft step follows).
+    reads = iter([1.000, 1.021, 1.022, 1.042, 1.063, 1.073, 1.083, 1.093, 1.094, 1.114])
+    monkeypatch.setattr(spec.time, "perf_counter", lambda: next(reads))
+    dec.prefill(PROMPT)
+    for _ in range(len(policy.script)):
+        dec.step()
+    assert sorted(k for k, _ in policy.recorded) == sorted(policy.script)  # each step once
+    plain = [round(s * 1e3, 3) for k, s in policy.recorded if k == 0]
+    # 21 + 1 ms: 11 each. 21, 10, 10, 10, 1: two at a time while the chain goes on, the
+    # newest held back (21 + 10: 15.5 each), then the rest when it ends (10, 10, 1: 7 each).
+    assert plain == [11.0, 11.0, 15.5, 15.5, 7.0, 7.0, 7.0]
+    drafts = [round(s * 1e3, 3) for k, s in policy.recorded if k == 2 and s is not None]
+    assert drafts == [20.0, 20.0]

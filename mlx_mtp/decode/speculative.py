@@ -100,6 +100,7 @@ class MTPDecoder:
         self._ahead = None  # a launched plain step not yet read
         self._next_ks: Optional[List[int]] = None  # K chosen while launching ahead
         self._last_read: Optional[float] = None
+        self._plain_run: List[float] = []  # times of plain steps read after their successor launched
 
     @property
     def policy(self) -> DraftPolicy:
@@ -177,6 +178,7 @@ class MTPDecoder:
             owed.owe(self.last_hidden, self.row.y[:, None])
             self.last_hidden = None
         self._last_read = None
+        self._plain_run = []
 
     def _owe_prompt(self, hidden, tokens):
         """Trunk hiddens for ``tokens`` (1, S): pair each with the token after it."""
@@ -226,8 +228,29 @@ class MTPDecoder:
         out = core.finish(pending)[0]
         seconds = self._tick()
         if self.K:
-            self.policy.record_step(1, ks[0], seconds, [out.num_accepted])
+            self._record(ks[0], seconds, out.num_accepted)
         return out
+
+    def _record(self, k: int, seconds: Optional[float], accepted: int):
+        """Tell the policy what the step cost. A plain step read after its successor was
+        launched has no cost of its own: launching the successor waited for most of its
+        work on the CPU (on a GPU the two overlap), so the first step of such a chain
+        reads as two and the last as almost nothing. Each counts the mean of its chain
+        (recorded when the chain ends, or two at a time while it goes on, the newest step
+        held back so the next pair stays together). Timed one by one, the policy's median swung
+        between the two and drafting paused for two plain steps after each draft."""
+        if k != 0 or seconds is None:
+            self.policy.record_step(1, k, seconds, [accepted])
+            return
+        self._plain_run.append(seconds)
+        if self._ahead is None:  # the chain ends here
+            group, self._plain_run = self._plain_run, []
+        elif len(self._plain_run) >= 3:
+            group, self._plain_run = self._plain_run[:-1], self._plain_run[-1:]
+        else:
+            return
+        for _ in group:
+            self.policy.record_step(1, 0, sum(group) / len(group), [0])
 
     def _choose(self) -> List[int]:
         if self._next_ks is not None:
