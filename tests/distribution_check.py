@@ -1,5 +1,8 @@
 """One goodness-of-fit check for the distribution tests: observed outcomes against exact
-probabilities (Pearson's chi-square; cells expected < 5 times are pooled into one)."""
+probabilities (Pearson's chi-square; cells expected < 5 times are pooled into one), and the
+exact joint distribution of two tokens they compare with."""
+
+import numpy as np
 
 from scipy.stats import chi2 as chi2_dist
 
@@ -17,3 +20,15 @@ def assert_follows(seen, joint, n_samples: int):
         obs, exp = obs[:-1], exp[:-1]
     chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
     assert chi2_dist.sf(chi2, len(obs) - 1) > P_MIN, (chi2, obs, exp)
+
+
+def two_token_joint(target):
+    """``target(prefix)``: next-token probabilities (numpy, V) after ``prefix`` (a list of
+    ids). Returns (first, second) -> probability over every pair with nonzero mass."""
+    p1 = target([])
+    joint = {}
+    for a in np.nonzero(p1 > 0)[0]:
+        p2 = target([int(a)])
+        for b in np.nonzero(p2 > 0)[0]:
+            joint[(int(a), int(b))] = p1[a] * p2[b]
+    return joint

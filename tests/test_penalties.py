@@ -15,7 +15,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.loader import load_model
-from distribution_check import assert_follows
+from distribution_check import assert_follows, two_token_joint
 
 PROMPT = [1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 18]
 REPEATING = [1, 5, 9, 22, 7, 3, 100, 20, 21, 19, 20, 21, 18]  # upcoming tokens in the prompt
@@ -119,12 +119,7 @@ def test_sampling_with_penalties_is_exact(tiny_ckpt):
         logits = ref_model(mx.array(PROMPT + prefix)[None])[0, -1]
         return np.exp(penalised_logprobs(logits.tolist(), PROMPT, prefix, params))
 
-    p1 = target([])
-    joint = {}
-    for a in np.nonzero(p1 > 0)[0]:
-        p2 = target([int(a)])
-        for b in np.nonzero(p2 > 0)[0]:
-            joint[(int(a), int(b))] = p1[a] * p2[b]
+    joint = two_token_joint(target)
 
     repeat = sum(v for (a, b), v in joint.items() if a == b)
     assert 0.01 < repeat < 0.99, joint  # the draft's own count matters at position 2

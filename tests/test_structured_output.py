@@ -21,7 +21,7 @@ from mlx_mtp.decode import grammar as G
 from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.loader import load_model
-from distribution_check import assert_follows
+from distribution_check import assert_follows, two_token_joint
 
 VOCAB = 4096  # the test tokenizer's vocabulary
 PROMPT = [1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 18]
@@ -140,12 +140,7 @@ def test_sampling_under_a_grammar_is_exact(ckpt, tok):
         lp = x - x.max() - np.log(np.exp(x - x.max()).sum())
         return np.exp(np.array(filtered_logprobs(mx.array(lp, mx.float32), params)))
 
-    p1 = target([])
-    joint = {}
-    for a in np.nonzero(p1 > 0)[0]:
-        p2 = target([int(a)])
-        for b in np.nonzero(p2 > 0)[0]:
-            joint[(int(a), int(b))] = p1[a] * p2[b]
+    joint = two_token_joint(target)
     assert len(joint) > 4
 
     n_samples = 500

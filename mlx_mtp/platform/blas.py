@@ -9,8 +9,9 @@ bundles an optimised OpenBLAS, and libmlx only imports ``cblas_{s,d,c}gemm``, so
 How: :func:`preload` (run by ``import mlx_mtp``, so the CLI and the Python API both get it)
 compiles the shim once into the user cache directory and loads it with ``RTLD_GLOBAL`` before
 MLX is first imported, so libmlx binds to it; nothing restarts. :func:`configure` then picks the
-routing (single-row products stay on the reference BLAS, which is faster for them here) and
-compares a few MLX matmuls with numpy float64 results, sending everything back to the reference
+routing (only single rows times a large ``x @ W`` weight stay on the reference BLAS, which
+streams that layout about as fast; products of 2..64 rows are padded to a multiple of four, as
+OpenBLAS's kernels want) and compares a few MLX matmuls with numpy float64 results, sending everything back to the reference
 BLAS if they disagree, so a bad BLAS can never silently change outputs. Without a C compiler, if
 MLX was imported before mlx_mtp, or with ``--blas reference`` / ``MLX_MTP_BLAS=reference``,
 nothing changes. bf16 and fp16 matmuls never go through BLAS on MLX's CPU backend: the choice
