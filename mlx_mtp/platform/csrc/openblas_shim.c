@@ -172,6 +172,7 @@ static void load_reference(void) {
  * exactly such products, so a row-major product of 2..PAD_MAX_ROWS rows that is not a multiple of
  * four runs on a copy of A padded with zero rows; the extra rows of C are dropped. */
 #define PAD_MAX_ROWS 64
+#define SCRATCH_KEEP ((size_t)4 << 20) /* floats kept between calls (16 MB) */
 static volatile int pad_rows = 1;
 static volatile long padded_calls = 0;
 static __thread float *scratch;
@@ -204,6 +205,11 @@ static int sgemm_padded(int ta, int tb, int m, int n, int k, float alpha, const 
   ob_sgemm(101, 111, tb, mp, n, k, alpha, ap, k, b, ldb, beta, cp, n);
   for (int i = 0; i < m; i++)
     memcpy(c + (size_t)i * ldc, cp + (size_t)i * n, (size_t)n * sizeof(float));
+  if (scratch_len > SCRATCH_KEEP) {  /* a large output layer: do not hold its copy */
+    free(scratch);
+    scratch = NULL;
+    scratch_len = 0;
+  }
   __sync_fetch_and_add(&padded_calls, 1);
   return 1;
 }
