@@ -2,6 +2,8 @@
 probabilities (Pearson's chi-square; cells expected < 5 times are pooled into one), and the
 exact joint distribution of two tokens they compare with."""
 
+from collections import Counter
+
 import numpy as np
 
 from scipy.stats import chi2 as chi2_dist
@@ -32,3 +34,14 @@ def two_token_joint(target):
         for b in np.nonzero(p2 > 0)[0]:
             joint[(int(a), int(b))] = p1[a] * p2[b]
     return joint
+
+
+def sample_outcomes(draw, n_samples: int):
+    """``draw(seed)`` -> (tokens, decoder). Returns outcome -> count over seeds
+    0..n_samples-1 and the drafts accepted in all."""
+    seen, accepted = Counter(), 0
+    for s in range(n_samples):
+        got, dec = draw(s)
+        seen[tuple(got)] += 1
+        accepted += dec.stats.num_accepted_tokens
+    return seen, accepted

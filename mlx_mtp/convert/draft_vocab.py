@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
 
 from ..models import draft_vocab
+from ..models.layout import text_config
 from ..models.loader import load_config, resolve_model_path
 from ..options import UserError
 
@@ -64,7 +64,7 @@ def run(args) -> int:
 
     path = resolve_model_path(args.model)
     config = load_config(path)
-    vocab_size = (config.get("text_config") or config).get("vocab_size")
+    vocab_size = text_config(config).get("vocab_size")
     if not isinstance(vocab_size, int):
         raise UserError(f"{path / 'config.json'} has no vocab_size.")
     if args.max_tokens < 0:

@@ -107,8 +107,7 @@ static int thin_axpy_layout(int order, int tb, int m) {
   return m < min_rows && (tb == 111) == (order == 101); /* CblasNoTrans, CblasRowMajor */
 }
 
-static int route_openblas(int order, int ta, int tb, int m, int n, int k) {
-  (void)ta;
+static int route_openblas(int order, int tb, int m, int n, int k) {
   if (!mlx_mtp_shim_uses_openblas()) return 0;
   if (m >= min_rows && n >= min_rows) return 1;
   if (!thin_axpy_layout(order, tb, m)) return 1;
@@ -217,7 +216,7 @@ static int sgemm_padded(int ta, int tb, int m, int n, int k, float alpha, const 
 /* ---- The exported cblas entry points (standard signatures, int dimensions) ---- */
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
                  int lda, const float *b, int ldb, float beta, float *c, int ldc) {
-  if (route_openblas(order, ta, tb, m, n, k)) {
+  if (route_openblas(order, tb, m, n, k)) {
     if (pad_rows && order == 101 && m >= 2 && m <= PAD_MAX_ROWS && m % 4 &&
         sgemm_padded(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
       return;
@@ -230,7 +229,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
 
 void cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha, const double *a,
                  int lda, const double *b, int ldb, double beta, double *c, int ldc) {
-  if (route_openblas(order, ta, tb, m, n, k)) {
+  if (route_openblas(order, tb, m, n, k)) {
     ob_dgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
@@ -241,7 +240,7 @@ void cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha, c
 void cblas_cgemm(int order, int ta, int tb, int m, int n, int k, const void *alpha,
                  const void *a, int lda, const void *b, int ldb, const void *beta, void *c,
                  int ldc) {
-  if (route_openblas(order, ta, tb, m, n, k)) {
+  if (route_openblas(order, tb, m, n, k)) {
     ob_cgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
