@@ -19,7 +19,9 @@ class UserError(Exception):
 
 def add_model_arguments(p: argparse.ArgumentParser):
     p.add_argument("--model", default=None,
-                   help="Local model directory (default: the embedded demo model)")
+                   help="Local model directory or Hugging Face id org/name[@revision], "
+                        "downloaded to the Hugging Face cache (default: the embedded demo "
+                        "model)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--num-draft-tokens", "--spec-draft-n-max", type=int, default=3,
                    dest="num_draft_tokens",

@@ -37,6 +37,7 @@ from .checkpoint_io import (MTP_SHARD, TOKENIZER_FILES, _finalize_config, read_t
 from .common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast,
                      _check_foreign_quant, _check_model_dir, _dequantize, _fmt_bytes,
                      _incomplete_head, _param_bytes, _print_summary, _summarize, _warn)
+from .. import hub
 from ..models import UnsupportedModelError
 from ..models.layout import (CheckpointError, MissingMTPWeightsError, config_mtp_layers,
                              config_quantization, count_mtp_layers, is_mtp_key,
@@ -153,7 +154,7 @@ def convert(
         raise ConversionError(f"--dtype must be one of {sorted(DTYPES)} (got {dtype!r}).")
     if max_shard_size_gb <= 0:
         raise ConversionError("The maximum shard size must be positive.")
-    src = _check_model_dir(hf_path, "Source")
+    src = _check_model_dir(hf_path, "Source", hub_files=hub.MODEL_FILES)
     dst = Path(mlx_path).expanduser()
     if dst.exists() or dst.is_symlink():
         raise ConversionError(
@@ -261,8 +262,9 @@ def convert(
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--hf-path", "--model", dest="hf_path", required=True,
-                        help="Local Hugging Face checkpoint (single file or sharded), or an "
-                             "MLX model for --dequantize.")
+                        help="Hugging Face checkpoint: a local directory (single file or "
+                             "sharded) or a hub id org/name[@revision]; or an MLX model for "
+                             "--dequantize.")
     parser.add_argument("--mlx-path", default="mlx_model",
                         help="Output directory; must not exist (default: mlx_model).")
     parser.add_argument("-q", "--quantize", action="store_true",

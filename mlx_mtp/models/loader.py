@@ -29,19 +29,26 @@ class ModelLoadError(CheckpointError):
 USER_ERRORS = (CheckpointError, UnsupportedModelError)
 
 
-def resolve_model_path(path: Optional[str]) -> Path:
+def resolve_model_path(path: Optional[str], files=None) -> Path:
+    """The local directory of ``path``: a directory, a hub id ``org/name[@revision]``
+    (downloaded into the Hugging Face cache: only ``files``, patterns, default
+    ``hub.MODEL_FILES``), or None for the embedded demo model."""
+    from .. import hub
+
     if path is None:
         if not (DEFAULT_MODEL / "config.json").exists():
             raise ModelLoadError(
                 "No --model given and the embedded demo model is not installed "
-                f"(expected at {DEFAULT_MODEL}). Pass --model PATH to a local checkpoint."
+                f"(expected at {DEFAULT_MODEL}). Pass --model PATH or --model org/name."
             )
         return DEFAULT_MODEL
     p = Path(path).expanduser()
     if not p.exists():
+        if hub.parse_repo_id(str(path)) is not None:
+            return hub.snapshot(str(path), files or hub.MODEL_FILES)
         raise ModelLoadError(
-            f"Model path {path!r} does not exist. mlx-mtp loads local checkpoints "
-            "(a directory with config.json and *.safetensors)."
+            f"Model path {path!r} does not exist. Pass a local checkpoint (a directory with "
+            "config.json and *.safetensors) or a Hugging Face id (org/name[@revision])."
         )
     if not (p / "config.json").exists():
         raise ModelLoadError(f"{p} has no config.json; is it a model directory?")

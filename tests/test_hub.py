@@ -1,0 +1,143 @@
+"""Hub ids (``org/name[@revision]``) against a stand-in Hub (tests/hub_server.py): the
+commands run as users run them (subprocesses with ``HF_ENDPOINT`` pointed at the stand-in,
+``HF_HOME`` in a temporary directory), nothing mocked."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hub_server import StandInHub, start  # noqa: E402
+
+PROMPT = ["--prompt", "def f():", "-m", "10", "--temp", "0", "--verbose", "False"]
+
+
+@pytest.fixture(scope="module")
+def stand_in(tiny_ckpt):
+    hub = StandInHub()
+    server, _ = start(hub)
+    model = tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1, vocab_size=4096)
+    extra = Path(model).parent / "with-extras"
+    if not extra.exists():
+        extra.mkdir()
+        for f in Path(model).iterdir():
+            (extra / f.name).symlink_to(f)
+        (extra / "README.md").write_text("model card")
+        (extra / "pytorch_model.bin").write_bytes(b"\0" * 1000)  # never needed
+    hub.add_repo("org/tiny", extra)
+    hub.add_repo("org/gated", model, gated=True)
+    hub.model = Path(model)
+    yield hub
+    server.shutdown()
+
+
+def env_for(hub, home, **extra):
+    env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HOME=str(home),
+               HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    for k in ("HF_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def cli(env, *args):
+    p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", *args], env=env,
+                       capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_hub_id_generates_as_the_local_path_and_fetches_only_what_it_needs(stand_in, tmp_path):
+    env = env_for(stand_in, tmp_path / "hf")
+    code, local, err = cli(env, "generate", "--model", str(stand_in.model), *PROMPT)
+    assert code == 0, err
+    code, hub_out, err = cli(env, "generate", "--model", "org/tiny", *PROMPT)
+    assert code == 0, err
+    assert hub_out == local and local.strip()
+    fetched = stand_in.downloads("org/tiny")
+    assert "model.safetensors" in fetched and "config.json" in fetched
+    assert "README.md" not in fetched and "pytorch_model.bin" not in fetched
+    # Pinned to a commit: same files, read from the cache (no download again).
+    n = len(stand_in.downloads())
+    commit = stand_in.repos["org/tiny"].commit
+    code, pinned, err = cli(env, "generate", "--model", f"org/tiny@{commit}", *PROMPT)
+    assert code == 0, err
+    assert pinned == local and len(stand_in.downloads()) == n
+
+
+def test_offline_reads_the_cache_and_says_what_to_do_when_it_cannot(stand_in, tmp_path):
+    home = tmp_path / "hf"
+    code, _, err = cli(env_for(stand_in, home, HF_HUB_OFFLINE="1"), "generate", "--model",
+                       "org/tiny", *PROMPT)
+    assert code == 2 and "Traceback" not in err
+    assert "HF_HUB_OFFLINE" in err and "hf download org/tiny" in err
+    # Fill the cache online, then go offline: no request reaches the Hub.
+    code, online, err = cli(env_for(stand_in, home), "generate", "--model", "org/tiny", *PROMPT)
+    assert code == 0, err
+    n = len(stand_in.requests)
+    code, offline, err = cli(env_for(stand_in, home, HF_HUB_OFFLINE="1"), "generate",
+                             "--model", "org/tiny", *PROMPT)
+    assert code == 0, err
+    assert offline == online and len(stand_in.requests) == n
+
+
+@pytest.mark.parametrize("model,words", [
+    ("org/missing", ["neither a local directory nor a model on the Hub", "hf auth login"]),
+    ("org/gated", ["gated", "accept its licence", "HF_TOKEN"]),
+    ("org/tiny@v9", ["has no revision 'v9'"]),
+    ("no/such/dir", ["does not exist", "org/name"]),
+])
+def test_unresolvable_ids_exit_2_with_what_to_do(stand_in, tmp_path, model, words):
+    code, _, err = cli(env_for(stand_in, tmp_path / "hf"), "generate", "--model", model,
+                       *PROMPT)
+    assert code == 2 and "Traceback" not in err, err
+    assert all(w in err for w in words), err
+
+
+def test_unreachable_hub_says_so(stand_in, tmp_path):
+    env = env_for(stand_in, tmp_path / "hf", HF_ENDPOINT="http://127.0.0.1:9")  # nothing there
+    code, _, err = cli(env, "generate", "--model", "org/tiny", *PROMPT)
+    assert code == 2 and "Traceback" not in err
+    assert "Could not download org/tiny" in err and "network" in err
+
+
+def test_dropped_connection_resumes_with_a_range_request(stand_in, tiny_ckpt, tmp_path):
+    # huggingface_hub writes in 10 MiB chunks: a resume point needs a file past one chunk.
+    model = tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1, vocab_size=4096, hidden=256)
+    stand_in.add_repo("org/wide", model)
+    size = (model / "model.safetensors").stat().st_size
+    cut = (10 << 20) + 12345
+    assert size > cut
+    stand_in.drop_after["model.safetensors"] = cut
+    first = len(stand_in.requests)
+    env = env_for(stand_in, tmp_path / "hf")
+    code, out, err = cli(env, "generate", "--model", "org/wide", *PROMPT)
+    assert code == 0, err
+    gets = [r for r in stand_in.requests[first:] if r.method == "GET"
+            and r.path.endswith("/model.safetensors")]
+    assert [r.range for r in gets] == [None, f"bytes={10 << 20}-"]
+    assert sum(r.bytes_sent for r in gets) == size + 12345  # only the unwritten chunk again
+    code, local, err = cli(env, "generate", "--model", str(model), *PROMPT)
+    assert out == local
+
+
+def test_convert_and_draft_vocab_take_hub_ids(stand_in, tmp_path):
+    env = env_for(stand_in, tmp_path / "hf")
+    out = tmp_path / "converted"
+    code, _, err = cli(env, "convert", "--hf-path", "org/tiny", "--mlx-path", str(out))
+    assert code == 0, err
+    assert (out / "mtp.safetensors").exists()
+    code, local, err = cli(env, "generate", "--model", str(stand_in.model), *PROMPT)
+    code, converted, err = cli(env, "generate", "--model", str(out), *PROMPT)
+    assert code == 0 and converted == local, err
+    # draft-vocab reads the tokenizer only, and never writes into the cache.
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f():\n    return 1\n" * 20)
+    code, _, err = cli(env, "draft-vocab", "--model", "org/tiny", "--corpus", str(corpus))
+    assert code == 2 and "--output" in err
+    ranking = tmp_path / "ranking.json"
+    code, _, err = cli(env, "draft-vocab", "--model", "org/tiny", "--corpus", str(corpus),
+                       "--output", str(ranking))
+    assert code == 0 and ranking.exists(), err
