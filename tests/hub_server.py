@@ -7,7 +7,8 @@ Routes: ``GET /api/models/{repo}/revision/{rev}`` (repo info), ``GET
 ``Range`` support. Errors carry the ``X-Error-Code`` headers the Hub sends (RepoNotFound,
 RevisionNotFound, EntryNotFound, GatedRepo). Every request is recorded (``requests``), and
 ``drop_after[filename] = n`` makes the next GET of that file send n bytes of the body and
-close the connection (a dropped download).
+close the connection (a dropped download); a name in ``corrupt`` is served with one byte
+changed (same size and ETag).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class StandInHub:
     repos: Dict[str, Repo] = field(default_factory=dict)
     requests: List[Request] = field(default_factory=list)
     drop_after: Dict[str, int] = field(default_factory=dict)
+    corrupt: Set[str] = field(default_factory=set)
     url: str = ""
 
     def add_repo(self, repo_id: str, directory: Path, gated: bool = False,
@@ -176,6 +178,8 @@ def _handler(hub: StandInHub):
             if not body:
                 return
             payload = data[start:]
+            if name in hub.corrupt and payload:  # damaged in transit: same size, ETag
+                payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
             cut = hub.drop_after.pop(name, None)
             if cut is not None:  # a dropped connection half-way through the body
                 self.wfile.write(payload[:cut])
