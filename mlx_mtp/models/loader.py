@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import UnsupportedModelError, get_model_module, layout
+from . import UnsupportedModelError, get_model_module, layout, split_drafter
 from .hybrid import SparseMoeBlock
 from .layout import CheckpointError
 
@@ -248,20 +248,31 @@ def load_model(
     mtp_hidden: Optional[str] = None,
     dtype=None,
     lazy: bool = False,
+    mtp_model=None,
 ) -> Tuple[nn.Module, dict]:
     """Build the model for ``path`` and load its weights (MTP head included).
 
     ``mtp=False`` skips the head (and runs models whose weights lack one). ``dtype``: see
     ``resolve_dtype`` (None: as stored); the choice made is ``model.load_dtype``.
+    ``mtp_model``: a split MTP drafter (directory or hub id) whose head replaces the
+    model's own (``split_drafter``), after checking it belongs to this model.
     """
     path = resolve_model_path(path) if not isinstance(path, Path) else path
     config = _apply_overrides(load_config(path), mtp, mtp_hidden)
     model_type = config.get("model_type")
     if model_type is None:
         raise ModelLoadError(f"{path / 'config.json'} has no model_type.")
+    drafter = _read_drafter(mtp_model, config, path) if mtp and mtp_model else None
     model = build_model(config, path / "config.json")
-    weights = model.sanitize(read_weights(path))
-    quantize_like_checkpoint(model, weights, layout.config_quantization(config))
+    weights = read_weights(path)
+    if drafter is not None:
+        weights = split_drafter.merge_into(weights, drafter)
+    weights = model.sanitize(weights)
+    quantization = layout.config_quantization(config)
+    if drafter is not None:
+        prefix = next(k for k in weights if layout.is_mtp_key(k)).split("mtp.")[0] + "mtp."
+        quantization = dict(quantization or {}, **drafter.quantization_overrides(prefix))
+    quantize_like_checkpoint(model, weights, quantization)
     dtype = resolve_dtype(dtype, weights, model)
     if dtype is not None:
         quantized = _quantized_prefixes(weights)
@@ -277,6 +288,15 @@ def load_model(
     if not lazy:
         mx.eval(model.parameters())
     return model, config
+
+
+def _read_drafter(mtp_model, config: dict, path: Path):
+    """The split drafter ``mtp_model`` for the model at ``path``; records its depth in
+    ``config``."""
+    drafter = split_drafter.read_drafter(resolve_model_path(str(mtp_model)))
+    split_drafter.check_belongs(drafter, config, path)
+    layout.set_config_mtp_layers(config, drafter.num_layers)
+    return drafter
 
 
 def load_tokenizer(path: Path, config: dict):
@@ -308,7 +328,7 @@ def check_tokenizer_fits(model, tokenizer, where) -> None:
 
 
 def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str] = None,
-         dtype=None, lazy: bool = False):
+         dtype=None, lazy: bool = False, mtp_model=None):
     """Load model and tokenizer. ``path=None`` loads the embedded demo model. ``dtype``:
     None (weights as stored), ``"auto"`` (the CLI's default: float32 on the CPU for small
     half-precision checkpoints), ``"float32"``/``"bfloat16"``/``"float16"`` or an mx.Dtype."""
@@ -316,7 +336,8 @@ def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str]
 
     blas.ensure_configured()  # Linux CPU: OpenBLAS for multi-row matmuls, checked once
     p = resolve_model_path(path)
-    model, config = load_model(p, mtp=mtp, mtp_hidden=mtp_hidden, dtype=dtype, lazy=lazy)
+    model, config = load_model(p, mtp=mtp, mtp_hidden=mtp_hidden, dtype=dtype, lazy=lazy,
+                               mtp_model=mtp_model)
     tokenizer = load_tokenizer(p, config)
     check_tokenizer_fits(model, tokenizer, p)
     return model, tokenizer
