@@ -141,3 +141,79 @@ def test_convert_and_draft_vocab_take_hub_ids(stand_in, tmp_path):
     code, _, err = cli(env, "draft-vocab", "--model", "org/tiny", "--corpus", str(corpus),
                        "--output", str(ranking))
     assert code == 0 and ranking.exists(), err
+
+
+def test_split_drafter_pair_from_the_hub(stand_in, tmp_path):
+    from mlx_mtp.convert.main import convert
+
+    trunk, drafter = tmp_path / "Tiny-4bit", tmp_path / "Tiny-MTP-4bit"
+    convert(stand_in.model, trunk, quantize=True, mtp_bits=8, split_mtp=drafter, verbose=False)
+    merged = tmp_path / "merged"
+    convert(stand_in.model, merged, quantize=True, mtp_bits=8, verbose=False)
+    stand_in.add_repo("org/Tiny-4bit", trunk)
+    stand_in.add_repo("org/Tiny-MTP-4bit", drafter)
+    env = env_for(stand_in, tmp_path / "hf")
+    code, local, err = cli(env, "generate", "--model", str(merged), *PROMPT)
+    assert code == 0, err
+    code, pair, err = cli(env, "generate", "--model", "org/Tiny-4bit", "--mtp-model",
+                          "org/Tiny-MTP-4bit", *PROMPT)
+    assert code == 0, err
+    assert pair == local
+
+
+QWEN3_8_TEXT = {  # the fields of a Qwen3.8-27B-style text config (qwen3_5, one MTP layer)
+    "model_type": "qwen3_5_text", "attn_output_gate": True, "dtype": "bfloat16",
+    "hidden_act": "silu", "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention",
+                    "full_attention"] * 2,
+    "full_attention_interval": 4, "eos_token_id": 7, "bos_token_id": None,
+}
+
+
+def qwen3_8_style(path: Path) -> Path:
+    """A tiny checkpoint laid out as the Qwen3.8 release: multimodal config with a vision
+    tower, explicit layer_types, bf16 weights, one MTP layer (oracle head)."""
+    import mlx.core as mx
+
+    from mlx_mtp.models.layout import hf_config
+    from mlx_mtp.testing.tiny import (build_model, make_oracle, save_hf_checkpoint,
+                                      tiny_text_config)
+
+    text = tiny_text_config("qwen3_5", vocab_size=4096, num_layers=8)
+    text.update(QWEN3_8_TEXT)
+    text["rope_parameters"].update(rope_theta=10_000_000.0)
+    model = build_model("qwen3_5", text)
+    make_oracle(model, 0.1, 0.0)
+    config = hf_config("qwen3_5", text)
+    config.update(image_token_id=4090, video_token_id=4091, vision_start_token_id=4092,
+                  vision_end_token_id=4093, transformers_version="5.24.0",
+                  vision_config={"model_type": "qwen3_5", "depth": 2, "hidden_size": 32,
+                                 "out_hidden_size": 64, "num_heads": 2, "patch_size": 16})
+    return save_hf_checkpoint(model, "qwen3_5", text, path, config=config, dtype=mx.bfloat16)
+
+
+def test_qwen3_8_style_config_loads_and_decodes_as_mlx_lm(stand_in, tmp_path):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step as lm_generate_step
+    from mlx_lm.utils import load_model as lm_load_model
+
+    from mlx_mtp.decode.speculative import MTPDecoder, generate_step
+    from mlx_mtp.models.loader import load_model
+
+    path = qwen3_8_style(tmp_path / "Qwen3.8-tiny")
+    prompt = [3, 17, 42, 99, 7, 250, 11, 5]
+    lm_model, _ = lm_load_model(path)
+    reference = [int(t) for t, _ in lm_generate_step(mx.array(prompt), lm_model, max_tokens=12)]
+    model, _ = load_model(path, dtype=None)
+    assert model.num_mtp_layers == 1
+    for k in (0, 1, 3):
+        dec = MTPDecoder(model, k, adaptive=False)
+        tokens = [t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=12)]
+        assert tokens == reference, f"K={k}"
+        assert k == 0 or dec.stats.num_accepted_tokens > 0
+    stand_in.add_repo("Qwen/Qwen3.8-tiny", path)
+    env = env_for(stand_in, tmp_path / "hf")
+    code, hub_out, err = cli(env, "generate", "--model", "Qwen/Qwen3.8-tiny", *PROMPT)
+    assert code == 0, err
+    code, local, err = cli(env, "generate", "--model", str(path), *PROMPT)
+    assert code == 0 and hub_out == local, err
