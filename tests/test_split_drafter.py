@@ -178,3 +178,30 @@ def test_cli_pair_and_mlx_vlm_spelling(tiny_ckpt, tmp_path):
     assert code == 2 and "--draft-kind dflash is not supported" in err
     code, _, err = run(*gen, "--model", str(trunk))  # the trunk alone has no head
     assert code == 2 and "--no-mtp" in err and "Traceback" not in err
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "mlx_vlm_split"
+
+
+@pytest.mark.parametrize("case,drafter_dir,opts", [
+    ("dense", "drafter", {}),
+    ("dense", "drafter-q4", dict(quantize=True, mtp_bits=4)),
+    ("moe", "drafter", {}),
+])
+def test_drafters_written_by_mlx_vlm_load_and_decode(case, drafter_dir, opts, tmp_path):
+    """mlx-vlm 0.7.10's split_mtp output (recorded) drafts for our trunk conversion exactly
+    as the merged checkpoint's head; in floating point it equals our --split-mtp output."""
+    src, vlm_drafter = FIXTURES / case / "source", FIXTURES / case / drafter_dir
+    trunk, ours = tmp_path / "trunk", tmp_path / "trunk-MTP"
+    convert(src, trunk, split_mtp=ours, verbose=False, **opts)
+    convert(src, tmp_path / "merged", verbose=False, **opts)
+    whole, _ = load_model(tmp_path / "merged")
+    pair, _ = load_model(trunk, mtp_model=str(vlm_drafter))
+    plain, _ = greedy(whole, 0)
+    for k in (1, 3):
+        tokens, accepted = greedy(pair, k)
+        assert tokens == plain and accepted > 0
+    if not opts:
+        a = mx.load(str(vlm_drafter / "model.safetensors"))
+        b = mx.load(str(ours / "model.safetensors"))
+        assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
