@@ -176,7 +176,11 @@ def test_cli_pair_and_mlx_vlm_spelling(tiny_ckpt, tmp_path):
     code, _, err = run(*gen, "--model", str(trunk), "--draft-model", str(drafter),
                        "--draft-kind", "dflash")
     assert code == 2 and "--draft-kind dflash is not supported" in err
-    code, _, err = run(*gen, "--model", str(trunk))  # the trunk alone has no head
+    # The trunk alone: the drafter beside it (trunk-MTP) is found and said so.
+    code, found, err = run(*gen, "--model", str(trunk), "--verbose", "False")
+    assert code == 0 and found == plain and "drafting with the one in" in err, err
+    drafter.rename(tmp_path / "elsewhere")
+    code, _, err = run(*gen, "--model", str(trunk))  # no head anywhere
     assert code == 2 and "--no-mtp" in err and "Traceback" not in err
 
 
@@ -205,3 +209,16 @@ def test_drafters_written_by_mlx_vlm_load_and_decode(case, drafter_dir, opts, tm
         a = mx.load(str(vlm_drafter / "model.safetensors"))
         b = mx.load(str(ours / "model.safetensors"))
         assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+def test_a_drafter_beside_its_trunk_is_found(built, tmp_path):
+    """mlx-community's naming: Name-4bit next to Name-MTP-4bit."""
+    src, merged, trunk, drafter = built["dense", "q4"]
+    shutil.copytree(trunk, tmp_path / "Tiny-4bit")
+    shutil.copytree(drafter, tmp_path / "Tiny-MTP-4bit")
+    shutil.copytree(trunk, tmp_path / "lonely")
+    with pytest.raises(CheckpointError, match="lack the MTP head"):
+        load_model(tmp_path / "lonely")  # no drafter beside this one
+    model, _ = load_model(tmp_path / "Tiny-4bit")
+    whole, _ = load_model(merged)
+    assert greedy(model, 2) == greedy(whole, 2)

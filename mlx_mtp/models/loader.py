@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -262,6 +263,12 @@ def load_model(
     model_type = config.get("model_type")
     if model_type is None:
         raise ModelLoadError(f"{path / 'config.json'} has no model_type.")
+    if mtp and not mtp_model and layout.config_mtp_layers(config) and not _has_head(path):
+        mtp_model = split_drafter.sibling_drafter(path)  # Name-4bit beside Name-MTP-4bit
+        if mtp_model is not None:
+            print(f"mlx-mtp: note: {path} has no MTP head; drafting with the one in "
+                  f"{mtp_model}, beside it (pass --mtp-model to choose another)",
+                  file=sys.stderr)
     drafter = _read_drafter(mtp_model, config, path) if mtp and mtp_model else None
     model = build_model(config, path / "config.json")
     weights = read_weights(path)
@@ -288,6 +295,12 @@ def load_model(
     if not lazy:
         mx.eval(model.parameters())
     return model, config
+
+
+def _has_head(path: Path) -> bool:
+    """Whether the checkpoint stores MTP tensors (read from the file headers only)."""
+    return any(layout.is_mtp_key(k) for f in weight_files(path)
+               for k in read_safetensors_header(f))
 
 
 def _read_drafter(mtp_model, config: dict, path: Path):

@@ -18,6 +18,7 @@ mlx-community publishes as ``...-MTP-4bit`` repos:
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -103,6 +104,26 @@ def read_drafter(path: Path) -> Drafter:
         raise DrafterError(f"{path} holds no MTP layer (no fc.weight / layers.*): it is not "
                            "an MTP drafter.")
     return Drafter(path, config, weights)
+
+
+def sibling_drafter(trunk: Path) -> Optional[Path]:
+    """A drafter directory next to ``trunk`` named as mlx-community names them:
+    ``Name-4bit`` -> ``Name-MTP-4bit`` (the quantization suffix kept last) or ``Name-MTP``."""
+    name = trunk.name
+    candidates = [f"{name}-MTP"]
+    head, sep, tail = name.rpartition("-")
+    if sep and re.fullmatch(r"(\d+bit|bf16|fp16|mxfp4|nvfp4|mxfp8|\d+bit-.*)", tail):
+        candidates.insert(0, f"{head}-MTP-{tail}")
+    for c in candidates:
+        path = trunk.parent / c
+        if (path / "config.json").exists():
+            try:
+                config = json.loads((path / "config.json").read_text())
+            except ValueError:
+                continue
+            if is_drafter_config(config):
+                return path
+    return None
 
 
 def _tokenizer_vocab(path: Path) -> Optional[dict]:
