@@ -91,13 +91,13 @@ def _explain(spec: str, error: Exception) -> str:
 
 @contextmanager
 def _hub_errors(spec: str):
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 
     try:
         yield
     except HubError:
         raise
-    except (HfHubHTTPError, OSError, ValueError, _transport_error()) as e:
+    except (HfHubHTTPError, EntryNotFoundError, OSError, ValueError, _transport_error()) as e:
         # huggingface_hub's errors (HTTP, not found, offline, incomplete) and the transport's.
         raise HubError(_explain(spec, e)) from e
 

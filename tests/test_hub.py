@@ -73,6 +73,15 @@ def test_offline_reads_the_cache_and_says_what_to_do_when_it_cannot(stand_in, tm
                        "org/tiny", *PROMPT)
     assert code == 2 and "Traceback" not in err
     assert "HF_HUB_OFFLINE" in err and "hf download org/tiny" in err
+    # A cache holding only what draft-vocab fetched (no weights) is not enough.
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f():\n    return 1\n")
+    code, _, err = cli(env_for(stand_in, home), "draft-vocab", "--model", "org/tiny",
+                       "--corpus", str(corpus), "--output", str(tmp_path / "ranking.json"))
+    assert code == 0, err
+    code, _, err = cli(env_for(stand_in, home, HF_HUB_OFFLINE="1"), "generate", "--model",
+                       "org/tiny", *PROMPT)
+    assert code == 2 and "not (completely) in the Hugging Face cache" in err, err
     # Fill the cache online, then go offline: no request reaches the Hub.
     code, online, err = cli(env_for(stand_in, home), "generate", "--model", "org/tiny", *PROMPT)
     assert code == 0, err
