@@ -151,7 +151,7 @@ def render(report: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--no-measure", action="store_true",
                         help="Report versions and devices only (skip the few-second timing)")
-    parser.add_argument("--reps", type=int, default=5, help="Timed repetitions per pass")
+    parser.add_argument("--reps", type=int, default=9, help="Timed repetitions per pass")
     parser.add_argument("--json", action="store_true", help="Print the report as JSON")
     parser.set_defaults(quiet=True)  # the BLAS line is part of the report, not printed twice
     return parser

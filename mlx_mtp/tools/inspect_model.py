@@ -241,7 +241,7 @@ def render(report: dict) -> str:
     rows.append(("draft vocab", "none" if dv is None else dv.get("error") or
                  f"{dv['file']}: {dv['ranked_tokens']} ranked tokens"
                  + (f", default size {dv['default_size']}" if dv["default_size"] else "")))
-    memory = f"weights {_size(mem['weights_bytes'])}"
+    memory = f"weights {_size(mem['weights_bytes'])} as stored"
     if mem["kv_bytes_per_1k_tokens"] is not None:
         memory += f"; KV cache {_size(mem['kv_bytes_per_1k_tokens'])} per 1k tokens"
     if mem["state_bytes_per_sequence"]:
