@@ -1,7 +1,10 @@
-"""matplotlib is the optional `plots` extra: bench and train run without it and say how to get
-plots. Each check runs in a subprocess whose import system refuses matplotlib."""
+"""What a plain `pip install` brings: structured output and Prometheus metrics, not matplotlib.
+
+matplotlib is the optional `plots` extra: bench and train run without it and say how to get
+plots (checked in subprocesses whose import system refuses matplotlib)."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -28,6 +31,26 @@ def run_without_matplotlib(code: str, tmp_path) -> subprocess.CompletedProcess:
     script.write_text(BLOCK_MATPLOTLIB + textwrap.dedent(code))
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=600)
+
+
+def base_requirements() -> dict:
+    """Distribution name -> whether it is a base dependency (no extra marker), as installed."""
+    from importlib.metadata import requires
+
+    out = {}
+    for req in requires("mlx-mtp"):
+        name = re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0].lower().replace("_", "-")
+        out[name] = out.get(name, False) or "extra ==" not in req
+    return out
+
+
+def test_base_install_has_structured_output_and_metrics_not_plots():
+    base = base_requirements()
+    assert base["llguidance"] and base["prometheus-client"]
+    assert base["matplotlib"] is False  # only through an extra (plots, test)
+    from mlx_mtp.decode.grammar import json_schema_grammar
+
+    assert json_schema_grammar({"type": "object"})
 
 
 @pytest.fixture(scope="module")
