@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from mlx_mtp.server.metrics import ServerMetrics
+from mlx_mtp.decode.stats import SpecStats
+from mlx_mtp.server.metrics import ServerMetrics, spec_fields, spec_log_line
 from mlx_mtp.server.parsers import OutputParser, parse_full, parse_tool_body
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -210,8 +211,26 @@ def test_metrics_parse_with_prometheus_client():
                and dict(labels)["model_name"] == "my-model" for name, labels in samples)
     snap = m.snapshot()
     assert snap["num_drafts"] == 2 and snap["requests_finished"] == 1
-    assert snap["per_position"][2] == {"position": 2, "drafted": 1, "accepted": 0}
+    assert snap["per_position"][2] == {"position": 2, "drafted": 1, "accepted": 0, "rate": 0.0}
+    assert snap["acceptance_rate"] == pytest.approx(2 / 5)
+    assert snap["mean_acceptance_length"] == pytest.approx(1 + 2 / 2)
+    # The live page and /metrics render the same counts.
+    assert snap["accepted_per_pos"] == [value(per_pos, position=str(j)) for j in range(3)]
+    assert ServerMetrics("m").snapshot()["acceptance_rate"] is None  # nothing drafted yet
     assert snap["mean_ttft_seconds"] == pytest.approx(0.05) and snap["mean_itl_seconds"] is None
+
+
+def test_spec_stats_rendered_once_for_every_surface():
+    s = SpecStats()
+    s.record(3, 2)
+    s.record(2, 0)
+    line = spec_log_line(s)
+    assert "Mean acceptance length: 2.00, Accepted: 2 tokens, Drafted: 5 tokens" in line
+    assert "Per-position acceptance rate: 0.500, 0.500, 0.000" in line and line.endswith("40.0%")
+    fields = spec_fields(s)
+    assert fields["acceptance_rate"] == pytest.approx(0.4) and fields["num_drafts"] == 2
+    assert (fields["accepted_per_pos"], fields["drafted_per_pos"]) == ([1, 1, 0], [2, 2, 1])
+    assert spec_fields(SpecStats())["acceptance_rate"] == 0.0  # a response that drafted nothing
 
 
 # --- request validation ---------------------------------------------------------------

@@ -4,6 +4,10 @@ Names copy vLLM's with the ``mlx_mtp:`` prefix, so dashboards written for
 ``vllm:spec_decode_*`` work after a prefix substitution. Every sample carries
 a ``model_name`` label. The small wrappers below bind that label and give the
 engine and the live page one way to read a value back (``get``/``count``).
+
+This module is also the one place the server renders speculative-decoding counters
+(``SpecStats``): a response's ``mtp`` block and the live page (``spec_fields``), the
+periodic log line (``spec_log_line``) and ``/metrics`` (``ServerMetrics.record_step``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import prometheus_client
 from prometheus_client import CollectorRegistry
+
+from ..decode.stats import SpecStats
 
 PREFIX = "mlx_mtp:"
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
@@ -24,6 +30,29 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                  100000, 200000]
+
+
+def spec_fields(stats: SpecStats, missing: Optional[float] = 0.0) -> dict:
+    """The counters as responses (``mtp``) and the live page show them; ``missing``: the rates
+    when nothing was drafted."""
+    return {
+        "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "mean_acceptance_length": stats.mean_acceptance_length if stats.num_drafts else missing,
+        "acceptance_rate": stats.acceptance_rate if stats.num_draft_tokens else missing,
+        "accepted_per_pos": list(stats.accepted_per_pos),
+        "drafted_per_pos": list(stats.drafted_per_pos),
+    }
+
+
+def spec_log_line(stats: SpecStats) -> str:
+    """vLLM's periodic ``SpecDecoding metrics`` line."""
+    per_pos = ", ".join(f"{a:.3f}" for a in stats.acceptance_per_pos)
+    return (f"SpecDecoding metrics: Mean acceptance length: {stats.mean_acceptance_length:.2f}, "
+            f"Accepted: {stats.num_accepted_tokens} tokens, Drafted: {stats.num_draft_tokens} "
+            f"tokens, Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: "
+            f"{100 * stats.acceptance_rate:.1f}%")
 
 
 class _Series:
@@ -135,6 +164,7 @@ class ServerMetrics:
         # No `<name>_created` series: the exposition keeps exactly the names listed here.
         prometheus_client.disable_created_metrics()
         r = self.registry = _Registry(model_name)
+        self.spec = SpecStats()  # the same counts, for the live page
         p = PREFIX
         self.num_requests_running = r.gauge(
             p + "num_requests_running", "Number of requests in the running batch.", fn=running)
@@ -183,6 +213,7 @@ class ServerMetrics:
     def record_step(self, num_drafted: int, num_accepted: int):
         if num_drafted <= 0:
             return
+        self.spec.record(num_drafted, num_accepted)
         self.spec_drafts.inc()
         self.spec_draft_tokens.inc(num_drafted)
         self.spec_accepted.inc(num_accepted)
@@ -193,10 +224,7 @@ class ServerMetrics:
 
     def snapshot(self) -> dict:
         """Running totals for the live page (``dashboard`` adds rates and engine state)."""
-        def per_pos(counter):  # counts are whole numbers; the page shows them as such
-            return {int(key[0]): int(v) for key, v in counter.samples().items()}
-
-        accepted, drafted = per_pos(self.spec_accepted_per_pos), per_pos(self.spec_drafted_per_pos)
+        spec = spec_fields(self.spec, missing=None)
         return {
             "requests_running": self.num_requests_running.get(),
             "requests_waiting": self.num_requests_waiting.get(),
@@ -207,11 +235,10 @@ class ServerMetrics:
             "prefix_cache_query_tokens": int(self.prefix_cache_queries.get()),
             "prefix_cache_hit_tokens": int(self.prefix_cache_hits.get()),
             "prefix_cache_disk_hit_tokens": int(self.prefix_cache_disk_hits.get()),
-            "num_drafts": int(self.spec_drafts.get()),
-            "num_draft_tokens": int(self.spec_draft_tokens.get()),
-            "num_accepted_tokens": int(self.spec_accepted.get()),
-            "per_position": [{"position": j, "drafted": drafted[j], "accepted": accepted.get(j, 0)}
-                             for j in sorted(drafted)],
+            **spec,
+            "per_position": [{"position": j, "drafted": d, "accepted": a, "rate": a / d if d else None}
+                             for j, (d, a) in enumerate(zip(spec["drafted_per_pos"],
+                                                            spec["accepted_per_pos"]))],
             "mean_ttft_seconds": self.ttft.mean(),
             "mean_itl_seconds": self.itl.mean(),
         }
