@@ -73,25 +73,32 @@ def _module_precision(name: str, tensors: Dict[str, Tensor], quant: Optional[dic
     module = name[: -len(".weight")] if name.endswith(".weight") else name
     if module + ".scales" not in tensors:
         return DTYPE_NAMES.get(tensors[name].dtype, tensors[name].dtype)
-    entry = (quant or {}).get(module)
-    if not isinstance(entry, dict):
-        entry = quant or {}
-    group = entry.get("group_size", 64)
+    default = quant or {}
+    own = default.get(module)
+    if isinstance(own, dict):  # a per-module entry, as our and mlx-lm's converters write
+        return f"{own.get('bits')}-bit (group {own.get('group_size')})"
+    group = default.get("group_size", 64)
     # Packed uint32 columns hold 32/bits values each; scales hold one value per group.
     cols, groups = tensors[name].shape[-1], tensors[module + ".scales"].shape[-1]
-    bits = entry.get("bits") or round(32 * cols / (groups * group))
+    bits = 32 * cols / (groups * group)
+    bits = int(bits) if bits in (2, 3, 4, 5, 6, 8) else default.get("bits")
     return f"{bits}-bit (group {group})"
+
+
+def precision_counts(config: dict, tensors: Dict[str, Tensor], keys: List[str]) -> Dict[str, int]:
+    """Weight matrices among ``keys`` by precision, most common first."""
+    counts: Dict[str, int] = {}
+    quant = config_quantization(config)
+    for k in keys:
+        if k.endswith(".weight") and len(tensors[k].shape) >= 2:
+            p = _module_precision(k, tensors, quant)
+            counts[p] = counts.get(p, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def mtp_summary(config: dict, tensors: Dict[str, Tensor], layout_name: str) -> dict:
     """Declared and present MTP layers, the files holding them, precision and bytes."""
     keys = list(tensors) if layout_name == LAYOUT_SPLIT else [k for k in tensors if is_mtp_key(k)]
-    quant = config_quantization(config)
-    weights = [k for k in keys if k.endswith(".weight") and len(tensors[k].shape) >= 2]
-    precision: Dict[str, int] = {}
-    for k in weights:
-        p = _module_precision(k, tensors, quant)
-        precision[p] = precision.get(p, 0) + 1
     present = count_mtp_layers(keys if layout_name != LAYOUT_SPLIT else ["mtp." + k for k in keys])
     return {
         "declared_layers": config_mtp_layers(config),
@@ -100,7 +107,7 @@ def mtp_summary(config: dict, tensors: Dict[str, Tensor], layout_name: str) -> d
         "bytes": sum(tensors[k].nbytes for k in keys),
         "files": sorted({tensors[k].file for k in keys}),
         "key_prefix": _common_prefix(keys),
-        "precision": dict(sorted(precision.items(), key=lambda kv: -kv[1])),
+        "precision": precision_counts(config, tensors, keys),
     }
 
 
@@ -142,17 +149,6 @@ def memory_estimate(config: dict, tensors: Dict[str, Tensor]) -> dict:
         out["state_bytes_per_sequence"] = n_linear * (
             4 * ssm + 2 * (args.linear_conv_kernel_dim - 1) * conv_dim)
     return out
-
-
-def _precision_summary(config: dict, tensors: Dict[str, Tensor], keys: List[str]) -> str:
-    counts: Dict[str, int] = {}
-    quant = config_quantization(config)
-    for k in keys:
-        if k.endswith(".weight") and len(tensors[k].shape) >= 2:
-            p = _module_precision(k, tensors, quant)
-            counts[p] = counts.get(p, 0) + 1
-    return ", ".join(f"{p} ×{n}" if len(counts) > 1 else p
-                     for p, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "-"
 
 
 def _draft_vocab_info(path: Path) -> Optional[dict]:
@@ -200,7 +196,7 @@ def inspect_model(path: Optional[str]) -> dict:
         "supported": model_type in MODEL_TYPES,
         "layout": layout_name,
         "trunk_precision": None if layout_name == LAYOUT_SPLIT
-        else _precision_summary(config, tensors, trunk),
+        else precision_counts(config, tensors, trunk),
         "vision_tensors": sum(1 for k in tensors if k.startswith(_VISION_PREFIXES)),
         "mtp": mtp,
         "head_stripped": (layout_name != LAYOUT_SPLIT and mtp["declared_layers"] > 0
@@ -220,6 +216,10 @@ def _size(n: Optional[float]) -> str:
         n /= 1024
 
 
+def _precision(counts: Dict[str, int]) -> str:
+    return ", ".join(f"{p} ×{n}" if len(counts) > 1 else p for p, n in counts.items()) or "-"
+
+
 def render(report: dict) -> str:
     mtp, mem = report["mtp"], report["memory"]
     rows = [("model", report["path"]),
@@ -227,15 +227,14 @@ def render(report: dict) -> str:
                        f"{'' if report['supported'] else ', not supported by mlx-mtp'})"),
             ("layout", LAYOUT_NAMES[report["layout"]])]
     if report["trunk_precision"]:
-        rows.append(("trunk", report["trunk_precision"]))
+        rows.append(("trunk", _precision(report["trunk_precision"])))
     if report["vision_tensors"]:
         rows.append(("vision", f"{report['vision_tensors']} tensors (not loaded)"))
     head = f"{mtp['declared_layers']} layer(s) declared, {mtp['present_layers']} present"
     if mtp["tensors"]:
-        precision = ", ".join(f"{p} ×{n}" if len(mtp["precision"]) > 1 else p
-                              for p, n in mtp["precision"].items())
         head += (f": {mtp['tensors']} tensors, {_size(mtp['bytes'])} in "
-                 f"{', '.join(mtp['files'])} under {mtp['key_prefix'] or '(top level)'}; {precision}")
+                 f"{', '.join(mtp['files'])} under {mtp['key_prefix'] or '(top level)'}; "
+                 f"{_precision(mtp['precision'])}")
     rows.append(("MTP head", head))
     dv = report["draft_vocab"]
     rows.append(("draft vocab", "none" if dv is None else dv.get("error") or
