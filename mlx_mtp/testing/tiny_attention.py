@@ -120,7 +120,7 @@ def to_hf(model, drop_mtp: bool = False) -> dict:
 
 
 def make_tiny(path, family: str = "glm4_moe", head: str = "random", *, seed: int = 0,
-              trunk_scale: float = 0.1, proj_noise: float = 1.5, drop_mtp: bool = False,
+              trunk_scale: float = 0.1, proj_noise: float = 2.5, drop_mtp: bool = False,
               num_shards: int = 1, **config_kwargs) -> Path:
     """Build and save a tiny checkpoint in the released layout; returns its path."""
     config = tiny_config(family, **config_kwargs)
