@@ -107,6 +107,22 @@ def test_greedy_identical_to_mlx_lm(ckpt, family, agree):
             assert 0.0 < rate < 1.0
 
 
+def test_bfloat16_moe_checkpoint_runs_on_the_cpu(ckpt):
+    """mlx-lm's experts need float32 on MLX's CPU backend: the loader upcasts them."""
+    model = load_model(ckpt("glm4_moe", "noisy", dtype=mx.bfloat16))[0]
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == mx.bfloat16
+    assert mtp_tokens(model, PROMPT, 2)[0] == mtp_tokens(model, PROMPT, 0)[0]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "mimo"])
+def test_quantized_draft_head_keeps_greedy_output(ckpt, family):
+    path = ckpt(family, "noisy")
+    model, ref = load_model(path)[0], mlx_lm_greedy(mlx_lm_model(path), PROMPT)
+    model.set_draft_head(bits=8)
+    got, dec = mtp_tokens(model, PROMPT, 2)
+    assert got == ref and dec.stats.num_accepted_tokens > 0
+
+
 def _rms(x, w, eps):
     return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w
 
@@ -200,3 +216,10 @@ def test_fp8_block_weights_are_dequantized():
     blocks = np.kron(scale, np.ones((128, 128)))[:200, :300]
     want = np.array(mx.from_fp8(fp8, dtype=mx.float32)) * blocks
     np.testing.assert_allclose(np.array(got["a.weight"].astype(mx.float32)), want, rtol=1e-2)
+
+
+def test_distributed_split_is_refused_clearly(ckpt):
+    from mlx_mtp.models.distributed import DistributedError, load_distributed
+
+    with pytest.raises(DistributedError, match="cannot split glm4_moe models yet"):
+        load_distributed(str(ckpt("glm4_moe")))

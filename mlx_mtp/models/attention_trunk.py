@@ -133,6 +133,8 @@ class TextModel(hybrid.TextModel):
     """Trunk (mlx-lm's module) + lm_head + MTP layer. The engine-facing methods not
     defined here (logits, draft head, MTP cache, quantization) are the Qwen model's."""
 
+    distributed_split = False  # models/distributed.py splits the Qwen layers only
+
     def __init__(self, family: Family, config: dict):
         nn.Module.__init__(self)
         self.family = family

@@ -121,13 +121,13 @@ def to_hf(model, drop_mtp: bool = False) -> dict:
 
 def make_tiny(path, family: str = "glm4_moe", head: str = "random", *, seed: int = 0,
               trunk_scale: float = 0.1, proj_noise: float = 2.5, drop_mtp: bool = False,
-              num_shards: int = 1, **config_kwargs) -> Path:
+              num_shards: int = 1, dtype=mx.float32, **config_kwargs) -> Path:
     """Build and save a tiny checkpoint in the released layout; returns its path."""
     config = tiny_config(family, **config_kwargs)
     model = build_model(config, seed)
     if head in ("oracle", "noisy"):
         make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
-    write_checkpoint(path, to_hf(model, drop_mtp), config, dtype=mx.float32,
+    write_checkpoint(path, to_hf(model, drop_mtp), config, dtype=dtype,
                      num_shards=num_shards if num_shards > 1 else None, mtp_file=False,
                      fmt="pt")
     return Path(path)
