@@ -251,16 +251,19 @@ class TextModel(hybrid.TextModel):
             out["mtp.layers.0.block." + k[len("model.layers.0."):]] = v
         return out
 
+    def checkpoint_name(self, key: str) -> str:
+        """``mtp.layers.0.*`` (a tensor or module path) -> the checkpoint's own name (the
+        inverse of ``mtp_weights``' renaming); other keys unchanged."""
+        if not key.startswith("mtp.layers.0."):
+            return key
+        head, _, tail = key[len("mtp.layers.0."):].partition(".")
+        if head != "block":
+            inverse = {ours: theirs for theirs, ours in self.family.key_map.items()}
+            tail = inverse[head] + ("." + tail if tail else "")
+        return self.family.mtp_prefix(self.args, 0) + tail
+
     def checkpoint_mtp_names(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-        """``mtp.layers.0.*`` -> the checkpoint's own names for MTP layer 0 (the inverse of
-        ``mtp_weights``' renaming; tensors stay as they are)."""
-        prefix = self.family.mtp_prefix(self.args, 0)
-        inverse = {ours: theirs for theirs, ours in self.family.key_map.items()}
-        out = {}
-        for k, v in weights.items():
-            head, _, tail = k[len("mtp.layers.0."):].partition(".")
-            out[prefix + (tail if head == "block" else f"{inverse[head]}.{tail}")] = v
-        return out
+        return {self.checkpoint_name(k): v for k, v in weights.items()}
 
     def expected_mtp_keys(self) -> List[str]:
         prefix = self.family.mtp_prefix(self.args, 0)
@@ -309,3 +312,26 @@ def dequantize_fp8(weights: dict) -> dict:
         w = (w * scale[:, None, :, None]).reshape(m + pm, n + pn)
         weights[name] = w[:m, :n].astype(mx.bfloat16)
     return weights
+
+
+def family_of(config: dict) -> Optional[Family]:
+    """The attention-trunk family of ``config`` (None: another kind of model)."""
+    from . import MODEL_TYPES, get_model_module
+
+    name = config.get("model_type")
+    return getattr(get_model_module(name).Model, "family", None) if name in MODEL_TYPES else None
+
+
+def count_checkpoint_mtp_layers(config: dict, keys) -> int:
+    """MTP layers stored under a family's own prefixes (``model.layers.{>=N}``,
+    ``model.mtp_layers.{i}``); 0 for other families."""
+    if family_of(config) is None:
+        return 0
+    n, found = int(config.get("num_hidden_layers", 0)), set()
+    for k in keys:
+        parts = k.split(".", 3)
+        if len(parts) < 4 or parts[0] != "model" or not parts[2].isdigit():
+            continue
+        if parts[1] == "mtp_layers" or (parts[1] == "layers" and int(parts[2]) >= n):
+            found.add(int(parts[2]))
+    return len(found)

@@ -119,15 +119,44 @@ def to_hf(model, drop_mtp: bool = False) -> dict:
     return out
 
 
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest e4m3 value
+
+
+def to_fp8(weights: dict) -> dict:
+    """DeepSeek's FP8 release form: projections (not ``eh_proj``, routers, embeddings or
+    the output layer) as e4m3 bytes with one ``weight_scale_inv`` per 128x128 block."""
+    out = {}
+    for k, v in weights.items():
+        if not (v.ndim == 2 and k.endswith("proj.weight") and "eh_proj" not in k):
+            out[k] = v
+            continue
+        m, n = v.shape
+        bm, bn = -(-m // FP8_BLOCK), -(-n // FP8_BLOCK)
+        padded = mx.pad(v, ((0, bm * FP8_BLOCK - m), (0, bn * FP8_BLOCK - n)))
+        blocks = padded.reshape(bm, FP8_BLOCK, bn, FP8_BLOCK)
+        scale = mx.maximum(mx.abs(blocks).max(axis=(1, 3)), 1e-12) / FP8_MAX
+        scaled = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:m, :n]
+        out[k], out[k + "_scale_inv"] = mx.to_fp8(scaled), scale
+    return out
+
+
 def make_tiny(path, family: str = "glm4_moe", head: str = "random", *, seed: int = 0,
               trunk_scale: float = 0.1, proj_noise: float = 2.5, drop_mtp: bool = False,
-              num_shards: int = 1, dtype=mx.float32, **config_kwargs) -> Path:
+              num_shards: int = 1, dtype=mx.float32, fp8: bool = False,
+              **config_kwargs) -> Path:
     """Build and save a tiny checkpoint in the released layout; returns its path."""
     config = tiny_config(family, **config_kwargs)
     model = build_model(config, seed)
     if head in ("oracle", "noisy"):
         make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
-    write_checkpoint(path, to_hf(model, drop_mtp), config, dtype=dtype,
+    weights = to_hf(model, drop_mtp)
+    if fp8:
+        weights = to_fp8(weights)
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                         "activation_scheme": "dynamic",
+                                         "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    write_checkpoint(path, weights, config, dtype=dtype,
                      num_shards=num_shards if num_shards > 1 else None, mtp_file=False,
                      fmt="pt")
     return Path(path)
