@@ -71,3 +71,49 @@ def test_fp8_release_is_dequantized_on_load_and_convert(tmp_path):
     assert accepted > 0
     convert(src, tmp_path / "out", verbose=False)
     assert decode(load_model(tmp_path / "out")[0], 2) == (toks, accepted)
+
+
+def mlx_lm_convert(src, dst, quantize):
+    from mlx_lm import convert as mlx_lm_convert_fn
+
+    mlx_lm_convert_fn(str(src), str(dst), quantize=quantize, q_group_size=32, q_bits=4)
+
+
+@pytest.mark.parametrize("family,quantize", [("glm4_moe", False), ("glm4_moe_lite", True),
+                                             ("mimo", True)])
+def test_add_mtp_onto_an_mlx_lm_conversion(tmp_path, family, quantize):
+    from mlx_lm.generate import generate_step as mlx_lm_generate_step
+
+    from mlx_mtp.convert.add_mtp import add_mtp
+    from mlx_mtp.models.layout import MissingMTPWeightsError
+
+    src = make_tiny(tmp_path / "src", family, "noisy", num_shards=2)
+    dst = tmp_path / "mlx-community"
+    mlx_lm_convert(src, dst, quantize)  # drops the MTP layer
+    with pytest.raises(MissingMTPWeightsError, match="add-mtp"):
+        load_model(dst)
+    add_mtp(dst, src, verbose=False)
+    assert mtp_file_keys(dst)[0].startswith(MTP_PREFIX.get(family, "model.layers.2."))
+    model = load_model(dst)[0]
+    plain, _ = mlx_lm_load_model(dst)  # still loads, without the head
+    ref = [int(t) for t, _ in mlx_lm_generate_step(mx.array(PROMPT), plain, max_tokens=16)]
+    toks, accepted = decode(model, 2)
+    assert toks == ref and accepted > 0
+    if not quantize:  # the grafted head is the original's: same drafts, same acceptance
+        assert (toks, accepted) == decode(load_model(src)[0], 2)
+    else:
+        assert model.mtp.layers[0].eh_proj.bits == 4  # quantized like the model
+
+
+def test_add_mtp_from_an_fp8_release(tmp_path):
+    src = make_tiny(tmp_path / "src", "deepseek_v3", "noisy", fp8=True)
+    trunk_only = make_tiny(tmp_path / "trunk", "deepseek_v3", "noisy", fp8=True, drop_mtp=True)
+    dst = tmp_path / "dst"
+    convert(trunk_only, dst, quantize=True, q_group_size=32, verbose=False)
+    from mlx_mtp.convert.add_mtp import add_mtp
+
+    add_mtp(dst, src, mtp_bits=16, verbose=False)
+    model = load_model(dst)[0]
+    assert model.mtp.layers[0].eh_proj.weight.dtype != mx.uint32  # kept in floating point
+    toks, accepted = decode(model, 2)
+    assert toks == decode(model, 0)[0] and accepted > 0

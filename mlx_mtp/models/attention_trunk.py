@@ -229,12 +229,7 @@ class TextModel(hybrid.TextModel):
         return out
 
     def is_mtp_key(self, key: str) -> bool:
-        """Any MTP layer's tensor, in checkpoint or in our (``mtp.*``) naming."""
-        if layout.is_mtp_key(key) or key.startswith("model.mtp_layers."):
-            return True
-        parts = key.split(".", 3)
-        return (len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
-                and int(parts[2]) >= self.args.num_hidden_layers)
+        return is_mtp_checkpoint_key(key, self.args.num_hidden_layers)
 
     def mtp_weights(self, raw: Dict[str, mx.array]) -> Dict[str, mx.array]:
         """Checkpoint tensors of MTP layer 0 (keys relative to its prefix) -> ``mtp.layers.0.*``."""
@@ -312,6 +307,24 @@ def dequantize_fp8(weights: dict) -> dict:
         w = (w * scale[:, None, :, None]).reshape(m + pm, n + pn)
         weights[name] = w[:m, :n].astype(mx.bfloat16)
     return weights
+
+
+def is_mtp_checkpoint_key(key: str, num_hidden_layers: int) -> bool:
+    """Any MTP layer's tensor, in checkpoint naming (``model.layers.{>=N}.*``,
+    ``model.mtp_layers.*``) or ours (``mtp.*``)."""
+    if layout.is_mtp_key(key) or key.startswith("model.mtp_layers."):
+        return True
+    parts = key.split(".", 3)
+    return (len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and int(parts[2]) >= num_hidden_layers)
+
+
+def mtp_key_predicate(config: dict) -> Callable[[str], bool]:
+    """Which of a checkpoint's keys belong to the MTP layers, for any supported family."""
+    if family_of(config) is None:
+        return layout.is_mtp_key
+    n = int(config.get("num_hidden_layers", 0))
+    return lambda key: is_mtp_checkpoint_key(key, n)
 
 
 def family_of(config: dict) -> Optional[Family]:

@@ -17,6 +17,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..convert.checkpoint_io import write_checkpoint
+from .tiny import TOKENIZER_DIR
 
 FAMILIES = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "mimo")
 MLA_FAMILIES = ("glm4_moe_lite", "deepseek_v3")
@@ -156,7 +157,9 @@ def make_tiny(path, family: str = "glm4_moe", head: str = "random", *, seed: int
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                          "activation_scheme": "dynamic",
                                          "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
-    write_checkpoint(path, weights, config, dtype=dtype,
+    tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
+    write_checkpoint(path, weights, config, dtype=dtype, tokenizer_from=tokenizer,
+                     tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
                      num_shards=num_shards if num_shards > 1 else None, mtp_file=False,
                      fmt="pt")
     return Path(path)
