@@ -223,3 +223,27 @@ def test_distributed_split_is_refused_clearly(ckpt):
 
     with pytest.raises(DistributedError, match="cannot split glm4_moe models yet"):
         load_distributed(str(ckpt("glm4_moe")))
+
+
+def test_caches_answer_mlx_lm_mask_calls():
+    """mlx-lm's attention code asks caches for masks; MLA needs boolean arrays, with a
+    batch's holes."""
+    from mlx_lm.models.base import create_attention_mask
+
+    from mlx_mtp.models.cache import BatchKVCache, KVCache
+
+    solo = KVCache()
+    solo.update_and_fetch(mx.zeros((1, 1, 5, 4)), mx.zeros((1, 1, 5, 4)))
+    h = mx.zeros((1, 3, 8))
+    assert create_attention_mask(h, solo) == "causal"
+    assert create_attention_mask(h[:, :1], solo, return_array=True) is None
+    assert mx.array_equal(create_attention_mask(h, solo, return_array=True),
+                          create_causal_mask(3, 5))
+    batch = BatchKVCache.from_single([solo, KVCache()])  # row 1: five padding slots
+    batch.prepare(3)
+    mask = create_attention_mask(mx.zeros((2, 3, 8)), batch, return_array=True)
+    assert mask.shape == (2, 1, 3, 8)
+    assert mx.array_equal(mask[0, 0], create_causal_mask(3, 5))
+    assert not mask[1, 0, :, :5].any() and mx.array_equal(mask[1, 0, :, 5:], create_causal_mask(3))
+    with pytest.raises(ValueError, match="sliding-window"):
+        create_attention_mask(h, solo, window_size=4)
