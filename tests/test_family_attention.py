@@ -247,3 +247,13 @@ def test_caches_answer_mlx_lm_mask_calls():
     assert not mask[1, 0, :, :5].any() and mx.array_equal(mask[1, 0, :, 5:], create_causal_mask(3))
     with pytest.raises(ValueError, match="sliding-window"):
         create_attention_mask(h, solo, window_size=4)
+
+
+def test_pre_norm_hidden_keeps_greedy_output(ckpt):
+    """--mtp-hidden pre_norm feeds the head the trunk's last residual instead: drafts
+    change, output does not."""
+    path = ckpt("glm4_moe", "noisy")
+    model = load_model(path, mtp_hidden="pre_norm")[0]
+    h_norm, h_mtp = model.trunk(mx.array([PROMPT]))
+    assert not mx.array_equal(h_norm, h_mtp)
+    assert mtp_tokens(model, PROMPT, 2)[0] == mlx_lm_greedy(mlx_lm_model(path), PROMPT)
