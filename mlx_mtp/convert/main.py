@@ -42,9 +42,10 @@ from .common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast
 from . import split_mtp as split_mtp_io
 from .. import hub
 from ..models import UnsupportedModelError
-from ..models.layout import (CheckpointError, MissingMTPWeightsError, config_mtp_layers,
-                             config_quantization, count_mtp_layers, is_mtp_key,
-                             set_config_mtp_layers, text_config)
+from ..models.attention_trunk import count_checkpoint_mtp_layers, family_of
+from ..models.layout import (QWEN_FAMILIES, CheckpointError, MissingMTPWeightsError,
+                             config_mtp_layers, config_quantization, count_mtp_layers, family,
+                             is_mtp_key, set_config_mtp_layers, text_config)
 from ..models.loader import load_config, quantize_like_checkpoint, weight_files
 
 DEFAULT_MAX_SHARD_GB = 5.0
@@ -71,9 +72,11 @@ def _load_source(src: Path, verbose: bool) -> _Source:
     config = load_config(src)
     files = weight_files(src)
     weights = read_tensors(files, verbose=verbose)
-    _check_foreign_quant(weights, src)
+    attention_trunk = family_of(config) is not None  # reads FP8 block-scaled weights
+    _check_foreign_quant(weights, src, (".weight_scale_inv",) if attention_trunk else ())
 
-    n_keys = count_mtp_layers(k for k in weights if is_mtp_key(k))
+    n_keys = (count_mtp_layers(k for k in weights if is_mtp_key(k))
+              or count_checkpoint_mtp_layers(config, weights))
     n_config = config_mtp_layers(config)
     if n_keys == 0 and any(is_mtp_key(k) for k in weights):
         n_keys = max(n_config, 1)
@@ -177,6 +180,7 @@ def convert(
     except (CheckpointError, UnsupportedModelError) as e:
         raise ConversionError(str(e)) from e
     model, config = source.model, source.config
+    checkpoint_name = getattr(model.text, "checkpoint_name", lambda key: key)
 
     if source.quantized and quantize:
         raise ConversionError(
@@ -191,6 +195,11 @@ def convert(
         )
     if dequantize and not source.quantized:
         raise ConversionError(f"{src} is not quantized: there is nothing to --dequantize.")
+    if drafter_dir is not None and family(config) not in QWEN_FAMILIES:
+        raise ConversionError(
+            f"--split-mtp writes mlx-vlm's qwen3_5_mtp drafter layout, which holds Qwen3.5/3.6 "
+            f"and Qwen3-Next heads; {src} is a {family(config)!r} model. Convert without "
+            "--split-mtp (the head stays in mtp.safetensors).")
     if source.mtp_layers == 0 and drafter_dir is not None:
         raise ConversionError(f"{src} has no MTP head (no mtp.* tensors): there is nothing for "
                               "--split-mtp to write. Convert from the original release.")
@@ -224,10 +233,13 @@ def convert(
         )
         if scheme.active:
             record = scheme.apply(model, verbose=verbose)
+            # Attention-trunk families: the MTP layer under the checkpoint's own prefix.
+            record = {checkpoint_name(k): v for k, v in record.items()}
             quantization = dict(scheme.default(), **record)
 
     out_config = _finalize_config(config, quantization)
-    if "full_attention_interval" not in text_config(out_config):
+    if family(out_config) in QWEN_FAMILIES and "full_attention_interval" not in text_config(
+            out_config):
         _warn("the attention pattern (layer_types) is not periodic: mlx-mtp loads the output, "
               "plain mlx-lm (which reads only full_attention_interval) cannot.", verbose)
     if dtype is not None:
@@ -238,6 +250,7 @@ def convert(
 
     weights = dict(tree_flatten(model.parameters()))
     rows = _summarize(weights, model)
+    weights = {checkpoint_name(k): v for k, v in weights.items()}
     if drafter_dir is not None:
         weights, trunk_q, head, head_q = split_mtp_io.split_head(weights, quantization)
         drafter_from = copy.deepcopy(out_config)
@@ -252,7 +265,8 @@ def convert(
 
     weight_map = write_checkpoint(dst, weights, out_config, tokenizer_from=src,
                                   max_shard_bytes=int(max_shard_size_gb * (1 << 30)),
-                                  verbose=verbose)
+                                  verbose=verbose,
+                                  is_head=getattr(model.text, "is_mtp_key", is_mtp_key))
     if drafter_dir is not None:
         try:
             split_mtp_io.write_drafter(drafter_dir, head, drafter_from, head_q, src, verbose)

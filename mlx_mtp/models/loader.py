@@ -13,6 +13,7 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU
 
 from . import UnsupportedModelError, get_model_module, layout, split_drafter
 from .hybrid import SparseMoeBlock
@@ -176,7 +177,8 @@ def _upcast_cpu_experts(model: nn.Module):
     if mx.default_device() != mx.cpu:
         return
     for _, m in model.named_modules():
-        if isinstance(m, SparseMoeBlock):
+        # Ours (SparseMoeBlock) and mlx-lm's MoE blocks (attention-trunk families).
+        if isinstance(m, SparseMoeBlock) or isinstance(m.get("switch_mlp"), SwitchGLU):
             sw = m.switch_mlp
             for proj in (sw.gate_proj, sw.up_proj, sw.down_proj):
                 if "scales" not in proj and proj.weight.dtype != mx.float32:
@@ -263,7 +265,8 @@ def load_model(
     model_type = config.get("model_type")
     if model_type is None:
         raise ModelLoadError(f"{path / 'config.json'} has no model_type.")
-    if mtp and not mtp_model and layout.config_mtp_layers(config) and not _has_head(path):
+    if (mtp and not mtp_model and layout.family(config) in layout.QWEN_FAMILIES
+            and layout.config_mtp_layers(config) and not _has_head(path)):
         mtp_model = split_drafter.sibling_drafter(path)  # Name-4bit beside Name-MTP-4bit
         if mtp_model is not None:
             print(f"mlx-mtp: note: {path} has no MTP head; drafting with the one in "
