@@ -75,7 +75,7 @@ def _explain(spec: str, error: Exception) -> str:
         return (f"{spec!r} is neither a local directory nor a model on the Hub "
                 f"({constants.ENDPOINT}): check the spelling; a private repo needs "
                 "`hf auth login` (or HF_TOKEN).")
-    offline = constants.is_offline_mode() or isinstance(error, OfflineModeIsEnabled)
+    offline = constants.HF_HUB_OFFLINE or isinstance(error, OfflineModeIsEnabled)
     if isinstance(error, EntryNotFoundError) and not isinstance(error, LocalEntryNotFoundError):
         return f"{repo_id} has no such file ({error})."
     if isinstance(error, LocalEntryNotFoundError) or offline or isinstance(error, OSError):
