@@ -44,6 +44,7 @@ class Request:
     method: str
     path: str
     range: Optional[str]
+    authorization: Optional[str] = None
     bytes_sent: int = 0
 
 
@@ -124,7 +125,8 @@ def _handler(hub: StandInHub):
             return None
 
         def _record(self) -> Request:
-            r = Request(self.command, urlparse(self.path).path, self.headers.get("Range"))
+            r = Request(self.command, urlparse(self.path).path, self.headers.get("Range"),
+                        self.headers.get("Authorization"))
             hub.requests.append(r)
             return r
 

@@ -105,6 +105,22 @@ def test_unresolvable_ids_exit_2_with_what_to_do(stand_in, tmp_path, model, word
     assert all(w in err for w in words), err
 
 
+@pytest.mark.parametrize("where", ["HF_TOKEN", "token file"])
+def test_gated_model_with_a_token_from_the_usual_places(stand_in, tmp_path, where):
+    home = tmp_path / "hf"
+    home.mkdir()
+    if where == "HF_TOKEN":
+        env = env_for(stand_in, home, HF_TOKEN="hf_from_env")
+    else:  # what `hf auth login` writes
+        (home / "token").write_text("hf_from_file")
+        env = env_for(stand_in, home)
+    first = len(stand_in.requests)
+    code, out, err = cli(env, "generate", "--model", "org/gated", *PROMPT)
+    assert code == 0, err
+    sent = {r.authorization for r in stand_in.requests[first:]}
+    assert sent == {"Bearer " + ("hf_from_env" if where == "HF_TOKEN" else "hf_from_file")}
+
+
 def test_unreachable_hub_says_so(stand_in, tmp_path):
     env = env_for(stand_in, tmp_path / "hf", HF_ENDPOINT="http://127.0.0.1:9")  # nothing there
     code, _, err = cli(env, "generate", "--model", "org/tiny", *PROMPT)
