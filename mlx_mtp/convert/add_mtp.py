@@ -257,7 +257,7 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
 
 
 def add_mtp_to_copy(model_path, source_path, output, mtp_bits: Optional[int] = None,
-                    *, verbose: bool = True) -> dict:
+                    force: bool = False, *, verbose: bool = True) -> dict:
     """``add_mtp`` on a copy of ``model_path`` (a local directory or a hub id) written to
     ``output`` (hard links where possible), which must not exist."""
     out = Path(output).expanduser()
@@ -276,7 +276,7 @@ def add_mtp_to_copy(model_path, source_path, output, mtp_bits: Optional[int] = N
 
     with _staging(out, verbose) as tmp:
         shutil.copytree(src, tmp, copy_function=link, dirs_exist_ok=True)
-        summary = add_mtp(tmp, source_path, mtp_bits, verbose=verbose)
+        summary = add_mtp(tmp, source_path, mtp_bits, force, verbose=verbose)
         tmp.rename(out)
     return dict(summary, path=str(out))
 
@@ -310,6 +310,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args) -> int:
     if args.output is not None:
         return run_guarded("add-mtp", lambda: add_mtp_to_copy(
-            args.model, args.source, args.output, mtp_bits=args.mtp_bits))
+            args.model, args.source, args.output, mtp_bits=args.mtp_bits, force=args.force))
     return run_guarded("add-mtp", lambda: add_mtp(args.model, args.source, mtp_bits=args.mtp_bits,
                                                   force=args.force))
