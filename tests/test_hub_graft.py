@@ -127,3 +127,35 @@ def test_a_source_without_head_is_refused(setup, tmp_path):
     code, _, err = cli(env_for(hub, tmp_path / "hf"), "add-mtp", "--model", str(dst),
                        "--from", "org/trunk-4bit")
     assert code == 2 and "has no MTP weights" in err and "Traceback" not in err
+
+
+def test_head_in_a_file_the_index_does_not_name(setup, tmp_path):
+    """Some releases (Qwen3.6-35B-A3B-FP8) keep the head in mtp.safetensors, outside the
+    index: add-mtp --from fetches that file and no shard."""
+    hub, src, trunk, reference = setup
+    release = tmp_path / "release"
+    shutil.copytree(src, release)
+    index_file = release / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    head = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = mx.load(str(release / shard))
+        mx.eval(list(tensors.values()))  # read before the file is rewritten
+        head.update({k: v for k, v in tensors.items() if is_mtp_key(k)})
+        mx.save_safetensors(str(release / shard),
+                            {k: v for k, v in tensors.items() if not is_mtp_key(k)},
+                            metadata={"format": "pt"})
+    mx.save_safetensors(str(release / "mtp.safetensors"), head, metadata={"format": "pt"})
+    index["weight_map"] = {k: f for k, f in index["weight_map"].items() if not is_mtp_key(k)}
+    index_file.write_text(json.dumps(index))
+    hub.add_repo("org/release-mtp-file", release)
+    dst = tmp_path / "model"
+    shutil.copytree(trunk, dst)
+    first = len(hub.requests)
+    code, _, err = cli(env_for(hub, tmp_path / "hf"), "add-mtp", "--model", str(dst),
+                       "--from", "org/release-mtp-file")
+    assert code == 0, err
+    names = sorted(r.path.rsplit("/", 1)[1] for r in hub.requests[first:]
+                   if r.method == "GET" and "/resolve/" in r.path)
+    assert names == ["config.json", "model.safetensors.index.json", "mtp.safetensors"]
+    same_tensors(dst, reference)
