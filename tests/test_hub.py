@@ -34,6 +34,15 @@ def stand_in(tiny_ckpt):
     server.shutdown()
 
 
+@pytest.fixture(scope="module")
+def local_output(stand_in, tmp_path_factory):
+    """``generate`` on the tiny model's local path: what every hub route must print."""
+    code, out, err = cli(env_for(stand_in, tmp_path_factory.mktemp("hf")), "generate",
+                         "--model", str(stand_in.model), *PROMPT)
+    assert code == 0 and out.strip(), err
+    return out
+
+
 def env_for(hub, home, **extra):
     env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HOME=str(home),
                HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
@@ -49,13 +58,13 @@ def cli(env, *args):
     return p.returncode, p.stdout, p.stderr
 
 
-def test_hub_id_generates_as_the_local_path_and_fetches_only_what_it_needs(stand_in, tmp_path):
+def test_hub_id_generates_as_the_local_path_and_fetches_only_what_it_needs(stand_in, tmp_path,
+                                                                          local_output):
     env = env_for(stand_in, tmp_path / "hf")
-    code, local, err = cli(env, "generate", "--model", str(stand_in.model), *PROMPT)
-    assert code == 0, err
+    local = local_output
     code, hub_out, err = cli(env, "generate", "--model", "org/tiny", *PROMPT)
     assert code == 0, err
-    assert hub_out == local and local.strip()
+    assert hub_out == local
     fetched = stand_in.downloads("org/tiny")
     assert "model.safetensors" in fetched and "config.json" in fetched
     assert "README.md" not in fetched and "pytorch_model.bin" not in fetched
@@ -67,29 +76,33 @@ def test_hub_id_generates_as_the_local_path_and_fetches_only_what_it_needs(stand
     assert pinned == local and len(stand_in.downloads()) == n
 
 
-def test_offline_reads_the_cache_and_says_what_to_do_when_it_cannot(stand_in, tmp_path):
+def fill(env, patterns: str):
+    """Download org/tiny's files matching ``patterns`` into the cache, as a command would."""
+    code = f"from mlx_mtp import hub; hub.snapshot('org/tiny', {patterns})"
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+
+
+def test_offline_reads_the_cache_and_says_what_to_do_when_it_cannot(stand_in, tmp_path,
+                                                                   local_output):
     home = tmp_path / "hf"
     code, _, err = cli(env_for(stand_in, home, HF_HUB_OFFLINE="1"), "generate", "--model",
                        "org/tiny", *PROMPT)
     assert code == 2 and "Traceback" not in err
     assert "HF_HUB_OFFLINE" in err and "hf download org/tiny" in err
-    # A cache holding only what draft-vocab fetched (no weights) is not enough.
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("def f():\n    return 1\n")
-    code, _, err = cli(env_for(stand_in, home), "draft-vocab", "--model", "org/tiny",
-                       "--corpus", str(corpus), "--output", str(tmp_path / "ranking.json"))
-    assert code == 0, err
+    # A cache holding only what draft-vocab fetches (no weights) is not enough.
+    fill(env_for(stand_in, home), "hub.TOKENIZER_FILES")
     code, _, err = cli(env_for(stand_in, home, HF_HUB_OFFLINE="1"), "generate", "--model",
                        "org/tiny", *PROMPT)
     assert code == 2 and "not (completely) in the Hugging Face cache" in err, err
     # Fill the cache online, then go offline: no request reaches the Hub.
-    code, online, err = cli(env_for(stand_in, home), "generate", "--model", "org/tiny", *PROMPT)
-    assert code == 0, err
+    fill(env_for(stand_in, home), "hub.MODEL_FILES")
     n = len(stand_in.requests)
     code, offline, err = cli(env_for(stand_in, home, HF_HUB_OFFLINE="1"), "generate",
                              "--model", "org/tiny", *PROMPT)
     assert code == 0, err
-    assert offline == online and len(stand_in.requests) == n
+    assert offline == local_output and len(stand_in.requests) == n
 
 
 @pytest.mark.parametrize("model,words", [
@@ -148,15 +161,14 @@ def test_dropped_connection_resumes_with_a_range_request(stand_in, tiny_ckpt, tm
     assert out == local
 
 
-def test_convert_and_draft_vocab_take_hub_ids(stand_in, tmp_path):
+def test_convert_and_draft_vocab_take_hub_ids(stand_in, tmp_path, local_output):
     env = env_for(stand_in, tmp_path / "hf")
     out = tmp_path / "converted"
     code, _, err = cli(env, "convert", "--hf-path", "org/tiny", "--mlx-path", str(out))
     assert code == 0, err
     assert (out / "mtp.safetensors").exists()
-    code, local, err = cli(env, "generate", "--model", str(stand_in.model), *PROMPT)
     code, converted, err = cli(env, "generate", "--model", str(out), *PROMPT)
-    assert code == 0 and converted == local, err
+    assert code == 0 and converted == local_output, err
     # draft-vocab reads the tokenizer only, and never writes into the cache.
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def f():\n    return 1\n" * 20)
