@@ -26,3 +26,13 @@ def tiny_ckpt(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """An in-memory tiny Qwen3.5 model with a partly-right MTP head (no disk, no loader):
+    for decode, cache and policy tests. Loader and convert tests use ``tiny_ckpt``."""
+    from mlx_mtp.testing.tiny import build_model, make_oracle, tiny_text_config
+
+    model = build_model("qwen3_5", tiny_text_config("qwen3_5"), seed=0)
+    return make_oracle(model, trunk_scale=0.1, fc_noise=1.5)

@@ -16,7 +16,7 @@ import time
 from typing import Dict, Hashable, List, Optional
 
 
-from ..models.cache import BatchKVCache, KVCache, RecurrentCache
+from ..models.cache import KVCache, restore_caches, snapshot_caches
 from .policy import DraftPolicy
 from .speculative import MTPDecoder
 from .step import DecodeBatch, OwedPairs, Row, RowError, StepOutput
@@ -68,25 +68,17 @@ class BatchDecoder:
         row = Row(key, src.sampler, src.max_k if use_mtp else 0, src.y,
                   src.owed if use_mtp else None, src.stats, src.n_out,
                   src.schedule if use_mtp else None)
-        dtype = self.model.text.model.embed_tokens.weight.dtype
-        for layer, c in zip(self.model.layers, dec.cache):
-            if isinstance(c, RecurrentCache) and c.conv is None:  # one-token prompt
-                c.conv, c.ssm = layer.linear_attn.empty_state(1, dtype)
-        mtp_single = dec.mtp_cache if use_mtp else [KVCache() for _ in range(self.model.num_mtp_layers)]
+        mtp_single = dec.mtp_cache if use_mtp else [
+            KVCache.empty() for _ in range(self.model.num_mtp_layers)]
         if core.cache is None:
-            core.cache = [RecurrentCache.concat([c]) if isinstance(c, RecurrentCache)
-                          else BatchKVCache.from_single([c]) for c in dec.cache]
+            core.cache = [type(c).merge([c]) for c in dec.cache]
             if self.K:
-                core.mtp_cache = [BatchKVCache.from_single([c]) for c in mtp_single]
+                core.mtp_cache = [type(c).merge([c]) for c in mtp_single]
         else:
-            for i, c in enumerate(dec.cache):
-                if isinstance(c, RecurrentCache):
-                    core.cache[i] = RecurrentCache.concat([core.cache[i], c])
-                else:
-                    core.cache[i].extend(BatchKVCache.from_single([c]))
+            core.cache = [type(a).merge([a, c]) for a, c in zip(core.cache, dec.cache)]
             if self.K:
-                for i, c in enumerate(mtp_single):
-                    core.mtp_cache[i].extend(BatchKVCache.from_single([c]))
+                core.mtp_cache = [type(a).merge([a, c])
+                                  for a, c in zip(core.mtp_cache, mtp_single)]
         core.rows.append(row)
         # The batch holds copies now; free the sequence's own caches.
         dec.cache = None
@@ -133,17 +125,12 @@ class BatchDecoder:
         return {r.key: o for r, o in zip(rows, outs)}
 
     def _context(self, b: int) -> int:
-        kv = next((c for c in self.cache if isinstance(c, BatchKVCache)), None)
-        return kv.pos[b] if kv is not None else 0
+        kv = next((c for c in self.cache if c.is_trimmable()), None)  # counts per row
+        return kv.lengths()[b] if kv is not None else 0
 
     def _checkpoint(self):
-        """What a step changes, by reference (KV writes past ``idx`` are harmless)."""
-        caches = []
-        for c in self.cache + (self.mtp_cache or []):
-            if isinstance(c, RecurrentCache):
-                caches.append((c, c.conv, c.ssm, c.offset))
-            else:
-                caches.append((c, c.idx, list(c.pos), c.valid, c.keys, c.values))
+        """What a step changes, by reference."""
+        caches = snapshot_caches(self.cache + (self.mtp_cache or []))
         rows = [(r, r.y, r.n_out, None if r.owed is None else r.owed.copy(),
                  None if r.sampler.history is None else r.sampler.history.state())
                 for r in self.rows]
@@ -151,12 +138,7 @@ class BatchDecoder:
 
     def _restore(self, snap):
         caches, rows = snap
-        for c, *state in caches:
-            if isinstance(c, RecurrentCache):
-                c.conv, c.ssm, c.offset = state
-                c.clear_captured()
-            else:
-                c.idx, c.pos, c.valid, c.keys, c.values = state
+        restore_caches(caches)
         for r, y, n_out, owed, history in rows:
             r.y, r.n_out, r.owed = y, n_out, owed
             if history is not None:

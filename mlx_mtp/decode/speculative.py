@@ -43,6 +43,11 @@ class DecoderState:
     def owed_hidden(self) -> List[mx.array]:
         return self.owed.hidden
 
+    def arrays(self) -> List[mx.array]:
+        """Every array the state holds (to evaluate it before keeping it)."""
+        return (cache_state_arrays(self.cache) + cache_state_arrays(self.mtp_cache or [])
+                + list(self.owed.hidden))
+
     @property
     def nbytes(self) -> int:
         total = sum(c.nbytes for c in self.cache)

@@ -45,7 +45,6 @@ import mlx.core as mx
 from ..decode.batch import BatchDecoder, BatchStepError
 from ..decode.sampling import SamplingParams
 from ..decode.speculative import MTPDecoder
-from ..models.cache import cache_state_arrays
 
 log = logging.getLogger("mlx_mtp.server")
 
@@ -228,7 +227,7 @@ class LeaderSync(StepSync):
             return True
         # A peer that died mid-step fails the next exchange at once, unless that exchange
         # waits on the failed collective (measured: it then blocks): start a new chain.
-        self.model._last_comm = None
+        self.model.restart_comm_chain()
         try:
             self._send()
         except GroupLost:
@@ -366,8 +365,7 @@ class Follower:
 
     def _store(self, rid, entry_id):
         state = self.seqs[rid][0].snapshot()
-        mx.eval(cache_state_arrays(state.cache) + list(state.owed_hidden)
-                + (cache_state_arrays(state.mtp_cache) if state.mtp_cache else []))
+        mx.eval(state.arrays())
         self.entries[entry_id] = state
 
     def _forget(self, entry_id):

@@ -35,7 +35,6 @@ from typing import Deque, List, Optional
 
 import mlx.core as mx
 
-from ..models.cache import cache_state_arrays
 from ..decode.batch import BatchDecoder, BatchStepError
 from ..decode.speculative import MTPDecoder, SpecStats, StepOutput
 from ..decode.text_stream import TextStream, token_bytes
@@ -371,10 +370,7 @@ class Engine:
                 pc.touch(key)
                 return
         state = seq.dec.snapshot()
-        arrays = cache_state_arrays(state.cache) + list(state.owed_hidden)
-        if state.mtp_cache is not None:
-            arrays += cache_state_arrays(state.mtp_cache)
-        mx.eval(arrays)
+        mx.eval(state.arrays())
         pc.store(key, state, state.nbytes, has_mtp)
         self.sync.stored(seq, key, state)
 

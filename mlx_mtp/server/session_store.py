@@ -40,7 +40,7 @@ import numpy as np
 
 from ..decode.speculative import DecoderState
 from ..decode.step import OwedPairs
-from ..models.cache import KVCache, RecurrentCache
+from ..models.cache import CACHE_KINDS
 
 log = logging.getLogger("mlx_mtp.server")
 
@@ -90,16 +90,14 @@ def _state_tensors(state: DecoderState) -> Tuple[Dict[str, mx.array], dict]:
     def add_layers(caches, prefix):
         kinds = []
         for i, c in enumerate(caches):
-            if isinstance(c, RecurrentCache):
-                kinds.append(["rec", c.offset, c.conv is not None])
-                if c.conv is not None:
-                    tensors[f"{prefix}.{i}.conv"], tensors[f"{prefix}.{i}.ssm"] = c.conv, c.ssm
-            elif isinstance(c, KVCache):
-                kinds.append(["kv", c.offset, c.keys is not None])
-                if c.keys is not None:
-                    tensors[f"{prefix}.{i}.k"], tensors[f"{prefix}.{i}.v"] = c.state
-            else:
+            if type(c).kind not in CACHE_KINDS:
                 raise TypeError(f"cannot store a {type(c).__name__} on disk")
+            arrays = c.state
+            filled = arrays[0] is not None
+            kinds.append([c.kind, int(c.meta_state[0]), filled])
+            if filled:
+                for name, a in zip(c.state_names, arrays):
+                    tensors[f"{prefix}.{i}.{name}"] = a
         return kinds
 
     layout["trunk"] = add_layers(state.cache, "c")
@@ -116,20 +114,14 @@ def _state_from_tensors(t: Dict[str, mx.array], layout: dict) -> DecoderState:
     def layers(kinds, prefix):
         out = []
         for i, (kind, offset, filled) in enumerate(kinds):
-            if kind == "rec":
-                c = RecurrentCache()
-                if filled:
-                    c.conv, c.ssm = t[f"{prefix}.{i}.conv"], t[f"{prefix}.{i}.ssm"]
-            elif kind == "kv":
-                c = KVCache()
-                if filled:
-                    c.keys, c.values = t[f"{prefix}.{i}.k"], t[f"{prefix}.{i}.v"]
-                    if c.keys.shape[2] != offset or c.values.shape[2] != offset:
-                        raise ValueError(f"layer {prefix}.{i}: KV length != offset {offset}")
-            else:
+            cls = CACHE_KINDS.get(kind)
+            if cls is None:
                 raise ValueError(f"unknown cache kind {kind!r}")
-            c.offset = int(offset)
-            out.append(c)
+            arrays = tuple(t[f"{prefix}.{i}.{n}"] for n in cls.state_names) if filled else None
+            try:
+                out.append(cls.from_state(arrays, (str(int(offset)),)))
+            except ValueError as e:
+                raise ValueError(f"layer {prefix}.{i}: {e}") from e
         return out
 
     n_owed = int(layout["owed"])
