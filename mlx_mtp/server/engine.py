@@ -14,7 +14,7 @@ and ``cancel`` it when the client goes away. Every scheduler iteration
    Prefix-cache snapshots are taken at chunk ends that fall on reusable boundaries;
 4. runs one decode step for each decoding sequence (``_decode_round``).
 
-A sequence's prompt runs through its own ``MTPDecoder``; then it joins the
+A sequence's prompt runs through its own ``Sequence``; then it joins the
 ``BatchDecoder``: one trunk forward per step for all decoding sequences, each
 accepting its own number of drafts and rolling back its own state, so greedy
 output does not depend on what else is running. The batch's ``DraftPolicy``
@@ -36,7 +36,8 @@ from typing import Deque, List, Optional
 import mlx.core as mx
 
 from ..decode.batch import BatchDecoder, BatchStepError
-from ..decode.speculative import MTPDecoder, SpecStats, StepOutput
+from ..decode.sequence import Sequence
+from ..decode.speculative import SpecStats, StepOutput
 from ..decode.text_stream import TextStream, token_bytes
 from ..models.hybrid import CHUNKED_MIN_TOKENS
 from ..models.layout import check_acceptance
@@ -58,7 +59,7 @@ PREFILL_GRID = CHUNKED_MIN_TOKENS
 class _Seq:
     """Engine-side state of one admitted request."""
 
-    def __init__(self, req: EngineRequest, dec: MTPDecoder, text: TextStream, n_cached: int):
+    def __init__(self, req: EngineRequest, dec: Sequence, text: TextStream, n_cached: int):
         self.req = req
         self.dec = dec
         self.text = text
@@ -267,9 +268,9 @@ class Engine:
         k = self.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens
         if not self.has_mtp:
             k = 0
-        dec = MTPDecoder(self.model, k, req.sampling, adaptive=self.adaptive,
-                         prefill_step_size=self.prefill_step_size,
-                         grammar=None if req.grammar is None else req.grammar.start())
+        dec = Sequence(self.model, k, req.sampling, adaptive=self.adaptive,
+                       prefill_step_size=self.prefill_step_size,
+                       grammar=None if req.grammar is None else req.grammar.start())
         if dec.mtp_cache is not None:
             dec.drafting_hint = lambda: self.batch.would_draft(max(len(self.batch) + 1,
                                                                    self._load()))
@@ -342,7 +343,7 @@ class Engine:
         end = seg_start + ((start - seg_start) // grid + cells) * grid
         if seg_end - end < grid:
             end = seg_end
-        # MTPDecoder.prefill continues after n_processed and stops at the last
+        # Sequence.prefill continues after n_processed and stops at the last
         # token it is given, which becomes the pending input: passing the
         # prompt up to ``end`` runs exactly tokens [start, end).
         self.sync.prefill(seq, end)
@@ -386,8 +387,9 @@ class Engine:
         if not decoding:
             return
         try:
-            self.sync.decoding(self.batch)
-            outs = self.batch.step(load=self._load())
+            ks = self.batch.choose_ks(self._load())
+            self.sync.decoding(ks)  # the K every rank runs
+            outs = self.batch.step(ks=ks, interleaved=True)
         except BatchStepError as e:
             for seq in decoding:
                 if seq.req.request_id == e.key:
