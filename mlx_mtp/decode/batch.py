@@ -230,18 +230,24 @@ class BatchDecoder:
             if history is not None:
                 r.sampler.history.restore(history)
 
-    def calibrate(self, batch_sizes=(1, 4, 16), steps: int = 3, prompt_len: int = 16) -> float:
+    def calibrate(self, batch_sizes=(1, 4, 16), steps: int = 3, prompt_len: int = 16,
+                  budget: Optional[float] = None) -> float:
         """Time steps of dummy batches at a few (batch size, K) cells before serving.
 
         Gives ``DraftPolicy`` a cost model from the start, so live traffic does not
         pay for exploring it. Only costs are recorded (dummy drafts say nothing about
-        acceptance). Needs an empty batch; returns the seconds spent.
+        acceptance). Needs an empty batch; stops once ``budget`` seconds are spent;
+        returns the seconds spent.
         """
         if not self.K or not self.adaptive or self.rows:
             return 0.0
         t_start = time.perf_counter()
         ks = sorted({0, 1, self.K})
         prompt = [(7 * j + 3) % self.model.text.args.vocab_size for j in range(prompt_len)]
+
+        def spent() -> bool:
+            return budget is not None and time.perf_counter() - t_start > budget
+
         for B in batch_sizes:
             for i in range(B):
                 seq = DecodeSequence(self.model, self.K, adaptive=False)
@@ -249,12 +255,16 @@ class BatchDecoder:
                 self.add(("calibration", i), seq)
             for k in ks:
                 for j in range(steps + 1):  # the first step of a shape pays one-off costs
+                    if spent():
+                        break
                     start = time.perf_counter()
                     self.core.step([k] * B)
                     if j:
                         self.policy.costs.observe(B, k, time.perf_counter() - start)
             for i in range(B):
                 self.remove(("calibration", i))
+            if spent():
+                break
         return time.perf_counter() - t_start
 
     def would_draft(self, batch_size: int) -> bool:
