@@ -18,15 +18,11 @@ Every cache answers ``accept(n_keep)`` after a speculative (verify) pass:
 first verified token is always committed). The decode step calls it on every
 layer without knowing which kind of layer it is.
 
-Every cache also speaks one protocol (mlx-lm's shape), so nothing outside this
-file reads a cache field:
-
-* ``state`` / ``meta_state`` / ``from_state``: its arrays and its small facts as
-  strings, to save and load (``kind`` and ``state_names`` name them on disk);
-* ``snapshot()`` / ``restore(snap)``: what a step changes, by reference (undo);
-* ``merge(caches)`` (rows into one batch), ``extract(row)`` (one row as a
-  single-sequence cache), ``filter(rows)`` (keep rows, in place), ``empty(B)``;
-* ``lengths()`` (attention caches): each row's token count; ``nbytes``.
+Every cache speaks one protocol (mlx-lm's shape), so nothing outside this file reads
+a cache field: ``state`` / ``meta_state`` / ``from_state`` (save and load; ``kind``,
+``state_names`` name them on disk), ``snapshot()`` / ``restore(snap)`` (undo a step,
+by reference), ``merge(caches)`` into a batch, ``extract(row)``, ``filter(rows)``,
+``empty(B)``, ``lengths()`` (attention caches: tokens per row) and ``nbytes``.
 """
 
 from __future__ import annotations
@@ -35,6 +31,12 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.base import create_causal_mask
+
+
+def _no_window(window_size: Optional[int]):
+    if window_size is not None:
+        raise ValueError("sliding-window attention is not supported by mlx-mtp's KV caches")
 
 
 class _Cache:
@@ -166,7 +168,12 @@ class KVCache(_Cache):
         if lengths is not None and list(lengths) != [S]:
             raise ValueError(f"a single-row cache cannot take a padded chunk ({lengths} of {S})")
 
-    def make_mask(self, n: int):
+    def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
+        """mlx-lm's call. ``return_array``: a boolean (n, offset + n) causal mask instead of
+        ``"causal"`` (MLA attention masks its scores with it)."""
+        _no_window(window_size)
+        if return_array and n > 1:
+            return create_causal_mask(n, self.offset)
         return "causal" if n > 1 else None
 
     @property
@@ -403,13 +410,6 @@ class BatchKVCache(_Cache):
     def meta_state(self, v):
         self.pos = [int(p) for p in v]
 
-    @classmethod
-    def from_state(cls, state, meta_state):
-        c = cls([int(p) for p in meta_state])
-        if state is not None:
-            c.state = state
-        return c
-
     def snapshot(self):
         # Writes land past ``idx`` and ``drop_last`` makes a new mask: references suffice.
         return self.idx, list(self.pos), self.valid, self.keys, self.values
@@ -500,7 +500,9 @@ class BatchKVCache(_Cache):
         self.pos = [p + n for p, n in zip(self.pos, lengths)]
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
 
-    def make_mask(self, S: int):
+    def make_mask(self, S: int, return_array: bool = True, window_size: Optional[int] = None):
+        """(B, 1, S, idx + S) boolean: causal and each row's valid slots (always an array)."""
+        _no_window(window_size)
         L = self.idx + S
         old = self.valid[:, : self.idx] if self.valid is not None else mx.zeros((len(self.pos), 0), mx.bool_)
         valid = mx.concatenate([old, self._new_valid()], axis=1)
