@@ -19,7 +19,9 @@ class UserError(Exception):
 
 def add_model_arguments(p: argparse.ArgumentParser):
     p.add_argument("--model", default=None,
-                   help="Local model directory (default: the embedded demo model)")
+                   help="Local model directory or Hugging Face id org/name[@revision], "
+                        "downloaded to the Hugging Face cache (default: the embedded demo "
+                        "model)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--num-draft-tokens", "--spec-draft-n-max", type=int, default=3,
                    dest="num_draft_tokens",
@@ -36,6 +38,14 @@ def add_model_arguments(p: argparse.ArgumentParser):
     p.add_argument("--spec-draft-p-min", type=float, default=None, metavar="P",
                    help="llama-server compatibility: accepted and not used (K adapts to the "
                         "measured acceptance instead of a per-token confidence cut-off)")
+    # mlx-vlm's spelling: --draft-model DIR --draft-kind mtp.
+    p.add_argument("--mtp-model", "--draft-model", dest="mtp_model", default=None,
+                   metavar="PATH|ID",
+                   help="Split MTP drafter (a directory or hub id in mlx-vlm's layout, e.g. "
+                        "an mlx-community ...-MTP-4bit repo, or one written by `convert "
+                        "--split-mtp`) whose head drafts for --model; checked to belong to it")
+    p.add_argument("--draft-kind", default=None, metavar="KIND",
+                   help="mlx-vlm compatibility: mtp (the only kind mlx-mtp drafts with)")
     p.add_argument("--mtp-hidden", choices=["post_norm", "pre_norm"], default=None,
                    help="Trunk hidden state fed to the MTP head (default post_norm)")
     add_dtype_argument(p)
@@ -45,6 +55,19 @@ def add_model_arguments(p: argparse.ArgumentParser):
                         "launched with more than one rank): pipeline (layers) or tensor "
                         "(heads). Default: tensor when the heads divide evenly and all ranks "
                         "are on this machine, else pipeline")
+
+
+def mtp_model_from_args(args, distributed: bool = False):
+    """The split drafter ``--mtp-model`` names (None: the model's own head)."""
+    kind = getattr(args, "draft_kind", None)
+    if kind not in (None, "mtp"):
+        raise UserError(f"--draft-kind {kind} is not supported: mlx-mtp drafts with MTP heads "
+                        "only (--draft-kind mtp, or leave it out)")
+    path = getattr(args, "mtp_model", None)
+    if path is not None and distributed:
+        raise UserError("--mtp-model cannot be combined with a distributed run yet: convert "
+                        "the pair into one checkpoint (`mlx-mtp add-mtp`) instead")
+    return path
 
 
 def add_dtype_argument(p):

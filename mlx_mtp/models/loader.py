@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -14,7 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from . import UnsupportedModelError, get_model_module, layout
+from . import UnsupportedModelError, get_model_module, layout, split_drafter
 from .hybrid import SparseMoeBlock
 from .layout import CheckpointError
 
@@ -30,19 +31,26 @@ class ModelLoadError(CheckpointError):
 USER_ERRORS = (CheckpointError, UnsupportedModelError)
 
 
-def resolve_model_path(path: Optional[str]) -> Path:
+def resolve_model_path(path: Optional[str], files=None) -> Path:
+    """The local directory of ``path``: a directory, a hub id ``org/name[@revision]``
+    (downloaded into the Hugging Face cache: only ``files``, patterns, default
+    ``hub.MODEL_FILES``), or None for the embedded demo model."""
+    from .. import hub
+
     if path is None:
         if not (DEFAULT_MODEL / "config.json").exists():
             raise ModelLoadError(
                 "No --model given and the embedded demo model is not installed "
-                f"(expected at {DEFAULT_MODEL}). Pass --model PATH to a local checkpoint."
+                f"(expected at {DEFAULT_MODEL}). Pass --model PATH or --model org/name."
             )
         return DEFAULT_MODEL
     p = Path(path).expanduser()
     if not p.exists():
+        if hub.parse_repo_id(str(path)) is not None:
+            return hub.snapshot(str(path), files or hub.MODEL_FILES)
         raise ModelLoadError(
-            f"Model path {path!r} does not exist. mlx-mtp loads local checkpoints "
-            "(a directory with config.json and *.safetensors)."
+            f"Model path {path!r} does not exist. Pass a local checkpoint (a directory with "
+            "config.json and *.safetensors) or a Hugging Face id (org/name[@revision])."
         )
     if not (p / "config.json").exists():
         raise ModelLoadError(f"{p} has no config.json; is it a model directory?")
@@ -243,20 +251,38 @@ def load_model(
     mtp_hidden: Optional[str] = None,
     dtype=None,
     lazy: bool = False,
+    mtp_model=None,
 ) -> Tuple[nn.Module, dict]:
     """Build the model for ``path`` and load its weights (MTP head included).
 
     ``mtp=False`` skips the head (and runs models whose weights lack one). ``dtype``: see
     ``resolve_dtype`` (None: as stored); the choice made is ``model.load_dtype``.
+    ``mtp_model``: a split MTP drafter (directory or hub id) whose head replaces the
+    model's own (``split_drafter``), after checking it belongs to this model.
     """
     path = resolve_model_path(path) if not isinstance(path, Path) else path
     config = _apply_overrides(load_config(path), mtp, mtp_hidden)
     model_type = config.get("model_type")
     if model_type is None:
         raise ModelLoadError(f"{path / 'config.json'} has no model_type.")
+    if (mtp and not mtp_model and layout.family(config) in layout.QWEN_FAMILIES
+            and layout.config_mtp_layers(config) and not _has_head(path)):
+        mtp_model = split_drafter.sibling_drafter(path)  # Name-4bit beside Name-MTP-4bit
+        if mtp_model is not None:
+            print(f"mlx-mtp: note: {path} has no MTP head; drafting with the one in "
+                  f"{mtp_model}, beside it (pass --mtp-model to choose another)",
+                  file=sys.stderr)
+    drafter = _read_drafter(mtp_model, config, path) if mtp and mtp_model else None
     model = build_model(config, path / "config.json")
-    weights = model.sanitize(read_weights(path))
-    quantize_like_checkpoint(model, weights, layout.config_quantization(config))
+    weights = read_weights(path)
+    if drafter is not None:
+        weights = split_drafter.merge_into(weights, drafter)
+    weights = model.sanitize(weights)
+    quantization = layout.config_quantization(config)
+    if drafter is not None:
+        prefix = next(k for k in weights if layout.is_mtp_key(k)).split("mtp.")[0] + "mtp."
+        quantization = dict(quantization or {}, **drafter.quantization_overrides(prefix))
+    quantize_like_checkpoint(model, weights, quantization)
     dtype = resolve_dtype(dtype, weights, model)
     if dtype is not None:
         quantized = _quantized_prefixes(weights)
@@ -272,6 +298,21 @@ def load_model(
     if not lazy:
         mx.eval(model.parameters())
     return model, config
+
+
+def _has_head(path: Path) -> bool:
+    """Whether the checkpoint stores MTP tensors (read from the file headers only)."""
+    return any(layout.is_mtp_key(k) for f in weight_files(path)
+               for k in read_safetensors_header(f))
+
+
+def _read_drafter(mtp_model, config: dict, path: Path):
+    """The split drafter ``mtp_model`` for the model at ``path``; records its depth in
+    ``config``."""
+    drafter = split_drafter.read_drafter(resolve_model_path(str(mtp_model)))
+    split_drafter.check_belongs(drafter, config, path)
+    layout.set_config_mtp_layers(config, drafter.num_layers)
+    return drafter
 
 
 def load_tokenizer(path: Path, config: dict):
@@ -303,7 +344,7 @@ def check_tokenizer_fits(model, tokenizer, where) -> None:
 
 
 def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str] = None,
-         dtype=None, lazy: bool = False):
+         dtype=None, lazy: bool = False, mtp_model=None):
     """Load model and tokenizer. ``path=None`` loads the embedded demo model. ``dtype``:
     None (weights as stored), ``"auto"`` (the CLI's default: float32 on the CPU for small
     half-precision checkpoints), ``"float32"``/``"bfloat16"``/``"float16"`` or an mx.Dtype."""
@@ -311,7 +352,8 @@ def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str]
 
     blas.ensure_configured()  # Linux CPU: OpenBLAS for multi-row matmuls, checked once
     p = resolve_model_path(path)
-    model, config = load_model(p, mtp=mtp, mtp_hidden=mtp_hidden, dtype=dtype, lazy=lazy)
+    model, config = load_model(p, mtp=mtp, mtp_hidden=mtp_hidden, dtype=dtype, lazy=lazy,
+                               mtp_model=mtp_model)
     tokenizer = load_tokenizer(p, config)
     check_tokenizer_fits(model, tokenizer, p)
     return model, tokenizer

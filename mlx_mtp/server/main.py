@@ -18,8 +18,8 @@ from ..models.layout import text_config
 from ..models.distributed import distributed_group, load_distributed
 from ..models.loader import generation_defaults, load, load_config, resolve_model_path
 from ..options import (UserError, add_model_arguments, add_sampling_arguments,
-                       apply_model_options, num_draft_tokens_from_args, parse_json_arg,
-                       sampling_defaults, sampling_from_args)
+                       apply_model_options, mtp_model_from_args, num_draft_tokens_from_args,
+                       parse_json_arg, sampling_defaults, sampling_from_args)
 from .app import create_app
 from .distributed import LeaderSync, run_follower
 from .engine import Engine
@@ -256,8 +256,9 @@ def run(args) -> int:
     log.info("Loading %s (MTP %s)", path, f"K={k}" if k else "off")
     if group is None:
         model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden,
-                                dtype=args.dtype)
+                                dtype=args.dtype, mtp_model=mtp_model_from_args(args))
     else:
+        mtp_model_from_args(args, distributed=True)
         model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=k > 0,
                                             mtp_hidden=args.mtp_hidden, dtype=args.dtype)
     apply_model_options(model, args)
