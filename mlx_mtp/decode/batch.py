@@ -145,7 +145,8 @@ class BatchDecoder:
             else:
                 caches.append((c, c.idx, list(c.pos), c.valid, c.keys, c.values))
         rows = [(r, r.y, r.n_out, None if r.owed is None else r.owed.copy(),
-                 None if r.sampler.history is None else r.sampler.history.state())
+                 None if r.sampler.history is None else r.sampler.history.state(),
+                 None if r.sampler.grammar is None else r.sampler.grammar.state())
                 for r in self.rows]
         return caches, rows
 
@@ -157,10 +158,12 @@ class BatchDecoder:
                 c.clear_captured()
             else:
                 c.idx, c.pos, c.valid, c.keys, c.values = state
-        for r, y, n_out, owed, history in rows:
+        for r, y, n_out, owed, history, grammar in rows:
             r.y, r.n_out, r.owed = y, n_out, owed
             if history is not None:
                 r.sampler.history.restore(history)
+            if grammar is not None:  # commits of rows before a failing one
+                r.sampler.grammar.restore(grammar)
 
     def calibrate(self, batch_sizes=(1, 4, 16), steps: int = 3, prompt_len: int = 16) -> float:
         """Time steps of dummy batches at a few (batch size, K) cells before serving.

@@ -37,6 +37,7 @@ import mlx.core as mx
 
 from ..models.cache import cache_state_arrays
 from ..decode.batch import BatchDecoder, BatchStepError
+from ..decode.grammar import first_line
 from ..decode.speculative import MTPDecoder, SpecStats, StepOutput
 from ..decode.text_stream import TextStream, token_bytes
 from ..models.hybrid import CHUNKED_MIN_TOKENS
@@ -149,7 +150,9 @@ class Engine:
                 raise EngineUnavailable("The server is shutting down.", "shutting_down")
             if self.sync.lost:
                 raise EngineUnavailable(self.sync.lost, "distributed_rank_lost")
-            if len(self._incoming) + len(self.waiting) >= self.max_queue:
+            # Requests that will start at once (free slots) are not waiting.
+            free = max(0, self.max_concurrency - len(self.running))
+            if len(self._incoming) + len(self.waiting) - free >= self.max_queue:
                 raise OverflowError(
                     f"Too many requests waiting ({self.max_queue}); try again later.")
             self._incoming.append(req)
@@ -509,10 +512,13 @@ class Engine:
     # -- failures -------------------------------------------------------------------
     @staticmethod
     def _error_status(e: Exception):
-        if isinstance(e, MemoryError) or "out of memory" in str(e).lower() \
-                or "unable to allocate" in str(e).lower():
-            return 500, f"Out of memory while generating: {e}", "out_of_memory"
-        return 500, f"Generation failed: {type(e).__name__}: {e}", "internal_error"
+        """(status, message, code) for a client: the reason's first line only (the log has
+        the rest; a library's reason can carry its internal state or build paths)."""
+        reason = first_line(e)
+        if isinstance(e, MemoryError) or "out of memory" in reason.lower() \
+                or "unable to allocate" in reason.lower():
+            return 500, f"Out of memory while generating: {reason}", "out_of_memory"
+        return 500, f"Generation failed: {type(e).__name__}: {reason}", "internal_error"
 
     def _fail(self, seq: _Seq, e: Exception):
         if self.sync.group_lost(e):
