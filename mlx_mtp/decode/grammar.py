@@ -210,9 +210,11 @@ class Grammar:
             probe.mask()
         except GrammarFailure as e:
             raise GrammarError(f"invalid grammar: {e}") from e
+        self._unused: Optional[GrammarState] = probe  # the first row's state
 
     def start(self) -> "GrammarState":
-        return GrammarState(self)
+        state, self._unused = self._unused, None
+        return state if state is not None else GrammarState(self)
 
 
 class GrammarState:
