@@ -15,7 +15,9 @@ Starts a server (the embedded demo model by default, or ``--model``), then:
    lost: every stream ends with a finish reason and ``[DONE]``);
 6. measures inter-token latency of running streams while a ~30k-token prompt arrives;
 7. sends SIGTERM with streams in flight: each must end (complete, or an error event) and the
-   process must exit 0.
+   process must exit 0;
+8. (a second and third server) flips bytes in the data of a stored disk session and checks
+   the restarted server answers as a cold one (before the SIGTERM of step 7).
 
 ``--code DIR`` runs the server from another checkout (e.g. ``/work/before``) for an A/B.
 Prints a summary; ``--json FILE`` writes the figures.
@@ -389,6 +391,38 @@ def sigterm_in_flight(srv: Server, n: int) -> dict:
             "results": [r[0] if r else None for r in results]}
 
 
+# --- 8. disk sessions ---------------------------------------------------------------------------
+def disk_session_corruption(args, workdir: Path) -> dict:
+    """A conversation is stored by one server, bytes of its entry's data are flipped, and a
+    restarted server must answer as the first one did (cold), never from the damaged state."""
+    flags = ["--prompt-cache-dir", str(workdir), "--prompt-cache-min-tokens", "64"]
+    body = {"messages": [{"role": "user", "content": "Summarise: " + "the cache holds " * 60}],
+            "max_tokens": 24, "temperature": 0}
+    answers, damaged = [], 0
+    for corrupt in (False, True):
+        srv = Server(args, flags)
+        try:
+            if corrupt:
+                for f in workdir.glob("*.safetensors"):
+                    data = bytearray(f.read_bytes())
+                    start = 8 + int.from_bytes(data[:8], "little")
+                    for i in range(start + 100, len(data), max(1, (len(data) - start) // 7)):
+                        data[i] ^= 0x10  # header and size intact
+                    f.write_bytes(bytes(data))
+                    damaged += 1
+            r = post(srv, CHAT, body)
+            answers.append((r.status_code, r.json()["choices"][0]["message"]["content"],
+                            r.json()["usage"].get("prompt_tokens_details", {})))
+        finally:
+            srv.proc.send_signal(signal.SIGTERM)
+            srv.proc.wait(60)
+        if not corrupt:  # restart over the same directory, after the entries are written
+            time.sleep(1.0)
+    (s1, cold, _), (s2, after, details) = answers
+    return {"status": [s1, s2], "entries_damaged": damaged, "equal_to_cold": cold == after,
+            "cached_tokens_after_corruption": (details or {}).get("cached_tokens")}
+
+
 # --- the run -----------------------------------------------------------------------------------
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -399,6 +433,7 @@ def main():
     ap.add_argument("--long-prompt-tokens", type=int, default=30000)
     ap.add_argument("--skip-itl", action="store_true", help="skip step 6 (long prefill)")
     ap.add_argument("--itl-only", action="store_true", help="run step 6 only")
+    ap.add_argument("--skip-disk", action="store_true", help="skip step 8 (disk sessions)")
     args = ap.parse_args()
 
     probe = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "serve", "--help"],
@@ -478,6 +513,16 @@ def main():
         print(f"6. inter-token latency of 4 running streams while a {itl['prompt_tokens']}-token "
               f"prompt arrives ({itl['prefill_s']:.1f} s): p50 {itl['p50_ms']:.0f} ms, p99 "
               f"{itl['p99_ms']:.0f} ms, max {itl['max_ms']:.0f} ms over {itl['gaps']} gaps")
+
+    if not args.skip_disk:
+        import tempfile
+
+        disk = disk_session_corruption(args, Path(tempfile.mkdtemp(prefix="adv-sessions-")))
+        report["disk_session_corruption"] = disk
+        print(f"8. disk session ({disk['entries_damaged']} entries) with flipped data bytes: "
+              f"answer "
+              f"{'equals' if disk['equal_to_cold'] else 'DIFFERS from'} the cold one, "
+              f"{disk['cached_tokens_after_corruption']} cached tokens used")
 
     up = srv.up()
     report["server_up"] = up
