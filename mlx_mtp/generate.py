@@ -32,6 +32,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    from .decode import step_costs
     from .decode.generation import format_stats, stream_generate
     from .decode.prompt import build_prompt
     from .models.loader import check_tokenizer_fits, generation_defaults, load
@@ -68,14 +69,19 @@ def run(args) -> int:
     text = build_prompt(tokenizer, prompt, args.system_prompt, template_args,
                         args.ignore_chat_template)
     last = None
+    # Step costs measured on this machine before (or in a short calibration now): K is
+    # right from the first steps. Not for a split model (ranks would time differently).
+    policy = step_costs.policy_for(model, k) if adaptive and k and group is None else None
     if args.verbose:
         print("==========")
     for r in stream_generate(model, tokenizer, text, max_tokens=args.max_tokens,
                              sampling=sampling, num_draft_tokens=k, adaptive=adaptive,
-                             prefill_step_size=args.prefill_step_size):
+                             prefill_step_size=args.prefill_step_size, policy=policy):
         print(r.text, end="", flush=True)
         last = r
     print()
+    if policy is not None:
+        step_costs.save(model, policy)
     if args.verbose and last is not None:
         print("==========")
         print(format_stats(last))

@@ -166,7 +166,7 @@ def mtp_source(spec: str, workdir: Path) -> Path:
     them (checksummed). Downloads nothing else."""
     import json
 
-    from .models.layout import is_mtp_key
+    from .models.attention_trunk import mtp_key_predicate
 
     parsed = parse_repo_id(spec)
     if parsed is None:
@@ -174,6 +174,7 @@ def mtp_source(spec: str, workdir: Path) -> Path:
     repo_id, revision = parsed
     config = download_file(repo_id, "config.json", revision)
     revision = config.parent.name  # the snapshot's commit: every file from the same one
+    is_mtp_key = mtp_key_predicate(json.loads(config.read_text()))  # key names differ per family
     index = download_file(repo_id, "model.safetensors.index.json", revision, missing_ok=True)
     if index is None:
         shards = ["model.safetensors"]  # a single-file checkpoint holds everything

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..models.cache import RecurrentCache, cache_state_arrays
+from ..models.cache import cache_state_arrays, restore_caches, snapshot_caches
 from ..decode.policy import DraftPolicy
 from ..decode.sampling import SamplingParams, log_softmax
 from ..decode.speculative import MTPDecoder, SpecStats
@@ -137,21 +137,6 @@ def run_once(model, ids: Sequence[int], setting: Setting, sampling: SamplingPara
 
 
 # --- pass costs ---------------------------------------------------------------------
-def _save(caches) -> list:
-    """What a pass changes in each cache (arrays are immutable: references suffice)."""
-    return [(c.conv, c.ssm, c.offset) if isinstance(c, RecurrentCache) else c.offset
-            for c in caches]
-
-
-def _restore(caches, saved: list):
-    for c, s in zip(caches, saved):
-        if isinstance(c, RecurrentCache):
-            c.conv, c.ssm, c.offset = s
-            c.clear_captured()
-        else:
-            c.offset = s  # KV rows past the offset are overwritten by the next write
-
-
 def measure_costs(model, ids: Sequence[int], ks: Sequence[int], reps: int = 7,
                   prefill_step_size: int = 2048) -> dict:
     """Seconds for a plain step, a verify pass per K and a draft call, after ``ids``.
@@ -181,24 +166,24 @@ def measure_costs(model, ids: Sequence[int], ks: Sequence[int], reps: int = 7,
         if k > 0:
             passes[k] = (trunk_pass(mx.repeat(y, k + 1, axis=1), True), dec.cache)
     if has_mtp:
-        saved = _save(dec.cache)
+        saved = snapshot_caches(dec.cache)
         _, hidden = model.trunk(y, dec.cache)  # a real trunk hidden for the head
         mx.eval(hidden)
-        _restore(dec.cache, saved)
+        restore_caches(saved)
 
         def draft():
             h = model.mtp_forward(hidden, y, dec.mtp_cache)  # the head drafts from draft_logits
             return [mx.argmax(log_softmax(model.draft_logits(h[:, -1])), axis=-1),
-                    *[a for c in dec.mtp_cache for a in c.state if a is not None]]
+                    *cache_state_arrays(dec.mtp_cache)]
         passes["draft"] = (draft, dec.mtp_cache)
-    base = {name: _save(caches) for name, (_, caches) in passes.items()}
+    base = {name: snapshot_caches(caches) for name, (_, caches) in passes.items()}
     times: Dict[object, List[float]] = {name: [] for name in passes}
     for i in range(reps + 1):  # round 0 warms up (and grows the KV buffers)
         for name, (fn, caches) in passes.items():
             tic = time.perf_counter()
             mx.eval(fn())
             dt = time.perf_counter() - tic
-            _restore(caches, base[name])
+            restore_caches(base[name])
             if i:
                 times[name].append(dt)
     out = {"context_tokens": len(ids), "plain_s": st.median(times["plain"]),

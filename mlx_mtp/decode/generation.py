@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from ..models.layout import check_acceptance
 from .grammar import Grammar
+from .policy import DraftPolicy
 from .prompt import encode_prompt
 from .sampling import SamplingParams
 from .speculative import MTPDecoder, SpecStats
@@ -43,6 +44,7 @@ def stream_generate(
     prefill_step_size: int = 2048,
     stop: Sequence[str] = (),
     grammar: Optional[str] = None,
+    policy: Optional[DraftPolicy] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text, with MTP speculative decoding when ``num_draft_tokens`` > 0.
 
@@ -51,6 +53,7 @@ def stream_generate(
     ``tokenizer.decode`` of the generated ids (eos excluded), cut before the first of
     the ``stop`` strings. ``grammar``: an llguidance grammar the output must match
     (``grammar.json_schema_grammar(schema)`` for JSON); generation ends where it does.
+    ``policy``: the ``DraftPolicy`` choosing K (e.g. ``step_costs.policy_for``).
     """
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0 (got {max_tokens})")
@@ -60,7 +63,7 @@ def stream_generate(
     if grammar is not None:
         state = Grammar(tokenizer, grammar, model.text.args.vocab_size, sorted(text.eos)).start()
     dec = MTPDecoder(model, num_draft_tokens, sampling, adaptive=adaptive,
-                     prefill_step_size=prefill_step_size, grammar=state)
+                     prefill_step_size=prefill_step_size, grammar=state, policy=policy)
     mx.reset_peak_memory()
 
     tic = time.perf_counter()

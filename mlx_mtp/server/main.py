@@ -23,8 +23,8 @@ from ..options import (UserError, add_model_arguments, add_sampling_arguments,
 from .app import create_app
 from .distributed import LeaderSync, run_follower
 from .engine import Engine
-from .http_guard import (LOCAL_HOST_NAMES, GuardConfig, host_name as host_name_of, is_loopback,
-                         split_list, timed_http_protocol)
+from .http_guard import (LOCAL_HOST_NAMES, GuardConfig, add_cors, host_name as host_name_of,
+                         is_loopback, split_list, timed_http_protocol)
 from .metrics import ServerMetrics
 from .prefix_cache import PrefixCache
 from .state import ServerState, max_token_chars
@@ -280,10 +280,7 @@ def run(args) -> int:
                         allowed_origins=set(origins), check_origin=state.api_key is None)
     app = create_app(state, guard)
     if origins:  # outermost: CORS headers on every answer, errors included
-        from fastapi.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=origins,
-                           allow_methods=["*"], allow_headers=["*"])
+        add_cors(app, origins)
 
     engine = state.engine
     engine.start()
