@@ -6,7 +6,8 @@ import os
 import sys
 
 from .options import (UserError, add_model_arguments, add_sampling_arguments,
-                      apply_model_options, mtp_model_from_args, num_draft_tokens_from_args,
+                      apply_model_options, describe_choices, mtp_model_from_args,
+                      num_draft_tokens_from_args,
                       parse_json_arg, sampling_from_args)
 
 
@@ -85,6 +86,7 @@ def run(args) -> int:
     if args.verbose and last is not None:
         print("==========")
         print(format_stats(last))
+        print(describe_choices(model))
         if sys.platform == "linux":
             print(blas.describe())
         if group is not None:

@@ -93,7 +93,9 @@ def add_speed_arguments(p):
                         "model's draft_vocab.json, made by `mlx-mtp draft-vocab`): drafts read "
                         "N rows of the output layer instead of all. Lossless: output is "
                         "unchanged, only acceptance may drop. auto (default): the size the "
-                        "ranking file recommends, if the model has one, else off; 0 = off")
+                        "ranking file recommends; without a file, for Qwen3.5/3.6 tokenizers, "
+                        "the shipped ranking at the size the cost model picks, re-sized from "
+                        "the tokens generated; else off. 0 = off")
     p.add_argument("--compile-steps", action="store_true",
                    help="Run the Gated DeltaNet layers of decode and verify steps as "
                         "mx.compile'd graphs (one per K). Off by default: on MLX's CPU backend "
@@ -108,10 +110,40 @@ def apply_model_options(model, args):
     vocab = draft_vocab_from_args(model, args)
     if (bits is not None or vocab is not None) and model.num_mtp_layers > 0:
         model.set_draft_head(bits, vocab=vocab)
+    if vocab is None and _shipped_vocab_applies(model, args):
+        from .models import draft_vocab_auto
+        from .models.loader import resolve_model_path
+
+        draft_vocab_auto.install(model, resolve_model_path(args.model), bits)
+    else:
+        model.draft_vocab_tuner = None  # a size given or off: never re-sized
     if getattr(args, "compile_steps", False):
         if not hasattr(model, "set_compiled"):
             raise UserError("--compile-steps is not available for this model (distributed)")
         model.set_compiled(True)
+
+
+def describe_choices(model) -> str:
+    """What ``--dtype auto`` and ``--draft-vocab`` chose for ``model`` (one stats line)."""
+    dtype = getattr(model, "dtype_choice", None) or "as stored"
+    tuner = getattr(model, "draft_vocab_tuner", None)
+    head = model.text.draft_head if model.num_mtp_layers else None
+    if tuner is not None:
+        vocab = tuner.describe()
+    elif head is not None and head.restricted:
+        vocab = f"{head.size} tokens (draft_vocab.json)"
+    else:
+        vocab = "whole vocabulary"
+    return f"Weights: {dtype}; draft vocabulary: {vocab}"
+
+
+def _shipped_vocab_applies(model, args) -> bool:
+    """``--draft-vocab auto`` without a ranking file: the shipped ranking, if it matches."""
+    from .models import draft_vocab
+    from .models.loader import resolve_model_path
+
+    return (getattr(args, "draft_vocab", None) == "auto" and model.num_mtp_layers > 0
+            and not (resolve_model_path(args.model) / draft_vocab.FILE).exists())
 
 
 def draft_vocab_from_args(model, args):

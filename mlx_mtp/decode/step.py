@@ -199,6 +199,7 @@ class DecodeBatch:
             for b, r in enumerate(self.rows):
                 if r.sampler.grammar is not None:
                     self._on_row(b, lambda: r.sampler.grammar.commit([ids[b]]))
+            self._observe(ids)
             return [StepOutput([ids[b]], p.logprobs[b : b + 1], 0, 0)
                     for b in range(len(self.rows))]
         B, k = len(self.rows), p.k
@@ -228,7 +229,14 @@ class DecodeBatch:
             if r.sampler.grammar is not None:
                 self._on_row(b, lambda: r.sampler.grammar.commit(ids))
             out.append(StepOutput(ids, p.logprobs[b, : n + 1], p.ks[b], n))
+        self._observe([t for o in out for t in o.tokens])
         return out
+
+    def _observe(self, ids: List[int]):
+        """The default draft vocabulary re-sizes from the tokens emitted (draft_vocab_auto)."""
+        tuner = getattr(self.model, "draft_vocab_tuner", None)
+        if tuner is not None:
+            tuner.observe(ids)
 
     # -- internals -------------------------------------------------------------------
     def _groups(self) -> List[_Group]:

@@ -205,32 +205,49 @@ def _castable(key: str, value: mx.array, model, quantized: set) -> bool:
 
 
 def resolve_dtype(choice, weights: dict, model) -> Optional[mx.Dtype]:
-    """The dtype float weights are cast to at load; None keeps them as stored.
+    """The dtype float weights are cast to at load; None keeps them as stored (see
+    ``choose_dtype``)."""
+    return choose_dtype(choice, weights, model)[0]
+
+
+def choose_dtype(choice, weights: dict, model) -> Tuple[Optional[mx.Dtype], str]:
+    """The dtype float weights are cast to at load (None: as stored), and why.
 
     ``choice``: None (as stored), an ``mx.Dtype``, a name of ``DTYPES``, or ``"auto"``:
     float32 on the CPU for a checkpoint with half-precision weights, none quantized, whose
-    float32 copy fits ``AUTO_FLOAT32_MAX_BYTES``; as stored otherwise (GPUs run bf16 fast).
+    float32 copy fits ``AUTO_FLOAT32_MAX_BYTES`` (and a quarter of the memory); as stored
+    otherwise (GPUs run bf16 fast).
     """
     if choice is None or isinstance(choice, mx.Dtype):
-        return choice
+        return choice, "as stored" if choice is None else f"{_name(choice)} (requested)"
     if choice in DTYPES:
-        return DTYPES[choice]
+        return DTYPES[choice], f"{choice} (requested)"
     if choice != "auto":
         raise ModelLoadError(f"dtype must be one of {', '.join(DTYPE_CHOICES)} (got {choice!r})")
     if mx.default_device() != mx.cpu:
-        return None
+        return None, "as stored (auto: GPU)"
     quantized = _quantized_prefixes(weights)
     if quantized:
-        return None  # quantized checkpoints keep their dtype
+        return None, "as stored (auto: quantized checkpoint)"
     floats = [v for k, v in weights.items() if _castable(k, v, model, quantized)]
-    if not any(v.dtype in (mx.bfloat16, mx.float16) for v in floats):
-        return None
+    half = [v.dtype for v in floats if v.dtype in (mx.bfloat16, mx.float16)]
+    if not half:
+        return None, "as stored (auto: no half-precision weights)"
     limit = AUTO_FLOAT32_MAX_BYTES
     try:
         limit = min(limit, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4)
     except (ValueError, OSError, AttributeError):
         pass
-    return mx.float32 if sum(4 * v.size for v in floats) <= limit else None
+    size = sum(4 * v.size for v in floats)
+    if size <= limit:
+        return mx.float32, (f"float32 (auto: {_name(half[0])} upcast, float32 copy "
+                            f"{size / 1e9:.2f} GB <= {limit / 1e9:.2f} GB)")
+    return None, (f"{_name(half[0])} as stored (auto: float32 copy {size / 1e9:.2f} GB > "
+                  f"{limit / 1e9:.2f} GB, where bf16 decodes faster on this CPU)")
+
+
+def _name(dtype: mx.Dtype) -> str:
+    return next((n for n, d in DTYPES.items() if d == dtype), str(dtype))
 
 
 def build_model(config: dict, where="config.json") -> nn.Module:
@@ -283,7 +300,7 @@ def load_model(
         prefix = next(k for k in weights if layout.is_mtp_key(k)).split("mtp.")[0] + "mtp."
         quantization = dict(quantization or {}, **drafter.quantization_overrides(prefix))
     quantize_like_checkpoint(model, weights, quantization)
-    dtype = resolve_dtype(dtype, weights, model)
+    dtype, model.dtype_choice = choose_dtype(dtype, weights, model)
     if dtype is not None:
         quantized = _quantized_prefixes(weights)
         weights = {k: v.astype(dtype) if _castable(k, v, model, quantized) else v
