@@ -120,7 +120,10 @@ def _shipped_vocab_applies(model, args) -> bool:
     from .models import draft_vocab
     from .models.loader import resolve_model_path
 
+    # Not over a distributed group (no set_compiled): ranks holding different parts of the
+    # model would size the subset differently.
     return (getattr(args, "draft_vocab", None) == "auto" and model.num_mtp_layers > 0
+            and hasattr(model, "set_compiled")
             and not (resolve_model_path(args.model) / draft_vocab.FILE).exists())
 
 
