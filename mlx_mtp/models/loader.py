@@ -189,7 +189,9 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 DTYPE_CHOICES = ("auto",) + tuple(DTYPES)
 # ``auto`` upcasts half-precision weights to float32 on the CPU while the float32 copy stays
 # this small (and within a quarter of the memory): MLX's CPU backend runs float32 matmuls on
-# BLAS and bf16/fp16 ones without (demo model: 1.6-1.7x faster decoding in float32).
+# BLAS and bf16/fp16 ones without. Measured by shape (benchmarks/dtype_rule.py, real_shape.py;
+# docs/real-shape.md): float32 plain steps 1.4-2.8x faster from the demo model up to a 1B
+# Qwen3.5 (4.1 GB float32 copy), verify passes 2.9-4.6x; no measured shape where bf16 won.
 AUTO_FLOAT32_MAX_BYTES = 8 << 30
 
 
