@@ -6,8 +6,9 @@ import os
 import sys
 
 from .options import (UserError, add_model_arguments, add_sampling_arguments,
-                      apply_model_options, num_draft_tokens_from_args, parse_json_arg,
-                      sampling_from_args)
+                      apply_model_options, describe_choices, mtp_model_from_args,
+                      num_draft_tokens_from_args,
+                      parse_json_arg, sampling_from_args)
 
 
 def str_to_bool(value: str) -> bool:
@@ -52,8 +53,9 @@ def run(args) -> int:
     adaptive = not args.fixed_k
     if group is None:
         model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden,
-                                dtype=args.dtype)
+                                dtype=args.dtype, mtp_model=mtp_model_from_args(args))
     else:
+        mtp_model_from_args(args, distributed=True)
         import mlx.core as mx
         from .models.distributed import load_distributed, shared_seed
 
@@ -84,6 +86,7 @@ def run(args) -> int:
     if args.verbose and last is not None:
         print("==========")
         print(format_stats(last))
+        print(describe_choices(model))
         if sys.platform == "linux":
             print(blas.describe())
         if group is not None:

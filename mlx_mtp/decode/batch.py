@@ -218,17 +218,20 @@ class BatchDecoder:
             return None
         caches = snapshot_caches(self.cache + (self.mtp_cache or []))
         rows = [(r, r.y, r.n_out, None if r.owed is None else r.owed.copy(),
-                 None if r.sampler.history is None else r.sampler.history.state())
+                 None if r.sampler.history is None else r.sampler.history.state(),
+                 None if r.sampler.grammar is None else r.sampler.grammar.state())
                 for r in self.rows]
         return caches, rows
 
     def _restore(self, snap):
         caches, rows = snap
         restore_caches(caches)
-        for r, y, n_out, owed, history in rows:
+        for r, y, n_out, owed, history, grammar in rows:
             r.y, r.n_out, r.owed = y, n_out, owed
             if history is not None:
                 r.sampler.history.restore(history)
+            if grammar is not None:  # commits of rows before a failing one
+                r.sampler.grammar.restore(grammar)
 
     def calibrate(self, batch_sizes=(1, 4, 16), steps: int = 3, prompt_len: int = 16,
                   budget: Optional[float] = None) -> float:
