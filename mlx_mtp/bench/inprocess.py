@@ -213,27 +213,12 @@ def summarize_setting(setting: Setting, runs: List[RunResult], plain_runs: Dict[
                       costs: dict) -> dict:
     """One row of the result table (JSON-ready)."""
     tps = [r.gen_tps for r in runs]
-    # Per repeat: all prompts' tokens over all prompts' time (spread = run-to-run noise).
-    by_rep: Dict[int, List[float]] = {}
-    for r in runs:
-        tok_time = by_rep.setdefault(r.repeat, [0, 0.0])
-        tok_time[0] += r.gen_tokens
-        tok_time[1] += r.gen_time
-    rep_tps = [n / t for n, t in by_rep.values() if t > 0] or [0.0]
     spec = SpecStats()
     for r in runs:
         spec.merge(r.spec)
     pairs = [(r, plain_runs.get((r.repeat, r.prompt))) for r in runs]
     ratios = [r.gen_tps / p.gen_tps for r, p in pairs if p is not None and p.gen_tps > 0]
-    # Speedup per repeat: the same prompts' aggregate tok/s, this setting over plain.
-    plain_by_rep: Dict[int, List[float]] = {}
-    for r, p in pairs:
-        if p is not None:
-            tok_time = plain_by_rep.setdefault(r.repeat, [0, 0.0])
-            tok_time[0] += p.gen_tokens
-            tok_time[1] += p.gen_time
-    rep_ratios = [(by_rep[k][0] / by_rep[k][1]) / (n / t)
-                  for k, (n, t) in plain_by_rep.items() if n and t > 0 and by_rep[k][1] > 0]
+    rep_tps, rep_ratios = _per_repeat(pairs)
     gen_tokens = sum(r.gen_tokens for r in runs)
     gen_time = sum(r.gen_time for r in runs)
     steps = sum(r.steps for r in runs)
@@ -279,6 +264,32 @@ def summarize_setting(setting: Setting, runs: List[RunResult], plain_runs: Dict[
         "c_verify": None, "c_draft": costs.get("c_draft"), "step_cost_model": None,
         "ideal_speedup": None, "efficiency": None,
     }
+    _add_cost_columns(row, setting, pairs, costs, cond, steps_by_k)
+    return row
+
+
+def _per_repeat(pairs):
+    """Per repeat: all prompts' tokens over all prompts' time (spread = run-to-run noise),
+    and the speedup: the same prompts' aggregate tok/s, this setting over plain."""
+    by_rep: Dict[int, List[float]] = {}
+    plain_by_rep: Dict[int, List[float]] = {}
+    for r, p in pairs:
+        tok_time = by_rep.setdefault(r.repeat, [0, 0.0])
+        tok_time[0] += r.gen_tokens
+        tok_time[1] += r.gen_time
+        if p is not None:
+            tok_time = plain_by_rep.setdefault(r.repeat, [0, 0.0])
+            tok_time[0] += p.gen_tokens
+            tok_time[1] += p.gen_time
+    rep_tps = [n / t for n, t in by_rep.values() if t > 0] or [0.0]
+    rep_ratios = [(by_rep[k][0] / by_rep[k][1]) / (n / t)
+                  for k, (n, t) in plain_by_rep.items() if n and t > 0 and by_rep[k][1] > 0]
+    return rep_tps, rep_ratios
+
+
+def _add_cost_columns(row: dict, setting: Setting, pairs, costs: dict, cond, steps_by_k):
+    """Measured step cost against plain, the cost model's, and the ideal speedup."""
+    runs = [r for r, _ in pairs]
     plain_step = st.median(
         [p.gen_time / p.steps for _, p in pairs if p is not None and p.steps]) if pairs else None
     if row["step_ms"] is not None and plain_step:
@@ -297,7 +308,6 @@ def summarize_setting(setting: Setting, runs: List[RunResult], plain_runs: Dict[
                 steps_by_k, sum(r.total_tokens for r in runs), c_verify, c_draft)
     if row["ideal_speedup"] and row["speedup"] is not None:
         row["efficiency"] = row["speedup"] / row["ideal_speedup"]
-    return row
 
 
 def _speedup_by_category(pairs) -> Dict[str, float]:
