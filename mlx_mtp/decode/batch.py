@@ -16,7 +16,8 @@ import time
 from typing import Dict, Hashable, List, Optional
 
 
-from ..models.cache import BatchKVCache, KVCache, RecurrentCache
+from ..models.cache import BatchKVCache, RecurrentCache
+from ..models.window_cache import batched
 from .policy import DraftPolicy
 from .speculative import MTPDecoder
 from .step import DecodeBatch, OwedPairs, Row, RowError, StepOutput
@@ -72,21 +73,21 @@ class BatchDecoder:
         for layer, c in zip(self.model.layers, dec.cache):
             if isinstance(c, RecurrentCache) and c.conv is None:  # one-token prompt
                 c.conv, c.ssm = layer.linear_attn.empty_state(1, dtype)
-        mtp_single = dec.mtp_cache if use_mtp else [KVCache() for _ in range(self.model.num_mtp_layers)]
+        mtp_single = dec.mtp_cache if use_mtp else self.model.make_mtp_cache()
         if core.cache is None:
             core.cache = [RecurrentCache.concat([c]) if isinstance(c, RecurrentCache)
-                          else BatchKVCache.from_single([c]) for c in dec.cache]
+                          else batched(c) for c in dec.cache]
             if self.K:
-                core.mtp_cache = [BatchKVCache.from_single([c]) for c in mtp_single]
+                core.mtp_cache = [batched(c) for c in mtp_single]
         else:
             for i, c in enumerate(dec.cache):
                 if isinstance(c, RecurrentCache):
                     core.cache[i] = RecurrentCache.concat([core.cache[i], c])
                 else:
-                    core.cache[i].extend(BatchKVCache.from_single([c]))
+                    core.cache[i].extend(batched(c))
             if self.K:
                 for i, c in enumerate(mtp_single):
-                    core.mtp_cache[i].extend(BatchKVCache.from_single([c]))
+                    core.mtp_cache[i].extend(batched(c))
         core.rows.append(row)
         # The batch holds copies now; free the sequence's own caches.
         dec.cache = None

@@ -17,6 +17,7 @@ MODEL_TYPES = {
     "glm4_moe_lite": "glm4_moe_lite",
     "deepseek_v3": "deepseek_v3",
     "mimo": "mimo",
+    "step3p5": "step3p5",
 }
 
 

@@ -1,0 +1,84 @@
+"""Tiny checkpoints of the families with special caches, in the released Hugging Face
+layout, for tests. ``step3p5``: full-attention and sliding-window layers (a window of 8
+so short prompts wrap it), MoE with a shared expert stored as released (3-D
+``moe.{gate,up,down}_proj``, ``moe.gate``, ``moe.router_bias``, ``share_expert``), every
+norm zero-centred, the MTP layer at ``model.layers.{N}.*`` with its block under
+``transformer.`` and the output layer's copy as ``shared_head.output``.
+
+Heads as in ``tiny_attention``: ``random``, ``oracle`` (acceptance 100 % at every depth),
+``noisy`` (partial acceptance).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..convert.checkpoint_io import write_checkpoint
+from .tiny import TOKENIZER_DIR
+from .tiny_attention import build_model, make_oracle
+
+WINDOW = 8
+
+
+def step3p5_config(vocab_size: int = 128, hidden: int = 64, num_layers: int = 3,
+                   mtp_layers: int = 1, window: int = WINDOW) -> dict:
+    types = (["sliding_attention", "full_attention"] * num_layers)[:num_layers]
+    return {"model_type": "step3p5", "architectures": ["Step3p5ForCausalLM"],
+            "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+            "num_hidden_layers": num_layers, "num_attention_heads": 4,
+            "num_attention_groups": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "max_position_embeddings": 4096,
+            "sliding_window": window,
+            # Released configs list the MTP layers' types after the trunk's.
+            "layer_types": types + ["sliding_attention"] * mtp_layers,
+            "attention_other_setting": {"num_attention_heads": 2, "num_attention_groups": 1},
+            "partial_rotary_factors": [0.5, 1.0] * num_layers,
+            "use_head_wise_attn_gate": True, "moe_num_experts": 4, "moe_top_k": 2,
+            "moe_intermediate_size": hidden // 2, "share_expert_dim": hidden // 2,
+            "moe_router_scaling_factor": 3.0, "norm_expert_weight": True,
+            "tie_word_embeddings": False, "num_nextn_predict_layers": mtp_layers}
+
+
+# Our (mlx-lm's) names of the MoE tensors -> the released ones.
+RELEASED_MOE = [(".mlp.switch_mlp.gate_proj.", ".moe.gate_proj."),
+                (".mlp.switch_mlp.up_proj.", ".moe.up_proj."),
+                (".mlp.switch_mlp.down_proj.", ".moe.down_proj."),
+                (".mlp.gate.gate.", ".moe.gate."), (".mlp.gate.router_bias", ".moe.router_bias"),
+                (".mlp.share_expert.", ".share_expert.")]
+
+
+def step3p5_to_hf(model, drop_mtp: bool = False) -> dict:
+    """Released names and forms: MoE names, norms zero-centred (w - 1)."""
+    flat = dict(tree_flatten(model.parameters()))
+    out = {}
+    for k, v in flat.items():
+        if k.startswith("mtp."):
+            continue
+        for ours, theirs in RELEASED_MOE:
+            k = k.replace(ours, theirs)
+        out[k] = v - 1 if k.endswith("norm.weight") else v
+    if model.num_mtp_layers and not drop_mtp:
+        out.update(model.checkpoint_mtp_names(
+            {k: v for k, v in flat.items() if k.startswith("mtp.")}))
+        prefix = model.family.mtp_prefix(model.args, 0)
+        out[prefix + "embed_tokens.weight"] = flat["model.embed_tokens.weight"]
+        out[prefix + "shared_head.output.weight"] = flat["lm_head.weight"]
+    return out
+
+
+def make_tiny_step3p5(path, head: str = "random", *, seed: int = 0, trunk_scale: float = 0.1,
+                      proj_noise: float = 2.5, drop_mtp: bool = False, dtype=mx.float32,
+                      **config_kwargs) -> Path:
+    config = step3p5_config(**config_kwargs)
+    model = build_model(config, seed)
+    if head in ("oracle", "noisy"):
+        make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
+    tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
+    write_checkpoint(path, step3p5_to_hf(model, drop_mtp), config, dtype=dtype,
+                     tokenizer_from=tokenizer,
+                     tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
+                     num_shards=None, mtp_file=False, fmt="pt")
+    return Path(path)
