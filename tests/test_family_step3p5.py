@@ -219,3 +219,30 @@ def test_mtp_layer_written_back_in_released_form(ckpt):
     assert "model.layers.3.transformer.self_attn.q_proj.weight" in written
     for k, v in written.items():
         np.testing.assert_allclose(np.array(v), raw[k], atol=1e-6, err_msg=k)
+
+
+def test_prompt_state_survives_the_disk_store(ckpt):
+    """A prefilled state written as the session store writes it and read back keeps its
+    windows (only their newest entries are stored): decoding continues exactly."""
+    from mlx_mtp.server.session_store import _state_from_tensors, _state_tensors
+
+    model = load_model(ckpt("noisy"))[0]
+
+    def decode(dec, n=12):
+        out = []
+        while len(out) < n:
+            out += dec.step().tokens
+        return out[:n]
+
+    dec = MTPDecoder(model, 2, adaptive=False)
+    dec.prefill(PROMPT, snapshot_at=len(PROMPT) - 2)
+    state = dec.snapshot_state
+    want = decode(dec)
+    windows = [c for c in state.cache + state.mtp_cache if isinstance(c, WindowKVCache)]
+    assert len(windows) == 3 and all(c.start > 0 for c in windows)
+    tensors, layout = _state_tensors(state)
+    loaded = _state_from_tensors({k: mx.array(np.array(v)) for k, v in tensors.items()}, layout)
+    fresh = MTPDecoder(model, 2, adaptive=False)
+    fresh.restore(loaded)
+    fresh.prefill(PROMPT)
+    assert decode(fresh) == want

@@ -41,6 +41,7 @@ import numpy as np
 from ..decode.speculative import DecoderState
 from ..decode.step import OwedPairs
 from ..models.cache import KVCache, RecurrentCache
+from ..models.window_cache import WindowKVCache
 
 log = logging.getLogger("mlx_mtp.server")
 
@@ -96,6 +97,8 @@ def _state_tensors(state: DecoderState) -> Tuple[Dict[str, mx.array], dict]:
                     tensors[f"{prefix}.{i}.conv"], tensors[f"{prefix}.{i}.ssm"] = c.conv, c.ssm
             elif isinstance(c, KVCache):
                 kinds.append(["kv", c.offset, c.keys is not None])
+                if isinstance(c, WindowKVCache):  # keeps only its window's newest entries
+                    kinds[-1] += [c.start, c.window]
                 if c.keys is not None:
                     tensors[f"{prefix}.{i}.k"], tensors[f"{prefix}.{i}.v"] = c.state
             else:
@@ -115,16 +118,19 @@ def _state_tensors(state: DecoderState) -> Tuple[Dict[str, mx.array], dict]:
 def _state_from_tensors(t: Dict[str, mx.array], layout: dict) -> DecoderState:
     def layers(kinds, prefix):
         out = []
-        for i, (kind, offset, filled) in enumerate(kinds):
+        for i, (kind, offset, filled, *window) in enumerate(kinds):
             if kind == "rec":
                 c = RecurrentCache()
                 if filled:
                     c.conv, c.ssm = t[f"{prefix}.{i}.conv"], t[f"{prefix}.{i}.ssm"]
             elif kind == "kv":
-                c = KVCache()
+                c = WindowKVCache(int(window[1])) if window else KVCache()
+                start = int(window[0]) if window else 0
+                if window:
+                    c.start = start
                 if filled:
                     c.keys, c.values = t[f"{prefix}.{i}.k"], t[f"{prefix}.{i}.v"]
-                    if c.keys.shape[2] != offset or c.values.shape[2] != offset:
+                    if c.keys.shape[2] != offset - start or c.values.shape[2] != offset - start:
                         raise ValueError(f"layer {prefix}.{i}: KV length != offset {offset}")
             else:
                 raise ValueError(f"unknown cache kind {kind!r}")
