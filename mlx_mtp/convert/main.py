@@ -234,7 +234,8 @@ def convert(
 
     weights = dict(tree_flatten(model.parameters()))
     rows = _summarize(weights, model)
-    weights = {checkpoint_name(k): v for k, v in weights.items()}
+    # The MTP layer under its checkpoint names, in its released form (step3p5: 1+w norms).
+    weights = getattr(model.text, "checkpoint_mtp_names", lambda w: w)(weights)
     total_size = _param_bytes(weights)
     # Hand the tensors to the writer only, so each shard is freed once written.
     model.update(tree_map(lambda _: mx.array([]), model.parameters()))

@@ -22,13 +22,11 @@ from typing import Dict
 
 import mlx.core as mx
 from mlx_lm.models import step3p5 as lm
-from mlx_lm.models.base import create_attention_mask
 
 from .attention_trunk import NEXTN_DUPLICATES, NEXTN_KEYS, Family, ModelArgs  # noqa: F401
 from .attention_trunk import Model as _Model
 from .attention_trunk import nextn_prefix
-from .cache import KVCache
-from .window_cache import WindowKVCache
+from .windowed import WindowedTrunk
 
 BLOCK_LEVEL = "transformer."  # the released layout's extra level around the MTP block
 
@@ -49,37 +47,18 @@ def zero_centred(key: str) -> bool:
     return key.endswith("norm.weight")
 
 
-class Model(_Model):
+class Model(WindowedTrunk, _Model):
     family = Family(lm=lm, trunk_cls="Step3p5Model", block=mtp_block, mtp_prefix=nextn_prefix,
                     key_map=dict(NEXTN_KEYS),
                     duplicates=NEXTN_DUPLICATES + ("shared_head.output.",))
 
-    # --- forward ----------------------------------------------------------
-    def trunk(self, inputs, cache=None, capture=False):
-        """mlx-lm's trunk loop: one mask for the full-attention layers, one for the
-        windowed ones."""
-        h = self.model.embed_tokens(inputs)
-        layers = self.model.layers
-        cache = cache if cache is not None else [None] * len(layers)
-        masks = {}
-        for layer, c in zip(layers, cache):
-            if layer.is_sliding not in masks:
-                window = self.args.sliding_window if layer.is_sliding else None
-                masks[layer.is_sliding] = create_attention_mask(h, c, window_size=window)
-            h = layer(h, masks[layer.is_sliding], c)
-        normed = self.model.norm(h)
-        return normed, (normed if self.mtp_hidden == "post_norm" else h)
+    @property
+    def window(self) -> int:
+        return self.args.sliding_window
 
-    def attention_cache(self, layer):
-        return WindowKVCache(self.args.sliding_window) if layer.is_sliding else KVCache()
-
-    def make_cache(self):
-        return [self.attention_cache(layer) for layer in self.model.layers]
-
-    def make_mtp_cache(self):
-        if not self.num_mtp_layers:
-            return []
-        return [self.attention_cache(layer.block) for layer in self.mtp.layers]
+    @staticmethod
+    def is_sliding(layer) -> bool:
+        return layer.is_sliding
 
     @staticmethod
     def cast_predicate(path: str) -> bool:
@@ -109,5 +88,6 @@ class Model(_Model):
 
     def checkpoint_mtp_names(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         """Our MTP tensors under the released names and in the released (zero-centred) form."""
-        return {self.checkpoint_name(k): (v - 1 if zero_centred(k) else v)
+        return {self.checkpoint_name(k): (v - 1 if k.startswith("mtp.") and zero_centred(k)
+                                          else v)
                 for k, v in weights.items()}
