@@ -18,6 +18,7 @@ MODEL_TYPES = {
     "deepseek_v3": "deepseek_v3",
     "mimo": "mimo",
     "step3p5": "step3p5",
+    "mimo_v2_flash": "mimo_v2_flash",
 }
 
 

@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 from ..convert.checkpoint_io import write_checkpoint
 from .tiny import TOKENIZER_DIR
-from .tiny_attention import build_model, make_oracle
+from .tiny_attention import _unsplit, build_model, make_oracle
 
 WINDOW = 8
 
@@ -78,6 +78,59 @@ def make_tiny_step3p5(path, head: str = "random", *, seed: int = 0, trunk_scale:
         make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
     tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
     write_checkpoint(path, step3p5_to_hf(model, drop_mtp), config, dtype=dtype,
+                     tokenizer_from=tokenizer,
+                     tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
+                     num_shards=None, mtp_file=False, fmt="pt")
+    return Path(path)
+
+
+def mimo_v2_flash_config(vocab_size: int = 128, hidden: int = 64, num_layers: int = 3,
+                         window: int = WINDOW) -> dict:
+    """Full attention in layer 0, windowed layers (with sink bias) after it; MoE from
+    layer 1; value heads narrower than query/key heads, as released. No MTP count key."""
+    return {"model_type": "mimo_v2_flash", "architectures": ["MiMoV2FlashForCausalLM"],
+            "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+            "moe_intermediate_size": hidden // 2, "num_hidden_layers": num_layers,
+            "hybrid_layer_pattern": [0] + [1] * (num_layers - 1),
+            "moe_layer_freq": [0] + [1] * (num_layers - 1),
+            "add_swa_attention_sink_bias": True, "add_full_attention_sink_bias": False,
+            "sliding_window_size": window, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "swa_num_attention_heads": 4, "swa_num_key_value_heads": 1, "head_dim": 16,
+            "v_head_dim": 8, "swa_head_dim": 16, "swa_v_head_dim": 8,
+            "partial_rotary_factor": 0.5, "attention_value_scale": 0.7,
+            "rope_theta": 10000.0, "swa_rope_theta": 5000.0, "layernorm_epsilon": 1e-5,
+            "max_position_embeddings": 4096, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "n_shared_experts": None, "routed_scaling_factor": None, "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
+            "tie_word_embeddings": False}
+
+
+def mimo_v2_flash_to_hf(model, drop_mtp: bool = False, seed: int = 0) -> dict:
+    """Per-expert experts, the three released MTP layers (1 and 2: perturbed copies of 0)."""
+    flat = dict(tree_flatten(model.parameters()))
+    out = {k: v for k, v in flat.items() if not k.startswith("mtp.")}
+    for i in range(model.args.num_hidden_layers):
+        _unsplit(out, f"model.layers.{i}.", model.args)
+    if model.num_mtp_layers and not drop_mtp:
+        first = model.checkpoint_mtp_names({k: v for k, v in flat.items()
+                                            if k.startswith("mtp.")})
+        out.update(first)
+        mx.random.seed(seed)
+        for j in (1, 2):
+            out.update({k.replace(".layers.0.", f".layers.{j}.", 1):
+                        v + 0.01 * mx.random.normal(v.shape) for k, v in first.items()})
+    return out
+
+
+def make_tiny_mimo_v2_flash(path, head: str = "random", *, seed: int = 0,
+                            trunk_scale: float = 0.1, proj_noise: float = 2.5,
+                            drop_mtp: bool = False, dtype=mx.float32, **config_kwargs) -> Path:
+    config = mimo_v2_flash_config(**config_kwargs)
+    model = build_model(config, seed)
+    if head in ("oracle", "noisy"):
+        make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
+    tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
+    write_checkpoint(path, mimo_v2_flash_to_hf(model, drop_mtp, seed), config, dtype=dtype,
                      tokenizer_from=tokenizer,
                      tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
                      num_shards=None, mtp_file=False, fmt="pt")

@@ -1,5 +1,6 @@
-"""Step-3.5/3.7-Flash (step3p5): sliding-window layers in window caches that roll back
-after wrapping, zero-centred MTP norms; greedy output equals mlx-lm's plain decoding."""
+"""Families with sliding-window layers (Step-3.5/3.7-Flash, MiMo-V2-Flash): window caches
+that roll back after wrapping, each family's MTP layer (Step: zero-centred norms; MiMo-V2:
+sink bias, released at model.mtp.layers.*); greedy output equals mlx-lm's plain decoding."""
 
 from pathlib import Path
 
@@ -19,12 +20,16 @@ from mlx_mtp.models import window_cache
 from mlx_mtp.models.layout import MissingMTPWeightsError
 from mlx_mtp.models.loader import load_model
 from mlx_mtp.models.window_cache import BatchWindowKVCache, WindowKVCache
-from mlx_mtp.testing.tiny_special import WINDOW, make_tiny_step3p5
+from mlx_mtp.testing.tiny_special import WINDOW, make_tiny_mimo_v2_flash, make_tiny_step3p5
 
 RNG = np.random.default_rng(0)
 PROMPT = [int(x) for x in RNG.integers(0, 128, 3 * WINDOW)]  # wraps the window
 N_TOKENS = 28
 PROMPTS = [[int(x) for x in RNG.integers(0, 128, n)] for n in (5, 19, 1, 11)]
+BUILDERS = {"step3p5": make_tiny_step3p5, "mimo_v2_flash": make_tiny_mimo_v2_flash}
+FAMILIES = list(BUILDERS)
+# Where each family's first MTP layer sits in its release (trunk: 3 layers).
+MTP_PREFIX = {"step3p5": "model.layers.3.", "mimo_v2_flash": "model.mtp.layers.0."}
 
 
 @pytest.fixture(autouse=True)
@@ -39,10 +44,10 @@ def small_window_buffers(monkeypatch):
 def ckpt(tmp_path_factory):
     made = {}
 
-    def make(head="random", **kw):
-        key = (head, tuple(sorted(kw.items())))
+    def make(family, head="random", **kw):
+        key = (family, head, tuple(sorted(kw.items())))
         if key not in made:
-            made[key] = make_tiny_step3p5(tmp_path_factory.mktemp(f"step3p5_{head}"), head, **kw)
+            made[key] = BUILDERS[family](tmp_path_factory.mktemp(f"{family}_{head}"), head, **kw)
         return made[key]
 
     return make
@@ -61,8 +66,9 @@ def mtp_tokens(model, prompt, k, sampling=SamplingParams(), n=N_TOKENS):
     return [t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=n)], dec
 
 
-def test_trunk_logits_follow_mlx_lm_past_the_window(ckpt):
-    path = ckpt()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trunk_logits_follow_mlx_lm_past_the_window(ckpt, family):
+    path = ckpt(family)
     model, ref = load_model(path)[0], mlx_lm_model(path)
     ours, theirs = model.make_cache(), make_prompt_cache(ref)
     assert any(isinstance(c, WindowKVCache) for c in ours)
@@ -73,10 +79,11 @@ def test_trunk_logits_follow_mlx_lm_past_the_window(ckpt):
     assert all(c.start > 0 for c in ours if isinstance(c, WindowKVCache))  # entries dropped
 
 
-def test_rollback_after_wrap_equals_plain_decoding(ckpt):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rollback_after_wrap_equals_plain_decoding(ckpt, family):
     """A verify pass of four tokens, three kept, then plain steps: every logit equals
     decoding the kept tokens one by one, although the window wrapped in between."""
-    model = load_model(ckpt("noisy"))[0]
+    model = load_model(ckpt(family, "noisy"))[0]
     rows, kept = [4, 77, 2, 9], 3
     plain = model.make_cache()
     model.trunk(mx.array([PROMPT]), plain)
@@ -102,9 +109,10 @@ def test_window_cache_refuses_a_rollback_beyond_its_margin():
 HEADS = {"always": "oracle", "sometimes": "noisy", "never": "random"}
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("agree", list(HEADS))
-def test_greedy_identical_to_mlx_lm(ckpt, agree):
-    path = ckpt(HEADS[agree])
+def test_greedy_identical_to_mlx_lm(ckpt, family, agree):
+    path = ckpt(family, HEADS[agree])
     model = load_model(path)[0]
     ref = mlx_lm_greedy(mlx_lm_model(path), PROMPT)
     assert mtp_tokens(model, PROMPT, 0)[0] == ref
@@ -125,16 +133,20 @@ def _rms(x, w, eps):
     return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w
 
 
-def test_mtp_layer_equals_reference(ckpt):
-    """The MTP layer against one written from the checkpoint's own tensors: zero-centred
-    norms applied as 1 + w, [enorm(e) || hnorm(h)], the block, shared_head.norm."""
+def raw_tensors(path):
     from safetensors.numpy import load_file
 
-    path = ckpt("noisy")
     raw = {}
     for f in Path(path).glob("*.safetensors"):
         raw.update(load_file(f))
-    p = "model.layers.3."
+    return raw
+
+
+def test_step3p5_mtp_layer_equals_reference(ckpt):
+    """The MTP layer against one written from the checkpoint's own tensors: zero-centred
+    norms applied as 1 + w, [enorm(e) || hnorm(h)], the block, shared_head.norm."""
+    path = ckpt("step3p5", "noisy")
+    raw, p = raw_tensors(path), MTP_PREFIX["step3p5"]
     model = load_model(path)[0]
     H, eps = model.args.hidden_size, model.args.rms_norm_eps
     hidden = np.random.default_rng(3).standard_normal((1, 3, H)).astype(np.float32)
@@ -147,6 +159,30 @@ def test_mtp_layer_equals_reference(ckpt):
                                1 + raw[p + "transformer.input_layernorm.weight"])
     x = np.array(block(mx.array(x), "causal", None))
     want = _rms(x, 1 + raw[p + "shared_head.norm.weight"], eps)
+    got = model.mtp_forward(mx.array(hidden), mx.array(tokens), None)
+    np.testing.assert_allclose(np.array(got), want, atol=2e-5)
+
+
+def test_mimo_v2_flash_mtp_layer_equals_reference(ckpt):
+    """MiMo-V2-Flash's layer 0: plain norms, [enorm(e) || hnorm(h)], a windowed block with
+    the checkpoint's sink bias and pre_mlp_layernorm, final_layernorm."""
+    path = ckpt("mimo_v2_flash", "noisy")
+    raw, p = raw_tensors(path), MTP_PREFIX["mimo_v2_flash"]
+    model = load_model(path)[0]
+    H, eps = model.args.hidden_size, model.args.layernorm_epsilon
+    hidden = np.random.default_rng(3).standard_normal((1, 3, H)).astype(np.float32)
+    tokens = np.array([[5, 60, 11]])
+    e = _rms(raw["model.embed_tokens.weight"][tokens], raw[p + "enorm.weight"], eps)
+    h = _rms(hidden, raw[p + "hnorm.weight"], eps)
+    x = np.concatenate([e, h], axis=-1) @ raw[p + "eh_proj.weight"].T
+    block = model.mtp.layers[0].block
+    assert block.is_sliding_window
+    np.testing.assert_array_equal(np.array(block.self_attn.attention_sink_bias),
+                                  raw[p + "self_attn.attention_sink_bias"])
+    np.testing.assert_array_equal(np.array(block.post_attention_layernorm.weight),
+                                  raw[p + "pre_mlp_layernorm.weight"])
+    x = np.array(block(mx.array(x), "causal", None))
+    want = _rms(x, raw[p + "final_layernorm.weight"], eps)
     got = model.mtp_forward(mx.array(hidden), mx.array(tokens), None)
     np.testing.assert_allclose(np.array(got), want, atol=2e-5)
 
@@ -168,18 +204,20 @@ def run_batch(model, k, prompts, n=20):
     return [outs[i][:n] for i in range(len(prompts))]
 
 
-def test_batched_rows_equal_mlx_lm(ckpt):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_rows_equal_mlx_lm(ckpt, family):
     """Rows of different lengths (padding and rejected drafts leave holes) each keep
     their own window."""
-    path = ckpt("noisy")
+    path = ckpt(family, "noisy")
     model, ref = load_model(path)[0], mlx_lm_model(path)
     want = [mlx_lm_greedy(ref, p, 20) for p in PROMPTS]
     for k in (0, 2):
         assert run_batch(model, k, PROMPTS) == want, f"K={k}"
 
 
-def test_sampling_follows_the_target_distribution(ckpt):
-    path = ckpt("random", vocab_size=8)
+@pytest.mark.parametrize("family", ["step3p5"])
+def test_sampling_follows_the_target_distribution(ckpt, family):
+    path = ckpt(family, "random", vocab_size=8)
     model, ref = load_model(path)[0], mlx_lm_model(path)
     prompt = [int(x) for x in RNG.integers(0, 8, WINDOW + 3)]
 
@@ -196,37 +234,38 @@ def test_sampling_follows_the_target_distribution(ckpt):
     assert_follows(seen, two_token_joint(target), n_samples)
 
 
-def test_checkpoint_without_its_mtp_layer(ckpt):
-    path = ckpt(drop_mtp=True)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_without_its_mtp_layer(ckpt, family):
+    path = ckpt(family, drop_mtp=True)
     with pytest.raises(MissingMTPWeightsError) as e:
         load_model(path)
-    assert "model.layers.3.eh_proj.weight" in str(e.value) and "add-mtp" in str(e.value)
+    assert MTP_PREFIX[family] + "eh_proj.weight" in str(e.value) and "add-mtp" in str(e.value)
     model = load_model(path, mtp=False)[0]
     assert mtp_tokens(model, PROMPT, 0)[0] == mlx_lm_greedy(mlx_lm_model(path), PROMPT)
 
 
-def test_mtp_layer_written_back_in_released_form(ckpt):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_layer_written_back_in_released_form(ckpt, family):
     """Our MTP tensors -> checkpoint names and zero-centred norms: the released tensors."""
-    from safetensors.numpy import load_file
-
-    path = ckpt("noisy")
-    raw = {}
-    for f in Path(path).glob("*.safetensors"):
-        raw.update(load_file(f))
+    path = ckpt(family, "noisy")
+    raw = raw_tensors(path)
     model = load_model(path)[0]
     ours = {k: v for k, v in tree_flatten(model.parameters()) if k.startswith("mtp.")}
     written = model.checkpoint_mtp_names(ours)
-    assert "model.layers.3.transformer.self_attn.q_proj.weight" in written
+    released_block_key = {"step3p5": "transformer.self_attn.q_proj.weight",
+                          "mimo_v2_flash": "pre_mlp_layernorm.weight"}[family]
+    assert MTP_PREFIX[family] + released_block_key in written
     for k, v in written.items():
         np.testing.assert_allclose(np.array(v), raw[k], atol=1e-6, err_msg=k)
 
 
-def test_prompt_state_survives_the_disk_store(ckpt):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_state_survives_the_disk_store(ckpt, family):
     """A prefilled state written as the session store writes it and read back keeps its
     windows (only their newest entries are stored): decoding continues exactly."""
     from mlx_mtp.server.session_store import _state_from_tensors, _state_tensors
 
-    model = load_model(ckpt("noisy"))[0]
+    model = load_model(ckpt(family, "noisy"))[0]
 
     def decode(dec, n=12):
         out = []
