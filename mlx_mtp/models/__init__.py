@@ -19,6 +19,7 @@ MODEL_TYPES = {
     "mimo": "mimo",
     "step3p5": "step3p5",
     "mimo_v2_flash": "mimo_v2_flash",
+    "nemotron_h": "nemotron_h",
 }
 
 

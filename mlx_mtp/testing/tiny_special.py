@@ -135,3 +135,65 @@ def make_tiny_mimo_v2_flash(path, head: str = "random", *, seed: int = 0,
                      tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
                      num_shards=None, mtp_file=False, fmt="pt")
     return Path(path)
+
+
+def nemotron_h_config(vocab_size: int = 128, hidden: int = 64) -> dict:
+    """Mamba-2, attention, MLP and MoE blocks; an attention + MoE MTP layer."""
+    return {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
+            "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+            "max_position_embeddings": 4096, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "attention_bias": False,
+            "mamba_num_heads": 4, "mamba_head_dim": 16, "mamba_proj_bias": False,
+            "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 2, "mlp_bias": False,
+            "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True,
+            "hybrid_override_pattern": "M*M-ME", "mtp_hybrid_override_pattern": "*E",
+            "time_step_limit": [0.0, 1e9], "moe_intermediate_size": hidden // 2,
+            "moe_shared_expert_intermediate_size": hidden // 2, "n_routed_experts": 4,
+            "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+            "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+            "num_nextn_predict_layers": 1, "tie_word_embeddings": False}
+
+
+def nemotron_oracle(model, trunk_scale: float, proj_noise: float, seed: int):
+    """``make_oracle`` for Nemotron-H's names (Mamba ``out_proj``, experts' ``fc2``)."""
+    scaled = [(k, v * trunk_scale) for k, v in tree_flatten(model.parameters())
+              if k.endswith(("out_proj.weight", "switch_mlp.fc2.weight"))]
+    model.load_weights(scaled, strict=False)
+    return make_oracle(model, trunk_scale, proj_noise, seed)
+
+
+def nemotron_h_to_hf(model, drop_mtp: bool = False) -> dict:
+    """``backbone.*``, per-expert ``experts.{e}.{up,down}_proj``, conv weights as (C, 1, K)."""
+    flat = dict(tree_flatten(model.parameters()))
+    if drop_mtp:
+        flat = {k: v for k, v in flat.items() if not k.startswith("mtp.")}
+    out = {}
+    for k, v in model.checkpoint_mtp_names(flat).items():
+        if k.endswith("conv1d.weight"):
+            v = v.moveaxis(2, 1)
+        for ours, theirs in (("switch_mlp.fc1.", "up_proj."), ("switch_mlp.fc2.", "down_proj.")):
+            if ours in k:
+                for e in range(v.shape[0]):
+                    out[k.replace(ours, f"experts.{e}.{theirs}")] = v[e]
+                break
+        else:
+            out[k] = v
+    return out
+
+
+def make_tiny_nemotron_h(path, head: str = "random", *, seed: int = 0, trunk_scale: float = 0.1,
+                         proj_noise: float = 2.5, drop_mtp: bool = False, dtype=mx.float32,
+                         **config_kwargs) -> Path:
+    config = nemotron_h_config(**config_kwargs)
+    model = build_model(config, seed)
+    gates = [(k, mx.random.normal(v.shape)) for k, v in tree_flatten(model.parameters())
+             if k.endswith("mixer.gate.weight")]  # mlx-lm starts routers at zero
+    model.load_weights(gates, strict=False)
+    if head in ("oracle", "noisy"):
+        nemotron_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
+    tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
+    write_checkpoint(path, nemotron_h_to_hf(model, drop_mtp), config, dtype=dtype,
+                     tokenizer_from=tokenizer,
+                     tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
+                     num_shards=None, mtp_file=False, fmt="pt")
+    return Path(path)
