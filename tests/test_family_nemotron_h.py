@@ -185,3 +185,36 @@ def test_convert_keeps_the_released_names_and_mlx_lm_still_loads(ckpt, tmp_path)
     plain = mlx_lm_model(out)
     x = mx.array([PROMPT])
     np.testing.assert_allclose(np.array(plain(x)), np.array(ours(x)), atol=1e-5)
+
+
+def test_bfloat16_checkpoint_runs_on_the_cpu(ckpt):
+    """mlx-lm's Nemotron experts (SwitchMLP) need float32 on MLX's CPU backend: the loader
+    upcasts them as it does GLU experts."""
+    model = load_model(ckpt("noisy", dtype=mx.bfloat16), dtype="bfloat16")[0]
+    assert model.model.layers[1].mixer.q_proj.weight.dtype == mx.bfloat16
+    assert mtp_tokens(model, PROMPT, 2)[0] == mtp_tokens(model, PROMPT, 0)[0]
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_add_mtp_onto_an_mlx_lm_conversion(ckpt, tmp_path, quantize):
+    from mlx_lm import convert as mlx_lm_convert
+
+    from mlx_mtp.convert.add_mtp import add_mtp
+
+    src = ckpt("noisy")
+    dst = tmp_path / "mlx-community"
+    mlx_lm_convert(str(src), str(dst), quantize=quantize, q_group_size=32, q_bits=4)
+    with pytest.raises(MissingMTPWeightsError, match="add-mtp"):
+        load_model(dst)
+    add_mtp(dst, src, verbose=False)
+    model = load_model(dst)[0]
+    ref = mlx_lm_greedy(mlx_lm_model(dst), PROMPT, 16)
+    got, dec = mtp_tokens(model, PROMPT, 2, n=16)
+    assert got == ref and dec.stats.num_accepted_tokens > 0
+
+
+def test_distributed_split_is_refused_clearly(ckpt):
+    from mlx_mtp.models.distributed import DistributedError, load_distributed
+
+    with pytest.raises(DistributedError, match="cannot split nemotron_h models yet"):
+        load_distributed(str(ckpt()))
