@@ -46,7 +46,9 @@ def test_convert_writes_the_released_form_and_mlx_lm_still_loads(tmp_path, famil
     out = tmp_path / "out"
     convert(src, out, verbose=False)
     mtp, raw = tensors(out, "mtp.safetensors"), tensors(src)
-    assert mtp and all(k.startswith(PREFIX[family]) for k in mtp)
+    layers = {k.split(".")[2 if family == "step3p5" else 3] for k in mtp}
+    assert layers == ({"3"} if family == "step3p5" else {"0", "1", "2"})  # all MTP layers
+    assert all(k.startswith(PREFIX[family].rsplit(".", 2)[0]) for k in mtp)
     for name in NORMS[family]:  # step3p5: zero-centred, as released
         k = PREFIX[family] + name
         np.testing.assert_allclose(mtp[k], raw[k], atol=1e-6)

@@ -174,7 +174,7 @@ class TextModel(hybrid.TextModel):
         normed = self.model.norm(h)
         return normed, (normed if self.mtp_hidden == "post_norm" else h)
 
-    def mtp_forward(self, hidden, next_tokens, mtp_cache):
+    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
         """hidden (B,S,H) at positions i, next_tokens (B,S) = t_{i+1} -> the MTP layer's
         post-norm output (B,S,H): its logits predict t_{i+2}; the next draft chains on it."""
         layer = self.mtp.layers[0]

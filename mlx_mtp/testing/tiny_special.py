@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from ..convert.checkpoint_io import write_checkpoint
@@ -105,32 +106,51 @@ def mimo_v2_flash_config(vocab_size: int = 128, hidden: int = 64, num_layers: in
             "tie_word_embeddings": False}
 
 
-def mimo_v2_flash_to_hf(model, drop_mtp: bool = False, seed: int = 0) -> dict:
-    """Per-expert experts, the three released MTP layers (1 and 2: perturbed copies of 0)."""
+def mimo_v2_flash_to_hf(model, drop_mtp: bool = False) -> dict:
+    """Per-expert experts; the MTP layers at ``model.mtp.layers.{i}.*``."""
     flat = dict(tree_flatten(model.parameters()))
     out = {k: v for k, v in flat.items() if not k.startswith("mtp.")}
     for i in range(model.args.num_hidden_layers):
         _unsplit(out, f"model.layers.{i}.", model.args)
     if model.num_mtp_layers and not drop_mtp:
-        first = model.checkpoint_mtp_names({k: v for k, v in flat.items()
-                                            if k.startswith("mtp.")})
-        out.update(first)
-        mx.random.seed(seed)
-        for j in (1, 2):
-            out.update({k.replace(".layers.0.", f".layers.{j}.", 1):
-                        v + 0.01 * mx.random.normal(v.shape) for k, v in first.items()})
+        out.update(model.checkpoint_mtp_names({k: v for k, v in flat.items()
+                                               if k.startswith("mtp.")}))
     return out
+
+
+def chain_oracle(model, proj_noise: float, seed: int, broken: tuple = ()):
+    """Every MTP layer j passes the embedding of t_{p+j+1} through (as ``make_oracle`` does
+    for layer 0), with its own noise; layers in ``broken`` get a random projection."""
+    rng = np.random.default_rng(seed + 2)
+    H = model.args.hidden_size
+    updates = []
+    for j in range(1, model.num_mtp_layers):
+        proj = np.zeros((H, 2 * H), np.float32)
+        proj[:, :H] = np.eye(H)
+        proj += proj_noise * rng.standard_normal(proj.shape) / np.sqrt(H)
+        updates.append((f"mtp.layers.{j}.eh_proj.weight", proj))
+        updates += [(f"mtp.layers.{j}.{n}.weight", np.ones(H)) for n in ("enorm", "hnorm", "norm")]
+    updates = dict(updates)
+    for j in broken:
+        updates[f"mtp.layers.{j}.eh_proj.weight"] = rng.standard_normal((H, 2 * H))
+    model.load_weights([(k, mx.array(v, mx.float32)) for k, v in updates.items()],
+                       strict=False)
+    mx.eval(model.parameters())
 
 
 def make_tiny_mimo_v2_flash(path, head: str = "random", *, seed: int = 0,
                             trunk_scale: float = 0.1, proj_noise: float = 2.5,
-                            drop_mtp: bool = False, dtype=mx.float32, **config_kwargs) -> Path:
+                            drop_mtp: bool = False, dtype=mx.float32, broken: tuple = (),
+                            **config_kwargs) -> Path:
+    """``broken``: MTP layers given a random projection (their depth's drafts fail)."""
     config = mimo_v2_flash_config(**config_kwargs)
     model = build_model(config, seed)
     if head in ("oracle", "noisy"):
-        make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
+        noise = proj_noise if head == "noisy" else 0.0
+        make_oracle(model, trunk_scale, noise, seed)
+        chain_oracle(model, noise, seed, broken)
     tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
-    write_checkpoint(path, mimo_v2_flash_to_hf(model, drop_mtp, seed), config, dtype=dtype,
+    write_checkpoint(path, mimo_v2_flash_to_hf(model, drop_mtp), config, dtype=dtype,
                      tokenizer_from=tokenizer,
                      tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
                      num_shards=None, mtp_file=False, fmt="pt")
