@@ -1,6 +1,7 @@
-"""MiMo-V2-Flash's three MTP layers chained by depth (models/mtp_chain.py): each layer's
-cache is caught up on committed positions, depth j drafts with layer j; checked against
-every layer run over the whole sequence at once, and end to end against mlx-lm."""
+"""Releases with one MTP layer per depth (MiMo-V2-Flash, Step-3.5-Flash: three), chained
+by models/mtp_chain.py: each layer's cache is caught up on committed positions, depth j
+drafts with layer j; checked against every layer run over the whole sequence at once, and
+end to end against mlx-lm."""
 
 from pathlib import Path
 
@@ -15,21 +16,25 @@ from mlx_mtp.decode.batch import BatchDecoder
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.loader import load_model
 from mlx_mtp.models.mtp_chain import drafted_entries
-from mlx_mtp.testing.tiny_special import WINDOW, make_tiny_mimo_v2_flash
+from mlx_mtp.testing.tiny_special import WINDOW, make_tiny_mimo_v2_flash, make_tiny_step3p5
 
 RNG = np.random.default_rng(5)
 PROMPT = [int(x) for x in RNG.integers(0, 128, 2 * WINDOW + 3)]
+
+
+BUILDERS = {"mimo_v2_flash": make_tiny_mimo_v2_flash,
+            "step3p5": lambda path, head, **kw: make_tiny_step3p5(path, head, mtp_layers=3, **kw)}
+FAMILIES = list(BUILDERS)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     made = {}
 
-    def make(head, **kw):
-        key = (head, tuple(sorted(kw.items())))
+    def make(family, head, **kw):
+        key = (family, head, tuple(sorted(kw.items())))
         if key not in made:
-            made[key] = make_tiny_mimo_v2_flash(tmp_path_factory.mktemp(f"chain_{head}"), head,
-                                                **kw)
+            made[key] = BUILDERS[family](tmp_path_factory.mktemp(f"{family}_{head}"), head, **kw)
         return made[key]
 
     return make
@@ -42,7 +47,7 @@ def reference_chain(model, hidden, tokens, drafts):
     seq = mx.concatenate([tokens, drafts], axis=1)  # t_1 .. t_{q+1}, d_1 .. d_k
     L = hidden.shape[1]
     mask = create_causal_mask(L, window_size=model.window)
-    out, x, last = [], hidden, []
+    x, last = hidden, []
     for j, layer in enumerate(model.mtp.layers[: drafts.shape[1] + 1]):
         e = layer.enorm(model.model.embed_tokens(seq[:, j : j + L]))
         x = layer.norm(layer.block(layer.eh_proj(mx.concatenate([e, layer.hnorm(x)], -1)),
@@ -51,10 +56,11 @@ def reference_chain(model, hidden, tokens, drafts):
     return last
 
 
-def test_drafts_equal_the_layers_run_over_the_whole_sequence(ckpt):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafts_equal_the_layers_run_over_the_whole_sequence(ckpt, family):
     """Two head passes over committed pairs (the second after the first one's drafts were
     rolled back), then depths 1 and 2: each output equals the whole-sequence reference."""
-    model = load_model(ckpt("random"))[0]
+    model = load_model(ckpt(family, "random"))[0]
     cache, mtp = model.make_cache(), model.make_mtp_cache()
     tokens = mx.array([PROMPT])
     hidden = model.trunk(tokens[:, :-1], cache)[0]  # h_0 .. h_{q}, pairs with t_1 .. t_{q+1}
@@ -79,11 +85,12 @@ def mlx_lm_greedy(path, prompt, n):
     return [int(t) for t, _ in mlx_lm_generate_step(mx.array(prompt), ref, max_tokens=n)]
 
 
-def test_each_depth_drafts_with_its_own_layer(ckpt):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_depth_drafts_with_its_own_layer(ckpt, family):
     """Oracle layers: 100 % at every depth; with layer 2 broken only depth 3 fails, so
     depth 3 reads layer 2 (and depth 4 reuses it). Output equals mlx-lm's throughout."""
     for broken, want in (((), [1.0] * 4), ((2,), [1.0, 1.0, 0.0, 0.0])):
-        path = ckpt("oracle", broken=broken)
+        path = ckpt(family, "oracle", broken=broken)
         model = load_model(path)[0]
         assert model.num_mtp_layers == 3
         ref = mlx_lm_greedy(path, PROMPT, 24)
@@ -93,9 +100,10 @@ def test_each_depth_drafts_with_its_own_layer(ckpt):
         assert dec.stats.acceptance_per_pos == want, broken
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("head", ["noisy", "random"])
-def test_greedy_identical_to_mlx_lm_at_every_k(ckpt, head):
-    path = ckpt(head)
+def test_greedy_identical_to_mlx_lm_at_every_k(ckpt, family, head):
+    path = ckpt(family, head)
     model = load_model(path)[0]
     ref = mlx_lm_greedy(path, PROMPT, 24)
     for k in (0, 1, 2, 3, 4):
@@ -104,9 +112,10 @@ def test_greedy_identical_to_mlx_lm_at_every_k(ckpt, head):
                                                max_tokens=24)] == ref, k
 
 
-def test_batched_rows_equal_mlx_lm(ckpt):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_rows_equal_mlx_lm(ckpt, family):
     """Rows joining at different positions: each row's chain catches up on its own."""
-    path = ckpt("noisy")
+    path = ckpt(family, "noisy")
     model = load_model(path)[0]
     prompts = [[int(x) for x in RNG.integers(0, 128, n)] for n in (6, 17, 1, 10)]
     want = [mlx_lm_greedy(path, p, 16) for p in prompts]

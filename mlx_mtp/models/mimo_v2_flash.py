@@ -7,14 +7,13 @@ full-attention ones, sigmoid-routed MoE). Window layers keep their keys in
 The release ships three MTP layers at ``model.mtp.layers.{0,1,2}.*`` and no count key:
 ``eh_proj([enorm(e) || hnorm(h)])`` -> a sliding-window decoder block with sink bias and
 a dense MLP (its second norm is ``pre_mlp_layernorm``) -> ``final_layernorm`` -> the
-trunk's ``lm_head``. Drafting depth j runs layer j (``mtp_chain.py``: each layer keeps
-its own window cache, caught up on committed positions); deeper drafts reuse the last.
+trunk's ``lm_head``. Drafting depth j runs layer j (``mtp_chain.ChainedMTP``: each layer
+keeps its own window cache, caught up on committed positions); deeper drafts reuse the last.
 """
 
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Dict, List
@@ -22,9 +21,9 @@ from typing import Dict, List
 import mlx.core as mx
 from mlx_lm.models import mimo_v2_flash as _lm
 
-from . import layout, mtp_chain
-from .attention_trunk import Family, ModelArgs, MTPLayer, MTPStack  # noqa: F401
+from .attention_trunk import Family, ModelArgs  # noqa: F401
 from .attention_trunk import Model as _Model
+from .mtp_chain import ChainedMTP
 from .windowed import WindowedTrunk
 
 RELEASED_LAYERS = 3  # MTP layers the release ships (its config has no count key)
@@ -49,7 +48,7 @@ def mtp_block(args, index: int):
     return lm.DecoderLayer(args, is_moe=False, is_sliding_window=True)
 
 
-class Model(WindowedTrunk, _Model):
+class Model(ChainedMTP, WindowedTrunk, _Model):
     family = Family(lm=lm, trunk_cls="LanguageModel", block=mtp_block,
                     mtp_prefix=lambda args, i: f"{RAW_PREFIX}{i}.",
                     key_map={"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
@@ -61,10 +60,6 @@ class Model(WindowedTrunk, _Model):
                                                         "mtp_num_hidden_layers")):
             config["num_nextn_predict_layers"] = RELEASED_LAYERS
         super().__init__(ModelArgs(args.model_type, config))
-        if self.declared_mtp_layers > 1:  # one layer per depth, each its own block
-            a = self.args
-            self.mtp = MTPStack([MTPLayer(a.hidden_size, a.rms_norm_eps, mtp_block(a, i))
-                                 for i in range(self.declared_mtp_layers)])
 
     @property
     def window(self) -> int:
@@ -74,58 +69,14 @@ class Model(WindowedTrunk, _Model):
     def is_sliding(layer) -> bool:
         return layer.is_sliding_window
 
-    # --- drafting: depth j runs layer j -----------------------------------
-    def run_mtp_layer(self, i: int, hidden, tokens, cache):
-        layer = self.mtp.layers[i]
-        x = layer.eh_proj(mx.concatenate(
-            [layer.enorm(self.model.embed_tokens(tokens)), layer.hnorm(hidden)], axis=-1))
-        mask = cache.make_mask(x.shape[1]) if cache is not None else (
-            "causal" if x.shape[1] > 1 else None)
-        return layer.norm(layer.block(x, mask, cache))
-
-    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
-        if depth:
-            return mtp_chain.draft_at_depth(self.run_mtp_layer, depth, hidden, next_tokens,
-                                            mtp_cache)
-        out = self.run_mtp_layer(0, hidden, next_tokens, mtp_cache[0] if mtp_cache else None)
-        if mtp_cache and len(mtp_cache) > 1:
-            mtp_chain.catch_up(self.run_mtp_layer, out, next_tokens, mtp_cache)
-        return out
-
-    def drafted_entries(self, k: int):
-        return mtp_chain.drafted_entries(self.num_mtp_layers, k)
-
     # --- weights ----------------------------------------------------------
+    def released_prefix(self, i: int) -> str:
+        return f"{PUBLIC_PREFIX}{i}."
+
     def sanitize(self, weights: dict) -> dict:
         pattern = re.compile(r"^model\.mtp\.layers\.(\d+)\.")
-        weights = {pattern.sub(lambda m: f"{RAW_PREFIX}{m.group(1)}.", k): v
-                   for k, v in weights.items()}
-        later = {}
-        for i in range(1, self.num_mtp_layers):
-            prefix = f"{RAW_PREFIX}{i}."
-            raw = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
-            if not raw:
-                raise layout.MissingMTPWeightsError(self.missing_mtp_message(
-                    [f"{PUBLIC_PREFIX}{i}.eh_proj.weight"]))
-            later.update({f"mtp.layers.{i}." + k[len("mtp.layers.0."):]: v
-                          for k, v in self.mtp_weights(raw).items()})
-        with self._first_mtp_layer_only():
-            out = super().sanitize(weights)
-        out.update(later)
-        return out
-
-    @contextmanager
-    def _first_mtp_layer_only(self):
-        """The shared sanitize reads and checks layer 0; the later layers are ours."""
-        if "mtp" not in self:
-            yield
-            return
-        layers = self.mtp.layers
-        self.mtp.layers = layers[:1]
-        try:
-            yield
-        finally:
-            self.mtp.layers = layers
+        return super().sanitize({pattern.sub(lambda m: f"{RAW_PREFIX}{m.group(1)}.", k): v
+                                 for k, v in weights.items()})
 
     def mtp_weights(self, raw: Dict[str, mx.array]) -> Dict[str, mx.array]:
         renamed = {}
@@ -136,10 +87,6 @@ class Model(WindowedTrunk, _Model):
         return super().mtp_weights(renamed)
 
     def checkpoint_name(self, key: str) -> str:
-        later = re.match(r"mtp\.layers\.([1-9]\d*)\.", key)
-        if later:  # a later layer: named as layer 0 is, under its own index
-            name = self.checkpoint_name("mtp.layers.0." + key[later.end():])
-            return name.replace(f"{PUBLIC_PREFIX}0.", f"{PUBLIC_PREFIX}{later.group(1)}.", 1)
         name = super().checkpoint_name(key)
         if not name.startswith(RAW_PREFIX):
             return name

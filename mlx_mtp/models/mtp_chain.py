@@ -17,10 +17,14 @@ layer on one position. MTP caches only shape drafts: anything that loses a pendi
 
 from __future__ import annotations
 
+import re
+from contextlib import contextmanager
 from typing import List, Optional
 
 import mlx.core as mx
 
+from . import layout
+from .attention_trunk import MTPLayer, MTPStack
 from .cache import BatchKVCache
 
 
@@ -93,3 +97,77 @@ def draft_at_depth(run_layer, depth: int, hidden: mx.array, token: mx.array,
     tokens = mx.concatenate(chain.chain_drafts, axis=1)  # d_1 .. d_depth
     cache.prepare(depth)  # the step announced one position; this call writes ``depth``
     return run_layer(depth, x, tokens, cache)
+
+
+class ChainedMTP:
+    """Mixin for an ``attention_trunk`` model whose release ships several MTP layers, one
+    per depth: builds, loads, names and drafts with all of them."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        if self.declared_mtp_layers > 1:
+            a, n = self.args, self.args.num_hidden_layers
+            self.mtp = MTPStack([MTPLayer(a.hidden_size, a.rms_norm_eps,
+                                          self.family.block(a, n + i))
+                                 for i in range(self.declared_mtp_layers)])
+
+    def released_prefix(self, i: int) -> str:
+        """Where MTP layer ``i`` lives in the release."""
+        return self.family.mtp_prefix(self.args, i)
+
+    # --- drafting -----------------------------------------------------------
+    def run_mtp_layer(self, i: int, hidden, tokens, cache):
+        layer = self.mtp.layers[i]
+        e, h = layer.enorm(self.model.embed_tokens(tokens)), layer.hnorm(hidden)
+        x = layer.eh_proj(mx.concatenate([h, e] if self.family.hidden_first else [e, h], -1))
+        mask = cache.make_mask(x.shape[1]) if cache is not None else (
+            "causal" if x.shape[1] > 1 else None)
+        return layer.norm(layer.block(x, mask, cache))
+
+    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
+        if depth:
+            return draft_at_depth(self.run_mtp_layer, depth, hidden, next_tokens, mtp_cache)
+        out = self.run_mtp_layer(0, hidden, next_tokens, mtp_cache[0] if mtp_cache else None)
+        if mtp_cache and len(mtp_cache) > 1:
+            catch_up(self.run_mtp_layer, out, next_tokens, mtp_cache)
+        return out
+
+    def drafted_entries(self, k: int) -> List[int]:
+        return drafted_entries(self.num_mtp_layers, k)
+
+    # --- weights ------------------------------------------------------------
+    def sanitize(self, weights: dict) -> dict:
+        """The shared sanitize reads and checks layer 0; the later layers are read here."""
+        later = {}
+        for i in range(1, self.num_mtp_layers):
+            prefix = self.family.mtp_prefix(self.args, i)
+            raw = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+            if not raw:
+                raise layout.MissingMTPWeightsError(self.missing_mtp_message(
+                    [self.released_prefix(i) + "eh_proj.weight"]))
+            later.update({f"mtp.layers.{i}." + k[len("mtp.layers.0."):]: v
+                          for k, v in self.mtp_weights(raw).items()})
+        with self._first_mtp_layer_only():
+            out = super().sanitize(weights)
+        out.update(later)
+        return out
+
+    @contextmanager
+    def _first_mtp_layer_only(self):
+        if "mtp" not in self:
+            yield
+            return
+        layers = self.mtp.layers
+        self.mtp.layers = layers[:1]
+        try:
+            yield
+        finally:
+            self.mtp.layers = layers
+
+    def checkpoint_name(self, key: str) -> str:
+        later = re.match(r"mtp\.layers\.([1-9]\d*)\.", key)
+        if not later:
+            return super().checkpoint_name(key)
+        name = self.checkpoint_name("mtp.layers.0." + key[later.end():])
+        i = int(later.group(1))
+        return self.released_prefix(i) + name[len(self.released_prefix(0)):]

@@ -12,7 +12,7 @@ released checkpoint is zero-centred (applied as ``1 + w``, Gemma-style); mlx-lm 
 to the trunk's norms in its sanitize, we add it to the MTP layer's, and take it off again
 when writing the layer back under its checkpoint names. ``shared_head.output`` is the
 output layer's copy (the trunk's ``lm_head`` is used, as for DeepSeek's ``shared_head.head``).
-Drafts at every depth use the first MTP layer.
+Drafting depth j runs MTP layer j (``mtp_chain.ChainedMTP``), as vLLM does for Step.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from mlx_lm.models import step3p5 as lm
 from .attention_trunk import NEXTN_DUPLICATES, NEXTN_KEYS, Family, ModelArgs  # noqa: F401
 from .attention_trunk import Model as _Model
 from .attention_trunk import nextn_prefix
+from .mtp_chain import ChainedMTP
 from .windowed import WindowedTrunk
 
 BLOCK_LEVEL = "transformer."  # the released layout's extra level around the MTP block
@@ -47,7 +48,7 @@ def zero_centred(key: str) -> bool:
     return key.endswith("norm.weight")
 
 
-class Model(WindowedTrunk, _Model):
+class Model(ChainedMTP, WindowedTrunk, _Model):
     family = Family(lm=lm, trunk_cls="Step3p5Model", block=mtp_block, mtp_prefix=nextn_prefix,
                     key_map=dict(NEXTN_KEYS),
                     duplicates=NEXTN_DUPLICATES + ("shared_head.output.",))

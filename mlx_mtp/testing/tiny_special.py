@@ -72,11 +72,15 @@ def step3p5_to_hf(model, drop_mtp: bool = False) -> dict:
 
 def make_tiny_step3p5(path, head: str = "random", *, seed: int = 0, trunk_scale: float = 0.1,
                       proj_noise: float = 2.5, drop_mtp: bool = False, dtype=mx.float32,
-                      **config_kwargs) -> Path:
+                      broken: tuple = (), **config_kwargs) -> Path:
+    """``mtp_layers=3`` ships three MTP layers (as Step-3.5-Flash does); ``broken``: see
+    ``chain_oracle``."""
     config = step3p5_config(**config_kwargs)
     model = build_model(config, seed)
     if head in ("oracle", "noisy"):
-        make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
+        noise = proj_noise if head == "noisy" else 0.0
+        make_oracle(model, trunk_scale, noise, seed)
+        chain_oracle(model, noise, seed, broken)
     tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
     write_checkpoint(path, step3p5_to_hf(model, drop_mtp), config, dtype=dtype,
                      tokenizer_from=tokenizer,
