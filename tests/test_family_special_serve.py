@@ -1,5 +1,6 @@
 """The families with special caches in the server engine: concurrent requests batch
-(window caches per row, Mamba-2 replay per row, chained MTP layers), prompt-prefix states
+(window caches per row, Mamba-2 replay per row, chained MTP layers, LongCat's two caches
+per layer), prompt-prefix states
 go to memory and disk and a restored turn decodes as a cold one and as plain decoding."""
 
 import mlx.core as mx
@@ -14,11 +15,11 @@ from mlx_mtp.models.window_cache import WindowKVCache
 from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest, Failed
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.server.session_store import SessionStore, model_fingerprint
-from mlx_mtp.testing.tiny_special import (make_tiny_mimo_v2_flash, make_tiny_nemotron_h,
-                                          make_tiny_step3p5)
+from mlx_mtp.testing.tiny_special import (make_tiny_longcat_flash, make_tiny_mimo_v2_flash,
+                                          make_tiny_nemotron_h, make_tiny_step3p5)
 
 BUILDERS = {"step3p5": make_tiny_step3p5, "mimo_v2_flash": make_tiny_mimo_v2_flash,
-            "nemotron_h": make_tiny_nemotron_h}
+            "nemotron_h": make_tiny_nemotron_h, "longcat_flash": make_tiny_longcat_flash}
 RNG = np.random.default_rng(7)
 PROMPT = [int(x) for x in RNG.integers(0, 128, 40)]  # five windows of 8
 LONGER = PROMPT + [int(x) for x in RNG.integers(0, 128, 9)]
@@ -93,7 +94,8 @@ def test_restored_turn_decodes_as_a_cold_one(family, tmp_path):
     pc.disk.flush()
     state = pc.entries[tuple(PROMPT)].state
     windows = [c for c in state.cache if isinstance(c, WindowKVCache)]
-    assert all(c.start > 0 for c in windows) and (name == "nemotron_h") == (not windows)
+    windowed = name in ("step3p5", "mimo_v2_flash")
+    assert all(c.start > 0 for c in windows) and windowed == bool(windows)
     pc2 = PrefixCache(8, 1 << 30, disk=SessionStore(tmp_path, fp, min_tokens=16))
     warm = run(engine(model_tok, prefix_cache=pc2), [LONGER])[0]
     assert warm.done.usage["prompt_tokens_details"]["cached_tokens"] == 39

@@ -20,6 +20,7 @@ MODEL_TYPES = {
     "step3p5": "step3p5",
     "mimo_v2_flash": "mimo_v2_flash",
     "nemotron_h": "nemotron_h",
+    "longcat_flash": "longcat_flash",
 }
 
 

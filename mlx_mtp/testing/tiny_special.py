@@ -221,3 +221,58 @@ def make_tiny_nemotron_h(path, head: str = "random", *, seed: int = 0, trunk_sca
                      tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
                      num_shards=None, mtp_file=False, fmt="pt")
     return Path(path)
+
+
+def longcat_flash_config(vocab_size: int = 128, hidden: int = 64) -> dict:
+    """Two layers of two MLA sublayers each (q/kv LoRA scaling on), a shortcut MoE with
+    four experts and two zero-compute ones. No MTP count key, as released."""
+    return {"model_type": "longcat_flash", "architectures": ["LongcatFlashForCausalLM"],
+            "attention_method": "MLA", "zero_expert_type": "identity",
+            "vocab_size": vocab_size, "hidden_size": hidden, "ffn_hidden_size": 2 * hidden,
+            "expert_ffn_hidden_size": hidden // 2, "moe_topk": 2, "n_routed_experts": 4,
+            "zero_expert_num": 2, "num_layers": 2, "max_position_embeddings": 4096,
+            "num_attention_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48,
+            "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+            "routed_scaling_factor": 1.0, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "mla_scale_q_lora": True, "mla_scale_kv_lora": True, "attention_bias": False,
+            "norm_topk_prob": False, "tie_word_embeddings": False}
+
+
+def _unsplit_mla(weights: dict, prefix: str):
+    """mlx-lm's ``embed_q`` / ``unembed_out`` under ``prefix`` -> the released ``kv_b_proj``."""
+    wk = weights.pop(prefix + "embed_q.weight", None)
+    if wk is not None:
+        wv = weights.pop(prefix + "unembed_out.weight")
+        kv_b = mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1)
+        weights[prefix + "kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
+
+
+def longcat_flash_to_hf(model, drop_mtp: bool = False) -> dict:
+    flat = dict(tree_flatten(model.parameters()))
+    out = {k: v for k, v in flat.items() if not k.startswith("mtp.")}
+    for layer in range(len(model.model.layers)):
+        _unsplit(out, f"model.layers.{layer}.", model.args)  # experts
+        for i in range(2):
+            _unsplit_mla(out, f"model.layers.{layer}.self_attn.{i}.")
+    if model.num_mtp_layers and not drop_mtp:
+        mtp = model.checkpoint_mtp_names({k: v for k, v in flat.items()
+                                          if k.startswith("mtp.")})
+        _unsplit_mla(mtp, "model.mtp.layers.0.self_attn.")
+        mtp["model.mtp.embed_tokens.weight"] = flat["model.embed_tokens.weight"]
+        out.update(mtp)
+    return out
+
+
+def make_tiny_longcat_flash(path, head: str = "random", *, seed: int = 0,
+                            trunk_scale: float = 0.1, proj_noise: float = 2.5,
+                            drop_mtp: bool = False, dtype=mx.float32, **config_kwargs) -> Path:
+    config = longcat_flash_config(**config_kwargs)
+    model = build_model(config, seed)
+    if head in ("oracle", "noisy"):
+        make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
+    tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
+    write_checkpoint(path, longcat_flash_to_hf(model, drop_mtp), config, dtype=dtype,
+                     tokenizer_from=tokenizer,
+                     tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
+                     num_shards=None, mtp_file=False, fmt="pt")
+    return Path(path)
