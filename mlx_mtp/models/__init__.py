@@ -21,6 +21,8 @@ MODEL_TYPES = {
     "mimo_v2_flash": "mimo_v2_flash",
     "nemotron_h": "nemotron_h",
     "longcat_flash": "longcat_flash",
+    "deepseek_v32": "deepseek_v32",
+    "glm_moe_dsa": "glm_moe_dsa",
 }
 
 

@@ -276,3 +276,33 @@ def make_tiny_longcat_flash(path, head: str = "random", *, seed: int = 0,
                      tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
                      num_shards=None, mtp_file=False, fmt="pt")
     return Path(path)
+
+
+def dsa_config(family: str = "deepseek_v32", index_topk: int = 6, **kw) -> dict:
+    """DeepSeek-V3's tiny MLA + MoE shape with a sparse-attention indexer whose top-k is
+    small, so short contexts cross it."""
+    from .tiny_attention import tiny_config
+
+    cfg = dict(tiny_config("deepseek_v3", **kw), model_type=family, index_head_dim=16,
+               index_n_heads=2, index_topk=index_topk)
+    if family == "glm_moe_dsa":
+        return dict(cfg, architectures=["GlmMoeDsaForCausalLM"], indexer_rope_interleave=True,
+                    rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    return dict(cfg, architectures=["DeepseekV32ForCausalLM"], indexer_rope_interleave=False)
+
+
+def make_tiny_dsa(path, family: str = "deepseek_v32", head: str = "random", *, seed: int = 0,
+                  trunk_scale: float = 0.1, proj_noise: float = 2.5, drop_mtp: bool = False,
+                  dtype=mx.float32, **config_kwargs) -> Path:
+    from .tiny_attention import to_hf
+
+    config = dsa_config(family, **config_kwargs)
+    model = build_model(config, seed)
+    if head in ("oracle", "noisy"):
+        make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
+    tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
+    write_checkpoint(path, to_hf(model, drop_mtp), config, dtype=dtype,
+                     tokenizer_from=tokenizer,
+                     tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
+                     num_shards=None, mtp_file=False, fmt="pt")
+    return Path(path)
