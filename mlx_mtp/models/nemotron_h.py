@@ -17,23 +17,25 @@ its own KV cache, then MoE) -> ``final_layernorm`` -> the trunk's ``lm_head``.
 from __future__ import annotations
 
 import re
-from typing import Dict, List
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import nemotron_h as lm
+from mlx_lm.models import nemotron_h as _lm
 from mlx_lm.models.ssm import ssm_update
 
 from . import layout
-from .attention_trunk import Family, ModelArgs, MTPLayer, MTPStack  # noqa: F401
+from .attention_trunk import Family, ModelArgs
 from .attention_trunk import Model as _Model
 from .cache import KVCache, RecurrentCache, VerifyRecord
 
 CACHED = ("M", "*")  # block types that keep state across calls
 
 
-class Trunk(lm.NemotronHModel):
+class Trunk(_lm.NemotronHModel):
     """mlx-lm's backbone, with the names the engine reads."""
 
     @property
@@ -50,7 +52,7 @@ class MTPBlocks(nn.Module):
 
     def __init__(self, args, pattern: str):
         super().__init__()
-        self.layers = [lm.NemotronHBlock(args, t) for t in pattern]
+        self.layers = [_lm.NemotronHBlock(args, t) for t in pattern]
 
     def __call__(self, x, mask=None, cache=None):
         for layer in self.layers:
@@ -98,31 +100,30 @@ def mamba(mixer, x, cache: RecurrentCache, capture: bool):
     return mixer.out_proj(mixer.norm(y.reshape(Bsz, S, -1), gate))
 
 
+@dataclass
+class LmArgs(_lm.ModelArgs):
+    mtp_hybrid_override_pattern: Optional[str] = None
+
+    @property
+    def rms_norm_eps(self) -> float:  # what the MTP layer's norms read
+        return self.layer_norm_epsilon
+
+
+lm = SimpleNamespace(**{k: getattr(_lm, k) for k in dir(_lm) if not k.startswith("__")})
+lm.ModelArgs, lm.NemotronHModel = LmArgs, Trunk
+
+
 class Model(_Model):
-    family = Family(lm=lm, trunk_cls="NemotronHModel", block=None,
+    family = Family(lm=lm, trunk_cls="NemotronHModel",
+                    block=lambda args, index: MTPBlocks(args, mtp_pattern(args)),
                     mtp_prefix=lambda args, i: f"mtp.layers.{i}.")
 
     def __init__(self, args: ModelArgs):
         config = dict(args.config)
-        if layout.config_mtp_layers(config) == 0 and "mtp_hybrid_override_pattern" in config \
+        if "mtp_hybrid_override_pattern" in config and layout.config_mtp_layers(config) == 0 \
                 and "num_nextn_predict_layers" not in config:
-            config["num_nextn_predict_layers"] = 1
-        nn.Module.__init__(self)
-        self.family = type(self).family
-        lm_args = lm.ModelArgs.from_dict(config)
-        lm_args.rms_norm_eps = lm_args.layer_norm_epsilon
-        lm_args.tie_word_embeddings = False
-        lm_args.mtp_hybrid_override_pattern = config.get("mtp_hybrid_override_pattern")
-        self.args = lm_args
-        self.model_type = config["model_type"]
-        self.mtp_hidden = config.get("mtp_hidden", "post_norm")
-        self.draft_head = None
-        self.declared_mtp_layers = layout.config_mtp_layers(config)
-        self.model = Trunk(lm_args)
-        self.lm_head = nn.Linear(lm_args.hidden_size, lm_args.vocab_size, bias=False)
-        if self.declared_mtp_layers > 0:
-            block = MTPBlocks(lm_args, mtp_pattern(lm_args))
-            self.mtp = MTPStack([MTPLayer(lm_args.hidden_size, lm_args.rms_norm_eps, block)])
+            config["num_nextn_predict_layers"] = 1  # the pattern is the layer
+        super().__init__(ModelArgs(args.model_type, config))
 
     # --- forward ----------------------------------------------------------
     @property
@@ -169,11 +170,9 @@ class Model(_Model):
     # --- weights ----------------------------------------------------------
     def lm_sanitize(self, weights: dict) -> dict:
         """mlx-lm's sanitize (conv layout, expert stacking) on ``backbone.*`` names."""
-        from types import SimpleNamespace
-
         back = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v
                 for k, v in weights.items()}
-        out = lm.Model.sanitize(SimpleNamespace(args=self.args), back)
+        out = _lm.Model.sanitize(SimpleNamespace(args=self.args), back)
         return {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v
                 for k, v in out.items()}
 
