@@ -218,3 +218,25 @@ def test_distributed_split_is_refused_clearly(ckpt):
 
     with pytest.raises(DistributedError, match="cannot split nemotron_h models yet"):
         load_distributed(str(ckpt()))
+
+
+def test_sampling_follows_the_target_distribution(ckpt):
+    """Sampled drafts accepted in part: the replayed Mamba-2 state keeps the joint of the
+    next two tokens exactly the target's."""
+    from distribution_check import assert_follows, sample_outcomes, two_token_joint
+
+    path = ckpt("random", vocab_size=8)
+    model, ref = load_model(path)[0], mlx_lm_model(path)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+
+    def target(prefix):
+        logits = ref(mx.array([prompt + prefix]))[0, -1].astype(mx.float32)
+        return np.exp(np.array(logits - mx.logsumexp(logits), np.float64))
+
+    def draw(seed):
+        return mtp_tokens(model, prompt, 2, SamplingParams(temperature=1.0, seed=seed), n=2)
+
+    n_samples = 400
+    seen, accepted = sample_outcomes(draw, n_samples)
+    assert accepted > n_samples // 10
+    assert_follows(seen, two_token_joint(target), n_samples)
