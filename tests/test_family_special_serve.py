@@ -32,6 +32,7 @@ LONGER = PROMPT + [int(x) for x in RNG.integers(0, 128, 9)]
 def small_window_buffers(monkeypatch):
     """Window caches drop old entries every 8 positions, keeping 4 beyond the window."""
     monkeypatch.setattr(WindowKVCache, "step", 8)
+    monkeypatch.setattr(window_cache.BatchWindowKVCache, "step", 8)
     monkeypatch.setattr(window_cache, "ROLLBACK_MARGIN", 4)
 
 

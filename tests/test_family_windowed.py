@@ -37,6 +37,7 @@ def small_window_buffers(monkeypatch):
     """Buffers grow in steps of 8 and keep 4 positions beyond the window, so the
     tests' short sequences drop old entries many times."""
     monkeypatch.setattr(WindowKVCache, "step", 8)
+    monkeypatch.setattr(BatchWindowKVCache, "step", 8)
     monkeypatch.setattr(window_cache, "ROLLBACK_MARGIN", 4)
 
 
@@ -200,7 +201,9 @@ def run_batch(model, k, prompts, n=20):
     while min(len(t) for t in outs.values()) < n:
         for key, o in bd.step().items():
             outs[key] += o.tokens
-    assert any(isinstance(c, BatchWindowKVCache) for c in bd.core.cache)
+    windows = [c for c in bd.core.cache if isinstance(c, BatchWindowKVCache)]
+    # Old entries dropped as the buffers grew: bounded by window + margin + step + a chunk.
+    assert windows and all(c.keys.shape[2] <= WINDOW + 4 + 8 + 8 for c in windows)
     return [outs[i][:n] for i in range(len(prompts))]
 
 

@@ -12,7 +12,8 @@ which is what mlx-lm's rotating cache and ``create_causal_mask(window_size=)`` g
   Entries are dropped ``step`` at a time, after a write (masks are made before it).
   Rolling back up to ``margin`` positions (a verify pass's drafts) is a pointer move.
 * ``BatchWindowKVCache`` (many sequences): a ``BatchKVCache`` whose masks also apply
-  each row's window, counted in that row's own positions (holes skipped).
+  each row's window, counted in that row's own positions (holes skipped), and drops a
+  row's entries older than ``window + margin`` when its buffer grows.
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ class WindowKVCache(KVCache):
 class BatchWindowKVCache(BatchKVCache):
     """Rows of different lengths decoding together through a sliding-window layer.
 
-    Keeps every row's entries (as ``BatchKVCache`` does); the window is applied by the
-    mask, from each row's own count of valid slots.
+    The window is applied by the mask, from each row's own count of valid slots. When the
+    buffer grows (every ``step`` positions), each row keeps only its newest
+    ``window + margin`` entries: memory stays bounded as for one sequence.
     """
 
     def __init__(self, window: int, pos: List[int], keys=None, values=None, valid=None):
@@ -143,6 +145,15 @@ class BatchWindowKVCache(BatchKVCache):
         near = slot_pos[:, None, :] > q_pos[:, :, None] - self.window  # (B, S, L)
         causal = mx.arange(L)[None] <= (self.idx + mx.arange(S))[:, None]  # (S, L)
         return (valid[:, None, :] & causal[None] & near)[:, None]
+
+    def _grow(self, S: int):
+        """Turn each row's entries older than ``window + margin`` into holes; the base
+        class squeezes holes out as it grows the buffer."""
+        if self.idx:
+            valid = self.valid[:, : self.idx]
+            newer = mx.cumsum(valid[:, ::-1].astype(mx.int32), axis=1)[:, ::-1]
+            self.valid[:, : self.idx] = valid & (newer <= self.window + ROLLBACK_MARGIN)
+        super()._grow(S)
 
     def extend(self, other: "BatchWindowKVCache"):
         if other.window != self.window:
