@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -39,10 +40,16 @@ _SHAPE_FIELDS = (
 )
 
 
+def _shape_args(cfg: dict):
+    if family_of(cfg) is not None:  # attention-trunk families: the config's own fields
+        text = text_config(cfg)
+        return SimpleNamespace(**{k: text.get(k) for k in _SHAPE_FIELDS + ("num_experts",)})
+    return HybridArgs.from_dict(args_dict(cfg))
+
+
 def _config_mismatches(dst_cfg: dict, src_cfg: dict) -> List[str]:
     # Compare effective values (e.g. head_dim derived when absent).
-    a = HybridArgs.from_dict(args_dict(dst_cfg))
-    b = HybridArgs.from_dict(args_dict(src_cfg))
+    a, b = _shape_args(dst_cfg), _shape_args(src_cfg)
     out = []
     for k in _SHAPE_FIELDS:
         if k == "intermediate_size" and a.num_experts:
@@ -199,7 +206,7 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
 
     head_params = {prefix + k: v for k, v in tree_flatten(head.parameters())}
     rows = _summarize(head_params, model)
-    head_params = {checkpoint_name(k): v for k, v in head_params.items()}
+    head_params = getattr(model.text, "checkpoint_mtp_names", lambda w: w)(head_params)
 
     # New config: MTP layer count, and the head's quantization entries.
     new_cfg = copy.deepcopy(dst_cfg)

@@ -250,7 +250,8 @@ def convert(
 
     weights = dict(tree_flatten(model.parameters()))
     rows = _summarize(weights, model)
-    weights = {checkpoint_name(k): v for k, v in weights.items()}
+    # The MTP layer under its checkpoint names, in its released form (step3p5: 1+w norms).
+    weights = getattr(model.text, "checkpoint_mtp_names", lambda w: w)(weights)
     if drafter_dir is not None:
         weights, trunk_q, head, head_q = split_mtp_io.split_head(weights, quantization)
         drafter_from = copy.deepcopy(out_config)

@@ -22,7 +22,7 @@ from typing import Dict, Hashable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..models.cache import KVCache, restore_caches, snapshot_caches
+from ..models.cache import restore_caches, snapshot_caches
 from .policy import DraftPolicy
 from .sequence import Sequence as DecodeSequence
 from .step import DecodeBatch, Row, RowError, StepOutput
@@ -82,8 +82,7 @@ class BatchDecoder:
         row.key = key
         if not use_mtp:
             row.max_k, row.owed, row.schedule = 0, None, None
-        mtp = seq.mtp_cache if use_mtp else [KVCache.empty()
-                                             for _ in range(self.model.num_mtp_layers)]
+        mtp = seq.mtp_cache if use_mtp else self.model.make_mtp_cache()
         if not core.rows:
             core.cache = seq.cache if share else list(seq.cache)
             core.mtp_cache = (mtp if share else list(mtp)) if self.K else None

@@ -133,6 +133,14 @@ def _share(model, *arrays: mx.array):
     return arrays if share is None else share(*arrays)
 
 
+def drop_drafted(model, mtp_cache, k: int):
+    """Roll the MTP caches back over the entries a step's drafts wrote (conditioned on
+    drafts, not on trunk hiddens): k - 1 with one MTP layer; the model says otherwise."""
+    counts = getattr(model, "drafted_entries", lambda k: [k - 1] * len(mtp_cache))(k)
+    for c, n in zip(mtp_cache, counts):
+        c.trim(n)
+
+
 def _prepare(caches, S: int, lengths=None):
     """Announce the next chunk to caches that mask per row (recurrent ones need nothing)."""
     for c in caches:
@@ -208,8 +216,7 @@ class DecodeBatch:
         n_keep = [n + 1 for n in n_acc]
         for c in self.cache:
             c.accept(n_keep)
-        for c in self.mtp_cache:
-            c.trim(k - 1)  # entries conditioned on drafts, not on trunk hiddens
+        drop_drafted(self.model, self.mtp_cache, k)
         out = []
         for b, r in enumerate(self.rows):
             n = n_acc[b]
@@ -378,7 +385,7 @@ class DecodeBatch:
         for j in range(k):
             if j:
                 _prepare(self.mtp_cache, 1)
-                out = model.mtp_forward(out, drafts[-1][:, None], self.mtp_cache)
+                out = model.mtp_forward(out, drafts[-1][:, None], self.mtp_cache, depth=j)
             draft_logits = model.draft_logits(out[:, -1:], any_token=grammars is not None)
             if j == 0:
                 proc = self._processing(draft_logits.shape[-1])

@@ -2,6 +2,8 @@
 
 import importlib
 
+from . import window_cache  # noqa: F401  (registers the window caches' kinds for loading)
+
 # model_type -> module name. The ``*_text`` names are the text configs of the
 # multimodal Qwen3.5/3.6 checkpoints (flat ``*ForCausalLM`` exports); ``*_mtp`` are
 # vLLM's draft-model types, which some re-exports keep (dense or MoE by the config).
@@ -17,6 +19,12 @@ MODEL_TYPES = {
     "glm4_moe_lite": "glm4_moe_lite",
     "deepseek_v3": "deepseek_v3",
     "mimo": "mimo",
+    "step3p5": "step3p5",
+    "mimo_v2_flash": "mimo_v2_flash",
+    "nemotron_h": "nemotron_h",
+    "longcat_flash": "longcat_flash",
+    "deepseek_v32": "deepseek_v32",
+    "glm_moe_dsa": "glm_moe_dsa",
 }
 
 

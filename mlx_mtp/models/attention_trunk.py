@@ -174,7 +174,7 @@ class TextModel(hybrid.TextModel):
         normed = self.model.norm(h)
         return normed, (normed if self.mtp_hidden == "post_norm" else h)
 
-    def mtp_forward(self, hidden, next_tokens, mtp_cache):
+    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
         """hidden (B,S,H) at positions i, next_tokens (B,S) = t_{i+1} -> the MTP layer's
         post-norm output (B,S,H): its logits predict t_{i+2}; the next draft chains on it."""
         layer = self.mtp.layers[0]
@@ -319,11 +319,16 @@ def is_mtp_checkpoint_key(key: str, num_hidden_layers: int) -> bool:
             and int(parts[2]) >= num_hidden_layers)
 
 
+def trunk_layer_count(config: dict) -> int:
+    """``num_hidden_layers`` (LongCat names it ``num_layers``)."""
+    return int(config.get("num_hidden_layers", config.get("num_layers", 0)))
+
+
 def mtp_key_predicate(config: dict) -> Callable[[str], bool]:
     """Which of a checkpoint's keys belong to the MTP layers, for any supported family."""
     if family_of(config) is None:
         return layout.is_mtp_key
-    n = int(config.get("num_hidden_layers", 0))
+    n = trunk_layer_count(config)
     return lambda key: is_mtp_checkpoint_key(key, n)
 
 
@@ -340,7 +345,7 @@ def count_checkpoint_mtp_layers(config: dict, keys) -> int:
     ``model.mtp_layers.{i}``); 0 for other families."""
     if family_of(config) is None:
         return 0
-    n, found = int(config.get("num_hidden_layers", 0)), set()
+    n, found = trunk_layer_count(config), set()
     for k in keys:
         parts = k.split(".", 3)
         if len(parts) < 4 or parts[0] != "model" or not parts[2].isdigit():

@@ -342,9 +342,9 @@ class DistributedModel:
             return self.inner.draft_logits(hidden, any_token)
         return self.logits(hidden)
 
-    def mtp_forward(self, hidden, next_tokens, mtp_cache):
+    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
         if self.is_head:
-            return self.inner.mtp_forward(hidden, next_tokens, mtp_cache)
+            return self.inner.mtp_forward(hidden, next_tokens, mtp_cache, depth)
         # Without the head: the caches only track positions (one-element entries), so
         # batching, trimming and rollback work on them as on the head rank's.
         B, S = next_tokens.shape

@@ -457,8 +457,9 @@ class TextModel(nn.Module):
     def compiled(self) -> bool:
         return any(layer.compiled_step is not None for layer in self.model.layers)
 
-    def mtp_forward(self, hidden, next_tokens, mtp_cache):
-        """hidden (B,S,H) at positions i, next_tokens (B,S) = t_{i+1}.
+    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
+        """hidden (B,S,H) at positions i, next_tokens (B,S) = t_{i+1}; ``depth``: the
+        draft's depth (0: the trunk's hiddens; families with one MTP layer ignore it).
 
         Returns the head's post-norm output (B,S,H): ``logits()`` of it predicts
         t_{i+2}, and it is the hidden to chain the next draft on.
@@ -525,8 +526,8 @@ class WrappedTextModel(nn.Module):
     def compiled(self) -> bool:
         return self.language_model.compiled
 
-    def mtp_forward(self, hidden, next_tokens, mtp_cache):
-        return self.language_model.mtp_forward(hidden, next_tokens, mtp_cache)
+    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
+        return self.language_model.mtp_forward(hidden, next_tokens, mtp_cache, depth)
 
     def make_cache(self):
         return self.language_model.make_cache()

@@ -13,7 +13,7 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from . import UnsupportedModelError, get_model_module, layout, split_drafter
 from .hybrid import SparseMoeBlock
@@ -178,10 +178,13 @@ def _upcast_cpu_experts(model: nn.Module):
         return
     for _, m in model.named_modules():
         # Ours (SparseMoeBlock) and mlx-lm's MoE blocks (attention-trunk families).
-        if isinstance(m, SparseMoeBlock) or isinstance(m.get("switch_mlp"), SwitchGLU):
+        if isinstance(m, SparseMoeBlock) or isinstance(m.get("switch_mlp"),
+                                                        (SwitchGLU, SwitchMLP)):
             sw = m.switch_mlp
-            for proj in (sw.gate_proj, sw.up_proj, sw.down_proj):
-                if "scales" not in proj and proj.weight.dtype != mx.float32:
+            for name in ("gate_proj", "up_proj", "down_proj", "fc1", "fc2"):  # GLU / MLP
+                proj = sw.get(name)
+                if proj is not None and "scales" not in proj \
+                        and proj.weight.dtype != mx.float32:
                     proj.weight = proj.weight.astype(mx.float32)
 
 

@@ -95,11 +95,12 @@ def _state_tensors(state: DecoderState) -> Tuple[Dict[str, mx.array], dict]:
     def add_layers(caches, prefix):
         kinds = []
         for i, c in enumerate(caches):
-            if type(c).kind not in CACHE_KINDS:
+            if CACHE_KINDS.get(type(c).kind) is not type(c):
                 raise TypeError(f"cannot store a {type(c).__name__} on disk")
             arrays = c.state
             filled = arrays[0] is not None
-            kinds.append([c.kind, int(c.meta_state[0]), filled])
+            offset, *more_meta = c.meta_state  # more: e.g. a window cache's window
+            kinds.append([c.kind, int(offset), filled, *more_meta])
             if filled:
                 for name, a in zip(c.state_names, arrays):
                     tensors[f"{prefix}.{i}.{name}"] = a
@@ -118,13 +119,13 @@ def _state_tensors(state: DecoderState) -> Tuple[Dict[str, mx.array], dict]:
 def _state_from_tensors(t: Dict[str, mx.array], layout: dict) -> DecoderState:
     def layers(kinds, prefix):
         out = []
-        for i, (kind, offset, filled) in enumerate(kinds):
+        for i, (kind, offset, filled, *more_meta) in enumerate(kinds):
             cls = CACHE_KINDS.get(kind)
             if cls is None:
                 raise ValueError(f"unknown cache kind {kind!r}")
             arrays = tuple(t[f"{prefix}.{i}.{n}"] for n in cls.state_names) if filled else None
             try:
-                out.append(cls.from_state(arrays, (str(int(offset)),)))
+                out.append(cls.from_state(arrays, (str(int(offset)), *map(str, more_meta))))
             except ValueError as e:
                 raise ValueError(f"layer {prefix}.{i}: {e}") from e
         return out

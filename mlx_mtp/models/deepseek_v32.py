@@ -1,0 +1,60 @@
+"""DeepSeek-V3.2 (``model_type: deepseek_v32``), with its MTP layer.
+
+Trunk: mlx-lm's (MLA with DeepSeek sparse attention, MoE). Two caches per attention layer
+(latents, indexer keys), both trimmed on rollback; verify passes select and attend as plain
+one-token decoding does (``dsa.py``). The MTP layer is ``model.layers.{N}.*`` in DeepSeek
+naming (61 on V3.2) with its own indexer; FP8 releases are dequantized.
+"""
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+from mlx_lm.models import deepseek_v32 as _v32
+
+from .attention_trunk import Family, ModelArgs, attention_mask, nextn_prefix  # noqa: F401
+from .attention_trunk import Model as _Model
+from .cache import KVCache
+from .dsa import verify_attention
+
+
+class DSAModel(_Model):
+    """The DSA families' forward and caches (``family.lm`` provides mlx-lm's classes)."""
+
+    def trunk(self, inputs, cache=None, capture=False):
+        h = self.model.embed_tokens(inputs)
+        L = h.shape[1]
+        cache = cache if cache is not None else self.make_cache()
+        mask = attention_mask(cache[0], L, True)
+        for i, layer in enumerate(self.model.layers):
+            caches = (cache[2 * i], cache[2 * i + 1])
+            h = self.decoder_layer(layer, h, mask, caches, capture and L > 1)
+        normed = self.model.norm(h)
+        return normed, (normed if self.mtp_hidden == "post_norm" else h)
+
+    def decoder_layer(self, layer, x, mask, caches, verify: bool):
+        if not verify:
+            return layer(x, mask, caches)  # mlx-lm's own (one token: its gather path)
+        h = x + verify_attention(layer.self_attn, layer.input_layernorm(x), mask, caches)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
+        layer = self.mtp.layers[0]
+        e = layer.enorm(self.model.embed_tokens(next_tokens))
+        x = layer.eh_proj(mx.concatenate([e, layer.hnorm(hidden)], axis=-1))
+        caches = tuple(mtp_cache) if mtp_cache else (KVCache(), KVCache())
+        mask = attention_mask(caches[0], x.shape[1], True)
+        return layer.norm(layer.block(x, mask, caches))
+
+    def make_cache(self):
+        return [KVCache() for _ in range(2 * len(self.model.layers))]
+
+    def make_mtp_cache(self):
+        return [KVCache(), KVCache()] if self.num_mtp_layers else []
+
+
+lm = SimpleNamespace(**{k: getattr(_v32, k) for k in dir(_v32) if not k.startswith("__")})
+
+
+class Model(DSAModel):
+    family = Family(lm=lm, trunk_cls="DeepseekV32Model", block=lm.DeepseekV32DecoderLayer,
+                    mtp_prefix=nextn_prefix, mla=True)

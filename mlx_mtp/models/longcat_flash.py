@@ -1,0 +1,171 @@
+"""LongCat-Flash (``model_type: longcat_flash``), with its MTP layer.
+
+Trunk: mlx-lm's. Each layer has two MLA attention sublayers (each its own KV cache: the
+trunk's cache list holds two per layer, both trimmed) and dense MLPs, plus a shortcut MoE
+whose zero-compute experts return their input. MLA's q/kv LoRA outputs are scaled by
+sqrt(hidden / rank). As for DeepSeek, a verify pass runs the absorbed formula on every row
+(what plain one-token decoding runs), prefill the expanded one.
+
+The MTP layer (``model.mtp.*``, no count key, one layer): ``eh_proj([enorm.m(e) ||
+hnorm.m(h)])`` -> one MLA attention + dense MLP block (``layers.0.self_attn``,
+``layers.0.transformer_layer.mlp``) -> ``model.mtp.norm`` -> the trunk's ``lm_head``;
+``model.mtp.embed_tokens`` is the embedding's copy.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Dict, List
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import longcat_flash as _lm
+
+from .attention_trunk import Family, ModelArgs, attention_mask
+from .attention_trunk import Model as _Model
+from .cache import KVCache
+
+PUBLIC = "model.mtp."
+RAW_PREFIX = "model.mtp_layers.0."  # internal, while loading (``model.mtp.*`` reads as ``mtp.*``)
+# Released names inside the MTP layer -> the block's (mlx-lm) names.
+BLOCK_RENAMES = {"transformer_layer.mlp.": "mlp."}
+
+
+@dataclass
+class LmArgs(_lm.ModelArgs):
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.num_layers
+
+
+lm = SimpleNamespace(**{k: getattr(_lm, k) for k in dir(_lm) if not k.startswith("__")})
+lm.ModelArgs = LmArgs
+
+
+class MTPBlock(nn.Module):
+    """One MLA attention sublayer and a dense MLP, pre-norm residual."""
+
+    def __init__(self, args, index: int = 0):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.self_attn = _lm.LongcatFlashMLA(args)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.mlp = _lm.LongcatFlashMLP(args, is_expert=False)
+
+
+def mla(attn, x, mask, cache, absorbed: bool):
+    """mlx-lm's LongCat MLA with the formula chosen by the caller (``absorbed``: what it
+    runs for one token)."""
+    B, L, _ = x.shape
+    if attn.q_lora_rank is None:
+        q = attn.q_proj(x)
+    else:
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    q = q.reshape(B, L, attn.num_attention_heads, attn.qk_head_dim).transpose(0, 2, 1, 3)
+    if getattr(attn, "mla_scale_q_lora", None) is not None:
+        q = q * attn.mla_scale_q_lora
+    q_nope, q_pe = mx.split(q, [attn.qk_nope_head_dim], axis=-1)
+    latent, k_pe = mx.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank], axis=-1)
+    k_pe = k_pe.reshape(B, L, 1, attn.qk_rope_head_dim).transpose(0, 2, 1, 3)
+    latent = attn.kv_a_layernorm(latent)
+    if getattr(attn, "mla_scale_kv_lora", None) is not None:
+        latent = latent * attn.mla_scale_kv_lora
+    offset = cache.offset if cache is not None else 0
+    q_pe, k_pe = attn.rope(q_pe, offset), attn.rope(k_pe, offset)
+    latent = mx.expand_dims(latent, axis=1)
+    if cache is not None:
+        latent, k_pe = cache.update_and_fetch(latent, k_pe)
+    scores = (q_pe * attn.scale) @ k_pe.swapaxes(-1, -2)
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    if absorbed:
+        out = mx.fast.scaled_dot_product_attention(
+            attn.embed_q(q_nope), latent, latent, scale=attn.scale, mask=scores)
+        out = attn.unembed_out(out)
+    else:
+        k, v = attn.embed_q(latent, transpose=False), attn.unembed_out(latent)
+        out = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=attn.scale, mask=scores)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def trunk_layer(layer, h, mask, caches, absorbed: bool):
+    """mlx-lm's LongCat decoder layer with ``mla`` for its two attention sublayers."""
+    shortcut = None
+    for i in range(2):
+        h = h + mla(layer.self_attn[i], layer.input_layernorm[i](h), mask, caches[i], absorbed)
+        x = layer.post_attention_layernorm[i](h)
+        if i == 0:
+            shortcut = layer.mlp(x)
+        h = h + layer.mlps[i](x)
+    return h + shortcut
+
+
+class Model(_Model):
+    family = Family(lm=lm, trunk_cls="LongcatFlashModel", block=MTPBlock,
+                    mtp_prefix=lambda args, i: RAW_PREFIX, mla=True,
+                    key_map={"enorm.m": "enorm", "hnorm.m": "hnorm", "eh_proj": "eh_proj",
+                             "final_norm": "norm"}, duplicates=("embed_tokens.",))
+
+    def __init__(self, args: ModelArgs):
+        config = dict(args.config)
+        if not any(config.get(k) is not None for k in ("num_nextn_predict_layers",
+                                                        "mtp_num_hidden_layers")):
+            config["num_nextn_predict_layers"] = 1  # the release ships one, no count key
+        super().__init__(ModelArgs(args.model_type, config))
+
+    # --- forward ----------------------------------------------------------
+    def trunk(self, inputs, cache=None, capture=False):
+        h = self.model.embed_tokens(inputs)
+        L = h.shape[1]
+        cache = cache if cache is not None else [None] * (2 * len(self.model.layers))
+        mask = attention_mask(cache[0], L, True)
+        for i, layer in enumerate(self.model.layers):
+            h = trunk_layer(layer, h, mask, cache[2 * i : 2 * i + 2], capture or L == 1)
+        normed = self.model.norm(h)
+        return normed, (normed if self.mtp_hidden == "post_norm" else h)
+
+    def decoder_layer(self, layer, x, mask, cache, absorbed: bool):
+        h = x + mla(layer.self_attn, layer.input_layernorm(x), mask, cache, absorbed)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def make_cache(self):
+        return [KVCache() for _ in range(2 * len(self.model.layers))]
+
+    # --- weights ----------------------------------------------------------
+    def sanitize(self, weights: dict) -> dict:
+        out = {}
+        for k, v in weights.items():
+            if k == PUBLIC + "norm.weight":
+                k = RAW_PREFIX + "final_norm.weight"
+            elif k.startswith(PUBLIC + "embed_tokens."):
+                k = RAW_PREFIX + k[len(PUBLIC):]
+            else:
+                k = re.sub(r"^model\.mtp\.layers\.0\.", RAW_PREFIX, k)
+            out[k] = v
+        return super().sanitize(out)
+
+    def mtp_weights(self, raw: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        renamed = {}
+        for k, v in raw.items():
+            for theirs, ours in BLOCK_RENAMES.items():
+                k = ours + k[len(theirs):] if k.startswith(theirs) else k
+            # mlx-lm splits kv_b_proj for the trunk's two sublayers (``self_attn.{i}``).
+            renamed[k.replace("self_attn.", "self_attn.0.", 1)] = v
+        out = super().mtp_weights(renamed)
+        return {k.replace(".self_attn.0.", ".self_attn.", 1): v for k, v in out.items()}
+
+    def checkpoint_name(self, key: str) -> str:
+        name = super().checkpoint_name(key)
+        if not name.startswith(RAW_PREFIX):
+            return name
+        tail = name[len(RAW_PREFIX):]
+        if tail.startswith("final_norm."):
+            return PUBLIC + "norm." + tail[len("final_norm."):]
+        for theirs, ours in BLOCK_RENAMES.items():
+            tail = theirs + tail[len(ours):] if tail.startswith(ours) else tail
+        return PUBLIC + "layers.0." + tail
+
+    def expected_mtp_keys(self) -> List[str]:
+        return [self.checkpoint_name(k) for k in super().expected_mtp_keys()]

@@ -1,0 +1,229 @@
+"""Nemotron-H / Nemotron-3 (``model_type: nemotron_h``): Mamba-2 + attention hybrid, with
+its MTP layer.
+
+Trunk: mlx-lm's module (``backbone.*`` in checkpoints; we hold it as ``model.*``): Mamba-2
+mixers (``M``), attention without RoPE (``*``), ReLU² MLPs (``-``) and MoE (``E``), each a
+pre-norm residual block. Mamba-2 layers keep their conv window and SSM state in
+``RecurrentCache``: a verify pass (``capture``) records the pre-verify state and each
+position's SSM inputs, and ``accept`` replays the kept prefix in one ``ssm_update`` call
+from that state (the Gated DeltaNet design in ``cache.py``).
+
+MTP: ``mtp.layers.{i}.*``, one layer per character of ``mtp_hybrid_override_pattern``
+(e.g. ``*E``): the first carries ``enorm`` / ``hnorm`` / ``eh_proj``, the last
+``final_layernorm``; ``[enorm(e) || hnorm(h)]`` -> the pattern's blocks (attention with
+its own KV cache, then MoE) -> ``final_layernorm`` -> the trunk's ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import nemotron_h as _lm
+from mlx_lm.models.ssm import ssm_update
+
+from . import layout
+from .attention_trunk import Family, ModelArgs
+from .attention_trunk import Model as _Model
+from .cache import KVCache, RecurrentCache, VerifyRecord
+
+CACHED = ("M", "*")  # block types that keep state across calls
+
+
+class Trunk(_lm.NemotronHModel):
+    """mlx-lm's backbone, with the names the engine reads."""
+
+    @property
+    def embed_tokens(self):
+        return self.embeddings
+
+    @property
+    def norm(self):
+        return self.norm_f
+
+
+class MTPBlocks(nn.Module):
+    """The MTP layer's blocks, in pattern order; only attention keeps a cache."""
+
+    def __init__(self, args, pattern: str):
+        super().__init__()
+        self.layers = [_lm.NemotronHBlock(args, t) for t in pattern]
+
+    def __call__(self, x, mask=None, cache=None):
+        for layer in self.layers:
+            x = layer(x, mask, cache) if layer.block_type == "*" else layer(x)
+        return x
+
+
+def mtp_pattern(args) -> str:
+    return getattr(args, "mtp_hybrid_override_pattern", None) or "*E"
+
+
+def ssm_recurrence(mixer):
+    """(x, B, C, dt, state, mask) -> (y, state): mlx-lm's Mamba-2 update. A (B, T) mask of
+    kept prefixes (per-row replay) also gives each row's length."""
+
+    def run(x, B, C, dt, state, mask=None):
+        lengths = None if mask is None else mask.sum(axis=-1)
+        return ssm_update(x, mixer.A_log, B, C, mixer.D.astype(x.dtype), dt, mixer.dt_bias,
+                          state, mixer.time_step_limit, mask=mask, lengths=lengths)
+
+    return run
+
+
+def mamba(mixer, x, cache: RecurrentCache, capture: bool):
+    """mlx-lm's Mamba-2 mixer on our cache; a verify pass records what replay needs."""
+    Bsz, S, _ = x.shape
+    gate, conv_in, dt = mx.split(
+        mixer.in_proj(x), [mixer.intermediate_size, mixer.intermediate_size + mixer.conv_dim],
+        axis=-1)
+    conv_input = mx.concatenate([cache.conv, conv_in], axis=1)
+    conv_out = nn.silu(mixer.conv1d(conv_input))
+    xs, B, C = mx.split(conv_out, [mixer.intermediate_size,
+                                   mixer.intermediate_size + mixer.n_groups * mixer.ssm_state_size],
+                        axis=-1)
+    inputs = (xs.reshape(Bsz, S, mixer.num_heads, mixer.head_dim),
+              B.reshape(Bsz, S, mixer.n_groups, mixer.ssm_state_size),
+              C.reshape(Bsz, S, mixer.n_groups, mixer.ssm_state_size), dt)
+    recurrence = ssm_recurrence(mixer)
+    y, state = recurrence(*inputs, cache.ssm)
+    cache.verify_record = (VerifyRecord(conv_input, cache.ssm, inputs, None, recurrence)
+                           if capture else None)
+    cache.conv = mx.contiguous(conv_input[:, -(mixer.conv_kernel_size - 1):])
+    cache.ssm = state
+    cache.offset += S
+    return mixer.out_proj(mixer.norm(y.reshape(Bsz, S, -1), gate))
+
+
+@dataclass
+class LmArgs(_lm.ModelArgs):
+    mtp_hybrid_override_pattern: Optional[str] = None
+
+    @property
+    def rms_norm_eps(self) -> float:  # what the MTP layer's norms read
+        return self.layer_norm_epsilon
+
+
+lm = SimpleNamespace(**{k: getattr(_lm, k) for k in dir(_lm) if not k.startswith("__")})
+lm.ModelArgs, lm.NemotronHModel = LmArgs, Trunk
+
+
+class Model(_Model):
+    family = Family(lm=lm, trunk_cls="NemotronHModel",
+                    block=lambda args, index: MTPBlocks(args, mtp_pattern(args)),
+                    mtp_prefix=lambda args, i: f"mtp.layers.{i}.")
+
+    def __init__(self, args: ModelArgs):
+        config = dict(args.config)
+        if "mtp_hybrid_override_pattern" in config and layout.config_mtp_layers(config) == 0 \
+                and "num_nextn_predict_layers" not in config:
+            config["num_nextn_predict_layers"] = 1  # the pattern is the layer
+        super().__init__(ModelArgs(args.model_type, config))
+
+    # --- forward ----------------------------------------------------------
+    @property
+    def layers(self):
+        """The layers that keep a cache, in cache order."""
+        return [layer for layer in self.model.layers if layer.block_type in CACHED]
+
+    def trunk(self, inputs, cache=None, capture=False):
+        h = self.model.embed_tokens(inputs)
+        L = h.shape[1]
+        caches = iter(cache if cache is not None else self.make_cache())
+        for layer in self.model.layers:
+            if layer.block_type == "M":
+                h = h + mamba(layer.mixer, layer.norm(h), next(caches), capture)
+            elif layer.block_type == "*":
+                c = next(caches)
+                h = layer(h, c.make_mask(L), c)
+            else:
+                h = layer(h)
+        normed = self.model.norm(h)
+        return normed, (normed if self.mtp_hidden == "post_norm" else h)
+
+    def make_cache(self):
+        dtype = self.model.embed_tokens.weight.dtype
+        out = []
+        for layer in self.layers:
+            if layer.block_type == "*":
+                out.append(KVCache())
+                continue
+            m, c = layer.mixer, RecurrentCache()
+            # Zero state up front (equal to mlx-lm's "no state yet" on the first call).
+            c.conv = mx.zeros((1, m.conv_kernel_size - 1, m.conv_dim), dtype)
+            c.ssm = mx.zeros((1, m.num_heads, m.head_dim, m.ssm_state_size), mx.float32)
+            out.append(c)
+        return out
+
+    def make_mtp_cache(self):
+        return [KVCache() for _ in range(self.num_mtp_layers)]
+
+    @staticmethod
+    def cast_predicate(path: str) -> bool:
+        return "e_score_correction_bias" not in path and "A_log" not in path
+
+    # --- weights ----------------------------------------------------------
+    def lm_sanitize(self, weights: dict) -> dict:
+        """mlx-lm's sanitize (conv layout, expert stacking) on ``backbone.*`` names."""
+        back = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v
+                for k, v in weights.items()}
+        out = _lm.Model.sanitize(SimpleNamespace(args=self.args), back)
+        return {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v
+                for k, v in out.items()}
+
+    def sanitize(self, weights: dict) -> dict:
+        weights = layout.text_weight_names(weights)
+        trunk = self.lm_sanitize({k: v for k, v in weights.items() if not k.startswith("mtp.")})
+        if "mtp" not in self:
+            return trunk
+        raw = {k: v for k, v in weights.items() if k.startswith("mtp.")}
+        if not raw:
+            raise layout.MissingMTPWeightsError(self.missing_mtp_message())
+        ours = any(".block." in k for k in raw)
+        trunk.update(raw if ours else self.mtp_weights(raw))
+        expected = {k for k, _ in tree_flatten(self.parameters()) if k.startswith("mtp.")}
+        missing = sorted(expected - trunk.keys())
+        if missing:
+            raise layout.MissingMTPWeightsError(self.missing_mtp_message(missing))
+        return trunk
+
+    def mtp_weights(self, raw: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        """``mtp.layers.{i}.X`` (one per pattern block) -> ``mtp.layers.0.*``."""
+        out, blocks = {}, {}
+        for k, v in raw.items():
+            i, name = re.match(r"mtp\.layers\.(\d+)\.(.*)", k).groups()
+            if name.startswith(("enorm.", "hnorm.", "eh_proj.")):
+                out["mtp.layers.0." + name] = v
+            elif name.startswith("final_layernorm."):
+                out["mtp.layers.0.norm." + name.split(".", 1)[1]] = v
+            elif not name.startswith("embeddings."):
+                blocks[f"model.layers.{i}.{name}"] = v  # sanitized as trunk layers are
+        for k, v in self.lm_sanitize(blocks).items():
+            out["mtp.layers.0.block.layers." + k[len("model.layers."):]] = v
+        return out
+
+    def checkpoint_name(self, key: str) -> str:
+        if key.startswith("model."):
+            return "backbone." + key[len("model."):]
+        if not key.startswith("mtp.layers.0."):
+            return key
+        name = key[len("mtp.layers.0."):]
+        if name.startswith("block.layers."):
+            return "mtp.layers." + name[len("block.layers."):]
+        if name.startswith("norm"):
+            last = len(mtp_pattern(self.args)) - 1
+            return f"mtp.layers.{last}.final_layernorm" + name[len("norm"):]
+        return key
+
+    def expected_mtp_keys(self) -> List[str]:
+        last = len(mtp_pattern(self.args)) - 1
+        return ["mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight",
+                "mtp.layers.0.eh_proj.weight", f"mtp.layers.{last}.final_layernorm.weight"]
+
+    def is_mtp_key(self, key: str) -> bool:
+        return layout.is_mtp_key(key)

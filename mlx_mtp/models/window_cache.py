@@ -1,0 +1,262 @@
+"""KV caches for sliding-window attention layers, with exact rollback.
+
+mlx-lm's ``RotatingKVCache`` keeps exactly ``window`` entries in a ring: once it has
+wrapped, the entries a rejected draft overwrote are gone and it cannot be trimmed.
+These caches instead keep the window plus a margin for rollback and mask by the
+window: a query at position q sees keys at positions k with ``q - window < k <= q``,
+which is what mlx-lm's rotating cache and ``create_causal_mask(window_size=)`` give.
+
+* ``WindowKVCache`` (one sequence): a ``KVCache`` that drops entries older than
+  ``window + margin`` when its buffer would grow, so memory stays bounded; ``offset``
+  stays the absolute position (RoPE), ``start`` is the position of the first kept entry.
+  Entries are dropped ``step`` at a time, after a write (masks are made before it).
+  Rolling back up to ``margin`` positions (a verify pass's drafts) is a pointer move.
+* ``BatchWindowKVCache`` (many sequences): a ``BatchKVCache`` whose masks also apply
+  each row's window, counted in that row's own positions (holes skipped), and drops a
+  row's entries older than ``window + margin`` when its buffer grows.
+
+Both speak the cache protocol of ``cache.py`` under their own kinds (``window_kv``,
+``batch_window_kv``): their ``meta_state`` carries the window (and a single cache's
+``start`` and margin), so a saved cache comes back windowed; ``merge`` batches window
+caches only with window caches of the same window.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import mlx.core as mx
+
+from .cache import CACHE_KINDS, BatchKVCache, KVCache
+
+# Positions a rollback may take back beyond the window (drafts per step are far fewer).
+ROLLBACK_MARGIN = 64
+
+
+def _check_window(cache_window: int, window_size: Optional[int]):
+    if window_size is not None and window_size != cache_window:
+        raise ValueError(f"cache built for a window of {cache_window}, asked for {window_size}")
+
+
+class WindowKVCache(KVCache):
+    """One sequence's keys/values for a sliding-window layer (see the module doc)."""
+
+    kind = "window_kv"
+
+    def __init__(self, window: int, margin: Optional[int] = None):
+        super().__init__()
+        self.window = window
+        self.margin = ROLLBACK_MARGIN if margin is None else margin
+        self.start = 0  # absolute position of stored entry 0
+
+    @classmethod
+    def empty(cls, B: int = 1, window: Optional[int] = None) -> "WindowKVCache":
+        if window is None:
+            raise ValueError("an empty window cache needs its window")
+        if B != 1:
+            raise ValueError(f"a {cls.__name__} holds one row, not {B}")
+        return cls(window)
+
+    @classmethod
+    def from_state(cls, state, meta_state) -> "WindowKVCache":
+        c = cls(int(meta_state[2]), int(meta_state[3]))
+        if state is not None:
+            c.keys, c.values = state
+        c.meta_state = meta_state
+        return c
+
+    @property
+    def meta_state(self):
+        return tuple(str(x) for x in (self.offset, self.start, self.window, self.margin))
+
+    @meta_state.setter
+    def meta_state(self, v):
+        offset, start, self.window, self.margin = (int(x) for x in v)
+        held = 0 if self.keys is None else self.keys.shape[2]
+        if not 0 <= start <= offset or held != offset - start or (
+                self.values is not None and self.values.shape[2] != held):
+            raise ValueError(f"KV length {held} != offset {offset} - start {start}")
+        self.offset, self.start = offset, start
+
+    @classmethod
+    def merge(cls, caches) -> "BatchWindowKVCache":
+        return BatchWindowKVCache.merge(caches)
+
+    def snapshot(self):
+        # Dropping old entries replaces the arrays and moves ``start``: keep references.
+        return self.keys, self.values, self.offset, self.start
+
+    def restore(self, snap):
+        self.keys, self.values, self.offset, self.start = snap
+
+    @property
+    def stored(self) -> int:
+        return self.offset - self.start
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        # KVCache writes at ``offset``: run it on stored indices.
+        self.offset -= self.start
+        try:
+            out = super().update_and_fetch(keys, values)
+        finally:
+            self.offset += self.start
+        # Dropped after the write, so the mask made before it still lines up.
+        if self.stored >= self.window + self.margin + self.step:
+            self._drop_old()
+        return out
+
+    def _drop_old(self):
+        """Keep only the newest ``window + margin`` entries."""
+        drop = self.stored - (self.window + self.margin)
+        end = self.stored
+        self.keys = mx.contiguous(self.keys[..., drop:end, :])
+        self.values = mx.contiguous(self.values[..., drop:end, :])
+        self.start += drop
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return None, None
+        return self.keys[..., : self.stored, :], self.values[..., : self.stored, :]
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values = v
+        self.offset = self.start + (0 if self.keys is None else self.keys.shape[2])
+
+    def trim(self, n: int) -> int:
+        n = min(self.stored, n)
+        if n > self.margin:
+            raise ValueError(f"cannot roll back {n} positions of a sliding window kept "
+                             f"with a margin of {self.margin}")
+        self.offset -= n
+        return n
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
+        """Causal and windowed over the stored entries plus the ``n`` new ones."""
+        _check_window(self.window, window_size)
+        stored = self.stored
+        if n == 1 and stored < self.window:
+            return None
+        q = mx.arange(stored, stored + n)[:, None]
+        k = mx.arange(stored + n)[None]
+        return (k <= q) & (k > q - self.window)
+
+    def copy(self) -> "WindowKVCache":
+        c = WindowKVCache(self.window, self.margin)
+        if self.keys is not None:
+            k, v = self.state
+            c.keys, c.values = mx.array(k), mx.array(v)
+        c.offset, c.start = self.offset, self.start
+        return c
+
+
+class BatchWindowKVCache(BatchKVCache):
+    """Rows of different lengths decoding together through a sliding-window layer.
+
+    The window is applied by the mask, from each row's own count of valid slots. When the
+    buffer grows (every ``step`` positions), each row keeps only its newest
+    ``window + margin`` entries: memory stays bounded as for one sequence.
+    """
+
+    kind = "batch_window_kv"
+
+    def __init__(self, window: int, pos: List[int], keys=None, values=None, valid=None):
+        super().__init__(pos, keys, values, valid)
+        self.window = window
+
+    @classmethod
+    def empty(cls, B: int = 1, window: Optional[int] = None) -> "BatchWindowKVCache":
+        if window is None:
+            raise ValueError("an empty window cache needs its window")
+        return cls(window, [0] * B)
+
+    @classmethod
+    def from_state(cls, state, meta_state) -> "BatchWindowKVCache":
+        c = cls(int(meta_state[0]), [int(p) for p in meta_state[1:]])
+        if state is not None:
+            c.state = state
+        return c
+
+    @property
+    def meta_state(self):
+        return (str(self.window), *(str(p) for p in self.pos))
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.window, self.pos = int(v[0]), [int(p) for p in v[1:]]
+
+    @classmethod
+    def merge(cls, caches) -> "BatchWindowKVCache":
+        windows = {getattr(c, "window", None) for c in caches}
+        if len(windows) != 1 or None in windows:
+            raise ValueError("window caches batch only with window caches of the same window")
+        return super().merge(caches)
+
+    def _share(self) -> "BatchWindowKVCache":
+        c = BatchWindowKVCache(self.window, self.pos, self.keys, self.values, self.valid)
+        c.idx = self.idx
+        return c
+
+    def extract(self, row: int) -> WindowKVCache:
+        c = WindowKVCache(self.window)
+        if self.keys is not None:
+            c.keys, c.values = self.row_state(row)
+        c.offset = self.pos[row]
+        c.start = c.offset - (0 if c.keys is None else c.keys.shape[2])
+        return c
+
+    @classmethod
+    def from_single(cls, caches: List[WindowKVCache]) -> "BatchWindowKVCache":
+        """Batch single-sequence window caches, left-padded to a common stored length."""
+        window = caches[0].window
+        ref = next((c for c in caches if c.keys is not None), None)
+        pos = [c.offset for c in caches]
+        if ref is None:
+            return cls(window, pos)
+        L = max(c.stored for c in caches)
+        H, D, Dv = ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
+        ks, vs = [], []
+        for c in caches:
+            pad = L - c.stored
+            zk = mx.zeros((1, H, pad, D), ref.keys.dtype)
+            zv = mx.zeros((1, H, pad, Dv), ref.values.dtype)
+            k, v = c.state
+            ks.append(zk if k is None else mx.concatenate([zk, k], axis=2))
+            vs.append(zv if v is None else mx.concatenate([zv, v], axis=2))
+        valid = mx.arange(L)[None] >= mx.array([L - c.stored for c in caches])[:, None]
+        return cls(window, pos, mx.concatenate(ks), mx.concatenate(vs), valid)
+
+    def make_mask(self, S: int, return_array: bool = True, window_size: Optional[int] = None):
+        """(B, 1, S, idx + S): causal, valid slots, and within each row's window."""
+        _check_window(self.window, window_size)
+        old = (self.valid[:, : self.idx] if self.valid is not None
+               else mx.zeros((len(self.pos), 0), mx.bool_))
+        valid = mx.concatenate([old, self._new_valid()], axis=1)  # (B, L)
+        L = valid.shape[1]
+        # A slot's position within its row: how many valid slots precede it.
+        slot_pos = mx.cumsum(valid.astype(mx.int32), axis=1) - 1
+        q_pos = slot_pos[:, self.idx:]  # (B, S)
+        near = slot_pos[:, None, :] > q_pos[:, :, None] - self.window  # (B, S, L)
+        causal = mx.arange(L)[None] <= (self.idx + mx.arange(S))[:, None]  # (S, L)
+        return (valid[:, None, :] & causal[None] & near)[:, None]
+
+    def _grow(self, S: int):
+        """Turn each row's entries older than ``window + margin`` into holes; the base
+        class squeezes holes out as it grows the buffer."""
+        if self.idx:
+            valid = self.valid[:, : self.idx]
+            newer = mx.cumsum(valid[:, ::-1].astype(mx.int32), axis=1)[:, ::-1]
+            # A new mask, not written in place: a snapshot may hold the old one.
+            self.valid = mx.concatenate([valid & (newer <= self.window + ROLLBACK_MARGIN),
+                                         self.valid[:, self.idx:]], axis=1)
+        super()._grow(S)
+
+    def extend(self, other: "BatchWindowKVCache"):
+        if other.window != self.window:
+            raise ValueError("cannot batch sliding-window caches of different windows")
+        super().extend(other)
+
+
+CACHE_KINDS.update({c.kind: c for c in (WindowKVCache, BatchWindowKVCache)})
+

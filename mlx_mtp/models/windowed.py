@@ -1,0 +1,47 @@
+"""Attention trunks that interleave full-attention and sliding-window layers (Step-3.5,
+MiMo-V2-Flash): mlx-lm's loop with one mask per kind of layer, window layers (and a
+windowed MTP layer) in ``WindowKVCache`` so they roll back after wrapping."""
+
+from __future__ import annotations
+
+from mlx_lm.models.base import create_attention_mask
+
+from .cache import KVCache
+from .window_cache import WindowKVCache
+
+
+class WindowedTrunk:
+    """Mixin for ``attention_trunk.TextModel``: set ``window`` and ``is_sliding``."""
+
+    @property
+    def window(self) -> int:
+        raise NotImplementedError
+
+    @staticmethod
+    def is_sliding(layer) -> bool:
+        raise NotImplementedError
+
+    def trunk(self, inputs, cache=None, capture=False):
+        h = self.model.embed_tokens(inputs)
+        layers = self.model.layers
+        cache = cache if cache is not None else [None] * len(layers)
+        masks = {}
+        for layer, c in zip(layers, cache):
+            sliding = self.is_sliding(layer)
+            if sliding not in masks:
+                masks[sliding] = create_attention_mask(
+                    h, c, window_size=self.window if sliding else None)
+            h = layer(h, masks[sliding], c)
+        normed = self.model.norm(h)
+        return normed, (normed if self.mtp_hidden == "post_norm" else h)
+
+    def attention_cache(self, layer):
+        return WindowKVCache(self.window) if self.is_sliding(layer) else KVCache()
+
+    def make_cache(self):
+        return [self.attention_cache(layer) for layer in self.model.layers]
+
+    def make_mtp_cache(self):
+        if not self.num_mtp_layers:
+            return []
+        return [self.attention_cache(layer.block) for layer in self.mtp.layers]

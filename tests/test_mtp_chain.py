@@ -1,0 +1,135 @@
+"""Releases with one MTP layer per depth (MiMo-V2-Flash, Step-3.5-Flash: three), chained
+by models/mtp_chain.py: each layer's cache is caught up on committed positions, depth j
+drafts with layer j; checked against every layer run over the whole sequence at once, and
+end to end against mlx-lm."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step as mlx_lm_generate_step
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.utils import load_model as mlx_lm_load_model
+
+from mlx_mtp.decode.batch import BatchDecoder
+from mlx_mtp.decode.speculative import MTPDecoder, generate_step
+from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.mtp_chain import drafted_entries
+from mlx_mtp.testing.tiny_special import WINDOW, make_tiny_mimo_v2_flash, make_tiny_step3p5
+
+RNG = np.random.default_rng(5)
+PROMPT = [int(x) for x in RNG.integers(0, 128, 2 * WINDOW + 3)]
+
+
+BUILDERS = {"mimo_v2_flash": make_tiny_mimo_v2_flash,
+            "step3p5": lambda path, head, **kw: make_tiny_step3p5(path, head, mtp_layers=3, **kw)}
+FAMILIES = list(BUILDERS)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    made = {}
+
+    def make(family, head, **kw):
+        key = (family, head, tuple(sorted(kw.items())))
+        if key not in made:
+            made[key] = BUILDERS[family](tmp_path_factory.mktemp(f"{family}_{head}"), head, **kw)
+        return made[key]
+
+    return make
+
+
+def reference_chain(model, hidden, tokens, drafts):
+    """Every MTP layer over all positions 0..q at once (windowed causal masks, no cache):
+    layer j at p takes layer j-1's output at p and the token j+1 places ahead, where the
+    tokens past the committed ones are the drafts. Returns each layer's output at q."""
+    seq = mx.concatenate([tokens, drafts], axis=1)  # t_1 .. t_{q+1}, d_1 .. d_k
+    L = hidden.shape[1]
+    mask = create_causal_mask(L, window_size=model.window)
+    x, last = hidden, []
+    for j, layer in enumerate(model.mtp.layers[: drafts.shape[1] + 1]):
+        e = layer.enorm(model.model.embed_tokens(seq[:, j : j + L]))
+        x = layer.norm(layer.block(layer.eh_proj(mx.concatenate([e, layer.hnorm(x)], -1)),
+                                   mask, None))
+        last.append(x[:, -1:])
+    return last
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafts_equal_the_layers_run_over_the_whole_sequence(ckpt, family):
+    """Two head passes over committed pairs (the second after the first one's drafts were
+    rolled back), then depths 1 and 2: each output equals the whole-sequence reference."""
+    model = load_model(ckpt(family, "random"))[0]
+    cache, mtp = model.make_cache(), model.make_mtp_cache()
+    tokens = mx.array([PROMPT])
+    hidden = model.trunk(tokens[:, :-1], cache)[0]  # h_0 .. h_{q}, pairs with t_1 .. t_{q+1}
+    cut = 11
+    d = mx.array([[7, 3]])
+    model.mtp_forward(hidden[:, :cut], tokens[:, 1 : cut + 1], mtp)
+    model.mtp_forward(hidden[:, cut - 1 : cut], d[:, :1], mtp, depth=1)  # drafts, rolled back
+    for c, n in zip(mtp, drafted_entries(3, 2)):
+        c.trim(n)
+    out0 = model.mtp_forward(hidden[:, cut:], tokens[:, cut + 1 :], mtp)[:, -1:]
+    out1 = model.mtp_forward(out0, d[:, :1], mtp, depth=1)
+    out2 = model.mtp_forward(out1, d[:, 1:], mtp, depth=2)
+    assert out1.shape[1] == 1 and out2.shape[1] == 2  # depth j: positions q-j+1 .. q
+    want = reference_chain(model, hidden, tokens[:, 1:], d)
+    for got, ref in zip((out0, out1[:, -1:], out2[:, -1:]), want):
+        np.testing.assert_allclose(np.array(got), np.array(ref), atol=2e-5)
+    assert [c.offset for c in mtp] == [len(PROMPT) - 1, len(PROMPT) - 1, len(PROMPT) - 1]
+
+
+def mlx_lm_greedy(path, prompt, n):
+    ref = mlx_lm_load_model(Path(path))[0]
+    return [int(t) for t, _ in mlx_lm_generate_step(mx.array(prompt), ref, max_tokens=n)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_depth_drafts_with_its_own_layer(ckpt, family):
+    """Oracle layers: 100 % at every depth; with layer 2 broken only depth 3 fails, so
+    depth 3 reads layer 2 (and depth 4 reuses it). Output equals mlx-lm's throughout."""
+    for broken, want in (((), [1.0] * 4), ((2,), [1.0, 1.0, 0.0, 0.0])):
+        path = ckpt(family, "oracle", broken=broken)
+        model = load_model(path)[0]
+        assert model.num_mtp_layers == 3
+        ref = mlx_lm_greedy(path, PROMPT, 24)
+        dec = MTPDecoder(model, 4, adaptive=False)
+        got = [t for t, _, _ in generate_step(PROMPT, model, decoder=dec, max_tokens=24)]
+        assert got == ref
+        assert dec.stats.acceptance_per_pos == want, broken
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("head", ["noisy", "random"])
+def test_greedy_identical_to_mlx_lm_at_every_k(ckpt, family, head):
+    path = ckpt(family, head)
+    model = load_model(path)[0]
+    ref = mlx_lm_greedy(path, PROMPT, 24)
+    for k in (0, 1, 2, 3, 4):
+        dec = MTPDecoder(model, k, adaptive=False)
+        assert [t for t, _, _ in generate_step(PROMPT, model, decoder=dec,
+                                               max_tokens=24)] == ref, k
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_rows_equal_mlx_lm(ckpt, family):
+    """Rows joining at different positions: each row's chain catches up on its own."""
+    path = ckpt(family, "noisy")
+    model = load_model(path)[0]
+    prompts = [[int(x) for x in RNG.integers(0, 128, n)] for n in (6, 17, 1, 10)]
+    want = [mlx_lm_greedy(path, p, 16) for p in prompts]
+    bd = BatchDecoder(model, 3, adaptive=False)
+    outs = {}
+    for i, p in enumerate(prompts):
+        dec = MTPDecoder(model, 3, adaptive=False)
+        dec.prefill(p)
+        bd.add(i, dec)
+        outs[i] = []
+        for key, o in bd.step().items():
+            outs[key] += o.tokens
+    while min(len(t) for t in outs.values()) < 16:
+        for key, o in bd.step().items():
+            outs[key] += o.tokens
+    assert [outs[i][:16] for i in range(len(prompts))] == want
+    assert bd.core.mtp_cache[2].chain_pending is not None
