@@ -74,6 +74,8 @@ def test_window_from_state_refuses_a_start_that_does_not_fit():
     assert WindowKVCache.from_state((k, k), ("12", "7", "8", "4")).lengths() == [12]
     with pytest.raises(ValueError, match="start"):
         WindowKVCache.from_state((k, k), ("12", "3", "8", "4"))
+    with pytest.raises(ValueError, match="meta_state"):
+        WindowKVCache.from_state((k, k), ("12",))  # a plain KV cache's meta
     empty = WindowKVCache.from_state(None, ("0", "0", "8", "4"))
     assert empty.arrays() == [] and empty.window == 8
 

@@ -59,6 +59,9 @@ class WindowKVCache(KVCache):
 
     @classmethod
     def from_state(cls, state, meta_state) -> "WindowKVCache":
+        if len(meta_state) != 4:
+            raise ValueError(f"a window cache's meta_state is (offset, start, window, margin), "
+                             f"not {tuple(meta_state)}")
         c = cls(int(meta_state[2]), int(meta_state[3]))
         if state is not None:
             c.keys, c.values = state
@@ -173,6 +176,9 @@ class BatchWindowKVCache(BatchKVCache):
 
     @classmethod
     def from_state(cls, state, meta_state) -> "BatchWindowKVCache":
+        if len(meta_state) < 2:
+            raise ValueError(f"a batch window cache's meta_state is (window, *pos), "
+                             f"not {tuple(meta_state)}")
         c = cls(int(meta_state[0]), [int(p) for p in meta_state[1:]])
         if state is not None:
             c.state = state
