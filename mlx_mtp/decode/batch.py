@@ -67,7 +67,7 @@ class BatchDecoder:
         src = dec.row
         row = Row(key, src.sampler, src.max_k if use_mtp else 0, src.y,
                   src.owed if use_mtp else None, src.stats, src.n_out,
-                  src.schedule if use_mtp else None)
+                  src.schedule if use_mtp else None, src.drafter)
         dtype = self.model.text.model.embed_tokens.weight.dtype
         for layer, c in zip(self.model.layers, dec.cache):
             if isinstance(c, RecurrentCache) and c.conv is None:  # one-token prompt
@@ -122,8 +122,10 @@ class BatchDecoder:
             outs = self.core.step(ks)
             # The whole step counts (rollback included); work the server runs
             # between steps (prompt chunks) does not.
-            self.policy.record_step(B, max(ks), time.perf_counter() - start,
-                                    [o.num_accepted for o in outs], ks)
+            if not any(o.lookup_drafted for o in outs):  # context drafts are not the policy's
+                done = [o.num_drafted for o in outs]
+                self.policy.record_step(B, max(done), time.perf_counter() - start,
+                                        [o.num_accepted for o in outs], done)
         except Exception as e:
             self._restore(snap)
             if isinstance(e, RowError):

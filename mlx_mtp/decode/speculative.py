@@ -71,6 +71,7 @@ class MTPDecoder:
         policy: Optional[DraftPolicy] = None,
         overlap: bool = True,
         grammar=None,
+        drafter=None,
     ):
         check_num_draft_tokens(num_draft_tokens)
         if num_draft_tokens > 0 and model.num_mtp_layers == 0:
@@ -89,7 +90,8 @@ class MTPDecoder:
         self.mtp_cache = model.make_mtp_cache() if self.K > 0 else None
         schedule = SeededSchedule(self.K, adaptive) if self.K and needs_schedule(sampling) else None
         self.row = Row(key=None, sampler=self.sampler, max_k=self.K, y=None,
-                       owed=OwedPairs() if self.K else None, schedule=schedule)
+                       owed=OwedPairs() if self.K else None, schedule=schedule,
+                       drafter=drafter)  # draft_source.RowDrafter: context drafts too
         self.last_hidden: Optional[mx.array] = None  # hidden of the last prompt token run
         self.n_processed = 0  # prompt tokens already in the trunk cache
         self.snapshot_state: Optional[DecoderState] = None
@@ -139,6 +141,8 @@ class MTPDecoder:
             raise ValueError(f"Prompt token id {bad[0]} is outside the vocabulary "
                              f"(0..{vocab - 1}).")
         tokens = mx.array(prompt, mx.uint32)[None]
+        if self.row.drafter is not None:
+            self.row.drafter.index.sync(prompt)
         n = len(prompt) - 1
         if self.sampler.history is not None:  # the repetition penalty covers the prompt
             self.sampler.history.set_prompt(prompt)
@@ -219,7 +223,8 @@ class MTPDecoder:
         else:
             ks = self._choose()
             pending = core.launch(ks)
-        if ks[0] == 0 and self.overlap and self.sampler.grammar is None:
+        if ks[0] == 0 and self.overlap and self.sampler.grammar is None and not (
+                self.row.drafter is not None and self.row.drafter.has_match()):
             # (A grammar's next mask needs this step's token: no overlap then.)
             # Start the next plain step before reading this one's token.
             self._next_ks = self._choose()
@@ -227,8 +232,8 @@ class MTPDecoder:
                 self._ahead, self._next_ks = core.launch([0]), None
         out = core.finish(pending)[0]
         seconds = self._tick()
-        if self.K:
-            self._record(ks[0], seconds, out.num_accepted)
+        if self.K and not out.lookup_drafted:  # context drafts are not the policy's
+            self._record(out.num_drafted, seconds, out.num_accepted)
         return out
 
     def _record(self, k: int, seconds: Optional[float], accepted: int):

@@ -1,0 +1,172 @@
+"""Where each row's drafts come from: the MTP chain, the context (``lookup.py``), or a
+context run extended by the head when it ends.
+
+``DraftSources`` is shared by the rows of one decoder or engine: the setting
+(``mtp``, ``lookup`` or ``both``), the lookup settings and the measured step costs.
+``RowDrafter`` belongs to one row: its lookup index and its acceptance per source.
+Per step, ``RowDrafter.plan`` picks the candidate with the most tokens per second:
+expected tokens from the row's measured acceptance at each draft position (per source),
+over the measured cost of a step verifying that many positions (``StepCosts``: a step
+with ``k`` positions to verify, ``J`` of them chained through the head, costs
+``verify(k) + J * head``, both fitted from steps as they run; a length never measured
+is tried at an optimistic guess, which measuring it corrects).
+
+The choice depends only on what earlier steps showed, never on this step's draws, and a
+context draft is a deterministic proposal: greedy output is unchanged and sampled output
+keeps the target distribution (``sampling.verify``: ``q`` one-hot at the proposal).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Tuple
+
+from . import MAX_DRAFT_TOKENS
+from .lookup import MAX_LOOKUP_DRAFT, LookupIndex, LookupSettings
+from .policy import AcceptanceEstimate
+
+DRAFT_SOURCES = ("mtp", "lookup", "both")
+
+
+def check_draft_source(value, name: str = "draft_source") -> str:
+    if value not in DRAFT_SOURCES:
+        raise ValueError(f"{name} must be one of {', '.join(DRAFT_SOURCES)} (got {value!r})")
+    return value
+
+
+@dataclass
+class DraftPlan:
+    """One row's drafts for a step: context tokens first, then ``head`` MTP drafts."""
+
+    lookup: List[int] = field(default_factory=list)
+    head: int = 0
+
+    @property
+    def total(self) -> int:
+        return len(self.lookup) + self.head
+
+
+class StepCosts:
+    """Seconds per step by (batch size, positions verified, head passes chained)."""
+
+    def __init__(self, memory: int = 16):
+        self.cells: Dict[Tuple[int, int, int], Deque[float]] = {}
+        self.memory = memory
+
+    def observe(self, B: int, k: int, head: int, seconds: float):
+        self.cells.setdefault((B, k, head), deque(maxlen=self.memory)).append(seconds)
+
+    def _median(self, key) -> Optional[float]:
+        cell = self.cells.get(key)
+        return statistics.median(cell) if cell else None
+
+    def verify(self, B: int, k: int) -> Optional[float]:
+        """A step with no head pass: measured, else interpolated between the nearest
+        measured lengths, else the nearest shorter one (optimistic)."""
+        known = sorted((kk, self._median(c)) for c in self.cells
+                       for kk in [c[1]] if c[0] == B and c[2] == 0)
+        if not known:
+            return None
+        below = [(kk, t) for kk, t in known if kk <= k]
+        above = [(kk, t) for kk, t in known if kk >= k]
+        if not below:
+            return above[0][1]
+        (k0, t0) = below[-1]
+        if k0 == k or not above:
+            return t0
+        (k1, t1) = above[0]
+        return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+
+    def head_pass(self, B: int) -> float:
+        """Seconds one chained head pass adds (0 until measured: optimistic)."""
+        extra = []
+        for (b, k, head), cell in self.cells.items():
+            base = self.verify(B, k) if b == B and head else None
+            if base is not None:
+                extra.append((statistics.median(cell) - base) / head)
+        return max(statistics.median(extra), 0.0) if extra else 0.0
+
+    def predict(self, B: int, k: int, head: int) -> Optional[float]:
+        direct = self._median((B, k, head))
+        if direct is not None and len(self.cells[(B, k, head)]) >= 3:
+            return direct
+        base = self.verify(B, k)
+        if base is None:
+            return direct
+        fitted = base + head * self.head_pass(B)
+        return fitted if direct is None else min(direct, fitted)
+
+
+class DraftSources:
+    """The draft-source setting of one decoder or engine, and its measured step costs."""
+
+    def __init__(self, source: str = "both", settings: LookupSettings = LookupSettings(),
+                 adaptive: bool = True, margin: float = 1.05):
+        self.source = check_draft_source(source)
+        self.settings = settings
+        self.adaptive = adaptive
+        self.margin = margin  # drafting must beat a plain step clearly
+        self.costs = StepCosts()
+
+    def drafter(self, source: Optional[str] = None) -> Optional["RowDrafter"]:
+        """A row's drafter (None: the row drafts from the head only)."""
+        source = self.source if source is None else check_draft_source(source)
+        return None if source == "mtp" else RowDrafter(self, source)
+
+
+class RowDrafter:
+    """One row's lookup index and measured acceptance per source."""
+
+    def __init__(self, sources: DraftSources, source: str):
+        self.sources, self.source = sources, source
+        self.index = LookupIndex(sources.settings)
+        self.acceptance = {"mtp": AcceptanceEstimate(MAX_DRAFT_TOKENS, 0.97, 3.0),
+                           "lookup": AcceptanceEstimate(MAX_LOOKUP_DRAFT, 0.97, 3.0),
+                           "ext": AcceptanceEstimate(MAX_DRAFT_TOKENS, 0.97, 3.0)}
+
+    def has_match(self) -> bool:
+        return self.index.match()[1] is not None
+
+    def plan(self, k_head: int, can_head: bool, B: int) -> DraftPlan:
+        """Drafts for the next step; ``k_head``: the policy's K for the head (0: paused)."""
+        mtp = DraftPlan([], k_head if can_head and self.source == "both" else 0)
+        proposal = self.index.propose()
+        if not proposal:
+            return mtp
+        ended = len(proposal) < self.sources.settings.max_draft  # the context ran out
+        if not self.sources.adaptive:
+            return DraftPlan(proposal, mtp.head if ended else 0)
+        candidates = [DraftPlan(proposal[:n]) for n in range(1, len(proposal) + 1)]
+        candidates += [mtp, DraftPlan()]
+        if ended and mtp.head:
+            candidates.append(DraftPlan(proposal, mtp.head))
+        return max(candidates, key=lambda c: self._rate(c, B))
+
+    def _expected(self, plan: DraftPlan) -> float:
+        if not plan.lookup:
+            return self.acceptance["mtp"].expected_tokens(plan.head)
+        lookup = self.acceptance["lookup"]
+        n = len(plan.lookup)
+        extension = self.acceptance["ext"].expected_tokens(plan.head) - 1
+        return lookup.expected_tokens(n) + lookup.reach(n) * extension
+
+    def _rate(self, plan: DraftPlan, B: int) -> float:
+        costs = self.sources.costs
+        head_passes = plan.total if plan.head else 0
+        t = costs.predict(B, plan.total, head_passes)
+        t = t if t is not None else 1.0  # nothing measured yet: tokens alone decide
+        gain = self._expected(plan) / t
+        return gain if plan.total else gain * self.sources.margin
+
+    def record(self, plan: DraftPlan, n_accepted: int) -> Tuple[int, int]:
+        """Learn from a step's outcome; returns (context drafts, of them accepted)."""
+        n = len(plan.lookup)
+        if n:
+            self.acceptance["lookup"].record(n, [n_accepted])
+            if plan.head and n_accepted >= n:
+                self.acceptance["ext"].record(plan.head, [n_accepted - n])
+        elif plan.head:
+            self.acceptance["mtp"].record(plan.head, [n_accepted])
+        return n, min(n, n_accepted)
