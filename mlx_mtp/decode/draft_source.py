@@ -59,8 +59,13 @@ class StepCosts:
         self.cells.setdefault((B, k, head), deque(maxlen=self.memory)).append(seconds)
 
     def _median(self, key) -> Optional[float]:
+        """The cell's median, leaving out its first step once there are others (the first
+        use of a shape pays one-off costs)."""
         cell = self.cells.get(key)
-        return statistics.median(cell) if cell else None
+        if not cell:
+            return None
+        steps = list(cell)
+        return statistics.median(steps[1:] if 1 < len(steps) < self.memory else steps)
 
     def verify(self, B: int, k: int) -> Optional[float]:
         """A step with no head pass: measured, else interpolated between the nearest
@@ -85,7 +90,7 @@ class StepCosts:
         for (b, k, head), cell in self.cells.items():
             base = self.verify(B, k) if b == B and head else None
             if base is not None:
-                extra.append((statistics.median(cell) - base) / head)
+                extra.append((self._median((b, k, head)) - base) / head)
         return max(statistics.median(extra), 0.0) if extra else 0.0
 
     def predict(self, B: int, k: int, head: int) -> Optional[float]:
@@ -103,11 +108,15 @@ class DraftSources:
     """The draft-source setting of one decoder or engine, and its measured step costs."""
 
     def __init__(self, source: str = "both", settings: LookupSettings = LookupSettings(),
-                 adaptive: bool = True, margin: float = 1.05):
+                 adaptive: bool = True, margin: float = 1.05,
+                 probe_gap: Tuple[int, int] = (4, 256)):
         self.source = check_draft_source(source)
         self.settings = settings
         self.adaptive = adaptive
         self.margin = margin  # drafting must beat a plain step clearly
+        # Steps between re-tries of a context run the estimates turned down (doubling):
+        # a row that starts copying later must be noticed; a useless one costs little.
+        self.probe_gap = probe_gap
         self.costs = StepCosts()
 
     def drafter(self, source: Optional[str] = None) -> Optional["RowDrafter"]:
@@ -125,6 +134,7 @@ class RowDrafter:
         self.acceptance = {"mtp": AcceptanceEstimate(MAX_DRAFT_TOKENS, 0.97, 3.0),
                            "lookup": AcceptanceEstimate(MAX_LOOKUP_DRAFT, 0.97, 3.0),
                            "ext": AcceptanceEstimate(MAX_DRAFT_TOKENS, 0.97, 3.0)}
+        self._gap = self._wait = sources.probe_gap[0]
 
     def has_match(self) -> bool:
         return self.index.match()[1] is not None
@@ -138,11 +148,18 @@ class RowDrafter:
         ended = len(proposal) < self.sources.settings.max_draft  # the context ran out
         if not self.sources.adaptive:
             return DraftPlan(proposal, mtp.head if ended else 0)
+        full = DraftPlan(proposal, mtp.head if ended else 0)
         candidates = [DraftPlan(proposal[:n]) for n in range(1, len(proposal) + 1)]
-        candidates += [mtp, DraftPlan()]
-        if ended and mtp.head:
-            candidates.append(DraftPlan(proposal, mtp.head))
-        return max(candidates, key=lambda c: self._rate(c, B))
+        candidates += [mtp, DraftPlan(), full]
+        best = max(candidates, key=lambda c: self._rate(c, B))
+        if best.lookup:
+            self._gap = self._wait = self.sources.probe_gap[0]
+            return best
+        self._wait -= 1
+        if self._wait > 0:
+            return best
+        self._gap = self._wait = min(2 * self._gap, self.sources.probe_gap[1])
+        return full  # a probe: measures its acceptance and its cost again
 
     def _expected(self, plan: DraftPlan) -> float:
         if not plan.lookup:
