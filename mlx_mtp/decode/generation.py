@@ -43,6 +43,7 @@ def stream_generate(
     prefill_step_size: int = 2048,
     stop: Sequence[str] = (),
     grammar: Optional[str] = None,
+    draft_sources=None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text, with MTP speculative decoding when ``num_draft_tokens`` > 0.
 
@@ -51,6 +52,8 @@ def stream_generate(
     ``tokenizer.decode`` of the generated ids (eos excluded), cut before the first of
     the ``stop`` strings. ``grammar``: an llguidance grammar the output must match
     (``grammar.json_schema_grammar(schema)`` for JSON); generation ends where it does.
+    ``draft_sources``: a ``draft_source.DraftSources`` to draft from the context too (None:
+    the head only).
     """
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0 (got {max_tokens})")
@@ -60,7 +63,8 @@ def stream_generate(
     if grammar is not None:
         state = Grammar(tokenizer, grammar, model.text.args.vocab_size, sorted(text.eos)).start()
     dec = MTPDecoder(model, num_draft_tokens, sampling, adaptive=adaptive,
-                     prefill_step_size=prefill_step_size, grammar=state)
+                     prefill_step_size=prefill_step_size, grammar=state,
+                     drafter=None if draft_sources is None else draft_sources.drafter())
     mx.reset_peak_memory()
 
     tic = time.perf_counter()
@@ -116,4 +120,9 @@ def format_stats(r: GenerationResponse) -> str:
             f"({100 * s.acceptance_rate:.1f}%), mean acceptance length "
             f"{s.mean_acceptance_length:.2f}, per-pos [{per_pos}], drafts {s.num_drafts}"
         )
+        if s.lookup_drafts:
+            head_drafted = s.num_draft_tokens - s.lookup_draft_tokens
+            head_accepted = s.num_accepted_tokens - s.lookup_accepted_tokens
+            lines[-1] += (f"; by source: context {s.lookup_accepted_tokens}/"
+                          f"{s.lookup_draft_tokens}, head {head_accepted}/{head_drafted}")
     return "\n".join(lines)
