@@ -216,6 +216,13 @@ class ServerMetrics:
         self.spec_drafted_per_pos = r.counter(
             p + "spec_decode_num_drafted_tokens_per_pos_total",
             "Drafted tokens per draft position.", ("position",))
+        # Not in vLLM: drafts by source, mtp (the head) or lookup (copied from the context).
+        self.spec_draft_tokens_by_source = r.counter(
+            p + "spec_decode_num_draft_tokens_by_source_total",
+            "Draft tokens by source (mtp, lookup).", ("source",))
+        self.spec_accepted_by_source = r.counter(
+            p + "spec_decode_num_accepted_tokens_by_source_total",
+            "Accepted tokens by source (mtp, lookup).", ("source",))
         self.ttft = r.histogram(p + "time_to_first_token_seconds",
                                 "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = r.histogram(p + "inter_token_latency_seconds",
@@ -227,9 +234,15 @@ class ServerMetrics:
         self.generation_len = r.histogram(p + "request_generation_tokens",
                                           "Number of generation tokens per request.", TOKEN_BUCKETS)
 
-    def record_step(self, num_drafted: int, num_accepted: int):
+    def record_step(self, num_drafted: int, num_accepted: int, lookup_drafted: int = 0,
+                    lookup_accepted: int = 0):
         if num_drafted <= 0:
             return
+        for source, d, a in (("mtp", num_drafted - lookup_drafted,
+                              num_accepted - lookup_accepted),
+                             ("lookup", lookup_drafted, lookup_accepted)):
+            self.spec_draft_tokens_by_source.inc(d, source=source)
+            self.spec_accepted_by_source.inc(a, source=source)
         self.spec_drafts.inc()
         self.spec_draft_tokens.inc(num_drafted)
         self.spec_accepted.inc(num_accepted)
@@ -266,6 +279,8 @@ class ServerMetrics:
             "num_drafts": self.spec_drafts.get(),
             "num_draft_tokens": self.spec_draft_tokens.get(),
             "num_accepted_tokens": self.spec_accepted.get(),
+            "lookup_draft_tokens": self.spec_draft_tokens_by_source.get(source="lookup"),
+            "lookup_accepted_tokens": self.spec_accepted_by_source.get(source="lookup"),
             "per_position": [{"position": j, "drafted": drafted[j], "accepted": accepted.get(j, 0)}
                              for j in sorted(drafted)],
             "mean_ttft_seconds": mean(self.ttft),
