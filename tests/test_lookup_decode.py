@@ -151,3 +151,34 @@ def test_sampling_with_context_drafts_keeps_the_target_distribution(tiny_ckpt, c
     assert 0 < first < n_samples  # the context draft was accepted and rejected
     assert accepted > 0
     assert_follows(seen, joint, n_samples)
+
+
+def test_a_row_under_a_grammar_keeps_the_head_beside_copying_rows(tiny_ckpt):
+    """A constrained row verifies beside rows drafting 12 context tokens: its output is
+    what it is alone, and theirs is mlx-lm's."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlx_mtp.decode import grammar as G
+
+    path = tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1, vocab_size=4096)
+    model, _ = load_model(Path(path))
+    tok = load_tokenizer(Path(path))
+    gram = G.Grammar(tok, G.json_schema_grammar({"type": "object", "properties": {
+        "n": {"type": "integer"}}, "required": ["n"]}), 4096, sorted(tok.eos_token_ids))
+    sources = DraftSources("both", LookupSettings(max_draft=12), adaptive=False)
+    bd = BatchDecoder(model, 2, adaptive=False)
+    for i, g in enumerate([gram, None, gram]):
+        dec = MTPDecoder(model, 2, adaptive=False, drafter=sources.drafter(),
+                         grammar=None if g is None else g.start())
+        dec.prefill(COPY_PROMPT)
+        bd.add(i, dec)
+    outs = {i: [] for i in range(3)}
+    for _ in range(12):
+        for key, o in bd.step().items():
+            outs[key] += o.tokens
+    assert outs[1][:30] == mlx_lm_greedy(path, COPY_PROMPT, 30)
+    assert bd.rows[1].stats.lookup_accepted_tokens > 0
+    solo = MTPDecoder(model, 0, adaptive=False, grammar=gram.start())
+    ref = [t for t, _, _ in generate_step(COPY_PROMPT, model, decoder=solo, max_tokens=12)]
+    for i in (0, 2):
+        assert outs[i][:len(ref)] == ref[:len(outs[i])], i

@@ -205,12 +205,12 @@ class DecodeBatch:
         return pending
 
     def _plans(self, ks: List[int]) -> List[DraftPlan]:
-        """Each row's drafts: the head's ``ks[b]``, or what its drafter picks. Context
-        drafts are off under a grammar (each draft's mask depends on the one before) and
-        on a split model (every rank must draft alike); a seeded schedule keeps the head."""
-        off = any(r.sampler.grammar is not None for r in self.rows) \
-            or getattr(self.model, "share", None) is not None
+        """Each row's drafts: the head's ``ks[b]``, or what its drafter picks. The head
+        alone drafts for a row under a grammar (a context draft may break it) or with a
+        seeded schedule, and on a split model (every rank must draft alike)."""
+        off = getattr(self.model, "share", None) is not None
         return [DraftPlan([], kb) if off or r.drafter is None or r.schedule is not None
+                or r.sampler.grammar is not None
                 else r.drafter.plan(kb, r.can_draft(), len(self.rows))
                 for r, kb in zip(self.rows, ks)]
 
@@ -386,21 +386,17 @@ class DecodeBatch:
         where = [[j < len(p.lookup) for j in range(k)] for p in plans]
         return mx.array(fixed, mx.uint32), mx.array(where)
 
-    def _draft_head(self, J: int, k: int, groups, grammars, fixed, where):
-        """Chain the head J of the k positions (drafts at position j: the context's where it drafts,
-        else the head's pick). Returns drafts per position (B,), each group's filtered
-        draft log-probs per position, the grammar masks, the logits processor and the
-        noises."""
+    def _draft_head(self, J: int, k: int, groups, grammars, masks, fixed, where):
+        """Chain the head J of the k positions (drafts at position j: the context's where
+        it drafts, else the head's pick; ``masks``: the grammar's per position, extended
+        here). Returns drafts per position (B,), each group's filtered draft log-probs per
+        position, the logits processor and the noises."""
         model, rows = self.model, self.rows
         hidden, tokens, lengths = self._owed_chunk()
         _prepare(self.mtp_cache, hidden.shape[1], lengths)
         out = model.mtp_forward(hidden, tokens, self.mtp_cache)[:, -1:]
         drafts, draft_lps, noises = [], [], None  # per step j: (B,), per group (b, V)
         proc = None
-        masks = []  # per position j: (B, 1, W), the grammar after the first j drafts
-        if grammars is not None:
-            masks.append(stack_masks(grammars, [None if g is None else g.mask()
-                                                for g in grammars]))
         for j in range(J):
             if j:
                 _prepare(self.mtp_cache, 1)
@@ -426,7 +422,7 @@ class DecodeBatch:
                 ids = drafts[-1].tolist()
                 masks.append(stack_masks(grammars, [None if g is None else g.draft(ids[b])
                                                     for b, g in enumerate(grammars)]))
-        return drafts, draft_lps, masks, proc, noises
+        return drafts, draft_lps, proc, noises
 
     def _draft_logprobs(self, g: _Group, gi: int, drafts, draft_lps, where, V: int):
         """(b, k, V) log q of the group's drafts: one-hot at a context draft (and past
@@ -453,10 +449,14 @@ class DecodeBatch:
         # 1. draft: the head chains J times (its first call also writes every row's owed
         # pairs); past J only context drafts remain.
         J = max((p.total for p in plans if p.head), default=0)
-        drafts, draft_lps, masks, proc, noises = [], [], [], None, None
+        masks = []  # per position j: (B, 1, W), the grammar after the first j drafts
+        if grammars is not None:
+            masks.append(stack_masks(grammars, [None if g is None else g.mask()
+                                                for g in grammars]))
+        drafts, draft_lps, proc, noises = [], [], None, None
         if J:
-            drafts, draft_lps, masks, proc, noises = self._draft_head(J, k, groups, grammars,
-                                                                      fixed, where)
+            drafts, draft_lps, proc, noises = self._draft_head(J, k, groups, grammars, masks,
+                                                               fixed, where)
         else:
             for r in rows:  # the head rests this step, as in a plain step
                 if r.owed is not None and r.schedule is None:
@@ -473,7 +473,8 @@ class DecodeBatch:
             proc = logits_processing.build(rows, logits.shape[-1])
         if proc is not None:
             logits = proc.apply(logits, drafts)
-        if grammars is not None:
+        if grammars is not None:  # past J + 1 only rows without a grammar verify
+            masks += [stack_masks(grammars, [None] * len(rows))] * (k + 1 - len(masks))
             logits = apply_masks(logits, mx.concatenate(masks, axis=1))
         raw = log_softmax(logits)
         V = raw.shape[-1]
