@@ -6,7 +6,12 @@ drafts row ``b`` asked for (``k = max k_b``):
 1. draft: chain the MTP head k times for every row. Its first call also writes
    the MTP pairs each row still owes (``OwedPairs``: trunk hidden at ``i`` with
    token ``i+1``); later calls feed the head its own post-norm output and the
-   previous draft.
+   previous draft. A row with a ``drafter`` (``draft_source.py``) may take its
+   first drafts from the context instead (``lookup.py``), extended by the head or
+   not; the head chains only as far as some row needs it (``J <= k`` passes, fed
+   the context drafts). A context draft is a one-hot proposal ``q``: accepted with
+   probability ``p(d)``, and a rejection draws from ``p`` without ``d`` (the
+   residual ``p - q``), so step 3's rule stays exact.
 2. verify: one trunk pass over every row's ``[y, d_1..d_k]`` (``capture=True``).
 3. accept: ``sampling.verify`` per group of rows sampling alike; a row that asked
    for fewer drafts stops at its own ``k_b`` and takes the target's token there,
@@ -14,7 +19,8 @@ drafts row ``b`` asked for (``k = max k_b``):
    drafts is the step's only host sync.
 4. roll back: every trunk cache keeps ``n_b + 1`` positions of the pass
    (``accept``), the MTP caches drop their ``k - 1`` chained (draft-conditioned)
-   entries, and the accepted positions' hiddens become owed MTP pairs.
+   entries (``J - 1``; none if no row used the head), and the accepted positions'
+   hiddens become owed MTP pairs.
 
 A row with a grammar (``sampler.grammar``, structured output) has the same mask applied
 to its draft logits at position ``j`` and its verify row ``j`` (``grammar.py``); such a
@@ -28,9 +34,8 @@ other rows or on how many drafts earlier steps made.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Hashable, List, Optional, Sequence
-
 from time import perf_counter
+from typing import Hashable, List, Optional, Sequence
 
 import mlx.core as mx
 
