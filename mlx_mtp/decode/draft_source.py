@@ -18,6 +18,8 @@ keeps the target distribution (``sampling.verify``: ``q`` one-hot at the proposa
 
 from __future__ import annotations
 
+import bisect
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,49 +51,66 @@ class DraftPlan:
 
 
 class StepCosts:
-    """Seconds per step by (batch size, positions verified, head passes chained)."""
+    """Seconds per step by (batch size, positions verified, head passes chained).
+
+    Read many times per step (every candidate of every row), written once: what is
+    derived from the cells is kept until the next observation.
+    """
 
     def __init__(self, memory: int = 16):
         self.cells: Dict[Tuple[int, int, int], Deque[float]] = {}
         self.memory = memory
+        self._derived: Dict[tuple, object] = {}
 
     def observe(self, B: int, k: int, head: int, seconds: float):
         self.cells.setdefault((B, k, head), deque(maxlen=self.memory)).append(seconds)
+        self._derived.clear()
+
+    def _memo(self, key, fn):
+        if key not in self._derived:
+            self._derived[key] = fn()
+        return self._derived[key]
 
     def _median(self, key) -> Optional[float]:
         """The cell's median, leaving out its first step once there are others (the first
         use of a shape pays one-off costs)."""
-        cell = self.cells.get(key)
-        if not cell:
-            return None
-        steps = list(cell)
-        return statistics.median(steps[1:] if 1 < len(steps) < self.memory else steps)
+        def median():
+            cell = self.cells.get(key)
+            if not cell:
+                return None
+            steps = list(cell)
+            return statistics.median(steps[1:] if 1 < len(steps) < self.memory else steps)
+        return self._memo(("median", key), median)
+
+    def _verify_cells(self, B: int) -> List[Tuple[int, float]]:
+        return self._memo(("verify", B), lambda: sorted(
+            (k, self._median(c)) for c in self.cells for k in [c[1]] if c[0] == B and c[2] == 0))
 
     def verify(self, B: int, k: int) -> Optional[float]:
         """A step with no head pass: measured, else interpolated between the nearest
         measured lengths, else the nearest shorter one (optimistic)."""
-        known = sorted((kk, self._median(c)) for c in self.cells
-                       for kk in [c[1]] if c[0] == B and c[2] == 0)
+        known = self._verify_cells(B)
         if not known:
             return None
-        below = [(kk, t) for kk, t in known if kk <= k]
-        above = [(kk, t) for kk, t in known if kk >= k]
-        if not below:
-            return above[0][1]
-        (k0, t0) = below[-1]
-        if k0 == k or not above:
+        i = bisect.bisect_left(known, (k, -math.inf))
+        if i < len(known) and known[i][0] == k:
+            return known[i][1]
+        if i == 0:
+            return known[0][1]
+        (k0, t0) = known[i - 1]
+        if i == len(known):
             return t0
-        (k1, t1) = above[0]
+        (k1, t1) = known[i]
         return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
 
     def head_pass(self, B: int) -> float:
         """Seconds one chained head pass adds (0 until measured: optimistic)."""
-        extra = []
-        for (b, k, head), cell in self.cells.items():
-            base = self.verify(B, k) if b == B and head else None
-            if base is not None:
-                extra.append((self._median((b, k, head)) - base) / head)
-        return max(statistics.median(extra), 0.0) if extra else 0.0
+        def fit():
+            extra = [(self._median(c) - base) / c[2] for c in self.cells
+                     if c[0] == B and c[2] for base in [self.verify(B, c[1])]
+                     if base is not None]
+            return max(statistics.median(extra), 0.0) if extra else 0.0
+        return self._memo(("head", B), fit)
 
     def predict(self, B: int, k: int, head: int) -> Optional[float]:
         direct = self._median((B, k, head))

@@ -4,7 +4,8 @@ recent match of the sequence's tail in the prompt and the output so far.
 ``LookupIndex`` keeps, for every n-gram length ``min_match..max_match``, the position
 where each n-gram last ended (a dict per length: memory linear in the context, and
 ``max_match - min_match + 1`` hash updates per appended token, amortised O(1)).
-Before an n-gram's entry is overwritten by the newest token, the previous end is
+N-grams are keyed by their hash (a collision can only make a poor proposal, never a
+wrong output). Before an n-gram's entry is overwritten by the newest token, the previous end is
 kept: that is the most recent *earlier* occurrence of the current tail, the match.
 The longest matching length wins; among equal lengths the most recent occurrence.
 A match longer than ``max_match`` counts as ``max_match``.
@@ -45,7 +46,7 @@ class LookupIndex:
         self.settings = settings
         self.tokens: List[int] = []
         n_lengths = settings.max_match - settings.min_match + 1
-        self._last_end: List[Dict[Tuple[int, ...], int]] = [{} for _ in range(n_lengths)]
+        self._last_end: List[Dict[int, int]] = [{} for _ in range(n_lengths)]
         # Per length: where the current tail n-gram ended before (None: first occurrence).
         self._match: List[Optional[int]] = [None] * n_lengths
 
@@ -71,7 +72,7 @@ class LookupIndex:
             if n > len(toks):
                 self._match[i] = None
                 continue
-            key = tuple(toks[-n:])
+            key = hash(tuple(toks[-n:]))  # a collision only makes a poor proposal
             self._match[i] = table.get(key)
             table[key] = end
 
