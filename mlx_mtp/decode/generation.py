@@ -73,7 +73,9 @@ def stream_generate(
     while max_tokens > 0 and text.finish_reason is None:
         out = dec.step()
         # A head loaded in the wrong layout fails silently: warn once if it accepts ~nothing.
-        check_acceptance(dec.stats.num_draft_tokens, dec.stats.num_accepted_tokens,
+        s = dec.stats  # the head's drafts only: context drafts say nothing about it
+        check_acceptance(s.num_draft_tokens - s.lookup_draft_tokens,
+                         s.num_accepted_tokens - s.lookup_accepted_tokens,
                          getattr(model, "model_type", ""))
         if prompt_time is None:
             prompt_time = time.perf_counter() - tic

@@ -472,8 +472,9 @@ class Engine:
         req, stats = seq.req, seq.dec.stats
         self._remove(seq)
         self.total_stats.merge(stats)
-        check_acceptance(self.total_stats.num_draft_tokens,
-                         self.total_stats.num_accepted_tokens, self.model_name)
+        t = self.total_stats  # the head's drafts only: context drafts say nothing about it
+        check_acceptance(t.num_draft_tokens - t.lookup_draft_tokens,
+                         t.num_accepted_tokens - t.lookup_accepted_tokens, self.model_name)
         P, C = len(req.prompt), seq.n_generated
         prompt_s = (seq.t_prefill_done or now) - seq.t_admit
         gen_s = now - (seq.t_prefill_done or now)
