@@ -223,7 +223,7 @@ class MTPDecoder:
         else:
             ks = self._choose()
             pending = core.launch(ks)
-        if ks[0] == 0 and self.overlap and self.sampler.grammar is None and not (
+        if pending.k == 0 and self.overlap and self.sampler.grammar is None and not (
                 self.row.drafter is not None and self.row.drafter.has_match()):
             # (A grammar's next mask needs this step's token: no overlap then.)
             # Start the next plain step before reading this one's token.
