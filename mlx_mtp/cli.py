@@ -20,8 +20,11 @@ COMMANDS = {
     "train": ("mlx_mtp.train.main", "Train a model or an MTP head"),
     "draft-vocab": ("mlx_mtp.convert.draft_vocab",
                     "Rank a model's tokens by frequency in a corpus (for --draft-vocab)"),
+    "inspect": ("mlx_mtp.tools.inspect_model",
+                "What a checkpoint holds (family, layout, MTP head, memory), from its headers"),
+    "doctor": ("mlx_mtp.tools.doctor", "This machine: MLX, BLAS, device, and what MTP gains here"),
 }
-MODEL_COMMANDS = ("generate", "serve", "bench", "train")  # run models: take --blas
+MODEL_COMMANDS = ("generate", "serve", "bench", "train", "doctor")  # run models: take --blas
 
 
 def fail(msg: str) -> int:

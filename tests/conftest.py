@@ -5,7 +5,7 @@ import pytest
 # Keep MLX to the CPU and single-process-friendly in CI.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Exactness tests compare 1-row and multi-row products bit for bit: the reference BLAS is
-# row-invariant, OpenBLAS is not (see README, "Linux CPU: fast matmuls"). Set before any test
+# row-invariant, OpenBLAS is not (see docs/linux-cpu.md). Set before any test
 # imports mlx_mtp (whose import loads the OpenBLAS shim otherwise); test_fast_blas runs the
 # shim in child processes.
 os.environ["MLX_MTP_BLAS"] = "reference"

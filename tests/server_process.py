@@ -64,10 +64,13 @@ class ServerProcess:
         return self.log_path.read_text()
 
     def metric(self, name: str, **labels) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
         text = httpx.get(self.url + "/metrics", timeout=10).text
-        for line in text.splitlines():
-            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                return float(line.rsplit(" ", 1)[1])
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items()):
+                    return s.value
         raise KeyError(name)
 
     def stop(self, sig=signal.SIGINT, timeout=20) -> int:

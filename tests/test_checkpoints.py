@@ -270,7 +270,7 @@ def test_tie_word_embeddings_only_at_top_level(tmp_path):
 
 @pytest.mark.parametrize("case", ["flat_dense", "flat_moe", "transformers5_tied"])
 def test_conversion_loads_in_plain_mlx_lm(case, tmp_path):
-    """README: convert's output loads in plain mlx-lm (which has no module for a flat
+    """docs/convert.md: convert's output loads in plain mlx-lm (which has no module for a flat
     `qwen3_5_text` config, reads only full_attention_interval and the text config's tie)."""
     import mlx_lm
 

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from mlx_mtp.server.metrics import ServerMetrics
+from mlx_mtp.decode.stats import SpecStats
+from mlx_mtp.server.metrics import ServerMetrics, spec_fields, spec_log_line
 from mlx_mtp.server.parsers import OutputParser, parse_full, parse_tool_body
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -174,35 +175,62 @@ def test_prefix_cache_bytes_bound_and_mtp_flag():
 
 
 # --- metrics --------------------------------------------------------------------------
-def test_metrics_text_format():
+def test_metrics_parse_with_prometheus_client():
+    from prometheus_client.parser import text_string_to_metric_families
+
     m = ServerMetrics("my-model", running=lambda: 3, waiting=lambda: 1)
     m.record_step(3, 2)
     m.record_step(2, 0)
     m.ttft.observe(0.05)
     m.request_success.inc(finished_reason="stop")
-    text = m.render()
-    lines = text.splitlines()
-    assert 'mlx_mtp:num_requests_running{model_name="my-model"} 3' in lines
-    assert 'mlx_mtp:num_requests_waiting{model_name="my-model"} 1' in lines
-    assert 'mlx_mtp:spec_decode_num_drafts_total{model_name="my-model"} 2' in lines
-    assert 'mlx_mtp:spec_decode_num_draft_tokens_total{model_name="my-model"} 5' in lines
-    assert 'mlx_mtp:spec_decode_num_accepted_tokens_total{model_name="my-model"} 2' in lines
-    pos = 'mlx_mtp:spec_decode_num_accepted_tokens_per_pos_total{model_name="my-model",'
-    assert pos + 'position="0"} 1' in lines
-    assert pos + 'position="1"} 1' in lines
-    assert pos + 'position="2"} 0' in lines
-    assert ('mlx_mtp:time_to_first_token_seconds_bucket{model_name="my-model",le="0.06"} 1'
-            in lines)
-    assert 'mlx_mtp:time_to_first_token_seconds_count{model_name="my-model"} 1' in lines
-    assert "# TYPE mlx_mtp:inter_token_latency_seconds histogram" in lines
-    assert "# TYPE mlx_mtp:prompt_tokens_total counter" in lines
-    assert ('mlx_mtp:request_success_total{model_name="my-model",finished_reason="stop"} 1'
-            in lines)
-    for line in lines:  # every sample is `name{labels} value`
-        if not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            float(value.replace("+Inf", "inf"))
-            assert name.startswith("mlx_mtp:") and 'model_name="my-model"' in name
+    families = {f.name: f for f in text_string_to_metric_families(m.render())}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in families.values() for s in f.samples}
+
+    def value(name, **labels):
+        return samples[(name, tuple(sorted({"model_name": "my-model", **labels}.items())))]
+
+    assert value("mlx_mtp:num_requests_running") == 3
+    assert value("mlx_mtp:num_requests_waiting") == 1
+    assert value("mlx_mtp:spec_decode_num_drafts_total") == 2
+    assert value("mlx_mtp:spec_decode_num_draft_tokens_total") == 5
+    assert value("mlx_mtp:spec_decode_num_accepted_tokens_total") == 2
+    per_pos = "mlx_mtp:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [value(per_pos, position=str(j)) for j in range(3)] == [1, 1, 0]
+    drafted = "mlx_mtp:spec_decode_num_drafted_tokens_per_pos_total"
+    assert [value(drafted, position=str(j)) for j in range(3)] == [2, 2, 1]
+    assert value("mlx_mtp:time_to_first_token_seconds_bucket", le="0.04") == 0
+    assert value("mlx_mtp:time_to_first_token_seconds_bucket", le="0.06") == 1
+    assert value("mlx_mtp:time_to_first_token_seconds_bucket", le="+Inf") == 1
+    assert value("mlx_mtp:time_to_first_token_seconds_count") == 1
+    assert value("mlx_mtp:request_success_total", finished_reason="stop") == 1
+    assert families["mlx_mtp:inter_token_latency_seconds"].type == "histogram"
+    assert families["mlx_mtp:prompt_tokens"].type == "counter"
+    # Every sample is one of the names the server has always exposed, labelled with the model.
+    assert all(name.startswith("mlx_mtp:") and not name.endswith("_created")
+               and dict(labels)["model_name"] == "my-model" for name, labels in samples)
+    snap = m.snapshot()
+    assert snap["num_drafts"] == 2 and snap["requests_finished"] == 1
+    assert snap["per_position"][2] == {"position": 2, "drafted": 1, "accepted": 0, "rate": 0.0}
+    assert snap["acceptance_rate"] == pytest.approx(2 / 5)
+    assert snap["mean_acceptance_length"] == pytest.approx(1 + 2 / 2)
+    # The live page and /metrics render the same counts.
+    assert snap["accepted_per_pos"] == [value(per_pos, position=str(j)) for j in range(3)]
+    assert ServerMetrics("m").snapshot()["acceptance_rate"] is None  # nothing drafted yet
+    assert snap["mean_ttft_seconds"] == pytest.approx(0.05) and snap["mean_itl_seconds"] is None
+
+
+def test_spec_stats_rendered_once_for_every_surface():
+    s = SpecStats()
+    s.record(3, 2)
+    s.record(2, 0)
+    line = spec_log_line(s)
+    assert "Mean acceptance length: 2.00, Accepted: 2 tokens, Drafted: 5 tokens" in line
+    assert "Per-position acceptance rate: 0.500, 0.500, 0.000" in line and line.endswith("40.0%")
+    fields = spec_fields(s)
+    assert fields["acceptance_rate"] == pytest.approx(0.4) and fields["num_drafts"] == 2
+    assert (fields["accepted_per_pos"], fields["drafted_per_pos"]) == ([1, 1, 0], [2, 2, 1])
+    assert spec_fields(SpecStats())["acceptance_rate"] == 0.0  # a response that drafted nothing
 
 
 # --- request validation ---------------------------------------------------------------

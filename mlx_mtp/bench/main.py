@@ -215,6 +215,18 @@ def run(args) -> int:
 
 
 # --- in-process ---------------------------------------------------------------------------
+def _plots_on(args, console) -> bool:
+    """Whether to draw the PNG plots: asked for and matplotlib importable (else say how)."""
+    from .. import plots
+
+    if args.no_plots:
+        return False
+    if plots.pyplot() is None:
+        console.print(plots.missing_note("PNG plots"), highlight=False, markup=False)
+        return False
+    return True
+
+
 def _run_inprocess(args, prompts, out_dir: Path) -> int:
     from rich.markup import escape
 
@@ -317,11 +329,12 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
         report.write_csv(out_dir / "inprocess.csv", rows, report.INPROCESS_CSV),
         report.write_csv(out_dir / "inprocess_runs.csv", [r.to_dict() for r in result["runs"]]),
     ]
-    if not args.no_plots:
+    with_plots = _plots_on(args, console)
+    if with_plots:
         written += report.plot_inprocess(rows, out_dir, title=f"{model_path.name}: tok/s vs K")
     snippet = out_dir / "README_snippet.md"
     snippet.write_text(readme_snippet(meta, rows, costs,
-                                      plots_dir=None if args.no_plots else out_dir,
+                                      plots_dir=out_dir if with_plots else None,
                                       graphs=result["graphs"],
                                       predictions=result["predictions"]))
     written.append(snippet)
@@ -525,7 +538,7 @@ def _run_server(args, prompts, out_dir: Path) -> int:
         report.write_csv(out_dir / "server.csv", rows, report.SERVER_CSV),
         report.write_csv(out_dir / "server_requests.csv", result["requests"]),
     ]
-    if not args.no_plots:
+    if _plots_on(args, console):
         written += report.plot_server(rows, out_dir)
     snippet = out_dir / "README_snippet_server.md"
     snippet.write_text("\n".join([

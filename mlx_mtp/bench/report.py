@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
+from ..plots import pyplot
 from .stats import nan_to_none
 
 
@@ -253,17 +254,8 @@ def write_csv(path: Path, rows: Iterable[dict], columns: Optional[List[str]] = N
 
 
 # --- plots --------------------------------------------------------------------------------------
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_inprocess(rows: List[dict], out_dir: Path, title: str = "") -> List[Path]:
-    plt = _plt()
+    plt = pyplot()
     paths = []
     fixed = [r for r in rows if not r["adaptive"]]
     auto = [r for r in rows if r["adaptive"]]
@@ -316,7 +308,7 @@ def plot_inprocess(rows: List[dict], out_dir: Path, title: str = "") -> List[Pat
 
 
 def plot_server(rows: List[dict], out_dir: Path) -> List[Path]:
-    plt = _plt()
+    plt = pyplot()
     servers = list(dict.fromkeys(r["server"] for r in rows))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     styles = {"p50": "-", "p95": "--", "p99": ":"}

@@ -21,6 +21,7 @@ from .common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast
                      _check_foreign_quant, _check_model_dir, _dequantize, _incomplete_head,
                      _param_bytes, _print_summary, _summarize)
 from ..models import UnsupportedModelError, get_model_module
+from ..models.attention_trunk import family_of, mtp_key_predicate
 from ..models.hybrid import HybridArgs
 from ..models.layout import (MissingMTPWeightsError, args_dict, config_mtp_layers,
                              config_quantization, count_mtp_layers, family, is_mtp_key,
@@ -66,7 +67,7 @@ def _load_mtp_head(src: Path, src_cfg: dict, dst_cfg: dict, tensors, mtp_keys: L
     """
     files = sorted({tensors[k][0] for k in mtp_keys})
     weights = read_tensors(files, set(mtp_keys), verbose)
-    _check_foreign_quant(weights, src)
+    _check_foreign_quant(weights, src, (".weight_scale_inv",) if family_of(src_cfg) else ())
 
     model = _build_model(dst_cfg, n_layers)
     try:
@@ -126,8 +127,10 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
             "cannot fit. Use the original checkpoint this model was converted from."
         )
 
+    # Head tensors: ``mtp.*``, or an attention-trunk family's own prefixes.
+    is_head = mtp_key_predicate(dst_cfg)
     dst_tensors = _checkpoint_tensors(dst)
-    existing = sorted(k for k in dst_tensors if is_mtp_key(k))
+    existing = sorted(k for k in dst_tensors if is_head(k))
     if existing and not force:
         files = sorted({dst_tensors[k][0].name for k in existing})
         raise ConversionError(
@@ -135,7 +138,7 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
             f"{', '.join(files)}). Pass --force to replace it."
         )
     src_tensors = _checkpoint_tensors(src)
-    mtp_keys = sorted(k for k in src_tensors if is_mtp_key(k))
+    mtp_keys = sorted(k for k in src_tensors if is_head(k))
     if not mtp_keys:
         raise ConversionError(
             f"{src} has no MTP weights (no mtp.* tensors in "
@@ -154,13 +157,14 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
 
     model, head, prefix, packed = _load_mtp_head(src, src_cfg, dst_cfg, src_tensors,
                                                   mtp_keys, n_layers, verbose)
+    checkpoint_name = getattr(model.text, "checkpoint_name", lambda key: key)
     dst_dtype = _float_dtype_of(dst_tensors)
     if dst_dtype is not None:
         _cast(head, dst_dtype)
 
     # Precision: like the model, unless --mtp-bits says otherwise.
     dst_quant = config_quantization(dst_cfg)
-    dst_quantized = any(k.endswith(".scales") for k in dst_tensors if not is_mtp_key(k))
+    dst_quantized = any(k.endswith(".scales") for k in dst_tensors if not is_head(k))
     group_size = (dst_quant or {}).get("group_size", 64) if dst_quantized else 64
     if mtp_bits is None:
         affine = (dst_quant or {}).get("mode", "affine") == "affine"
@@ -172,6 +176,7 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
                          mtp_group_size=group_size)
     default = dst_quant if dst_quant else scheme.default()
     record = scheme.apply(head, prefix=prefix, default=default, verbose=verbose)
+    record = {checkpoint_name(k): v for k, v in record.items()}
     same = [(p, packed[p]) for p, m in head.named_modules() if p in packed and hasattr(m, "bits")
             and (m.bits, m.group_size, m.mode) == (packed[p].bits, packed[p].group_size,
                                                    packed[p].mode)]
@@ -182,6 +187,7 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
 
     head_params = {prefix + k: v for k, v in tree_flatten(head.parameters())}
     rows = _summarize(head_params, model)
+    head_params = {checkpoint_name(k): v for k, v in head_params.items()}
 
     # New config: MTP layer count, and the head's quantization entries.
     new_cfg = copy.deepcopy(dst_cfg)
@@ -189,7 +195,7 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
     quant = None
     if dst_quant:
         quant = {k: v for k, v in copy.deepcopy(dst_quant).items()
-                 if not is_mtp_key(k + ".")}
+                 if not is_head(k + ".")}
         quant.update(record)
     elif bits is not None:
         quant = dict(scheme.default(), **record)
@@ -206,7 +212,7 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
         weight_map = {k: f.name for k, (f, _) in dst_tensors.items()}
         sizes = {k: _entry_nbytes(e) for k, (_, e) in dst_tensors.items()}
         for fname in sorted({weight_map[k] for k in existing}):
-            keep = [k for k, f in weight_map.items() if f == fname and not is_mtp_key(k)]
+            keep = [k for k, f in weight_map.items() if f == fname and not is_head(k)]
             (tmp / fname).unlink()
             if keep:
                 kept = {k: v for k, v in mx.load(str(dst / fname)).items() if k in set(keep)}

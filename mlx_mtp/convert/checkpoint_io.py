@@ -107,14 +107,14 @@ def _make_shards(weights: Dict[str, mx.array], max_bytes: Optional[int],
 
 def _write_weights(out: Path, weights: Dict[str, mx.array], max_shard_bytes: Optional[int],
                    verbose: bool, num_shards: Optional[int] = None, mtp_file: bool = True,
-                   fmt: str = "mlx") -> Dict[str, str]:
-    """Weight shards (``mtp.*`` in ``mtp.safetensors`` when ``mtp_file``, else after the
-    trunk's tensors); returns the weight map. Consumes ``weights``."""
-    head = {k: v for k, v in weights.items() if is_mtp_key(k)} if mtp_file else {}
+                   fmt: str = "mlx", is_head=is_mtp_key) -> Dict[str, str]:
+    """Weight shards (the head's tensors, ``is_head``, in ``mtp.safetensors`` when
+    ``mtp_file``, else after the trunk's); returns the weight map. Consumes ``weights``."""
+    head = {k: v for k, v in weights.items() if is_head(k)} if mtp_file else {}
     if mtp_file:
-        trunk = {k: v for k, v in weights.items() if not is_mtp_key(k)}
+        trunk = {k: v for k, v in weights.items() if not is_head(k)}
     else:  # as released checkpoints tend to: the head in the last shard
-        trunk = {k: weights[k] for k in sorted(weights, key=lambda k: (is_mtp_key(k), k))}
+        trunk = {k: weights[k] for k in sorted(weights, key=lambda k: (is_head(k), k))}
     weights.clear()
     shards = _make_shards(trunk, max_shard_bytes, num_shards)
     if head:
@@ -145,7 +145,8 @@ def write_checkpoint(out, weights: Dict[str, mx.array], config: dict, *,
                      extra_files: Optional[Dict[str, str]] = None,
                      dtype: Optional[mx.Dtype] = None, max_shard_bytes: Optional[int] = None,
                      num_shards: Optional[int] = None, mtp_file: bool = True,
-                     fmt: str = "mlx", verbose: bool = False) -> Dict[str, str]:
+                     fmt: str = "mlx", verbose: bool = False,
+                     is_head=is_mtp_key) -> Dict[str, str]:
     """Write a checkpoint directory and publish it atomically; returns the weight map.
 
     Weights go into shards (by ``max_shard_bytes`` or ``num_shards``; with ``mtp_file``
@@ -153,8 +154,8 @@ def write_checkpoint(out, weights: Dict[str, mx.array], config: dict, *,
     index when there is more than one file, then config.json, the tokenizer files of
     ``tokenizer_from`` and ``extra_files`` (name -> text). ``dtype`` casts floating-point
     weights except ``A_log``. ``fmt`` is the safetensors ``format`` metadata ("pt" for
-    the Hugging Face layout). An existing ``out`` is replaced as a whole, never mixed.
-    Consumes ``weights``.
+    the Hugging Face layout). ``is_head``: which keys are the MTP head's. An existing
+    ``out`` is replaced as a whole, never mixed. Consumes ``weights``.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -165,7 +166,7 @@ def write_checkpoint(out, weights: Dict[str, mx.array], config: dict, *,
     total_size = _param_bytes(weights)
     with _staging(out, verbose) as tmp:
         weight_map = _write_weights(tmp, weights, max_shard_bytes, verbose, num_shards,
-                                    mtp_file, fmt)
+                                    mtp_file, fmt, is_head)
         if len(set(weight_map.values())) > 1:
             _write_index(tmp, weight_map, total_size)
         _write_json(tmp / "config.json", config)

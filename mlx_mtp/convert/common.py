@@ -68,8 +68,9 @@ def _check_model_dir(path: Path, role: str) -> Path:
         )
     return path
 
-def _check_foreign_quant(keys: Iterable[str], path: Path):
-    bad = [k for k in keys if k.endswith(FOREIGN_QUANT_SUFFIXES)]
+def _check_foreign_quant(keys: Iterable[str], path: Path, readable: tuple = ()):
+    """``readable``: suffixes the model's sanitize dequantizes (FP8 ``.weight_scale_inv``)."""
+    bad = [k for k in keys if k.endswith(FOREIGN_QUANT_SUFFIXES) and not k.endswith(readable)]
     if bad:
         raise ConversionError(
             f"{path} stores pre-quantized weights ({bad[0]}, ...: FP8/AWQ/GPTQ-style) that "

@@ -38,9 +38,10 @@ from .common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast
                      _check_foreign_quant, _check_model_dir, _dequantize, _fmt_bytes,
                      _incomplete_head, _param_bytes, _print_summary, _summarize, _warn)
 from ..models import UnsupportedModelError
-from ..models.layout import (CheckpointError, MissingMTPWeightsError, config_mtp_layers,
-                             config_quantization, count_mtp_layers, is_mtp_key,
-                             set_config_mtp_layers, text_config)
+from ..models.attention_trunk import count_checkpoint_mtp_layers, family_of
+from ..models.layout import (QWEN_FAMILIES, CheckpointError, MissingMTPWeightsError,
+                             config_mtp_layers, config_quantization, count_mtp_layers, family,
+                             is_mtp_key, set_config_mtp_layers, text_config)
 from ..models.loader import load_config, quantize_like_checkpoint, weight_files
 
 DEFAULT_MAX_SHARD_GB = 5.0
@@ -67,9 +68,11 @@ def _load_source(src: Path, verbose: bool) -> _Source:
     config = load_config(src)
     files = weight_files(src)
     weights = read_tensors(files, verbose=verbose)
-    _check_foreign_quant(weights, src)
+    attention_trunk = family_of(config) is not None  # reads FP8 block-scaled weights
+    _check_foreign_quant(weights, src, (".weight_scale_inv",) if attention_trunk else ())
 
-    n_keys = count_mtp_layers(k for k in weights if is_mtp_key(k))
+    n_keys = (count_mtp_layers(k for k in weights if is_mtp_key(k))
+              or count_checkpoint_mtp_layers(config, weights))
     n_config = config_mtp_layers(config)
     if n_keys == 0 and any(is_mtp_key(k) for k in weights):
         n_keys = max(n_config, 1)
@@ -169,6 +172,7 @@ def convert(
     except (CheckpointError, UnsupportedModelError) as e:
         raise ConversionError(str(e)) from e
     model, config = source.model, source.config
+    checkpoint_name = getattr(model.text, "checkpoint_name", lambda key: key)
 
     if source.quantized and quantize:
         raise ConversionError(
@@ -213,10 +217,13 @@ def convert(
         )
         if scheme.active:
             record = scheme.apply(model, verbose=verbose)
+            # Attention-trunk families: the MTP layer under the checkpoint's own prefix.
+            record = {checkpoint_name(k): v for k, v in record.items()}
             quantization = dict(scheme.default(), **record)
 
     out_config = _finalize_config(config, quantization)
-    if "full_attention_interval" not in text_config(out_config):
+    if family(out_config) in QWEN_FAMILIES and "full_attention_interval" not in text_config(
+            out_config):
         _warn("the attention pattern (layer_types) is not periodic: mlx-mtp loads the output, "
               "plain mlx-lm (which reads only full_attention_interval) cannot.", verbose)
     if dtype is not None:
@@ -227,13 +234,15 @@ def convert(
 
     weights = dict(tree_flatten(model.parameters()))
     rows = _summarize(weights, model)
+    weights = {checkpoint_name(k): v for k, v in weights.items()}
     total_size = _param_bytes(weights)
     # Hand the tensors to the writer only, so each shard is freed once written.
     model.update(tree_map(lambda _: mx.array([]), model.parameters()))
 
     weight_map = write_checkpoint(dst, weights, out_config, tokenizer_from=src,
                                   max_shard_bytes=int(max_shard_size_gb * (1 << 30)),
-                                  verbose=verbose)
+                                  verbose=verbose,
+                                  is_head=getattr(model.text, "is_mtp_key", is_mtp_key))
     tokenizer_files = [f.name for f in sorted(dst.iterdir())
                        if f.name in TOKENIZER_FILES or f.suffix == ".tiktoken"]
 

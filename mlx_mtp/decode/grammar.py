@@ -37,8 +37,8 @@ class GrammarError(ValueError):
 def _llguidance():
     try:
         import llguidance
-    except ImportError as e:  # an optional extra
-        raise GrammarError("Structured output needs llguidance: pip install 'mlx-mtp[structured]'") from e
+    except ImportError as e:  # a base dependency: missing only from a partial install
+        raise GrammarError("Structured output needs llguidance: pip install 'llguidance>=1.9,<2'") from e
     return llguidance
 
 

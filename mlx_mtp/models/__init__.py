@@ -13,6 +13,10 @@ MODEL_TYPES = {
     "qwen3_5_moe_text": "qwen3_5_moe",
     "qwen3_next": "qwen3_next",
     "qwen3_next_mtp": "qwen3_next",
+    "glm4_moe": "glm4_moe",
+    "glm4_moe_lite": "glm4_moe_lite",
+    "deepseek_v3": "deepseek_v3",
+    "mimo": "mimo",
 }
 
 

@@ -25,6 +25,12 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.base import create_causal_mask
+
+
+def _no_window(window_size: Optional[int]):
+    if window_size is not None:
+        raise ValueError("sliding-window attention is not supported by mlx-mtp's KV caches")
 
 
 class KVCache:
@@ -79,7 +85,12 @@ class KVCache:
     def is_trimmable(self) -> bool:
         return True
 
-    def make_mask(self, n: int):
+    def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
+        """mlx-lm's call. ``return_array``: a boolean (n, offset + n) causal mask instead of
+        ``"causal"`` (MLA attention masks its scores with it)."""
+        _no_window(window_size)
+        if return_array and n > 1:
+            return create_causal_mask(n, self.offset)
         return "causal" if n > 1 else None
 
     @property
@@ -307,7 +318,9 @@ class BatchKVCache:
         self.pos = [p + n for p, n in zip(self.pos, lengths)]
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
 
-    def make_mask(self, S: int):
+    def make_mask(self, S: int, return_array: bool = True, window_size: Optional[int] = None):
+        """(B, 1, S, idx + S) boolean: causal and each row's valid slots (always an array)."""
+        _no_window(window_size)
         L = self.idx + S
         old = self.valid[:, : self.idx] if self.valid is not None else mx.zeros((len(self.pos), 0), mx.bool_)
         valid = mx.concatenate([old, self._new_valid()], axis=1)

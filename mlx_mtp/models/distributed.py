@@ -403,6 +403,9 @@ def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None
     p = resolve_model_path(path)
     config = _apply_overrides(load_config(p), mtp, mtp_hidden)
     model = build_model(config, p / "config.json")
+    if not getattr(model.text, "distributed_split", True):
+        raise DistributedError(f"--distributed cannot split {model.model_type} models yet; "
+                               "run this model on one machine (without --distributed).")
     weights = model.sanitize(read_weights(p))
     quantize_like_checkpoint(model, weights, layout.config_quantization(config))
     # As ``load_model`` (lazy casts: a rank reads only what it keeps); every rank decides

@@ -46,6 +46,8 @@ class MissingMTPWeightsError(CheckpointError):
 MTP_LAYER_COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "num_mtp_layers",
                         "nextn_predict_layers", "num_mtp_modules", "n_predict")
 LAYER_TYPES = ("linear_attention", "full_attention")
+# The hybrid (Gated DeltaNet) families; the others are attention-trunk ones.
+QWEN_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def text_config(config: dict) -> dict:
@@ -170,6 +172,8 @@ def mlx_config(config: dict) -> dict:
     config.pop("_name_or_path", None)
     config.pop("vision_config", None)
     name = family(config)
+    if name not in QWEN_FAMILIES:  # attention-trunk families: mlx-lm reads the HF config
+        return config
     if name != "qwen3_next" and "text_config" not in config:
         text = dict(config, model_type=f"{name}_text")
         arch = [a.replace("ForCausalLM", "ForConditionalGeneration")

@@ -12,6 +12,7 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU
 
 from . import UnsupportedModelError, get_model_module, layout
 from .hybrid import SparseMoeBlock
@@ -168,7 +169,8 @@ def _upcast_cpu_experts(model: nn.Module):
     if mx.default_device() != mx.cpu:
         return
     for _, m in model.named_modules():
-        if isinstance(m, SparseMoeBlock):
+        # Ours (SparseMoeBlock) and mlx-lm's MoE blocks (attention-trunk families).
+        if isinstance(m, SparseMoeBlock) or isinstance(m.get("switch_mlp"), SwitchGLU):
             sw = m.switch_mlp
             for proj in (sw.gate_proj, sw.up_proj, sw.down_proj):
                 if "scales" not in proj and proj.weight.dtype != mx.float32:

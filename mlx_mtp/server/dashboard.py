@@ -138,9 +138,6 @@ class DashboardFeed:
         totals = engine.metrics.snapshot()
         gen_rate, prompt_rate = self._rates(now, totals["generation_tokens"],
                                             totals["prompt_tokens"])
-        for row in totals["per_position"]:
-            row["rate"] = row["accepted"] / row["drafted"] if row["drafted"] else None
-        drafted = totals["num_draft_tokens"]
         pc = engine.prefix_cache
         return {
             "time": time.time(),
@@ -149,10 +146,7 @@ class DashboardFeed:
             "max_concurrency": engine.max_concurrency,
             "generation_tokens_per_second": gen_rate,
             "prompt_tokens_per_second": prompt_rate,
-            **totals,
-            "acceptance_rate": totals["num_accepted_tokens"] / drafted if drafted else None,
-            "mean_acceptance_length": (1 + totals["num_accepted_tokens"] / totals["num_drafts"]
-                                       if totals["num_drafts"] else None),
+            **totals,  # MTP counters and rates rendered by metrics.spec_fields
             "prefix_cache": {"enabled": pc.enabled, "entries": len(pc), "bytes": pc.nbytes,
                              "max_bytes": pc.max_bytes, "hits": pc.hits, "misses": pc.misses},
             "draft_policy": draft_policy_view(engine),

@@ -42,7 +42,7 @@ from ..decode.speculative import MTPDecoder, SpecStats, StepOutput
 from ..decode.text_stream import TextStream, token_bytes
 from ..models.hybrid import CHUNKED_MIN_TOKENS
 from ..models.layout import check_acceptance
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, spec_fields, spec_log_line
 from .distributed import StepSync
 from .prefix_cache import PrefixCache
 # The request and its events live apart (the API modules need only them); importable
@@ -504,18 +504,7 @@ class Engine:
                 "lookup": {"drafted": stats.lookup_draft_tokens,
                            "accepted": stats.lookup_accepted_tokens}},
         }
-        mtp = {
-            "enabled": seq.mtp_enabled,
-            "num_drafts": stats.num_drafts,
-            "num_draft_tokens": stats.num_draft_tokens,
-            "num_accepted_tokens": stats.num_accepted_tokens,
-            "mean_acceptance_length": stats.mean_acceptance_length,
-            "acceptance_rate": stats.acceptance_rate,
-            "accepted_per_pos": list(stats.accepted_per_pos),
-            "drafted_per_pos": list(stats.drafted_per_pos),
-            "lookup_draft_tokens": stats.lookup_draft_tokens,
-            "lookup_accepted_tokens": stats.lookup_accepted_tokens,
-        }
+        mtp = {"enabled": seq.mtp_enabled, **spec_fields(stats)}
         m = self.metrics
         m.request_success.inc(finished_reason=finish)
         m.e2e.observe(now - req.arrival)
@@ -587,12 +576,7 @@ class Engine:
             line = (f"Running: {len(self.running)} reqs, Waiting: {self.num_waiting} reqs, "
                     f"Avg generation throughput: {self._log_tokens / dt:.1f} tokens/s")
             if s.num_drafts:
-                per_pos = ", ".join(f"{a:.3f}" for a in s.acceptance_per_pos)
-                line += (f". SpecDecoding metrics: Mean acceptance length: "
-                         f"{s.mean_acceptance_length:.2f}, Accepted: {s.num_accepted_tokens} "
-                         f"tokens, Drafted: {s.num_draft_tokens} tokens, Per-position "
-                         f"acceptance rate: {per_pos}, Avg Draft acceptance rate: "
-                         f"{100 * s.acceptance_rate:.1f}%")
+                line += ". " + spec_log_line(s)
             log.info(line)
             if self.batch.K and self.running:
                 log.info("MTP draft policy at %s", self.batch.policy.describe(self._load()))

@@ -1,18 +1,26 @@
-"""Prometheus metrics in the text exposition format (no prometheus_client needed).
+"""Prometheus metrics for ``/metrics``, kept and rendered by ``prometheus_client``.
 
 Names copy vLLM's with the ``mlx_mtp:`` prefix, so dashboards written for
 ``vllm:spec_decode_*`` work after a prefix substitution. Every sample carries
-a ``model_name`` label.
+a ``model_name`` label. The small wrappers below bind that label and give the
+engine and the live page one way to read a value back (``get``/``count``).
+
+This module is also the one place the server renders speculative-decoding counters
+(``SpecStats``): a response's ``mtp`` block and the live page (``spec_fields``), the
+periodic log line (``spec_log_line``) and ``/metrics`` (``ServerMetrics.record_step``).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-import threading
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import prometheus_client
+from prometheus_client import CollectorRegistry
+
+from ..decode.stats import SpecStats
 
 PREFIX = "mlx_mtp:"
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -24,156 +32,131 @@ TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
                  100000, 200000]
 
 
-def _escape(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def spec_fields(stats: SpecStats, missing: Optional[float] = 0.0) -> dict:
+    """The counters as responses (``mtp``) and the live page show them; ``missing``: the rates
+    when nothing was drafted."""
+    return {
+        "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "mean_acceptance_length": stats.mean_acceptance_length if stats.num_drafts else missing,
+        "acceptance_rate": stats.acceptance_rate if stats.num_draft_tokens else missing,
+        "accepted_per_pos": list(stats.accepted_per_pos),
+        "drafted_per_pos": list(stats.drafted_per_pos),
+        # Of the drafts, those copied from the context (decode/lookup.py).
+        "lookup_draft_tokens": stats.lookup_draft_tokens,
+        "lookup_accepted_tokens": stats.lookup_accepted_tokens,
+    }
 
 
-def _labels(pairs: Sequence[Tuple[str, str]]) -> str:
-    if not pairs:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
+def spec_log_line(stats: SpecStats) -> str:
+    """vLLM's periodic ``SpecDecoding metrics`` line."""
+    per_pos = ", ".join(f"{a:.3f}" for a in stats.acceptance_per_pos)
+    return (f"SpecDecoding metrics: Mean acceptance length: {stats.mean_acceptance_length:.2f}, "
+            f"Accepted: {stats.num_accepted_tokens} tokens, Drafted: {stats.num_draft_tokens} "
+            f"tokens, Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: "
+            f"{100 * stats.acceptance_rate:.1f}%")
 
 
-def _num(v: float) -> str:
-    if isinstance(v, float):
-        if math.isinf(v):
-            return "+Inf" if v > 0 else "-Inf"
-        if math.isnan(v):
-            return "NaN"
-        return repr(v)
-    return str(v)
+class _Series:
+    """A ``prometheus_client`` metric with the server's ``model_name`` label bound."""
 
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help: str, labelnames: Sequence[str], const: Dict[str, str],
-                 lock: threading.Lock):
-        self.name = name
-        self.help = help
+    def __init__(self, metric, sample_name: str, model_name: str, labelnames: Sequence[str]):
+        self.metric = metric
+        self.sample_name = sample_name
+        self.model_name = model_name
         self.labelnames = tuple(labelnames)
-        self.const = tuple(const.items())
-        self._lock = lock
-
-    def _key(self, labels: Dict[str, str]) -> Tuple[str, ...]:
-        if set(labels) != set(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {tuple(labels)}")
-        return tuple(str(labels[n]) for n in self.labelnames)
-
-    def _pairs(self, key) -> List[Tuple[str, str]]:
-        return list(self.const) + list(zip(self.labelnames, key))
-
-    def header(self) -> List[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.values: Dict[Tuple[str, ...], float] = {}
         if not self.labelnames:
-            self.values[()] = 0
+            self.child()  # an unlabelled series is exposed (at 0) from the start
 
+    def child(self, labels: Optional[Dict[str, str]] = None):
+        labels = labels or {}
+        if set(labels) != set(self.labelnames):
+            raise ValueError(f"{self.sample_name} takes labels {self.labelnames}, "
+                             f"got {tuple(labels)}")
+        return self.metric.labels(model_name=self.model_name,
+                                  **{k: str(v) for k, v in labels.items()})
+
+    def samples(self, suffix: str = "") -> Dict[Tuple[str, ...], float]:
+        """Current values of ``sample_name + suffix``, keyed by the extra label values."""
+        name = self.sample_name + suffix
+        return {tuple(s.labels[n] for n in self.labelnames): s.value
+                for family in self.metric.collect() for s in family.samples if s.name == name}
+
+    def _value(self, suffix: str, labels: Dict[str, str]) -> float:
+        key = tuple(str(labels[n]) for n in self.labelnames if n in labels)
+        return self.samples(suffix).get(key, 0)
+
+
+class Counter(_Series):
     def inc(self, amount: float = 1, **labels):
-        if amount < 0:
-            raise ValueError("counters only go up")
-        key = self._key(labels)
-        with self._lock:
-            self.values[key] = self.values.get(key, 0) + amount
+        self.child(labels).inc(amount)
 
     def get(self, **labels) -> float:
-        return self.values.get(self._key(labels), 0)
-
-    def render(self) -> List[str]:
-        out = self.header()
-        for key, v in sorted(self.values.items()):
-            out.append(f"{self.name}{_labels(self._pairs(key))} {_num(v)}")
-        return out
+        return self._value("", labels)
 
 
-class Gauge(_Metric):
-    kind = "gauge"
+class Gauge(_Series):
+    """A gauge that is either set or, when ``fn`` is given, read from ``fn`` at scrape time."""
 
-    def __init__(self, *a, fn: Optional[Callable[[], float]] = None, **kw):
-        super().__init__(*a, **kw)
+    def __init__(self, *a, fn: Optional[Callable[[], float]] = None):
+        super().__init__(*a)
         self.fn = fn
-        self.value = 0
+
+    @property
+    def fn(self):
+        return self._fn
+
+    @fn.setter
+    def fn(self, fn):
+        self._fn = fn
+        if fn is not None:
+            self.child().set_function(fn)
 
     def set(self, v: float):
-        self.value = v
+        self.child().set(v)
 
     def get(self) -> float:
-        return self.fn() if self.fn is not None else self.value
-
-    def render(self) -> List[str]:
-        return self.header() + [f"{self.name}{_labels(list(self.const))} {_num(self.get())}"]
+        return self.fn() if self.fn is not None else self._value("", {})
 
 
-class Histogram(_Metric):
-    kind = "histogram"
-
-    def __init__(self, *a, buckets: Sequence[float], **kw):
-        super().__init__(*a, **kw)
-        self.buckets = list(buckets)
-        self.series: Dict[Tuple[str, ...], list] = {}  # key -> [counts..., sum, count]
-        if not self.labelnames:
-            self.series[()] = [0] * len(self.buckets) + [0.0, 0]
-
+class Histogram(_Series):
     def observe(self, v: float, **labels):
-        key = self._key(labels)
-        with self._lock:
-            s = self.series.setdefault(key, [0] * len(self.buckets) + [0.0, 0])
-            i = bisect.bisect_left(self.buckets, v)
-            if i < len(self.buckets):
-                s[i] += 1
-            s[-2] += v
-            s[-1] += 1
+        self.child(labels).observe(v)
 
     def count(self, **labels) -> int:
-        s = self.series.get(self._key(labels))
-        return s[-1] if s else 0
+        return int(self._value("_count", labels))
 
-    def render(self) -> List[str]:
-        out = self.header()
-        for key, s in sorted(self.series.items()):
-            pairs = self._pairs(key)
-            cum = 0
-            for b, c in zip(self.buckets, s):
-                cum += c
-                out.append(f"{self.name}_bucket{_labels(pairs + [('le', _num(float(b)))])} {cum}")
-            out.append(f"{self.name}_bucket{_labels(pairs + [('le', '+Inf')])} {s[-1]}")
-            out.append(f"{self.name}_sum{_labels(pairs)} {_num(float(s[-2]))}")
-            out.append(f"{self.name}_count{_labels(pairs)} {s[-1]}")
-        return out
+    def mean(self, **labels) -> Optional[float]:
+        n = self.count(**labels)
+        return self._value("_sum", labels) / n if n else None
 
 
-class Registry:
-    def __init__(self, const_labels: Optional[Dict[str, str]] = None):
-        self.const = dict(const_labels or {})
-        self._lock = threading.Lock()
-        self.metrics: List[_Metric] = []
+class _Registry:
+    """Builds the wrapped metrics into one ``CollectorRegistry``."""
 
-    def _add(self, m):
-        self.metrics.append(m)
-        return m
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.collectors = CollectorRegistry()
 
     def counter(self, name, help, labelnames=()) -> Counter:
-        return self._add(Counter(name, help, labelnames, self.const, self._lock))
+        metric = prometheus_client.Counter(name, help, ("model_name", *labelnames),
+                                           registry=self.collectors)
+        # prometheus_client drops a trailing _total from the family and adds it to the sample.
+        sample = name if name.endswith("_total") else name + "_total"
+        return Counter(metric, sample, self.model_name, labelnames)
 
     def gauge(self, name, help, fn=None) -> Gauge:
-        return self._add(Gauge(name, help, (), self.const, self._lock, fn=fn))
+        metric = prometheus_client.Gauge(name, help, ("model_name",), registry=self.collectors)
+        return Gauge(metric, name, self.model_name, (), fn=fn)
 
     def histogram(self, name, help, buckets, labelnames=()) -> Histogram:
-        return self._add(Histogram(name, help, labelnames, self.const, self._lock, buckets=buckets))
+        metric = prometheus_client.Histogram(name, help, ("model_name", *labelnames),
+                                             buckets=buckets, registry=self.collectors)
+        return Histogram(metric, name, self.model_name, labelnames)
 
     def render(self) -> str:
-        with self._lock:
-            lines = []
-            for m in self.metrics:
-                lines.extend(m.render())
-        return "\n".join(lines) + "\n"
+        return prometheus_client.generate_latest(self.collectors).decode()
 
 
 class ServerMetrics:
@@ -181,7 +164,10 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, running: Callable[[], int] = None,
                  waiting: Callable[[], int] = None):
-        r = self.registry = Registry({"model_name": model_name})
+        # No `<name>_created` series: the exposition keeps exactly the names listed here.
+        prometheus_client.disable_created_metrics()
+        r = self.registry = _Registry(model_name)
+        self.spec = SpecStats()  # the same counts, for the live page
         p = PREFIX
         self.num_requests_running = r.gauge(
             p + "num_requests_running", "Number of requests in the running batch.", fn=running)
@@ -243,6 +229,10 @@ class ServerMetrics:
                              ("lookup", lookup_drafted, lookup_accepted)):
             self.spec_draft_tokens_by_source.inc(d, source=source)
             self.spec_accepted_by_source.inc(a, source=source)
+        self.spec.record(num_drafted, num_accepted)
+        self.spec.lookup_drafts += lookup_drafted > 0
+        self.spec.lookup_draft_tokens += lookup_drafted
+        self.spec.lookup_accepted_tokens += lookup_accepted
         self.spec_drafts.inc()
         self.spec_draft_tokens.inc(num_drafted)
         self.spec_accepted.inc(num_accepted)
@@ -253,38 +243,23 @@ class ServerMetrics:
 
     def snapshot(self) -> dict:
         """Running totals for the live page (``dashboard`` adds rates and engine state)."""
-        def per_pos(counter):
-            with self.registry._lock:
-                items = list(counter.values.items())
-            return {int(key[0]): v for key, v in items}
-
-        def mean(h):
-            s = h.series.get((), [0.0, 0])
-            return s[-2] / s[-1] if s[-1] else None
-
-        accepted, drafted = per_pos(self.spec_accepted_per_pos), per_pos(self.spec_drafted_per_pos)
-        with self.registry._lock:
-            finished = sum(self.request_success.values.values())
-            failed = sum(self.request_failure.values.values())
+        spec = spec_fields(self.spec, missing=None)
         return {
             "requests_running": self.num_requests_running.get(),
             "requests_waiting": self.num_requests_waiting.get(),
-            "requests_finished": finished,
-            "requests_failed": failed,
-            "prompt_tokens": self.prompt_tokens.get(),
-            "generation_tokens": self.generation_tokens.get(),
-            "prefix_cache_query_tokens": self.prefix_cache_queries.get(),
-            "prefix_cache_hit_tokens": self.prefix_cache_hits.get(),
-            "prefix_cache_disk_hit_tokens": self.prefix_cache_disk_hits.get(),
-            "num_drafts": self.spec_drafts.get(),
-            "num_draft_tokens": self.spec_draft_tokens.get(),
-            "num_accepted_tokens": self.spec_accepted.get(),
-            "lookup_draft_tokens": self.spec_draft_tokens_by_source.get(source="lookup"),
-            "lookup_accepted_tokens": self.spec_accepted_by_source.get(source="lookup"),
-            "per_position": [{"position": j, "drafted": drafted[j], "accepted": accepted.get(j, 0)}
-                             for j in sorted(drafted)],
-            "mean_ttft_seconds": mean(self.ttft),
-            "mean_itl_seconds": mean(self.itl),
+            "requests_finished": int(sum(self.request_success.samples().values())),
+            "requests_failed": int(sum(self.request_failure.samples().values())),
+            "prompt_tokens": int(self.prompt_tokens.get()),
+            "generation_tokens": int(self.generation_tokens.get()),
+            "prefix_cache_query_tokens": int(self.prefix_cache_queries.get()),
+            "prefix_cache_hit_tokens": int(self.prefix_cache_hits.get()),
+            "prefix_cache_disk_hit_tokens": int(self.prefix_cache_disk_hits.get()),
+            **spec,
+            "per_position": [{"position": j, "drafted": d, "accepted": a, "rate": a / d if d else None}
+                             for j, (d, a) in enumerate(zip(spec["drafted_per_pos"],
+                                                            spec["accepted_per_pos"]))],
+            "mean_ttft_seconds": self.ttft.mean(),
+            "mean_itl_seconds": self.itl.mean(),
         }
 
     def render(self) -> str:

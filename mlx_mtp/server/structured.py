@@ -111,7 +111,7 @@ def compile_constraint(state, response_format, prepared: Optional[PreparedChat] 
         raise bad_request("response_format must be an object with a type.", param=param)
     if state.grammar_thinking is None:
         raise bad_request("Structured output needs llguidance on the server: "
-                          "pip install 'mlx-mtp[structured]'.", param=param)
+                          "pip install 'llguidance>=1.9,<2'.", param=param)
     if getattr(state.engine.model, "share", None) is not None:
         raise bad_request("Structured output is not supported when the model is split "
                           "across processes (mlx.launch).", param=param)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -161,13 +162,15 @@ def read_metrics(path: Path) -> List[dict]:
 
 
 def plot_loss_curve(metrics_path: Path, png: Path, title: str = "") -> Optional[Path]:
+    from ..plots import missing_note, pyplot
+
     rows = read_metrics(metrics_path)
     if not rows:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        print(missing_note(f"{png.name}"), file=sys.stderr)
+        return None
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     train = [r for r in rows if r.get("kind") == "train"]

@@ -1,0 +1,350 @@
+"""Families whose trunk is attention only (GLM-4.x, GLM-4.7-Flash, MiMo-7B, DeepSeek-V3).
+
+The trunk is mlx-lm's own module for the family (same parameter tree, same math);
+the MTP layer is one generic block, parameterised per family (``Family``):
+
+    x = eh_proj([enorm(emb(t+1)) || hnorm(h_t)])   (MiMo: hidden first)
+    x = one decoder layer of the trunk's kind (own KV cache)
+    out = final norm(x)  -> the trunk's lm_head; ``out`` is also what the next draft chains on
+
+Norms are plain RMSNorm (x * w). Checkpoints store the MTP layer(s) after the trunk
+(``model.layers.{N+i}.*``, DeepSeek naming) or under ``model.mtp_layers.{i}.*`` (MiMo);
+``Family.key_map`` names the four tensors around the block, everything else belongs to
+the block. Only the first MTP layer is built: every released checkpoint ships one, and
+vLLM also drafts every depth with layer 0.
+
+Rollback is a KV trim (no recurrent state). MLA families (``Family.mla``): mlx-lm computes
+one token with the absorbed formula and several with the expanded one, so a verify pass
+(``capture=True``) runs the absorbed formula on every row, as plain decoding does;
+prefill stays expanded, as in mlx-lm.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from types import ModuleType, SimpleNamespace
+from typing import Callable, Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.base import create_causal_mask
+
+from . import hybrid, layout
+from .cache import KVCache
+
+log = logging.getLogger("mlx_mtp")
+
+# DeepSeek naming of the tensors around the block (GLM-4.x, GLM-4.7-Flash, DeepSeek-V3).
+NEXTN_KEYS = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
+              "shared_head.norm": "norm"}
+# Full copies of the trunk's embedding and output layer inside the MTP layer: the trunk's are used.
+NEXTN_DUPLICATES = ("embed_tokens.", "shared_head.head.")
+
+
+@dataclass(frozen=True)
+class Family:
+    lm: ModuleType  # mlx_lm.models.<family>
+    trunk_cls: str  # the trunk's class in ``lm`` (embed_tokens, layers, norm)
+    block: Callable  # (lm args, layer index) -> the MTP layer's decoder block
+    mtp_prefix: Callable  # (lm args, i) -> checkpoint prefix of MTP layer i
+    key_map: Dict[str, str] = field(default_factory=lambda: dict(NEXTN_KEYS))
+    duplicates: tuple = NEXTN_DUPLICATES
+    hidden_first: bool = False  # MiMo concatenates [hidden, embedding]
+    mla: bool = False
+    tied: Callable = lambda args: False  # whether lm_head is the embedding (as mlx-lm reads it)
+
+
+def nextn_prefix(args, i: int) -> str:
+    return f"model.layers.{args.num_hidden_layers + i}."
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    config: dict
+
+    @classmethod
+    def from_dict(cls, params: dict):
+        return cls(model_type=params["model_type"], config=dict(params))
+
+
+def attention_mask(cache, L: int, array: bool):
+    """The mask mlx-lm's attention takes; ``array``: boolean, never ``"causal"`` (MLA)."""
+    if cache is not None:
+        return cache.make_mask(L, return_array=array)
+    if L == 1:
+        return None
+    return create_causal_mask(L) if array else "causal"
+
+
+def mla_attention(attn, x, mask, cache, absorbed: bool):
+    """mlx-lm's MLA attention (``attn``'s weights), with the formula chosen by the caller:
+    ``absorbed`` is what mlx-lm runs for one token (q W_k^T against the cached latent,
+    W_v after), otherwise keys and values are expanded from the latent."""
+    B, L, _ = x.shape
+    if attn.q_lora_rank is None:
+        q = attn.q_proj(x)
+    else:
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    q = q.reshape(B, L, attn.num_heads, attn.q_head_dim).transpose(0, 2, 1, 3)
+    q_nope, q_pe = mx.split(q, [attn.qk_nope_head_dim], axis=-1)
+    latent, k_pe = mx.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank], axis=-1)
+    k_pe = k_pe.reshape(B, L, 1, attn.qk_rope_head_dim).transpose(0, 2, 1, 3)
+    latent = attn.kv_a_layernorm(latent)
+    offset = cache.offset if cache is not None else 0
+    q_pe = attn.rope(q_pe, offset)
+    k_pe = attn.rope(k_pe, offset)
+    latent = mx.expand_dims(latent, axis=1)
+    if cache is not None:
+        latent, k_pe = cache.update_and_fetch(latent, k_pe)
+    scores = (q_pe * attn.scale) @ k_pe.swapaxes(-1, -2)
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    if absorbed:
+        out = mx.fast.scaled_dot_product_attention(
+            attn.embed_q(q_nope), latent, latent, scale=attn.scale, mask=scores)
+        out = attn.unembed_out(out)
+    else:
+        k = attn.embed_q(latent, transpose=False)
+        v = attn.unembed_out(latent)
+        out = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=attn.scale, mask=scores)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, H: int, eps: float, block: nn.Module):
+        super().__init__()
+        self.enorm = nn.RMSNorm(H, eps=eps)
+        self.hnorm = nn.RMSNorm(H, eps=eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.block = block
+        self.norm = nn.RMSNorm(H, eps=eps)
+
+
+class MTPStack(nn.Module):
+    def __init__(self, layers: List[MTPLayer]):
+        super().__init__()
+        self.layers = layers
+
+
+class TextModel(hybrid.TextModel):
+    """Trunk (mlx-lm's module) + lm_head + MTP layer. The engine-facing methods not
+    defined here (logits, draft head, MTP cache, quantization) are the Qwen model's."""
+
+    distributed_split = False  # models/distributed.py splits the Qwen layers only
+
+    def __init__(self, family: Family, config: dict):
+        nn.Module.__init__(self)
+        self.family = family
+        lm_args = family.lm.ModelArgs.from_dict(config)
+        lm_args.tie_word_embeddings = family.tied(lm_args)
+        self.args = lm_args
+        self.model_type = config["model_type"]
+        self.mtp_hidden = config.get("mtp_hidden", "post_norm")
+        if self.mtp_hidden not in ("post_norm", "pre_norm"):
+            raise ValueError(f"mtp_hidden must be 'post_norm' or 'pre_norm', got {self.mtp_hidden!r}")
+        self.draft_head = None
+        self.declared_mtp_layers = layout.config_mtp_layers(config)
+        self.model = getattr(family.lm, family.trunk_cls)(lm_args)
+        if not lm_args.tie_word_embeddings:
+            self.lm_head = nn.Linear(lm_args.hidden_size, lm_args.vocab_size, bias=False)
+        if self.declared_mtp_layers > 0:
+            block = family.block(lm_args, lm_args.num_hidden_layers)
+            self.mtp = MTPStack([MTPLayer(lm_args.hidden_size, lm_args.rms_norm_eps, block)])
+
+    # --- forward ----------------------------------------------------------
+    def decoder_layer(self, layer, x, mask, cache, absorbed: bool):
+        if not self.family.mla:
+            return layer(x, mask, cache)
+        h = x + mla_attention(layer.self_attn, layer.input_layernorm(x), mask, cache, absorbed)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def trunk(self, inputs, cache=None, capture=False):
+        """(post-norm hidden, hidden for the MTP head). ``capture``: a verify pass, whose
+        rows must be computed as plain one-token decoding computes them."""
+        h = self.model.embed_tokens(inputs)
+        L = h.shape[1]
+        cache = cache if cache is not None else [None] * len(self.model.layers)
+        mask = attention_mask(cache[0], L, self.family.mla)
+        absorbed = capture or L == 1
+        for layer, c in zip(self.model.layers, cache):
+            h = self.decoder_layer(layer, h, mask, c, absorbed)
+        normed = self.model.norm(h)
+        return normed, (normed if self.mtp_hidden == "post_norm" else h)
+
+    def mtp_forward(self, hidden, next_tokens, mtp_cache):
+        """hidden (B,S,H) at positions i, next_tokens (B,S) = t_{i+1} -> the MTP layer's
+        post-norm output (B,S,H): its logits predict t_{i+2}; the next draft chains on it."""
+        layer = self.mtp.layers[0]
+        e = layer.enorm(self.model.embed_tokens(next_tokens))
+        h = layer.hnorm(hidden)
+        x = layer.eh_proj(mx.concatenate([h, e] if self.family.hidden_first else [e, h], axis=-1))
+        cache = mtp_cache[0] if mtp_cache else None
+        L = x.shape[1]
+        x = self.decoder_layer(layer.block, x, attention_mask(cache, L, self.family.mla),
+                               cache, absorbed=L == 1)
+        return layer.norm(x)
+
+    def make_cache(self):
+        return [KVCache() for _ in self.model.layers]
+
+    def set_compiled(self, on: bool):
+        """Nothing to compile: attention layers run as mlx-lm runs them."""
+
+    @property
+    def compiled(self) -> bool:
+        return False
+
+    @staticmethod
+    def cast_predicate(path: str) -> bool:
+        return "e_score_correction_bias" not in path  # mlx-lm keeps it in float32
+
+    # --- weights ----------------------------------------------------------
+    def lm_sanitize(self, weights: dict) -> dict:
+        """mlx-lm's own sanitize for this family (stacks experts, splits MLA's kv_b_proj)."""
+        return self.family.lm.Model.sanitize(SimpleNamespace(args=self.args), weights)
+
+    def sanitize(self, weights: dict) -> dict:
+        weights = {k: v for k, v in layout.text_weight_names(weights).items()
+                   if "rotary_emb.inv_freq" not in k}
+        weights = dequantize_fp8(weights)
+        prefixes = [self.family.mtp_prefix(self.args, i) for i in range(self.declared_mtp_layers)]
+        out = self.lm_sanitize({k: v for k, v in weights.items() if not self.is_mtp_key(k)})
+        if "mtp" not in self:
+            return out
+        converted = {k: v for k, v in weights.items() if k.startswith("mtp.layers.0.")}
+        raw = {k[len(prefixes[0]):]: v for k, v in weights.items() if k.startswith(prefixes[0])}
+        if not raw and not converted:
+            raise layout.MissingMTPWeightsError(self.missing_mtp_message())
+        out.update(converted)
+        out.update(self.mtp_weights(raw))
+        if len(prefixes) > 1:
+            log.info("Using the first of %d MTP layers (as vLLM does).", len(prefixes))
+        expected = {k for k, _ in tree_flatten(self.parameters()) if k.startswith("mtp.")}
+        missing = sorted(expected - out.keys())
+        if missing:
+            raise layout.MissingMTPWeightsError(self.missing_mtp_message(missing))
+        return out
+
+    def is_mtp_key(self, key: str) -> bool:
+        return is_mtp_checkpoint_key(key, self.args.num_hidden_layers)
+
+    def mtp_weights(self, raw: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        """Checkpoint tensors of MTP layer 0 (keys relative to its prefix) -> ``mtp.layers.0.*``."""
+        out, block = {}, {}
+        for k, v in raw.items():
+            if k.startswith(self.family.duplicates):
+                continue
+            head = next((h for h in self.family.key_map if k.startswith(h + ".")), None)
+            if head is not None:
+                out[f"mtp.layers.0.{self.family.key_map[head]}{k[len(head):]}"] = v
+            else:
+                block[f"model.layers.0.{k}"] = v  # sanitized as a trunk layer would be
+        for k, v in self.lm_sanitize(block).items():
+            out["mtp.layers.0.block." + k[len("model.layers.0."):]] = v
+        return out
+
+    def checkpoint_name(self, key: str) -> str:
+        """``mtp.layers.0.*`` (a tensor or module path) -> the checkpoint's own name (the
+        inverse of ``mtp_weights``' renaming); other keys unchanged."""
+        if not key.startswith("mtp.layers.0."):
+            return key
+        head, _, tail = key[len("mtp.layers.0."):].partition(".")
+        if head != "block":
+            inverse = {ours: theirs for theirs, ours in self.family.key_map.items()}
+            tail = inverse[head] + ("." + tail if tail else "")
+        return self.family.mtp_prefix(self.args, 0) + tail
+
+    def checkpoint_mtp_names(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        return {self.checkpoint_name(k): v for k, v in weights.items()}
+
+    def expected_mtp_keys(self) -> List[str]:
+        prefix = self.family.mtp_prefix(self.args, 0)
+        return [prefix + h + ".weight" for h in self.family.key_map]
+
+    def missing_mtp_message(self, missing: Optional[List[str]] = None) -> str:
+        what = (f"{len(missing)} MTP tensors are missing, e.g. {', '.join(missing[:4])}"
+                if missing else "none of its tensors are present")
+        return (
+            f"config.json declares {self.declared_mtp_layers} MTP layer(s) "
+            f"(model_type={self.model_type!r}) but the weights lack it: {what}. Expected keys such "
+            f"as {', '.join(self.expected_mtp_keys())} (plus the layer's attention and MLP). "
+            "mlx-lm conversions (mlx-community) drop them. Fix: graft the layer from the original "
+            "Hugging Face checkpoint with `mlx-mtp add-mtp --model THIS --source ORIGINAL`, or "
+            "convert the original with `mlx-mtp convert --hf-path ORIGINAL --mlx-path DST`. "
+            "To run without MTP, pass --no-mtp."
+        )
+
+
+class Model(TextModel):
+    """A family module's ``Model``: set ``family``."""
+
+    family: Family = None
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(type(self).family, args.config)
+
+
+FP8_BLOCK = 128
+
+
+def dequantize_fp8(weights: dict) -> dict:
+    """FP8 (e4m3) weights with 128x128-block ``weight_scale_inv`` -> bfloat16."""
+    scaled = [k for k in weights if k.endswith(".weight_scale_inv")]
+    if not scaled:
+        return weights
+    weights = dict(weights)
+    for k in scaled:
+        scale = weights.pop(k)
+        name = k[: -len("_scale_inv")]
+        w = mx.from_fp8(weights[name], dtype=mx.bfloat16)
+        m, n = w.shape
+        pm, pn = -m % FP8_BLOCK, -n % FP8_BLOCK
+        w = mx.pad(w, ((0, pm), (0, pn))).reshape(
+            (m + pm) // FP8_BLOCK, FP8_BLOCK, (n + pn) // FP8_BLOCK, FP8_BLOCK)
+        w = (w * scale[:, None, :, None]).reshape(m + pm, n + pn)
+        weights[name] = w[:m, :n].astype(mx.bfloat16)
+    return weights
+
+
+def is_mtp_checkpoint_key(key: str, num_hidden_layers: int) -> bool:
+    """Any MTP layer's tensor, in checkpoint naming (``model.layers.{>=N}.*``,
+    ``model.mtp_layers.*``) or ours (``mtp.*``)."""
+    if layout.is_mtp_key(key) or key.startswith("model.mtp_layers."):
+        return True
+    parts = key.split(".", 3)
+    return (len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and int(parts[2]) >= num_hidden_layers)
+
+
+def mtp_key_predicate(config: dict) -> Callable[[str], bool]:
+    """Which of a checkpoint's keys belong to the MTP layers, for any supported family."""
+    if family_of(config) is None:
+        return layout.is_mtp_key
+    n = int(config.get("num_hidden_layers", 0))
+    return lambda key: is_mtp_checkpoint_key(key, n)
+
+
+def family_of(config: dict) -> Optional[Family]:
+    """The attention-trunk family of ``config`` (None: another kind of model)."""
+    from . import MODEL_TYPES, get_model_module
+
+    name = config.get("model_type")
+    return getattr(get_model_module(name).Model, "family", None) if name in MODEL_TYPES else None
+
+
+def count_checkpoint_mtp_layers(config: dict, keys) -> int:
+    """MTP layers stored under a family's own prefixes (``model.layers.{>=N}``,
+    ``model.mtp_layers.{i}``); 0 for other families."""
+    if family_of(config) is None:
+        return 0
+    n, found = int(config.get("num_hidden_layers", 0)), set()
+    for k in keys:
+        parts = k.split(".", 3)
+        if len(parts) < 4 or parts[0] != "model" or not parts[2].isdigit():
+            continue
+        if parts[1] == "mtp_layers" or (parts[1] == "layers" and int(parts[2]) >= n):
+            found.add(int(parts[2]))
+    return len(found)

@@ -1,0 +1,1 @@
+"""Diagnostic verbs: ``inspect`` (a checkpoint, from its headers) and ``doctor`` (this machine)."""

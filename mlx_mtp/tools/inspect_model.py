@@ -1,0 +1,265 @@
+"""``mlx-mtp inspect MODEL``: what a checkpoint holds, read from config.json and the
+safetensors headers only (no tensor data is read, so it is instant on a 50 GB model).
+
+Reports the family, the layout (Hugging Face original, MLX conversion, or a split MTP
+drafter as mlx-vlm publishes them), the MTP layers declared and present (which files,
+precision, size), whether the head was stripped by a conversion and the command that
+grafts one back, the draft-vocabulary file, and the memory the model needs to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from ..models import MODEL_TYPES, draft_vocab
+from ..models.hybrid import HybridArgs
+from ..models.layout import (CheckpointError, args_dict, config_mtp_layers, config_quantization,
+                             count_mtp_layers, family, is_mtp_key, text_config)
+from ..models.loader import load_config, read_safetensors_header, resolve_model_path, weight_files
+
+LAYOUT_HF, LAYOUT_MLX, LAYOUT_SPLIT = "hf", "mlx", "split"
+LAYOUT_NAMES = {
+    LAYOUT_HF: "Hugging Face original (raw names, zero-centred norms)",
+    LAYOUT_MLX: "MLX conversion",
+    LAYOUT_SPLIT: "split MTP drafter (mlx-vlm layout: the head alone, for a trunk beside it)",
+}
+DTYPE_BYTES = {"F64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2,
+               "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
+               "F8_E4M3": "fp8 (e4m3)", "F8_E5M2": "fp8 (e5m2)"}
+_VISION_PREFIXES = ("model.visual", "visual.", "vision_tower", "model.vision")
+# A split drafter's tensors are the head's own, with the ``mtp.`` prefix stripped.
+_SPLIT_KEYS = ("fc.weight", "pre_fc_norm_hidden.weight", "pre_fc_norm_embedding.weight")
+
+
+@dataclass
+class Tensor:
+    file: str
+    dtype: str
+    shape: List[int]
+    nbytes: int
+
+
+def read_tensors(path: Path) -> Dict[str, Tensor]:
+    """Every tensor's file, dtype, shape and size, from the safetensors headers."""
+    out = {}
+    for f in sorted(weight_files(path)):
+        for name, e in read_safetensors_header(f).items():
+            start, end = e["data_offsets"]
+            out[name] = Tensor(f.name, e["dtype"], list(e["shape"]), int(end) - int(start))
+    return out
+
+
+def detect_layout(config: dict, tensors: Dict[str, Tensor]) -> str:
+    if any(k in tensors for k in _SPLIT_KEYS) or (
+            str(config.get("model_type", "")).endswith("_mtp")
+            and not any("embed_tokens" in k for k in tensors)):
+        return LAYOUT_SPLIT
+    convs = [t.shape for k, t in tensors.items() if k.endswith("conv1d.weight") and len(t.shape) == 3]
+    if convs:  # Hugging Face stores depthwise convs as (C, 1, K), MLX as (C, K, 1)
+        return LAYOUT_MLX if convs[0][-1] == 1 else LAYOUT_HF
+    if config_quantization(config) or any(k.startswith("language_model.") for k in tensors) \
+            or any(k.endswith(".scales") for k in tensors):
+        return LAYOUT_MLX
+    return LAYOUT_HF
+
+
+def _module_precision(name: str, tensors: Dict[str, Tensor], quant: Optional[dict]) -> str:
+    """``4-bit (group 64)`` for a quantized weight, else its float dtype."""
+    module = name[: -len(".weight")] if name.endswith(".weight") else name
+    if module + ".scales" not in tensors:
+        return DTYPE_NAMES.get(tensors[name].dtype, tensors[name].dtype)
+    default = quant or {}
+    own = default.get(module)
+    if isinstance(own, dict):  # a per-module entry, as our and mlx-lm's converters write
+        return f"{own.get('bits')}-bit (group {own.get('group_size')})"
+    group = default.get("group_size", 64)
+    # Packed uint32 columns hold 32/bits values each; scales hold one value per group.
+    cols, groups = tensors[name].shape[-1], tensors[module + ".scales"].shape[-1]
+    bits = 32 * cols / (groups * group)
+    bits = int(bits) if bits in (2, 3, 4, 5, 6, 8) else default.get("bits")
+    return f"{bits}-bit (group {group})"
+
+
+def precision_counts(config: dict, tensors: Dict[str, Tensor], keys: List[str]) -> Dict[str, int]:
+    """Weight matrices among ``keys`` by precision, most common first."""
+    counts: Dict[str, int] = {}
+    quant = config_quantization(config)
+    for k in keys:
+        if k.endswith(".weight") and len(tensors[k].shape) >= 2:
+            p = _module_precision(k, tensors, quant)
+            counts[p] = counts.get(p, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def mtp_summary(config: dict, tensors: Dict[str, Tensor], layout_name: str) -> dict:
+    """Declared and present MTP layers, the files holding them, precision and bytes."""
+    keys = list(tensors) if layout_name == LAYOUT_SPLIT else [k for k in tensors if is_mtp_key(k)]
+    present = count_mtp_layers(keys if layout_name != LAYOUT_SPLIT else ["mtp." + k for k in keys])
+    return {
+        "declared_layers": config_mtp_layers(config),
+        "present_layers": present,
+        "tensors": len(keys),
+        "bytes": sum(tensors[k].nbytes for k in keys),
+        "files": sorted({tensors[k].file for k in keys}),
+        "key_prefix": _common_prefix(keys),
+        "precision": precision_counts(config, tensors, keys),
+    }
+
+
+def _common_prefix(keys: List[str]) -> str:
+    if not keys:
+        return ""
+    first = min(keys).split(".")
+    last = max(keys).split(".")
+    common = []
+    for a, b in zip(first, last):
+        if a != b:
+            break
+        common.append(a)
+    return ".".join(common) + "." if common else ""
+
+
+def memory_estimate(config: dict, tensors: Dict[str, Tensor]) -> dict:
+    """Bytes the text weights take once loaded, plus the cache per sequence (K/V in 16-bit)."""
+    weights = sum(t.nbytes for k, t in tensors.items() if not k.startswith(_VISION_PREFIXES))
+    out = {"weights_bytes": weights, "kv_bytes_per_1k_tokens": None,
+           "state_bytes_per_sequence": None}
+    try:
+        args = HybridArgs.from_dict(args_dict(config))
+    except (CheckpointError, ValueError, TypeError, KeyError, ZeroDivisionError):
+        return out
+    text = text_config(config)
+    hybrid = any(k in text for k in ("layer_types", "full_attention_interval",
+                                     "linear_num_value_heads"))
+    layers = range(args.num_hidden_layers)
+    n_linear = sum(1 for i in layers if args.is_linear(i)) if hybrid else 0
+    n_attention = args.num_hidden_layers - n_linear + config_mtp_layers(config)
+    out["kv_bytes_per_1k_tokens"] = 1024 * n_attention * 2 * args.num_key_value_heads \
+        * args.head_dim * 2
+    if n_linear:
+        conv_dim = (2 * args.linear_num_key_heads * args.linear_key_head_dim
+                    + args.linear_num_value_heads * args.linear_value_head_dim)
+        ssm = args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim
+        # The recurrent state is float32; the conv window is 16-bit.
+        out["state_bytes_per_sequence"] = n_linear * (
+            4 * ssm + 2 * (args.linear_conv_kernel_dim - 1) * conv_dim)
+    return out
+
+
+def _draft_vocab_info(path: Path) -> Optional[dict]:
+    f = path / draft_vocab.FILE
+    if not f.exists():
+        return None
+    try:
+        data = json.loads(f.read_text())
+        return {"file": f.name, "ranked_tokens": len(data.get("ranking", [])),
+                "default_size": data.get("default_size")}
+    except (ValueError, AttributeError) as e:
+        return {"file": f.name, "error": f"unreadable ({e})"}
+
+
+def _advice(path: Path, layout_name: str, mtp: dict) -> Optional[str]:
+    """What to do next, when the checkpoint cannot draft as it is."""
+    if layout_name == LAYOUT_SPLIT:
+        return ("A drafter alone: load it next to its trunk conversion "
+                f"(`--mtp-model {path}` with `--model TRUNK`).")
+    if mtp["present_layers"]:
+        return None
+    if mtp["declared_layers"] and layout_name == LAYOUT_MLX:
+        return ("The config declares an MTP head but the weights have none: a conversion "
+                "(mlx-lm's convert drops mtp.*) stripped it. Graft it back from the original: "
+                f"`mlx-mtp add-mtp --model {path} --source ORIGINAL_HF_CHECKPOINT`.")
+    if mtp["declared_layers"]:
+        return ("The config declares an MTP head but the weights lack it; the download may be "
+                "incomplete. Run with --no-mtp, or graft the head with `mlx-mtp add-mtp`.")
+    return "No MTP head: the model runs with --no-mtp only (plain decoding)."
+
+
+def inspect_model(path: Optional[str]) -> dict:
+    """The report for the checkpoint at ``path`` (None: the embedded demo model)."""
+    where = resolve_model_path(path)
+    config = load_config(where)
+    tensors = read_tensors(where)
+    layout_name = detect_layout(config, tensors)
+    mtp = mtp_summary(config, tensors, layout_name)
+    trunk = [k for k in tensors if not is_mtp_key(k) and not k.startswith(_VISION_PREFIXES)]
+    model_type = config.get("model_type")
+    return {
+        "path": str(where),
+        "model_type": model_type,
+        "family": family(config),
+        "supported": model_type in MODEL_TYPES,
+        "layout": layout_name,
+        "trunk_precision": None if layout_name == LAYOUT_SPLIT
+        else precision_counts(config, tensors, trunk),
+        "vision_tensors": sum(1 for k in tensors if k.startswith(_VISION_PREFIXES)),
+        "mtp": mtp,
+        "head_stripped": (layout_name != LAYOUT_SPLIT and mtp["declared_layers"] > 0
+                          and mtp["present_layers"] == 0),
+        "advice": _advice(where, layout_name, mtp),
+        "draft_vocab": _draft_vocab_info(where),
+        "memory": memory_estimate(config, tensors),
+    }
+
+
+def _size(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _precision(counts: Dict[str, int]) -> str:
+    return ", ".join(f"{p} ×{n}" if len(counts) > 1 else p for p, n in counts.items()) or "-"
+
+
+def render(report: dict) -> str:
+    mtp, mem = report["mtp"], report["memory"]
+    rows = [("model", report["path"]),
+            ("family", f"{report['family'] or '?'} (model_type {report['model_type']!r}"
+                       f"{'' if report['supported'] else ', not supported by mlx-mtp'})"),
+            ("layout", LAYOUT_NAMES[report["layout"]])]
+    if report["trunk_precision"]:
+        rows.append(("trunk", _precision(report["trunk_precision"])))
+    if report["vision_tensors"]:
+        rows.append(("vision", f"{report['vision_tensors']} tensors (not loaded)"))
+    head = f"{mtp['declared_layers']} layer(s) declared, {mtp['present_layers']} present"
+    if mtp["tensors"]:
+        head += (f": {mtp['tensors']} tensors, {_size(mtp['bytes'])} in "
+                 f"{', '.join(mtp['files'])} under {mtp['key_prefix'] or '(top level)'}; "
+                 f"{_precision(mtp['precision'])}")
+    rows.append(("MTP head", head))
+    dv = report["draft_vocab"]
+    rows.append(("draft vocab", "none" if dv is None else dv.get("error") or
+                 f"{dv['file']}: {dv['ranked_tokens']} ranked tokens"
+                 + (f", default size {dv['default_size']}" if dv["default_size"] else "")))
+    memory = f"weights {_size(mem['weights_bytes'])} as stored"
+    if mem["kv_bytes_per_1k_tokens"] is not None:
+        memory += f"; KV cache {_size(mem['kv_bytes_per_1k_tokens'])} per 1k tokens"
+    if mem["state_bytes_per_sequence"]:
+        memory += f"; recurrent state {_size(mem['state_bytes_per_sequence'])} per sequence"
+    rows.append(("memory", memory))
+    if report["advice"]:
+        rows.append(("next", report["advice"]))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="Checkpoint directory (default: the embedded demo model)")
+    parser.add_argument("--json", action="store_true", help="Print the report as JSON")
+    return parser
+
+
+def run(args) -> int:
+    report = inspect_model(args.model)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
