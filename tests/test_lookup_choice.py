@@ -89,3 +89,17 @@ def test_no_match_leaves_the_head_its_k():
     assert DraftSources("mtp").drafter() is None
     with pytest.raises(ValueError, match="draft_source must be one of mtp, lookup, both"):
         check_draft_source("ngram")
+
+
+def test_drafting_must_beat_a_plain_step_by_the_margin():
+    from mlx_mtp.decode.policy import AcceptanceEstimate
+
+    sources, d = _drafter()
+    for _ in range(3):
+        for k in (0, 8):
+            sources.costs.observe(1, k, 0, 1.0 + 0.07 * k)
+    d.acceptance["lookup"] = AcceptanceEstimate(32, 0.97, 1e9, prior=0.1)  # a1 = 0.1
+    # One context draft: 1.1 tokens for 1.07 of a plain step, 2.8 % better: not enough.
+    assert d.plan(0, False, 1) == DraftPlan()
+    d.acceptance["lookup"] = AcceptanceEstimate(32, 0.97, 1e9, prior=0.2)
+    assert d.plan(0, False, 1) == DraftPlan([3])

@@ -168,9 +168,16 @@ class RowDrafter:
         if not self.sources.adaptive:
             return DraftPlan(proposal, mtp.head if ended else 0)
         full = DraftPlan(proposal, mtp.head if ended else 0)
-        candidates = [DraftPlan(proposal[:n]) for n in range(1, len(proposal) + 1)]
-        candidates += [mtp, DraftPlan(), full]
-        best = max(candidates, key=lambda c: self._rate(c, B))
+        # Expected tokens of the first n context drafts: 1 + a1 + a1*a2 + ... (once per step).
+        expected, reach = [1.0], 1.0
+        for a in self.acceptance["lookup"].alpha[:len(proposal)]:
+            reach *= a
+            expected.append(expected[-1] + reach)
+        extension = self.acceptance["ext"].expected_tokens(full.head) - 1
+        candidates = [(DraftPlan(proposal[:n]), expected[n]) for n in range(1, len(proposal) + 1)]
+        candidates += [(mtp, self.acceptance["mtp"].expected_tokens(mtp.head)), (DraftPlan(), 1.0),
+                       (full, expected[-1] + reach * extension)]
+        best = max(candidates, key=lambda c: self._rate(*c, B))[0]
         if best.lookup:
             self._gap = self._wait = self.sources.probe_gap[0]
             return best
@@ -180,21 +187,13 @@ class RowDrafter:
         self._gap = self._wait = min(2 * self._gap, self.sources.probe_gap[1])
         return full  # a probe: measures its acceptance and its cost again
 
-    def _expected(self, plan: DraftPlan) -> float:
-        if not plan.lookup:
-            return self.acceptance["mtp"].expected_tokens(plan.head)
-        lookup = self.acceptance["lookup"]
-        n = len(plan.lookup)
-        extension = self.acceptance["ext"].expected_tokens(plan.head) - 1
-        return lookup.expected_tokens(n) + lookup.reach(n) * extension
-
-    def _rate(self, plan: DraftPlan, B: int) -> float:
-        costs = self.sources.costs
+    def _rate(self, plan: DraftPlan, expected: float, B: int) -> float:
+        """Expected tokens per second; a plain step's counts ``margin`` times (drafting
+        must beat it clearly)."""
         head_passes = plan.total if plan.head else 0
-        t = costs.predict(B, plan.total, head_passes)
+        t = self.sources.costs.predict(B, plan.total, head_passes)
         t = t if t is not None else 1.0  # nothing measured yet: tokens alone decide
-        gain = self._expected(plan) / t
-        return gain if plan.total else gain * self.sources.margin
+        return expected / t * (1.0 if plan.total else self.sources.margin)
 
     def record(self, plan: DraftPlan, n_accepted: int) -> Tuple[int, int]:
         """Learn from a step's outcome; returns (context drafts, of them accepted)."""
