@@ -165,9 +165,9 @@ class RowDrafter:
         if not proposal:
             return mtp
         ended = len(proposal) < self.sources.settings.max_draft  # the context ran out
-        if not self.sources.adaptive:
-            return DraftPlan(proposal, mtp.head if ended else 0)
         full = DraftPlan(proposal, mtp.head if ended else 0)
+        if not self.sources.adaptive:
+            return full
         # Expected tokens of the first n context drafts: 1 + a1 + a1*a2 + ... (once per step).
         expected, reach = [1.0], 1.0
         for a in self.acceptance["lookup"].alpha[:len(proposal)]:
