@@ -3,18 +3,21 @@ hurt the server or the other clients.
 
 Starts a server (the embedded demo model by default, or ``--model``), then:
 
-1. sends every bad input in ``bad_inputs()`` and checks each gets a 4xx status with the
-   OpenAI error envelope ``{"error": {message, type, param, code}}``;
+1. sends every bad input in ``bad_inputs()`` and checks each gets its expected 4xx status with
+   the OpenAI error envelope ``{"error": {message, type, param, code}}`` and a one-line
+   message (no parser state, backtrace or path);
 2. times a short chat alone, while a 20 MB prompt is refused, and while a large prompt
    that fits the byte limit is being tokenized;
 3. opens half-sent connections and checks they are dropped while the server keeps serving;
 4. lets clients go away mid-generation (streaming and not) and times how long their slot
    stays busy;
-5. runs concurrent streams with bad requests mixed in (nothing lost: every stream ends with
-   a finish reason and ``[DONE]``);
+5. runs concurrent streams with bad requests mixed in, the bad schemas among them (nothing
+   lost: every stream ends with a finish reason and ``[DONE]``);
 6. measures inter-token latency of running streams while a ~30k-token prompt arrives;
 7. sends SIGTERM with streams in flight: each must end (complete, or an error event) and the
-   process must exit 0.
+   process must exit 0;
+8. (a second and third server) flips bytes in the data of a stored disk session and checks
+   the restarted server answers as a cold one (before the SIGTERM of step 7).
 
 ``--code DIR`` runs the server from another checkout (e.g. ``/work/before``) for an A/B.
 Prints a summary; ``--json FILE`` writes the figures.
@@ -100,73 +103,130 @@ def post(srv: Server, path: str, body=None, raw: bytes = None, headers=None, tim
 
 
 # --- 1. bad inputs ---------------------------------------------------------------------------
+RESPONSES = "/v1/responses"
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+BAD_REGEX = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(["}}}
+PREFLIGHT = {"origin": "http://evil.example", "access-control-request-method": "POST"}
+
+
+def any_of(n: int) -> dict:
+    return {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                       "required": [f"k{i}"]} for i in range(n)]}
+
+
+def schema(s) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}
+
+
 def bad_inputs(ctx: int) -> list:
-    """(name, path, body or raw bytes, extra headers)."""
+    """(name, path, body or raw bytes, extra headers, expected status; None: any 4xx).
+    The grammar cases (issue 25) are also mixed into the concurrent streams of step 5.
+    Headers asking ``access-control-request-method`` make it a CORS preflight (OPTIONS)."""
     deep = b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     m = {"messages": MSG}
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 60}
+                                             for i in range(14000)}}  # ~1.3 MB
+    strict = [{"type": "function", "function": {"name": "f", "strict": True,
+                                                "parameters": BAD_REGEX}}]
     return [
-        ("malformed JSON", CHAT, b'{"messages": [', JSON),
-        ("body not an object", CHAT, b"[1, 2]", JSON),
-        ("deeply nested JSON", CHAT, deep, JSON),
+        ("malformed JSON", CHAT, b'{"messages": [', JSON, 400),
+        ("body not an object", CHAT, b"[1, 2]", JSON, 400),
+        ("deeply nested JSON", CHAT, deep, JSON, 400),
         ("lone UTF-16 surrogate", CHAT, b'{"messages": [{"role": "user", "content": '
-                                        b'"\\ud800"}]}', JSON),
-        ("wrong type", CHAT, dict(m, temperature="hot"), None),
-        ("unknown model", CHAT, dict(m, model="gpt-9"), None),
-        ("empty messages", CHAT, {"messages": []}, None),
-        ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, None),
-        ("temperature 3", CHAT, dict(m, temperature=3), None),
-        ("top_p 5", CHAT, dict(m, top_p=5), None),
-        ("negative max_tokens", CHAT, dict(m, max_tokens=-5), None),
-        ("absurd max_tokens", CHAT, dict(m, max_tokens=10 ** 12), None),
-        ("n = 3", CHAT, dict(m, n=3), None),
-        ("top_logprobs 99", CHAT, dict(m, logprobs=True, top_logprobs=99), None),
-        ("50,000 stop strings", CHAT, dict(m, stop=[f"s{i}" for i in range(50000)]), None),
-        ("1 MB stop string", CHAT, dict(m, stop="x" * (1 << 20)), None),
+                                        b'"\\ud800"}]}', JSON, 400),
+        ("wrong type", CHAT, dict(m, temperature="hot"), None, 400),
+        ("unknown model", CHAT, dict(m, model="gpt-9"), None, 404),
+        ("empty messages", CHAT, {"messages": []}, None, 400),
+        ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, None, 400),
+        ("temperature 3", CHAT, dict(m, temperature=3), None, 400),
+        ("top_p 5", CHAT, dict(m, top_p=5), None, 400),
+        ("negative max_tokens", CHAT, dict(m, max_tokens=-5), None, 400),
+        ("absurd max_tokens", CHAT, dict(m, max_tokens=10 ** 12), None, 400),
+        ("n = 3 (supported: 200)", CHAT, dict(m, n=3, max_tokens=4), None, 200),
+        ("top_logprobs 99", CHAT, dict(m, logprobs=True, top_logprobs=99), None, 400),
+        ("50,000 stop strings", CHAT, dict(m, stop=[f"s{i}" for i in range(50000)]), None, 400),
+        ("1 MB stop string", CHAT, dict(m, stop="x" * (1 << 20)), None, 400),
         ("chat_template via kwargs", CHAT, dict(m, chat_template_kwargs={
             "chat_template": "{% for i in range(10**6) %}{% for j in range(10**6) %}x"
-                             "{% endfor %}{% endfor %}"}), None),
-        ("documents via kwargs", CHAT, dict(m, chat_template_kwargs={"documents": [{}]}), None),
+                             "{% endfor %}{% endfor %}"}), None, 400),
+        ("documents via kwargs", CHAT, dict(m, chat_template_kwargs={"documents": [{}]}), None,
+         None),
         ("unknown tool_choice function", CHAT, dict(m, tools=TOOLS, tool_choice={
-            "type": "function", "function": {"name": "launch_missiles"}}), None),
-        ("tool_choice required, no tools", CHAT, dict(m, tool_choice="required"), None),
+            "type": "function", "function": {"name": "launch_missiles"}}), None, 400),
+        ("tool_choice required, no tools", CHAT, dict(m, tool_choice="required"), None, 400),
         ("bad tool-call arguments", CHAT, {"messages": [
             {"role": "user", "content": "x"},
             {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
-                "name": "f", "arguments": "{oops"}}]}]}, None),
-        ("num_draft_tokens 99", CHAT, dict(m, num_draft_tokens=99), None),
-        ("prompt longer than the context", COMPLETIONS, {"prompt": "word " * (ctx + 10)}, None),
-        ("empty prompt", COMPLETIONS, {"prompt": ""}, None),
-        ("token id out of range", COMPLETIONS, {"prompt": [1, 10 ** 9]}, None),
-        ("several prompts", COMPLETIONS, {"prompt": ["a", "b"]}, None),
-        ("text/plain body", CHAT, json.dumps(m).encode(), {"content-type": "text/plain"}),
-        ("cross-origin page", CHAT, m, {"origin": "http://evil.example"}),
-        ("foreign Host (DNS rebinding)", CHAT, m, {"host": "evil.example"}),
-        ("17 MB body", COMPLETIONS, json.dumps({"prompt": "a" * (17 << 20)}).encode(), JSON),
-        ("unknown route", "/v1/embeddings", {"input": "x"}, None),
+                "name": "f", "arguments": "{oops"}}]}]}, None, 400),
+        ("num_draft_tokens 99", CHAT, dict(m, num_draft_tokens=99), None, 400),
+        ("prompt longer than the context", COMPLETIONS, {"prompt": "word " * (ctx + 10)}, None,
+         400),
+        ("empty prompt", COMPLETIONS, {"prompt": ""}, None, 400),
+        ("token id out of range", COMPLETIONS, {"prompt": [1, 10 ** 9]}, None, 400),
+        ("several prompts", COMPLETIONS, {"prompt": ["a", "b"]}, None, 400),
+        ("text/plain body", CHAT, json.dumps(m).encode(), {"content-type": "text/plain"}, 415),
+        ("cross-origin page", CHAT, m, {"origin": "http://evil.example"}, 403),
+        ("disallowed CORS preflight", CHAT, None, PREFLIGHT, 403),
+        ("foreign Host (DNS rebinding)", CHAT, m, {"host": "evil.example"}, 403),
+        ("17 MB body", COMPLETIONS, json.dumps({"prompt": "a" * (17 << 20)}).encode(), JSON,
+         413),
+        ("unknown route", "/v1/embeddings", {"input": "x"}, None, 404),
+        # issue 25: grammars that compile but whose matcher fails, or too big to compile
+        ("$ref-cycle schema", CHAT, dict(m, response_format=schema(CYCLE)), None, 400),
+        ("2,500-branch anyOf schema", CHAT, dict(m, response_format=schema(any_of(2500))),
+         None, 400),
+        ("5,000-branch anyOf schema", CHAT, dict(m, response_format=schema(any_of(5000))),
+         None, 400),
+        ("1.3 MB schema, 14,000 properties", CHAT, dict(m, response_format=schema(huge)), None,
+         400),
+        ("json_schema without json_schema", CHAT, dict(m, response_format={
+            "type": "json_schema"}), None, 400),
+        ("strict forced tool, invalid regex", CHAT, dict(m, tools=strict, tool_choice={
+            "type": "function", "function": {"name": "f"}}), None, 400),
+        ("reasoning summary not a list", RESPONSES, {"input": [
+            {"type": "reasoning", "summary": 5}, {"role": "user", "content": "hi"}]}, None, 400),
+        ("reasoning text not a string", RESPONSES, {"input": [
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": 5}]},
+            {"role": "user", "content": "hi"}]}, None, 400),
+        ("text part with non-string text", CHAT, {"messages": [
+            {"role": "user", "content": [{"type": "text", "text": 5}]}]}, None, 400),
     ]
 
 
-def check_envelope(r: httpx.Response) -> Optional[str]:
-    """None if ``r`` is a 4xx with the OpenAI error envelope, else what is wrong."""
-    if not 400 <= r.status_code < 500:
-        return f"status {r.status_code}"
+LEAKS = ("<state>", "backtrace", "Parser:", "/home/", "/work/", "/usr/", ".rs:")
+
+
+def check_envelope(r: httpx.Response, status: Optional[int] = None) -> Optional[str]:
+    """None if ``r`` has the expected status (any 4xx if None) and the OpenAI error envelope
+    with a one-line message that shows no internal state or path, else what is wrong.
+    ``status`` 200: the request must be served (a case that used to be refused)."""
+    if status == 200:
+        return None if r.status_code == 200 else f"status {r.status_code} (expected 200)"
+    if not 400 <= r.status_code < 500 or status not in (None, r.status_code):
+        return f"status {r.status_code}" + (f" (expected {status})" if status else "")
     try:
         err = r.json()["error"]
     except (ValueError, KeyError, TypeError):
         return f"status {r.status_code} without an error envelope: {r.text[:80]!r}"
     if set(err) != {"message", "type", "param", "code"} or not err["message"]:
         return f"malformed envelope {err}"
+    message = str(err["message"])
+    if "\n" in message or any(leak in message for leak in LEAKS):
+        return f"message shows internals: {message[:120]!r}"
     return None
 
 
 def send_bad(srv: Server, case) -> Optional[str]:
-    name, path, body, headers = case
+    name, path, body, headers, status = case
     try:
-        raw = body if isinstance(body, bytes) else None
-        r = post(srv, path, None if raw else body, raw=raw, headers=headers, timeout=120)
+        if headers and "access-control-request-method" in headers:
+            r = httpx.options(srv.url + path, headers=headers, timeout=120)
+        else:
+            raw = body if isinstance(body, bytes) else None
+            r = post(srv, path, None if raw else body, raw=raw, headers=headers, timeout=120)
     except httpx.HTTPError as e:
         return f"{type(e).__name__}: {e}"
-    return check_envelope(r)
+    return check_envelope(r, status)
 
 
 # --- 2. latency of a short chat beside huge requests ----------------------------------------
@@ -331,6 +391,38 @@ def sigterm_in_flight(srv: Server, n: int) -> dict:
             "results": [r[0] if r else None for r in results]}
 
 
+# --- 8. disk sessions ---------------------------------------------------------------------------
+def disk_session_corruption(args, workdir: Path) -> dict:
+    """A conversation is stored by one server, bytes of its entry's data are flipped, and a
+    restarted server must answer as the first one did (cold), never from the damaged state."""
+    flags = ["--prompt-cache-dir", str(workdir), "--prompt-cache-min-tokens", "64"]
+    body = {"messages": [{"role": "user", "content": "Summarise: " + "the cache holds " * 60}],
+            "max_tokens": 24, "temperature": 0}
+    answers, damaged = [], 0
+    for corrupt in (False, True):
+        srv = Server(args, flags)
+        try:
+            if corrupt:
+                for f in workdir.glob("*.safetensors"):
+                    data = bytearray(f.read_bytes())
+                    start = 8 + int.from_bytes(data[:8], "little")
+                    for i in range(start + 100, len(data), max(1, (len(data) - start) // 7)):
+                        data[i] ^= 0x10  # header and size intact
+                    f.write_bytes(bytes(data))
+                    damaged += 1
+            r = post(srv, CHAT, body)
+            answers.append((r.status_code, r.json()["choices"][0]["message"]["content"],
+                            r.json()["usage"].get("prompt_tokens_details", {})))
+        finally:
+            srv.proc.send_signal(signal.SIGTERM)
+            srv.proc.wait(60)
+        if not corrupt:  # restart over the same directory, after the entries are written
+            time.sleep(1.0)
+    (s1, cold, _), (s2, after, details) = answers
+    return {"status": [s1, s2], "entries_damaged": damaged, "equal_to_cold": cold == after,
+            "cached_tokens_after_corruption": (details or {}).get("cached_tokens")}
+
+
 # --- the run -----------------------------------------------------------------------------------
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -341,6 +433,7 @@ def main():
     ap.add_argument("--long-prompt-tokens", type=int, default=30000)
     ap.add_argument("--skip-itl", action="store_true", help="skip step 6 (long prefill)")
     ap.add_argument("--itl-only", action="store_true", help="run step 6 only")
+    ap.add_argument("--skip-disk", action="store_true", help="skip step 8 (disk sessions)")
     args = ap.parse_args()
 
     probe = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "serve", "--help"],
@@ -349,6 +442,8 @@ def main():
                                                    else {})))
     hardened = "--read-timeout" in probe.stdout
     extra = ["--read-timeout", "3"] if hardened else []
+    if "--allowed-origins" in probe.stdout:  # a CORS setup: preflights are answered
+        extra += ["--allowed-origins", "http://ui.example"]
     srv = Server(args, extra)
     card = httpx.get(srv.url + "/v1/models").json()["data"][0]
     ctx = card.get("max_model_len") or 32768
@@ -401,7 +496,8 @@ def main():
     print(f"4. client leaves after 1 s: slot free {fmt(freed['non-stream'])} later "
           f"(non-streaming), {fmt(freed['stream'])} (streaming)")
 
-    bad_mix = [lambda c=c: send_bad(srv, c) for c in cases[:12]]
+    mixed = cases[:12] + [c for c in cases if "schema" in c[0]]
+    bad_mix = [lambda c=c: send_bad(srv, c) for c in mixed]
     streams = [lambda i=i: stream_chat(srv, f"Request {i} about topic {i * 7}", 64)
                for i in range(16)]
     res = run_threads(streams + bad_mix)
@@ -417,6 +513,16 @@ def main():
         print(f"6. inter-token latency of 4 running streams while a {itl['prompt_tokens']}-token "
               f"prompt arrives ({itl['prefill_s']:.1f} s): p50 {itl['p50_ms']:.0f} ms, p99 "
               f"{itl['p99_ms']:.0f} ms, max {itl['max_ms']:.0f} ms over {itl['gaps']} gaps")
+
+    if not args.skip_disk:
+        import tempfile
+
+        disk = disk_session_corruption(args, Path(tempfile.mkdtemp(prefix="adv-sessions-")))
+        report["disk_session_corruption"] = disk
+        print(f"8. disk session ({disk['entries_damaged']} entries) with flipped data bytes: "
+              f"answer "
+              f"{'equals' if disk['equal_to_cold'] else 'DIFFERS from'} the cold one, "
+              f"{disk['cached_tokens_after_corruption']} cached tokens used")
 
     up = srv.up()
     report["server_up"] = up

@@ -7,7 +7,11 @@ during its prefill (p50 / p99 / max), the long prompt's time to first token, and
 request's. Each ``--trees`` entry is a checkout (its ``mlx_mtp`` is imported from there); the
 runs are interleaved A B B A ... and the table shows medians over passes.
 
-    python benchmarks/long_prompt_itl.py --trees /work/before . --passes 2
+Fair share (issue 25): the streams' p99 gap during the prefill against their p99 before it
+(target <= 2.5x), and the prompt's prefill rate against the same prompt alone (``--solo``
+adds a run without streams per tree and pass; target >= 40 %).
+
+    python benchmarks/long_prompt_itl.py --trees /work/before . --passes 2 --solo
 """
 
 from __future__ import annotations
@@ -115,15 +119,16 @@ def worker(args) -> dict:
         "during_p50_ms": percentile(during, 0.5), "during_p99_ms": percentile(during, 0.99),
         "during_max_ms": max(during, default=float("nan")), "during_gaps": len(during),
         "long_ttft_s": firsts.get("long", float("nan")) - t_long,
+        "prefill_tok_s": len(long_ids) / (firsts.get("long", float("nan")) - t_long),
         "short_ttft_s": firsts.get("short", float("nan")) - t_short,
         "prompt_tokens": len(long_ids),
     }
 
 
-def run_tree(tree: str, args) -> dict:
+def run_tree(tree: str, args, streams: int) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--prompt-tokens",
-           str(args.prompt_tokens), "--streams", str(args.streams), "--k", str(args.k),
+           str(args.prompt_tokens), "--streams", str(streams), "--k", str(args.k),
            "--prefill-step-size", str(args.prefill_step_size), "--max-batched-tokens",
            str(args.max_batched_tokens), "--baseline-s", str(args.baseline_s),
            "--short-delay-s", str(args.short_delay_s)]
@@ -147,6 +152,8 @@ def main():
     ap.add_argument("--max-batched-tokens", type=int, default=128)
     ap.add_argument("--baseline-s", type=float, default=3.0)
     ap.add_argument("--short-delay-s", type=float, default=0.5)
+    ap.add_argument("--solo", action="store_true",
+                    help="also time the prompt alone: its prefill rate with streams / alone")
     ap.add_argument("--json", default=None, help="write every run to this file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -157,14 +164,20 @@ def main():
     runs = {t: [] for t in args.trees}
     for p in range(args.passes):
         for tree in (args.trees if p % 2 == 0 else args.trees[::-1]):
-            r = run_tree(tree, args)
+            r = run_tree(tree, args, args.streams)
+            r["itl_p99_vs_solo"] = r["during_p99_ms"] / r["baseline_p99_ms"]
+            if args.solo:
+                alone = run_tree(tree, args, 0)
+                r["solo_prefill_tok_s"] = alone["prefill_tok_s"]
+                r["prefill_vs_solo"] = r["prefill_tok_s"] / alone["prefill_tok_s"]
             runs[tree].append(r)
             print(f"pass {p + 1} {tree}: " + ", ".join(
                 f"{k} {v:.3g}" for k, v in r.items() if isinstance(v, float)), flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f}; medians over {args.passes} passes; "
           f"{args.streams} streams, {args.prompt_tokens}-token prompt")
     keys = ["baseline_p50_ms", "baseline_p99_ms", "during_p50_ms", "during_p99_ms",
-            "during_max_ms", "long_ttft_s", "short_ttft_s"]
+            "during_max_ms", "long_ttft_s", "short_ttft_s", "prefill_tok_s", "itl_p99_vs_solo"]
+    keys += ["prefill_vs_solo"] if args.solo else []
     print("| tree | " + " | ".join(keys) + " |")
     print("|---|" + "---:|" * len(keys))
     for tree, rs in runs.items():

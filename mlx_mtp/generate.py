@@ -6,7 +6,8 @@ import os
 import sys
 
 from .options import (UserError, add_model_arguments, add_sampling_arguments,
-                      apply_model_options, draft_sources_from_args, num_draft_tokens_from_args,
+                      apply_model_options, describe_choices, draft_sources_from_args,
+                      mtp_model_from_args, num_draft_tokens_from_args,
                       parse_json_arg, sampling_from_args)
 
 
@@ -32,6 +33,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    from .decode import step_costs
     from .decode.generation import format_stats, stream_generate
     from .decode.prompt import build_prompt
     from .models.loader import check_tokenizer_fits, generation_defaults, load
@@ -52,8 +54,9 @@ def run(args) -> int:
     adaptive = not args.fixed_k
     if group is None:
         model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden,
-                                dtype=args.dtype)
+                                dtype=args.dtype, mtp_model=mtp_model_from_args(args))
     else:
+        mtp_model_from_args(args, distributed=True)
         import mlx.core as mx
         from .models.distributed import load_distributed, shared_seed
 
@@ -62,27 +65,34 @@ def run(args) -> int:
         check_tokenizer_fits(model, tokenizer, args.model or "the demo model")
         mx.random.seed(shared_seed(group))  # unseeded sampling: the same seed on every rank
         adaptive = False  # K from per-rank timings could differ between ranks: fixed K
-        if sources is not None:
+        if args.draft_source not in (None, "mtp"):
             raise UserError("--draft-source lookup/both is not available on a model split "
                             "across processes; use --draft-source mtp")
+        sources = None  # every rank must draft alike: the head only
         if group.rank() != 0:  # rank 0 prints; the others only compute
             args.verbose, sys.stdout = False, open(os.devnull, "w")
     apply_model_options(model, args)
     text = build_prompt(tokenizer, prompt, args.system_prompt, template_args,
                         args.ignore_chat_template)
     last = None
+    # Step costs measured on this machine before (or in a short calibration now): K is
+    # right from the first steps. Not for a split model (ranks would time differently).
+    policy = step_costs.policy_for(model, k) if adaptive and k and group is None else None
     if args.verbose:
         print("==========")
     for r in stream_generate(model, tokenizer, text, max_tokens=args.max_tokens,
                              sampling=sampling, num_draft_tokens=k, adaptive=adaptive,
-                             prefill_step_size=args.prefill_step_size,
+                             prefill_step_size=args.prefill_step_size, policy=policy,
                              draft_sources=sources):
         print(r.text, end="", flush=True)
         last = r
     print()
+    if policy is not None:
+        step_costs.save(model, policy)
     if args.verbose and last is not None:
         print("==========")
         print(format_stats(last))
+        print(describe_choices(model))
         if sys.platform == "linux":
             print(blas.describe())
         if group is not None:

@@ -19,7 +19,9 @@ class UserError(Exception):
 
 def add_model_arguments(p: argparse.ArgumentParser):
     p.add_argument("--model", default=None,
-                   help="Local model directory (default: the embedded demo model)")
+                   help="Local model directory or Hugging Face id org/name[@revision], "
+                        "downloaded to the Hugging Face cache (default: the embedded demo "
+                        "model)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--num-draft-tokens", "--spec-draft-n-max", type=int, default=3,
                    dest="num_draft_tokens",
@@ -37,6 +39,14 @@ def add_model_arguments(p: argparse.ArgumentParser):
                    help="llama-server compatibility: accepted and not used (K adapts to the "
                         "measured acceptance instead of a per-token confidence cut-off)")
     add_draft_source_arguments(p)
+    # mlx-vlm's spelling: --draft-model DIR --draft-kind mtp.
+    p.add_argument("--mtp-model", "--draft-model", dest="mtp_model", default=None,
+                   metavar="PATH|ID",
+                   help="Split MTP drafter (a directory or hub id in mlx-vlm's layout, e.g. "
+                        "an mlx-community ...-MTP-4bit repo, or one written by `convert "
+                        "--split-mtp`) whose head drafts for --model; checked to belong to it")
+    p.add_argument("--draft-kind", default=None, metavar="KIND",
+                   help="mlx-vlm compatibility: mtp (the only kind mlx-mtp drafts with)")
     p.add_argument("--mtp-hidden", choices=["post_norm", "pre_norm"], default=None,
                    help="Trunk hidden state fed to the MTP head (default post_norm)")
     add_dtype_argument(p)
@@ -97,13 +107,27 @@ def draft_sources_from_args(args, k: int):
         (0 if source == "lookup" else k)
 
 
+def mtp_model_from_args(args, distributed: bool = False):
+    """The split drafter ``--mtp-model`` names (None: the model's own head)."""
+    kind = getattr(args, "draft_kind", None)
+    if kind not in (None, "mtp"):
+        raise UserError(f"--draft-kind {kind} is not supported: mlx-mtp drafts with MTP heads "
+                        "only (--draft-kind mtp, or leave it out)")
+    path = getattr(args, "mtp_model", None)
+    if path is not None and distributed:
+        raise UserError("--mtp-model cannot be combined with a distributed run yet: convert "
+                        "the pair into one checkpoint (`mlx-mtp add-mtp`) instead")
+    return path
+
+
 def add_dtype_argument(p):
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    default="auto",
                    help="Float weights at load. auto (default): on the CPU, bf16/fp16 "
                         "checkpoints whose float32 copy fits in 8 GB (and a quarter of the "
                         "memory) are upcast to float32, which MLX's CPU backend multiplies "
-                        "with BLAS (the demo model decodes 1.6-1.7x faster); as stored on GPUs "
+                        "with BLAS (measured 1.4-2.8x faster plain decoding from the demo model "
+                        "to a 1B-parameter Qwen3.5, docs/real-shape.md); as stored on GPUs "
                         "and for quantized checkpoints. Quantized layers are never changed")
 
 
@@ -120,7 +144,9 @@ def add_speed_arguments(p):
                         "model's draft_vocab.json, made by `mlx-mtp draft-vocab`): drafts read "
                         "N rows of the output layer instead of all. Lossless: output is "
                         "unchanged, only acceptance may drop. auto (default): the size the "
-                        "ranking file recommends, if the model has one, else off; 0 = off")
+                        "ranking file recommends; without a file, for Qwen3.5/3.6 tokenizers, "
+                        "the shipped ranking at the size the cost model picks, re-sized from "
+                        "the tokens generated; else off. 0 = off")
     p.add_argument("--compile-steps", action="store_true",
                    help="Run the Gated DeltaNet layers of decode and verify steps as "
                         "mx.compile'd graphs (one per K). Off by default: on MLX's CPU backend "
@@ -135,10 +161,43 @@ def apply_model_options(model, args):
     vocab = draft_vocab_from_args(model, args)
     if (bits is not None or vocab is not None) and model.num_mtp_layers > 0:
         model.set_draft_head(bits, vocab=vocab)
+    if vocab is None and _shipped_vocab_applies(model, args):
+        from .models import draft_vocab_auto
+        from .models.loader import resolve_model_path
+
+        draft_vocab_auto.install(model, resolve_model_path(args.model), bits)
+    else:
+        model.draft_vocab_tuner = None  # a size given or off: never re-sized
     if getattr(args, "compile_steps", False):
         if not hasattr(model, "set_compiled"):
             raise UserError("--compile-steps is not available for this model (distributed)")
         model.set_compiled(True)
+
+
+def describe_choices(model) -> str:
+    """What ``--dtype auto`` and ``--draft-vocab`` chose for ``model`` (one stats line)."""
+    dtype = getattr(model, "dtype_choice", None) or "as stored"
+    tuner = getattr(model, "draft_vocab_tuner", None)
+    head = model.text.draft_head if model.num_mtp_layers else None
+    if tuner is not None:
+        vocab = tuner.describe()
+    elif head is not None and head.restricted:
+        vocab = f"{head.size} tokens (draft_vocab.json)"
+    else:
+        vocab = "whole vocabulary"
+    return f"Weights: {dtype}; draft vocabulary: {vocab}"
+
+
+def _shipped_vocab_applies(model, args) -> bool:
+    """``--draft-vocab auto`` without a ranking file: the shipped ranking, if it matches."""
+    from .models import draft_vocab
+    from .models.loader import resolve_model_path
+
+    # Not over a distributed group (no set_compiled): ranks holding different parts of the
+    # model would size the subset differently.
+    return (getattr(args, "draft_vocab", None) == "auto" and model.num_mtp_layers > 0
+            and hasattr(model, "set_compiled")
+            and not (resolve_model_path(args.model) / draft_vocab.FILE).exists())
 
 
 def draft_vocab_from_args(model, args):

@@ -26,3 +26,44 @@ def tiny_ckpt(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """An in-memory tiny Qwen3.5 model with a partly-right MTP head (no disk, no loader):
+    for decode, cache and policy tests. Loader and convert tests use ``tiny_ckpt``."""
+    from mlx_mtp.testing.tiny import build_model, make_oracle, tiny_text_config
+
+    model = build_model("qwen3_5", tiny_text_config("qwen3_5"), seed=0)
+    return make_oracle(model, trunk_scale=0.1, fc_noise=1.5)
+
+
+# -- the ``slow`` marker: tests that start processes ------------------------------------
+# Whole modules that run servers, ranks, a browser or child interpreters; elsewhere a
+# test is slow when it, or a fixture it uses, starts one. CI runs everything.
+SLOW_MODULES = {"test_bench_server", "test_cli", "test_dashboard_browser", "test_distributed",
+                "test_distributed_serve", "test_fast_blas"}
+_STARTS_PROCESS = ("ServerProcess(", "subprocess.", "sync_playwright", "mlx.launch")
+
+
+def _starts_process(func, seen={}) -> bool:
+    if func not in seen:
+        import inspect
+
+        try:
+            src = inspect.getsource(func)
+        except (OSError, TypeError):
+            src = ""
+        seen[func] = any(s in src for s in _STARTS_PROCESS)
+    return seen[func]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        fixtures = getattr(item, "_fixtureinfo", None)
+        funcs = [getattr(item, "function", None)] + [
+            d.func for defs in (fixtures.name2fixturedefs.values() if fixtures else ())
+            for d in defs]
+        if module in SLOW_MODULES or any(f is not None and _starts_process(f) for f in funcs):
+            item.add_marker(pytest.mark.slow)

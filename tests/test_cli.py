@@ -23,6 +23,9 @@ def test_generate_prints_text_and_stats(model):
     assert code == 0, err
     assert "Prompt:" in out and "Generation: 12 tokens" in out and "Peak memory" in out
     assert "MTP: accepted" in out and "mean acceptance length" in out
+    # What --dtype auto and --draft-vocab auto chose (float32 checkpoint, no ranking).
+    assert "Weights: as stored (auto: no half-precision weights); draft vocabulary: whole " \
+           "vocabulary" in out
 
 
 def test_generate_reads_stdin_and_runs_without_mtp(model):

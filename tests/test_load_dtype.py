@@ -52,6 +52,8 @@ def test_auto_upcasts_a_small_bf16_checkpoint_on_the_cpu(bf16_ckpt):
     stored, _ = load_model(Path(bf16_ckpt))
     auto, _ = load_model(Path(bf16_ckpt), dtype="auto")
     assert stored.load_dtype is None and auto.load_dtype == mx.float32
+    assert stored.dtype_choice == "as stored"
+    assert auto.dtype_choice.startswith("float32 (auto: bfloat16 upcast, float32 copy ")
     kinds = float_dtypes(stored)
     assert {d for k, d in kinds.items() if not k.endswith("A_log")} == {mx.bfloat16}
     assert all(d == mx.float32 for d in float_dtypes(auto).values())
@@ -65,6 +67,7 @@ def test_auto_keeps_bf16_past_the_size_limit(bf16_ckpt, monkeypatch):
     model, _ = load_model(Path(bf16_ckpt), dtype="auto")
     assert model.load_dtype is None
     assert model.language_model.model.embed_tokens.weight.dtype == mx.bfloat16
+    assert model.dtype_choice.startswith("bfloat16 as stored (auto: float32 copy ")
 
 
 @pytest.mark.parametrize("dtype", [None, "auto", "bfloat16"])
@@ -86,6 +89,7 @@ def test_quantized_layers_are_never_changed(bf16_ckpt, tmp_path):
     stored, _ = load_model(q4)
     auto, _ = load_model(q4, dtype="auto")
     assert auto.load_dtype is None  # a quantized checkpoint keeps its dtype
+    assert auto.dtype_choice == "as stored (auto: quantized checkpoint)"
     assert float_dtypes(auto) == float_dtypes(stored)
     upcast, _ = load_model(q4, dtype="float32")
     before, after = float_dtypes(stored), float_dtypes(upcast)

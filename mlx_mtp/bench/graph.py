@@ -18,7 +18,7 @@ from typing import Dict, List, Sequence
 
 import mlx.core as mx
 
-from ..models.cache import RecurrentCache, cache_state_arrays
+from ..models.cache import cache_state_arrays, restore_caches, snapshot_caches
 from ..models.hybrid import GatedDeltaNetBase
 
 
@@ -66,8 +66,7 @@ class _RecurrenceNodes:
 
 
 def _state_bytes(caches) -> int:
-    return sum(c.conv.nbytes + c.ssm.nbytes for c in caches
-               if isinstance(c, RecurrentCache) and c.ssm is not None)
+    return sum(c.nbytes for c in caches if not c.is_trimmable())  # recurrent state
 
 
 @contextlib.contextmanager
@@ -83,25 +82,15 @@ def _no_async_eval():
 def _snapshot(dec):
     caches = list(dec.cache) + list(dec.mtp_cache or [])
     owed = dec.row.owed.copy() if dec.row.owed is not None else None
-    dicts = [dict(c.__dict__) for c in caches]
-    # KV writes are slice assignments, which change the array object itself: give the
-    # probe its own (evaluated, zero-copy) views and keep the originals untouched.
-    views = []
-    for c in caches:
-        for name in ("keys", "values", "valid"):
-            a = c.__dict__.get(name)
-            if isinstance(a, mx.array):
-                setattr(c, name, a[...])
-                views.append(getattr(c, name))
-    mx.eval(views)
-    return caches, dicts, owed, dec.row.y, dec.row.n_out
+    return caches, snapshot_caches(caches), owed, dec.row.y, dec.row.n_out
 
 
 def _restore(dec, snap):
-    caches, dicts, owed, y, n_out = snap
-    for c, d in zip(caches, dicts):
-        c.__dict__.clear()
-        c.__dict__.update(d)
+    caches, saved, owed, y, n_out = snap
+    restore_caches(saved)
+    # KV writes are slice assignments into the buffer object: evaluate what the probe
+    # wrote there, so the next probe's graph does not count it.
+    mx.eval(cache_state_arrays(caches))
     dec.row.owed, dec.row.y, dec.row.n_out = owed, y, n_out
 
 
@@ -148,8 +137,7 @@ def step_graphs(dec, ks: Sequence[int]) -> dict:
                 calls0, nodes0 = rec.calls, rec.nodes
                 for c in dec.cache:
                     c.accept([1])
-                replayed = [a for c in dec.cache if isinstance(c, RecurrentCache)
-                            for a in c.state if a is not None]
+                replayed = cache_state_arrays(c for c in dec.cache if not c.is_trimmable())
                 with_replay = count_nodes(outputs + replayed)
                 row = {"draft": {"nodes": draft, "recurrence_calls": 0, "recurrence_nodes": 0,
                                  "own_nodes": draft},

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..models.cache import RecurrentCache, cache_state_arrays
+from ..models.cache import cache_state_arrays, restore_caches, snapshot_caches
 from ..decode.draft_source import DraftSources
 from ..decode.lookup import LookupSettings
 from ..decode.policy import DraftPolicy
@@ -150,21 +150,6 @@ def run_once(model, ids: Sequence[int], setting: Setting, sampling: SamplingPara
 
 
 # --- pass costs ---------------------------------------------------------------------
-def _save(caches) -> list:
-    """What a pass changes in each cache (arrays are immutable: references suffice)."""
-    return [(c.conv, c.ssm, c.offset) if isinstance(c, RecurrentCache) else c.offset
-            for c in caches]
-
-
-def _restore(caches, saved: list):
-    for c, s in zip(caches, saved):
-        if isinstance(c, RecurrentCache):
-            c.conv, c.ssm, c.offset = s
-            c.clear_captured()
-        else:
-            c.offset = s  # KV rows past the offset are overwritten by the next write
-
-
 def measure_costs(model, ids: Sequence[int], ks: Sequence[int], reps: int = 7,
                   prefill_step_size: int = 2048, verify_lengths: Sequence[int] = ()) -> dict:
     """Seconds for a plain step, a verify pass per K and a draft call, after ``ids``.
@@ -195,24 +180,24 @@ def measure_costs(model, ids: Sequence[int], ks: Sequence[int], reps: int = 7,
         if k > 0:
             passes[k] = (trunk_pass(mx.repeat(y, k + 1, axis=1), True), dec.cache)
     if has_mtp:
-        saved = _save(dec.cache)
+        saved = snapshot_caches(dec.cache)
         _, hidden = model.trunk(y, dec.cache)  # a real trunk hidden for the head
         mx.eval(hidden)
-        _restore(dec.cache, saved)
+        restore_caches(saved)
 
         def draft():
             h = model.mtp_forward(hidden, y, dec.mtp_cache)  # the head drafts from draft_logits
             return [mx.argmax(log_softmax(model.draft_logits(h[:, -1])), axis=-1),
-                    *[a for c in dec.mtp_cache for a in c.state if a is not None]]
+                    *cache_state_arrays(dec.mtp_cache)]
         passes["draft"] = (draft, dec.mtp_cache)
-    base = {name: _save(caches) for name, (_, caches) in passes.items()}
+    base = {name: snapshot_caches(caches) for name, (_, caches) in passes.items()}
     times: Dict[object, List[float]] = {name: [] for name in passes}
     for i in range(reps + 1):  # round 0 warms up (and grows the KV buffers)
         for name, (fn, caches) in passes.items():
             tic = time.perf_counter()
             mx.eval(fn())
             dt = time.perf_counter() - tic
-            _restore(caches, base[name])
+            restore_caches(base[name])
             if i:
                 times[name].append(dt)
     out = {"context_tokens": len(ids), "plain_s": st.median(times["plain"]),
@@ -242,27 +227,12 @@ def summarize_setting(setting: Setting, runs: List[RunResult], plain_runs: Dict[
                       costs: dict) -> dict:
     """One row of the result table (JSON-ready)."""
     tps = [r.gen_tps for r in runs]
-    # Per repeat: all prompts' tokens over all prompts' time (spread = run-to-run noise).
-    by_rep: Dict[int, List[float]] = {}
-    for r in runs:
-        tok_time = by_rep.setdefault(r.repeat, [0, 0.0])
-        tok_time[0] += r.gen_tokens
-        tok_time[1] += r.gen_time
-    rep_tps = [n / t for n, t in by_rep.values() if t > 0] or [0.0]
     spec = SpecStats()
     for r in runs:
         spec.merge(r.spec)
     pairs = [(r, plain_runs.get((r.repeat, r.prompt))) for r in runs]
     ratios = [r.gen_tps / p.gen_tps for r, p in pairs if p is not None and p.gen_tps > 0]
-    # Speedup per repeat: the same prompts' aggregate tok/s, this setting over plain.
-    plain_by_rep: Dict[int, List[float]] = {}
-    for r, p in pairs:
-        if p is not None:
-            tok_time = plain_by_rep.setdefault(r.repeat, [0, 0.0])
-            tok_time[0] += p.gen_tokens
-            tok_time[1] += p.gen_time
-    rep_ratios = [(by_rep[k][0] / by_rep[k][1]) / (n / t)
-                  for k, (n, t) in plain_by_rep.items() if n and t > 0 and by_rep[k][1] > 0]
+    rep_tps, rep_ratios = _per_repeat(pairs)
     gen_tokens = sum(r.gen_tokens for r in runs)
     gen_time = sum(r.gen_time for r in runs)
     steps = sum(r.steps for r in runs)
@@ -316,6 +286,32 @@ def summarize_setting(setting: Setting, runs: List[RunResult], plain_runs: Dict[
         "c_verify": None, "c_draft": costs.get("c_draft"), "step_cost_model": None,
         "ideal_speedup": None, "efficiency": None,
     }
+    _add_cost_columns(row, setting, pairs, costs, cond, steps_by_k)
+    return row
+
+
+def _per_repeat(pairs):
+    """Per repeat: all prompts' tokens over all prompts' time (spread = run-to-run noise),
+    and the speedup: the same prompts' aggregate tok/s, this setting over plain."""
+    by_rep: Dict[int, List[float]] = {}
+    plain_by_rep: Dict[int, List[float]] = {}
+    for r, p in pairs:
+        tok_time = by_rep.setdefault(r.repeat, [0, 0.0])
+        tok_time[0] += r.gen_tokens
+        tok_time[1] += r.gen_time
+        if p is not None:
+            tok_time = plain_by_rep.setdefault(r.repeat, [0, 0.0])
+            tok_time[0] += p.gen_tokens
+            tok_time[1] += p.gen_time
+    rep_tps = [n / t for n, t in by_rep.values() if t > 0] or [0.0]
+    rep_ratios = [(by_rep[k][0] / by_rep[k][1]) / (n / t)
+                  for k, (n, t) in plain_by_rep.items() if n and t > 0 and by_rep[k][1] > 0]
+    return rep_tps, rep_ratios
+
+
+def _add_cost_columns(row: dict, setting: Setting, pairs, costs: dict, cond, steps_by_k):
+    """Measured step cost against plain, the cost model's, and the ideal speedup."""
+    runs = [r for r, _ in pairs]
     plain_step = st.median(
         [p.gen_time / p.steps for _, p in pairs if p is not None and p.steps]) if pairs else None
     if row["step_ms"] is not None and plain_step:
@@ -334,7 +330,6 @@ def summarize_setting(setting: Setting, runs: List[RunResult], plain_runs: Dict[
                 steps_by_k, sum(r.total_tokens for r in runs), c_verify, c_draft)
     if row["ideal_speedup"] and row["speedup"] is not None:
         row["efficiency"] = row["speedup"] / row["ideal_speedup"]
-    return row
 
 
 def _speedup_by_category(pairs) -> Dict[str, float]:

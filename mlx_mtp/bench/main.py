@@ -233,7 +233,8 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
     from ..decode import MAX_DRAFT_TOKENS
     from ..decode.prompt import build_prompt, encode_prompt
     from ..models.loader import generation_defaults, load, parameter_count, resolve_model_path
-    from ..options import UserError, apply_model_options, parse_json_arg, sampling_from_args
+    from ..options import (UserError, apply_model_options, mtp_model_from_args, parse_json_arg,
+                           sampling_from_args)
     from . import report
     from .inprocess import BenchConfig, make_settings, run_inprocess, work_units
 
@@ -249,7 +250,7 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
     console.print(f"[bold]mlx-mtp bench[/bold]: loading {escape(str(model_path))}",
                   highlight=False)
     model, tokenizer = load(args.model, mtp=max(ks) > 0, mtp_hidden=args.mtp_hidden,
-                            dtype=args.dtype)
+                            dtype=args.dtype, mtp_model=mtp_model_from_args(args))
     apply_model_options(model, args)
     encoded = []
     for p in prompts:

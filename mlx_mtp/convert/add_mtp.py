@@ -5,9 +5,10 @@
 from __future__ import annotations
 
 import argparse
-
 import copy
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -15,8 +16,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from .checkpoint_io import (MTP_SHARD, run_guarded, read_tensors, _checkpoint_tensors, _link_tree, _recover_stale,
-                            _save_shard, _staging, _swap_into_place, _write_index, _write_json)
+from .. import hub
+from .checkpoint_io import (MTP_SHARD, run_guarded, read_tensors, _checkpoint_tensors, _link_tree,
+                            _recover_stale, _save_shard, _staging, _swap_into_place, _write_index,
+                            _write_json)
 from .common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast,
                      _check_foreign_quant, _check_model_dir, _dequantize, _incomplete_head,
                      _param_bytes, _print_summary, _summarize)
@@ -110,6 +113,15 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
             f"--mtp-bits must be one of {MTP_BITS} (16 keeps the head in floating point); "
             f"got {mtp_bits}."
         )
+    if hub.is_repo_id(source_path):  # fetch only the config and the shards holding mtp.*
+        with tempfile.TemporaryDirectory(prefix="mlx-mtp-head-") as tmp:
+            source = hub.mtp_source(str(source_path), Path(tmp) / Path(str(source_path)).name)
+            return add_mtp(model_path, source, mtp_bits, force, verbose=verbose)
+    if hub.is_repo_id(model_path):
+        raise ConversionError(
+            f"{model_path} is a hub id: add-mtp changes the model in place and mlx-mtp does "
+            "not write into the Hugging Face cache. Pass --output DIR to write a copy with the "
+            "head there.")
     _recover_stale(Path(model_path).expanduser().absolute(), restore=True, verbose=verbose)
     dst = _check_model_dir(model_path, "Model").resolve()  # swap the real directory
     src = _check_model_dir(source_path, "Source")
@@ -244,6 +256,31 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
     return summary
 
 
+def add_mtp_to_copy(model_path, source_path, output, mtp_bits: Optional[int] = None,
+                    force: bool = False, *, verbose: bool = True) -> dict:
+    """``add_mtp`` on a copy of ``model_path`` (a local directory or a hub id) written to
+    ``output`` (hard links where possible), which must not exist."""
+    out = Path(output).expanduser()
+    if out.exists() or out.is_symlink():
+        raise ConversionError(f"Cannot write to {out}: it already exists. Delete it or pick a "
+                              "new --output.")
+    src = _check_model_dir(model_path, "Model", hub_files=hub.MODEL_FILES)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def link(s, d):  # the cache's files are symlinks to blobs: link the blobs
+        s = os.path.realpath(s)
+        try:
+            os.link(s, d)
+        except OSError:
+            shutil.copy2(s, d)
+
+    with _staging(out, verbose) as tmp:
+        shutil.copytree(src, tmp, copy_function=link, dirs_exist_ok=True)
+        summary = add_mtp(tmp, source_path, mtp_bits, force, verbose=verbose)
+        tmp.rename(out)
+    return dict(summary, path=str(out))
+
+
 def _entry_nbytes(entry: dict) -> int:
     start, end = entry.get("data_offsets", (0, 0))
     return int(end) - int(start)
@@ -252,10 +289,16 @@ def _entry_nbytes(entry: dict) -> int:
 # --- command line ---------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True,
-                        help="MLX model to add the head to (e.g. an mlx-lm conversion).")
-    parser.add_argument("--source", required=True,
-                        help="Original checkpoint holding mtp.* weights (only the shards "
-                             "holding them are read).")
+                        help="MLX model to add the head to (e.g. an mlx-lm conversion): a "
+                             "local directory, changed in place, or with --output a hub id.")
+    parser.add_argument("--source", "--from", dest="source", required=True,
+                        help="Original checkpoint holding mtp.* weights: a local directory "
+                             "or a hub id org/name[@revision], of which only config.json, "
+                             "the safetensors index and the shards holding the head are "
+                             "downloaded (checksummed).")
+    parser.add_argument("--output", default=None, metavar="DIR",
+                        help="Write the model with its head to DIR (must not exist) instead "
+                             "of changing --model in place; required when --model is a hub id.")
     parser.add_argument("--mtp-bits", type=int, default=None, choices=MTP_BITS,
                         help="Precision of the head: 4, 8, or 16 (floating point). Default: "
                              "the model's own quantization (floating point if it has none).")
@@ -265,5 +308,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    if args.output is not None:
+        return run_guarded("add-mtp", lambda: add_mtp_to_copy(
+            args.model, args.source, args.output, mtp_bits=args.mtp_bits, force=args.force))
     return run_guarded("add-mtp", lambda: add_mtp(args.model, args.source, mtp_bits=args.mtp_bits,
-                                           force=args.force))
+                                                  force=args.force))

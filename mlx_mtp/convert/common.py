@@ -47,13 +47,18 @@ def _build_model(config: dict, mtp_layers: int):
     return build_model(config)
 
 
-def _check_model_dir(path: Path, role: str) -> Path:
+def _check_model_dir(path: Path, role: str, hub_files=None) -> Path:
+    """A local checkpoint directory; with ``hub_files`` (patterns) a hub id is downloaded."""
+    from .. import hub
+
+    if hub_files and hub.is_repo_id(path):
+        path = hub.snapshot(str(path), hub_files)
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ConversionError(
             f"{role} {path} does not exist or is not a directory. Pass the local directory "
-            "of a checkpoint (config.json + *.safetensors); download it first if needed, "
-            "e.g. `huggingface-cli download Qwen/Qwen3.6-27B --local-dir DIR`."
+            "of a checkpoint (config.json + *.safetensors)"
+            + (" or a Hugging Face id (org/name[@revision])." if hub_files else ".")
         )
     if not (path / "config.json").exists():
         raise ConversionError(f"{role} {path} has no config.json; is it a model directory?")

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..models import draft_vocab
 from ..models.layout import text_config
+from .. import hub
 from ..models.loader import load_config, resolve_model_path
 from ..options import UserError
 
@@ -62,7 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args) -> int:
     from ..train.data import _load_tokenizer, corpus_file_list
 
-    path = resolve_model_path(args.model)
+    if args.output is None and hub.is_repo_id(args.model):
+        raise UserError(f"{args.model} is a hub id: pass --output FILE (mlx-mtp does not write "
+                        "into the Hugging Face cache), or convert the model to a local directory.")
+    path = resolve_model_path(args.model, files=hub.TOKENIZER_FILES)  # no weights needed
     config = load_config(path)
     vocab_size = text_config(config).get("vocab_size")
     if not isinstance(vocab_size, int):

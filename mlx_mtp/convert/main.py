@@ -24,6 +24,8 @@ quantization scheme shared by both.
 from __future__ import annotations
 
 import argparse
+import copy
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
@@ -37,6 +39,8 @@ from .checkpoint_io import (MTP_SHARD, TOKENIZER_FILES, _finalize_config, read_t
 from .common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast,
                      _check_foreign_quant, _check_model_dir, _dequantize, _fmt_bytes,
                      _incomplete_head, _param_bytes, _print_summary, _summarize, _warn)
+from . import split_mtp as split_mtp_io
+from .. import hub
 from ..models import UnsupportedModelError
 from ..models.attention_trunk import count_checkpoint_mtp_layers, family_of
 from ..models.layout import (QWEN_FAMILIES, CheckpointError, MissingMTPWeightsError,
@@ -141,6 +145,7 @@ def convert(
     dequantize: bool = False,
     *,
     max_shard_size_gb: float = DEFAULT_MAX_SHARD_GB,
+    split_mtp=None,
     verbose: bool = True,
 ) -> dict:
     """Convert a local Hugging Face (or MLX) checkpoint to MLX, keeping its MTP head.
@@ -149,14 +154,16 @@ def convert(
     when quantizing, else float. Router gates are always kept at 8 bits.
     ``dtype``: cast floating-point weights (``A_log`` excepted) before quantizing;
     default: the config's ``torch_dtype``/``dtype`` (as mlx-lm), else the stored dtypes. ``dequantize``: the reverse direction, for an
-    MLX-quantized source. Returns a summary dict.
+    MLX-quantized source. ``split_mtp``: write the head to this directory as a split
+    drafter (mlx-vlm's layout) and the trunk alone to ``mlx_path``, as mlx-lm would.
+    Returns a summary dict.
     """
     _validate_quant_args(quantize, q_bits, q_group_size, mtp_bits, dequantize)
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {sorted(DTYPES)} (got {dtype!r}).")
     if max_shard_size_gb <= 0:
         raise ConversionError("The maximum shard size must be positive.")
-    src = _check_model_dir(hf_path, "Source")
+    src = _check_model_dir(hf_path, "Source", hub_files=hub.MODEL_FILES)
     dst = Path(mlx_path).expanduser()
     if dst.exists() or dst.is_symlink():
         raise ConversionError(
@@ -164,6 +171,7 @@ def convert(
             "(convert never overwrites; to add an MTP head to an existing model use "
             "`mlx-mtp add-mtp`)."
         )
+    drafter_dir = None if split_mtp is None else split_mtp_io.check_target(split_mtp, dst)
     if not dst.parent.exists():
         dst.parent.mkdir(parents=True, exist_ok=True)
 
@@ -187,6 +195,14 @@ def convert(
         )
     if dequantize and not source.quantized:
         raise ConversionError(f"{src} is not quantized: there is nothing to --dequantize.")
+    if drafter_dir is not None and family(config) not in QWEN_FAMILIES:
+        raise ConversionError(
+            f"--split-mtp writes mlx-vlm's qwen3_5_mtp drafter layout, which holds Qwen3.5/3.6 "
+            f"and Qwen3-Next heads; {src} is a {family(config)!r} model. Convert without "
+            "--split-mtp (the head stays in mtp.safetensors).")
+    if source.mtp_layers == 0 and drafter_dir is not None:
+        raise ConversionError(f"{src} has no MTP head (no mtp.* tensors): there is nothing for "
+                              "--split-mtp to write. Convert from the original release.")
     if source.mtp_layers == 0:
         _warn(
             f"{src} has no MTP weights (mtp.*): converting the trunk only. Graft the head "
@@ -235,6 +251,14 @@ def convert(
     weights = dict(tree_flatten(model.parameters()))
     rows = _summarize(weights, model)
     weights = {checkpoint_name(k): v for k, v in weights.items()}
+    if drafter_dir is not None:
+        weights, trunk_q, head, head_q = split_mtp_io.split_head(weights, quantization)
+        drafter_from = copy.deepcopy(out_config)
+        for key in ("quantization", "quantization_config"):
+            out_config.pop(key, None)
+        if trunk_q:
+            out_config["quantization"], out_config["quantization_config"] = (
+                trunk_q, copy.deepcopy(trunk_q))
     total_size = _param_bytes(weights)
     # Hand the tensors to the writer only, so each shard is freed once written.
     model.update(tree_map(lambda _: mx.array([]), model.parameters()))
@@ -243,6 +267,12 @@ def convert(
                                   max_shard_bytes=int(max_shard_size_gb * (1 << 30)),
                                   verbose=verbose,
                                   is_head=getattr(model.text, "is_mtp_key", is_mtp_key))
+    if drafter_dir is not None:
+        try:
+            split_mtp_io.write_drafter(drafter_dir, head, drafter_from, head_q, src, verbose)
+        except BaseException:
+            shutil.rmtree(dst, ignore_errors=True)  # both or neither
+            raise
     tokenizer_files = [f.name for f in sorted(dst.iterdir())
                        if f.name in TOKENIZER_FILES or f.suffix == ".tiktoken"]
 
@@ -254,10 +284,14 @@ def convert(
         "tokenizer_files": tokenizer_files,
         "parts": rows,
         "total_size": total_size,
+        "drafter": None if drafter_dir is None else str(drafter_dir),
     }
     if verbose:
         extra = [f"MTP head: {source.mtp_layers} layer(s) kept in {MTP_SHARD}"
                  if source.mtp_layers else "MTP head: none in the source (trunk only)"]
+        if drafter_dir is not None:
+            extra[0] = (f"MTP head: {source.mtp_layers} layer(s) in the drafter {drafter_dir} "
+                        f"(use: --model {dst} --mtp-model {drafter_dir})")
         if not tokenizer_files:
             extra.append("no tokenizer files found in the source")
         _print_summary(f"[mlx-mtp] wrote {dst} ({_fmt_bytes(total_size)}):", rows, extra)
@@ -270,8 +304,9 @@ def convert(
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--hf-path", "--model", dest="hf_path", required=True,
-                        help="Local Hugging Face checkpoint (single file or sharded), or an "
-                             "MLX model for --dequantize.")
+                        help="Hugging Face checkpoint: a local directory (single file or "
+                             "sharded) or a hub id org/name[@revision]; or an MLX model for "
+                             "--dequantize.")
     parser.add_argument("--mlx-path", default="mlx_model",
                         help="Output directory; must not exist (default: mlx_model).")
     parser.add_argument("-q", "--quantize", action="store_true",
@@ -288,6 +323,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "config's torch_dtype, else the stored dtypes.")
     parser.add_argument("-d", "--dequantize", action="store_true",
                         help="Dequantize an MLX-quantized model back to floating point.")
+    parser.add_argument("--split-mtp", default=None, metavar="DIR",
+                        help="Write the MTP head to DIR as a separate drafter (mlx-vlm's split "
+                             "layout, as mlx-community's ...-MTP repos) and the trunk alone to "
+                             "--mlx-path, as mlx_lm.convert would. Load the pair with "
+                             "--model MLX_PATH --mtp-model DIR.")
     parser.add_argument("--max-shard-size", type=float, default=DEFAULT_MAX_SHARD_GB,
                         metavar="GB", help="Maximum size of a weight file in GB (default: 5).")
     return parser
@@ -299,6 +339,7 @@ def run(args) -> int:
         q_group_size=args.q_group_size, mtp_bits=args.mtp_bits, dtype=args.dtype,
         dequantize=args.dequantize,
         max_shard_size_gb=getattr(args, "max_shard_size", DEFAULT_MAX_SHARD_GB),
+        split_mtp=getattr(args, "split_mtp", None),
     ))
 
 

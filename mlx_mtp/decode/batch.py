@@ -1,25 +1,31 @@
-"""Batched speculative decoding: many sequences, one trunk forward per step.
+"""The driver: any number of sequences (B >= 1), one trunk forward per step.
 
-Sequences are prefilled one by one (``MTPDecoder.prefill``) and then join the
-running batch with ``add``; they leave with ``remove`` at any step. Each step is
-``step.DecodeBatch`` over every row: the MTP head drafts for all rows, one trunk
-pass verifies them, and each row accepts its own number of drafts (recurrent
-layers keep each row's state after its own count, attention and MTP caches turn
-each row's rejected slots into holes: ``BatchKVCache``). ``DraftPolicy`` picks
-the rows' K from their acceptance and a model of step cost by batch size, so
-MTP keeps paying under load or pauses. A failed step is undone and fails one row.
+Sequences prefill on their own (``sequence.Sequence``) and join with ``add``; they
+leave with ``remove`` at any step. The first row's caches are adopted as they are;
+later rows are merged in (``merge``), leaving rows are filtered out (``filter``).
+Each step is ``step.DecodeBatch`` over every row: the MTP head drafts for all rows,
+one trunk pass verifies them, and each row accepts its own number of drafts.
+
+K per row comes from a ``DraftPolicy`` (``choose_ks``) or from the caller (``step(ks=)``:
+a distributed follower runs the K its leader chose). A step's cost, for the policy,
+is the time from the previous step's read to its own (from its launch when the
+caller ran other work in between; unknown for a driver's first step). Plain steps
+may be launched ahead (``overlap``: before the previous step's token is read, as
+mlx-lm does). With more than one row a step is checkpointed and a failed
+step is undone and fails one row (``BatchStepError``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Dict, Hashable, List, Optional
+from typing import Dict, Hashable, List, Optional, Sequence
 
+import mlx.core as mx
 
-from ..models.cache import BatchKVCache, KVCache, RecurrentCache
+from ..models.cache import KVCache, restore_caches, snapshot_caches
 from .policy import DraftPolicy
-from .speculative import MTPDecoder
-from .step import DecodeBatch, OwedPairs, Row, RowError, StepOutput
+from .sequence import Sequence as DecodeSequence
+from .step import DecodeBatch, Row, RowError, StepOutput
 
 
 class BatchStepError(Exception):
@@ -37,12 +43,18 @@ class BatchStepError(Exception):
 
 
 class BatchDecoder:
-    def __init__(self, model, num_draft_tokens: int = 3, adaptive: bool = True):
+    def __init__(self, model, num_draft_tokens: int = 3, adaptive: bool = True,
+                 policy: Optional[DraftPolicy] = None, overlap: bool = False):
         self.model = model
         self.K = num_draft_tokens if model.num_mtp_layers else 0
         self.adaptive = adaptive
-        self.policy = DraftPolicy(self.K, adaptive)
+        self.policy = policy if policy is not None else DraftPolicy(self.K, adaptive)
+        self.overlap = overlap
         self.core = DecodeBatch(model, [], None, None)
+        self._ahead = None  # (pending, checkpoint) of a plain step launched ahead
+        self._next_ks: Optional[List[int]] = None  # chosen while deciding to launch ahead
+        self._plain_run: List[float] = []  # overlapped plain steps' times, not yet recorded
+        self._last_read: Optional[float] = None  # when the last step was read
 
     @property
     def rows(self) -> List[Row]:
@@ -60,45 +72,37 @@ class BatchDecoder:
         return len(self.core.rows)
 
     # -- membership --------------------------------------------------------
-    def add(self, key: Hashable, dec: MTPDecoder):
-        """Join a sequence whose prompt ``dec`` has prefilled."""
+    def add(self, key: Hashable, seq: DecodeSequence, share: bool = False):
+        """Join a sequence whose prompt ``seq`` has prefilled. The batch takes its
+        caches (``share``: the sequence keeps them too; only as the first row)."""
         core = self.core
-        use_mtp = self.K > 0 and dec.mtp_cache is not None
-        src = dec.row
-        row = Row(key, src.sampler, src.max_k if use_mtp else 0, src.y,
-                  src.owed if use_mtp else None, src.stats, src.n_out,
-                  src.schedule if use_mtp else None, src.drafter)
-        dtype = self.model.text.model.embed_tokens.weight.dtype
-        for layer, c in zip(self.model.layers, dec.cache):
-            if isinstance(c, RecurrentCache) and c.conv is None:  # one-token prompt
-                c.conv, c.ssm = layer.linear_attn.empty_state(1, dtype)
-        mtp_single = dec.mtp_cache if use_mtp else [KVCache() for _ in range(self.model.num_mtp_layers)]
-        if core.cache is None:
-            core.cache = [RecurrentCache.concat([c]) if isinstance(c, RecurrentCache)
-                          else BatchKVCache.from_single([c]) for c in dec.cache]
-            if self.K:
-                core.mtp_cache = [BatchKVCache.from_single([c]) for c in mtp_single]
+        self._drop_ahead()
+        use_mtp = self.K > 0 and seq.mtp_cache is not None
+        row = seq.row
+        row.key = key
+        if not use_mtp:
+            row.max_k, row.owed, row.schedule = 0, None, None
+        mtp = seq.mtp_cache if use_mtp else [KVCache.empty()
+                                             for _ in range(self.model.num_mtp_layers)]
+        if not core.rows:
+            core.cache = seq.cache if share else list(seq.cache)
+            core.mtp_cache = (mtp if share else list(mtp)) if self.K else None
+        elif share:
+            raise ValueError("a sequence shares its caches only as a batch's only row")
         else:
-            for i, c in enumerate(dec.cache):
-                if isinstance(c, RecurrentCache):
-                    core.cache[i] = RecurrentCache.concat([core.cache[i], c])
-                else:
-                    core.cache[i].extend(BatchKVCache.from_single([c]))
+            core.cache = [type(a).merge([a, c]) for a, c in zip(core.cache, seq.cache)]
             if self.K:
-                for i, c in enumerate(mtp_single):
-                    core.mtp_cache[i].extend(BatchKVCache.from_single([c]))
+                core.mtp_cache = [type(a).merge([a, c]) for a, c in zip(core.mtp_cache, mtp)]
         core.rows.append(row)
-        # The batch holds copies now; free the sequence's own caches.
-        dec.cache = None
-        dec.row.owed = OwedPairs() if dec.row.owed is not None else None
-        if dec.mtp_cache is not None:
-            dec.mtp_cache = []
+        if not share:
+            seq.release()
 
     def remove(self, key: Hashable):
         core = self.core
         keep = [i for i, r in enumerate(core.rows) if r.key != key]
         if len(keep) == len(core.rows):
             return
+        self._drop_ahead()
         core.rows = [core.rows[i] for i in keep]
         if not core.rows:
             core.cache = core.mtp_cache = None
@@ -107,88 +111,164 @@ class BatchDecoder:
             c.filter(keep)
 
     # -- decoding ----------------------------------------------------------
-    def step(self, load: int = 0) -> Dict[Hashable, StepOutput]:
-        """One step for every row. ``load``: rows expected soon (prompts being
+    def choose_ks(self, load: int = 0) -> List[int]:
+        """Drafts per row for the next step. ``load``: rows expected soon (prompts being
         processed or queued); K is chosen for that batch size, and by a wider margin
         while they wait, since a slower step delays them too."""
+        if self._next_ks is not None:
+            ks, self._next_ks = self._next_ks, None
+            return ks
         rows = self.core.rows
+        B = len(rows)
+        return self.policy.row_ks(rows, max(B, load), load > B) if self.K else [0] * B
+
+    def step(self, load: int = 0, ks: Optional[Sequence[int]] = None,
+             interleaved: bool = False) -> Dict[Hashable, StepOutput]:
+        """One step for every row (``ks``: drafts per row; default ``choose_ks(load)``).
+        ``interleaved``: the caller may have run other work since the last step (the
+        server's prompt chunks), so this step is timed from its launch."""
+        rows = list(self.core.rows)
         if not rows:
             return {}
-        B = len(rows)
-        ks = self.policy.row_ks(rows, max(B, load), load > B) if self.K else [0] * B
-        snap = self._checkpoint()
-        start = time.perf_counter()
+        chosen_here, snap = ks is None, None
         try:
-            outs = self.core.step(ks)
-            # The whole step counts (rollback included); work the server runs
-            # between steps (prompt chunks) does not.
-            if not any(o.lookup_drafted for o in outs):  # context drafts are not the policy's
-                done = [o.num_drafted for o in outs]
-                self.policy.record_step(B, max(done), time.perf_counter() - start,
-                                        [o.num_accepted for o in outs], done)
+            if self._ahead is not None:
+                (pending, snap), self._ahead = self._ahead, None
+                start = self._last_read
+            else:
+                ks = self.choose_ks(load) if ks is None else list(ks)
+                snap = self._checkpoint()
+                start = time.perf_counter() if interleaved else self._last_read
+                pending = self.core.launch(ks)
+            if chosen_here:  # a caller's K is for this step only: nothing ahead
+                self._launch_ahead(pending, load)
+            outs = self.core.finish(pending)
         except Exception as e:
-            self._restore(snap)
+            self._ahead = self._next_ks = None
+            self._plain_run = []
+            if snap is not None:
+                self._restore(snap)
             if isinstance(e, RowError):
                 raise BatchStepError(e.key, e.cause) from e.cause
             victim = max(range(len(rows)), key=self._context)
             raise BatchStepError(rows[victim].key, e) from e
+        now = self._last_read = time.perf_counter()
+        self._record(pending, None if start is None else now - start, outs)
         return {r.key: o for r, o in zip(rows, outs)}
 
+    def _launch_ahead(self, pending, load: int):
+        """Start the next plain step before reading this one (plain steps only, and not
+        with a grammar row: its next mask needs this step's token)."""
+        if (not self.overlap or pending.k != 0
+                or any(r.sampler.grammar is not None for r in self.core.rows)
+                or any(r.drafter is not None and r.drafter.has_match() for r in self.core.rows)):
+            return
+        self._next_ks = self.choose_ks(load)
+        if not any(self._next_ks):
+            ks, self._next_ks = self._next_ks, None
+            snap = self._checkpoint()
+            self._ahead = (self.core.launch(ks), snap)
+
+    def finish_pending(self):
+        """Wait for a plain step launched ahead (before timing or reusing the model)."""
+        if self._ahead is not None:
+            mx.eval(self._ahead[0].tokens)
+
+    def _drop_ahead(self):
+        """Undo a plain step launched ahead, not yet read (rows are about to change)."""
+        if self._ahead is None:
+            return
+        (_, snap), self._ahead = self._ahead, None
+        self._plain_run = []
+        if snap is None:
+            raise RuntimeError("read the step launched ahead before rows join or leave")
+        self._restore(snap)
+
+    def _record(self, p, seconds: Optional[float], outs: List[StepOutput]):
+        """Tell the policy what the step cost. A plain step read after its successor was
+        launched has no cost of its own: launching the successor waited for most of its
+        work on the CPU (on a GPU the two overlap), so the first step of such a chain
+        reads as two and the last as almost nothing. Each counts the mean of its chain
+        (recorded when the chain ends, or two at a time while it goes on, the newest step
+        held back so the next pair stays together). Timed one by one, the policy's median
+        swung between the two and drafting paused for two plain steps after each draft."""
+        if not self.K or any(o.lookup_drafted for o in outs):  # context drafts: not the policy's
+            return
+        B = len(outs)
+        if p.k != 0 or seconds is None or (self._ahead is None and not self._plain_run):
+            self.policy.record_step(B, p.k, seconds, [o.num_accepted for o in outs], p.ks)
+            return
+        self._plain_run.append(seconds)
+        if self._ahead is None:  # the chain ends here
+            group, self._plain_run = self._plain_run, []
+        elif len(self._plain_run) >= 3:
+            group, self._plain_run = self._plain_run[:-1], self._plain_run[-1:]
+        else:
+            return
+        for _ in group:
+            self.policy.record_step(B, 0, sum(group) / len(group), [0] * B, [0] * B)
+
     def _context(self, b: int) -> int:
-        kv = next((c for c in self.cache if isinstance(c, BatchKVCache)), None)
-        return kv.pos[b] if kv is not None else 0
+        kv = next((c for c in self.cache if c.is_trimmable()), None)  # counts per row
+        return kv.lengths()[b] if kv is not None else 0
 
     def _checkpoint(self):
-        """What a step changes, by reference (KV writes past ``idx`` are harmless)."""
-        caches = []
-        for c in self.cache + (self.mtp_cache or []):
-            if isinstance(c, RecurrentCache):
-                caches.append((c, c.conv, c.ssm, c.offset))
-            else:
-                caches.append((c, c.idx, list(c.pos), c.valid, c.keys, c.values))
+        """What a step changes, by reference; None for one row (its failure fails the
+        whole batch: nothing to keep)."""
+        if len(self.core.rows) < 2:
+            return None
+        caches = snapshot_caches(self.cache + (self.mtp_cache or []))
         rows = [(r, r.y, r.n_out, None if r.owed is None else r.owed.copy(),
-                 None if r.sampler.history is None else r.sampler.history.state())
+                 None if r.sampler.history is None else r.sampler.history.state(),
+                 None if r.sampler.grammar is None else r.sampler.grammar.state())
                 for r in self.rows]
         return caches, rows
 
     def _restore(self, snap):
         caches, rows = snap
-        for c, *state in caches:
-            if isinstance(c, RecurrentCache):
-                c.conv, c.ssm, c.offset = state
-                c.clear_captured()
-            else:
-                c.idx, c.pos, c.valid, c.keys, c.values = state
-        for r, y, n_out, owed, history in rows:
+        restore_caches(caches)
+        for r, y, n_out, owed, history, grammar in rows:
             r.y, r.n_out, r.owed = y, n_out, owed
             if history is not None:
                 r.sampler.history.restore(history)
+            if grammar is not None:  # commits of rows before a failing one
+                r.sampler.grammar.restore(grammar)
 
-    def calibrate(self, batch_sizes=(1, 4, 16), steps: int = 3, prompt_len: int = 16) -> float:
+    def calibrate(self, batch_sizes=(1, 4, 16), steps: int = 3, prompt_len: int = 16,
+                  budget: Optional[float] = None) -> float:
         """Time steps of dummy batches at a few (batch size, K) cells before serving.
 
         Gives ``DraftPolicy`` a cost model from the start, so live traffic does not
         pay for exploring it. Only costs are recorded (dummy drafts say nothing about
-        acceptance). Needs an empty batch; returns the seconds spent.
+        acceptance). Needs an empty batch; stops once ``budget`` seconds are spent;
+        returns the seconds spent.
         """
         if not self.K or not self.adaptive or self.rows:
             return 0.0
         t_start = time.perf_counter()
         ks = sorted({0, 1, self.K})
         prompt = [(7 * j + 3) % self.model.text.args.vocab_size for j in range(prompt_len)]
+
+        def spent() -> bool:
+            return budget is not None and time.perf_counter() - t_start > budget
+
         for B in batch_sizes:
             for i in range(B):
-                dec = MTPDecoder(self.model, self.K, adaptive=False)
-                dec.prefill(prompt)
-                self.add(("calibration", i), dec)
+                seq = DecodeSequence(self.model, self.K, adaptive=False)
+                seq.prefill(prompt)
+                self.add(("calibration", i), seq)
             for k in ks:
                 for j in range(steps + 1):  # the first step of a shape pays one-off costs
+                    if spent():
+                        break
                     start = time.perf_counter()
                     self.core.step([k] * B)
                     if j:
                         self.policy.costs.observe(B, k, time.perf_counter() - start)
             for i in range(B):
                 self.remove(("calibration", i))
+            if spent():
+                break
         return time.perf_counter() - t_start
 
     def would_draft(self, batch_size: int) -> bool:

@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from ..models.layout import check_acceptance
 from .grammar import Grammar
+from .policy import DraftPolicy
 from .prompt import encode_prompt
 from .sampling import SamplingParams
 from .speculative import MTPDecoder, SpecStats
@@ -44,6 +45,7 @@ def stream_generate(
     stop: Sequence[str] = (),
     grammar: Optional[str] = None,
     draft_sources=None,
+    policy: Optional[DraftPolicy] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text, with MTP speculative decoding when ``num_draft_tokens`` > 0.
 
@@ -54,6 +56,7 @@ def stream_generate(
     (``grammar.json_schema_grammar(schema)`` for JSON); generation ends where it does.
     ``draft_sources``: a ``draft_source.DraftSources`` to draft from the context too (None:
     the head only).
+    ``policy``: the ``DraftPolicy`` choosing K (e.g. ``step_costs.policy_for``).
     """
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0 (got {max_tokens})")
@@ -63,7 +66,7 @@ def stream_generate(
     if grammar is not None:
         state = Grammar(tokenizer, grammar, model.text.args.vocab_size, sorted(text.eos)).start()
     dec = MTPDecoder(model, num_draft_tokens, sampling, adaptive=adaptive,
-                     prefill_step_size=prefill_step_size, grammar=state,
+                     prefill_step_size=prefill_step_size, grammar=state, policy=policy,
                      drafter=None if draft_sources is None else draft_sources.drafter())
     mx.reset_peak_memory()
 

@@ -34,6 +34,53 @@ class GrammarError(ValueError):
     """A grammar or schema llguidance cannot compile (the request's fault)."""
 
 
+class GrammarFailure(RuntimeError):
+    """A row's matcher failed while decoding; the message is its reason's first line."""
+
+
+def first_line(reason: object, limit: int = 200) -> str:
+    """What a client may see of llguidance's reason: its first line, bounded (the rest is
+    parser state, a Rust backtrace or build paths)."""
+    lines = str(reason).strip().splitlines()
+    line = lines[0].strip() if lines else "unknown error"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+# Bounds checked before a schema is compiled: compile time grows with its size (a 1.5 MB
+# schema takes seconds and can exceed llguidance's symbol table), and a position where more
+# than ``llguidance``'s 2,000 alternatives are open fails the matcher mid-output.
+MAX_SCHEMA_BYTES = 256 << 10
+MAX_SCHEMA_BRANCHES = 1000  # anyOf / oneOf alternatives, summed over the schema
+MAX_GRAMMAR_SYMBOLS = 200_000  # llguidance's max_grammar_size (default 500,000)
+
+
+def _limits():
+    """Parser limits: short errors (no parser-state dump) and a bounded grammar size."""
+    return _llguidance().LLParserLimits(verbose_errors=False,
+                                        max_grammar_size=MAX_GRAMMAR_SYMBOLS)
+
+
+def check_schema_bounds(schema: dict):
+    """Refuse a schema too large, or with too many alternatives, to compile and run safely."""
+    size = len(json.dumps(schema))
+    if size > MAX_SCHEMA_BYTES:
+        raise GrammarError(f"the JSON schema is too large ({size} bytes; at most "
+                           f"{MAX_SCHEMA_BYTES})")
+    branches, todo = 0, [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            for key in ("anyOf", "oneOf"):
+                if isinstance(node.get(key), list):
+                    branches += len(node[key])
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    if branches > MAX_SCHEMA_BRANCHES:
+        raise GrammarError(f"the JSON schema has {branches} anyOf/oneOf alternatives "
+                           f"(at most {MAX_SCHEMA_BRANCHES})")
+
+
 def _llguidance():
     try:
         import llguidance
@@ -50,6 +97,7 @@ def json_body(schema: dict) -> str:
     """``schema`` as the JSON after Lark's ``%json``, with the whitespace rule added."""
     if not isinstance(schema, dict):
         raise GrammarError("the JSON schema must be an object")
+    check_schema_bounds(schema)
     options = dict(schema.get("x-guidance") or {})
     options.setdefault("whitespace_pattern", WHITESPACE)
     return json.dumps({**schema, "x-guidance": options})
@@ -79,11 +127,25 @@ def json_schema_grammar(schema: Optional[dict] = None, *, after_thinking: Option
     try:
         return llg.LLMatcher.grammar_from_lark(lark)
     except (ValueError, TypeError) as e:
-        raise GrammarError(f"invalid JSON schema: {e}") from e
+        raise GrammarError(f"invalid JSON schema: {first_line(e)}") from e
+
+
+def check_json_schema(schema: dict):
+    """Raise ``GrammarError`` unless llguidance compiles ``schema`` (no tokenizer: cheap).
+    For schemas a grammar only partly uses (a Qwen3-Coder call's string parameters are free
+    text), so a broken one is refused as it is in ``response_format``."""
+    llg = _llguidance()
+    text = json_schema_grammar(schema)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, limits=_limits())
+    if is_error:
+        raise GrammarError(f"invalid JSON schema: {first_line('; '.join(messages))}")
 
 
 def lark_grammar(lark: str) -> str:
-    return _llguidance().LLMatcher.grammar_from_lark(lark)
+    try:
+        return _llguidance().LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"invalid grammar: {first_line(e)}") from e
 
 
 def _tokenizer_json(tokenizer) -> str:
@@ -122,7 +184,13 @@ def thinking_mode(tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> str:
 
 
 class Grammar:
-    """A grammar compiled for one tokenizer and vocabulary; ``start()`` gives a row's state."""
+    """A grammar compiled for one tokenizer and vocabulary; ``start()`` gives a row's state.
+
+    Construction proves the grammar usable before any row depends on it (on the prompt
+    worker, in the server): it validates, builds a matcher and computes the first mask,
+    so a grammar whose matcher fails at once (a pure ``$ref`` cycle) is a ``GrammarError``
+    (the request's 400), never a failure inside a batched step.
+    """
 
     def __init__(self, tokenizer, grammar: str, vocab_size: int, eos_ids: Sequence[int]):
         llg = _llguidance()
@@ -130,13 +198,23 @@ class Grammar:
         self.grammar = grammar
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.llg_tokenizer)
+        try:
+            is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+                grammar, self.llg_tokenizer, limits=_limits())
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise GrammarError(f"invalid grammar: {first_line(e)}") from e
         if is_error:
-            raise GrammarError(f"invalid grammar: {'; '.join(messages)}")
+            raise GrammarError(f"invalid grammar: {first_line('; '.join(messages))}")
+        probe = GrammarState(self)
+        try:
+            probe.mask()
+        except GrammarFailure as e:
+            raise GrammarError(f"invalid grammar: {e}") from e
+        self._unused: Optional[GrammarState] = probe  # the first row's state
 
     def start(self) -> "GrammarState":
-        return GrammarState(self)
+        state, self._unused = self._unused, None
+        return state if state is not None else GrammarState(self)
 
 
 class GrammarState:
@@ -145,9 +223,10 @@ class GrammarState:
     def __init__(self, grammar: Grammar):
         llg = _llguidance()
         self.grammar = grammar
-        self.matcher = llg.LLMatcher(grammar.llg_tokenizer, grammar.grammar, log_level=0)
+        self.matcher = llg.LLMatcher(grammar.llg_tokenizer, grammar.grammar, log_level=0,
+                                     limits=_limits())
         if self.matcher.is_error():
-            raise GrammarError(f"invalid grammar: {self.matcher.get_error()}")
+            raise GrammarError(f"invalid grammar: {first_line(self.matcher.get_error())}")
         self.words = (grammar.vocab_size + 31) // 32
         self._eos_mask = np.zeros(self.words, np.int32)
         for t in grammar.eos_ids:
@@ -167,7 +246,8 @@ class GrammarState:
         if not self.matcher.is_stopped():
             self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
         if self.matcher.is_error():
-            raise RuntimeError(f"grammar matcher failed: {self.matcher.get_error()}")
+            raise GrammarFailure(f"grammar matcher failed: "
+                                 f"{first_line(self.matcher.get_error())}")
         if not out.any():
             out[:] = self._eos_mask
         return out
@@ -191,8 +271,19 @@ class GrammarState:
             if self.matcher.is_stopped():
                 break  # EOS ended the grammar; the caller stops the row there
             if not self.matcher.consume_token(int(t)):
-                raise RuntimeError(f"token {t} left the grammar: {self.matcher.get_error()}")
+                raise GrammarFailure(f"token {t} left the grammar: "
+                                     f"{first_line(self.matcher.get_error())}")
             self.n_committed += 1
+
+    def state(self) -> int:
+        """What ``restore`` needs to undo the commits of a failed step."""
+        return self.n_committed
+
+    def restore(self, n_committed: int):
+        self.end_step()
+        if self.n_committed > n_committed:
+            self.matcher.rollback(self.n_committed - n_committed)
+            self.n_committed = n_committed
 
 
 def stack_masks(states: List[Optional[GrammarState]], masks: List[Optional[np.ndarray]]):
@@ -227,7 +318,10 @@ def response_format_grammar(response_format, after_thinking: Optional[str] = Non
     if kind == "json_object":
         return json_schema_grammar(None, after_thinking=after_thinking)
     if kind == "json_schema":
-        spec = response_format.get("json_schema", response_format)
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):  # as OpenAI: a 400, not unconstrained output
+            raise GrammarError("response_format.json_schema (an object with the schema) is "
+                               "required when type is json_schema")
         schema = spec.get("schema")
         if isinstance(schema, str):
             schema = json.loads(schema)

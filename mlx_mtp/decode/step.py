@@ -225,9 +225,10 @@ class DecodeBatch:
             ids = p.tokens.tolist()
             for b, r in enumerate(self.rows):
                 if r.sampler.grammar is not None:
-                    r.sampler.grammar.commit([ids[b]])
+                    self._on_row(b, lambda: r.sampler.grammar.commit([ids[b]]))
                 if r.drafter is not None:
                     r.drafter.index.extend([ids[b]])
+            self._observe(ids)
             self._observe_cost(p)
             return [StepOutput([ids[b]], p.logprobs[b : b + 1], 0, 0)
                     for b in range(len(self.rows))]
@@ -250,13 +251,14 @@ class DecodeBatch:
             r.y = nxt
             r.n_out += n + 1
             if r.sampler.history is not None:
-                r.sampler.history.commit(draft_ids[b * k : b * k + n] + [next_ids[b]])
+                self._on_row(b, lambda: r.sampler.history.commit(
+                    draft_ids[b * k : b * k + n] + [next_ids[b]]))
             r.stats.record(p.ks[b], n)
             if r.schedule is not None:
                 r.schedule.record(p.ks[b], n)
             ids = draft_ids[b * k : b * k + n] + [next_ids[b]]
             if r.sampler.grammar is not None:
-                r.sampler.grammar.commit(ids)
+                self._on_row(b, lambda: r.sampler.grammar.commit(ids))
             looked, hit = 0, 0
             if r.drafter is not None:
                 looked, hit = r.drafter.record(p.plans[b], n)
@@ -265,8 +267,15 @@ class DecodeBatch:
                 r.stats.lookup_draft_tokens += looked
                 r.stats.lookup_accepted_tokens += hit
             out.append(StepOutput(ids, p.logprobs[b, : n + 1], p.ks[b], n, looked, hit))
+        self._observe([t for o in out for t in o.tokens])
         self._observe_cost(p)
         return out
+
+    def _observe(self, ids: List[int]):
+        """The default draft vocabulary re-sizes from the tokens emitted (draft_vocab_auto)."""
+        tuner = getattr(self.model, "draft_vocab_tuner", None)
+        if tuner is not None:
+            tuner.observe(ids)
 
     def _observe_cost(self, p: _Pending):
         """The step's wall time, for the drafters' choice (launch to read, commit included)."""
@@ -317,6 +326,26 @@ class DecodeBatch:
                              "across processes")
         return states
 
+    def _on_row(self, b: int, fn):
+        """``fn()``, host work of row b alone (its grammar, its penalties' bookkeeping):
+        a failure names row b, so the batch fails that row and no other."""
+        try:
+            return fn()
+        except Exception as e:
+            raise RowError(self.rows[b].key, e) from e
+
+    def _masks(self, grammars, fn) -> mx.array:
+        """(B, 1, W) masks, ``fn(b, state)`` for each constrained row."""
+        return stack_masks(grammars, [None if g is None else self._on_row(b, lambda: fn(b, g))
+                                      for b, g in enumerate(grammars)])
+
+    def _processing(self, vocab_size: int):
+        """The step's penalties and biases (``logits.build``), each row's checked alone."""
+        for b, r in enumerate(self.rows):
+            if r.sampler.history is not None:
+                self._on_row(b, lambda: r.sampler.history.ensure(vocab_size))
+        return logits_processing.build(self.rows, vocab_size)
+
     def _noise(self, g: _Group, count: int, stream: int, vocab_size: int) -> Optional[mx.array]:
         """Gumbel noise (b, count, V) from each row's next output position; None if greedy."""
         if g.params.greedy:
@@ -331,13 +360,12 @@ class DecodeBatch:
         _prepare(self.cache, 1)
         h_norm, h_mtp = model.trunk(y, self.cache)
         logits = model.logits(h_norm[:, -1:])  # (B, 1, V)
-        proc = logits_processing.build(rows, logits.shape[-1])
+        proc = self._processing(logits.shape[-1])
         if proc is not None:
             logits = proc.apply(logits)
         grammars = self._grammars()
         if grammars is not None:
-            masks = [None if g is None else g.mask() for g in grammars]
-            logits = apply_masks(logits, stack_masks(grammars, masks))
+            logits = apply_masks(logits, self._masks(grammars, lambda b, g: g.mask()))
         lp = log_softmax(logits[:, 0])  # (B, V)
         V = lp.shape[-1]
         groups = self._groups()
@@ -408,7 +436,7 @@ class DecodeBatch:
                 out = model.mtp_forward(out, drafts[-1][:, None], self.mtp_cache)
             draft_logits = model.draft_logits(out[:, -1:], any_token=grammars is not None)
             if j == 0:
-                proc = logits_processing.build(rows, draft_logits.shape[-1])
+                proc = self._processing(draft_logits.shape[-1])
             if proc is not None:  # the penalties verify row j will see
                 draft_logits = proc.apply(draft_logits, mx.stack(drafts, axis=1) if j else None)
             if grammars is not None:  # and the grammar's mask
@@ -425,8 +453,7 @@ class DecodeBatch:
             draft_lps.append(qs)
             if grammars is not None:  # the next mask needs this draft: read it
                 ids = drafts[-1].tolist()
-                masks.append(stack_masks(grammars, [None if g is None else g.draft(ids[b])
-                                                    for b, g in enumerate(grammars)]))
+                masks.append(self._masks(grammars, lambda b, g: g.draft(ids[b])))
         return drafts, draft_lps, proc, noises
 
     def _draft_logprobs(self, g: _Group, gi: int, drafts, draft_lps, where, V: int):
@@ -456,8 +483,7 @@ class DecodeBatch:
         J = max((p.total for p in plans if p.head), default=0)
         masks = []  # per position j: (B, 1, W), the grammar after the first j drafts
         if grammars is not None:
-            masks.append(stack_masks(grammars, [None if g is None else g.mask()
-                                                for g in grammars]))
+            masks.append(self._masks(grammars, lambda b, g: g.mask()))
         drafts, draft_lps, proc, noises = [], [], None, None
         if J:
             drafts, draft_lps, proc, noises = self._draft_head(J, k, groups, grammars, masks,
@@ -475,7 +501,7 @@ class DecodeBatch:
         h_norm, h_mtp = model.trunk(inputs, self.cache, capture=True)
         logits = model.logits(h_norm)  # (B, k+1, V)
         if J == 0:
-            proc = logits_processing.build(rows, logits.shape[-1])
+            proc = self._processing(logits.shape[-1])
         if proc is not None:
             logits = proc.apply(logits, drafts)
         if grammars is not None:  # past J + 1 only rows without a grammar verify

@@ -17,6 +17,12 @@ Every cache answers ``accept(n_keep)`` after a speculative (verify) pass:
 ``n_keep[b]`` is how many of that pass's positions row ``b`` keeps (>= 1, the
 first verified token is always committed). The decode step calls it on every
 layer without knowing which kind of layer it is.
+
+Every cache speaks one protocol (mlx-lm's shape), so nothing outside this file reads
+a cache field: ``state`` / ``meta_state`` / ``from_state`` (save and load; ``kind``,
+``state_names`` name them on disk), ``snapshot()`` / ``restore(snap)`` (undo a step,
+by reference), ``merge(caches)`` into a batch, ``extract(row)``, ``filter(rows)``,
+``empty(B)``, ``lengths()`` (attention caches: tokens per row) and ``nbytes``.
 """
 
 from __future__ import annotations
@@ -33,10 +39,56 @@ def _no_window(window_size: Optional[int]):
         raise ValueError("sliding-window attention is not supported by mlx-mtp's KV caches")
 
 
-class KVCache:
-    """Growable key/value cache for one attention layer (batch size B)."""
+class _Cache:
+    """The protocol's shared part (see the module doc)."""
+
+    kind = ""  # the name a saved cache carries
+    state_names: Tuple[str, ...] = ()  # the name of each ``state`` array
+
+    @classmethod
+    def from_state(cls, state, meta_state):
+        """A cache from what ``state`` and ``meta_state`` returned (``state`` None: empty)."""
+        c = cls.empty(1)
+        if state is not None:
+            c.state = state
+        c.meta_state = meta_state
+        return c
+
+    @classmethod
+    def empty(cls, B: int = 1):
+        if B != 1:
+            raise ValueError(f"a {cls.__name__} holds one row, not {B}")
+        return cls()
+
+    def size(self) -> int:
+        """Rows held."""
+        return 1
+
+    def filter(self, rows: List[int]):
+        if list(rows) != [0]:
+            raise ValueError(f"a single-row cache cannot keep rows {rows}")
+
+    def extract(self, row: int):
+        self.filter([row])
+        return self.copy()
+
+    def is_trimmable(self) -> bool:
+        return True  # attention caches; a recurrence cannot step back
+
+    def arrays(self) -> List[mx.array]:
+        return [a for a in self.state if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+
+class KVCache(_Cache):
+    """Growable key/value cache for one attention layer (one row)."""
 
     step = 256
+    kind = "kv"
+    state_names = ("k", "v")
 
     def __init__(self):
         self.keys: Optional[mx.array] = None  # (B, n_kv_heads, capacity, head_dim)
@@ -68,6 +120,40 @@ class KVCache:
             return None, None
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
+    @state.setter
+    def state(self, v):
+        self.keys, self.values = v
+        self.offset = 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def meta_state(self):
+        return (str(self.offset),)
+
+    @meta_state.setter
+    def meta_state(self, v):
+        offset = int(v[0])
+        held = 0 if self.keys is None else self.keys.shape[2]
+        if held != offset or (self.values is not None and self.values.shape[2] != offset):
+            raise ValueError(f"KV length {held} != offset {offset}")
+        self.offset = offset
+
+    def snapshot(self):
+        # Writes land past ``offset`` (and growing copies the rows below it), so the
+        # pointer is enough until something is written below it again.
+        return self.keys is None, self.offset
+
+    def restore(self, snap):
+        empty, self.offset = snap
+        if empty:
+            self.keys = self.values = None
+
+    def lengths(self) -> List[int]:
+        return [self.offset]
+
+    @classmethod
+    def merge(cls, caches) -> "BatchKVCache":
+        return BatchKVCache.merge(caches)
+
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
         self.offset -= n
@@ -82,9 +168,6 @@ class KVCache:
         if lengths is not None and list(lengths) != [S]:
             raise ValueError(f"a single-row cache cannot take a padded chunk ({lengths} of {S})")
 
-    def is_trimmable(self) -> bool:
-        return True
-
     def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
         """mlx-lm's call. ``return_array``: a boolean (n, offset + n) causal mask instead of
         ``"causal"`` (MLA attention masks its scores with it)."""
@@ -97,7 +180,7 @@ class KVCache:
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes
+        return self.keys.nbytes + self.values.nbytes  # the whole buffer
 
     def copy(self) -> "KVCache":
         c = KVCache()
@@ -120,8 +203,8 @@ class VerifyRecord(NamedTuple):
     recurrence: Callable  # (*inputs, state, mask) -> (y, state): the layer's call
 
 
-class RecurrentCache:
-    """Conv window + recurrent state of one Gated DeltaNet layer.
+class RecurrentCache(_Cache):
+    """Conv window + recurrent state of one Gated DeltaNet layer (B rows).
 
     ``conv``: (B, kernel-1, conv_dim) in the activation dtype.
     ``ssm``:  (B, Hv, Dv, Dk) in float32.
@@ -129,11 +212,22 @@ class RecurrentCache:
     ``verify_record`` what ``accept`` needs to step back.
     """
 
-    def __init__(self):
-        self.conv: Optional[mx.array] = None
+    kind = "rec"
+    state_names = ("conv", "ssm")
+
+    def __init__(self, rows: int = 1):
+        self.conv: Optional[mx.array] = None  # None: no token seen yet (zeros)
         self.ssm: Optional[mx.array] = None
         self.offset = 0
         self.verify_record: Optional[VerifyRecord] = None
+        self._rows = rows  # while empty
+
+    @classmethod
+    def empty(cls, B: int = 1) -> "RecurrentCache":
+        return cls(B)
+
+    def size(self) -> int:
+        return self._rows if self.conv is None else self.conv.shape[0]
 
     # mlx-lm's ArraysCache indexing, so its kernels and helpers can read us.
     def __getitem__(self, i):
@@ -149,6 +243,26 @@ class RecurrentCache:
     def state(self):
         return self.conv, self.ssm
 
+    @state.setter
+    def state(self, v):
+        self.conv, self.ssm = v
+        self.verify_record = None
+
+    @property
+    def meta_state(self):
+        return (str(self.offset),)
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.offset = int(v[0])
+
+    def snapshot(self):
+        return self.conv, self.ssm, self.offset, self._rows
+
+    def restore(self, snap):
+        self.conv, self.ssm, self.offset, self._rows = snap
+        self.verify_record = None
+
     def accept(self, n_keep):
         """Row ``b`` keeps its state after ``n_keep[b]`` positions of the verify pass."""
         if self.verify_record is None:
@@ -156,10 +270,6 @@ class RecurrentCache:
         T = self.verify_record.inputs[0].shape[1]
         self.offset -= T - max(n_keep)
         self.select_rows(list(n_keep))
-
-    def select(self, n_keep: int):
-        """Single-row ``select_rows``."""
-        self.select_rows([n_keep])
 
     def select_rows(self, n_keep: List[int]):
         """Keep row b's state after ``n_keep[b]`` positions (offset untouched).
@@ -190,58 +300,64 @@ class RecurrentCache:
         prefix = [x[:, :longest] for x in rec.inputs]
         _, self.ssm = rec.recurrence(*prefix, rec.ssm, mask)
 
-    def clear_captured(self):
-        """Forget the last verify pass (its full-length state stays)."""
-        self.verify_record = None
-
-    @staticmethod
-    def concat(caches: List["RecurrentCache"]) -> "RecurrentCache":
+    @classmethod
+    def merge(cls, caches: List["RecurrentCache"]) -> "RecurrentCache":
+        """The caches' rows in order; an empty cache's rows hold the zero state."""
         ref = next((c for c in caches if c.conv is not None), None)
-        out = RecurrentCache()
+        out = cls(sum(c.size() for c in caches))
+        out.offset = max(c.offset for c in caches)
         if ref is not None:
-            out.conv = mx.concatenate(
-                [c.conv if c.conv is not None else mx.zeros_like(ref.conv) for c in caches])
-            out.ssm = mx.concatenate(
-                [c.ssm if c.ssm is not None else mx.zeros_like(ref.ssm) for c in caches])
+            def rows(c, a, like):
+                return a if a is not None else mx.zeros((c.size(), *like.shape[1:]), like.dtype)
+            out.conv = mx.concatenate([rows(c, c.conv, ref.conv) for c in caches])
+            out.ssm = mx.concatenate([rows(c, c.ssm, ref.ssm) for c in caches])
         return out
+
+    concat = merge  # the older name
 
     def filter(self, rows: List[int]):
         self.verify_record = None  # its rows no longer line up
+        self._rows = len(rows)
         if self.conv is not None:
             ix = mx.array(rows)
             self.conv, self.ssm = self.conv[ix], self.ssm[ix]
 
+    def extract(self, row: int) -> "RecurrentCache":
+        c = RecurrentCache()
+        if self.conv is not None:
+            c.conv, c.ssm = self.conv[row : row + 1], self.ssm[row : row + 1]
+        c.offset = self.offset
+        return c
+
     def is_trimmable(self) -> bool:
         return False
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.conv, self.ssm) if a is not None)
-
     def copy(self) -> "RecurrentCache":
-        c = RecurrentCache()
+        c = RecurrentCache(self._rows)
         c.conv = None if self.conv is None else mx.array(self.conv)
         c.ssm = None if self.ssm is None else mx.array(self.ssm)
         c.offset = self.offset
         return c
 
 
+CACHE_KINDS = {cls.kind: cls for cls in (KVCache, RecurrentCache)}  # what can be saved
+
+
 def cache_state_arrays(caches) -> List[mx.array]:
     """Every array that makes up the live state (for mx.eval and comparisons)."""
-    out = []
-    for c in caches:
-        if isinstance(c, RecurrentCache):
-            out.extend(a for a in (c.conv, c.ssm) if a is not None)
-        else:
-            out.extend(a for a in c.state if a is not None)
-    return out
+    return [a for c in caches for a in c.arrays()]
 
 
-def cache_nbytes(caches) -> int:
-    return sum(c.nbytes for c in caches)
+def snapshot_caches(caches) -> list:
+    return [(c, c.snapshot()) for c in caches]
 
 
-class BatchKVCache:
+def restore_caches(snaps):
+    for c, snap in snaps:
+        c.restore(snap)
+
+
+class BatchKVCache(_Cache):
     """KV cache for a batch of sequences of different lengths, with per-row rollback.
 
     All rows write at a shared pointer ``idx``; a (B, capacity) ``valid`` mask marks
@@ -260,6 +376,72 @@ class BatchKVCache:
         self.pos = list(pos)
         self._lengths: Optional[List[int]] = None
         self._S = 0
+
+    kind = "batch_kv"
+    state_names = ("k", "v", "valid")
+
+    @classmethod
+    def empty(cls, B: int = 1) -> "BatchKVCache":
+        return cls([0] * B)
+
+    def size(self) -> int:
+        return len(self.pos)
+
+    def lengths(self) -> List[int]:
+        return list(self.pos)
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return None, None, None
+        i = self.idx
+        return self.keys[..., :i, :], self.values[..., :i, :], self.valid[:, :i]
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.valid = v
+        self.idx = 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def meta_state(self):
+        return tuple(str(p) for p in self.pos)
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.pos = [int(p) for p in v]
+
+    def snapshot(self):
+        # Writes land past ``idx`` and ``drop_last`` makes a new mask: references suffice.
+        return self.idx, list(self.pos), self.valid, self.keys, self.values
+
+    def restore(self, snap):
+        self.idx, pos, self.valid, self.keys, self.values = snap
+        self.pos = list(pos)
+
+    @classmethod
+    def merge(cls, caches) -> "BatchKVCache":
+        """The rows of single-row and batch caches, in order, in one new batch cache."""
+        out = None
+        for c in caches:
+            b = cls.from_single([c]) if isinstance(c, KVCache) else c._share()
+            if out is None:
+                out = b
+            else:
+                out.extend(b)
+        return out
+
+    def _share(self) -> "BatchKVCache":
+        """A new cache object over the same arrays (they are only ever replaced)."""
+        c = BatchKVCache(self.pos, self.keys, self.values, self.valid)
+        c.idx = self.idx
+        return c
+
+    def extract(self, row: int) -> KVCache:
+        c = KVCache()
+        if self.keys is not None:
+            c.state = self.row_state(row)
+        c.offset = self.pos[row]
+        return c
 
     @classmethod
     def from_single(cls, caches: List[KVCache]) -> "BatchKVCache":
@@ -409,3 +591,9 @@ class BatchKVCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def copy(self) -> "BatchKVCache":
+        c = self._share()
+        if self.keys is not None:
+            c.keys, c.values, c.valid = (mx.array(a) for a in (c.keys, c.values, c.valid))
+        return c

@@ -228,6 +228,11 @@ class DistributedModel:
     def _after_last(self, x: mx.array) -> mx.array:
         return x if self._last_comm is None else mx.depends(x, self._last_comm)
 
+    def restart_comm_chain(self):
+        """Issue the next collective without waiting on the last one (which a lost
+        peer may never complete)."""
+        self._last_comm = None
+
     def _issue(self, op: mx.array) -> mx.array:
         self._last_comm = op
         mx.async_eval(op)
@@ -315,7 +320,7 @@ class DistributedModel:
             template = mx.zeros((B, L, text.args.hidden_size), dtype)
             h = self._issue(mx.distributed.recv_like(template, self.rank + 1, group=self.group))
         cache = cache if cache is not None else [None] * len(layers)
-        kv = next((c for c in cache if c is not None and not isinstance(c, RecurrentCache)), None)
+        kv = next((c for c in cache if c is not None and c.is_trimmable()), None)
         fa_mask = kv.make_mask(L) if kv is not None else ("causal" if L > 1 else None)
         for layer, c in zip(layers, cache):
             h = layer(h, None if layer.is_linear else fa_mask, c, capture)

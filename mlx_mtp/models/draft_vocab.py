@@ -20,6 +20,7 @@ writes it only when told (it should come from a measurement on the target hardwa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -30,10 +31,19 @@ import numpy as np
 FILE = "draft_vocab.json"
 FORMAT = "mlx-mtp draft vocabulary"
 VERSION = 1
+# Subset sizes the shipped rankings record held-out coverage for (and the only ones the
+# automatic choice considers).
+COVERAGE_SIZES = (1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768, 49152, 65536)
 
 
 class DraftVocabError(ValueError):
     """A missing or unusable ranking file, or a size that does not fit it."""
+
+
+def vocab_hash(tokens: Sequence[str]) -> str:
+    """Identity of a BPE vocabulary: its token strings (as tokenizer.json spells them) in id
+    order. Added tokens are left out, so Qwen3.5 and 3.6 (same BPE, other markers) match."""
+    return hashlib.sha256("\n".join(tokens).encode()).hexdigest()[:32]
 
 
 def ranking_from_counts(counts: np.ndarray, first: Sequence[int] = ()) -> np.ndarray:

@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -14,7 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from . import UnsupportedModelError, get_model_module, layout
+from . import UnsupportedModelError, get_model_module, layout, split_drafter
 from .hybrid import SparseMoeBlock
 from .layout import CheckpointError
 
@@ -30,19 +31,26 @@ class ModelLoadError(CheckpointError):
 USER_ERRORS = (CheckpointError, UnsupportedModelError)
 
 
-def resolve_model_path(path: Optional[str]) -> Path:
+def resolve_model_path(path: Optional[str], files=None) -> Path:
+    """The local directory of ``path``: a directory, a hub id ``org/name[@revision]``
+    (downloaded into the Hugging Face cache: only ``files``, patterns, default
+    ``hub.MODEL_FILES``), or None for the embedded demo model."""
+    from .. import hub
+
     if path is None:
         if not (DEFAULT_MODEL / "config.json").exists():
             raise ModelLoadError(
                 "No --model given and the embedded demo model is not installed "
-                f"(expected at {DEFAULT_MODEL}). Pass --model PATH to a local checkpoint."
+                f"(expected at {DEFAULT_MODEL}). Pass --model PATH or --model org/name."
             )
         return DEFAULT_MODEL
     p = Path(path).expanduser()
     if not p.exists():
+        if hub.parse_repo_id(str(path)) is not None:
+            return hub.snapshot(str(path), files or hub.MODEL_FILES)
         raise ModelLoadError(
-            f"Model path {path!r} does not exist. mlx-mtp loads local checkpoints "
-            "(a directory with config.json and *.safetensors)."
+            f"Model path {path!r} does not exist. Pass a local checkpoint (a directory with "
+            "config.json and *.safetensors) or a Hugging Face id (org/name[@revision])."
         )
     if not (p / "config.json").exists():
         raise ModelLoadError(f"{p} has no config.json; is it a model directory?")
@@ -181,7 +189,9 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 DTYPE_CHOICES = ("auto",) + tuple(DTYPES)
 # ``auto`` upcasts half-precision weights to float32 on the CPU while the float32 copy stays
 # this small (and within a quarter of the memory): MLX's CPU backend runs float32 matmuls on
-# BLAS and bf16/fp16 ones without (demo model: 1.6-1.7x faster decoding in float32).
+# BLAS and bf16/fp16 ones without. Measured by shape (benchmarks/dtype_rule.py, real_shape.py;
+# docs/real-shape.md): float32 plain steps 1.4-2.8x faster from the demo model up to a 1B
+# Qwen3.5 (4.1 GB float32 copy), verify passes 2.9-4.6x; no measured shape where bf16 won.
 AUTO_FLOAT32_MAX_BYTES = 8 << 30
 
 
@@ -197,32 +207,49 @@ def _castable(key: str, value: mx.array, model, quantized: set) -> bool:
 
 
 def resolve_dtype(choice, weights: dict, model) -> Optional[mx.Dtype]:
-    """The dtype float weights are cast to at load; None keeps them as stored.
+    """The dtype float weights are cast to at load; None keeps them as stored (see
+    ``choose_dtype``)."""
+    return choose_dtype(choice, weights, model)[0]
+
+
+def choose_dtype(choice, weights: dict, model) -> Tuple[Optional[mx.Dtype], str]:
+    """The dtype float weights are cast to at load (None: as stored), and why.
 
     ``choice``: None (as stored), an ``mx.Dtype``, a name of ``DTYPES``, or ``"auto"``:
     float32 on the CPU for a checkpoint with half-precision weights, none quantized, whose
-    float32 copy fits ``AUTO_FLOAT32_MAX_BYTES``; as stored otherwise (GPUs run bf16 fast).
+    float32 copy fits ``AUTO_FLOAT32_MAX_BYTES`` (and a quarter of the memory); as stored
+    otherwise (GPUs run bf16 fast).
     """
     if choice is None or isinstance(choice, mx.Dtype):
-        return choice
+        return choice, "as stored" if choice is None else f"{_name(choice)} (requested)"
     if choice in DTYPES:
-        return DTYPES[choice]
+        return DTYPES[choice], f"{choice} (requested)"
     if choice != "auto":
         raise ModelLoadError(f"dtype must be one of {', '.join(DTYPE_CHOICES)} (got {choice!r})")
     if mx.default_device() != mx.cpu:
-        return None
+        return None, "as stored (auto: GPU)"
     quantized = _quantized_prefixes(weights)
     if quantized:
-        return None  # quantized checkpoints keep their dtype
+        return None, "as stored (auto: quantized checkpoint)"
     floats = [v for k, v in weights.items() if _castable(k, v, model, quantized)]
-    if not any(v.dtype in (mx.bfloat16, mx.float16) for v in floats):
-        return None
+    half = [v.dtype for v in floats if v.dtype in (mx.bfloat16, mx.float16)]
+    if not half:
+        return None, "as stored (auto: no half-precision weights)"
     limit = AUTO_FLOAT32_MAX_BYTES
     try:
         limit = min(limit, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4)
     except (ValueError, OSError, AttributeError):
         pass
-    return mx.float32 if sum(4 * v.size for v in floats) <= limit else None
+    size = sum(4 * v.size for v in floats)
+    if size <= limit:
+        return mx.float32, (f"float32 (auto: {_name(half[0])} upcast, float32 copy "
+                            f"{size / 1e9:.2f} GB <= {limit / 1e9:.2f} GB)")
+    return None, (f"{_name(half[0])} as stored (auto: float32 copy {size / 1e9:.2f} GB > "
+                  f"{limit / 1e9:.2f} GB, where bf16 decodes faster on this CPU)")
+
+
+def _name(dtype: mx.Dtype) -> str:
+    return next((n for n, d in DTYPES.items() if d == dtype), str(dtype))
 
 
 def build_model(config: dict, where="config.json") -> nn.Module:
@@ -243,21 +270,39 @@ def load_model(
     mtp_hidden: Optional[str] = None,
     dtype=None,
     lazy: bool = False,
+    mtp_model=None,
 ) -> Tuple[nn.Module, dict]:
     """Build the model for ``path`` and load its weights (MTP head included).
 
     ``mtp=False`` skips the head (and runs models whose weights lack one). ``dtype``: see
     ``resolve_dtype`` (None: as stored); the choice made is ``model.load_dtype``.
+    ``mtp_model``: a split MTP drafter (directory or hub id) whose head replaces the
+    model's own (``split_drafter``), after checking it belongs to this model.
     """
     path = resolve_model_path(path) if not isinstance(path, Path) else path
     config = _apply_overrides(load_config(path), mtp, mtp_hidden)
     model_type = config.get("model_type")
     if model_type is None:
         raise ModelLoadError(f"{path / 'config.json'} has no model_type.")
+    if (mtp and not mtp_model and layout.family(config) in layout.QWEN_FAMILIES
+            and layout.config_mtp_layers(config) and not _has_head(path)):
+        mtp_model = split_drafter.sibling_drafter(path)  # Name-4bit beside Name-MTP-4bit
+        if mtp_model is not None:
+            print(f"mlx-mtp: note: {path} has no MTP head; drafting with the one in "
+                  f"{mtp_model}, beside it (pass --mtp-model to choose another)",
+                  file=sys.stderr)
+    drafter = _read_drafter(mtp_model, config, path) if mtp and mtp_model else None
     model = build_model(config, path / "config.json")
-    weights = model.sanitize(read_weights(path))
-    quantize_like_checkpoint(model, weights, layout.config_quantization(config))
-    dtype = resolve_dtype(dtype, weights, model)
+    weights = read_weights(path)
+    if drafter is not None:
+        weights = split_drafter.merge_into(weights, drafter)
+    weights = model.sanitize(weights)
+    quantization = layout.config_quantization(config)
+    if drafter is not None:
+        prefix = next(k for k in weights if layout.is_mtp_key(k)).split("mtp.")[0] + "mtp."
+        quantization = dict(quantization or {}, **drafter.quantization_overrides(prefix))
+    quantize_like_checkpoint(model, weights, quantization)
+    dtype, model.dtype_choice = choose_dtype(dtype, weights, model)
     if dtype is not None:
         quantized = _quantized_prefixes(weights)
         weights = {k: v.astype(dtype) if _castable(k, v, model, quantized) else v
@@ -272,6 +317,21 @@ def load_model(
     if not lazy:
         mx.eval(model.parameters())
     return model, config
+
+
+def _has_head(path: Path) -> bool:
+    """Whether the checkpoint stores MTP tensors (read from the file headers only)."""
+    return any(layout.is_mtp_key(k) for f in weight_files(path)
+               for k in read_safetensors_header(f))
+
+
+def _read_drafter(mtp_model, config: dict, path: Path):
+    """The split drafter ``mtp_model`` for the model at ``path``; records its depth in
+    ``config``."""
+    drafter = split_drafter.read_drafter(resolve_model_path(str(mtp_model)))
+    split_drafter.check_belongs(drafter, config, path)
+    layout.set_config_mtp_layers(config, drafter.num_layers)
+    return drafter
 
 
 def load_tokenizer(path: Path, config: dict):
@@ -303,7 +363,7 @@ def check_tokenizer_fits(model, tokenizer, where) -> None:
 
 
 def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str] = None,
-         dtype=None, lazy: bool = False):
+         dtype=None, lazy: bool = False, mtp_model=None):
     """Load model and tokenizer. ``path=None`` loads the embedded demo model. ``dtype``:
     None (weights as stored), ``"auto"`` (the CLI's default: float32 on the CPU for small
     half-precision checkpoints), ``"float32"``/``"bfloat16"``/``"float16"`` or an mx.Dtype."""
@@ -311,7 +371,8 @@ def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str]
 
     blas.ensure_configured()  # Linux CPU: OpenBLAS for multi-row matmuls, checked once
     p = resolve_model_path(path)
-    model, config = load_model(p, mtp=mtp, mtp_hidden=mtp_hidden, dtype=dtype, lazy=lazy)
+    model, config = load_model(p, mtp=mtp, mtp_hidden=mtp_hidden, dtype=dtype, lazy=lazy,
+                               mtp_model=mtp_model)
     tokenizer = load_tokenizer(p, config)
     check_tokenizer_fits(model, tokenizer, p)
     return model, tokenizer

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..decode.grammar import first_line
 from .events import Delta, Done
 from .parsers import OutputParser, Piece
 from .prompts import PreparedChat, forced_tool, prepare_chat
@@ -464,7 +465,7 @@ def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Cal
             raise
         except Exception as e:  # the app's own handler for these answers outside middleware
             log.exception("Unhandled error on /v1/messages")
-            raise APIError(500, f"Internal server error: {type(e).__name__}: {e}")
+            raise APIError(500, f"Internal server error: {type(e).__name__}: {first_line(e)}")
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..decode.grammar import first_line
 from .choices import choice_kwargs, merge_choices, stream_choices  # noqa: F401 (re-exported)
 from .events import Delta, Done, EngineRequest, EngineUnavailable, Failed
 from .http_guard import BODY_BYTES, GuardConfig, RequestGuard
@@ -213,8 +214,8 @@ def create_app(state: ServerState, guard: Optional[GuardConfig] = None):
     @app.exception_handler(Exception)
     async def _unhandled(request, e: Exception):
         log.exception("Unhandled error on %s", request.url.path)
-        return error_response(APIError(500, f"Internal server error: {type(e).__name__}: {e}",
-                                       code="internal_error"))
+        return error_response(APIError(500, f"Internal server error: {type(e).__name__}: "
+                                       f"{first_line(e)}", code="internal_error"))
 
     expected_key = state.api_key.encode() if state.api_key is not None else None
 

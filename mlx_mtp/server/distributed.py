@@ -20,7 +20,7 @@ A scheduler iteration that only decodes sends one message; each prompt chunk add
 An idle rank 0 sends an empty message every ``heartbeat`` seconds. Tokens, acceptance and
 rollback are decided inside the step (``DistributedModel.share``), as in ``generate``.
 The other ranks (``Follower``) apply the operations to the same objects the engine uses
-(``MTPDecoder``, ``BatchDecoder``), keyed by row id.
+(``Sequence``, ``BatchDecoder``), keyed by row id.
 
 A lost rank: the ring backend raises at once when a peer's socket closes (measured:
 "[ring] connection to a peer was lost" within milliseconds) but blocks forever on a peer
@@ -44,8 +44,7 @@ import mlx.core as mx
 
 from ..decode.batch import BatchDecoder, BatchStepError
 from ..decode.sampling import SamplingParams
-from ..decode.speculative import MTPDecoder
-from ..models.cache import cache_state_arrays
+from ..decode.sequence import Sequence
 
 log = logging.getLogger("mlx_mtp.server")
 
@@ -63,7 +62,7 @@ class StepSync:
     def prefill(self, seq, end: int): pass
     def stored(self, seq, key, state): pass
     def removed(self, seq): pass
-    def decoding(self, batch): pass
+    def decoding(self, ks): pass
     def calibrating(self, sizes): pass
     def end_step(self): pass
     def stopped(self): pass
@@ -169,22 +168,9 @@ class LeaderSync(StepSync):
         if rid is not None:
             self.ops.append(["remove", rid])
 
-    def decoding(self, batch):
-        if not batch.K:  # the batch picks no K: every row steps plainly
-            self.ops.append(["step", [0] * len(batch)])
-            self._send()
-            return
-        policy = batch.policy
-        if getattr(policy, "announced_by", None) is not self:
-            choose = policy.row_ks
-
-            def row_ks(*args, **kwargs):  # the K rank 0 picks is the K every rank runs
-                ks = choose(*args, **kwargs)
-                self.ops.append(["step", [int(k) for k in ks]])
-                self._send()
-                return ks
-
-            policy.row_ks, policy.announced_by = row_ks, self
+    def decoding(self, ks):
+        self.ops.append(["step", [int(k) for k in ks]])  # the K rank 0 picked, every rank runs
+        self._send()
 
     def calibrating(self, sizes):
         self.ops.append(["calibrate", list(sizes)])
@@ -228,7 +214,7 @@ class LeaderSync(StepSync):
             return True
         # A peer that died mid-step fails the next exchange at once, unless that exchange
         # waits on the failed collective (measured: it then blocks): start a new chain.
-        self.model._last_comm = None
+        self.model.restart_comm_chain()
         try:
             self._send()
         except GroupLost:
@@ -280,7 +266,6 @@ class Follower:
         self.seqs: Dict[int, tuple] = {}  # row id -> (decoder, prompt)
         self.joining: List[int] = []  # prefilled rows joining the batch before the next op
         self.entries: Dict[int, object] = {}
-        self.next_ks: List[int] = []
         self.seq = 0
         self._last = time.monotonic()
         self._done = threading.Event()  # run returned: the watchdog must not exit the process
@@ -344,14 +329,12 @@ class Follower:
         self.batch = self._new_batch()
 
     def _new_batch(self) -> BatchDecoder:
-        batch = BatchDecoder(self.model, self.config["K"], self.config["adaptive"])
-        batch.policy.row_ks = lambda *args, **kwargs: self.next_ks
-        return batch
+        return BatchDecoder(self.model, self.config["K"], self.config["adaptive"])
 
     def _admit(self, rid, prompt, params, k, seed, restore):
-        dec = MTPDecoder(self.model, k, params_from_json(params),
-                         adaptive=self.config["adaptive"],
-                         prefill_step_size=self.config["prefill_step_size"])
+        dec = Sequence(self.model, k, params_from_json(params),
+                       adaptive=self.config["adaptive"],
+                       prefill_step_size=self.config["prefill_step_size"])
         dec.sampler.seed = seed
         if restore is not None:
             dec.restore(self.entries[restore])
@@ -366,8 +349,7 @@ class Follower:
 
     def _store(self, rid, entry_id):
         state = self.seqs[rid][0].snapshot()
-        mx.eval(cache_state_arrays(state.cache) + list(state.owed_hidden)
-                + (cache_state_arrays(state.mtp_cache) if state.mtp_cache else []))
+        mx.eval(state.arrays())
         self.entries[entry_id] = state
 
     def _forget(self, entry_id):
@@ -378,8 +360,7 @@ class Follower:
         self.batch.remove(rid)
 
     def _step(self, ks):
-        self.next_ks = ks
-        self.batch.step()
+        self.batch.step(ks=ks)
 
     def _calibrate(self, sizes):
         try:

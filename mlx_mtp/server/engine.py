@@ -8,13 +8,13 @@ and ``cancel`` it when the client goes away. Every scheduler iteration
 1. takes new submissions and drops cancelled requests;
 2. admits waiting requests into the running batch, up to ``max_concurrency``,
    restoring the longest cached prompt prefix into the new sequence's decoder;
-3. runs prompt chunks under a token budget, shortest remaining prompt first: while
-   streams decode, ``max_batched_tokens`` per iteration minus their rows' tokens, so a
-   long prompt never stalls the running streams; otherwise ``prefill_step_size``.
-   Prefix-cache snapshots are taken at chunk ends that fall on reusable boundaries;
+3. runs prompt chunks, shortest remaining prompt first: while streams decode, prompts and
+   streams each keep half of the time (``fair_share.py``); otherwise chunks of
+   ``prefill_step_size``. Prefix-cache snapshots are taken at chunk ends that fall on
+   reusable boundaries;
 4. runs one decode step for each decoding sequence (``_decode_round``).
 
-A sequence's prompt runs through its own ``MTPDecoder``; then it joins the
+A sequence's prompt runs through its own ``Sequence``; then it joins the
 ``BatchDecoder``: one trunk forward per step for all decoding sequences, each
 accepting its own number of drafts and rolling back its own state, so greedy
 output does not depend on what else is running. The batch's ``DraftPolicy``
@@ -35,15 +35,17 @@ from typing import Deque, List, Optional
 
 import mlx.core as mx
 
-from ..models.cache import cache_state_arrays
 from ..decode.batch import BatchDecoder, BatchStepError
 from ..decode.draft_source import DraftSources
-from ..decode.speculative import MTPDecoder, SpecStats, StepOutput
+from ..decode.grammar import first_line
+from ..decode.sequence import Sequence
+from ..decode.speculative import SpecStats, StepOutput
 from ..decode.text_stream import TextStream, token_bytes
 from ..models.hybrid import CHUNKED_MIN_TOKENS
 from ..models.layout import check_acceptance
 from .metrics import ServerMetrics, spec_fields, spec_log_line
 from .distributed import StepSync
+from .fair_share import FairShare
 from .prefix_cache import PrefixCache
 # The request and its events live apart (the API modules need only them); importable
 # from here as before.
@@ -60,7 +62,7 @@ PREFILL_GRID = CHUNKED_MIN_TOKENS
 class _Seq:
     """Engine-side state of one admitted request."""
 
-    def __init__(self, req: EngineRequest, dec: MTPDecoder, text: TextStream, n_cached: int):
+    def __init__(self, req: EngineRequest, dec: Sequence, text: TextStream, n_cached: int):
         self.req = req
         self.dec = dec
         self.text = text
@@ -138,6 +140,7 @@ class Engine:
         self.total_stats = SpecStats()
         # Decoding sequences share one batched forward per step (MTP included).
         self.batch = BatchDecoder(model, num_draft_tokens if self.has_mtp else 0, adaptive)
+        self.fair = FairShare()
         # Context drafts (--draft-source, a request's draft_source): one cost table for all.
         self.draft_sources = draft_sources or DraftSources("mtp", adaptive=adaptive)
 
@@ -153,7 +156,9 @@ class Engine:
                 raise EngineUnavailable("The server is shutting down.", "shutting_down")
             if self.sync.lost:
                 raise EngineUnavailable(self.sync.lost, "distributed_rank_lost")
-            if len(self._incoming) + len(self.waiting) >= self.max_queue:
+            # Requests that will start at once (free slots) are not waiting.
+            free = max(0, self.max_concurrency - len(self.running))
+            if len(self._incoming) + len(self.waiting) - free >= self.max_queue:
                 raise OverflowError(
                     f"Too many requests waiting ({self.max_queue}); try again later.")
             self._incoming.append(req)
@@ -273,10 +278,10 @@ class Engine:
         source = req.draft_source or self.draft_sources.source
         if not self.has_mtp or source == "lookup":
             k = 0
-        dec = MTPDecoder(self.model, k, req.sampling, adaptive=self.adaptive,
-                         prefill_step_size=self.prefill_step_size,
-                         grammar=None if req.grammar is None else req.grammar.start(),
-                         drafter=self.draft_sources.drafter(source))
+        dec = Sequence(self.model, k, req.sampling, adaptive=self.adaptive,
+                       prefill_step_size=self.prefill_step_size,
+                       grammar=None if req.grammar is None else req.grammar.start(),
+                       drafter=self.draft_sources.drafter(source))
         if dec.mtp_cache is not None:
             dec.drafting_hint = lambda: self.batch.would_draft(max(len(self.batch) + 1,
                                                                    self._load()))
@@ -297,18 +302,14 @@ class Engine:
 
     # -- prompt processing ----------------------------------------------------------
     def _prefill_budget(self) -> int:
-        """Prompt tokens this iteration may run (vLLM's chunked prefill).
-
-        While streams decode, the step's token budget (``max_batched_tokens``) goes to
-        their rows first (1 + K tokens each) and prompts get the rest, rounded up to whole
-        grid cells (at least one), so a long prompt cannot stall running streams; with
-        nothing decoding, prompts run in chunks of up to ``prefill_step_size``.
-        """
+        """Prompt tokens this iteration may run (vLLM's chunked prefill, sized by time):
+        while streams decode, ``FairShare.budget`` of ``max_batched_tokens`` minus their rows
+        (1 + K tokens each); else chunks of up to ``prefill_step_size``."""
         n_decoding = sum(1 for s in self.running if not s.prefilling)
         if not n_decoding:
             return self.prefill_step_size
         rest = self.max_batched_tokens - n_decoding * (1 + self.batch.K)
-        return min(self.prefill_step_size, max(self.prefill_grid, rest))
+        return self.fair.budget(rest, self.prefill_grid, self.prefill_step_size)
 
     def _prefill_round(self):
         waiting = [s for s in self.running if s.prefilling and not s.req.cancelled]
@@ -319,13 +320,17 @@ class Engine:
         # instead of waiting behind a long prompt's prefill.
         waiting.sort(key=lambda s: (len(s.req.prompt) - s.dec.n_processed, s.req.arrival))
         spent = 0
+        competing = any(not s.prefilling for s in self.running)
         for seq in waiting:
             while seq.prefilling and spent < budget:
+                start = time.perf_counter()
                 try:
-                    spent += self._prefill_chunk(seq, budget - spent)
+                    n = self._prefill_chunk(seq, budget - spent)
                 except Exception as e:
                     self._fail(seq, e)
                     break
+                spent += n
+                self.fair.prefill_ran(time.perf_counter() - start, n, competing)
             if spent >= budget:
                 break
 
@@ -349,7 +354,7 @@ class Engine:
         end = seg_start + ((start - seg_start) // grid + cells) * grid
         if seg_end - end < grid:
             end = seg_end
-        # MTPDecoder.prefill continues after n_processed and stops at the last
+        # Sequence.prefill continues after n_processed and stops at the last
         # token it is given, which becomes the pending input: passing the
         # prompt up to ``end`` runs exactly tokens [start, end).
         self.sync.prefill(seq, end)
@@ -377,10 +382,7 @@ class Engine:
                 pc.touch(key)
                 return
         state = seq.dec.snapshot()
-        arrays = cache_state_arrays(state.cache) + list(state.owed_hidden)
-        if state.mtp_cache is not None:
-            arrays += cache_state_arrays(state.mtp_cache)
-        mx.eval(arrays)
+        mx.eval(state.arrays())
         pc.store(key, state, state.nbytes, has_mtp)
         self.sync.stored(seq, key, state)
 
@@ -395,9 +397,18 @@ class Engine:
         decoding = [s for s in self.running if not s.prefilling and not s.req.cancelled]
         if not decoding:
             return
+        start = time.perf_counter()
         try:
-            self.sync.decoding(self.batch)
-            outs = self.batch.step(load=self._load())
+            self._decode_step(decoding)
+        finally:  # prompts still in prefill compete with this step
+            self.fair.decode_ran(time.perf_counter() - start,
+                                 any(s.prefilling for s in self.running))
+
+    def _decode_step(self, decoding: List[_Seq]):
+        try:
+            ks = self.batch.choose_ks(self._load())
+            self.sync.decoding(ks)  # the K every rank runs
+            outs = self.batch.step(ks=ks, interleaved=True)
         except BatchStepError as e:
             for seq in decoding:
                 if seq.req.request_id == e.key:
@@ -514,10 +525,11 @@ class Engine:
     # -- failures -------------------------------------------------------------------
     @staticmethod
     def _error_status(e: Exception):
-        if isinstance(e, MemoryError) or "out of memory" in str(e).lower() \
-                or "unable to allocate" in str(e).lower():
-            return 500, f"Out of memory while generating: {e}", "out_of_memory"
-        return 500, f"Generation failed: {type(e).__name__}: {e}", "internal_error"
+        reason = first_line(e)  # for a client; the log has the whole reason
+        if isinstance(e, MemoryError) or "out of memory" in reason.lower() \
+                or "unable to allocate" in reason.lower():
+            return 500, f"Out of memory while generating: {reason}", "out_of_memory"
+        return 500, f"Generation failed: {type(e).__name__}: {reason}", "internal_error"
 
     def _fail(self, seq: _Seq, e: Exception):
         if self.sync.group_lost(e):

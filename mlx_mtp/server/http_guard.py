@@ -84,6 +84,30 @@ async def send_error(send, e: APIError):
     await send({"type": "http.response.body", "body": body})
 
 
+def add_cors(app, origins):
+    """CORS headers on every answer (the outermost middleware); a preflight from an origin
+    not allowed is answered as that origin's request would be: 403 with an error body."""
+    from fastapi.middleware.cors import CORSMiddleware
+    from fastapi.responses import JSONResponse
+
+    class Cors(CORSMiddleware):
+        def preflight_response(self, request_headers):
+            origin = request_headers["origin"]
+            if not self.is_allowed_origin(origin=origin):
+                e = _origin_refused(origin)
+                return JSONResponse(e.body(), status_code=e.status)
+            return super().preflight_response(request_headers)
+
+    app.add_middleware(Cors, allow_origins=list(origins), allow_methods=["*"],
+                       allow_headers=["*"])
+
+
+def _origin_refused(origin: Optional[str]) -> APIError:
+    return APIError(403, f"Cross-origin requests from {origin or 'another site'} are not "
+                    "allowed (start the server with --allowed-origins, or with --api-key).",
+                    code="origin_not_allowed")
+
+
 class RequestGuard:
     def __init__(self, app, config: GuardConfig):
         self.app = app
@@ -111,9 +135,7 @@ class RequestGuard:
             cross = (not cfg.origin_allowed(origin, host) if origin is not None
                      else headers.get("sec-fetch-site") == "cross-site")
             if cross:
-                raise APIError(403, f"Cross-origin requests from {origin or 'another site'} "
-                               "are not allowed (start the server with --allowed-origins, or "
-                               "with --api-key).", code="origin_not_allowed")
+                raise _origin_refused(origin)
         if scope["method"] == "POST":
             ctype = headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype and not (ctype in JSON_TYPES or ctype.endswith("+json")):

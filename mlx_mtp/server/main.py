@@ -18,14 +18,14 @@ from ..models.layout import text_config
 from ..models.distributed import distributed_group, load_distributed
 from ..models.loader import generation_defaults, load, load_config, resolve_model_path
 from ..options import (UserError, add_model_arguments, add_sampling_arguments,
-                       apply_model_options, draft_sources_from_args,
-                       num_draft_tokens_from_args, parse_json_arg,
-                       sampling_defaults, sampling_from_args)
+                       apply_model_options, draft_sources_from_args, mtp_model_from_args,
+                       num_draft_tokens_from_args, parse_json_arg, sampling_defaults,
+                       sampling_from_args)
 from .app import create_app
 from .distributed import LeaderSync, run_follower
 from .engine import Engine
-from .http_guard import (LOCAL_HOST_NAMES, GuardConfig, host_name as host_name_of, is_loopback,
-                         split_list, timed_http_protocol)
+from .http_guard import (LOCAL_HOST_NAMES, GuardConfig, add_cors, host_name as host_name_of,
+                         is_loopback, split_list, timed_http_protocol)
 from .metrics import ServerMetrics
 from .prefix_cache import PrefixCache
 from .state import ServerState, max_token_chars
@@ -262,8 +262,9 @@ def run(args) -> int:
     log.info("Loading %s (MTP %s)", path, f"K={k}" if k else "off")
     if group is None:
         model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden,
-                                dtype=args.dtype)
+                                dtype=args.dtype, mtp_model=mtp_model_from_args(args))
     else:
+        mtp_model_from_args(args, distributed=True)
         model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=k > 0,
                                             mtp_hidden=args.mtp_hidden, dtype=args.dtype)
     apply_model_options(model, args)
@@ -285,10 +286,7 @@ def run(args) -> int:
                         allowed_origins=set(origins), check_origin=state.api_key is None)
     app = create_app(state, guard)
     if origins:  # outermost: CORS headers on every answer, errors included
-        from fastapi.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=origins,
-                           allow_methods=["*"], allow_headers=["*"])
+        add_cors(app, origins)
 
     engine = state.engine
     engine.start()

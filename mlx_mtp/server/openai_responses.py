@@ -63,11 +63,30 @@ def _text(content, where: str) -> str:
     out = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+        if kind not in TEXT_PARTS:
             raise bad_request(f"{where}[{j}]: only text parts are supported (got {kind!r}).",
                               param="input")
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}[{j}].text must be a string.", param="input")
         out.append(part["text"])
     return "".join(out)
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its ``content`` parts, else its ``summary`` parts."""
+    for field in ("content", "summary"):
+        parts = item.get(field)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise bad_request(f"{where}.{field} must be a list of text parts.", param="input")
+        for j, p in enumerate(parts):
+            if not isinstance(p, dict) or not isinstance(p.get("text", ""), str):
+                raise bad_request(f"{where}.{field}[{j}] must be a part with a string text.",
+                                  param="input")
+        if parts:
+            return "".join(p.get("text", "") for p in parts)
+    return ""
 
 
 def _messages(req: ResponsesRequest) -> List[dict]:
@@ -115,8 +134,7 @@ def _messages(req: ResponsesRequest) -> List[dict]:
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _text(item.get("output", ""), f"{where}.output")})
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning.append("".join(p.get("text", "") for p in parts if isinstance(p, dict)))
+            reasoning.append(_reasoning_text(item, where))
         elif kind == "item_reference":
             raise bad_request(f"{where}: item references need stored responses; this server is "
                               "stateless, send the items themselves.", param="input")

@@ -95,6 +95,9 @@ def _template_messages(req: ChatCompletionRequest) -> List[dict]:
                     parts.append({"type": "text", "text": part})
                 elif part.get("type") == "text" and isinstance(part.get("text"), str):
                     parts.append({"type": "text", "text": part["text"]})
+                elif part.get("type") == "text":
+                    raise bad_request(f"messages[{i}].content: a text part's text must be a "
+                                      "string", param="messages")
                 else:
                     raise bad_request(
                         f"messages[{i}].content: only text parts are supported "

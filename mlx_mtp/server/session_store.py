@@ -8,9 +8,12 @@ fingerprint it carries.
 
 * Content-addressed: the file name is a hash of the model fingerprint and the key tokens;
   the stored tokens and fingerprint are checked again when a file is read.
-* Atomic: written to ``*.tmp`` then fsync + ``os.replace`` + directory fsync, so a crash
-  leaves a stray temp file (ignored, swept later) and never a readable half entry; a
-  truncated or corrupted file is dropped with a log line.
+* Atomic: written to a fresh temp file (``mkstemp``: created exclusively, never through
+  a link) then fsync + ``os.replace`` + directory fsync, so a crash leaves a stray temp
+  file (swept later, whatever it is) and never a readable half entry.
+* Proven: the metadata carries a SHA-256 of the header and the data section, checked
+  before any array is built (entries are read without following links); a truncated,
+  corrupted or unverifiable file is dropped with a log line and the prompt runs cold.
 * Size-bounded LRU over this model's entries: a file's mtime is its last use (touched on
   every hit), the oldest go first.
 * Writes never stall the scheduler: the engine hands over arrays it has already evaluated
@@ -28,7 +31,9 @@ import json
 import logging
 import os
 import queue
+import stat
 import struct
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -40,7 +45,7 @@ import numpy as np
 
 from ..decode.speculative import DecoderState
 from ..decode.step import OwedPairs
-from ..models.cache import KVCache, RecurrentCache
+from ..models.cache import CACHE_KINDS
 
 log = logging.getLogger("mlx_mtp.server")
 
@@ -90,16 +95,14 @@ def _state_tensors(state: DecoderState) -> Tuple[Dict[str, mx.array], dict]:
     def add_layers(caches, prefix):
         kinds = []
         for i, c in enumerate(caches):
-            if isinstance(c, RecurrentCache):
-                kinds.append(["rec", c.offset, c.conv is not None])
-                if c.conv is not None:
-                    tensors[f"{prefix}.{i}.conv"], tensors[f"{prefix}.{i}.ssm"] = c.conv, c.ssm
-            elif isinstance(c, KVCache):
-                kinds.append(["kv", c.offset, c.keys is not None])
-                if c.keys is not None:
-                    tensors[f"{prefix}.{i}.k"], tensors[f"{prefix}.{i}.v"] = c.state
-            else:
+            if type(c).kind not in CACHE_KINDS:
                 raise TypeError(f"cannot store a {type(c).__name__} on disk")
+            arrays = c.state
+            filled = arrays[0] is not None
+            kinds.append([c.kind, int(c.meta_state[0]), filled])
+            if filled:
+                for name, a in zip(c.state_names, arrays):
+                    tensors[f"{prefix}.{i}.{name}"] = a
         return kinds
 
     layout["trunk"] = add_layers(state.cache, "c")
@@ -116,20 +119,14 @@ def _state_from_tensors(t: Dict[str, mx.array], layout: dict) -> DecoderState:
     def layers(kinds, prefix):
         out = []
         for i, (kind, offset, filled) in enumerate(kinds):
-            if kind == "rec":
-                c = RecurrentCache()
-                if filled:
-                    c.conv, c.ssm = t[f"{prefix}.{i}.conv"], t[f"{prefix}.{i}.ssm"]
-            elif kind == "kv":
-                c = KVCache()
-                if filled:
-                    c.keys, c.values = t[f"{prefix}.{i}.k"], t[f"{prefix}.{i}.v"]
-                    if c.keys.shape[2] != offset or c.values.shape[2] != offset:
-                        raise ValueError(f"layer {prefix}.{i}: KV length != offset {offset}")
-            else:
+            cls = CACHE_KINDS.get(kind)
+            if cls is None:
                 raise ValueError(f"unknown cache kind {kind!r}")
-            c.offset = int(offset)
-            out.append(c)
+            arrays = tuple(t[f"{prefix}.{i}.{n}"] for n in cls.state_names) if filled else None
+            try:
+                out.append(cls.from_state(arrays, (str(int(offset)),)))
+            except ValueError as e:
+                raise ValueError(f"layer {prefix}.{i}: {e}") from e
         return out
 
     n_owed = int(layout["owed"])
@@ -143,17 +140,31 @@ def _state_from_tensors(t: Dict[str, mx.array], layout: dict) -> DecoderState:
     )
 
 
-def read_header(path: Path) -> Tuple[dict, int]:
-    """A safetensors file's header and data start; ValueError if it is not whole."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError("truncated header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > min(size - 8, 64 << 20):
-            raise ValueError("header longer than the file")
-        header = json.loads(f.read(n))
+# Safetensors dtype codes -> the NumPy dtype their bytes are read as (bf16: its bits).
+_NP = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "U32": "<u4", "I32": "<i4", "U16": "<u2",
+       "I64": "<i8", "U8": "u1"}
+DIGEST = "sha256"  # of header and data (``entry_digest``), in the metadata as "sha256:<hex>"
+_READ_CHUNK = 8 << 20
+
+
+def _open_entry(path: Path):
+    """An entry opened for reading without following a link; (file, size)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ValueError("not a regular file")
+    return os.fdopen(fd, "rb"), st.st_size
+
+
+def _parse_header(f, size: int) -> Tuple[dict, int]:
+    raw = f.read(8)
+    if len(raw) != 8:
+        raise ValueError("truncated header")
+    (n,) = struct.unpack("<Q", raw)
+    if n > min(size - 8, 64 << 20):
+        raise ValueError("header longer than the file")
+    header = json.loads(f.read(n))
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
               default=0)
     if 8 + n + end != size:
@@ -161,23 +172,83 @@ def read_header(path: Path) -> Tuple[dict, int]:
     return header, 8 + n
 
 
-def write_safetensors(path: Path, arrays: Dict[str, np.ndarray], codes: Dict[str, str],
+def read_header(path: Path) -> Tuple[dict, int]:
+    """A safetensors file's header and data start; ValueError if it is not whole."""
+    f, size = _open_entry(path)
+    with f:
+        return _parse_header(f, size)
+
+
+def read_entry(path: Path) -> Tuple[Dict[str, mx.array], dict]:
+    """An entry's arrays and metadata, read once and proven against its digest before any
+    array is built; ValueError on any mismatch."""
+    f, size = _open_entry(path)
+    with f:
+        header, start = _parse_header(f, size)
+        data = bytearray(size - start)
+        view, got = memoryview(data), 0
+        while got < len(data):
+            n = f.readinto(view[got : got + _READ_CHUNK])
+            if not n:
+                raise ValueError("file shrank while read")
+            got += n
+    meta = dict(header.get("__metadata__") or {})
+    want = meta.pop("digest", "")
+    if not want.startswith(DIGEST + ":"):
+        raise ValueError("no digest (written by an older version)")
+    if entry_digest(dict(header, __metadata__=meta), [data]) != want:
+        raise ValueError("digest mismatch (corrupted bytes)")
+    header.pop("__metadata__", None)
+    arrays = {}
+    for name, spec in header.items():
+        a, b = spec["data_offsets"]
+        dtype = np.dtype(_NP[spec["dtype"]])
+        values = np.frombuffer(data, dtype, (b - a) // dtype.itemsize, a).reshape(spec["shape"])
+        arr = mx.array(values)
+        arrays[name] = arr.view(mx.bfloat16) if spec["dtype"] == "BF16" else arr
+    return arrays, meta
+
+
+def entry_digest(header: dict, chunks) -> str:
+    """Digest of an entry: its header (canonical JSON, without the digest) then its data
+    section, so no bit of the file can change unseen (layout offsets included)."""
+    h = hashlib.new(DIGEST, json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+    for c in chunks:
+        h.update(c)
+    return f"{DIGEST}:{h.hexdigest()}"
+
+
+def write_safetensors(f, arrays: Dict[str, np.ndarray], codes: Dict[str, str],
                       metadata: Dict[str, str]):
-    """Write, fsync and close (the caller renames it into place)."""
-    header, offset = {"__metadata__": metadata}, 0
+    """Write to the open file ``f`` (with the entry's digest in its metadata) and fsync."""
+    header, offset = {"__metadata__": dict(metadata)}, 0
     for name, a in arrays.items():
         header[name] = {"dtype": codes[name], "shape": list(a.shape),
                         "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
+    arrays = {k: np.ascontiguousarray(a) for k, a in arrays.items()}
+    header["__metadata__"]["digest"] = entry_digest(header, [a.data for a in arrays.values()])
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for a in arrays.values():
-            f.write(np.ascontiguousarray(a).data)
-        f.flush()
-        os.fsync(f.fileno())
+    f.write(struct.pack("<Q", len(raw)))
+    f.write(raw)
+    for a in arrays.values():
+        f.write(a.data)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _sweep_tmp(path: Path, now: float):
+    """Delete a temp file left by a crash: any kind (file, link, FIFO) once stale; a link
+    at once (this store never makes one)."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) or now - st.st_mtime > STALE_TMP_SECONDS:
+            if stat.S_ISDIR(st.st_mode):
+                return
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 class SessionStore:
@@ -211,12 +282,8 @@ class SessionStore:
         now = time.time()
         foreign = 0
         for path in self.dir.iterdir():
-            if path.name.endswith(".tmp"):
-                try:  # a crashed write (or one still running in another process)
-                    if now - path.stat().st_mtime > STALE_TMP_SECONDS:
-                        path.unlink()
-                except OSError:
-                    pass
+            if path.name.endswith(".tmp"):  # a crashed write (or one still running)
+                _sweep_tmp(path, now)
                 continue
             if not path.name.endswith(SUFFIX):
                 continue
@@ -228,7 +295,7 @@ class SessionStore:
             except Exception as e:
                 log.warning("Prompt cache: ignoring unreadable %s (%s)", path.name, e)
                 continue
-            st = path.stat()
+            st = os.lstat(path)
             self._add(key, DiskEntry(path, st.st_size, has_mtp, st.st_mtime))
         if foreign:
             log.info("Prompt cache: %d entries in %s belong to another model (ignored)",
@@ -249,7 +316,8 @@ class SessionStore:
         if spec["dtype"] != "U32" or len(spec["shape"]) != 1:
             raise ValueError("bad tokens tensor")
         a, b = spec["data_offsets"]
-        with open(path, "rb") as f:
+        f, _ = _open_entry(path)
+        with f:
             f.seek(start + a)
             key = tuple(int(x) for x in np.frombuffer(f.read(b - a), np.dtype("<u4")))
         if self.file_for(key).name != path.name:
@@ -313,14 +381,12 @@ class SessionStore:
 
     def _load(self, key) -> DecoderState:
         path = self.index[key].path
-        read_header(path)  # whole file, before MLX maps it
-        arrays, meta = mx.load(str(path), return_metadata=True)
+        arrays, meta = read_entry(path)  # whole, and its bytes proven
         if meta.get("format") != FORMAT or meta.get("model") != self.model_id:
             raise ValueError("not this model's entry")
         if tuple(np.asarray(arrays["tokens"]).tolist()) != key:
             raise ValueError("stored tokens differ from the key")
         layout = json.loads(meta["layout"])
-        mx.eval(list(arrays.values()))  # read now: the file may be evicted later
         state = _state_from_tensors(arrays, layout)
         if state.n_processed != len(key) - 1:
             raise ValueError("state length does not match its key")
@@ -332,7 +398,7 @@ class SessionStore:
             return
         e.mtime = time.time()
         try:
-            os.utime(e.path, (e.mtime, e.mtime))
+            os.utime(e.path, (e.mtime, e.mtime), follow_symlinks=False)
         except OSError:  # evicted by another process sharing the directory
             self._drop(tuple(key), delete=False)
 
@@ -383,19 +449,23 @@ class SessionStore:
 
     def _write(self, key, arrays, codes, meta, has_mtp):
         path = self.file_for(key)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        # mkstemp: a fresh name, created exclusively (O_EXCL), never through a link
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=self.dir)
         try:
-            write_safetensors(tmp, arrays, codes, meta)
+            with os.fdopen(fd, "wb") as f:
+                write_safetensors(f, arrays, codes, meta)
             os.replace(tmp, path)
         finally:
-            if tmp.exists():
-                tmp.unlink()
+            try:
+                os.unlink(tmp)  # only after a failure: the rename took it otherwise
+            except FileNotFoundError:
+                pass
         fd = os.open(self.dir, os.O_RDONLY)
         try:
             os.fsync(fd)  # the rename itself survives a power loss
         finally:
             os.close(fd)
-        st = path.stat()
+        st = os.lstat(path)
         with self._lock:
             self._add(key, DiskEntry(path, st.st_size, has_mtp, st.st_mtime))
         self.written += 1

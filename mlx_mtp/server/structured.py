@@ -86,6 +86,7 @@ def tool_call_grammar(fmt: str, tools: List[dict], forced: str,
         else:  # opening: "<tool_call>\n<function=NAME>\n"
             rules.append(f"start: p0 {closing}")
         for i, f in enumerate(chosen):
+            G.check_json_schema(f.get("parameters") or {"type": "object"})
             rules += _xml_params(f"p{i}", f.get("parameters") or {})
     return G.lark_grammar("\n".join(rules))
 

@@ -1,0 +1,107 @@
+"""Measured step costs kept across processes, so a fresh process decides K from its
+first steps instead of learning what a step costs while it decodes.
+
+Costs depend on the model's shapes and dtypes (not its values), the machine, MLX and
+the matmul route, and whether decode steps are compiled: that is the file's key. When
+no file exists, ``calibrate`` times a few plain and draft steps of a dummy sequence
+within a time budget. ``mlx-mtp generate`` loads (or calibrates) before decoding and
+saves what it measured after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from .policy import DraftPolicy
+
+FORMAT = "mlx-mtp-step-costs-1"
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "mlx-mtp" / "step-costs"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cost_key(model) -> str:
+    """What a step's cost depends on (see the module doc), as a short digest."""
+    from mlx.utils import tree_flatten
+
+    from ..platform import blas
+
+    h = hashlib.sha256(f"{FORMAT}|{platform.machine()}|{_cpu_name()}|{os.cpu_count()}|"
+                       f"{mx.default_device()}|mlx {mx.__version__}|"
+                       f"openblas {blas.active()}|compiled {getattr(model, 'compiled', False)}"
+                       .encode())
+    for name, p in tree_flatten(model.parameters()):
+        h.update(f"|{name}:{p.dtype}:{tuple(p.shape)}".encode())
+    return h.hexdigest()[:32]
+
+
+def cost_file(model) -> Path:
+    return cache_dir() / f"{cost_key(model)}.json"
+
+
+def load(model, policy: DraftPolicy) -> bool:
+    """Feed stored costs to ``policy``; False when there are none (or unreadable ones)."""
+    try:
+        data = json.loads(cost_file(model).read_text())
+        cells = [(int(B), int(k), [float(s) for s in secs]) for B, k, secs in data["cells"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    for B, k, secs in cells:
+        for s in secs:
+            policy.costs.observe(B, k, s)
+    return bool(cells)
+
+
+def save(model, policy: DraftPolicy):
+    """Write the policy's measured costs (atomically: readers never see half a file)."""
+    cells = [[B, k, list(secs)] for (B, k), secs in sorted(policy.costs.cells.items()) if secs]
+    if not cells:
+        return
+    path = cost_file(model)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": FORMAT, "cells": cells}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache directory costs a calibration next time, nothing more
+
+
+def calibrate(model, policy: DraftPolicy, budget: float = 0.5) -> float:
+    """Time plain and draft steps of a dummy sequence until ``budget`` seconds are spent
+    (each K's first step pays one-off costs and is not counted); returns the seconds."""
+    from .batch import BatchDecoder
+
+    batch = BatchDecoder(model, policy.max_k, adaptive=True, policy=policy)
+    return batch.calibrate(batch_sizes=(1,), steps=3, prompt_len=8, budget=budget)
+
+
+def policy_for(model, max_k: int, budget: float = 0.5) -> DraftPolicy:
+    """An adaptive policy that knows this machine's step costs from the start."""
+    policy = DraftPolicy(max_k, adaptive=True)
+    if max_k and model.num_mtp_layers and not load(model, policy):
+        tic = time.perf_counter()
+        calibrate(model, policy, budget)
+        policy.calibration_seconds = time.perf_counter() - tic
+    return policy

@@ -1,0 +1,56 @@
+"""A fair share of the machine between a long prompt and the streams decoding beside it.
+
+The scheduler runs, per iteration, prompt chunks then one decode step for every stream.
+A fixed token budget per chunk is not fair: a chunk's cost grows with the prompt's context
+(at 8k tokens a 64-token chunk can outlast a decode step many times over), so streams slowed
+~10x beside a long prefill. Here the time decides: a chunk lasts about one decode step
+(measured), and when prompts have run longer than the decode steps since they started
+competing, the next iteration decodes only. Each side keeps at least half of the time, so
+a stream's inter-token gap stays within about two steps plus the overrun of one grid cell.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class FairShare:
+    """Time split between prompt chunks and decode steps while both have work.
+
+    ``debt``: seconds prompts ran beyond the decode steps' time since they started
+    competing; positive, the next iteration decodes only. ``tokens`` sizes a chunk to last
+    about one decode step, from the latest per-token prompt cost (it grows with context).
+    """
+
+    SMOOTH = 0.5  # weight of the newest measurement
+
+    def __init__(self):
+        self.debt = 0.0
+        self.step_s: Optional[float] = None  # a decode round
+        self.token_s: Optional[float] = None  # one prompt token in a chunk
+
+    def _mix(self, old: Optional[float], new: float) -> float:
+        return new if old is None else old + self.SMOOTH * (new - old)
+
+    def prefill_ran(self, seconds: float, tokens: int, competing: bool):
+        if tokens:
+            self.token_s = self._mix(self.token_s, seconds / tokens)
+        if competing:
+            self.debt += seconds
+
+    def decode_ran(self, seconds: float, competing: bool):
+        self.step_s = self._mix(self.step_s, seconds)
+        if competing:  # credit stays bounded: a prompt cannot bank a burst
+            self.debt = max(self.debt - seconds, -seconds)
+        else:
+            self.debt = 0.0
+
+    def budget(self, tokens: int, grid: int, most: int) -> int:
+        """Prompt tokens for this iteration, ``tokens`` at most: none while prompts have
+        had more than their half; else about one decode step's worth, rounded up to a
+        whole grid cell (a cell is the smallest chunk), at most ``most``."""
+        if self.debt > 0:
+            return 0
+        if self.step_s is not None and self.token_s:
+            tokens = min(tokens, int(self.step_s / self.token_s))
+        return min(most, max(grid, tokens))

