@@ -6,8 +6,8 @@ import os
 import sys
 
 from .options import (UserError, add_model_arguments, add_sampling_arguments,
-                      apply_model_options, describe_choices, mtp_model_from_args,
-                      num_draft_tokens_from_args,
+                      apply_model_options, describe_choices, draft_sources_from_args,
+                      mtp_model_from_args, num_draft_tokens_from_args,
                       parse_json_arg, sampling_from_args)
 
 
@@ -47,6 +47,7 @@ def run(args) -> int:
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
     k = num_draft_tokens_from_args(args)
+    sources, k = draft_sources_from_args(args, k)
     template_args = parse_json_arg(args.chat_template_args, "--chat-template-args")
     sampling = sampling_from_args(args, generation_defaults(args.model))
     group = _distributed_group(args)
@@ -64,6 +65,10 @@ def run(args) -> int:
         check_tokenizer_fits(model, tokenizer, args.model or "the demo model")
         mx.random.seed(shared_seed(group))  # unseeded sampling: the same seed on every rank
         adaptive = False  # K from per-rank timings could differ between ranks: fixed K
+        if args.draft_source not in (None, "mtp"):
+            raise UserError("--draft-source lookup/both is not available on a model split "
+                            "across processes; use --draft-source mtp")
+        sources = None  # every rank must draft alike: the head only
         if group.rank() != 0:  # rank 0 prints; the others only compute
             args.verbose, sys.stdout = False, open(os.devnull, "w")
     apply_model_options(model, args)
@@ -77,7 +82,8 @@ def run(args) -> int:
         print("==========")
     for r in stream_generate(model, tokenizer, text, max_tokens=args.max_tokens,
                              sampling=sampling, num_draft_tokens=k, adaptive=adaptive,
-                             prefill_step_size=args.prefill_step_size, policy=policy):
+                             prefill_step_size=args.prefill_step_size, policy=policy,
+                             draft_sources=sources):
         print(r.text, end="", flush=True)
         last = r
     print()

@@ -38,6 +38,7 @@ def add_model_arguments(p: argparse.ArgumentParser):
     p.add_argument("--spec-draft-p-min", type=float, default=None, metavar="P",
                    help="llama-server compatibility: accepted and not used (K adapts to the "
                         "measured acceptance instead of a per-token confidence cut-off)")
+    add_draft_source_arguments(p)
     # mlx-vlm's spelling: --draft-model DIR --draft-kind mtp.
     p.add_argument("--mtp-model", "--draft-model", dest="mtp_model", default=None,
                    metavar="PATH|ID",
@@ -55,6 +56,55 @@ def add_model_arguments(p: argparse.ArgumentParser):
                         "launched with more than one rank): pipeline (layers) or tensor "
                         "(heads). Default: tensor when the heads divide evenly and all ranks "
                         "are on this machine, else pipeline")
+
+
+DRAFT_SOURCES = ("mtp", "lookup", "both")  # as decode/draft_source.py (no MLX import here)
+
+
+def add_draft_source_arguments(p):
+    p.add_argument("--draft-source", choices=DRAFT_SOURCES, default=None,
+                   help="Where drafts come from: the MTP head (mtp), the context, copying the "
+                        "continuation of the longest recent match in the prompt and output "
+                        "(lookup: no head needed, it is not loaded), or per row and step "
+                        "whichever the measured acceptance and step cost favour, a context run "
+                        "extended by the head (both). Lossless either way. Default: both, or "
+                        "plain decoding with --no-mtp")
+    p.add_argument("--lookup-max-draft", type=int, default=16, metavar="N",
+                   help="Context tokens verified per step at most, 1-32 (default 16)")
+    p.add_argument("--lookup-min-match", type=int, default=3, metavar="N",
+                   help="Shortest repeated tail, in tokens, that proposes a copy (default 3)")
+
+
+def draft_source_from_args(args, k: int) -> str:
+    """The draft source for ``k`` head drafts (0: no head): ``--draft-source`` or the default."""
+    source = getattr(args, "draft_source", None)
+    if source is None:
+        return "both" if k > 0 else "mtp"
+    if source != "lookup" and k == 0 and (getattr(args, "no_mtp", False)
+                                         or getattr(args, "spec_type", None) == "none"):
+        raise UserError(f"--draft-source {source} needs the MTP head, which --no-mtp leaves "
+                        "out; use --draft-source lookup to draft from the context alone")
+    return source
+
+
+def draft_sources_from_args(args, k: int):
+    """``DraftSources`` for the decoders (None: head drafts only) and the K to use (0 with
+    --draft-source lookup: the head is not used)."""
+    source = draft_source_from_args(args, k)
+    if source == "mtp":
+        return None, k
+    from .decode.draft_source import DraftSources
+    from .decode.lookup import LookupSettings
+
+    try:
+        settings = LookupSettings(min_match=getattr(args, "lookup_min_match", 3),
+                                  max_match=max(8, getattr(args, "lookup_min_match", 3)),
+                                  max_draft=getattr(args, "lookup_max_draft", 16))
+    except ValueError as e:
+        raise UserError(str(e).replace("lookup max_draft", "--lookup-max-draft")
+                        .replace("lookup min_match", "--lookup-min-match"))
+    return DraftSources(source, settings, adaptive=not getattr(args, "fixed_k", False)), \
+        (0 if source == "lookup" else k)
 
 
 def mtp_model_from_args(args, distributed: bool = False):

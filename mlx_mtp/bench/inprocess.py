@@ -24,6 +24,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from ..models.cache import cache_state_arrays, restore_caches, snapshot_caches
+from ..decode.draft_source import DraftSources
+from ..decode.lookup import LookupSettings
 from ..decode.policy import DraftPolicy
 from ..decode.sampling import SamplingParams, log_softmax
 from ..decode.speculative import MTPDecoder, SpecStats
@@ -34,17 +36,25 @@ from .prompts import Prompt
 
 @dataclass
 class Setting:
-    name: str  # "plain", "K=2", "auto"
+    name: str  # "plain", "K=2", "auto", "lookup", "both"
     k: int  # draft tokens (max K for "auto")
     adaptive: bool = False
+    draft_source: str = "mtp"  # decode/draft_source.py
 
 
-def make_settings(ks: Sequence[int], auto: bool = True) -> List[Setting]:
-    """Plain decoding first (the baseline), each fixed K, then adaptive at max K."""
+def make_settings(ks: Sequence[int], auto: bool = True,
+                  sources: Sequence[str] = ("mtp",)) -> List[Setting]:
+    """Plain decoding first (the baseline), each fixed K, then adaptive at max K (MTP
+    alone), then each other draft source (adaptive; ``both`` at max K)."""
     ks = sorted(set(ks) | {0})
-    out = [Setting("plain" if k == 0 else f"K={k}", k) for k in ks]
-    if auto and max(ks) > 0:
+    out = [Setting("plain" if k == 0 else f"K={k}", k) for k in ks] if "mtp" in sources \
+        else [Setting("plain", 0)]
+    if auto and max(ks) > 0 and "mtp" in sources:
         out.append(Setting("auto", max(ks), adaptive=True))
+    if "lookup" in sources:
+        out.append(Setting("lookup", 0, adaptive=True, draft_source="lookup"))
+    if "both" in sources and max(ks) > 0:
+        out.append(Setting("both", max(ks), adaptive=True, draft_source="both"))
     return out
 
 
@@ -92,13 +102,16 @@ class RunResult:
 def run_once(model, ids: Sequence[int], setting: Setting, sampling: SamplingParams,
              max_tokens: int, eos: set = frozenset(), prefill_step_size: int = 2048,
              label: str = "", category: str = "", repeat: int = 0,
-             policy: Optional[DraftPolicy] = None, count_syncs: bool = False) -> RunResult:
+             policy: Optional[DraftPolicy] = None, count_syncs: bool = False,
+             sources: Optional[DraftSources] = None) -> RunResult:
     """Decode ``max_tokens`` tokens (fewer on EOS) with one setting, timing each phase.
-    ``policy``: the adaptive setting's draft policy, kept across its runs;
+    ``policy``: the adaptive setting's draft policy, kept across its runs (``sources``:
+    its context-draft settings and step costs, likewise);
     ``count_syncs``: count host syncs in the decode loop (not for timed runs)."""
     mx.reset_peak_memory()
     dec = MTPDecoder(model, setting.k, sampling, adaptive=setting.adaptive,
-                     prefill_step_size=prefill_step_size, policy=policy)
+                     prefill_step_size=prefill_step_size, policy=policy,
+                     drafter=None if sources is None else sources.drafter())
     tokens: List[int] = []
     steps_by_k: Counter = Counter()
     drafted = accepted = 0
@@ -138,13 +151,14 @@ def run_once(model, ids: Sequence[int], setting: Setting, sampling: SamplingPara
 
 # --- pass costs ---------------------------------------------------------------------
 def measure_costs(model, ids: Sequence[int], ks: Sequence[int], reps: int = 7,
-                  prefill_step_size: int = 2048) -> dict:
+                  prefill_step_size: int = 2048, verify_lengths: Sequence[int] = ()) -> dict:
     """Seconds for a plain step, a verify pass per K and a draft call, after ``ids``.
 
     Each pass runs on the caches left by the prompt and is undone afterwards
     (recurrent states restored, KV offsets reset), so every repetition sees the
     same context. Passes run round-robin, ``reps`` times after one warm-up
-    round; the median of each is kept.
+    round; the median of each is kept. ``verify_lengths``: more drafts per verify pass
+    to time (context drafts run 8-32 deep).
     """
     kmax = max(ks) if ks else 0
     has_mtp = model.num_mtp_layers > 0 and kmax > 0
@@ -162,7 +176,7 @@ def measure_costs(model, ids: Sequence[int], ks: Sequence[int], reps: int = 7,
         return fn
 
     passes = {"plain": (trunk_pass(y, False), dec.cache)}
-    for k in sorted(set(ks)):
+    for k in sorted(set(ks) | set(verify_lengths)):
         if k > 0:
             passes[k] = (trunk_pass(mx.repeat(y, k + 1, axis=1), True), dec.cache)
     if has_mtp:
@@ -257,6 +271,14 @@ def summarize_setting(setting: Setting, runs: List[RunResult], plain_runs: Dict[
         "mean_acceptance_length": spec.mean_acceptance_length if spec.num_drafts else None,
         "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
         "num_accepted_tokens": spec.num_accepted_tokens,
+        "draft_source": setting.draft_source,
+        "lookup_draft_tokens": spec.lookup_draft_tokens,
+        "lookup_accepted_tokens": spec.lookup_accepted_tokens,
+        "lookup_acceptance_rate": (spec.lookup_accepted_tokens / spec.lookup_draft_tokens
+                                   if spec.lookup_draft_tokens else None),
+        "mtp_acceptance_rate": ((spec.num_accepted_tokens - spec.lookup_accepted_tokens)
+                                / (spec.num_draft_tokens - spec.lookup_draft_tokens)
+                                if spec.num_draft_tokens > spec.lookup_draft_tokens else None),
         "accepted_per_pos": list(spec.accepted_per_pos),
         "drafted_per_pos": list(spec.drafted_per_pos),
         "peak_memory_gb": max(r.peak_memory_gb for r in runs),
@@ -330,6 +352,8 @@ class BenchConfig:
     cost_reps: int = 7
     warmup_tokens: int = 16
     prefill_step_size: int = 2048
+    draft_sources: Sequence[str] = ("mtp",)
+    lookup: LookupSettings = field(default_factory=LookupSettings)
 
 
 def run_inprocess(model, prompts: List[Prompt], encoded: List[List[int]], cfg: BenchConfig,
@@ -341,17 +365,19 @@ def run_inprocess(model, prompts: List[Prompt], encoded: List[List[int]], cfg: B
     """
     if model.num_mtp_layers == 0 and max(cfg.ks) > 0:
         raise ValueError("the model has no MTP head; only --num-draft-tokens 0 can run")
-    settings = make_settings(cfg.ks, cfg.auto)
+    settings = make_settings(cfg.ks, cfg.auto, cfg.draft_sources)
     eos = frozenset() if cfg.ignore_eos else frozenset(eos)
     tick = progress or (lambda _: None)
 
     # An adaptive setting keeps one policy over its runs, as a server keeps one: step
     # costs measured once carry over instead of being explored on every prompt.
     policies = {s.name: DraftPolicy(s.k, True) for s in settings if s.adaptive}
+    sources = {s.name: DraftSources(s.draft_source, cfg.lookup) for s in settings
+               if s.draft_source != "mtp"}
 
     def go(s, ids, n, **kw):
         return run_once(model, ids, s, cfg.sampling, n, eos, cfg.prefill_step_size,
-                        policy=policies.get(s.name), **kw)
+                        policy=policies.get(s.name), sources=sources.get(s.name), **kw)
 
     # Warm up every setting once on a short prompt (allocations, first-call costs),
     # counting host syncs per step while at it (the timed runs are not instrumented).
@@ -365,7 +391,8 @@ def run_inprocess(model, prompts: List[Prompt], encoded: List[List[int]], cfg: B
     # Pass costs, on each prompt's context.
     per_prompt = []
     for p, ids in zip(prompts, encoded):
-        c = measure_costs(model, ids, cfg.ks, cfg.cost_reps, cfg.prefill_step_size)
+        c = measure_costs(model, ids, cfg.ks, cfg.cost_reps, cfg.prefill_step_size,
+                          verify_lengths=(8, 16, 32) if sources else ())
         c["prompt"] = p.name
         per_prompt.append(c)
         tick(f"costs {p.name}")

@@ -80,6 +80,14 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="Skip the 'auto' row (adaptive K up to the largest K)")
     g.add_argument("--cost-reps", type=int, default=7,
                    help="Timed repetitions per pass-cost measurement (7, median)")
+    g.add_argument("--draft-source", default="mtp", metavar="LIST",
+                   help="Draft sources to compare, comma-separated from mtp (plain, each K, "
+                        "auto), lookup (drafts copied from the context, no head), both "
+                        "(per row and step, adaptive): e.g. mtp,lookup,both (default mtp)")
+    g.add_argument("--lookup-max-draft", type=int, default=16, metavar="N",
+                   help="Context tokens verified per step at most, 1-32 (default 16)")
+    g.add_argument("--lookup-min-match", type=int, default=3, metavar="N",
+                   help="Shortest repeated tail that proposes a copy (default 3)")
     g.add_argument("--warmup-tokens", type=int, default=16)
     g.add_argument("--ignore-chat-template", action="store_true",
                    help="Feed prompts as raw text, without the chat template")
@@ -251,10 +259,12 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
             encoded.append(encode_prompt(tokenizer, text))
         except ValueError as e:
             raise UserError(f"prompt {p.name}: {e}")
+    sources, lookup = _draft_sources(args)
     cfg = BenchConfig(ks=ks, max_tokens=args.max_tokens, repeats=args.repeats, sampling=sampling,
                       auto=not args.no_auto, ignore_eos=args.ignore_eos, cost_reps=args.cost_reps,
-                      warmup_tokens=args.warmup_tokens, prefill_step_size=args.prefill_step_size)
-    settings = make_settings(ks, cfg.auto)
+                      warmup_tokens=args.warmup_tokens, prefill_step_size=args.prefill_step_size,
+                      draft_sources=sources, lookup=lookup)
+    settings = make_settings(ks, cfg.auto, sources)
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     with _progress(args.quiet) as prog:
         task = prog.add_task("starting", total=work_units(len(settings), len(prompts),
@@ -278,12 +288,20 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
                    "draft_head_bits": args.draft_head_bits,
                    "draft_vocab": (None if model.text.draft_head is None
                                    else model.text.draft_head.size),
-                   "compile_steps": args.compile_steps},
+                   "compile_steps": args.compile_steps, "draft_sources": list(sources),
+                   "lookup_min_match": lookup.min_match, "lookup_max_draft": lookup.max_draft,
+                   # A penalty over prompt tokens discourages copying them (lookup drafts).
+                   "repetition_penalty": sampling.repetition_penalty,
+                   "presence_penalty": sampling.presence_penalty,
+                   "frequency_penalty": sampling.frequency_penalty},
     }
     title = (f"{model_path.name}: {n_params / 1e6:.1f}M params, {len(prompts)} prompts x "
              f"{args.repeats} repeats, {args.max_tokens} tokens, "
              f"{'greedy' if sampling.greedy else f'temp {sampling.temperature}'}")
     console.print(report.inprocess_table(rows, title))
+    for r in rows:
+        if r.get("draft_source", "mtp") != "mtp":
+            console.print(_source_line(r), highlight=False, markup=False)
     costs = result["costs"]
     console.print(
         f"plain step {costs.get('plain_step_ms', float('nan')):.2f} ms; c_verify(K) = trunk "
@@ -327,6 +345,38 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
         console.print(f"[bold red]warning[/bold red]: greedy output differs from plain decoding "
                       f"for {', '.join(bad)}", highlight=False)
     return 0
+
+
+def _draft_sources(args):
+    """``--draft-source`` as a list, and the lookup settings; bad values are a UserError."""
+    from ..decode.lookup import LookupSettings
+    from ..options import UserError
+
+    sources = [s.strip() for s in args.draft_source.split(",") if s.strip()]
+    bad = [s for s in sources if s not in ("mtp", "lookup", "both")]
+    if bad or not sources:
+        raise UserError(f"--draft-source takes a comma-separated list of mtp, lookup, both "
+                        f"(got {args.draft_source!r})")
+    try:
+        lookup = LookupSettings(min_match=args.lookup_min_match,
+                                max_match=max(8, args.lookup_min_match),
+                                max_draft=args.lookup_max_draft)
+    except ValueError as e:
+        raise UserError(str(e).replace("lookup max_draft", "--lookup-max-draft")
+                        .replace("lookup min_match", "--lookup-min-match"))
+    return sources, lookup
+
+
+def _source_line(r: dict) -> str:
+    """Acceptance by source of a context-drafting setting, and what it drafted per step."""
+    def rate(v):
+        return "-" if v is None else f"{100 * v:.0f}%"
+    mal = r.get("mean_acceptance_length")
+    return (f"{r['setting']}: context drafts accepted {r['lookup_accepted_tokens']}/"
+            f"{r['lookup_draft_tokens']} ({rate(r['lookup_acceptance_rate'])}), head "
+            f"{rate(r['mtp_acceptance_rate'])}; mean accepted length "
+            f"{'-' if mal is None else f'{mal:.2f}'}; steps by drafted length "
+            f"{r['steps_by_k']}")
 
 
 def readme_snippet(meta: dict, rows: List[dict], costs: dict,

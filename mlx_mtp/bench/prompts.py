@@ -9,6 +9,8 @@ changes both the verify cost (attention over more keys) and prompt speed.
 * ``builtin``: the first prompt of each category (code, prose, qa, long);
 * ``builtin:all``: every built-in prompt;
 * ``builtin:code,qa``: every prompt of the named categories;
+* ``builtin:copy``: answers that repeat their context (edits of a given module, a
+  quoting summary, an answer from documents: ``copy_prompts.py``);
 * a file: ``.jsonl`` (one ``{"prompt": ..., "category": ...}`` per line, or a
   bare JSON string per line), ``.json`` (a list of those), or plain text
   (prompts separated by blank lines).
@@ -20,6 +22,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List
+
+from .copy_prompts import COPY
 
 
 @dataclass
@@ -110,6 +114,8 @@ LONG = [
 ]
 
 BUILTIN: Dict[str, List[str]] = {"code": CODE, "prose": PROSE, "qa": QA, "long": LONG}
+# Named sets outside ``builtin`` / ``builtin:all``: answers that repeat their context.
+EXTRA: Dict[str, List[str]] = {"copy": COPY}
 
 
 def builtin_prompts(spec: str = "builtin") -> List[Prompt]:
@@ -118,11 +124,12 @@ def builtin_prompts(spec: str = "builtin") -> List[Prompt]:
     if not sel:
         return [Prompt(f"{cat}-1", cat, texts[0]) for cat, texts in BUILTIN.items()]
     cats = list(BUILTIN) if sel == "all" else [c.strip() for c in sel.split(",") if c.strip()]
-    unknown = [c for c in cats if c not in BUILTIN]
+    sets = {**BUILTIN, **EXTRA}
+    unknown = [c for c in cats if c not in sets]
     if unknown:
         raise ValueError(f"unknown built-in prompt set(s) {', '.join(unknown)}; "
-                         f"choose from {', '.join(BUILTIN)} or 'all'")
-    return [Prompt(f"{c}-{i + 1}", c, t) for c in cats for i, t in enumerate(BUILTIN[c])]
+                         f"choose from {', '.join(sets)} or 'all'")
+    return [Prompt(f"{c}-{i + 1}", c, t) for c in cats for i, t in enumerate(sets[c])]
 
 
 def _from_record(rec, i: int, default_cat: str) -> Prompt:

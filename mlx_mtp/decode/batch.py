@@ -159,7 +159,8 @@ class BatchDecoder:
         """Start the next plain step before reading this one (plain steps only, and not
         with a grammar row: its next mask needs this step's token)."""
         if (not self.overlap or pending.k != 0
-                or any(r.sampler.grammar is not None for r in self.core.rows)):
+                or any(r.sampler.grammar is not None for r in self.core.rows)
+                or any(r.drafter is not None and r.drafter.has_match() for r in self.core.rows)):
             return
         self._next_ks = self.choose_ks(load)
         if not any(self._next_ks):
@@ -190,7 +191,7 @@ class BatchDecoder:
         (recorded when the chain ends, or two at a time while it goes on, the newest step
         held back so the next pair stays together). Timed one by one, the policy's median
         swung between the two and drafting paused for two plain steps after each draft."""
-        if not self.K:
+        if not self.K or any(o.lookup_drafted for o in outs):  # context drafts: not the policy's
             return
         B = len(outs)
         if p.k != 0 or seconds is None or (self._ahead is None and not self._plain_run):

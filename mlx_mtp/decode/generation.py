@@ -44,6 +44,7 @@ def stream_generate(
     prefill_step_size: int = 2048,
     stop: Sequence[str] = (),
     grammar: Optional[str] = None,
+    draft_sources=None,
     policy: Optional[DraftPolicy] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text, with MTP speculative decoding when ``num_draft_tokens`` > 0.
@@ -53,6 +54,8 @@ def stream_generate(
     ``tokenizer.decode`` of the generated ids (eos excluded), cut before the first of
     the ``stop`` strings. ``grammar``: an llguidance grammar the output must match
     (``grammar.json_schema_grammar(schema)`` for JSON); generation ends where it does.
+    ``draft_sources``: a ``draft_source.DraftSources`` to draft from the context too (None:
+    the head only).
     ``policy``: the ``DraftPolicy`` choosing K (e.g. ``step_costs.policy_for``).
     """
     if max_tokens < 0:
@@ -63,7 +66,8 @@ def stream_generate(
     if grammar is not None:
         state = Grammar(tokenizer, grammar, model.text.args.vocab_size, sorted(text.eos)).start()
     dec = MTPDecoder(model, num_draft_tokens, sampling, adaptive=adaptive,
-                     prefill_step_size=prefill_step_size, grammar=state, policy=policy)
+                     prefill_step_size=prefill_step_size, grammar=state, policy=policy,
+                     drafter=None if draft_sources is None else draft_sources.drafter())
     mx.reset_peak_memory()
 
     tic = time.perf_counter()
@@ -72,7 +76,9 @@ def stream_generate(
     while max_tokens > 0 and text.finish_reason is None:
         out = dec.step()
         # A head loaded in the wrong layout fails silently: warn once if it accepts ~nothing.
-        check_acceptance(dec.stats.num_draft_tokens, dec.stats.num_accepted_tokens,
+        s = dec.stats  # the head's drafts only: context drafts say nothing about it
+        check_acceptance(s.num_draft_tokens - s.lookup_draft_tokens,
+                         s.num_accepted_tokens - s.lookup_accepted_tokens,
                          getattr(model, "model_type", ""))
         if prompt_time is None:
             prompt_time = time.perf_counter() - tic
@@ -119,4 +125,9 @@ def format_stats(r: GenerationResponse) -> str:
             f"({100 * s.acceptance_rate:.1f}%), mean acceptance length "
             f"{s.mean_acceptance_length:.2f}, per-pos [{per_pos}], drafts {s.num_drafts}"
         )
+        if s.lookup_drafts:
+            head_drafted = s.num_draft_tokens - s.lookup_draft_tokens
+            head_accepted = s.num_accepted_tokens - s.lookup_accepted_tokens
+            lines[-1] += (f"; by source: context {s.lookup_accepted_tokens}/"
+                          f"{s.lookup_draft_tokens}, head {head_accepted}/{head_drafted}")
     return "\n".join(lines)

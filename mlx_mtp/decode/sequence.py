@@ -57,7 +57,7 @@ class Sequence:
 
     def __init__(self, model, num_draft_tokens: int = 3,
                  sampling: SamplingParams = SamplingParams(), adaptive: bool = True,
-                 prefill_step_size: int = 2048, cache=None, grammar=None):
+                 prefill_step_size: int = 2048, cache=None, grammar=None, drafter=None):
         check_num_draft_tokens(num_draft_tokens)
         if num_draft_tokens > 0 and model.num_mtp_layers == 0:
             raise ValueError(
@@ -73,7 +73,8 @@ class Sequence:
         self.mtp_cache = model.make_mtp_cache() if self.K > 0 else None
         schedule = SeededSchedule(self.K, adaptive) if self.K and needs_schedule(sampling) else None
         self.row = Row(key=None, sampler=self.sampler, max_k=self.K, y=None,
-                       owed=OwedPairs() if self.K else None, schedule=schedule)
+                       owed=OwedPairs() if self.K else None, schedule=schedule,
+                       drafter=drafter)  # draft_source.RowDrafter: context drafts too
         self.last_hidden: Optional[mx.array] = None  # hidden of the last prompt token run
         self.n_processed = 0  # prompt tokens already in the trunk cache
         self.snapshot_state: Optional[DecoderState] = None
@@ -118,6 +119,8 @@ class Sequence:
             raise ValueError(f"Prompt token id {bad[0]} is outside the vocabulary "
                              f"(0..{vocab - 1}).")
         tokens = mx.array(prompt, mx.uint32)[None]
+        if self.row.drafter is not None:
+            self.row.drafter.index.sync(prompt)
         n = len(prompt) - 1
         if self.sampler.history is not None:  # the repetition penalty covers the prompt
             self.sampler.history.set_prompt(prompt)

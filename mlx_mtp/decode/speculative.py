@@ -37,9 +37,10 @@ class MTPDecoder(Sequence):
     def __init__(self, model, num_draft_tokens: int = 3,
                  sampling: SamplingParams = SamplingParams(), adaptive: bool = True,
                  prefill_step_size: int = 2048, cache=None,
-                 policy: Optional[DraftPolicy] = None, overlap: bool = True, grammar=None):
+                 policy: Optional[DraftPolicy] = None, overlap: bool = True, grammar=None,
+                 drafter=None):
         super().__init__(model, num_draft_tokens, sampling, adaptive, prefill_step_size,
-                         cache, grammar)
+                         cache, grammar, drafter)
         self.overlap = overlap
         self._policy = policy
         self._batch: Optional[BatchDecoder] = None

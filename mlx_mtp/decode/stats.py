@@ -18,6 +18,10 @@ class SpecStats:
     num_accepted_tokens: int = 0
     drafted_per_pos: List[int] = field(default_factory=list)
     accepted_per_pos: List[int] = field(default_factory=list)
+    # Of the above, drafts copied from the context (decode/lookup.py); the rest are the head's.
+    lookup_drafts: int = 0
+    lookup_draft_tokens: int = 0
+    lookup_accepted_tokens: int = 0
 
     def record(self, k: int, n_accepted: int):
         if k == 0:
@@ -42,6 +46,9 @@ class SpecStats:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
+        self.lookup_drafts += other.lookup_drafts
+        self.lookup_draft_tokens += other.lookup_draft_tokens
+        self.lookup_accepted_tokens += other.lookup_accepted_tokens
 
     @property
     def acceptance_rate(self) -> float:
@@ -65,4 +72,7 @@ class SpecStats:
             "accepted_per_pos": list(self.accepted_per_pos),
             "drafted_per_pos": list(self.drafted_per_pos),
             "acceptance_per_pos": self.acceptance_per_pos,
+            "lookup_drafts": self.lookup_drafts,
+            "lookup_draft_tokens": self.lookup_draft_tokens,
+            "lookup_accepted_tokens": self.lookup_accepted_tokens,
         }

@@ -6,7 +6,12 @@ drafts row ``b`` asked for (``k = max k_b``):
 1. draft: chain the MTP head k times for every row. Its first call also writes
    the MTP pairs each row still owes (``OwedPairs``: trunk hidden at ``i`` with
    token ``i+1``); later calls feed the head its own post-norm output and the
-   previous draft.
+   previous draft. A row with a ``drafter`` (``draft_source.py``) may take its
+   first drafts from the context instead (``lookup.py``), extended by the head or
+   not; the head chains only as far as some row needs it (``J <= k`` passes, fed
+   the context drafts). A context draft is a one-hot proposal ``q``: accepted with
+   probability ``p(d)``, and a rejection draws from ``p`` without ``d`` (the
+   residual ``p - q``), so step 3's rule stays exact.
 2. verify: one trunk pass over every row's ``[y, d_1..d_k]`` (``capture=True``).
 3. accept: ``sampling.verify`` per group of rows sampling alike; a row that asked
    for fewer drafts stops at its own ``k_b`` and takes the target's token there,
@@ -14,7 +19,8 @@ drafts row ``b`` asked for (``k = max k_b``):
    drafts is the step's only host sync.
 4. roll back: every trunk cache keeps ``n_b + 1`` positions of the pass
    (``accept``), the MTP caches drop their ``k - 1`` chained (draft-conditioned)
-   entries, and the accepted positions' hiddens become owed MTP pairs.
+   entries (``J - 1``; none if no row used the head), and the accepted positions'
+   hiddens become owed MTP pairs.
 
 A row with a grammar (``sampler.grammar``, structured output) has the same mask applied
 to its draft logits at position ``j`` and its verify row ``j`` (``grammar.py``); such a
@@ -28,11 +34,13 @@ other rows or on how many drafts earlier steps made.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from time import perf_counter
 from typing import Hashable, List, Optional, Sequence
 
 import mlx.core as mx
 
 from . import logits as logits_processing
+from .draft_source import DraftPlan
 from .grammar import apply_masks, stack_masks
 from .noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, uniform
 from .sampling import Sampler, SamplingParams, log_softmax, sample, verify
@@ -95,6 +103,8 @@ class StepOutput:
     logprobs: mx.array  # (len(tokens), V) target log-probs for each emitted token
     num_drafted: int
     num_accepted: int
+    lookup_drafted: int = 0  # of num_drafted, copied from the context (draft_source.py)
+    lookup_accepted: int = 0
 
 
 @dataclass
@@ -109,6 +119,7 @@ class Row:
     stats: SpecStats = field(default_factory=SpecStats)
     n_out: int = 0  # tokens emitted: the output position of the next one
     schedule: Optional[object] = None  # policy.SeededSchedule: K from this row alone
+    drafter: Optional[object] = None  # draft_source.RowDrafter: drafts from the context too
 
     @property
     def params(self) -> SamplingParams:
@@ -172,6 +183,9 @@ class _Pending:
     n_accepted: Optional[mx.array] = None  # (B,)
     drafts: Optional[mx.array] = None  # (B, k)
     h_mtp: Optional[mx.array] = None  # (B, k+1, H)
+    plans: Optional[List[DraftPlan]] = None  # per row: context drafts, then head drafts
+    head_steps: int = 0  # head passes chained (positions drafted by the head or after it)
+    started: float = 0.0
 
 
 class DecodeBatch:
@@ -192,13 +206,26 @@ class DecodeBatch:
 
     def launch(self, ks: Sequence[int]) -> _Pending:
         """Build the step's graph (``ks[b]``: drafts for row b) and start evaluating it."""
-        ks = list(ks)
+        started = perf_counter()
+        plans = self._plans(list(ks))
+        ks = [p.total for p in plans]
         k = max(ks) if ks else 0
-        if k and self.mtp_cache is None:
+        if any(p.head for p in plans) and self.mtp_cache is None:
             raise ValueError("drafting needs an MTP cache")
-        pending = self._launch_plain() if k == 0 else self._launch_spec(k, ks)
+        pending = self._launch_plain() if k == 0 else self._launch_spec(k, ks, plans)
+        pending.started = started
         mx.async_eval(pending.tokens, pending.logprobs)
         return pending
+
+    def _plans(self, ks: List[int]) -> List[DraftPlan]:
+        """Each row's drafts: the head's ``ks[b]``, or what its drafter picks. The head
+        alone drafts for a row under a grammar (a context draft may break it) or with a
+        seeded schedule, and on a split model (every rank must draft alike)."""
+        off = getattr(self.model, "share", None) is not None
+        return [DraftPlan([], kb) if off or r.drafter is None or r.schedule is not None
+                or r.sampler.grammar is not None
+                else r.drafter.plan(kb, r.can_draft(), len(self.rows))
+                for r, kb in zip(self.rows, ks)]
 
     def finish(self, p: _Pending) -> List[StepOutput]:
         """Read the step (the one host sync) and commit it: rollback, owed pairs, stats."""
@@ -207,7 +234,10 @@ class DecodeBatch:
             for b, r in enumerate(self.rows):
                 if r.sampler.grammar is not None:
                     self._on_row(b, lambda: r.sampler.grammar.commit([ids[b]]))
+                if r.drafter is not None:
+                    r.drafter.index.extend([ids[b]])
             self._observe(ids)
+            self._observe_cost(p)
             return [StepOutput([ids[b]], p.logprobs[b : b + 1], 0, 0)
                     for b in range(len(self.rows))]
         B, k = len(self.rows), p.k
@@ -216,7 +246,8 @@ class DecodeBatch:
         n_keep = [n + 1 for n in n_acc]
         for c in self.cache:
             c.accept(n_keep)
-        drop_drafted(self.model, self.mtp_cache, k)
+        if p.head_steps:  # entries conditioned on drafts, not on trunk hiddens
+            drop_drafted(self.model, self.mtp_cache, p.head_steps)
         out = []
         for b, r in enumerate(self.rows):
             n = n_acc[b]
@@ -235,8 +266,16 @@ class DecodeBatch:
             ids = draft_ids[b * k : b * k + n] + [next_ids[b]]
             if r.sampler.grammar is not None:
                 self._on_row(b, lambda: r.sampler.grammar.commit(ids))
-            out.append(StepOutput(ids, p.logprobs[b, : n + 1], p.ks[b], n))
+            looked, hit = 0, 0
+            if r.drafter is not None:
+                looked, hit = r.drafter.record(p.plans[b], n)
+                r.drafter.index.extend(ids)
+                r.stats.lookup_drafts += looked > 0
+                r.stats.lookup_draft_tokens += looked
+                r.stats.lookup_accepted_tokens += hit
+            out.append(StepOutput(ids, p.logprobs[b, : n + 1], p.ks[b], n, looked, hit))
         self._observe([t for o in out for t in o.tokens])
+        self._observe_cost(p)
         return out
 
     def _observe(self, ids: List[int]):
@@ -244,6 +283,13 @@ class DecodeBatch:
         tuner = getattr(self.model, "draft_vocab_tuner", None)
         if tuner is not None:
             tuner.observe(ids)
+
+    def _observe_cost(self, p: _Pending):
+        """The step's wall time, for the drafters' choice (launch to read, commit included)."""
+        drafter = next((r.drafter for r in self.rows if r.drafter is not None), None)
+        if drafter is not None:
+            drafter.sources.costs.observe(len(self.rows), p.k, p.head_steps,
+                                          perf_counter() - p.started)
 
     # -- internals -------------------------------------------------------------------
     def _groups(self) -> List[_Group]:
@@ -364,25 +410,34 @@ class DecodeBatch:
             ts.append(pad_t if t is None else mx.concatenate([pad_t, t[1].astype(mx.uint32)], axis=1))
         return mx.concatenate(hs), mx.concatenate(ts), lengths
 
-    def _launch_spec(self, k: int, ks: List[int]) -> _Pending:
-        model, rows = self.model, self.rows
-        for r, kb in zip(rows, ks):
-            if kb and not r.can_draft():
-                raise ValueError(f"row {r.key!r} cannot draft (no MTP pairs owed)")
-        groups = self._groups()
-        target_noise = draft_noise = None
+    def _noises(self, groups, k: int, V: int):
+        """Per group: the target's noise at the k+1 positions and the drafts' (None: greedy);
+        coupled drafts share the target's noise."""
+        target = [self._noise(g, k + 1, TARGET, V) for g in groups]
+        draft = [None if n is None else n[:, :k] if g.params.coupled
+                 else self._noise(g, k, DRAFT, V) for g, n in zip(groups, target)]
+        return target, draft
 
-        # 1. draft; the first call also writes every row's owed pairs.
+    def _context_drafts(self, plans: List[DraftPlan], k: int):
+        """Context drafts (B, k) (0 where none) and where they are (B, k) bool; None if none."""
+        if not any(p.lookup for p in plans):
+            return None, None
+        fixed = [p.lookup + [0] * (k - len(p.lookup)) for p in plans]
+        where = [[j < len(p.lookup) for j in range(k)] for p in plans]
+        return mx.array(fixed, mx.uint32), mx.array(where)
+
+    def _draft_head(self, J: int, k: int, groups, grammars, masks, fixed, where):
+        """Chain the head J of the k positions (drafts at position j: the context's where
+        it drafts, else the head's pick; ``masks``: the grammar's per position, extended
+        here). Returns drafts per position (B,), each group's filtered draft log-probs per
+        position, the logits processor and the noises."""
+        model, rows = self.model, self.rows
         hidden, tokens, lengths = self._owed_chunk()
         _prepare(self.mtp_cache, hidden.shape[1], lengths)
         out = model.mtp_forward(hidden, tokens, self.mtp_cache)[:, -1:]
-        drafts, draft_lps = [], []  # per step j: (B,), per group (b, V)
+        drafts, draft_lps, noises = [], [], None  # per step j: (B,), per group (b, V)
         proc = None
-        grammars = self._grammars()
-        masks = []  # per position j: (B, 1, W), the grammar after the first j drafts
-        if grammars is not None:
-            masks.append(self._masks(grammars, lambda b, g: g.mask()))
-        for j in range(k):
+        for j in range(J):
             if j:
                 _prepare(self.mtp_cache, 1)
                 out = model.mtp_forward(out, drafts[-1][:, None], self.mtp_cache, depth=j)
@@ -395,19 +450,56 @@ class DecodeBatch:
                 draft_logits = apply_masks(draft_logits, masks[j])
             lq = log_softmax(draft_logits[:, 0])  # (B, V)
             if j == 0:  # per position: coupled drafts share the target's noise
-                V = lq.shape[-1]
-                target_noise = [self._noise(g, k + 1, TARGET, V) for g in groups]
-                draft_noise = [None if n is None else n[:, :k] if g.params.coupled
-                               else self._noise(g, k, DRAFT, V)
-                               for g, n in zip(groups, target_noise)]
+                noises = self._noises(groups, k, lq.shape[-1])
             qs = self._per_group(groups, lambda g: self._filter(g, lq))
             picks = [sample(q, None if n is None else n[:, j])
-                     for q, n in zip(qs, draft_noise)]
-            drafts.append(self._merge(groups, picks))
+                     for q, n in zip(qs, noises[1])]
+            pick = self._merge(groups, picks)
+            drafts.append(pick if fixed is None
+                          else mx.where(where[:, j], fixed[:, j], pick.astype(mx.uint32)))
             draft_lps.append(qs)
             if grammars is not None:  # the next mask needs this draft: read it
                 ids = drafts[-1].tolist()
                 masks.append(self._masks(grammars, lambda b, g: g.draft(ids[b])))
+        return drafts, draft_lps, proc, noises
+
+    def _draft_logprobs(self, g: _Group, gi: int, drafts, draft_lps, where, V: int):
+        """(b, k, V) log q of the group's drafts: one-hot at a context draft (and past
+        the head's J positions), the head's filtered distribution elsewhere."""
+        d = g.take(drafts)
+        k, J = d.shape[1], len(draft_lps)
+        one_hot = mx.where(mx.arange(V)[None, None] == d[..., None], 0.0, -mx.inf)
+        if J == 0:
+            return one_hot
+        head = mx.stack([lps[gi] for lps in draft_lps], axis=1)  # (b, J, V)
+        if J < k:
+            head = mx.concatenate([head, one_hot[:, J:]], axis=1)
+        return head if where is None else mx.where(g.take(where)[..., None], one_hot, head)
+
+    def _launch_spec(self, k: int, ks: List[int], plans: List[DraftPlan]) -> _Pending:
+        model, rows = self.model, self.rows
+        for r, p in zip(rows, plans):
+            if p.head and not r.can_draft():
+                raise ValueError(f"row {r.key!r} cannot draft (no MTP pairs owed)")
+        groups = self._groups()
+        grammars = self._grammars()
+        fixed, where = self._context_drafts(plans, k)
+
+        # 1. draft: the head chains J times (its first call also writes every row's owed
+        # pairs); past J only context drafts remain.
+        J = max((p.total for p in plans if p.head), default=0)
+        masks = []  # per position j: (B, 1, W), the grammar after the first j drafts
+        if grammars is not None:
+            masks.append(self._masks(grammars, lambda b, g: g.mask()))
+        drafts, draft_lps, proc, noises = [], [], None, None
+        if J:
+            drafts, draft_lps, proc, noises = self._draft_head(J, k, groups, grammars, masks,
+                                                               fixed, where)
+        else:
+            for r in rows:  # the head rests this step, as in a plain step
+                if r.owed is not None and r.schedule is None:
+                    r.owed.trim()
+        drafts = [d.astype(mx.uint32) for d in drafts] + [fixed[:, j] for j in range(J, k)]
         drafts, = _share(model, mx.stack(drafts, axis=1))  # (B, k): what every rank verifies
 
         # 2. verify every row in one trunk pass.
@@ -415,11 +507,16 @@ class DecodeBatch:
         _prepare(self.cache, k + 1)
         h_norm, h_mtp = model.trunk(inputs, self.cache, capture=True)
         logits = model.logits(h_norm)  # (B, k+1, V)
+        if J == 0:
+            proc = self._processing(logits.shape[-1])
         if proc is not None:
             logits = proc.apply(logits, drafts)
-        if grammars is not None:
+        if grammars is not None:  # past J + 1 only rows without a grammar verify
+            masks += [stack_masks(grammars, [None] * len(rows))] * (k + 1 - len(masks))
             logits = apply_masks(logits, mx.concatenate(masks, axis=1))
         raw = log_softmax(logits)
+        V = raw.shape[-1]
+        target_noise, _ = noises if noises is not None else self._noises(groups, k, V)
 
         # 3. accept, per group.
         def accept(g, gi):
@@ -429,7 +526,7 @@ class DecodeBatch:
             d = g.take(drafts)
             if g.params.greedy or g.params.coupled:
                 return verify(target, d, None, target_noise[gi], limit=limit)
-            q = mx.stack([lps[gi] for lps in draft_lps], axis=1)  # (b, k, V)
+            q = self._draft_logprobs(g, gi, drafts, draft_lps, where, V)
             sel = [self.rows[b] for b in g.rows]
             u = uniform(position_keys([r.sampler.seed for r in sel], [r.n_out for r in sel],
                                       k, ACCEPT))
@@ -443,4 +540,4 @@ class DecodeBatch:
                 raise RowError(self.rows[g.rows[0]].key, e) from e
         n_acc, nxt = _share(model, self._merge(groups, [n for n, _ in results]),
                             self._merge(groups, [t for _, t in results]))
-        return _Pending(k, ks, nxt.astype(mx.uint32), raw, n_acc, drafts, h_mtp)
+        return _Pending(k, ks, nxt.astype(mx.uint32), raw, n_acc, drafts, h_mtp, plans, J)

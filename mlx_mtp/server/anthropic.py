@@ -40,7 +40,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 # reads them (vLLM's and llama-server's vendor extensions, and ours).
 EXTENSIONS = ("seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
               "logit_bias", "num_draft_tokens", "mtp_coupled", "cache_prompt",
-              "chat_template_kwargs")
+              "chat_template_kwargs", "draft_source")
 
 
 def _status(status: int) -> int:

@@ -34,7 +34,7 @@ from .events import Delta, Done, EngineRequest, EngineUnavailable, Failed
 from .http_guard import BODY_BYTES, GuardConfig, RequestGuard
 from .prompts import forced_tool, prepare_chat, prepare_completion
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request,
-                       parse_request)
+                       check_draft_source, parse_request)
 from .responses import ChatFormatter, CompletionFormatter
 from .state import ServerState
 from .structured import compile_constraint
@@ -169,7 +169,8 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
                               "num_draft_tokens must be 0.", param="num_draft_tokens")
     stop = check_stop(req.stop)
     return dict(max_tokens=max_tokens, sampling=sampling, stop=stop, num_draft_tokens=k,
-                cache_prompt=req.cache_prompt is not False)
+                cache_prompt=req.cache_prompt is not False,
+                draft_source=check_draft_source(req.draft_source))
 
 
 def _parse_off_loop(raw: bytes, model_cls, tok=None):

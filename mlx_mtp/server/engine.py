@@ -36,6 +36,7 @@ from typing import Deque, List, Optional
 import mlx.core as mx
 
 from ..decode.batch import BatchDecoder, BatchStepError
+from ..decode.draft_source import DraftSources
 from ..decode.grammar import first_line
 from ..decode.sequence import Sequence
 from ..decode.speculative import SpecStats, StepOutput
@@ -95,6 +96,7 @@ class Engine:
         log_interval: float = 10.0,
         calibrate: bool = True,
         sync: Optional[StepSync] = None,
+        draft_sources: Optional[DraftSources] = None,
     ):
         if prefill_step_size < 1:
             raise ValueError("prefill_step_size must be >= 1")
@@ -139,6 +141,8 @@ class Engine:
         # Decoding sequences share one batched forward per step (MTP included).
         self.batch = BatchDecoder(model, num_draft_tokens if self.has_mtp else 0, adaptive)
         self.fair = FairShare()
+        # Context drafts (--draft-source, a request's draft_source): one cost table for all.
+        self.draft_sources = draft_sources or DraftSources("mtp", adaptive=adaptive)
 
     # -- interface used by the HTTP layer (any thread) ----------------------------
     def start(self):
@@ -271,11 +275,13 @@ class Engine:
 
     def _make_seq(self, req: EngineRequest) -> _Seq:
         k = self.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens
-        if not self.has_mtp:
+        source = req.draft_source or self.draft_sources.source
+        if not self.has_mtp or source == "lookup":
             k = 0
         dec = Sequence(self.model, k, req.sampling, adaptive=self.adaptive,
                        prefill_step_size=self.prefill_step_size,
-                       grammar=None if req.grammar is None else req.grammar.start())
+                       grammar=None if req.grammar is None else req.grammar.start(),
+                       drafter=self.draft_sources.drafter(source))
         if dec.mtp_cache is not None:
             dec.drafting_hint = lambda: self.batch.would_draft(max(len(self.batch) + 1,
                                                                    self._load()))
@@ -420,7 +426,8 @@ class Engine:
     def _consume(self, seq: _Seq, out: StepOutput):
         now = time.perf_counter()
         req = seq.req
-        self.metrics.record_step(out.num_drafted, out.num_accepted)
+        self.metrics.record_step(out.num_drafted, out.num_accepted, out.lookup_drafted,
+                                 out.lookup_accepted)
         self._log_stats.record(out.num_drafted, out.num_accepted)
         n_used, text = seq.text.add(out.tokens)
         used = out.tokens[:n_used]
@@ -476,8 +483,9 @@ class Engine:
         req, stats = seq.req, seq.dec.stats
         self._remove(seq)
         self.total_stats.merge(stats)
-        check_acceptance(self.total_stats.num_draft_tokens,
-                         self.total_stats.num_accepted_tokens, self.model_name)
+        t = self.total_stats  # the head's drafts only: context drafts say nothing about it
+        check_acceptance(t.num_draft_tokens - t.lookup_draft_tokens,
+                         t.num_accepted_tokens - t.lookup_accepted_tokens, self.model_name)
         P, C = len(req.prompt), seq.n_generated
         prompt_s = (seq.t_prefill_done or now) - seq.t_admit
         gen_s = now - (seq.t_prefill_done or now)
@@ -500,6 +508,12 @@ class Engine:
             "completion_tokens": C,
             "total_tokens": P + C,
             "prompt_tokens_details": {"cached_tokens": seq.n_cached},
+            # Ours: drafted and accepted tokens by source (the head, the context).
+            "draft_tokens_by_source": {
+                "mtp": {"drafted": stats.num_draft_tokens - stats.lookup_draft_tokens,
+                        "accepted": stats.num_accepted_tokens - stats.lookup_accepted_tokens},
+                "lookup": {"drafted": stats.lookup_draft_tokens,
+                           "accepted": stats.lookup_accepted_tokens}},
         }
         mtp = {"enabled": seq.mtp_enabled, **spec_fields(stats)}
         m = self.metrics

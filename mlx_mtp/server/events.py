@@ -57,6 +57,7 @@ class EngineRequest:
     on_event: Callable[[object], None] = lambda ev: None
     stop: Sequence[str] = ()
     num_draft_tokens: Optional[int] = None  # None: the server's K
+    draft_source: Optional[str] = None  # mtp | lookup | both; None: the server's
     logprobs: Optional[int] = None  # None: off; n >= 0: chosen token plus top n
     cache_prompt: bool = True
     grammar: Optional[object] = None  # decode.grammar.Grammar: structured output

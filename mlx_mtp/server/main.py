@@ -18,8 +18,9 @@ from ..models.layout import text_config
 from ..models.distributed import distributed_group, load_distributed
 from ..models.loader import generation_defaults, load, load_config, resolve_model_path
 from ..options import (UserError, add_model_arguments, add_sampling_arguments,
-                       apply_model_options, mtp_model_from_args, num_draft_tokens_from_args,
-                       parse_json_arg, sampling_defaults, sampling_from_args)
+                       apply_model_options, draft_sources_from_args, mtp_model_from_args,
+                       num_draft_tokens_from_args, parse_json_arg, sampling_defaults,
+                       sampling_from_args)
 from .app import create_app
 from .distributed import LeaderSync, run_follower
 from .engine import Engine
@@ -174,7 +175,8 @@ def _session_store(args, model, metrics):
 
 
 def build_state(args, model, tokenizer, config: dict, k: int, sampling_defaults: dict,
-                template_args: dict, model_path=None, sync=None) -> ServerState:
+                template_args: dict, model_path=None, sync=None,
+                draft_sources=None) -> ServerState:
     text_cfg = text_config(config)
     ctx = args.max_kv_size or text_cfg.get("max_position_embeddings") or 32768
     vocab = text_cfg.get("vocab_size") or len(tokenizer.get_vocab())
@@ -194,7 +196,7 @@ def build_state(args, model, tokenizer, config: dict, k: int, sampling_defaults:
         prefix_cache=PrefixCache(args.prompt_cache_size, args.prompt_cache_bytes,
                                  disk=_session_store(args, model, metrics)),
         metrics=metrics, max_queue=args.max_queue, model_name=names[0],
-        log_interval=args.log_interval, sync=sync,
+        log_interval=args.log_interval, sync=sync, draft_sources=draft_sources,
     )
     return ServerState(
         engine=engine, tokenizer=tokenizer, model_name=names[0], aliases=aliases,
@@ -243,6 +245,10 @@ def run(args) -> int:
     # Under mlx.launch: rank 0 serves HTTP, the other ranks follow its steps.
     group = distributed_group(args.distributed)
     leader = group is None or group.rank() == 0
+    if group is not None and args.draft_source not in (None, "mtp"):
+        raise UserError("--draft-source lookup/both is not available on a model split "
+                        "across processes; use --draft-source mtp")
+    draft_sources, k = (None, k) if group is not None else draft_sources_from_args(args, k)
 
     if leader:
         _check_port(args.host, args.port)  # before spending minutes loading a model
@@ -268,7 +274,7 @@ def run(args) -> int:
         _set_chat_template(tokenizer, _read_template(args.chat_template))
     sync = None if group is None else LeaderSync(model, args.distributed_timeout)
     state = build_state(args, model, tokenizer, load_config(path), k, defaults, template_args,
-                        model_path=path, sync=sync)
+                        model_path=path, sync=sync, draft_sources=draft_sources)
     if sync is not None:
         sync.attach(state.engine)
     origins = split_list(args.allowed_origins)

@@ -43,6 +43,9 @@ def spec_fields(stats: SpecStats, missing: Optional[float] = 0.0) -> dict:
         "acceptance_rate": stats.acceptance_rate if stats.num_draft_tokens else missing,
         "accepted_per_pos": list(stats.accepted_per_pos),
         "drafted_per_pos": list(stats.drafted_per_pos),
+        # Of the drafts, those copied from the context (decode/lookup.py).
+        "lookup_draft_tokens": stats.lookup_draft_tokens,
+        "lookup_accepted_tokens": stats.lookup_accepted_tokens,
     }
 
 
@@ -199,6 +202,13 @@ class ServerMetrics:
         self.spec_drafted_per_pos = r.counter(
             p + "spec_decode_num_drafted_tokens_per_pos_total",
             "Drafted tokens per draft position.", ("position",))
+        # Not in vLLM: drafts by source, mtp (the head) or lookup (copied from the context).
+        self.spec_draft_tokens_by_source = r.counter(
+            p + "spec_decode_num_draft_tokens_by_source_total",
+            "Draft tokens by source (mtp, lookup).", ("source",))
+        self.spec_accepted_by_source = r.counter(
+            p + "spec_decode_num_accepted_tokens_by_source_total",
+            "Accepted tokens by source (mtp, lookup).", ("source",))
         self.ttft = r.histogram(p + "time_to_first_token_seconds",
                                 "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = r.histogram(p + "inter_token_latency_seconds",
@@ -210,10 +220,19 @@ class ServerMetrics:
         self.generation_len = r.histogram(p + "request_generation_tokens",
                                           "Number of generation tokens per request.", TOKEN_BUCKETS)
 
-    def record_step(self, num_drafted: int, num_accepted: int):
+    def record_step(self, num_drafted: int, num_accepted: int, lookup_drafted: int = 0,
+                    lookup_accepted: int = 0):
         if num_drafted <= 0:
             return
+        for source, d, a in (("mtp", num_drafted - lookup_drafted,
+                              num_accepted - lookup_accepted),
+                             ("lookup", lookup_drafted, lookup_accepted)):
+            self.spec_draft_tokens_by_source.inc(d, source=source)
+            self.spec_accepted_by_source.inc(a, source=source)
         self.spec.record(num_drafted, num_accepted)
+        self.spec.lookup_drafts += lookup_drafted > 0
+        self.spec.lookup_draft_tokens += lookup_drafted
+        self.spec.lookup_accepted_tokens += lookup_accepted
         self.spec_drafts.inc()
         self.spec_draft_tokens.inc(num_drafted)
         self.spec_accepted.inc(num_accepted)

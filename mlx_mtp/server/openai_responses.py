@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 # reads them (OpenAI chat fields, vLLM's and llama-server's extensions, and ours).
 EXTENSIONS = ("seed", "top_k", "min_p", "stop", "presence_penalty", "frequency_penalty",
               "repetition_penalty", "logit_bias", "num_draft_tokens", "mtp_coupled",
-              "cache_prompt", "chat_template_kwargs")
+              "cache_prompt", "chat_template_kwargs", "draft_source")
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 

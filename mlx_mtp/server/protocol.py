@@ -52,6 +52,14 @@ def bad_request(message: str, param: Optional[str] = None, code: str = "invalid_
     return APIError(400, message, param=param, code=code)
 
 
+def check_draft_source(value: Optional[str]) -> Optional[str]:
+    """A request's ``draft_source`` (None: the server's --draft-source)."""
+    if value not in (None, "mtp", "lookup", "both"):
+        raise bad_request(f"draft_source must be one of mtp, lookup, both (got {value!r})",
+                          param="draft_source")
+    return value
+
+
 class _Base(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -116,6 +124,9 @@ class _GenerationFields(_Base):
     # Ours: sampled drafts share the target's noise (SamplingParams.coupled), so a seeded
     # answer is the same with MTP on or off; None: the server's --coupled.
     mtp_coupled: Optional[bool] = None
+    # Ours: where drafts come from, mtp | lookup | both (decode/draft_source.py); None: the
+    # server's --draft-source.
+    draft_source: Optional[str] = None
 
 
 class ChatCompletionRequest(_GenerationFields):

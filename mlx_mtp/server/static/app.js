@@ -235,6 +235,11 @@ function update(s) {
   $("acceptance").textContent = percent(s.acceptance_rate);
   $("acceptance-length").textContent = fmt(s.mean_acceptance_length, 2);
   $("drafts").textContent = count(s.num_drafts);
+  // Draft tokens copied from the context (--draft-source lookup|both): accepted / drafted.
+  $("lookup").textContent = s.lookup_draft_tokens
+    ? `${count(s.lookup_accepted_tokens)} / ${count(s.lookup_draft_tokens)} ` +
+      `(${percent(s.lookup_accepted_tokens / s.lookup_draft_tokens)})`
+    : "–";
   fillRows($("positions").tBodies[0], s.per_position.map((p) => [
     String(p.position + 1), percent(p.rate), bar(p.rate)]));
 

@@ -1,0 +1,207 @@
+"""Where each row's drafts come from: the MTP chain, the context (``lookup.py``), or a
+context run extended by the head when it ends.
+
+``DraftSources`` is shared by the rows of one decoder or engine: the setting
+(``mtp``, ``lookup`` or ``both``), the lookup settings and the measured step costs.
+``RowDrafter`` belongs to one row: its lookup index and its acceptance per source.
+Per step, ``RowDrafter.plan`` picks the candidate with the most tokens per second:
+expected tokens from the row's measured acceptance at each draft position (per source),
+over the measured cost of a step verifying that many positions (``StepCosts``: a step
+with ``k`` positions to verify, ``J`` of them chained through the head, costs
+``verify(k) + J * head``, both fitted from steps as they run; a length never measured
+is tried at an optimistic guess, which measuring it corrects).
+
+The choice depends only on what earlier steps showed, never on this step's draws, and a
+context draft is a deterministic proposal: greedy output is unchanged and sampled output
+keeps the target distribution (``sampling.verify``: ``q`` one-hot at the proposal).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Tuple
+
+from . import MAX_DRAFT_TOKENS
+from .lookup import MAX_LOOKUP_DRAFT, LookupIndex, LookupSettings
+from .policy import AcceptanceEstimate
+
+DRAFT_SOURCES = ("mtp", "lookup", "both")
+
+
+def check_draft_source(value, name: str = "draft_source") -> str:
+    if value not in DRAFT_SOURCES:
+        raise ValueError(f"{name} must be one of {', '.join(DRAFT_SOURCES)} (got {value!r})")
+    return value
+
+
+@dataclass
+class DraftPlan:
+    """One row's drafts for a step: context tokens first, then ``head`` MTP drafts."""
+
+    lookup: List[int] = field(default_factory=list)
+    head: int = 0
+
+    @property
+    def total(self) -> int:
+        return len(self.lookup) + self.head
+
+
+class StepCosts:
+    """Seconds per step by (batch size, positions verified, head passes chained).
+
+    Read many times per step (every candidate of every row), written once: what is
+    derived from the cells is kept until the next observation.
+    """
+
+    def __init__(self, memory: int = 16):
+        self.cells: Dict[Tuple[int, int, int], Deque[float]] = {}
+        self.memory = memory
+        self._derived: Dict[tuple, object] = {}
+
+    def observe(self, B: int, k: int, head: int, seconds: float):
+        self.cells.setdefault((B, k, head), deque(maxlen=self.memory)).append(seconds)
+        self._derived.clear()
+
+    def _memo(self, key, fn):
+        if key not in self._derived:
+            self._derived[key] = fn()
+        return self._derived[key]
+
+    def _median(self, key) -> Optional[float]:
+        """The cell's median, leaving out its first step once there are others (the first
+        use of a shape pays one-off costs)."""
+        def median():
+            cell = self.cells.get(key)
+            if not cell:
+                return None
+            steps = list(cell)
+            return statistics.median(steps[1:] if 1 < len(steps) < self.memory else steps)
+        return self._memo(("median", key), median)
+
+    def _verify_cells(self, B: int) -> List[Tuple[int, float]]:
+        return self._memo(("verify", B), lambda: sorted(
+            (k, self._median(c)) for c in self.cells for k in [c[1]] if c[0] == B and c[2] == 0))
+
+    def verify(self, B: int, k: int) -> Optional[float]:
+        """A step with no head pass: measured, else interpolated between the nearest
+        measured lengths, else the nearest shorter one (optimistic)."""
+        known = self._verify_cells(B)
+        if not known:
+            return None
+        i = bisect.bisect_left(known, (k, -math.inf))
+        if i < len(known) and known[i][0] == k:
+            return known[i][1]
+        if i == 0:
+            return known[0][1]
+        (k0, t0) = known[i - 1]
+        if i == len(known):
+            return t0
+        (k1, t1) = known[i]
+        return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+
+    def head_pass(self, B: int) -> float:
+        """Seconds one chained head pass adds (0 until measured: optimistic)."""
+        def fit():
+            extra = [(self._median(c) - base) / c[2] for c in self.cells
+                     if c[0] == B and c[2] for base in [self.verify(B, c[1])]
+                     if base is not None]
+            return max(statistics.median(extra), 0.0) if extra else 0.0
+        return self._memo(("head", B), fit)
+
+    def predict(self, B: int, k: int, head: int) -> Optional[float]:
+        direct = self._median((B, k, head))
+        if direct is not None and len(self.cells[(B, k, head)]) >= 3:
+            return direct
+        base = self.verify(B, k)
+        if base is None:
+            return direct
+        fitted = base + head * self.head_pass(B)
+        return fitted if direct is None else min(direct, fitted)
+
+
+class DraftSources:
+    """The draft-source setting of one decoder or engine, and its measured step costs."""
+
+    def __init__(self, source: str = "both", settings: LookupSettings = LookupSettings(),
+                 adaptive: bool = True, margin: float = 1.05,
+                 probe_gap: Tuple[int, int] = (4, 256)):
+        self.source = check_draft_source(source)
+        self.settings = settings
+        self.adaptive = adaptive
+        self.margin = margin  # drafting must beat a plain step clearly
+        # Steps between re-tries of a context run the estimates turned down (doubling):
+        # a row that starts copying later must be noticed; a useless one costs little.
+        self.probe_gap = probe_gap
+        self.costs = StepCosts()
+
+    def drafter(self, source: Optional[str] = None) -> Optional["RowDrafter"]:
+        """A row's drafter (None: the row drafts from the head only)."""
+        source = self.source if source is None else check_draft_source(source)
+        return None if source == "mtp" else RowDrafter(self, source)
+
+
+class RowDrafter:
+    """One row's lookup index and measured acceptance per source."""
+
+    def __init__(self, sources: DraftSources, source: str):
+        self.sources, self.source = sources, source
+        self.index = LookupIndex(sources.settings)
+        self.acceptance = {"mtp": AcceptanceEstimate(MAX_DRAFT_TOKENS, 0.97, 3.0),
+                           "lookup": AcceptanceEstimate(MAX_LOOKUP_DRAFT, 0.97, 3.0),
+                           "ext": AcceptanceEstimate(MAX_DRAFT_TOKENS, 0.97, 3.0)}
+        self._gap = self._wait = sources.probe_gap[0]
+
+    def has_match(self) -> bool:
+        return self.index.match()[1] is not None
+
+    def plan(self, k_head: int, can_head: bool, B: int) -> DraftPlan:
+        """Drafts for the next step; ``k_head``: the policy's K for the head (0: paused)."""
+        mtp = DraftPlan([], k_head if can_head and self.source == "both" else 0)
+        proposal = self.index.propose()
+        if not proposal:
+            return mtp
+        ended = len(proposal) < self.sources.settings.max_draft  # the context ran out
+        full = DraftPlan(proposal, mtp.head if ended else 0)
+        if not self.sources.adaptive:
+            return full
+        # Expected tokens of the first n context drafts: 1 + a1 + a1*a2 + ... (once per step).
+        expected, reach = [1.0], 1.0
+        for a in self.acceptance["lookup"].alpha[:len(proposal)]:
+            reach *= a
+            expected.append(expected[-1] + reach)
+        extension = self.acceptance["ext"].expected_tokens(full.head) - 1
+        candidates = [(DraftPlan(proposal[:n]), expected[n]) for n in range(1, len(proposal) + 1)]
+        candidates += [(mtp, self.acceptance["mtp"].expected_tokens(mtp.head)), (DraftPlan(), 1.0),
+                       (full, expected[-1] + reach * extension)]
+        best = max(candidates, key=lambda c: self._rate(*c, B))[0]
+        if best.lookup:
+            self._gap = self._wait = self.sources.probe_gap[0]
+            return best
+        self._wait -= 1
+        if self._wait > 0:
+            return best
+        self._gap = self._wait = min(2 * self._gap, self.sources.probe_gap[1])
+        return full  # a probe: measures its acceptance and its cost again
+
+    def _rate(self, plan: DraftPlan, expected: float, B: int) -> float:
+        """Expected tokens per second; a plain step's counts ``margin`` times (drafting
+        must beat it clearly)."""
+        head_passes = plan.total if plan.head else 0
+        t = self.sources.costs.predict(B, plan.total, head_passes)
+        t = t if t is not None else 1.0  # nothing measured yet: tokens alone decide
+        return expected / t * (1.0 if plan.total else self.sources.margin)
+
+    def record(self, plan: DraftPlan, n_accepted: int) -> Tuple[int, int]:
+        """Learn from a step's outcome; returns (context drafts, of them accepted)."""
+        n = len(plan.lookup)
+        if n:
+            self.acceptance["lookup"].record(n, [n_accepted])
+            if plan.head and n_accepted >= n:
+                self.acceptance["ext"].record(plan.head, [n_accepted - n])
+        elif plan.head:
+            self.acceptance["mtp"].record(plan.head, [n_accepted])
+        return n, min(n, n_accepted)

@@ -1,0 +1,46 @@
+"""``--draft-source`` on the command line: same text as plain decoding, clear errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args):
+    p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", *args], capture_output=True,
+                       text=True, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return str(tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1, vocab_size=4096))
+
+
+def _text(out):
+    return out.split("==========")[1]
+
+
+def test_draft_sources_print_the_same_text_as_plain_decoding(model):
+    prompt = "a b c d a b c d a b c d a b c d a b c"
+    common = ("generate", "--model", model, "--prompt", prompt, "-m", "24",
+              "--ignore-chat-template")
+    code, plain, err = run(*common, "--no-mtp")
+    assert code == 0, err
+    for extra in (["--draft-source", "lookup"], ["--draft-source", "both", "--fixed-k"],
+                  ["--draft-source", "lookup", "--lookup-max-draft", "32",
+                   "--lookup-min-match", "1"]):
+        code, out, err = run(*common, *extra)
+        assert code == 0, err
+        assert _text(out) == _text(plain), extra
+        assert "Generation: 24 tokens" in out
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--no-mtp", "--draft-source", "both"], "--draft-source lookup"),
+    (["--draft-source", "lookup", "--lookup-max-draft", "40"], "--lookup-max-draft"),
+    (["--draft-source", "ngram"], "invalid choice"),
+])
+def test_bad_draft_source_options_exit_2(model, args, msg):
+    code, out, err = run("generate", "--model", model, "--prompt", "x", "-m", "2", *args)
+    assert code == 2 and msg in err and "Traceback" not in err, err
