@@ -133,3 +133,24 @@ def test_batched_rows_equal_mlx_lm(ckpt, family):
             outs[key] += o.tokens
     assert [outs[i][:16] for i in range(len(prompts))] == want
     assert bd.core.mtp_cache[2].chain_pending is not None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_context_drafts_beside_the_chained_layers_equal_mlx_lm(ckpt, family):
+    """Drafts copied from the context (up to 32 a step, some rejected) before the chained
+    layers' drafts: the window caches and every layer's cache roll back, output equals
+    mlx-lm's."""
+    from mlx_mtp.decode.draft_source import DraftSources
+    from mlx_mtp.decode.lookup import LookupSettings
+
+    cycle = list(range(40, 90))
+    prompt = cycle + [7, 8] + cycle[:6]  # the oracle trunk copies on past the cycle's end
+    path = ckpt(family, "oracle", trunk_scale=0.1)
+    ref = mlx_lm_greedy(path, prompt, 60)
+    model = load_model(path)[0]
+    for source, k in (("lookup", 0), ("both", 3)):
+        sources = DraftSources(source, LookupSettings(max_draft=32), adaptive=False)
+        dec = MTPDecoder(model, k, adaptive=False, drafter=sources.drafter())
+        got = [t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=60)]
+        assert got == ref, source
+        assert 0 < dec.stats.lookup_accepted_tokens < dec.stats.lookup_draft_tokens
