@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 
@@ -9,6 +10,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # imports mlx_mtp (whose import loads the OpenBLAS shim otherwise); test_fast_blas runs the
 # shim in child processes.
 os.environ["MLX_MTP_BLAS"] = "reference"
+# Step costs persist under $XDG_CACHE_HOME/mlx-mtp (generate stores them): a session of its own,
+# so no test reads costs another process or an earlier run measured.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="mlx-mtp-test-cache-")
 
 
 @pytest.fixture(scope="session")
