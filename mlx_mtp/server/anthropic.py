@@ -385,7 +385,7 @@ class MessageFormatter:
         events.append({"type": "message_stop"})
         return events
 
-    # stream framing (see app.run_request): named events, no [DONE]
+    # stream framing (see pipeline.Pipeline.run_request): named events, no [DONE]
     stream_trailer = ""
 
     @staticmethod

@@ -360,7 +360,7 @@ class ResponseFormatter:
         kind = "response.incomplete" if truncated else "response.completed"
         return events + [self._event(kind, response=self._final(done))]
 
-    # stream framing (see app.run_request): named events, no [DONE]
+    # stream framing (see pipeline.Pipeline.run_request): named events, no [DONE]
     stream_trailer = ""
 
     @staticmethod
