@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterable, Optional, Tuple
 
-from .models.layout import CheckpointError
+from .errors import CheckpointError
 
 # What loading a model reads: config, weights (mtp.safetensors included, unlike mlx-lm's
 # ``model*.safetensors``), tokenizer, chat template, draft-vocab ranking. No ``*.py``:
@@ -158,42 +158,6 @@ def download_file(repo_id: str, filename: str, revision: Optional[str] = None,
     if verify:
         check_sha256(path, filename, spec)
     return path
-
-
-def mtp_source(spec: str, workdir: Path) -> Path:
-    """A directory (in ``workdir``) holding the config of hub model ``spec`` and only the
-    safetensors files that hold its ``mtp.*`` tensors, as the safetensors index names
-    them (checksummed). Downloads nothing else."""
-    import json
-
-    from .models.attention_trunk import mtp_key_predicate
-
-    parsed = parse_repo_id(spec)
-    if parsed is None:
-        raise HubError(f"{spec!r} is not a hub id (expected org/name or org/name@revision).")
-    repo_id, revision = parsed
-    config = download_file(repo_id, "config.json", revision)
-    revision = config.parent.name  # the snapshot's commit: every file from the same one
-    is_mtp_key = mtp_key_predicate(json.loads(config.read_text()))  # key names differ per family
-    index = download_file(repo_id, "model.safetensors.index.json", revision, missing_ok=True)
-    if index is None:
-        shards = ["model.safetensors"]  # a single-file checkpoint holds everything
-    else:
-        weight_map = json.loads(index.read_text()).get("weight_map") or {}
-        shards = sorted({f for k, f in weight_map.items() if is_mtp_key(k)})
-        if not shards:  # some releases keep the head in a file the index does not name
-            shards = ["mtp.safetensors"]
-    out = Path(workdir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").symlink_to(config)
-    for name in shards:
-        path = download_file(repo_id, name, revision, verify=True, missing_ok=True)
-        if path is None:
-            raise HubError(f"{spec} has no MTP weights: its safetensors index names no mtp.* "
-                           "tensor. Use the original release (e.g. Qwen/Qwen3.6-27B) as --from: "
-                           "conversions made by other tools strip the head.")
-        (out / Path(name).name).symlink_to(path)
-    return out
 
 
 def check_sha256(path: Path, filename: str, spec: str) -> None:

@@ -122,7 +122,7 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
         )
     if hub.is_repo_id(source_path):  # fetch only the config and the shards holding mtp.*
         with tempfile.TemporaryDirectory(prefix="mlx-mtp-head-") as tmp:
-            source = hub.mtp_source(str(source_path), Path(tmp) / Path(str(source_path)).name)
+            source = hub_mtp_source(str(source_path), Path(tmp) / Path(str(source_path)).name)
             return add_mtp(model_path, source, mtp_bits, force, verbose=verbose)
     if hub.is_repo_id(model_path):
         raise ConversionError(
@@ -320,3 +320,37 @@ def run(args) -> int:
             args.model, args.source, args.output, mtp_bits=args.mtp_bits, force=args.force))
     return run_guarded("add-mtp", lambda: add_mtp(args.model, args.source, mtp_bits=args.mtp_bits,
                                                   force=args.force))
+
+
+def hub_mtp_source(spec: str, workdir: Path) -> Path:
+    """A directory (in ``workdir``) holding the config of hub model ``spec`` and only the
+    safetensors files that hold its ``mtp.*`` tensors, as the safetensors index names
+    them (checksummed). Downloads nothing else."""
+    import json
+
+    parsed = hub.parse_repo_id(spec)
+    if parsed is None:
+        raise hub.HubError(f"{spec!r} is not a hub id (expected org/name or org/name@revision).")
+    repo_id, revision = parsed
+    config = hub.download_file(repo_id, "config.json", revision)
+    revision = config.parent.name  # the snapshot's commit: every file from the same one
+    is_mtp_key = mtp_key_predicate(json.loads(config.read_text()))  # key names differ per family
+    index = hub.download_file(repo_id, "model.safetensors.index.json", revision, missing_ok=True)
+    if index is None:
+        shards = ["model.safetensors"]  # a single-file checkpoint holds everything
+    else:
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        shards = sorted({f for k, f in weight_map.items() if is_mtp_key(k)})
+        if not shards:  # some releases keep the head in a file the index does not name
+            shards = ["mtp.safetensors"]
+    out = Path(workdir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").symlink_to(config)
+    for name in shards:
+        path = hub.download_file(repo_id, name, revision, verify=True, missing_ok=True)
+        if path is None:
+            raise hub.HubError(f"{spec} has no MTP weights: its safetensors index names no mtp.* "
+                           "tensor. Use the original release (e.g. Qwen/Qwen3.6-27B) as --from: "
+                           "conversions made by other tools strip the head.")
+        (out / Path(name).name).symlink_to(path)
+    return out

@@ -24,11 +24,9 @@ from typing import Dict, Iterable, List, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..errors import CheckpointError  # noqa: F401 (re-exported)
+
 log = logging.getLogger("mlx_mtp")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as it is; the message says why and what to do."""
 
 
 class MissingMTPWeightsError(CheckpointError):
