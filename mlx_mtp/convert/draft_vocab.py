@@ -18,14 +18,13 @@ from ..models.layout import text_config
 from .. import hub
 from ..models.loader import load_config, resolve_model_path
 from ..options import UserError
+from ..text_corpus import _load_tokenizer, corpus_file_list, read_corpus_file
 
 BATCH_FILES = 64
 
 
 def count_tokens(tokenizer, files, vocab_size: int, max_tokens: int = 0) -> np.ndarray:
     """Per-token counts over ``files`` (stopping after ``max_tokens`` when > 0)."""
-    from ..train.tokenizer_build import read_corpus_file
-
     counts = np.zeros(vocab_size, np.int64)
     for i in range(0, len(files), BATCH_FILES):
         texts = [read_corpus_file(f) for f in files[i:i + BATCH_FILES]]
@@ -61,8 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from ..train.data import _load_tokenizer, corpus_file_list
-
     if args.output is None and hub.is_repo_id(args.model):
         raise UserError(f"{args.model} is a hub id: pass --output FILE (mlx-mtp does not write "
                         "into the Hugging Face cache), or convert the model to a local directory.")

@@ -37,9 +37,9 @@ from mlx.utils import tree_flatten
 from . import layout
 from .cache import KVCache, RecurrentCache
 from .hybrid import GatedAttention, GatedDeltaNetBase, MLP, SparseMoeBlock
-from .loader import (ModelLoadError, _apply_overrides, _castable, _quantized_prefixes,
-                     _upcast_cpu_experts, build_model, load_config, load_tokenizer,
-                     quantize_like_checkpoint, read_weights, resolve_dtype, resolve_model_path)
+from .loader import (ModelLoadError, _apply_overrides, _upcast_cpu_experts, build_model,
+                     load_config, load_tokenizer, quantize_and_cast, read_weights,
+                     resolve_model_path)
 
 MODES = ("pipeline", "tensor")
 # int32 words in the first all_sum of a ``broadcast``: a serve step's message fits.
@@ -412,15 +412,8 @@ def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None
         raise DistributedError(f"--distributed cannot split {model.model_type} models yet; "
                                "run this model on one machine (without --distributed).")
     weights = model.sanitize(read_weights(p))
-    quantize_like_checkpoint(model, weights, layout.config_quantization(config))
-    # As ``load_model`` (lazy casts: a rank reads only what it keeps); every rank decides
-    # from the whole checkpoint, so all pick the same dtype.
-    dtype = resolve_dtype(dtype, weights, model)
-    if dtype is not None:
-        quantized = _quantized_prefixes(weights)
-        weights = {k: v.astype(dtype) if _castable(k, v, model, quantized) else v
-                   for k, v in weights.items()}
-    model.load_dtype = dtype
+    # Every rank decides the dtype from the whole checkpoint, so all pick the same one.
+    weights = quantize_and_cast(model, weights, layout.config_quantization(config), dtype)
     text = model.text
     mode = choose_mode(mode, text.args, group.size())
     layer_range = None

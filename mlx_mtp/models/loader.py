@@ -267,6 +267,22 @@ def build_model(config: dict, where="config.json") -> nn.Module:
                              f"{type(e).__name__}: {e}") from e
 
 
+def quantize_and_cast(model: nn.Module, weights: dict, quantization: Optional[dict],
+                      dtype_choice) -> dict:
+    """The one path from sanitized checkpoint weights to loadable ones (single-process and
+    distributed loads alike): quantize the modules the checkpoint stores quantized, pick the
+    dtype (``choose_dtype``; recorded as ``model.load_dtype`` / ``model.dtype_choice``) and
+    cast the float weights to it, lazily, so a caller evaluates only what it keeps."""
+    quantize_like_checkpoint(model, weights, quantization)
+    dtype, model.dtype_choice = choose_dtype(dtype_choice, weights, model)
+    model.load_dtype = dtype
+    if dtype is None:
+        return weights
+    quantized = _quantized_prefixes(weights)
+    return {k: v.astype(dtype) if _castable(k, v, model, quantized) else v
+            for k, v in weights.items()}
+
+
 def load_model(
     path,
     mtp: bool = True,
@@ -304,18 +320,12 @@ def load_model(
     if drafter is not None:
         prefix = next(k for k in weights if layout.is_mtp_key(k)).split("mtp.")[0] + "mtp."
         quantization = dict(quantization or {}, **drafter.quantization_overrides(prefix))
-    quantize_like_checkpoint(model, weights, quantization)
-    dtype, model.dtype_choice = choose_dtype(dtype, weights, model)
-    if dtype is not None:
-        quantized = _quantized_prefixes(weights)
-        weights = {k: v.astype(dtype) if _castable(k, v, model, quantized) else v
-                   for k, v in weights.items()}
+    weights = quantize_and_cast(model, weights, quantization, dtype)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise ModelLoadError(f"Weights in {path} do not match the model: {e}") from e
     _upcast_cpu_experts(model)
-    model.load_dtype = dtype
     model.eval()
     if not lazy:
         mx.eval(model.parameters())

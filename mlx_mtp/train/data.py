@@ -8,15 +8,14 @@ from typing import List, Sequence
 
 import numpy as np
 
+from ..text_corpus import TEXT_SUFFIXES, _load_tokenizer, corpus_file_list  # noqa: F401  (re-exported)
+
 ASSETS = Path(__file__).parent.parent / "assets"
 TOKENIZER_DIR = ASSETS / "tokenizer"
 DEMO_MODEL_DIR = ASSETS / "demo-model"
 FAMILY = "qwen3_5"
 ENDOFTEXT_ID = 4087
 IM_END_ID = 4089
-TEXT_SUFFIXES = {".py", ".pyi", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".js", ".ts",
-                 ".rs", ".go", ".java", ".json", ".toml", ".yaml", ".yml", ".sh", ".html",
-                 ".css", ".tex", ".jsonl", ".cfg", ".ini"}
 
 
 def _user_error(msg: str):
@@ -28,33 +27,6 @@ def _user_error(msg: str):
 # --------------------------------------------------------------------------
 # Corpus
 # --------------------------------------------------------------------------
-
-
-def _load_tokenizer(path: Path):
-    from tokenizers import Tokenizer
-
-    f = Path(path) / "tokenizer.json"
-    if not f.exists():
-        raise _user_error(f"No tokenizer.json in {path}")
-    return Tokenizer.from_file(str(f))
-
-
-def corpus_file_list(corpus: str, split: str = "train") -> List[Path]:
-    """Files of ``corpus``: ``stdlib`` (the CPython standard library split), a
-    directory (text files by suffix, recursively) or one file."""
-    from .tokenizer_build import corpus_files
-
-    if corpus == "stdlib":
-        return corpus_files(split)
-    p = Path(corpus).expanduser()
-    if p.is_file():
-        return [p]
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
-        if not files:
-            raise _user_error(f"--corpus {corpus}: no text files ({', '.join(sorted(TEXT_SUFFIXES))}) found")
-        return files
-    raise _user_error(f"--corpus must be 'stdlib', a directory or a file (got {corpus!r}: not found)")
 
 
 def _chat_wrap(text: str, rel: str) -> str:

@@ -32,11 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import sysconfig
 import time
-import zlib
 from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Sequence, Union
+
+from ..text_corpus import (  # noqa: F401  (re-exported: the corpus API's old home)
+    HELDOUT_MODULUS, _split_of, corpus_files, iter_corpus_texts, read_corpus_file, stdlib_root,
+)
 
 # The pre-tokenizer regex of transformers' Qwen3_5Tokenizer (identical to the
 # one in Qwen3.5's tokenizer.json).  A test checks it against transformers.
@@ -64,12 +66,6 @@ PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
 DEFAULT_VOCAB_SIZE = 4096
 MODEL_MAX_LENGTH = 4096
-
-# Directory names whose contents are excluded from the corpus.
-_EXCLUDED_DIRS = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-)
-HELDOUT_MODULUS = 20  # crc32(relative path) % 20 == 0 -> heldout (~5%)
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"
 
@@ -217,52 +213,6 @@ CHAT_TEMPLATE = r"""{#- ChatML template in the Qwen3.5 style for the mlx_mtp dem
 # --------------------------------------------------------------------------
 # Corpus
 # --------------------------------------------------------------------------
-
-
-def stdlib_root() -> Path:
-    """The running interpreter's stdlib directory."""
-    return Path(sysconfig.get_paths()["stdlib"]).resolve()
-
-
-def _split_of(rel_posix: str) -> str:
-    h = zlib.crc32(rel_posix.encode("utf-8"))
-    return "heldout" if h % HELDOUT_MODULUS == 0 else "train"
-
-
-def corpus_files(split: str = "train", root: Optional[Union[str, Path]] = None) -> List[Path]:
-    """Deterministic list of stdlib ``.py`` files for ``split``.
-
-    ``split`` is ``"train"``, ``"heldout"`` or ``"all"``.  Files under test
-    directories (``test``, ``tests``, ``idle_test``), ``site-packages`` and
-    ``dist-packages`` are excluded.  A file is held out when the CRC32 of its
-    stdlib-relative POSIX path is divisible by 20 (stable across runs and
-    machines, unlike ``hash()``).  Sorted by relative path.
-    """
-    if split not in ("train", "heldout", "all"):
-        raise ValueError(f"split must be 'train', 'heldout' or 'all', got {split!r}")
-    root = Path(root).resolve() if root is not None else stdlib_root()
-    out = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if any(part in _EXCLUDED_DIRS for part in rel.parts[:-1]):
-            continue
-        if not path.is_file():
-            continue
-        rel_posix = rel.as_posix()
-        if split == "all" or _split_of(rel_posix) == split:
-            out.append((rel_posix, path))
-    out.sort(key=lambda t: t[0])
-    return [p for _, p in out]
-
-
-def read_corpus_file(path: Union[str, Path]) -> str:
-    """Text of a corpus file (UTF-8; undecodable bytes become U+FFFD)."""
-    return Path(path).read_bytes().decode("utf-8", errors="replace")
-
-
-def iter_corpus_texts(files: Iterable[Union[str, Path]]) -> Iterator[str]:
-    for f in files:
-        yield read_corpus_file(f)
 
 
 # --------------------------------------------------------------------------
