@@ -134,6 +134,127 @@ def _validate_quant_args(quantize, q_bits, q_group_size, mtp_bits, dequantize):
                               "all floating point).")
 
 
+def _refuse_bad_source(source, src, dst, quantize, mtp_bits, dequantize, drafter_dir,
+                       verbose):
+    """Combinations of source and options that cannot give a useful checkpoint."""
+    if source.quantized and quantize:
+        raise ConversionError(
+            f"{src} is already quantized. Quantize from the original floating-point "
+            "checkpoint, or first convert it back with --dequantize."
+        )
+    if source.quantized and mtp_bits is not None:
+        raise ConversionError(
+            f"{src} is already quantized, so --mtp-bits cannot re-quantize its head. Convert "
+            "from the original checkpoint, or replace the head with "
+            "`mlx-mtp add-mtp --force --mtp-bits N --source ORIGINAL`."
+        )
+    if dequantize and not source.quantized:
+        raise ConversionError(f"{src} is not quantized: there is nothing to --dequantize.")
+    if drafter_dir is not None and family(source.config) not in QWEN_FAMILIES:
+        raise ConversionError(
+            f"--split-mtp writes mlx-vlm's qwen3_5_mtp drafter layout, which holds Qwen3.5/3.6 "
+            f"and Qwen3-Next heads; {src} is a {family(source.config)!r} model. Convert "
+            "without --split-mtp (the head stays in mtp.safetensors).")
+    if source.mtp_layers == 0 and drafter_dir is not None:
+        raise ConversionError(f"{src} has no MTP head (no mtp.* tensors): there is nothing for "
+                              "--split-mtp to write. Convert from the original release.")
+    if source.mtp_layers == 0:
+        _warn(
+            f"{src} has no MTP weights (mtp.*): converting the trunk only. Graft the head "
+            f"later with `mlx-mtp add-mtp --model {dst} --source ORIGINAL_HF_CHECKPOINT`.",
+            verbose,
+        )
+
+
+def _set_precision(source, quantize, q_bits, q_group_size, mtp_bits, dtype, dequantize,
+                   verbose):
+    """Dequantize, cast and quantize ``source.model`` in place; returns the config's
+    quantization record (None: float) and the dtype cast to (None: as stored)."""
+    model, config = source.model, source.config
+    if dequantize:
+        _dequantize(model)
+    if dtype is None:
+        dtype = _config_dtype(config)  # as mlx-lm does: the dtype the config declares
+    if dtype is not None:
+        _cast(model, DTYPES[dtype])
+    if dequantize:
+        return None, dtype
+    if source.quantized:
+        return config_quantization(config), dtype  # passed through unchanged
+    if mtp_bits is None:
+        mtp_bits = DEFAULT_MTP_BITS if quantize else 16
+    scheme = QuantScheme(
+        bits=q_bits if quantize else None,
+        group_size=q_group_size,
+        mtp_bits=None if (mtp_bits == 16 or source.mtp_layers == 0) else mtp_bits,
+        mtp_group_size=q_group_size,
+    )
+    if not scheme.active:
+        return None, dtype
+    record = scheme.apply(model, verbose=verbose)
+    # Attention-trunk families: the MTP layer under the checkpoint's own prefix.
+    checkpoint_name = getattr(model.text, "checkpoint_name", lambda key: key)
+    record = {checkpoint_name(k): v for k, v in record.items()}
+    return dict(scheme.default(), **record), dtype
+
+
+def _output_config(config, quantization, dtype, verbose) -> dict:
+    out_config = _finalize_config(config, quantization)
+    if family(out_config) in QWEN_FAMILIES and "full_attention_interval" not in text_config(
+            out_config):
+        _warn("the attention pattern (layer_types) is not periodic: mlx-mtp loads the output, "
+              "plain mlx-lm (which reads only full_attention_interval) cannot.", verbose)
+    if dtype is not None:
+        for c in (out_config, text_config(out_config)):
+            for key in ("torch_dtype", "dtype"):
+                if key in c:
+                    c[key] = dtype
+    return out_config
+
+
+def _write(model, src, dst, out_config, quantization, drafter_dir, max_shard_size_gb,
+           verbose):
+    """Write the checkpoint (and the split drafter: both or neither); returns the weight map,
+    the per-part size rows and the total size."""
+    weights = dict(tree_flatten(model.parameters()))
+    rows = _summarize(weights, model)
+    # The MTP layer under its checkpoint names, in its released form (step3p5: 1+w norms).
+    weights = getattr(model.text, "checkpoint_mtp_names", lambda w: w)(weights)
+    if drafter_dir is not None:
+        weights, trunk_q, head, head_q = split_mtp_io.split_head(weights, quantization)
+        drafter_from = copy.deepcopy(out_config)
+        for key in ("quantization", "quantization_config"):
+            out_config.pop(key, None)
+        if trunk_q:
+            out_config["quantization"], out_config["quantization_config"] = (
+                trunk_q, copy.deepcopy(trunk_q))
+    total_size = _param_bytes(weights)
+    # Hand the tensors to the writer only, so each shard is freed once written.
+    model.update(tree_map(lambda _: mx.array([]), model.parameters()))
+    weight_map = write_checkpoint(dst, weights, out_config, tokenizer_from=src,
+                                  max_shard_bytes=int(max_shard_size_gb * (1 << 30)),
+                                  verbose=verbose,
+                                  is_head=getattr(model.text, "is_mtp_key", is_mtp_key))
+    if drafter_dir is not None:
+        try:
+            split_mtp_io.write_drafter(drafter_dir, head, drafter_from, head_q, src, verbose)
+        except BaseException:
+            shutil.rmtree(dst, ignore_errors=True)  # both or neither
+            raise
+    return weight_map, rows, total_size
+
+
+def _report(source, dst, drafter_dir, tokenizer_files, rows, total_size):
+    extra = [f"MTP head: {source.mtp_layers} layer(s) kept in {MTP_SHARD}"
+             if source.mtp_layers else "MTP head: none in the source (trunk only)"]
+    if drafter_dir is not None:
+        extra[0] = (f"MTP head: {source.mtp_layers} layer(s) in the drafter {drafter_dir} "
+                    f"(use: --model {dst} --mtp-model {drafter_dir})")
+    if not tokenizer_files:
+        extra.append("no tokenizer files found in the source")
+    _print_summary(f"[mlx-mtp] wrote {dst} ({_fmt_bytes(total_size)}):", rows, extra)
+
+
 def convert(
     hf_path,
     mlx_path,
@@ -153,10 +274,10 @@ def convert(
     ``mtp_bits``: precision of the MTP head (4, 8, or 16 = float). Default: 8 bits
     when quantizing, else float. Router gates are always kept at 8 bits.
     ``dtype``: cast floating-point weights (``A_log`` excepted) before quantizing;
-    default: the config's ``torch_dtype``/``dtype`` (as mlx-lm), else the stored dtypes. ``dequantize``: the reverse direction, for an
-    MLX-quantized source. ``split_mtp``: write the head to this directory as a split
-    drafter (mlx-vlm's layout) and the trunk alone to ``mlx_path``, as mlx-lm would.
-    Returns a summary dict.
+    default: the config's ``torch_dtype``/``dtype`` (as mlx-lm), else the stored dtypes.
+    ``dequantize``: the reverse direction, for an MLX-quantized source. ``split_mtp``:
+    write the head to this directory as a split drafter (mlx-vlm's layout) and the trunk
+    alone to ``mlx_path``, as mlx-lm would. Returns a summary dict.
     """
     _validate_quant_args(quantize, q_bits, q_group_size, mtp_bits, dequantize)
     if dtype is not None and dtype not in DTYPES:
@@ -174,110 +295,21 @@ def convert(
     drafter_dir = None if split_mtp is None else split_mtp_io.check_target(split_mtp, dst)
     if not dst.parent.exists():
         dst.parent.mkdir(parents=True, exist_ok=True)
-
     try:
         source = _load_source(src, verbose)
     except (CheckpointError, UnsupportedModelError) as e:
         raise ConversionError(str(e)) from e
-    model, config = source.model, source.config
-    checkpoint_name = getattr(model.text, "checkpoint_name", lambda key: key)
-
-    if source.quantized and quantize:
-        raise ConversionError(
-            f"{src} is already quantized. Quantize from the original floating-point "
-            "checkpoint, or first convert it back with --dequantize."
-        )
-    if source.quantized and mtp_bits is not None:
-        raise ConversionError(
-            f"{src} is already quantized, so --mtp-bits cannot re-quantize its head. Convert "
-            "from the original checkpoint, or replace the head with "
-            "`mlx-mtp add-mtp --force --mtp-bits N --source ORIGINAL`."
-        )
-    if dequantize and not source.quantized:
-        raise ConversionError(f"{src} is not quantized: there is nothing to --dequantize.")
-    if drafter_dir is not None and family(config) not in QWEN_FAMILIES:
-        raise ConversionError(
-            f"--split-mtp writes mlx-vlm's qwen3_5_mtp drafter layout, which holds Qwen3.5/3.6 "
-            f"and Qwen3-Next heads; {src} is a {family(config)!r} model. Convert without "
-            "--split-mtp (the head stays in mtp.safetensors).")
-    if source.mtp_layers == 0 and drafter_dir is not None:
-        raise ConversionError(f"{src} has no MTP head (no mtp.* tensors): there is nothing for "
-                              "--split-mtp to write. Convert from the original release.")
-    if source.mtp_layers == 0:
-        _warn(
-            f"{src} has no MTP weights (mtp.*): converting the trunk only. Graft the head "
-            f"later with `mlx-mtp add-mtp --model {dst} --source ORIGINAL_HF_CHECKPOINT`.",
-            verbose,
-        )
-
-    if dequantize:
-        _dequantize(model)
-    if dtype is None:
-        dtype = _config_dtype(config)  # as mlx-lm does: the dtype the config declares
-    if dtype is not None:
-        _cast(model, DTYPES[dtype])
-
-    quantization = None
-    if dequantize:
-        quantization = None
-    elif source.quantized:
-        quantization = config_quantization(config)  # passed through unchanged
-    else:
-        if mtp_bits is None:
-            mtp_bits = DEFAULT_MTP_BITS if quantize else 16
-        scheme = QuantScheme(
-            bits=q_bits if quantize else None,
-            group_size=q_group_size,
-            mtp_bits=None if (mtp_bits == 16 or source.mtp_layers == 0) else mtp_bits,
-            mtp_group_size=q_group_size,
-        )
-        if scheme.active:
-            record = scheme.apply(model, verbose=verbose)
-            # Attention-trunk families: the MTP layer under the checkpoint's own prefix.
-            record = {checkpoint_name(k): v for k, v in record.items()}
-            quantization = dict(scheme.default(), **record)
-
-    out_config = _finalize_config(config, quantization)
-    if family(out_config) in QWEN_FAMILIES and "full_attention_interval" not in text_config(
-            out_config):
-        _warn("the attention pattern (layer_types) is not periodic: mlx-mtp loads the output, "
-              "plain mlx-lm (which reads only full_attention_interval) cannot.", verbose)
-    if dtype is not None:
-        for c in (out_config, text_config(out_config)):
-            for key in ("torch_dtype", "dtype"):
-                if key in c:
-                    c[key] = dtype
-
-    weights = dict(tree_flatten(model.parameters()))
-    rows = _summarize(weights, model)
-    # The MTP layer under its checkpoint names, in its released form (step3p5: 1+w norms).
-    weights = getattr(model.text, "checkpoint_mtp_names", lambda w: w)(weights)
-    if drafter_dir is not None:
-        weights, trunk_q, head, head_q = split_mtp_io.split_head(weights, quantization)
-        drafter_from = copy.deepcopy(out_config)
-        for key in ("quantization", "quantization_config"):
-            out_config.pop(key, None)
-        if trunk_q:
-            out_config["quantization"], out_config["quantization_config"] = (
-                trunk_q, copy.deepcopy(trunk_q))
-    total_size = _param_bytes(weights)
-    # Hand the tensors to the writer only, so each shard is freed once written.
-    model.update(tree_map(lambda _: mx.array([]), model.parameters()))
-
-    weight_map = write_checkpoint(dst, weights, out_config, tokenizer_from=src,
-                                  max_shard_bytes=int(max_shard_size_gb * (1 << 30)),
-                                  verbose=verbose,
-                                  is_head=getattr(model.text, "is_mtp_key", is_mtp_key))
-    if drafter_dir is not None:
-        try:
-            split_mtp_io.write_drafter(drafter_dir, head, drafter_from, head_q, src, verbose)
-        except BaseException:
-            shutil.rmtree(dst, ignore_errors=True)  # both or neither
-            raise
+    _refuse_bad_source(source, src, dst, quantize, mtp_bits, dequantize, drafter_dir, verbose)
+    quantization, dtype = _set_precision(source, quantize, q_bits, q_group_size, mtp_bits,
+                                         dtype, dequantize, verbose)
+    out_config = _output_config(source.config, quantization, dtype, verbose)
+    weight_map, rows, total_size = _write(source.model, src, dst, out_config, quantization,
+                                          drafter_dir, max_shard_size_gb, verbose)
     tokenizer_files = [f.name for f in sorted(dst.iterdir())
                        if f.name in TOKENIZER_FILES or f.suffix == ".tiktoken"]
-
-    summary = {
+    if verbose:
+        _report(source, dst, drafter_dir, tokenizer_files, rows, total_size)
+    return {
         "path": str(dst),
         "mtp_layers": source.mtp_layers,
         "quantization": quantization,
@@ -287,16 +319,6 @@ def convert(
         "total_size": total_size,
         "drafter": None if drafter_dir is None else str(drafter_dir),
     }
-    if verbose:
-        extra = [f"MTP head: {source.mtp_layers} layer(s) kept in {MTP_SHARD}"
-                 if source.mtp_layers else "MTP head: none in the source (trunk only)"]
-        if drafter_dir is not None:
-            extra[0] = (f"MTP head: {source.mtp_layers} layer(s) in the drafter {drafter_dir} "
-                        f"(use: --model {dst} --mtp-model {drafter_dir})")
-        if not tokenizer_files:
-            extra.append("no tokenizer files found in the source")
-        _print_summary(f"[mlx-mtp] wrote {dst} ({_fmt_bytes(total_size)}):", rows, extra)
-    return summary
 
 
 # --------------------------------------------------------------------------
