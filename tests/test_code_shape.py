@@ -13,7 +13,8 @@ SHAPED_FILES = ["text_corpus.py", "convert/draft_vocab.py", "train/data.py", "tr
                 "models/loader.py", "models/distributed.py", "hub.py", "errors.py",
                 "server/app.py", "server/pipeline.py", "server/params.py",
                 "server/openai_routes.py", "decode/sequence.py", "decode/batch.py",
-                "decode/speculative.py", "models/cache.py"]
+                "decode/speculative.py", "models/cache.py", "convert/main.py",
+                "convert/add_mtp.py"]
 
 
 def _subpackage(path: Path) -> str:

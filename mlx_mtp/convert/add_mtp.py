@@ -105,30 +105,10 @@ def _load_mtp_head(src: Path, src_cfg: dict, dst_cfg: dict, tensors, mtp_keys: L
     return model, head, prefix, packed
 
 
-def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool = False,
-            *, verbose: bool = True) -> dict:
-    """Graft the MTP head of ``source_path`` into the MLX model at ``model_path``.
-
-    Reads only the source shards that hold ``mtp.*`` tensors. The head is quantized
-    like the model (same bits and group size, router gates at 8 bits) unless
-    ``mtp_bits`` says otherwise (16 = floating point), written to ``mtp.safetensors``
-    and recorded in the index and config.json. Refuses when the source has no head,
-    when it does not fit the model, or when the model already has one (``force``).
-    """
-    if mtp_bits is not None and mtp_bits not in MTP_BITS:
-        raise ConversionError(
-            f"--mtp-bits must be one of {MTP_BITS} (16 keeps the head in floating point); "
-            f"got {mtp_bits}."
-        )
-    if hub.is_repo_id(source_path):  # fetch only the config and the shards holding mtp.*
-        with tempfile.TemporaryDirectory(prefix="mlx-mtp-head-") as tmp:
-            source = hub_mtp_source(str(source_path), Path(tmp) / Path(str(source_path)).name)
-            return add_mtp(model_path, source, mtp_bits, force, verbose=verbose)
-    if hub.is_repo_id(model_path):
-        raise ConversionError(
-            f"{model_path} is a hub id: add-mtp changes the model in place and mlx-mtp does "
-            "not write into the Hugging Face cache. Pass --output DIR to write a copy with the "
-            "head there.")
+def _check_pair(model_path, source_path, force: bool, verbose: bool):
+    """The model and source directories, configs and tensor tables; refuses a pair whose
+    head cannot fit. Returns (dst, src, dst_cfg, src_cfg, is_head, dst_tensors, existing
+    head keys, src_tensors, source head keys)."""
     _recover_stale(Path(model_path).expanduser().absolute(), restore=True, verbose=verbose)
     dst = _check_model_dir(model_path, "Model").resolve()  # swap the real directory
     src = _check_model_dir(source_path, "Source")
@@ -145,7 +125,6 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
             f"The source is a {src_family!r} model but {dst} is {dst_family!r}: its MTP head "
             "cannot fit. Use the original checkpoint this model was converted from."
         )
-
     # Head tensors: ``mtp.*``, or an attention-trunk family's own prefixes.
     is_head = mtp_key_predicate(dst_cfg)
     dst_tensors = _checkpoint_tensors(dst)
@@ -172,18 +151,13 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
             + ". The head belongs to a different model (size or variant); use the original "
             "checkpoint this model was converted from."
         )
-    n_layers = count_mtp_layers(mtp_keys) or max(config_mtp_layers(src_cfg), 1)
+    return dst, src, dst_cfg, src_cfg, is_head, dst_tensors, existing, src_tensors, mtp_keys
 
-    model, head, prefix, packed = _load_mtp_head(src, src_cfg, dst_cfg, src_tensors,
-                                                  mtp_keys, n_layers, verbose)
-    checkpoint_name = getattr(model.text, "checkpoint_name", lambda key: key)
-    dst_dtype = _float_dtype_of(dst_tensors)
-    if dst_dtype is not None:
-        _cast(head, dst_dtype)
 
-    # Precision: like the model, unless --mtp-bits says otherwise.
-    dst_quant = config_quantization(dst_cfg)
-    dst_quantized = any(k.endswith(".scales") for k in dst_tensors if not is_head(k))
+def _quantize_head(model, head, prefix, packed, dst_quant, dst_quantized: bool,
+                   dst_dtype, mtp_bits, verbose):
+    """Quantize the grafted head like the model unless ``mtp_bits`` says otherwise;
+    returns (bits or None, the scheme, the head's quantization record)."""
     group_size = (dst_quant or {}).get("group_size", 64) if dst_quantized else 64
     if mtp_bits is None:
         affine = (dst_quant or {}).get("mode", "affine") == "affine"
@@ -195,7 +169,9 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
                          mtp_group_size=group_size)
     default = dst_quant if dst_quant else scheme.default()
     record = scheme.apply(head, prefix=prefix, default=default, verbose=verbose)
+    checkpoint_name = getattr(model.text, "checkpoint_name", lambda key: key)
     record = {checkpoint_name(k): v for k, v in record.items()}
+    # Layers the source already stored at this precision keep their exact packed values.
     same = [(p, packed[p]) for p, m in head.named_modules() if p in packed and hasattr(m, "bits")
             and (m.bits, m.group_size, m.mode) == (packed[p].bits, packed[p].group_size,
                                                    packed[p].mode)]
@@ -203,12 +179,11 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
         head.update_modules(tree_unflatten(same))
         if dst_dtype is not None:
             _cast(head, dst_dtype)  # their scales/biases
+    return bits, scheme, record
 
-    head_params = {prefix + k: v for k, v in tree_flatten(head.parameters())}
-    rows = _summarize(head_params, model)
-    head_params = getattr(model.text, "checkpoint_mtp_names", lambda w: w)(head_params)
 
-    # New config: MTP layer count, and the head's quantization entries.
+def _grafted_config(dst_cfg, n_layers, dst_quant, is_head, bits, scheme, record):
+    """config.json with the MTP layer count and the head's quantization entries."""
     new_cfg = copy.deepcopy(dst_cfg)
     set_config_mtp_layers(new_cfg, n_layers)
     quant = None
@@ -224,7 +199,11 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
     if quant is not None:
         new_cfg["quantization"] = quant
         new_cfg["quantization_config"] = copy.deepcopy(quant)
+    return new_cfg, quant
 
+
+def _swap_in_head(dst, dst_tensors, existing, is_head, head_params, new_cfg, verbose):
+    """Stage the model with the new head (the old one dropped) and swap it into place."""
     with _staging(dst, verbose, restore=True) as tmp:
         _link_tree(dst, tmp)
         # Drop the old head (--force): whole mtp-only files, or mtp.* keys of mixed files.
@@ -253,14 +232,56 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
         old = _swap_into_place(tmp, dst)
         shutil.rmtree(old, ignore_errors=True)
 
-    summary = {"path": str(dst), "mtp_layers": n_layers, "replaced": bool(existing),
-               "mtp_bits": bits or 16, "quantization": quant, "parts": rows}
+
+def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool = False,
+            *, verbose: bool = True) -> dict:
+    """Graft the MTP head of ``source_path`` into the MLX model at ``model_path``.
+
+    Reads only the source shards that hold ``mtp.*`` tensors. The head is quantized
+    like the model (same bits and group size, router gates at 8 bits) unless
+    ``mtp_bits`` says otherwise (16 = floating point), written to ``mtp.safetensors``
+    and recorded in the index and config.json. Refuses when the source has no head,
+    when it does not fit the model, or when the model already has one (``force``).
+    """
+    if mtp_bits is not None and mtp_bits not in MTP_BITS:
+        raise ConversionError(
+            f"--mtp-bits must be one of {MTP_BITS} (16 keeps the head in floating point); "
+            f"got {mtp_bits}."
+        )
+    if hub.is_repo_id(source_path):  # fetch only the config and the shards holding mtp.*
+        with tempfile.TemporaryDirectory(prefix="mlx-mtp-head-") as tmp:
+            source = hub_mtp_source(str(source_path), Path(tmp) / Path(str(source_path)).name)
+            return add_mtp(model_path, source, mtp_bits, force, verbose=verbose)
+    if hub.is_repo_id(model_path):
+        raise ConversionError(
+            f"{model_path} is a hub id: add-mtp changes the model in place and mlx-mtp does "
+            "not write into the Hugging Face cache. Pass --output DIR to write a copy with the "
+            "head there.")
+    (dst, src, dst_cfg, src_cfg, is_head, dst_tensors, existing, src_tensors,
+     mtp_keys) = _check_pair(model_path, source_path, force, verbose)
+    n_layers = count_mtp_layers(mtp_keys) or max(config_mtp_layers(src_cfg), 1)
+    model, head, prefix, packed = _load_mtp_head(src, src_cfg, dst_cfg, src_tensors,
+                                                  mtp_keys, n_layers, verbose)
+    dst_dtype = _float_dtype_of(dst_tensors)
+    if dst_dtype is not None:
+        _cast(head, dst_dtype)
+    dst_quant = config_quantization(dst_cfg)
+    dst_quantized = any(k.endswith(".scales") for k in dst_tensors if not is_head(k))
+    bits, scheme, record = _quantize_head(model, head, prefix, packed, dst_quant,
+                                          dst_quantized, dst_dtype, mtp_bits, verbose)
+    head_params = {prefix + k: v for k, v in tree_flatten(head.parameters())}
+    rows = _summarize(head_params, model)
+    head_params = getattr(model.text, "checkpoint_mtp_names", lambda w: w)(head_params)
+    new_cfg, quant = _grafted_config(dst_cfg, n_layers, dst_quant, is_head, bits, scheme,
+                                     record)
+    _swap_in_head(dst, dst_tensors, existing, is_head, head_params, new_cfg, verbose)
     if verbose:
         what = f"{bits}-bit" if bits else "floating point"
         _print_summary(
             f"[mlx-mtp] {'replaced' if existing else 'added'} the MTP head of {src} in {dst} "
             f"({n_layers} layer(s), {what}, in {MTP_SHARD}):", rows, [])
-    return summary
+    return {"path": str(dst), "mtp_layers": n_layers, "replaced": bool(existing),
+            "mtp_bits": bits or 16, "quantization": quant, "parts": rows}
 
 
 def add_mtp_to_copy(model_path, source_path, output, mtp_bits: Optional[int] = None,
