@@ -423,8 +423,8 @@ class DecodeBatch:
         if not any(p.lookup for p in plans):
             return None, None
         fixed = [p.lookup + [0] * (k - len(p.lookup)) for p in plans]
-        where = [[j < len(p.lookup) for j in range(k)] for p in plans]
-        return mx.array(fixed, mx.uint32), mx.array(where)
+        lengths = mx.array([len(p.lookup) for p in plans])
+        return mx.array(fixed, mx.uint32), mx.arange(k)[None] < lengths[:, None]
 
     def _draft_head(self, J: int, k: int, groups, grammars, masks, fixed, where):
         """Chain the head J of the k positions (drafts at position j: the context's where

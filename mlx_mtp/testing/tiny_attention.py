@@ -157,6 +157,12 @@ def make_tiny(path, family: str = "glm4_moe", head: str = "random", *, seed: int
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                          "activation_scheme": "dynamic",
                                          "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    return save_tiny(path, weights, config, dtype, num_shards)
+
+
+def save_tiny(path, weights: dict, config: dict, dtype=mx.float32, num_shards: int = 1) -> Path:
+    """Write a tiny checkpoint in the released layout (raw names, the head in the model's
+    own shards) with the test tokenizer."""
     tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
     write_checkpoint(path, weights, config, dtype=dtype, tokenizer_from=tokenizer,
                      tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),

@@ -17,9 +17,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..convert.checkpoint_io import write_checkpoint
-from .tiny import TOKENIZER_DIR
-from .tiny_attention import _unsplit, build_model, make_oracle
+from .tiny_attention import _unsplit, build_model, make_oracle, save_tiny
 
 WINDOW = 8
 
@@ -81,12 +79,7 @@ def make_tiny_step3p5(path, head: str = "random", *, seed: int = 0, trunk_scale:
         noise = proj_noise if head == "noisy" else 0.0
         make_oracle(model, trunk_scale, noise, seed)
         chain_oracle(model, noise, seed, broken)
-    tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
-    write_checkpoint(path, step3p5_to_hf(model, drop_mtp), config, dtype=dtype,
-                     tokenizer_from=tokenizer,
-                     tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
-                     num_shards=None, mtp_file=False, fmt="pt")
-    return Path(path)
+    return save_tiny(path, step3p5_to_hf(model, drop_mtp), config, dtype)
 
 
 def mimo_v2_flash_config(vocab_size: int = 128, hidden: int = 64, num_layers: int = 3,
@@ -153,12 +146,7 @@ def make_tiny_mimo_v2_flash(path, head: str = "random", *, seed: int = 0,
         noise = proj_noise if head == "noisy" else 0.0
         make_oracle(model, trunk_scale, noise, seed)
         chain_oracle(model, noise, seed, broken)
-    tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
-    write_checkpoint(path, mimo_v2_flash_to_hf(model, drop_mtp), config, dtype=dtype,
-                     tokenizer_from=tokenizer,
-                     tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
-                     num_shards=None, mtp_file=False, fmt="pt")
-    return Path(path)
+    return save_tiny(path, mimo_v2_flash_to_hf(model, drop_mtp), config, dtype)
 
 
 def nemotron_h_config(vocab_size: int = 128, hidden: int = 64) -> dict:
@@ -215,12 +203,7 @@ def make_tiny_nemotron_h(path, head: str = "random", *, seed: int = 0, trunk_sca
     model.load_weights(gates, strict=False)
     if head in ("oracle", "noisy"):
         nemotron_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
-    tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
-    write_checkpoint(path, nemotron_h_to_hf(model, drop_mtp), config, dtype=dtype,
-                     tokenizer_from=tokenizer,
-                     tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
-                     num_shards=None, mtp_file=False, fmt="pt")
-    return Path(path)
+    return save_tiny(path, nemotron_h_to_hf(model, drop_mtp), config, dtype)
 
 
 def longcat_flash_config(vocab_size: int = 128, hidden: int = 64) -> dict:
@@ -270,12 +253,7 @@ def make_tiny_longcat_flash(path, head: str = "random", *, seed: int = 0,
     model = build_model(config, seed)
     if head in ("oracle", "noisy"):
         make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
-    tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
-    write_checkpoint(path, longcat_flash_to_hf(model, drop_mtp), config, dtype=dtype,
-                     tokenizer_from=tokenizer,
-                     tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
-                     num_shards=None, mtp_file=False, fmt="pt")
-    return Path(path)
+    return save_tiny(path, longcat_flash_to_hf(model, drop_mtp), config, dtype)
 
 
 def dsa_config(family: str = "deepseek_v32", index_topk: int = 6, **kw) -> dict:
@@ -300,9 +278,4 @@ def make_tiny_dsa(path, family: str = "deepseek_v32", head: str = "random", *, s
     model = build_model(config, seed)
     if head in ("oracle", "noisy"):
         make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
-    tokenizer = TOKENIZER_DIR if TOKENIZER_DIR.is_dir() else None
-    write_checkpoint(path, to_hf(model, drop_mtp), config, dtype=dtype,
-                     tokenizer_from=tokenizer,
-                     tokenizer_files=tuple(f.name for f in TOKENIZER_DIR.glob("*")),
-                     num_shards=None, mtp_file=False, fmt="pt")
-    return Path(path)
+    return save_tiny(path, to_hf(model, drop_mtp), config, dtype)
