@@ -14,7 +14,8 @@ SHAPED_FILES = ["text_corpus.py", "convert/draft_vocab.py", "train/data.py", "tr
                 "server/app.py", "server/pipeline.py", "server/params.py",
                 "server/openai_routes.py", "decode/sequence.py", "decode/batch.py",
                 "decode/speculative.py", "models/cache.py", "convert/main.py",
-                "convert/add_mtp.py"]
+                "convert/add_mtp.py", "decode/step.py", "decode/logits.py",
+                "decode/generation.py"]
 
 
 def _subpackage(path: Path) -> str:
