@@ -15,7 +15,9 @@ SHAPED_FILES = ["text_corpus.py", "convert/draft_vocab.py", "train/data.py", "tr
                 "server/openai_routes.py", "decode/sequence.py", "decode/batch.py",
                 "decode/speculative.py", "models/cache.py", "convert/main.py",
                 "convert/add_mtp.py", "decode/step.py", "decode/logits.py",
-                "decode/generation.py"]
+                "decode/generation.py", "decode/speculative.py", "bench/main.py",
+                "bench/cli_common.py", "bench/inprocess_cli.py", "bench/server_cli.py",
+                "server/main.py"]
 
 
 def _subpackage(path: Path) -> str:
