@@ -6,9 +6,8 @@ import os
 import sys
 
 from .options import (UserError, add_model_arguments, add_sampling_arguments,
-                      apply_model_options, describe_choices, draft_sources_from_args,
-                      mtp_model_from_args, num_draft_tokens_from_args,
-                      parse_json_arg, sampling_from_args)
+                      describe_choices, draft_sources_from_args, load_from_args,
+                      num_draft_tokens_from_args, parse_json_arg, sampling_from_args)
 
 
 def str_to_bool(value: str) -> bool:
@@ -36,7 +35,7 @@ def run(args) -> int:
     from .decode import step_costs
     from .decode.generation import format_stats, stream_generate
     from .decode.prompt import build_prompt
-    from .models.loader import check_tokenizer_fits, generation_defaults, load
+    from .models.loader import check_tokenizer_fits, generation_defaults
     from .platform import blas
 
     # As mlx_lm.generate: "\n" and "\t" typed on the command line are a newline and a tab.
@@ -52,16 +51,11 @@ def run(args) -> int:
     sampling = sampling_from_args(args, generation_defaults(args.model))
     group = _distributed_group(args)
     adaptive = not args.fixed_k
-    if group is None:
-        model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden,
-                                dtype=args.dtype, mtp_model=mtp_model_from_args(args))
-    else:
-        mtp_model_from_args(args, distributed=True)
+    model, tokenizer = load_from_args(args, mtp=k > 0, group=group)
+    if group is not None:
         import mlx.core as mx
-        from .models.distributed import load_distributed, shared_seed
+        from .models.distributed import shared_seed
 
-        model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=k > 0,
-                                            mtp_hidden=args.mtp_hidden, dtype=args.dtype)
         check_tokenizer_fits(model, tokenizer, args.model or "the demo model")
         mx.random.seed(shared_seed(group))  # unseeded sampling: the same seed on every rank
         adaptive = False  # K from per-rank timings could differ between ranks: fixed K
@@ -71,7 +65,6 @@ def run(args) -> int:
         sources = None  # every rank must draft alike: the head only
         if group.rank() != 0:  # rank 0 prints; the others only compute
             args.verbose, sys.stdout = False, open(os.devnull, "w")
-    apply_model_options(model, args)
     text = build_prompt(tokenizer, prompt, args.system_prompt, template_args,
                         args.ignore_chat_template)
     last = None

@@ -69,6 +69,11 @@ def add_draft_source_arguments(p):
                         "whichever the measured acceptance and step cost favour, a context run "
                         "extended by the head (both). Lossless either way. Default: both, or "
                         "plain decoding with --no-mtp")
+    add_lookup_arguments(p)
+
+
+def add_lookup_arguments(p):
+    """How context drafts are found (``decode/lookup.py``)."""
     p.add_argument("--lookup-max-draft", type=int, default=16, metavar="N",
                    help="Context tokens verified per step at most, 1-32 (default 16)")
     p.add_argument("--lookup-min-match", type=int, default=3, metavar="N",
@@ -172,6 +177,24 @@ def apply_model_options(model, args):
         if not hasattr(model, "set_compiled"):
             raise UserError("--compile-steps is not available for this model (distributed)")
         model.set_compiled(True)
+
+
+def load_from_args(args, mtp: bool, group=None):
+    """The model and tokenizer the flags name, ``apply_model_options`` applied: in this
+    process, or this rank's part of a model split over ``group`` (``--distributed``)."""
+    if group is None:
+        from .models.loader import load
+
+        model, tokenizer = load(args.model, mtp=mtp, mtp_hidden=args.mtp_hidden,
+                                dtype=args.dtype, mtp_model=mtp_model_from_args(args))
+    else:
+        from .models.distributed import load_distributed
+
+        mtp_model_from_args(args, distributed=True)
+        model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=mtp,
+                                            mtp_hidden=args.mtp_hidden, dtype=args.dtype)
+    apply_model_options(model, args)
+    return model, tokenizer
 
 
 def describe_choices(model) -> str:

@@ -57,25 +57,36 @@ INPROCESS_COLUMNS = [
 ]
 
 
-def inprocess_table(rows: List[dict], title: str = ""):
+def _table(rows: List[dict], columns, title: str, left=(), escape_cells: bool = False):
+    """A rich table of ``columns`` ((heading, cell function) pairs); the first column and
+    those named in ``left`` align left."""
     from rich.markup import escape
     from rich.table import Table
 
     t = Table(title=escape(title) or None, title_justify="left")
-    for i, (h, _) in enumerate(INPROCESS_COLUMNS):
-        t.add_column(h, justify="left" if i == 0 or h == "accept/pos" else "right", no_wrap=True)
+    for i, (h, _) in enumerate(columns):
+        t.add_column(h, justify="left" if i == 0 or h in left else "right", no_wrap=True)
     for r in rows:
-        t.add_row(*[f(r) for _, f in INPROCESS_COLUMNS])
+        cells = [f(r) for _, f in columns]
+        t.add_row(*([escape(c) for c in cells] if escape_cells else cells))
     return t
 
 
-def inprocess_markdown(rows: List[dict]) -> str:
-    heads = [h for h, _ in INPROCESS_COLUMNS]
+def _markdown(rows: List[dict], columns) -> str:
+    heads = [h for h, _ in columns]
     lines = ["| " + " | ".join(heads) + " |",
              "|" + "|".join(["---"] + ["---:"] * (len(heads) - 1)) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join(f(r) for _, f in INPROCESS_COLUMNS) + " |")
+        lines.append("| " + " | ".join(f(r) for _, f in columns) + " |")
     return "\n".join(lines)
+
+
+def inprocess_table(rows: List[dict], title: str = ""):
+    return _table(rows, INPROCESS_COLUMNS, title, left=("accept/pos",))
+
+
+def inprocess_markdown(rows: List[dict]) -> str:
+    return _markdown(rows, INPROCESS_COLUMNS)
 
 
 INPROCESS_CSV = [
@@ -138,24 +149,11 @@ SERVER_COLUMNS = [
 
 
 def server_table(rows: List[dict], title: str = ""):
-    from rich.markup import escape
-    from rich.table import Table
-
-    t = Table(title=escape(title) or None, title_justify="left")
-    for i, (h, _) in enumerate(SERVER_COLUMNS):
-        t.add_column(h, justify="left" if i == 0 else "right", no_wrap=True)
-    for r in rows:
-        t.add_row(*[escape(f(r)) for _, f in SERVER_COLUMNS])
-    return t
+    return _table(rows, SERVER_COLUMNS, title, escape_cells=True)
 
 
 def server_markdown(rows: List[dict]) -> str:
-    heads = [h for h, _ in SERVER_COLUMNS]
-    lines = ["| " + " | ".join(heads) + " |",
-             "|" + "|".join(["---"] + ["---:"] * (len(heads) - 1)) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(f(r) for _, f in SERVER_COLUMNS) + " |")
-    return "\n".join(lines)
+    return _markdown(rows, SERVER_COLUMNS)
 
 
 def compare_rows(rows: List[dict]) -> List[dict]:

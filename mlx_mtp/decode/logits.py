@@ -13,6 +13,10 @@ lazy scatter-add when tokens are committed. A step stacks them into (B, V); the
 K+1 verify rows get theirs by a cumulative sum over one-hot drafts. Everything
 stays on device: no host sync, no loop over tokens.
 
+A step applies these and the grammar masks (``grammar.py``) through one list,
+``PositionTransforms``: the same transforms at output position ``j`` whether the
+logits come from the head's j-th draft call or from verify row ``j``.
+
 Semantics as vLLM's (and Hugging Face's for the repetition penalty):
 ``repetition_penalty`` r scales every token of the prompt or the output so far
 (positive logits divided by r, negative multiplied); ``frequency_penalty`` and
@@ -25,9 +29,11 @@ output by default; here the window is the whole sequence.)
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 import mlx.core as mx
+
+from .grammar import apply_masks, stack_masks
 
 
 class TokenHistory:
@@ -142,3 +148,89 @@ def build(rows, vocab_size: int) -> Optional[LogitsProcessing]:
     if all(h is None for h in histories):
         return None
     return LogitsProcessing(histories, vocab_size)
+
+
+Drafts = Union[mx.array, Sequence[mx.array]]  # (B, P), or P arrays (B,) in position order
+
+
+class Penalties:
+    """Logit bias and penalties over the tokens before each position (built at the first
+    logits, when the vocabulary size is known; a no-op when no row asks for them)."""
+
+    def __init__(self, rows, on_row: Callable):
+        self.rows, self.on_row = rows, on_row
+        self.built, self.processing = False, None
+
+    def __call__(self, logits: mx.array, start: int, drafts: Drafts) -> mx.array:
+        if not self.built:
+            self.processing, self.built = self._build(logits.shape[-1]), True
+        if self.processing is None:
+            return logits
+        P = start + logits.shape[1] - 1  # the drafts before the last position
+        if P == 0:
+            return self.processing.apply(logits)
+        before = drafts[:, :P] if isinstance(drafts, mx.array) else mx.stack(drafts[:P], axis=1)
+        return self.processing.apply(logits, before)
+
+    def _build(self, vocab_size: int) -> Optional[LogitsProcessing]:
+        for b, r in enumerate(self.rows):  # each row's state checked alone
+            if r.sampler.history is not None:
+                self.on_row(b, lambda: r.sampler.history.ensure(vocab_size))
+        return build(self.rows, vocab_size)
+
+
+class GrammarMasks:
+    """Each constrained row's mask at every position: the first from the committed
+    output, each later one after the draft before it (read as drawn: ``advance``)."""
+
+    def __init__(self, states: list, on_row: Callable):
+        self.states, self.on_row = states, on_row
+        self.masks = [self._stack(lambda b, g: g.mask())]  # per position: (B, 1, W)
+
+    def _stack(self, fn) -> mx.array:
+        """(B, 1, W): ``fn(b, state)`` for each constrained row, checked alone."""
+        return stack_masks(self.states, [None if g is None else self.on_row(b, lambda: fn(b, g))
+                                         for b, g in enumerate(self.states)])
+
+    def advance(self, draft: mx.array):
+        ids = draft.tolist()  # a host read: the next mask depends on this draft
+        self.masks.append(self._stack(lambda b, g: g.draft(ids[b])))
+
+    def __call__(self, logits: mx.array, start: int, drafts: Drafts) -> mx.array:
+        T = logits.shape[1]
+        masks = self.masks[start : start + T]
+        if len(masks) < T:  # past the head's drafts only unconstrained rows go on
+            free = stack_masks(self.states, [None] * len(self.states))
+            masks = masks + [free] * (T - len(masks))
+        return apply_masks(logits, masks[0] if T == 1 else mx.concatenate(masks, axis=1))
+
+
+class PositionTransforms:
+    """The one list of transforms a step's logits at output position ``j`` go through,
+    draft call ``j`` and verify row ``j`` alike: bias and penalties given the tokens
+    before ``j``, then the grammar's mask after them. ``p`` and ``q`` stay the same
+    function of their logits, so acceptance stays exact."""
+
+    def __init__(self, rows, grammars: Optional[list], on_row: Callable):
+        self.grammar = None if grammars is None else GrammarMasks(grammars, on_row)
+        self.transforms = [Penalties(rows, on_row)]
+        if self.grammar is not None:
+            self.transforms.append(self.grammar)
+
+    @property
+    def any_token(self) -> bool:
+        """Drafts must be able to reach every token (a grammar's allowed ones may all lie
+        outside a draft vocabulary, ``models/draft_head.py``)."""
+        return self.grammar is not None
+
+    def __call__(self, logits: mx.array, start: int = 0, drafts: Drafts = ()) -> mx.array:
+        """Logits (B, T, V) of positions ``start .. start+T-1``; ``drafts``: the step's
+        drafts so far (at least the ``start + T - 1`` before the last position)."""
+        for transform in self.transforms:
+            logits = transform(logits, start, drafts)
+        return logits
+
+    def advance(self, draft: mx.array):
+        """The draft (B,) at the next position was drawn (the grammar's next mask)."""
+        if self.grammar is not None:
+            self.grammar.advance(draft)

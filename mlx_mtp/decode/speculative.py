@@ -4,7 +4,7 @@ An ``MTPDecoder`` is a ``sequence.Sequence`` that drives itself as a batch of on
 through the one driver, ``batch.BatchDecoder`` (draft -> verify -> accept -> roll
 back, one host sync per step; plain steps overlap, as mlx-lm's do). K per step
 comes from a ``DraftPolicy`` owned by the decoder or passed in by whoever decodes
-many sequences in turn.
+many sequences in turn (how K travels: docs/architecture.md, "Following K").
 """
 
 from __future__ import annotations
@@ -41,30 +41,30 @@ class MTPDecoder(Sequence):
                  drafter=None):
         super().__init__(model, num_draft_tokens, sampling, adaptive, prefill_step_size,
                          cache, grammar, drafter)
+        # K is resolved here, once: a fixed K, or the adaptive policy's choice per step.
+        self.policy = policy if policy is not None else DraftPolicy(self.K, adaptive)
         self.overlap = overlap
-        self._policy = policy
         self._batch: Optional[BatchDecoder] = None
-
-    @property
-    def policy(self) -> DraftPolicy:
-        if self._policy is None:
-            self._policy = DraftPolicy(self.K, self.adaptive)
-        return self._policy
 
     def prefill(self, prompt: Seq[int], progress=None, snapshot_at: Optional[int] = None):
         self._batch = None  # a new prompt: the batch of one starts again
         super().prefill(prompt, progress, snapshot_at)
 
     def step(self) -> StepOutput:
+        try:
+            return self._batch_of_one().step()[None]
+        except BatchStepError as e:
+            raise e.cause
+
+    def _batch_of_one(self) -> BatchDecoder:
+        """The driver of this sequence alone, sharing its caches (made again after they
+        were replaced, e.g. by ``restore``)."""
         batch = self._batch
         if batch is None or batch.cache is not self.cache or batch.mtp_cache is not self.mtp_cache:
             batch = self._batch = BatchDecoder(self.model, self.K, self.adaptive,
                                                policy=self.policy, overlap=self.overlap)
             batch.add(None, self, share=True)
-        try:
-            return batch.step()[None]
-        except BatchStepError as e:
-            raise e.cause
+        return batch
 
     def finish_pending(self):
         """Wait for a plain step launched ahead (before timing or reusing the model)."""

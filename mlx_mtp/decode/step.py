@@ -22,8 +22,9 @@ drafts row ``b`` asked for (``k = max k_b``):
    entries (``J - 1``; none if no row used the head), and the accepted positions'
    hiddens become owed MTP pairs.
 
-A row with a grammar (``sampler.grammar``, structured output) has the same mask applied
-to its draft logits at position ``j`` and its verify row ``j`` (``grammar.py``); such a
+Logit bias, penalties and grammar masks are one per-position list of transforms
+(``logits.PositionTransforms``): draft call ``j`` and verify row ``j`` go through the
+same ones, so ``p`` and ``q`` stay comparable. Under a grammar (structured output) a
 step reads each draft as it is drawn, since the next mask depends on it.
 
 ``k = 0`` is a plain step through the same object. Noise comes from each row's
@@ -39,9 +40,8 @@ from typing import Hashable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from . import logits as logits_processing
 from .draft_source import DraftPlan
-from .grammar import apply_masks, stack_masks
+from .logits import PositionTransforms
 from .noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, uniform
 from .sampling import Sampler, SamplingParams, log_softmax, sample, verify
 from .stats import SpecStats
@@ -188,6 +188,17 @@ class _Pending:
     started: float = 0.0
 
 
+@dataclass
+class _Proposal:
+    """Step 1's result: what the trunk verifies and how the drafts were drawn."""
+
+    drafts: mx.array  # (B, k) uint32
+    draft_lps: list  # per head position j: each group's filtered log q (b, V)
+    where: Optional[mx.array]  # (B, k) bool: context drafts; None: the head's only
+    head_steps: int  # J, the head passes chained
+    noises: Optional[tuple]  # per group: the target's and the drafts' noise; None: J == 0
+
+
 class DecodeBatch:
     """Rows decoding together through one trunk forward per step.
 
@@ -217,6 +228,16 @@ class DecodeBatch:
         mx.async_eval(pending.tokens, pending.logprobs)
         return pending
 
+    def _launch_spec(self, k: int, ks: List[int], plans: List[DraftPlan]) -> _Pending:
+        """Propose, verify, accept; ``finish`` reads the result and rolls back."""
+        self._check_drafting(plans)
+        groups, transforms = self._groups(), self._transforms()
+        proposal = self._propose(k, plans, groups, transforms)
+        raw, h_mtp = self._verify(proposal.drafts, transforms)
+        n_acc, nxt = self._accept(groups, raw, proposal, ks)
+        return _Pending(k, ks, nxt.astype(mx.uint32), raw, n_acc, proposal.drafts, h_mtp, plans,
+                        proposal.head_steps)
+
     def _plans(self, ks: List[int]) -> List[DraftPlan]:
         """Each row's drafts: the head's ``ks[b]``, or what its drafter picks. The head
         alone drafts for a row under a grammar (a context draft may break it) or with a
@@ -230,53 +251,57 @@ class DecodeBatch:
     def finish(self, p: _Pending) -> List[StepOutput]:
         """Read the step (the one host sync) and commit it: rollback, owed pairs, stats."""
         if p.k == 0:
-            ids = p.tokens.tolist()
-            for b, r in enumerate(self.rows):
-                if r.sampler.grammar is not None:
-                    self._on_row(b, lambda: r.sampler.grammar.commit([ids[b]]))
-                if r.drafter is not None:
-                    r.drafter.index.extend([ids[b]])
-            self._observe(ids)
-            self._observe_cost(p)
-            return [StepOutput([ids[b]], p.logprobs[b : b + 1], 0, 0)
-                    for b in range(len(self.rows))]
+            return self._finish_plain(p)
         B, k = len(self.rows), p.k
         values = mx.concatenate([p.n_accepted, p.tokens, p.drafts.reshape(-1)]).tolist()
         n_acc, next_ids, draft_ids = values[:B], values[B : 2 * B], values[2 * B :]
-        n_keep = [n + 1 for n in n_acc]
+        # 4. roll back: every trunk cache keeps the accepted positions and the one after
         for c in self.cache:
-            c.accept(n_keep)
+            c.accept([n + 1 for n in n_acc])
         if p.head_steps:  # entries conditioned on drafts, not on trunk hiddens
             drop_drafted(self.model, self.mtp_cache, p.head_steps)
-        out = []
-        for b, r in enumerate(self.rows):
-            n = n_acc[b]
-            nxt = p.tokens[b : b + 1]
-            if r.owed is not None:
-                tokens = mx.concatenate([p.drafts[b : b + 1, :n], nxt[:, None]], axis=1)
-                r.owed.owe(p.h_mtp[b : b + 1, : n + 1], tokens)
-            r.y = nxt
-            r.n_out += n + 1
-            if r.sampler.history is not None:
-                self._on_row(b, lambda: r.sampler.history.commit(
-                    draft_ids[b * k : b * k + n] + [next_ids[b]]))
-            r.stats.record(p.ks[b], n)
-            if r.schedule is not None:
-                r.schedule.record(p.ks[b], n)
-            ids = draft_ids[b * k : b * k + n] + [next_ids[b]]
-            if r.sampler.grammar is not None:
-                self._on_row(b, lambda: r.sampler.grammar.commit(ids))
-            looked, hit = 0, 0
-            if r.drafter is not None:
-                looked, hit = r.drafter.record(p.plans[b], n)
-                r.drafter.index.extend(ids)
-                r.stats.lookup_drafts += looked > 0
-                r.stats.lookup_draft_tokens += looked
-                r.stats.lookup_accepted_tokens += hit
-            out.append(StepOutput(ids, p.logprobs[b, : n + 1], p.ks[b], n, looked, hit))
+        out = [self._commit(b, p, n_acc[b], draft_ids[b * k : b * k + n_acc[b]] + [next_ids[b]])
+               for b in range(B)]
         self._observe([t for o in out for t in o.tokens])
         self._observe_cost(p)
         return out
+
+    def _finish_plain(self, p: _Pending) -> List[StepOutput]:
+        ids = p.tokens.tolist()
+        for b, r in enumerate(self.rows):
+            if r.sampler.grammar is not None:
+                self._on_row(b, lambda: r.sampler.grammar.commit([ids[b]]))
+            if r.drafter is not None:
+                r.drafter.index.extend([ids[b]])
+        self._observe(ids)
+        self._observe_cost(p)
+        return [StepOutput([ids[b]], p.logprobs[b : b + 1], 0, 0) for b in range(len(self.rows))]
+
+    def _commit(self, b: int, p: _Pending, n: int, ids: List[int]) -> StepOutput:
+        """Row b emits ``ids`` (its ``n`` accepted drafts and the next token): its owed
+        MTP pairs, last token, penalties' history, grammar, drafter and stats."""
+        r = self.rows[b]
+        nxt = p.tokens[b : b + 1]
+        if r.owed is not None:
+            tokens = mx.concatenate([p.drafts[b : b + 1, :n], nxt[:, None]], axis=1)
+            r.owed.owe(p.h_mtp[b : b + 1, : n + 1], tokens)
+        r.y = nxt
+        r.n_out += n + 1
+        if r.sampler.history is not None:
+            self._on_row(b, lambda: r.sampler.history.commit(ids))
+        r.stats.record(p.ks[b], n)
+        if r.schedule is not None:
+            r.schedule.record(p.ks[b], n)
+        if r.sampler.grammar is not None:
+            self._on_row(b, lambda: r.sampler.grammar.commit(ids))
+        looked, hit = 0, 0
+        if r.drafter is not None:
+            looked, hit = r.drafter.record(p.plans[b], n)
+            r.drafter.index.extend(ids)
+            r.stats.lookup_drafts += looked > 0
+            r.stats.lookup_draft_tokens += looked
+            r.stats.lookup_accepted_tokens += hit
+        return StepOutput(ids, p.logprobs[b, : n + 1], p.ks[b], n, looked, hit)
 
     def _observe(self, ids: List[int]):
         """The default draft vocabulary re-sizes from the tokens emitted (draft_vocab_auto)."""
@@ -302,13 +327,8 @@ class DecodeBatch:
         return [_Group(p, rows, mx.array(rows)) for p, rows in by_params.items()]
 
     def _per_group(self, groups, fn) -> list:
-        out = []
-        for g in groups:
-            try:
-                out.append(fn(g))
-            except Exception as e:
-                raise RowError(self.rows[g.rows[0]].key, e) from e
-        return out
+        """``fn(g)`` for each group; a failure names the group's first row."""
+        return [self._on_row(g.rows[0], lambda: fn(g)) for g in groups]
 
     def _filter(self, g: _Group, logprobs: mx.array) -> mx.array:
         return self.rows[g.rows[0]].sampler.filter(g.take(logprobs))
@@ -334,24 +354,16 @@ class DecodeBatch:
         return states
 
     def _on_row(self, b: int, fn):
-        """``fn()``, host work of row b alone (its grammar, its penalties' bookkeeping):
-        a failure names row b, so the batch fails that row and no other."""
+        """``fn()``, work of row b alone (its grammar, its penalties' bookkeeping, its
+        group's sampling): a failure names row b, so the batch fails that row, no other."""
         try:
             return fn()
         except Exception as e:
             raise RowError(self.rows[b].key, e) from e
 
-    def _masks(self, grammars, fn) -> mx.array:
-        """(B, 1, W) masks, ``fn(b, state)`` for each constrained row."""
-        return stack_masks(grammars, [None if g is None else self._on_row(b, lambda: fn(b, g))
-                                      for b, g in enumerate(grammars)])
-
-    def _processing(self, vocab_size: int):
-        """The step's penalties and biases (``logits.build``), each row's checked alone."""
-        for b, r in enumerate(self.rows):
-            if r.sampler.history is not None:
-                self._on_row(b, lambda: r.sampler.history.ensure(vocab_size))
-        return logits_processing.build(self.rows, vocab_size)
+    def _transforms(self) -> PositionTransforms:
+        """The step's per-position logit transforms (penalties, grammar masks)."""
+        return PositionTransforms(self.rows, self._grammars(), self._on_row)
 
     def _noise(self, g: _Group, count: int, stream: int, vocab_size: int) -> Optional[mx.array]:
         """Gumbel noise (b, count, V) from each row's next output position; None if greedy."""
@@ -366,13 +378,7 @@ class DecodeBatch:
         y = mx.stack([r.y for r in rows])  # (B, 1)
         _prepare(self.cache, 1)
         h_norm, h_mtp = model.trunk(y, self.cache)
-        logits = model.logits(h_norm[:, -1:])  # (B, 1, V)
-        proc = self._processing(logits.shape[-1])
-        if proc is not None:
-            logits = proc.apply(logits)
-        grammars = self._grammars()
-        if grammars is not None:
-            logits = apply_masks(logits, self._masks(grammars, lambda b, g: g.mask()))
+        logits = self._transforms()(model.logits(h_norm[:, -1:]))  # (B, 1, V)
         lp = log_softmax(logits[:, 0])  # (B, V)
         V = lp.shape[-1]
         groups = self._groups()
@@ -426,29 +432,21 @@ class DecodeBatch:
         lengths = mx.array([len(p.lookup) for p in plans])
         return mx.array(fixed, mx.uint32), mx.arange(k)[None] < lengths[:, None]
 
-    def _draft_head(self, J: int, k: int, groups, grammars, masks, fixed, where):
+    def _draft_head(self, J: int, k: int, groups, transforms, fixed, where):
         """Chain the head J of the k positions (drafts at position j: the context's where
-        it drafts, else the head's pick; ``masks``: the grammar's per position, extended
-        here). Returns drafts per position (B,), each group's filtered draft log-probs per
-        position, the logits processor and the noises."""
-        model, rows = self.model, self.rows
+        it drafts, else the head's pick). Returns drafts per position (B,), each group's
+        filtered draft log-probs per position, and the noises."""
+        model = self.model
         hidden, tokens, lengths = self._owed_chunk()
         _prepare(self.mtp_cache, hidden.shape[1], lengths)
         out = model.mtp_forward(hidden, tokens, self.mtp_cache)[:, -1:]
         drafts, draft_lps, noises = [], [], None  # per step j: (B,), per group (b, V)
-        proc = None
         for j in range(J):
             if j:
                 _prepare(self.mtp_cache, 1)
                 out = model.mtp_forward(out, drafts[-1][:, None], self.mtp_cache, depth=j)
-            draft_logits = model.draft_logits(out[:, -1:], any_token=grammars is not None)
-            if j == 0:
-                proc = self._processing(draft_logits.shape[-1])
-            if proc is not None:  # the penalties verify row j will see
-                draft_logits = proc.apply(draft_logits, mx.stack(drafts, axis=1) if j else None)
-            if grammars is not None:  # and the grammar's mask
-                draft_logits = apply_masks(draft_logits, masks[j])
-            lq = log_softmax(draft_logits[:, 0])  # (B, V)
+            logits = model.draft_logits(out[:, -1:], any_token=transforms.any_token)
+            lq = log_softmax(transforms(logits, j, drafts)[:, 0])  # (B, V): as verify row j
             if j == 0:  # per position: coupled drafts share the target's noise
                 noises = self._noises(groups, k, lq.shape[-1])
             qs = self._per_group(groups, lambda g: self._filter(g, lq))
@@ -458,10 +456,8 @@ class DecodeBatch:
             drafts.append(pick if fixed is None
                           else mx.where(where[:, j], fixed[:, j], pick.astype(mx.uint32)))
             draft_lps.append(qs)
-            if grammars is not None:  # the next mask needs this draft: read it
-                ids = drafts[-1].tolist()
-                masks.append(self._masks(grammars, lambda b, g: g.draft(ids[b])))
-        return drafts, draft_lps, proc, noises
+            transforms.advance(drafts[-1])
+        return drafts, draft_lps, noises
 
     def _draft_logprobs(self, g: _Group, gi: int, drafts, draft_lps, where, V: int):
         """(b, k, V) log q of the group's drafts: one-hot at a context draft (and past
@@ -476,49 +472,42 @@ class DecodeBatch:
             head = mx.concatenate([head, one_hot[:, J:]], axis=1)
         return head if where is None else mx.where(g.take(where)[..., None], one_hot, head)
 
-    def _launch_spec(self, k: int, ks: List[int], plans: List[DraftPlan]) -> _Pending:
-        model, rows = self.model, self.rows
-        for r, p in zip(rows, plans):
+    def _check_drafting(self, plans: List[DraftPlan]):
+        for r, p in zip(self.rows, plans):
             if p.head and not r.can_draft():
                 raise ValueError(f"row {r.key!r} cannot draft (no MTP pairs owed)")
-        groups = self._groups()
-        grammars = self._grammars()
-        fixed, where = self._context_drafts(plans, k)
 
-        # 1. draft: the head chains J times (its first call also writes every row's owed
-        # pairs); past J only context drafts remain.
+    def _propose(self, k: int, plans: List[DraftPlan], groups, transforms) -> _Proposal:
+        """1. The drafts (B, k): the head chains J times (its first call also writes every
+        row's owed pairs); past J only context drafts remain."""
+        fixed, where = self._context_drafts(plans, k)
         J = max((p.total for p in plans if p.head), default=0)
-        masks = []  # per position j: (B, 1, W), the grammar after the first j drafts
-        if grammars is not None:
-            masks.append(self._masks(grammars, lambda b, g: g.mask()))
-        drafts, draft_lps, proc, noises = [], [], None, None
+        drafts, draft_lps, noises = [], [], None
         if J:
-            drafts, draft_lps, proc, noises = self._draft_head(J, k, groups, grammars, masks,
-                                                               fixed, where)
+            drafts, draft_lps, noises = self._draft_head(J, k, groups, transforms, fixed, where)
         else:
-            for r in rows:  # the head rests this step, as in a plain step
+            for r in self.rows:  # the head rests this step, as in a plain step
                 if r.owed is not None and r.schedule is None:
                     r.owed.trim()
         drafts = [d.astype(mx.uint32) for d in drafts] + [fixed[:, j] for j in range(J, k)]
-        drafts, = _share(model, mx.stack(drafts, axis=1))  # (B, k): what every rank verifies
+        drafts, = _share(self.model, mx.stack(drafts, axis=1))  # what every rank verifies
+        return _Proposal(drafts, draft_lps, where, J, noises)
 
-        # 2. verify every row in one trunk pass.
-        inputs = mx.concatenate([mx.stack([r.y for r in rows]), drafts], axis=1)
-        _prepare(self.cache, k + 1)
-        h_norm, h_mtp = model.trunk(inputs, self.cache, capture=True)
-        logits = model.logits(h_norm)  # (B, k+1, V)
-        if J == 0:
-            proc = self._processing(logits.shape[-1])
-        if proc is not None:
-            logits = proc.apply(logits, drafts)
-        if grammars is not None:  # past J + 1 only rows without a grammar verify
-            masks += [stack_masks(grammars, [None] * len(rows))] * (k + 1 - len(masks))
-            logits = apply_masks(logits, mx.concatenate(masks, axis=1))
-        raw = log_softmax(logits)
-        V = raw.shape[-1]
-        target_noise, _ = noises if noises is not None else self._noises(groups, k, V)
+    def _verify(self, drafts: mx.array, transforms):
+        """2. One trunk pass over every row's ``[y, d_1..d_k]``: the target's log-probs
+        (B, k+1, V) and the hiddens the accepted positions owe the head."""
+        inputs = mx.concatenate([mx.stack([r.y for r in self.rows]), drafts], axis=1)
+        _prepare(self.cache, inputs.shape[1])
+        h_norm, h_mtp = self.model.trunk(inputs, self.cache, capture=True)
+        return log_softmax(transforms(self.model.logits(h_norm), 0, drafts)), h_mtp
 
-        # 3. accept, per group.
+    def _accept(self, groups, raw: mx.array, proposal: _Proposal, ks: List[int]):
+        """3. Accepted counts (B,) and next tokens (B,), per group of rows verifying alike."""
+        drafts, draft_lps, where = proposal.drafts, proposal.draft_lps, proposal.where
+        k, V = drafts.shape[1], raw.shape[-1]
+        noises = proposal.noises if proposal.noises is not None else self._noises(groups, k, V)
+        target_noise = noises[0]
+
         def accept(g, gi):
             target = self._filter(g, raw)
             limit = [ks[b] for b in g.rows]
@@ -532,12 +521,6 @@ class DecodeBatch:
                                       k, ACCEPT))
             return verify(target, d, q, target_noise[gi], u, limit=limit)
 
-        results = []
-        for gi, g in enumerate(groups):
-            try:
-                results.append(accept(g, gi))
-            except Exception as e:
-                raise RowError(self.rows[g.rows[0]].key, e) from e
-        n_acc, nxt = _share(model, self._merge(groups, [n for n, _ in results]),
-                            self._merge(groups, [t for _, t in results]))
-        return _Pending(k, ks, nxt.astype(mx.uint32), raw, n_acc, drafts, h_mtp, plans, J)
+        results = [self._on_row(g.rows[0], lambda: accept(g, gi)) for gi, g in enumerate(groups)]
+        return _share(self.model, self._merge(groups, [n for n, _ in results]),
+                      self._merge(groups, [t for _, t in results]))

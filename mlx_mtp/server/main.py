@@ -15,12 +15,11 @@ import uvicorn
 
 from ..decode import MAX_DRAFT_TOKENS
 from ..models.layout import text_config
-from ..models.distributed import distributed_group, load_distributed
-from ..models.loader import generation_defaults, load, load_config, resolve_model_path
+from ..models.distributed import distributed_group
+from ..models.loader import generation_defaults, load_config, resolve_model_path
 from ..options import (UserError, add_model_arguments, add_sampling_arguments,
-                       apply_model_options, draft_sources_from_args, mtp_model_from_args,
-                       num_draft_tokens_from_args, parse_json_arg, sampling_defaults,
-                       sampling_from_args)
+                       draft_sources_from_args, load_from_args, num_draft_tokens_from_args,
+                       parse_json_arg, sampling_defaults, sampling_from_args)
 from .app import create_app
 from .distributed import LeaderSync, run_follower
 from .engine import Engine
@@ -217,6 +216,43 @@ def run(args) -> int:
     log.setLevel(args.log_level)
     k = num_draft_tokens_from_args(args)
     template_args = parse_json_arg(args.chat_template_args, "--chat-template-args")
+    _check_args(args)
+    # Under mlx.launch: rank 0 serves HTTP, the other ranks follow its steps.
+    group = distributed_group(args.distributed)
+    leader = group is None or group.rank() == 0
+    if group is not None and args.draft_source not in (None, "mtp"):
+        raise UserError("--draft-source lookup/both is not available on a model split "
+                        "across processes; use --draft-source mtp")
+    draft_sources, k = (None, k) if group is not None else draft_sources_from_args(args, k)
+
+    if leader:
+        _check_port(args.host, args.port)  # before spending minutes loading a model
+    path = resolve_model_path(args.model)
+    model_defaults = generation_defaults(args.model)
+    sampling_from_args(args, model_defaults)  # validates the server-wide defaults
+    defaults = sampling_defaults(args, model_defaults)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    log.info("Loading %s (MTP %s)", path, f"K={k}" if k else "off")
+    model, tokenizer = load_from_args(args, mtp=k > 0, group=group)
+    if not leader:
+        return run_follower(model, args.distributed_timeout)
+    if args.chat_template:
+        _set_chat_template(tokenizer, _read_template(args.chat_template))
+    sync = None if group is None else LeaderSync(model, args.distributed_timeout)
+    state = build_state(args, model, tokenizer, load_config(path), k, defaults, template_args,
+                        model_path=path, sync=sync, draft_sources=draft_sources)
+    if sync is not None:
+        sync.attach(state.engine)
+    _serve(args, state, _guarded_app(args, state), k)
+    if group is not None:  # the engine thread may sit in a collective of a lost rank
+        logging.shutdown()
+        os._exit(0)
+    return 0
+
+
+def _check_args(args):
+    """Numeric limits and flag combinations, before anything is loaded."""
     for flag, v, lo in (("--max-tokens", args.max_tokens, 1),
                         ("--prefill-step-size", args.prefill_step_size, 1),
                         ("--max-num-batched-tokens", args.max_batched_tokens, 1),
@@ -242,41 +278,10 @@ def run(args) -> int:
                         "(--prompt-cache-size > 0) and a single process (no --distributed)")
     if args.prompt_cache_disk_bytes < 1 or args.prompt_cache_min_tokens < 1:
         raise UserError("--prompt-cache-disk-bytes and --prompt-cache-min-tokens must be >= 1")
-    # Under mlx.launch: rank 0 serves HTTP, the other ranks follow its steps.
-    group = distributed_group(args.distributed)
-    leader = group is None or group.rank() == 0
-    if group is not None and args.draft_source not in (None, "mtp"):
-        raise UserError("--draft-source lookup/both is not available on a model split "
-                        "across processes; use --draft-source mtp")
-    draft_sources, k = (None, k) if group is not None else draft_sources_from_args(args, k)
 
-    if leader:
-        _check_port(args.host, args.port)  # before spending minutes loading a model
-    path = resolve_model_path(args.model)
-    model_defaults = generation_defaults(args.model)
-    sampling_from_args(args, model_defaults)  # validates the server-wide defaults
-    defaults = sampling_defaults(args, model_defaults)
-    if args.seed is not None:
-        mx.random.seed(args.seed)
 
-    log.info("Loading %s (MTP %s)", path, f"K={k}" if k else "off")
-    if group is None:
-        model, tokenizer = load(args.model, mtp=k > 0, mtp_hidden=args.mtp_hidden,
-                                dtype=args.dtype, mtp_model=mtp_model_from_args(args))
-    else:
-        mtp_model_from_args(args, distributed=True)
-        model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=k > 0,
-                                            mtp_hidden=args.mtp_hidden, dtype=args.dtype)
-    apply_model_options(model, args)
-    if not leader:
-        return run_follower(model, args.distributed_timeout)
-    if args.chat_template:
-        _set_chat_template(tokenizer, _read_template(args.chat_template))
-    sync = None if group is None else LeaderSync(model, args.distributed_timeout)
-    state = build_state(args, model, tokenizer, load_config(path), k, defaults, template_args,
-                        model_path=path, sync=sync, draft_sources=draft_sources)
-    if sync is not None:
-        sync.attach(state.engine)
+def _guarded_app(args, state: ServerState):
+    """The app behind the HTTP guard (body size, read timeout, hosts, origins) and CORS."""
     origins = split_list(args.allowed_origins)
     hosts = split_list(args.allowed_hosts)
     if not hosts and is_loopback(args.host):
@@ -287,35 +292,45 @@ def run(args) -> int:
     app = create_app(state, guard)
     if origins:  # outermost: CORS headers on every answer, errors included
         add_cors(app, origins)
+    return app
 
+
+class _Server(uvicorn.Server):
+    """uvicorn, stopping the engine's streams at the first signal and exiting with 0."""
+
+    def __init__(self, config, engine: Engine):
+        super().__init__(config)
+        self.engine = engine
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn's version re-raises the signal after the graceful
+        # shutdown (exit status 130/143); a clean stop here exits with 0.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        original = {s: signal.signal(s, self.handle_exit) for s in sigs}
+        try:
+            yield
+        finally:
+            for s, h in original.items():
+                signal.signal(s, h)
+
+    def handle_exit(self, sig, frame):
+        # End running streams now (they get an error event) instead of
+        # letting the graceful shutdown wait for them; a second Ctrl-C
+        # forces the exit.
+        self.engine.shutdown(timeout=0)
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def _serve(args, state: ServerState, app, k: int):
+    """Start the engine, serve until stopped, then stop the engine and flush the caches."""
     engine = state.engine
     engine.start()
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            # uvicorn's version re-raises the signal after the graceful
-            # shutdown (exit status 130/143); a clean stop here exits with 0.
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            sigs = (signal.SIGINT, signal.SIGTERM)
-            original = {s: signal.signal(s, self.handle_exit) for s in sigs}
-            try:
-                yield
-            finally:
-                for s, h in original.items():
-                    signal.signal(s, h)
-
-        def handle_exit(self, sig, frame):
-            # End running streams now (they get an error event) instead of
-            # letting the graceful shutdown wait for them; a second Ctrl-C
-            # forces the exit.
-            engine.shutdown(timeout=0)
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            self.should_exit = True
-
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             http=timed_http_protocol(args.read_timeout),
                             timeout_keep_alive=args.timeout_keep_alive,
@@ -326,16 +341,11 @@ def run(args) -> int:
              "context %d tokens)", state.model_name, args.host, args.port,
              f"{state.num_mtp_layers} layer(s), K={k}{'' if args.fixed_k else ' adaptive'}"
              if k else "off", args.max_concurrency, state.context_length)
-    server = Server(config)
     try:
-        server.run()  # exits the process with status 1 if the port cannot be bound
+        _Server(config, engine).run()  # exits the process with 1 if the port cannot be bound
     finally:
         engine.shutdown()
         state.prompt_workers.shutdown()
         if engine.prefix_cache.disk is not None:  # queued prompt states reach the disk
             engine.prefix_cache.disk.flush(timeout=30)
     log.info("Server stopped.")
-    if group is not None:  # the engine thread may sit in a collective of a lost rank
-        logging.shutdown()
-        os._exit(0)
-    return 0
