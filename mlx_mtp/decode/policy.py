@@ -152,10 +152,6 @@ class AcceptanceEstimate:
         return [min(1.0, a + self.z * math.sqrt(a * (1 - a) / (t + w + 1)))
                 for a, t, w in zip(self.alpha, self.trials, self.weight)]
 
-    def evidence(self, j: int = 0) -> float:
-        """Steps (forgetting) behind position j's estimate."""
-        return self.trials[j]
-
     def expected_tokens(self, k: int, start: int = 0, optimistic: bool = False) -> float:
         """Tokens a row emits per step with k drafts at positions ``start..``:
         1 + a1 + a1*a2 + ..."""
