@@ -45,9 +45,9 @@ def _model_and_prompts(a, tmp: Path):
         path = make_tiny(tmp / "noisy", "qwen3_5", "noisy", vocab_size=16384, hidden=1024,
                          num_layers=8, trunk_scale=0.1, fc_noise=lookup_oracle.HEAD_NOISE["noisy"],
                          dtype=mx.bfloat16)
-        model, _ = load(str(path))
+        model, _ = load(str(path), dtype="auto")  # as the CLI loads it
         return model, {"copy": lookup_oracle.prompts(16384, a.tokens)["copy"]}, frozenset()
-    model, tok = load(a.model_path)  # None: the embedded demo model
+    model, tok = load(a.model_path, dtype="auto")  # None: the embedded demo model
     prompts = {p.name: encode_prompt(tok, build_prompt(tok, p.text))
                for p in load_prompts("builtin:copy")}
     return model, prompts, frozenset(getattr(tok, "eos_token_ids", None) or [])

@@ -122,6 +122,20 @@ def test_context_steps_update_the_context_and_head_estimates():
     assert head[2] > head0[2] and head[3] < head0[3]
 
 
+def test_a_new_row_starts_from_what_earlier_rows_showed():
+    """A server whose requests never copied: a new row's context estimate starts low (it
+    sets the context aside after fewer misses); one whose requests copied: high."""
+    sources, first = _drafter()
+    for _ in range(30):
+        first.record(DraftPlan([0] * 8), 0)
+    cold = sources.drafter()
+    assert cold.acceptance["lookup"].alpha[0] < 0.2
+    sources, first = _drafter()
+    for _ in range(30):
+        first.record(DraftPlan([0] * 8), 8)
+    assert sources.drafter().acceptance["lookup"].alpha[0] > 0.9
+
+
 def test_a_few_context_rejections_do_not_stop_copying():
     sources, d = _drafter()
     for _ in range(3):

@@ -137,11 +137,22 @@ class DraftSources:
         # a row that starts copying later must be noticed; a useless one costs little.
         self.probe_gap = probe_gap
         self.costs = StepCosts()
+        # What every row's steps showed, per source: a new row's prior, its own steps
+        # then take over (a server's chat requests rarely copy, its edit requests do).
+        self.acceptance = _estimates(0.99)
 
     def drafter(self, source: Optional[str] = None) -> Optional["RowDrafter"]:
         """A row's drafter (None: the row drafts from the head only)."""
         source = self.source if source is None else check_draft_source(source)
         return None if source == "mtp" else RowDrafter(self, source)
+
+
+def _estimates(forget: float, prior=None):
+    """Acceptance per source: the head's per chain depth, the context's per position."""
+    return {"mtp": AcceptanceEstimate(MAX_LOOKUP_DRAFT + MAX_DRAFT_TOKENS, forget, 3.0,
+                                      0.7 if prior is None else prior["mtp"].alpha),
+            "lookup": AcceptanceEstimate(MAX_LOOKUP_DRAFT, forget, 3.0,
+                                         0.7 if prior is None else prior["lookup"].alpha)}
 
 
 class RowDrafter:
@@ -151,13 +162,13 @@ class RowDrafter:
     head's, per chain depth: a head draft at position j of a step (after j context
     drafts, or j head drafts) is the head's j-th chained pass, whichever source drafted
     the positions before it, so head-only steps and context runs it extends both teach it.
+    Both start from what the decoder's earlier rows showed (``DraftSources.acceptance``).
     """
 
     def __init__(self, sources: DraftSources, source: str):
         self.sources, self.source = sources, source
         self.index = LookupIndex(sources.settings)
-        self.acceptance = {"mtp": AcceptanceEstimate(MAX_LOOKUP_DRAFT + MAX_DRAFT_TOKENS, 0.97, 3.0),
-                           "lookup": AcceptanceEstimate(MAX_LOOKUP_DRAFT, 0.97, 3.0)}
+        self.acceptance = _estimates(0.97, sources.acceptance)
         self._gap = self._wait = sources.probe_gap[0]
 
     def has_match(self) -> bool:
@@ -213,8 +224,9 @@ class RowDrafter:
     def record(self, plan: DraftPlan, n_accepted: int) -> Tuple[int, int]:
         """Learn from a step's outcome; returns (context drafts, of them accepted)."""
         n = len(plan.lookup)
-        if n:
-            self.acceptance["lookup"].record(n, [n_accepted])
-        if plan.head:  # at its chain depths, after the context's drafts if any
-            self.acceptance["mtp"].record(plan.head, [n_accepted], starts=[n])
+        for estimates in (self.acceptance, self.sources.acceptance):
+            if n:
+                estimates["lookup"].record(n, [n_accepted])
+            if plan.head:  # at its chain depths, after the context's drafts if any
+                estimates["mtp"].record(plan.head, [n_accepted], starts=[n])
         return n, min(n, n_accepted)

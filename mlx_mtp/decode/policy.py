@@ -112,15 +112,16 @@ class AcceptanceEstimate:
     ones before it did): a Beta estimate per position, forgetting old steps.
 
     Position j holds ``hits`` and ``trials`` (each multiplied by ``forget`` per step that
-    reached j) and a prior of mean ``prior`` worth ``prior_weight`` steps, forgotten alike:
-    Beta(hits + prior * w, misses + (1 - prior) * w). ``alpha`` (the mean) drives choices;
+    reached j) and a prior of mean ``prior`` (one for all positions, or one each) worth
+    ``prior_weight`` steps, forgotten alike: Beta(hits + prior * w, misses + (1 - prior) * w). ``alpha`` (the mean) drives choices;
     ``upper`` (mean + ``z`` standard deviations) is what must fall below break-even before
     a source is paused: a few early rejections leave it high, many do not.
     """
 
     def __init__(self, max_k: int, forget: float, prior_weight: float = 1.0,
-                 prior: float = 0.7, z: float = 1.0):
-        self.forget, self.prior, self.z = forget, prior, z
+                 prior=0.7, z: float = 1.0):
+        self.forget, self.z = forget, z
+        self.prior = [float(prior)] * max_k if isinstance(prior, (int, float)) else list(prior)
         self.hits = [0.0] * max_k  # observed, forgetting
         self.trials = [0.0] * max_k
         self.weight = [float(prior_weight)] * max_k  # the prior's, forgotten alike
@@ -143,8 +144,8 @@ class AcceptanceEstimate:
     @property
     def alpha(self) -> List[float]:
         # (hits + prior * weight) / (trials + weight), exactly the prior where unobserved
-        p = self.prior
-        return [p + (h - p * t) / (t + w) for h, t, w in zip(self.hits, self.trials, self.weight)]
+        return [p + (h - p * t) / (t + w)
+                for p, h, t, w in zip(self.prior, self.hits, self.trials, self.weight)]
 
     @property
     def upper(self) -> List[float]:
