@@ -23,6 +23,8 @@ import shlex
 from pathlib import Path
 from typing import List
 
+from ..decode.lookup import LookupSettings
+
 DEFAULT_OUTPUT_DIR = "bench_out"
 
 
@@ -84,10 +86,12 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="Draft sources to compare, comma-separated from mtp (plain, each K, "
                         "auto), lookup (drafts copied from the context, no head), both "
                         "(per row and step, adaptive): e.g. mtp,lookup,both (default mtp)")
-    g.add_argument("--lookup-max-draft", type=int, default=16, metavar="N",
-                   help="Context tokens verified per step at most, 1-32 (default 16)")
-    g.add_argument("--lookup-min-match", type=int, default=3, metavar="N",
-                   help="Shortest repeated tail that proposes a copy (default 3)")
+    lookup = LookupSettings()  # the defaults, measured (docs/lookup.md)
+    g.add_argument("--lookup-max-draft", type=int, default=lookup.max_draft, metavar="N",
+                   help=f"Context tokens verified per step at most, 1-32 "
+                        f"(default {lookup.max_draft})")
+    g.add_argument("--lookup-min-match", type=int, default=lookup.min_match, metavar="N",
+                   help=f"Shortest repeated tail that proposes a copy (default {lookup.min_match})")
     g.add_argument("--warmup-tokens", type=int, default=16)
     g.add_argument("--ignore-chat-template", action="store_true",
                    help="Feed prompts as raw text, without the chat template")
@@ -349,7 +353,6 @@ def _run_inprocess(args, prompts, out_dir: Path) -> int:
 
 def _draft_sources(args):
     """``--draft-source`` as a list, and the lookup settings; bad values are a UserError."""
-    from ..decode.lookup import LookupSettings
     from ..options import UserError
 
     sources = [s.strip() for s in args.draft_source.split(",") if s.strip()]
