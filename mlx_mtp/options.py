@@ -11,6 +11,7 @@ import sys
 from typing import Optional
 
 from .decode import MAX_DRAFT_TOKENS, check_num_draft_tokens
+from .decode.lookup import LookupSettings
 
 
 class UserError(Exception):
@@ -73,11 +74,14 @@ def add_draft_source_arguments(p):
 
 
 def add_lookup_arguments(p):
-    """How context drafts are found (``decode/lookup.py``)."""
-    p.add_argument("--lookup-max-draft", type=int, default=16, metavar="N",
-                   help="Context tokens verified per step at most, 1-32 (default 16)")
-    p.add_argument("--lookup-min-match", type=int, default=3, metavar="N",
-                   help="Shortest repeated tail, in tokens, that proposes a copy (default 3)")
+    """How context drafts are found (``decode/lookup.py``); defaults measured (docs/lookup.md)."""
+    lookup = LookupSettings()
+    p.add_argument("--lookup-max-draft", type=int, default=lookup.max_draft, metavar="N",
+                   help=f"Context tokens verified per step at most, 1-32 "
+                        f"(default {lookup.max_draft})")
+    p.add_argument("--lookup-min-match", type=int, default=lookup.min_match, metavar="N",
+                   help=f"Shortest repeated tail, in tokens, that proposes a copy "
+                        f"(default {lookup.min_match})")
 
 
 def draft_source_from_args(args, k: int) -> str:
@@ -99,12 +103,13 @@ def draft_sources_from_args(args, k: int):
     if source == "mtp":
         return None, k
     from .decode.draft_source import DraftSources
-    from .decode.lookup import LookupSettings
 
     try:
-        settings = LookupSettings(min_match=getattr(args, "lookup_min_match", 3),
-                                  max_match=max(8, getattr(args, "lookup_min_match", 3)),
-                                  max_draft=getattr(args, "lookup_max_draft", 16))
+        default = LookupSettings()
+        min_match = getattr(args, "lookup_min_match", default.min_match)
+        settings = LookupSettings(min_match=min_match,
+                                  max_match=max(default.max_match, min_match),
+                                  max_draft=getattr(args, "lookup_max_draft", default.max_draft))
     except ValueError as e:
         raise UserError(str(e).replace("lookup max_draft", "--lookup-max-draft")
                         .replace("lookup min_match", "--lookup-min-match"))

@@ -68,8 +68,8 @@ def test_never_loses_to_plain_decoding(cost, accept_p):
     sizes = varying_batch()
     speedup, ks = simulate(DraftPolicy(3), cost, accept_p, sizes)
     assert speedup >= 0.98
-    if accept_p == 0.0:
-        assert sum(k > 0 for k in ks) / len(ks) < 0.03  # drafting paused, probes rare
+    if accept_p == 0.0:  # drafting paused; re-checks at most every 32 steps (cost-bounded)
+        assert sum(k > 0 for k in ks) / len(ks) < 0.035
 
 
 def test_pays_where_drafting_is_cheap():
@@ -218,15 +218,16 @@ def test_a_cost_measured_long_ago_is_replaced_not_averaged():
 @pytest.mark.parametrize("seed", range(6))
 def test_a_useless_head_costs_little_on_one_sequence(seed):
     """Issue 11: >= 0.95x plain decoding with a head that is always wrong, first-step
-    warm-up included: a few drafts to learn it, then re-checks at doubling intervals."""
+    warm-up included: a few drafts to learn it (pausing needs evidence: ~6-8 rejections),
+    then re-checks at doubling intervals."""
     speedup, ks = one_sequence(DraftPolicy(3), DEMO_MS, [0.0] * 3, warmup=1.5, seed=seed)
     assert speedup >= 0.95
-    assert sum(k > 0 for k in ks) <= 16
+    assert sum(k > 0 for k in ks) <= 30
 
 
 def test_one_rejection_does_not_pause_a_head_that_pays():
-    """The prior is worth a few steps: after one rejected draft a head that pays at
-    ~50% acceptance keeps drafting; after several in a row it pauses."""
+    """Pausing needs evidence: after one rejected draft a head that pays at ~50%
+    acceptance keeps drafting, and after a few more; after many in a row it pauses."""
     policy = DraftPolicy(1)
     for _ in range(5):
         policy.record_step(1, 0, 0.075)
@@ -235,6 +236,9 @@ def test_one_rejection_does_not_pause_a_head_that_pays():
     policy.record_step(1, 1, 0.100, [1])
     policy.record_step(1, 1, 0.100, [0])
     assert policy.choose(1) == 1
+    for _ in range(4):
+        policy.record_step(1, 1, 0.100, [0])
+    assert policy.choose(1) == 1  # 2 of 8 landed: too few steps to rule it out
     for _ in range(4):
         policy.record_step(1, 1, 0.100, [0])
     assert policy.choose(1) == 0
@@ -289,7 +293,9 @@ def test_one_sequence_is_the_batch_of_one(cost):
     good, ks_good = simulate(DraftPolicy(3), cost, 1.0, [1] * 1500)
     bad, ks_bad = simulate(DraftPolicy(3), cost, 0.0, [1] * 1500)
     assert good >= 0.95 * best_fixed_speedup(cost, 1.0, [1], 3) and good > 1.5
-    assert bad >= 0.97 and sum(k > 0 for k in ks_bad[100:]) < 20
+    # Re-checks while paused cost at most probe_budget: every 32 steps here (the
+    # shortest interval; a step drafting one token costs 12 % more than a plain one).
+    assert bad >= 0.97 and sum(k > 0 for k in ks_bad[100:]) <= len(ks_bad[100:]) / 30
 
 
 def row(max_k=3, owed=1, schedule=None):

@@ -190,7 +190,7 @@ def _draft_sources(args):
                         f"(got {args.draft_source!r})")
     try:
         lookup = LookupSettings(min_match=args.lookup_min_match,
-                                max_match=max(8, args.lookup_min_match),
+                                max_match=max(LookupSettings().max_match, args.lookup_min_match),
                                 max_draft=args.lookup_max_draft)
     except ValueError as e:
         raise UserError(str(e).replace("lookup max_draft", "--lookup-max-draft")

@@ -191,9 +191,12 @@ class BatchDecoder:
         (recorded when the chain ends, or two at a time while it goes on, the newest step
         held back so the next pair stays together). Timed one by one, the policy's median
         swung between the two and drafting paused for two plain steps after each draft."""
-        if not self.K or any(o.lookup_drafted for o in outs):  # context drafts: not the policy's
+        if not self.K:
             return
         B = len(outs)
+        if p.plans is not None and any(o.lookup_drafted for o in outs):
+            self._record_context(p, seconds, outs)
+            return
         if p.k != 0 or seconds is None or (self._ahead is None and not self._plain_run):
             self.policy.record_step(B, p.k, seconds, [o.num_accepted for o in outs], p.ks)
             return
@@ -206,6 +209,15 @@ class BatchDecoder:
             return
         for _ in group:
             self.policy.record_step(B, 0, sum(group) / len(group), [0] * B, [0] * B)
+
+    def _record_context(self, p, seconds: Optional[float], outs: List[StepOutput]):
+        """A step with context drafts teaches the policy about the head: each row's head
+        drafts, at their chain depth (after its context drafts). Its time is a head
+        step's of K=k only when the head chained through every position."""
+        same_work = p.head_steps == p.k <= self.policy.max_k
+        self.policy.record_step(len(outs), p.k, seconds if same_work else None,
+                                [o.num_accepted for o in outs], [pl.head for pl in p.plans],
+                                [len(pl.lookup) for pl in p.plans])
 
     def _context(self, b: int) -> int:
         kv = next((c for c in self.cache if c.is_trimmable()), None)  # counts per row

@@ -137,6 +137,9 @@ class DraftSources:
         # a row that starts copying later must be noticed; a useless one costs little.
         self.probe_gap = probe_gap
         self.costs = StepCosts()
+        # What every row's steps showed, per source: a new row's prior, its own steps
+        # then take over (a server's chat requests rarely copy, its edit requests do).
+        self.acceptance = _estimates(0.99)
 
     def drafter(self, source: Optional[str] = None) -> Optional["RowDrafter"]:
         """A row's drafter (None: the row drafts from the head only)."""
@@ -144,15 +147,28 @@ class DraftSources:
         return None if source == "mtp" else RowDrafter(self, source)
 
 
+def _estimates(forget: float, prior=None):
+    """Acceptance per source: the head's per chain depth, the context's per position."""
+    return {"mtp": AcceptanceEstimate(MAX_LOOKUP_DRAFT + MAX_DRAFT_TOKENS, forget, 3.0,
+                                      0.7 if prior is None else prior["mtp"].alpha),
+            "lookup": AcceptanceEstimate(MAX_LOOKUP_DRAFT, forget, 3.0,
+                                         0.7 if prior is None else prior["lookup"].alpha)}
+
+
 class RowDrafter:
-    """One row's lookup index and measured acceptance per source."""
+    """One row's lookup index and measured acceptance per source.
+
+    ``acceptance["lookup"]``: per position of a context run. ``acceptance["mtp"]``: the
+    head's, per chain depth: a head draft at position j of a step (after j context
+    drafts, or j head drafts) is the head's j-th chained pass, whichever source drafted
+    the positions before it, so head-only steps and context runs it extends both teach it.
+    Both start from what the decoder's earlier rows showed (``DraftSources.acceptance``).
+    """
 
     def __init__(self, sources: DraftSources, source: str):
         self.sources, self.source = sources, source
         self.index = LookupIndex(sources.settings)
-        self.acceptance = {"mtp": AcceptanceEstimate(MAX_DRAFT_TOKENS, 0.97, 3.0),
-                           "lookup": AcceptanceEstimate(MAX_LOOKUP_DRAFT, 0.97, 3.0),
-                           "ext": AcceptanceEstimate(MAX_DRAFT_TOKENS, 0.97, 3.0)}
+        self.acceptance = _estimates(0.97, sources.acceptance)
         self._gap = self._wait = sources.probe_gap[0]
 
     def has_match(self) -> bool:
@@ -168,16 +184,9 @@ class RowDrafter:
         full = DraftPlan(proposal, mtp.head if ended else 0)
         if not self.sources.adaptive:
             return full
-        # Expected tokens of the first n context drafts: 1 + a1 + a1*a2 + ... (once per step).
-        expected, reach = [1.0], 1.0
-        for a in self.acceptance["lookup"].alpha[:len(proposal)]:
-            reach *= a
-            expected.append(expected[-1] + reach)
-        extension = self.acceptance["ext"].expected_tokens(full.head) - 1
-        candidates = [(DraftPlan(proposal[:n]), expected[n]) for n in range(1, len(proposal) + 1)]
-        candidates += [(mtp, self.acceptance["mtp"].expected_tokens(mtp.head)), (DraftPlan(), 1.0),
-                       (full, expected[-1] + reach * extension)]
-        best = max(candidates, key=lambda c: self._rate(*c, B))[0]
+        best = self._best(proposal, mtp, full, B)
+        if not best.lookup:  # pausing the context needs evidence: its upper estimate
+            best = self._best(proposal, mtp, full, B, optimistic=True)
         if best.lookup:
             self._gap = self._wait = self.sources.probe_gap[0]
             return best
@@ -186,6 +195,23 @@ class RowDrafter:
             return best
         self._gap = self._wait = min(2 * self._gap, self.sources.probe_gap[1])
         return full  # a probe: measures its acceptance and its cost again
+
+    def _best(self, proposal: List[int], mtp: DraftPlan, full: DraftPlan, B: int,
+              optimistic: bool = False) -> DraftPlan:
+        """The candidate with the most expected tokens per second: each prefix of the
+        context's proposal, the head alone, a plain step, the proposal extended by the
+        head. ``optimistic``: the context's acceptance at its upper estimate."""
+        lookup, head = self.acceptance["lookup"], self.acceptance["mtp"]
+        # Expected tokens of the first n context drafts: 1 + a1 + a1*a2 + ... (once per step).
+        expected, reach = [1.0], 1.0
+        for a in (lookup.upper if optimistic else lookup.alpha)[:len(proposal)]:
+            reach *= a
+            expected.append(expected[-1] + reach)
+        extension = head.expected_tokens(full.head, start=len(proposal)) - 1
+        candidates = [(DraftPlan(proposal[:n]), expected[n]) for n in range(1, len(proposal) + 1)]
+        candidates += [(mtp, head.expected_tokens(mtp.head)), (DraftPlan(), 1.0),
+                       (full, expected[-1] + reach * extension)]
+        return max(candidates, key=lambda c: self._rate(*c, B))[0]
 
     def _rate(self, plan: DraftPlan, expected: float, B: int) -> float:
         """Expected tokens per second; a plain step's counts ``margin`` times (drafting
@@ -198,10 +224,9 @@ class RowDrafter:
     def record(self, plan: DraftPlan, n_accepted: int) -> Tuple[int, int]:
         """Learn from a step's outcome; returns (context drafts, of them accepted)."""
         n = len(plan.lookup)
-        if n:
-            self.acceptance["lookup"].record(n, [n_accepted])
-            if plan.head and n_accepted >= n:
-                self.acceptance["ext"].record(plan.head, [n_accepted - n])
-        elif plan.head:
-            self.acceptance["mtp"].record(plan.head, [n_accepted])
+        for estimates in (self.acceptance, self.sources.acceptance):
+            if n:
+                estimates["lookup"].record(n, [n_accepted])
+            if plan.head:  # at its chain depths, after the context's drafts if any
+                estimates["mtp"].record(plan.head, [n_accepted], starts=[n])
         return n, min(n, n_accepted)

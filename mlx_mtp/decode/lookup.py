@@ -26,9 +26,12 @@ MAX_LOOKUP_DRAFT = 32  # verify at most this many context tokens per step
 
 @dataclass(frozen=True)
 class LookupSettings:
-    min_match: int = 3  # shortest tail that counts as a match
+    # Defaults by measurement (docs/lookup.md, benchmarks/lookup_sweep.py): copying runs
+    # pay up to 32 deep (the choice takes any prefix); 4 tokens of match start fewer
+    # runs that fail, at the same speed.
+    min_match: int = 4  # shortest tail that counts as a match
     max_match: int = 8  # longer matches are not told apart
-    max_draft: int = 16  # tokens proposed at most
+    max_draft: int = 32  # tokens proposed at most
 
     def __post_init__(self):
         if not (isinstance(self.min_match, int) and 1 <= self.min_match <= self.max_match):

@@ -108,39 +108,56 @@ class StepCosts:
 
 
 class AcceptanceEstimate:
-    """Acceptance per draft position: a forgetting average over steps, starting from a
-    prior of 0.7 worth ``prior_weight`` observations (optimistic enough to try drafting;
-    the weight sets how many early rejections it takes to give up)."""
+    """Acceptance per draft position (the chance a draft at position j lands, given the
+    ones before it did): a Beta estimate per position, forgetting old steps.
+
+    Position j holds ``hits`` and ``trials`` (each multiplied by ``forget`` per step that
+    reached j) and a prior of mean ``prior`` (one for all positions, or one each) worth
+    ``prior_weight`` steps, forgotten alike: Beta(hits + prior * w, misses + (1 - prior) * w). ``alpha`` (the mean) drives choices;
+    ``upper`` (mean + ``z`` standard deviations) is what must fall below break-even before
+    a source is paused: a few early rejections leave it high, many do not.
+    """
 
     def __init__(self, max_k: int, forget: float, prior_weight: float = 1.0,
-                 prior: float = 0.7):
-        self.forget, self.prior = forget, prior
+                 prior=0.7, z: float = 1.0):
+        self.forget, self.z = forget, z
+        self.prior = [float(prior)] * max_k if isinstance(prior, (int, float)) else list(prior)
         self.hits = [0.0] * max_k  # observed, forgetting
         self.trials = [0.0] * max_k
         self.weight = [float(prior_weight)] * max_k  # the prior's, forgotten alike
 
-    def record(self, k: int, accepted: Sequence[int], ks: Optional[Sequence[int]] = None):
-        """One step that drafted ``k`` (``ks[b]`` for row b if given); ``accepted``:
-        each row's count."""
+    def record(self, k: int, accepted: Sequence[int], ks: Optional[Sequence[int]] = None,
+               starts: Optional[Sequence[int]] = None):
+        """One step: row b drafted positions ``starts[b] .. starts[b] + ks[b] - 1`` (default
+        ``0 .. k - 1``; a start > 0: after context drafts, ``draft_source.py``) and
+        ``accepted[b]`` drafts were accepted from its first position on."""
         ks = [k] * len(accepted) if ks is None else ks
-        for j in range(k):
-            reached = sum(1 for n, kb in zip(accepted, ks) if n >= j and kb > j)
-            if reached:
-                hit = sum(1 for n, kb in zip(accepted, ks) if n > j and kb > j)
-                self.hits[j] = self.forget * self.hits[j] + hit
-                self.trials[j] = self.forget * self.trials[j] + reached
+        starts = [0] * len(accepted) if starts is None else starts
+        top = min(len(self.hits), max((s + kb for s, kb in zip(starts, ks)), default=0))
+        for j in range(top):
+            rows = [n for n, kb, s in zip(accepted, ks, starts) if s <= j < s + kb and n >= j]
+            if rows:
+                self.hits[j] = self.forget * self.hits[j] + sum(n > j for n in rows)
+                self.trials[j] = self.forget * self.trials[j] + len(rows)
                 self.weight[j] *= self.forget
 
     @property
     def alpha(self) -> List[float]:
         # (hits + prior * weight) / (trials + weight), exactly the prior where unobserved
-        p = self.prior
-        return [p + (h - p * t) / (t + w) for h, t, w in zip(self.hits, self.trials, self.weight)]
+        return [p + (h - p * t) / (t + w)
+                for p, h, t, w in zip(self.prior, self.hits, self.trials, self.weight)]
 
-    def expected_tokens(self, k: int) -> float:
-        """Tokens a row emits per step with k drafts: 1 + a1 + a1*a2 + ..."""
+    @property
+    def upper(self) -> List[float]:
+        """Optimistic acceptance: the Beta mean plus ``z`` standard deviations."""
+        return [min(1.0, a + self.z * math.sqrt(a * (1 - a) / (t + w + 1)))
+                for a, t, w in zip(self.alpha, self.trials, self.weight)]
+
+    def expected_tokens(self, k: int, start: int = 0, optimistic: bool = False) -> float:
+        """Tokens a row emits per step with k drafts at positions ``start..``:
+        1 + a1 + a1*a2 + ..."""
         total, run = 1.0, 1.0
-        for a in self.alpha[:k]:
+        for a in (self.upper if optimistic else self.alpha)[start:start + k]:
             run *= a
             total += run
         return total
@@ -155,19 +172,26 @@ class DraftPolicy:
 
     def __init__(self, max_k: int, adaptive: bool = True, margin: float = 1.05,
                  forget: float = 0.97, probe_gap: Tuple[int, int] = (8, 1024),
-                 recheck_gap: Tuple[int, int] = (4, 512), prior_weight: float = 3.0):
+                 recheck_gap: Tuple[int, int, int] = (4, 32, 512), prior_weight: float = 3.0,
+                 probe_budget: float = 0.005):
         self.max_k = max_k
         self.adaptive = adaptive
         self.margin = margin  # drafting must win clearly: timing noise must not cost users
         self.waiting_margin = 0.1
         self.costs = StepCosts()
-        # Worth 3 steps: one unlucky first draft of a good head (20% of the time at 80%
-        # acceptance) must not pause drafting; a useless head still stops after ~3 steps.
+        # A prior worth 3 steps, and pausing only once the upper estimate says so: a few
+        # unlucky drafts of a good head do not pause it; a useless head stops after ~6-8.
         self.acceptance = AcceptanceEstimate(max_k, forget, prior_weight)
         self.probe_gap = probe_gap  # cost probes, per batch size
         # Acceptance re-checks while paused start sooner: a good head paused by bad luck
         # loses every step until one; a useless one costs a fraction of a step per probe.
+        # Their interval (first, shortest and longest cap) doubles up to where re-checks
+        # cost ``probe_budget`` of the time at most (``_recheck_cap``): a paused head that
+        # would pay is found again within that many steps, whatever luck paused it. A
+        # re-check that lands starts the intervals again: one more is due soon, so the
+        # evidence that paused the head is weighed against fresh steps, not rare ones.
         self.recheck_gap = recheck_gap
+        self.probe_budget = probe_budget
         # A probe is worth it if drafting could win with a somewhat cheaper step than
         # predicted: a probe measures the cell itself, correcting the fit.
         self.optimism = 0.8
@@ -178,12 +202,17 @@ class DraftPolicy:
 
     # -- measurements ------------------------------------------------------------
     def record_step(self, B: int, k: int, seconds: Optional[float], accepted: Sequence[int] = (),
-                    ks: Optional[Sequence[int]] = None):
+                    ks: Optional[Sequence[int]] = None, starts: Optional[Sequence[int]] = None):
         """One finished step: its batch size, K, wall time (None: unknown) and each
-        row's accepted count (``ks``: each row's own K, if not all drafted ``k``)."""
+        row's accepted count (``ks``: each row's own head drafts, if not all drafted
+        ``k``; ``starts``: the position of each row's first head draft, after its
+        context drafts, ``AcceptanceEstimate.record``)."""
         if seconds is not None:
             self.costs.observe(B, k, seconds)
-        self.acceptance.record(k, accepted, ks)
+        self.acceptance.record(k, accepted, ks, starts)
+        landed = any(n > s for n, s in zip(accepted, starts or [0] * len(accepted)))
+        if landed and not self._drafting and self._could_pay(B):
+            self._gaps.pop(None, None)  # paused for its acceptance, yet a draft landed
 
     def row_ks(self, rows, B: int, prompts_waiting: bool = False) -> List[int]:
         """Drafts per row for the next step (``step.Row``s): seeded schedules for rows
@@ -224,11 +253,21 @@ class DraftPolicy:
             if t is None:
                 # Unknown cost: try it for a step if it could win (measuring it is the
                 # only way to find out; a deeper K is not tried before this one is known).
-                return k if self._worth_trying(B, k, best_rate) else best
+                if self._worth_trying(B, k, best_rate):
+                    return k
+                break
             rate = self.acceptance.expected_tokens(k) / t
             if rate > best_rate:
                 best, best_rate = k, rate
+        if best == 0 and self._unproven(B, best_rate):
+            return 1
         return best
+
+    def _unproven(self, B: int, plain_rate: float) -> bool:
+        """Whether K=1 could still beat plain steps by what the acceptance evidence allows
+        (its upper estimate): pausing needs evidence, not a few unlucky drafts."""
+        t1 = self.costs.predict(B, 1)
+        return t1 is not None and self.acceptance.expected_tokens(1, optimistic=True) / t1 > plain_rate
 
     def _cost_guess(self, B: int, k: int) -> Optional[float]:
         """K's cost as measured, else optimistically continued from the two K below it
@@ -243,12 +282,13 @@ class DraftPolicy:
         return below + self.optimism * max(below - two_below, 0.0)
 
     def _worth_trying(self, B: int, k: int, best_rate: float) -> bool:
-        """Whether K=k could beat ``best_rate`` at its guessed cost. Without anything to
-        go on (K=1 unmeasured) drafts must mostly land (the acceptance prior is 0.7)."""
+        """Whether K=k could beat ``best_rate`` at its guessed cost with its acceptance at
+        the upper estimate. Without anything to go on (K=1 unmeasured) drafts must mostly
+        land (the acceptance prior is 0.7)."""
         guess = self._cost_guess(B, k)
         if guess is None:
             return self.acceptance.reach(k) >= 0.5
-        return self.acceptance.expected_tokens(k) / guess > best_rate
+        return self.acceptance.expected_tokens(k, optimistic=True) / guess > best_rate
 
     def _maybe_probe(self, B: int, chosen: int) -> Optional[int]:
         """Now and then (at doubling intervals) try another K.
@@ -275,13 +315,31 @@ class DraftPolicy:
         t1 = self.costs.predict(B, 1)
         if chosen == 0 and (t1 is None or self.costs.count(B, 1) < 3
                             or 2 / (self.optimism * t1) > self.margin / t0):
-            if self._due(None):
+            if self._due(None, self._recheck_cap(B)):
                 return 1
         return None
 
-    def _due(self, key) -> bool:
-        """Count down the probe interval of ``key``; True (and double it) when it ends."""
-        first, longest = self.recheck_gap if key is None else self.probe_gap
+    def _could_pay(self, B: int) -> bool:
+        """Whether K=1 would beat plain steps at B rows if every draft landed."""
+        t0, t1 = self.costs.predict(B, 0), self.costs.predict(B, 1)
+        return t0 is not None and t1 is not None and 2 / t1 > self.margin / t0
+
+    def _recheck_cap(self, B: int) -> int:
+        """The longest interval between acceptance re-checks while paused: a re-check
+        costs at most ``t(B, 1) / t(B, 0) - 1`` plain steps, one per interval must stay
+        within ``probe_budget``."""
+        _, shortest, longest = self.recheck_gap
+        t0, t1 = self.costs.predict(B, 0), self.costs.predict(B, 1)
+        if not t0 or t1 is None:
+            return longest
+        extra = max(t1 / t0 - 1.0, 0.0)
+        return max(shortest, min(longest, math.ceil(extra / self.probe_budget)))
+
+    def _due(self, key, longest: Optional[int] = None) -> bool:
+        """Count down the probe interval of ``key``; True (and double it, up to
+        ``longest``) when it ends."""
+        first, cap = (self.recheck_gap[0], self.recheck_gap[2]) if key is None else self.probe_gap
+        longest = cap if longest is None else longest
         gap, wait = self._gaps.get(key, (first, first))
         wait -= 1
         if wait <= 0:

@@ -181,45 +181,65 @@ def verify(
     target_noise: Optional[mx.array] = None,
     accept_uniform: Optional[mx.array] = None,
     limit: Optional[mx.array] = None,
+    deterministic: Optional[mx.array] = None,
 ) -> Tuple[mx.array, mx.array]:
     """Accept a prefix of the drafts and pick the token that follows it.
 
     target:         (B, K+1, V) filtered target log-probs at the K+1 verified positions
     drafts:         (B, K) draft tokens
-    draft_logprobs: (B, K, V) filtered draft log-probs; None: match verification
+    draft_logprobs: (B, J, V) filtered draft log-probs of the first J <= K positions
+                    (None: J = 0); positions from J on are deterministic proposals
     target_noise:   (B, K+1, V) Gumbel noise of the K+1 positions (None: greedy)
-    accept_uniform: (B, K) uniforms of the acceptance tests (rejection sampling)
+    accept_uniform: (B, K) uniforms of the acceptance tests: rejection sampling
+                    (None: match verification)
     limit:          (B,) drafts each row asked for (<= K; None: K): a row stops there
                     and takes the target's own token at that position, as a step
                     with fewer drafts would
+    deterministic:  (B, K) bool, a draft that is a deterministic proposal (``q`` is 1
+                    at it: a context draft) whatever ``draft_logprobs`` holds there
     Returns ``num_accepted`` (B,) and ``next_token`` (B,): the recovered token at
     the first rejected position, or the bonus token when all K were accepted.
 
     Match verification (greedy, coupled): the target's choice at each position is
     ``argmax(target + noise)``; drafts are accepted while they equal it. Rejection
-    sampling (``draft_logprobs`` given): accept ``d ~ q`` with probability
-    ``min(1, p(d)/q(d))``, else draw from ``max(0, p - q)``.
+    sampling: accept ``d ~ q`` with probability ``min(1, p(d)/q(d))``, else draw from
+    ``max(0, p - q)``. A deterministic proposal is accepted with probability ``p(d)``
+    and a rejection draws from ``p`` without ``d``, renormalised: the same rule with
+    ``q`` one-hot, in index form (no (B, K, V) ``q`` is built for it).
     Everything stays on device; the caller reads both in one sync.
     """
     K = drafts.shape[1]
-    if draft_logprobs is None:
+    if accept_uniform is None:
         choice = sample(target, target_noise)  # (B, K+1)
         n = mx.cumprod((drafts == choice[:, :K]).astype(mx.int32), axis=1).sum(axis=1)
         if limit is not None:
             n = mx.minimum(n, limit)
         return n, mx.take_along_axis(choice, n[:, None], axis=1)[:, 0]
 
-    p_all = mx.exp(target[:, :K])  # (B, K, V)
-    q_all = mx.exp(draft_logprobs)
-    p = mx.take_along_axis(p_all, drafts[..., None], axis=-1)[..., 0]
-    q = mx.take_along_axis(q_all, drafts[..., None], axis=-1)[..., 0]
+    J = 0 if draft_logprobs is None else draft_logprobs.shape[1]
+    fixed = mx.arange(K)[None] >= J  # (1, K): past the head's positions
+    if deterministic is not None:
+        fixed = fixed | deterministic
+    p = mx.exp(mx.take_along_axis(target[:, :K], drafts[..., None], axis=-1)[..., 0])  # (B, K)
+    q = mx.ones_like(p)
+    recovered = None
+    if J:  # the drafts drawn from q: q(d) and the residual max(0, p - q)
+        q_all = mx.exp(draft_logprobs)
+        q_head = mx.take_along_axis(q_all, drafts[:, :J, None], axis=-1)[..., 0]
+        q = mx.where(fixed, q, mx.concatenate([q_head, q[:, J:]], axis=1))
+        p_all = mx.exp(target[:, :J])
+        residual = mx.maximum(p_all - q_all, 0.0)
+        # p == q leaves no residual mass; rejection then has probability 0, any row will do.
+        residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p_all)
+        recovered = sample(mx.log(residual), target_noise[:, :J])  # (B, J)
     accept = accept_uniform * q < p  # u < p/q without dividing; q > 0 since d was drawn from q
     n = mx.cumprod(accept.astype(mx.int32), axis=1).sum(axis=1)
-
-    residual = mx.maximum(p_all - q_all, 0.0)
-    # p == q leaves no residual mass; rejection then has probability 0, any row will do.
-    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p_all)
-    recovered = sample(mx.log(residual), target_noise[:, :K])  # (B, K)
+    if deterministic is not None or J < K:  # p without d: Gumbel-max over the other tokens
+        without = mx.put_along_axis(target[:, :K] + target_noise[:, :K], drafts[..., None],
+                                    mx.array(-mx.inf, target.dtype), axis=-1)
+        from_p = mx.argmax(without, axis=-1)  # (B, K)
+        recovered = from_p if recovered is None else mx.where(
+            fixed, from_p, mx.concatenate([recovered, from_p[:, J:]], axis=1))
     if limit is None:
         bonus = sample(target[:, K], target_noise[:, K])  # (B,)
         candidates = mx.concatenate([recovered, bonus[:, None]], axis=1)

@@ -459,18 +459,12 @@ class DecodeBatch:
             transforms.advance(drafts[-1])
         return drafts, draft_lps, noises
 
-    def _draft_logprobs(self, g: _Group, gi: int, drafts, draft_lps, where, V: int):
-        """(b, k, V) log q of the group's drafts: one-hot at a context draft (and past
-        the head's J positions), the head's filtered distribution elsewhere."""
-        d = g.take(drafts)
-        k, J = d.shape[1], len(draft_lps)
-        one_hot = mx.where(mx.arange(V)[None, None] == d[..., None], 0.0, -mx.inf)
-        if J == 0:
-            return one_hot
-        head = mx.stack([lps[gi] for lps in draft_lps], axis=1)  # (b, J, V)
-        if J < k:
-            head = mx.concatenate([head, one_hot[:, J:]], axis=1)
-        return head if where is None else mx.where(g.take(where)[..., None], one_hot, head)
+    def _draft_logprobs(self, g: _Group, gi: int, draft_lps, where):
+        """The group's head draft log q (b, J, V) (None: no head pass) and where its drafts
+        are context drafts (b, k) (None: nowhere); those are deterministic proposals,
+        verified in index form (``sampling.verify``)."""
+        head = mx.stack([lps[gi] for lps in draft_lps], axis=1) if draft_lps else None
+        return head, None if where is None else g.take(where)
 
     def _check_drafting(self, plans: List[DraftPlan]):
         for r, p in zip(self.rows, plans):
@@ -515,11 +509,11 @@ class DecodeBatch:
             d = g.take(drafts)
             if g.params.greedy or g.params.coupled:
                 return verify(target, d, None, target_noise[gi], limit=limit)
-            q = self._draft_logprobs(g, gi, drafts, draft_lps, where, V)
+            q, fixed = self._draft_logprobs(g, gi, draft_lps, where)
             sel = [self.rows[b] for b in g.rows]
             u = uniform(position_keys([r.sampler.seed for r in sel], [r.n_out for r in sel],
                                       k, ACCEPT))
-            return verify(target, d, q, target_noise[gi], u, limit=limit)
+            return verify(target, d, q, target_noise[gi], u, limit=limit, deterministic=fixed)
 
         results = [self._on_row(g.rows[0], lambda: accept(g, gi)) for gi, g in enumerate(groups)]
         return _share(self.model, self._merge(groups, [n for n, _ in results]),
