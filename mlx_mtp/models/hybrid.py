@@ -273,20 +273,14 @@ class GatedDeltaNetBase(nn.Module):
         return self.out_proj(self.norm(out, z).reshape(B, S, -1))
 
     def commit(self, cache, conv_input, state, new_state, inputs, mask, capture):
-        """Write the pass into the cache (and what a verify pass needs to replay)."""
-        S = inputs[0].shape[1]
-        cache.verify_record = (
-            VerifyRecord(conv_input, state, inputs, mask, self.recurrence) if capture else None
-        )
-        cache.conv = mx.contiguous(conv_input[:, -(self.conv_kernel_size - 1):])
-        cache.ssm = new_state
-        cache.offset += S
+        """Advance the cache by the pass (keeping what a verify pass needs to replay)."""
+        record = VerifyRecord(conv_input, state, inputs, mask, self.recurrence) if capture else None
+        cache.advance(conv_input, new_state, inputs[0].shape[1], record)
 
     def __call__(self, x, mask=None, cache: Optional[RecurrentCache] = None, capture=False):
         S = x.shape[1]
-        conv_input, (q, k, v, a, b), z = self.inputs(
-            x, cache.conv if cache is not None else None, mask)
-        state = cache.ssm if cache is not None else None
+        conv_state, state = cache.state if cache is not None else (None, None)
+        conv_input, (q, k, v, a, b), z = self.inputs(x, conv_state, mask)
 
         # A verify pass (capture) makes the same call as plain decoding; the cache
         # keeps what it needs to replay the accepted prefix (see RecurrentCache).
@@ -327,10 +321,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), conv_input, new_state, *inputs
 
     def __call__(self, x, mask=None, cache=None, capture=False):
-        if (self.compiled_step is not None and cache is not None and cache.ssm is not None
+        conv_state, state = cache.state if self.is_linear and cache is not None else (None, None)
+        if (self.compiled_step is not None and state is not None
                 and x.shape[1] <= MAX_COMPILED_TOKENS):
-            h, conv_input, new_state, *inputs = self.compiled_step(x, cache.conv, cache.ssm)
-            self.linear_attn.commit(cache, conv_input, cache.ssm, new_state, tuple(inputs),
+            h, conv_input, new_state, *inputs = self.compiled_step(x, conv_state, state)
+            self.linear_attn.commit(cache, conv_input, state, new_state, tuple(inputs),
                                     None, capture)
             return h
         if self.is_linear:
