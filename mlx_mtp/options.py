@@ -171,7 +171,9 @@ def apply_model_options(model, args):
     if getattr(args, "compile_steps", False):
         if not hasattr(model, "set_compiled"):
             raise UserError("--compile-steps is not available for this model (distributed)")
-        model.set_compiled(True)
+        k = 0 if getattr(args, "no_mtp", False) else getattr(args, "num_draft_tokens", 0)
+        k = max(k, default=0) if isinstance(k, (list, tuple)) else k if isinstance(k, int) else 0
+        model.set_compiled(True, k)  # traced here for every K up to k
 
 
 def describe_choices(model) -> str:

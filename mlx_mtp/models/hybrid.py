@@ -29,7 +29,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated as RMSNormGated
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from .cache import KVCache, RecurrentCache, VerifyRecord
+from .cache import KVCache, RecurrentCache, VerifyRecord, cache_state_arrays
 from .draft_head import DraftHead
 
 # Longer GDN inputs go through the chunked (matmul-form) recurrence when available.
@@ -275,7 +275,8 @@ class GatedDeltaNetBase(nn.Module):
     def commit(self, cache, conv_input, state, new_state, inputs, mask, capture):
         """Advance the cache by the pass (keeping what a verify pass needs to replay)."""
         record = VerifyRecord(conv_input, state, inputs, mask, self.recurrence) if capture else None
-        cache.advance(conv_input, new_state, inputs[0].shape[1], record)
+        cache.advance(conv_input, new_state, conv_input.shape[1] - self.conv_kernel_size + 1,
+                      record)
 
     def __call__(self, x, mask=None, cache: Optional[RecurrentCache] = None, capture=False):
         S = x.shape[1]
@@ -305,13 +306,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = SparseMoeBlock(args) if moe else MLP(args.hidden_size, args.intermediate_size)
-        self.compiled_step = None  # set_compiled: the decode step of a linear layer
+        self.compiled_steps = None  # set_compiled: (plain, verify) decode steps of a linear layer
 
     def set_compiled(self, on: bool):
-        """Compile a Gated DeltaNet layer's decode step (state in, state out; MLX traces
-        one graph per input shape, i.e. per K and batch size). Weights are captured at
-        trace time: call after loading."""
-        self.compiled_step = mx.compile(self._linear_step) if on and self.is_linear else None
+        """Compile a Gated DeltaNet layer's decode step (state in, state out). MLX keeps one
+        trace per input shape (per K and batch size); a plain step returns only the new
+        state, a verify pass also what replay needs. Weights are captured at trace time:
+        call after loading."""
+        self.compiled_steps = None
+        if on and self.is_linear:
+            self.compiled_steps = (mx.compile(lambda x, c, s: self._linear_step(x, c, s)[:3]),
+                                   mx.compile(self._linear_step))
 
     def _linear_step(self, x, conv_state, state):
         mix = self.linear_attn
@@ -322,9 +327,9 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x, mask=None, cache=None, capture=False):
         conv_state, state = cache.state if self.is_linear and cache is not None else (None, None)
-        if (self.compiled_step is not None and state is not None
+        if (self.compiled_steps is not None and state is not None
                 and x.shape[1] <= MAX_COMPILED_TOKENS):
-            h, conv_input, new_state, *inputs = self.compiled_step(x, conv_state, state)
+            h, conv_input, new_state, *inputs = self.compiled_steps[capture](x, conv_state, state)
             self.linear_attn.commit(cache, conv_input, state, new_state, tuple(inputs),
                                     None, capture)
             return h
@@ -442,15 +447,22 @@ class TextModel(nn.Module):
         out = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
         self.draft_head = DraftHead(out, bits, vocab, group_size)
 
-    def set_compiled(self, on: bool):
-        """Run Gated DeltaNet layers' decode steps as compiled graphs (off by default:
-        measured slower on MLX's CPU backend for a 1024-wide bf16 model)."""
+    def set_compiled(self, on: bool, max_k: int = 0):
+        """Run Gated DeltaNet layers' decode steps as compiled graphs, traced here for
+        plain steps and verify passes up to ``max_k`` drafts (batch of one), so a change
+        of K never traces mid-decode."""
         for layer in self.model.layers:
             layer.set_compiled(on)
+        if on:
+            for T in range(1, min(max_k + 1, MAX_COMPILED_TOKENS) + 1):
+                cache = self.make_cache()
+                self.trunk(mx.zeros((1, 1), mx.int32), cache)  # a state to step from
+                h, _ = self.trunk(mx.zeros((1, T), mx.int32), cache, capture=T > 1)
+                mx.eval(h, cache_state_arrays(cache))
 
     @property
     def compiled(self) -> bool:
-        return any(layer.compiled_step is not None for layer in self.model.layers)
+        return any(layer.compiled_steps is not None for layer in self.model.layers)
 
     def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
         """hidden (B,S,H) at positions i, next_tokens (B,S) = t_{i+1}; ``depth``: the
@@ -514,8 +526,8 @@ class WrappedTextModel(nn.Module):
     def set_draft_head(self, bits: Optional[int] = None, group_size: int = 64, vocab=None):
         self.language_model.set_draft_head(bits, group_size, vocab)
 
-    def set_compiled(self, on: bool):
-        self.language_model.set_compiled(on)
+    def set_compiled(self, on: bool, max_k: int = 0):
+        self.language_model.set_compiled(on, max_k)
 
     @property
     def compiled(self) -> bool:
