@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import mlx_mtp  # noqa: F401  (first: loads the OpenBLAS shim before MLX, as the CLI does)
 import mlx.core as mx
 
 from mlx_mtp.decode import step_costs

@@ -15,10 +15,11 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import mlx_mtp  # noqa: F401  (first: loads the OpenBLAS shim before MLX, as the CLI does)
 import mlx.core as mx
 
 from mlx_mtp.bench.inprocess import measure_costs
-from mlx_mtp.models.cache import restore_caches, snapshot_caches
+from mlx_mtp.models import hybrid
 from mlx_mtp.models.loader import load
 
 DEMO = Path(__file__).resolve().parents[1] / "mlx_mtp" / "assets" / "demo-model"
@@ -37,6 +38,53 @@ def primitives(model, T: int) -> collections.Counter:
     return kinds
 
 
+def parts(model, T: int):
+    """Thunks for the parts of a trunk pass over T positions, each run alone: every
+    linear layer's matmul (M = T rows), every Gated DeltaNet recurrence, the output layer."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    text = model.text
+    linears = [m for _, m in tree_flatten(text.model.leaf_modules(), is_leaf=nn.Module.is_module)
+               if isinstance(m, nn.Linear)]
+    xs = [mx.random.normal((1, T, m.weight.shape[1])).astype(m.weight.dtype) for m in linears]
+    mixers = [layer.linear_attn for layer in text.model.layers if layer.is_linear]
+    cache = model.make_cache()
+    mx.eval(model.trunk(mx.array([[1, 2, 3, 4]]), cache)[0])
+    rec = []
+    for mix, c in zip(mixers, (c for c in cache if type(c).__name__ == "RecurrentCache")):
+        conv_state, state = c.state
+        _, inputs, _ = mix.inputs(mx.random.normal((1, T, text.args.hidden_size)), conv_state)
+        mx.eval(inputs)
+        rec.append((mix, inputs, state))
+    h = mx.random.normal((1, T, text.args.hidden_size))
+    mx.eval(xs, h)
+    return {
+        "linear layers": lambda: [m(x) for m, x in zip(linears, xs)],
+        "recurrence": lambda: [mix.recurrence(*inp, st) for mix, inp, st in rec],
+        "output layer": lambda: model.logits(h),
+    }
+
+
+def breakdown(model, reps: int):
+    """Median ms of each part at T = 1..4, interleaved."""
+    import time
+
+    thunks = {T: parts(model, T) for T in (1, 2, 3, 4)}
+    times = collections.defaultdict(list)
+    for r in range(reps + 1):
+        for T, ps in thunks.items():
+            for name, fn in ps.items():
+                tic = time.perf_counter()
+                mx.eval(fn())
+                if r:
+                    times[(name, T)].append((time.perf_counter() - tic) * 1e3)
+    print("\n| part (ms) | T=1 | T=2 | T=3 | T=4 |\n|---|---:|---:|---:|---:|")
+    for name in thunks[1]:
+        print(f"| {name} | " + " | ".join(f"{statistics.median(times[(name, T)]):.2f}"
+                                          for T in thunks) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default=str(DEMO))
@@ -45,25 +93,35 @@ def main():
     a = ap.parse_args()
     model, tok = load(a.model, dtype="auto")  # what the CLI runs
     ids = tok.encode(PROMPT)
-    runs = {False: [], True: []}
+    modes = {"op loop (before)": (False, False), "compiled recurrence (after)": (True, False),
+             "--compile-steps": (True, True)}
+    runs = {m: [] for m in modes}
     load_before = os.getloadavg()[0]
     for r in range(a.rounds + 1):
-        for compiled in ((False, True) if r % 2 else (True, False)):
-            model.set_compiled(compiled)
+        for mode in (list(modes) if r % 2 else list(modes)[::-1]):  # A B C, then C B A
+            hybrid.COMPILE_RECURRENCE, compiled = modes[mode]
+            model.set_compiled(compiled, 3)
             costs = measure_costs(model, ids, [1, 2, 3], reps=a.reps)
-            if r:  # round 0 warms up both (and traces the compiled graphs)
-                runs[compiled].append(costs)
-    print(f"{a.model}: {a.rounds} rounds A B B A x {a.reps} reps; load average "
-          f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+            if r:  # round 0 warms every mode up
+                runs[mode].append(costs)
+    print(f"{a.model}: {a.rounds} rounds, order reversed every round x {a.reps} reps; "
+          f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
     print("| decode steps | plain ms | c_verify(1) | c_verify(2) | c_verify(3) |")
     print("|---|---:|---:|---:|---:|")
-    for compiled, rs in runs.items():
+    for mode, rs in runs.items():
         plain = statistics.median(c["plain_s"] for c in rs) * 1e3
         cv = [statistics.median(c["verify_s"][k] / c["plain_s"] for c in rs) for k in (1, 2, 3)]
-        print(f"| {'compiled' if compiled else 'lazy'} | {plain:.2f} | "
-              + " | ".join(f"{v:.2f}" for v in cv) + " |")
+        print(f"| {mode} | {plain:.2f} | " + " | ".join(f"{v:.2f}" for v in cv) + " |")
     model.set_compiled(False)
-    print("\nprimitives per trunk pass (lazy graph), by kind:")
+    for compiled_recurrence in (False, True):
+        hybrid.COMPILE_RECURRENCE = compiled_recurrence
+        print(f"\nrecurrence compiled: {compiled_recurrence}", end="")
+        breakdown(model, 3 * a.reps)
+    hybrid.COMPILE_RECURRENCE = True
+    after = [sum(primitives(model, T).values()) for T in (1, 2, 3, 4)]
+    hybrid.COMPILE_RECURRENCE = False
+    print("\nprimitives per trunk pass (lazy graph), by kind (op loop; last row: compiled "
+          "recurrence):")
     counts = {T: primitives(model, T) for T in (1, 2, 3, 4)}
     kinds = sorted(set().union(*counts.values()), key=lambda k: -counts[4][k])
     print("| kind | " + " | ".join(f"T={T}" for T in counts) + " |")
@@ -71,6 +129,7 @@ def main():
     print(f"| total | " + " | ".join(str(sum(c.values())) for c in counts.values()) + " |")
     for k in kinds[:14]:
         print(f"| {k} | " + " | ".join(str(c[k]) for c in counts.values()) + " |")
+    print("| total, compiled recurrence | " + " | ".join(map(str, after)) + " |")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ from .draft_head import DraftHead
 CHUNKED_MIN_TOKENS = 64
 # Compiled decode steps (set_compiled) cover plain steps and verify passes up to K = 8.
 MAX_COMPILED_TOKENS = 9
+# CPU decode steps and verify passes run the recurrence as one compiled graph (False:
+# mlx-lm's per-position op loop; benchmarks/verify_cost.py compares the two).
+COMPILE_RECURRENCE = True
 
 
 @dataclass
@@ -205,6 +208,13 @@ def _chunked_impl():
     return gated_delta_chunked
 
 
+@mx.compile
+def _compiled_recurrence(q, k, v, a, b, A_log, dt_bias, state):
+    """``gated_delta_update``'s op loop traced once per shape (all layers share it): the
+    same arithmetic per position, without a dozen dispatches per position and layer."""
+    return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, use_kernel=False)
+
+
 class GatedDeltaNetBase(nn.Module):
     """Gated DeltaNet mixer. Subclasses define the input projections."""
 
@@ -246,7 +256,12 @@ class GatedDeltaNetBase(nn.Module):
         raise NotImplementedError
 
     def recurrence(self, q, k, v, a, b, state, mask=None):
-        """The per-token recurrence: mlx-lm's entry point, the fused kernel on Metal."""
+        """The per-token recurrence: mlx-lm's entry point, the fused kernel on Metal. On
+        the CPU a decode step or verify pass (a few positions, a state, no mask) runs it
+        as one compiled graph instead of mlx-lm's per-position op loop."""
+        if (COMPILE_RECURRENCE and mask is None and state is not None and not self.training
+                and q.shape[1] <= MAX_COMPILED_TOKENS and mx.default_device() == mx.cpu):
+            return _compiled_recurrence(q, k, v, a, b, self.A_log, self.dt_bias, state)
         return gated_delta_update(
             q, k, v, a, b, self.A_log, self.dt_bias, state, mask, use_kernel=not self.training
         )
