@@ -149,9 +149,10 @@ def add_speed_arguments(p):
                         "the tokens generated; else off. 0 = off")
     p.add_argument("--compile-steps", action="store_true",
                    help="Run the Gated DeltaNet layers of decode and verify steps as "
-                        "mx.compile'd graphs (one per K). Off by default: on MLX's CPU backend "
-                        "it measured 0.85-1.13x on a 1024-wide bf16 model (faster only on tiny, "
-                        "overhead-bound ones)")
+                        "mx.compile'd graphs, traced at load for every K up to "
+                        "--num-draft-tokens. Off by default: on MLX's CPU backend it measured "
+                        "0.85-1.13x on a 1024-wide bf16 model and, on the demo model, faster at "
+                        "fixed K=3 but slower with adaptive K (docs/verify-cost.md)")
 
 
 def apply_model_options(model, args):
