@@ -1,9 +1,13 @@
 """Compiled Gated DeltaNet decode steps (``TextModel.set_compiled``) against the lazy
-graph, interleaved A B B A in one process: decode tok/s at K = 0..3 (fixed K, greedy),
-outputs checked equal.
+graph, interleaved A B B A in one process: decode tok/s at fixed K = 0..3 and with
+adaptive K (``auto``, K <= 3, the policy ``mlx-mtp generate`` uses: stored or
+calibrated step costs for each mode), greedy, outputs checked equal.
 
-    python benchmarks/compiled_steps.py [--hidden 1024] [--layers 8] [--vocab 8192]
-        [--dtype bf16] [--head oracle|noisy] [--tokens 64] [--rounds 4]
+    python benchmarks/compiled_steps.py [--model demo|PATH] [--hidden 1024] [--layers 8]
+        [--vocab 8192] [--dtype bf16] [--head oracle|noisy] [--tokens 64] [--rounds 4]
+
+Without ``--model`` a qwen3_5 fixture of the given shape is built; ``--model demo`` is
+the shipped demo model.
 """
 
 import argparse
@@ -13,28 +17,47 @@ import tempfile
 import time
 from pathlib import Path
 
+import mlx_mtp  # noqa: F401  (first: loads the OpenBLAS shim before MLX, as the CLI does)
 import mlx.core as mx
 
+from mlx_mtp.decode import step_costs
 from mlx_mtp.decode.speculative import MTPDecoder
 from mlx_mtp.models.loader import load
 from mlx_mtp.testing.tiny import make_tiny
 
 PROMPT = "def fibonacci(n):\n    "
+DEMO = Path(__file__).resolve().parents[1] / "mlx_mtp" / "assets" / "demo-model"
+SETTINGS = [0, 1, 2, 3, "auto"]
 
 
 def decode(model, ids, k, n):
-    dec = MTPDecoder(model, k, adaptive=False)
+    if k == "auto":  # a fresh process's policy: the costs stored for this mode
+        dec = MTPDecoder(model, 3, adaptive=True, policy=step_costs.policy_for(model, 3))
+    else:
+        dec = MTPDecoder(model, k, adaptive=False)
     dec.prefill(ids)
     out = list(dec.step().tokens)  # the first token belongs to prompt processing
     tic = time.perf_counter()
     while len(out) < n + 1:
         out += dec.step().tokens
     dec.finish_pending()
-    return (len(out) - 1) / (time.perf_counter() - tic), out[: n + 1]
+    return (len(out) - 1) / (time.perf_counter() - tic), out[: n + 1], dec
+
+
+def build(a):
+    if a.model:
+        # The CLI's default dtype: float32 on the CPU for a small bf16 checkpoint.
+        return load(str(DEMO if a.model == "demo" else a.model), dtype="auto"), a.model
+    path = make_tiny(Path(tempfile.mkdtemp()) / "m", "qwen3_5", a.head, vocab_size=a.vocab,
+                     hidden=a.hidden, num_layers=a.layers, trunk_scale=0.1,
+                     dtype={"bf16": mx.bfloat16, "f32": mx.float32}[a.dtype])
+    return load(str(path)), (f"qwen3_5 hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}, "
+                             f"{a.dtype}, {a.head} head")
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
@@ -43,32 +66,30 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
     a = ap.parse_args()
-    path = make_tiny(Path(tempfile.mkdtemp()) / "m", "qwen3_5", a.head, vocab_size=a.vocab,
-                     hidden=a.hidden, num_layers=a.layers, trunk_scale=0.1,
-                     dtype={"bf16": mx.bfloat16, "f32": mx.float32}[a.dtype])
-    model, tok = load(str(path))
+    (model, tok), name = build(a)
     ids = tok.encode(PROMPT)
-    tps = {(k, c): [] for k in range(4) for c in (False, True)}
+    tps = {(k, c): [] for k in SETTINGS for c in (False, True)}
     outputs = {}
-    for c in (False, True):  # warm up both (the compiled graphs are traced here)
-        model.set_compiled(c)
-        for k in range(4):
-            decode(model, ids, k, 8)
+    for c in (False, True):  # warm up both; the policy's costs are stored per mode
+        model.set_compiled(c, 3)
+        for k in SETTINGS:
+            _, _, dec = decode(model, ids, k, 8)
+            if k == "auto":
+                step_costs.save(model, dec.policy)
     load_before = os.getloadavg()[0]
     for r in range(a.rounds):
         order = (False, True) if r % 2 == 0 else (True, False)  # A B, then B A
-        for k in range(4):
+        for k in SETTINGS:
             for c in order:
-                model.set_compiled(c)
-                v, out = decode(model, ids, k, a.tokens)
+                model.set_compiled(c, 3)
+                v, out, _ = decode(model, ids, k, a.tokens)
                 tps[(k, c)].append(v)
-                outputs.setdefault(k, out)
-                assert out == outputs[k], f"K={k} compiled={c}: output differs"
-    print(f"qwen3_5 hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}, {a.dtype}, "
-          f"{a.head} head, {a.tokens} tokens, {a.rounds} rounds (ABBA); load average "
+                outputs.setdefault("greedy", out)
+                assert out == outputs["greedy"], f"K={k} compiled={c}: output differs"
+    print(f"{name}, {a.tokens} tokens, {a.rounds} rounds (ABBA); load average "
           f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}")
     print("| K | lazy tok/s | compiled tok/s | compiled / lazy |\n|---|---:|---:|---:|")
-    for k in range(4):
+    for k in SETTINGS:
         lazy, comp = (statistics.median(tps[(k, c)]) for c in (False, True))
         print(f"| {k} | {lazy:.1f} | {comp:.1f} | {comp / lazy:.2f}× |")
     print("outputs identical: yes")

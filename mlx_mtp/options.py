@@ -159,9 +159,10 @@ def add_speed_arguments(p):
                         "the tokens generated; else off. 0 = off")
     p.add_argument("--compile-steps", action="store_true",
                    help="Run the Gated DeltaNet layers of decode and verify steps as "
-                        "mx.compile'd graphs (one per K). Off by default: on MLX's CPU backend "
-                        "it measured 0.85-1.13x on a 1024-wide bf16 model (faster only on tiny, "
-                        "overhead-bound ones)")
+                        "mx.compile'd graphs, traced at load for every K up to "
+                        "--num-draft-tokens. Off by default: on MLX's CPU backend it measured "
+                        "0.85-1.13x on a 1024-wide bf16 model and, on the demo model, faster at "
+                        "fixed K=3 but slower with adaptive K (docs/verify-cost.md)")
 
 
 def apply_model_options(model, args):
@@ -181,7 +182,9 @@ def apply_model_options(model, args):
     if getattr(args, "compile_steps", False):
         if not hasattr(model, "set_compiled"):
             raise UserError("--compile-steps is not available for this model (distributed)")
-        model.set_compiled(True)
+        k = 0 if getattr(args, "no_mtp", False) else getattr(args, "num_draft_tokens", 0)
+        k = max(k, default=0) if isinstance(k, (list, tuple)) else k if isinstance(k, int) else 0
+        model.set_compiled(True, k)  # traced here for every K up to k
 
 
 def load_from_args(args, mtp: bool, group=None):

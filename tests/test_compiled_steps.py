@@ -85,3 +85,31 @@ def test_generate_flag(noisy, capsys):
     plain = capsys.readouterr().out
     assert main(args + ["--num-draft-tokens", "2", "--fixed-k", "--compile-steps"]) == 0
     assert capsys.readouterr().out == plain
+
+
+def test_every_k_is_traced_up_front_and_never_while_decoding(noisy, monkeypatch):
+    """``set_compiled(True, max_k)`` traces a plain step and each verify length once; decodes
+    whose K changes then never trace (a trace mid-decode is what made adaptive K lose)."""
+    from mlx_mtp.models.hybrid import DecoderLayer
+
+    _, model = noisy
+    traced = []
+    real = DecoderLayer._linear_step
+
+    def spy(self, x, *args):
+        traced.append(x.shape[1])
+        return real(self, x, *args)
+
+    monkeypatch.setattr(DecoderLayer, "_linear_step", spy)
+    model.set_compiled(True, 3)
+    try:
+        assert set(traced) == {1, 2, 3, 4}
+        traced.clear()
+        for k in (3, 1, 0, 2):
+            _tokens(model, k, n=6)
+        adaptive = [t for t, _, _ in generate_step(PROMPT, model, num_draft_tokens=3,
+                                                   max_tokens=12)]
+    finally:
+        model.set_compiled(False)
+    assert traced == []
+    assert adaptive == _tokens(model, 0, n=12)

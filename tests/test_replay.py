@@ -22,15 +22,16 @@ def model(tiny_ckpt):
 
 @pytest.fixture
 def recurrence_calls(monkeypatch):
-    """Every call of the recurrence entry point, as the number of positions it ran."""
+    """Every call of the recurrence entry point, as the number of positions it ran (the
+    layer's method: on the CPU it runs a compiled graph, traced once per shape)."""
     calls = []
-    real = hybrid.gated_delta_update
+    real = hybrid.GatedDeltaNetBase.recurrence
 
-    def counting(q, *args, **kwargs):
+    def counting(self, q, *args, **kwargs):
         calls.append(q.shape[1])
-        return real(q, *args, **kwargs)
+        return real(self, q, *args, **kwargs)
 
-    monkeypatch.setattr(hybrid, "gated_delta_update", counting)
+    monkeypatch.setattr(hybrid.GatedDeltaNetBase, "recurrence", counting)
     return calls
 
 

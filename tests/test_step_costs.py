@@ -80,3 +80,26 @@ def test_stored_costs_decide_the_first_step(tiny_model, verify_cost, drafts):
     policy = DraftPolicy(1)
     step_costs.load(tiny_model, policy)
     assert (policy.choose(1) > 0) is drafts
+
+
+def test_serve_reads_stored_costs_and_times_only_missing_batch_sizes(tiny_model):
+    """A server start calibrates what no earlier run stored (and stores it); a second
+    start with the same key times nothing, a wider one only its new batch size."""
+    from mlx_mtp.server.engine import Engine
+
+    def start(max_concurrency):
+        engine = Engine(tiny_model, None, num_draft_tokens=2, max_concurrency=max_concurrency,
+                        log_interval=0)
+        timed, real = [], engine.batch.calibrate
+        engine.batch.calibrate = lambda sizes, **kw: timed.append(list(sizes)) or real(sizes, **kw)
+        engine._calibrate()
+        return engine, timed
+
+    assert not step_costs.cost_file(tiny_model).exists()
+    first, timed = start(1)
+    assert timed == [[1]] and step_costs.cost_file(tiny_model).exists()
+    second, timed = start(1)
+    assert timed == []  # everything came from the file
+    assert measured(second.batch.policy) == measured(first.batch.policy)
+    wider, timed = start(4)
+    assert timed == [[4]] and wider.batch.policy.costs.count(4, 2)

@@ -5,7 +5,8 @@ Costs depend on the model's shapes and dtypes (not its values), the machine, MLX
 the matmul route, and whether decode steps are compiled: that is the file's key. When
 no file exists, ``calibrate`` times a few plain and draft steps of a dummy sequence
 within a time budget. ``mlx-mtp generate`` loads (or calibrates) before decoding and
-saves what it measured after.
+saves what it measured after; ``mlx-mtp serve`` loads them and times only the batch
+sizes the file lacks.
 """
 
 from __future__ import annotations
@@ -86,6 +87,14 @@ def save(model, policy: DraftPolicy):
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache directory costs a calibration next time, nothing more
+
+
+def uncalibrated(model, policy: DraftPolicy, max_batch: int, K: int) -> list:
+    """Load stored costs into ``policy``; of the batch sizes a server times at start
+    (1, 4, ``max_batch``), those still lacking a plain or a K-draft cost."""
+    load(model, policy)
+    sizes = sorted({1, min(4, max_batch), max_batch})
+    return [B for B in sizes if not (policy.costs.count(B, 0) and policy.costs.count(B, K))]
 
 
 def calibrate(model, policy: DraftPolicy, budget: float = 0.5) -> float:

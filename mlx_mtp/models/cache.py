@@ -177,10 +177,8 @@ class KVCache(_Cache):
         return "causal" if n > 1 else None
 
     @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes  # the whole buffer
+    def nbytes(self) -> int:  # the whole buffer
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     def copy(self) -> "KVCache":
         c = KVCache()
@@ -234,10 +232,7 @@ class RecurrentCache(_Cache):
         return (self.conv, self.ssm)[i]
 
     def __setitem__(self, i, v):
-        if i == 0:
-            self.conv = v
-        else:
-            self.ssm = v
+        setattr(self, self.state_names[i], v)
 
     @property
     def state(self):
@@ -262,6 +257,14 @@ class RecurrentCache(_Cache):
     def restore(self, snap):
         self.conv, self.ssm, self.offset, self._rows = snap
         self.verify_record = None
+
+    def advance(self, conv_input, new_ssm, T: int, record: Optional[VerifyRecord] = None):
+        """After a pass of ``T`` positions over ``conv_input`` (old window + them); ``record``
+        (a verify pass): what ``accept`` replays from."""
+        self.verify_record = record
+        self.conv = mx.contiguous(conv_input[:, T:])
+        self.ssm = new_ssm
+        self.offset += T
 
     def accept(self, n_keep):
         """Row ``b`` keeps its state after ``n_keep[b]`` positions of the verify pass."""
@@ -312,7 +315,6 @@ class RecurrentCache(_Cache):
             out.conv = mx.concatenate([rows(c, c.conv, ref.conv) for c in caches])
             out.ssm = mx.concatenate([rows(c, c.ssm, ref.ssm) for c in caches])
         return out
-
     concat = merge  # the older name
 
     def filter(self, rows: List[int]):
@@ -334,8 +336,7 @@ class RecurrentCache(_Cache):
 
     def copy(self) -> "RecurrentCache":
         c = RecurrentCache(self._rows)
-        c.conv = None if self.conv is None else mx.array(self.conv)
-        c.ssm = None if self.ssm is None else mx.array(self.ssm)
+        c.conv, c.ssm = (None if a is None else mx.array(a) for a in (self.conv, self.ssm))
         c.offset = self.offset
         return c
 

@@ -129,6 +129,83 @@ def _to_chunks(x: mx.array, n_chunks: int, chunk: int) -> mx.array:
     return mx.moveaxis(mx.moveaxis(x, 1, 0), 3, 2)
 
 
+def _check(q, v, g, chunk_size):
+    Hk, Hv = q.shape[2], v.shape[2]
+    if g.ndim != 3:
+        raise ValueError("gated_delta_chunked supports scalar gating g: [B, T, Hv]")
+    if Hv % Hk:
+        raise ValueError(f"Hv={Hv} must be a multiple of Hk={Hk}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+
+
+def _chunked_inputs(q, k, v, g, beta, mask, C: int):
+    """float32 inputs padded to whole chunks of ``C`` and laid out per chunk and group:
+    q, k [N, B, Hk, 1, C, Dk]; v [N, B, Hk, R, C, Dv]; log g, beta [N, B, Hk, R, C]."""
+    B, T, Hk, _ = q.shape
+    R = v.shape[2] // Hk
+    f32 = mx.float32
+    q, k, v = q.astype(f32), k.astype(f32), v.astype(f32)
+    # g == 0 can come out of an underflowing exp; flooring it at the smallest
+    # normal float keeps log finite while the decay is still numerically zero.
+    log_g = mx.log(mx.maximum(g.astype(f32), _TINY))
+    beta = beta.astype(f32)
+    if mask is not None:
+        # beta = 0 and g = 1 make a step the identity on the state.
+        m = mask[..., None]
+        beta = mx.where(m, beta, 0.0)
+        log_g = mx.where(m, log_g, 0.0)
+
+    N = -(-T // C)
+    pad = N * C - T
+    if pad:
+        # Trailing identity steps (beta = 0, log g = 0) leave the state unchanged.
+        def _pad(x):
+            return mx.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+        q, k, v, log_g, beta = map(_pad, (q, k, v, log_g, beta))
+
+    # Grouped-query layout: keys/queries carry a singleton group axis that
+    # broadcasts over the R value heads sharing them (hv = hk * R + r, as in
+    # mx.repeat), so the Gram matrices are computed once per key head.
+    Dv = v.shape[-1]
+    return (_to_chunks(q, N, C)[:, :, :, None], _to_chunks(k, N, C)[:, :, :, None],
+            _to_chunks(v, N, C).reshape(N, B, Hk, R, C, Dv),
+            _to_chunks(log_g, N, C).reshape(N, B, Hk, R, C),
+            _to_chunks(beta, N, C).reshape(N, B, Hk, R, C))
+
+
+def _intra_chunk(q, k, v, log_g, beta):
+    """Everything batched over chunks: (decay D, UT-transformed wq and u, kd_t = K^T
+    diag(exp(a_C - a_s)), Gamma_C, Q K^T) in the module doc's notation."""
+    C, Dk = k.shape[-2:]
+    a = mx.cumsum(log_g, axis=-1)  # inclusive log-decay within each chunk
+    # Only differences a_t - a_s with s <= t (all <= 0) are exponentiated: the
+    # upper triangle is zeroed *before* exp (it would overflow), and with a
+    # multiply rather than mx.where/minimum, which are slow on CPU and (for
+    # minimum) drop the gradient at ties such as g == 1.
+    causal = mx.tril(mx.ones((C, C), dtype=mx.float32))
+    strict = mx.tril(mx.ones((C, C), dtype=mx.float32), k=-1)
+    decay = mx.exp((a[..., :, None] - a[..., None, :]) * causal) * causal
+    gamma = mx.exp(a)[..., None]  # [..., C, 1]
+    a_last = a[..., -1:]
+    gamma_last = mx.exp(a_last)[..., None]  # [..., 1, 1]
+    tail_decay = mx.exp(a_last - a)[..., None]  # exp(a_C - a_s), [..., C, 1]
+
+    kkt = k @ k.swapaxes(-1, -2)
+    beta_c = beta[..., None]
+    t_inv = _unit_lower_inverse(beta_c * strict * decay * kkt)
+
+    # One matmul applies the UT transform to keys and values together.
+    wu = t_inv @ mx.concatenate([beta_c * gamma * k, beta_c * v], axis=-1)
+    # Rows [0, C) give W (for Delta = U - W M0), rows [C, 2C) are Gamma Q
+    # (the inter-chunk part of Y), so the loop does one matmul for both.
+    w, u = wu[..., :Dk], wu[..., Dk:]  # [..., C, Dk], [..., C, Dv]
+    wq = mx.concatenate([w, mx.broadcast_to(gamma * q, w.shape)], axis=-2)
+    kd_t = (tail_decay * k).swapaxes(-1, -2)  # [..., Dk, C]
+    return decay, wq, u, kd_t, gamma_last, q @ k.swapaxes(-1, -2)
+
+
 def gated_delta_chunked(
     q: mx.array,
     k: mx.array,
@@ -150,88 +227,28 @@ def gated_delta_chunked(
     Returns (y [B, T, Hv, Dv] in q.dtype, final state [B, Hv, Dv, Dk] float32).
     Computation is float32 throughout and differentiable with mx.grad.
     """
+    _check(q, v, g, chunk_size)
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
-    if g.ndim != 3:
-        raise ValueError("gated_delta_chunked supports scalar gating g: [B, T, Hv]")
-    if Hv % Hk:
-        raise ValueError(f"Hv={Hv} must be a multiple of Hk={Hk}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    R = Hv // Hk
-    out_dtype = q.dtype
-    f32 = mx.float32
     if state is None:
-        state = mx.zeros((B, Hv, Dv, Dk), dtype=f32)
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     if T == 0:
-        return mx.zeros((B, 0, Hv, Dv), dtype=out_dtype), state.astype(f32)
-
-    q, k, v = q.astype(f32), k.astype(f32), v.astype(f32)
-    # g == 0 can come out of an underflowing exp; flooring it at the smallest
-    # normal float keeps log finite while the decay is still numerically zero.
-    log_g = mx.log(mx.maximum(g.astype(f32), _TINY))
-    beta = beta.astype(f32)
-    if mask is not None:
-        # beta = 0 and g = 1 make a step the identity on the state.
-        m = mask[..., None]
-        beta = mx.where(m, beta, 0.0)
-        log_g = mx.where(m, log_g, 0.0)
+        return mx.zeros((B, 0, Hv, Dv), dtype=q.dtype), state.astype(mx.float32)
 
     C = min(chunk_size, T)
-    N = -(-T // C)
-    pad = N * C - T
-    if pad:
-        # Trailing identity steps (beta = 0, log g = 0) leave the state unchanged.
-        def _pad(x):
-            return mx.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-
-        q, k, v, log_g, beta = map(_pad, (q, k, v, log_g, beta))
-
-    # Grouped-query layout: keys/queries carry a singleton group axis that
-    # broadcasts over the R value heads sharing them (hv = hk * R + r, as in
-    # mx.repeat), so the Gram matrices are computed once per key head.
-    q = _to_chunks(q, N, C)[:, :, :, None]  # [N, B, Hk, 1, C, Dk]
-    k = _to_chunks(k, N, C)[:, :, :, None]
-    v = _to_chunks(v, N, C).reshape(N, B, Hk, R, C, Dv)
-    log_g = _to_chunks(log_g, N, C).reshape(N, B, Hk, R, C)
-    beta = _to_chunks(beta, N, C).reshape(N, B, Hk, R, C)
-
-    a = mx.cumsum(log_g, axis=-1)  # inclusive log-decay within each chunk
-    # Only differences a_t - a_s with s <= t (all <= 0) are exponentiated: the
-    # upper triangle is zeroed *before* exp (it would overflow), and with a
-    # multiply rather than mx.where/minimum, which are slow on CPU and (for
-    # minimum) drop the gradient at ties such as g == 1.
-    causal = mx.tril(mx.ones((C, C), dtype=f32))
-    strict = mx.tril(mx.ones((C, C), dtype=f32), k=-1)
-    decay = mx.exp((a[..., :, None] - a[..., None, :]) * causal) * causal
-    gamma = mx.exp(a)[..., None]  # [..., C, 1]
-    a_last = a[..., -1:]
-    gamma_last = mx.exp(a_last)[..., None]  # [..., 1, 1]
-    tail_decay = mx.exp(a_last - a)[..., None]  # exp(a_C - a_s), [..., C, 1]
-
-    kkt = k @ k.swapaxes(-1, -2)
-    qkt = q @ k.swapaxes(-1, -2)
-    beta_c = beta[..., None]
-    t_inv = _unit_lower_inverse(beta_c * strict * decay * kkt)
-
-    # One matmul applies the UT transform to keys and values together.
-    wu = t_inv @ mx.concatenate([beta_c * gamma * k, beta_c * v], axis=-1)
-    # Rows [0, C) give W (for Delta = U - W M0), rows [C, 2C) are Gamma Q
-    # (the inter-chunk part of Y), so the loop does one matmul for both.
-    w, u = wu[..., :Dk], wu[..., Dk:]  # [..., C, Dk], [..., C, Dv]
-    wq = mx.concatenate([w, mx.broadcast_to(gamma * q, w.shape)], axis=-2)
-    kd_t = (tail_decay * k).swapaxes(-1, -2)  # [..., Dk, C]
-
-    m_state = state.astype(f32).reshape(B, Hk, R, Dv, Dk).swapaxes(-1, -2)
+    chunks = _chunked_inputs(q, k, v, g, beta, mask, C)
+    decay, wq, u, kd_t, gamma_last, qkt = _intra_chunk(*chunks)
+    m_state = state.astype(mx.float32).reshape(B, Hk, Hv // Hk, Dv, Dk).swapaxes(-1, -2)
     y_inter, deltas, m_state = _chunk_scan(wq, u, kd_t, gamma_last, m_state)
 
+    N = wq.shape[0]
     y = y_inter + (qkt * decay) @ deltas  # [N, B, Hk, R, C, Dv]
     y = y.reshape(N, B, Hv, C, Dv).transpose(1, 0, 3, 2, 4)
     y = y.reshape(B, N * C, Hv, Dv)[:, :T]
     if mask is not None:
         y = mx.where(mask[..., None, None], y, 0.0)
     final_state = m_state.swapaxes(-1, -2).reshape(B, Hv, Dv, Dk)
-    return y.astype(out_dtype), final_state
+    return y.astype(q.dtype), final_state
 
 
 def _random_inputs(B, T, Hk, Hv, Dk, Dv, seed=0, dtype=mx.float32):

@@ -29,13 +29,16 @@ from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated as RMSNormGated
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from .cache import KVCache, RecurrentCache, VerifyRecord
+from .cache import KVCache, RecurrentCache, VerifyRecord, cache_state_arrays
 from .draft_head import DraftHead
 
 # Longer GDN inputs go through the chunked (matmul-form) recurrence when available.
 CHUNKED_MIN_TOKENS = 64
 # Compiled decode steps (set_compiled) cover plain steps and verify passes up to K = 8.
 MAX_COMPILED_TOKENS = 9
+# CPU decode steps and verify passes run the recurrence as one compiled graph (False:
+# mlx-lm's per-position op loop; benchmarks/verify_cost.py compares the two).
+COMPILE_RECURRENCE = True
 
 
 @dataclass
@@ -205,6 +208,13 @@ def _chunked_impl():
     return gated_delta_chunked
 
 
+@mx.compile
+def _compiled_recurrence(q, k, v, a, b, A_log, dt_bias, state):
+    """``gated_delta_update``'s op loop traced once per shape (all layers share it): the
+    same arithmetic per position, without a dozen dispatches per position and layer."""
+    return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, use_kernel=False)
+
+
 class GatedDeltaNetBase(nn.Module):
     """Gated DeltaNet mixer. Subclasses define the input projections."""
 
@@ -246,7 +256,12 @@ class GatedDeltaNetBase(nn.Module):
         raise NotImplementedError
 
     def recurrence(self, q, k, v, a, b, state, mask=None):
-        """The per-token recurrence: mlx-lm's entry point, the fused kernel on Metal."""
+        """The per-token recurrence: mlx-lm's entry point, the fused kernel on Metal. On
+        the CPU a decode step or verify pass (a few positions, a state, no mask) runs it
+        as one compiled graph instead of mlx-lm's per-position op loop."""
+        if (COMPILE_RECURRENCE and mask is None and state is not None and not self.training
+                and q.shape[1] <= MAX_COMPILED_TOKENS and mx.default_device() == mx.cpu):
+            return _compiled_recurrence(q, k, v, a, b, self.A_log, self.dt_bias, state)
         return gated_delta_update(
             q, k, v, a, b, self.A_log, self.dt_bias, state, mask, use_kernel=not self.training
         )
@@ -273,20 +288,15 @@ class GatedDeltaNetBase(nn.Module):
         return self.out_proj(self.norm(out, z).reshape(B, S, -1))
 
     def commit(self, cache, conv_input, state, new_state, inputs, mask, capture):
-        """Write the pass into the cache (and what a verify pass needs to replay)."""
-        S = inputs[0].shape[1]
-        cache.verify_record = (
-            VerifyRecord(conv_input, state, inputs, mask, self.recurrence) if capture else None
-        )
-        cache.conv = mx.contiguous(conv_input[:, -(self.conv_kernel_size - 1):])
-        cache.ssm = new_state
-        cache.offset += S
+        """Advance the cache by the pass (keeping what a verify pass needs to replay)."""
+        record = VerifyRecord(conv_input, state, inputs, mask, self.recurrence) if capture else None
+        cache.advance(conv_input, new_state, conv_input.shape[1] - self.conv_kernel_size + 1,
+                      record)
 
     def __call__(self, x, mask=None, cache: Optional[RecurrentCache] = None, capture=False):
         S = x.shape[1]
-        conv_input, (q, k, v, a, b), z = self.inputs(
-            x, cache.conv if cache is not None else None, mask)
-        state = cache.ssm if cache is not None else None
+        conv_state, state = cache.state if cache is not None else (None, None)
+        conv_input, (q, k, v, a, b), z = self.inputs(x, conv_state, mask)
 
         # A verify pass (capture) makes the same call as plain decoding; the cache
         # keeps what it needs to replay the accepted prefix (see RecurrentCache).
@@ -311,13 +321,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = SparseMoeBlock(args) if moe else MLP(args.hidden_size, args.intermediate_size)
-        self.compiled_step = None  # set_compiled: the decode step of a linear layer
+        self.compiled_steps = None  # set_compiled: (plain, verify) decode steps of a linear layer
 
     def set_compiled(self, on: bool):
-        """Compile a Gated DeltaNet layer's decode step (state in, state out; MLX traces
-        one graph per input shape, i.e. per K and batch size). Weights are captured at
-        trace time: call after loading."""
-        self.compiled_step = mx.compile(self._linear_step) if on and self.is_linear else None
+        """Compile a Gated DeltaNet layer's decode step (state in, state out). MLX keeps one
+        trace per input shape (per K and batch size); a plain step returns only the new
+        state, a verify pass also what replay needs. Weights are captured at trace time:
+        call after loading."""
+        self.compiled_steps = None
+        if on and self.is_linear:
+            self.compiled_steps = (mx.compile(lambda x, c, s: self._linear_step(x, c, s)[:3]),
+                                   mx.compile(self._linear_step))
 
     def _linear_step(self, x, conv_state, state):
         mix = self.linear_attn
@@ -327,10 +341,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), conv_input, new_state, *inputs
 
     def __call__(self, x, mask=None, cache=None, capture=False):
-        if (self.compiled_step is not None and cache is not None and cache.ssm is not None
+        conv_state, state = cache.state if self.is_linear and cache is not None else (None, None)
+        if (self.compiled_steps is not None and state is not None
                 and x.shape[1] <= MAX_COMPILED_TOKENS):
-            h, conv_input, new_state, *inputs = self.compiled_step(x, cache.conv, cache.ssm)
-            self.linear_attn.commit(cache, conv_input, cache.ssm, new_state, tuple(inputs),
+            h, conv_input, new_state, *inputs = self.compiled_steps[capture](x, conv_state, state)
+            self.linear_attn.commit(cache, conv_input, state, new_state, tuple(inputs),
                                     None, capture)
             return h
         if self.is_linear:
@@ -447,15 +462,22 @@ class TextModel(nn.Module):
         out = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
         self.draft_head = DraftHead(out, bits, vocab, group_size)
 
-    def set_compiled(self, on: bool):
-        """Run Gated DeltaNet layers' decode steps as compiled graphs (off by default:
-        measured slower on MLX's CPU backend for a 1024-wide bf16 model)."""
+    def set_compiled(self, on: bool, max_k: int = 0):
+        """Run Gated DeltaNet layers' decode steps as compiled graphs, traced here for
+        plain steps and verify passes up to ``max_k`` drafts (batch of one), so a change
+        of K never traces mid-decode."""
         for layer in self.model.layers:
             layer.set_compiled(on)
+        if on:
+            for T in range(1, min(max_k + 1, MAX_COMPILED_TOKENS) + 1):
+                cache = self.make_cache()
+                self.trunk(mx.zeros((1, 1), mx.int32), cache)  # a state to step from
+                h, _ = self.trunk(mx.zeros((1, T), mx.int32), cache, capture=T > 1)
+                mx.eval(h, cache_state_arrays(cache))
 
     @property
     def compiled(self) -> bool:
-        return any(layer.compiled_step is not None for layer in self.model.layers)
+        return any(layer.compiled_steps is not None for layer in self.model.layers)
 
     def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
         """hidden (B,S,H) at positions i, next_tokens (B,S) = t_{i+1}; ``depth``: the
@@ -519,8 +541,8 @@ class WrappedTextModel(nn.Module):
     def set_draft_head(self, bits: Optional[int] = None, group_size: int = 64, vocab=None):
         self.language_model.set_draft_head(bits, group_size, vocab)
 
-    def set_compiled(self, on: bool):
-        self.language_model.set_compiled(on)
+    def set_compiled(self, on: bool, max_k: int = 0):
+        self.language_model.set_compiled(on, max_k)
 
     @property
     def compiled(self) -> bool:

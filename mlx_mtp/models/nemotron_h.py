@@ -82,7 +82,8 @@ def mamba(mixer, x, cache: RecurrentCache, capture: bool):
     gate, conv_in, dt = mx.split(
         mixer.in_proj(x), [mixer.intermediate_size, mixer.intermediate_size + mixer.conv_dim],
         axis=-1)
-    conv_input = mx.concatenate([cache.conv, conv_in], axis=1)
+    conv_state, ssm = cache.state
+    conv_input = mx.concatenate([conv_state, conv_in], axis=1)
     conv_out = nn.silu(mixer.conv1d(conv_input))
     xs, B, C = mx.split(conv_out, [mixer.intermediate_size,
                                    mixer.intermediate_size + mixer.n_groups * mixer.ssm_state_size],
@@ -91,12 +92,9 @@ def mamba(mixer, x, cache: RecurrentCache, capture: bool):
               B.reshape(Bsz, S, mixer.n_groups, mixer.ssm_state_size),
               C.reshape(Bsz, S, mixer.n_groups, mixer.ssm_state_size), dt)
     recurrence = ssm_recurrence(mixer)
-    y, state = recurrence(*inputs, cache.ssm)
-    cache.verify_record = (VerifyRecord(conv_input, cache.ssm, inputs, None, recurrence)
-                           if capture else None)
-    cache.conv = mx.contiguous(conv_input[:, -(mixer.conv_kernel_size - 1):])
-    cache.ssm = state
-    cache.offset += S
+    y, state = recurrence(*inputs, ssm)
+    cache.advance(conv_input, state, S,
+                  VerifyRecord(conv_input, ssm, inputs, None, recurrence) if capture else None)
     return mixer.out_proj(mixer.norm(y.reshape(Bsz, S, -1), gate))
 
 
@@ -155,8 +153,8 @@ class Model(_Model):
                 continue
             m, c = layer.mixer, RecurrentCache()
             # Zero state up front (equal to mlx-lm's "no state yet" on the first call).
-            c.conv = mx.zeros((1, m.conv_kernel_size - 1, m.conv_dim), dtype)
-            c.ssm = mx.zeros((1, m.num_heads, m.head_dim, m.ssm_state_size), mx.float32)
+            c.state = (mx.zeros((1, m.conv_kernel_size - 1, m.conv_dim), dtype),
+                       mx.zeros((1, m.num_heads, m.head_dim, m.ssm_state_size), mx.float32))
             out.append(c)
         return out
 

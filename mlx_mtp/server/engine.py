@@ -35,6 +35,7 @@ from typing import Deque, List, Optional
 
 import mlx.core as mx
 
+from ..decode import step_costs
 from ..decode.batch import BatchDecoder, BatchStepError
 from ..decode.draft_source import DraftSources
 from ..decode.grammar import first_line
@@ -188,10 +189,14 @@ class Engine:
 
     # -- the loop -------------------------------------------------------------------
     def _calibrate(self):
-        sizes = sorted({1, min(4, self.max_concurrency), self.max_concurrency})
+        # Batch sizes whose costs an earlier run on this machine stored are not timed again.
+        sizes = step_costs.uncalibrated(self.model, self.batch.policy, self.max_concurrency,
+                                        self.batch.K)
         try:
             self.sync.calibrating(sizes)
-            seconds = self.batch.calibrate(sizes)
+            seconds = self.batch.calibrate(sizes) if sizes else 0.0
+            if seconds:
+                step_costs.save(self.model, self.batch.policy)
         except Exception as e:  # never fatal: the policy then learns from live steps
             if self.sync.group_lost(e):
                 return
