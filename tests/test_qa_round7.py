@@ -1,0 +1,43 @@
+"""Round-7 QA of the first surfaces a user meets (docs/qa-round7.md): each test pins one
+defect found there. In-process through ``cli.main`` (no child interpreters)."""
+
+import json
+
+import pytest
+
+from mlx_mtp import cli
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def headless_glm(tmp_path_factory):
+    """A GLM-4.5 release without its head (raw names, the head's layer dropped)."""
+    from mlx_mtp.testing.tiny_attention import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("glm_headless"), "glm4_moe", drop_mtp=True,
+                     vocab_size=4096)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    return path
+
+
+def test_inspect_unsupported_family_does_not_suggest_no_mtp(capsys, llama_dir):
+    code, out, _ = run_cli(capsys, "inspect", str(llama_dir))
+    assert code == 0
+    assert "--no-mtp only" not in out  # mlx-mtp cannot run it at all
+    assert "cannot run this model_type" in out and "mlx_lm" in out
+
+
+def test_inspect_headless_release_names_the_add_mtp_command(capsys, headless_glm):
+    code, out, _ = run_cli(capsys, "inspect", str(headless_glm))
+    assert code == 0
+    assert f"mlx-mtp add-mtp --model {headless_glm} --source" in out
