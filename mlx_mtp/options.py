@@ -119,6 +119,10 @@ def mtp_model_from_args(args, distributed: bool = False):
         raise UserError(f"--draft-kind {kind} is not supported: mlx-mtp drafts with MTP heads "
                         "only (--draft-kind mtp, or leave it out)")
     path = getattr(args, "mtp_model", None)
+    if path is not None and (getattr(args, "no_mtp", False)
+                             or getattr(args, "spec_type", None) == "none"):
+        raise UserError("--mtp-model names a drafter, which --no-mtp leaves unused: drop one "
+                        "of the two")
     if path is not None and distributed:
         raise UserError("--mtp-model cannot be combined with a distributed run yet: convert "
                         "the pair into one checkpoint (`mlx-mtp add-mtp`) instead")

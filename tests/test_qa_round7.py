@@ -41,3 +41,10 @@ def test_inspect_headless_release_names_the_add_mtp_command(capsys, headless_glm
     code, out, _ = run_cli(capsys, "inspect", str(headless_glm))
     assert code == 0
     assert f"mlx-mtp add-mtp --model {headless_glm} --source" in out
+
+
+def test_no_mtp_with_a_drafter_is_refused(capsys, headless_glm):
+    code, _, err = run_cli(capsys, "generate", "--model", str(headless_glm), "-p", "hi",
+                           "--no-mtp", "--mtp-model", str(headless_glm))
+    assert code == 2 and "--mtp-model" in err and "--no-mtp" in err
+
