@@ -32,11 +32,21 @@ def fail(msg: str) -> int:
     return 2
 
 
+def _name_the_model(message: str, args) -> str:
+    """Put the model the user passed into the fix a model error suggests (the model code
+    that raises does not know the path)."""
+    model = getattr(args, "model", None)
+    return message.replace("--model THIS", f"--model {model}") if model else message
+
+
 def build_parser(command=None):
     """The parser; only ``command``'s module is imported (for its arguments)."""
     from .platform import blas
 
-    parser = argparse.ArgumentParser(prog="mlx-mtp", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="mlx-mtp", description="Lossless speculative decoding on MLX with the multi-token-"
+        "prediction (MTP) heads checkpoints ship. `mlx-mtp COMMAND --help` lists a command's "
+        "flags; without --model, commands use the embedded demo model.")
     parser.add_argument("--version", action="version", version=f"mlx-mtp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
@@ -74,7 +84,7 @@ def main(argv=None) -> int:
         try:
             return importlib.import_module(COMMANDS[args.command][0]).run(args) or 0
         except USER_ERRORS + (EmptyPromptError,) as e:
-            return fail(str(e))
+            return fail(_name_the_model(str(e), args))
     except (UserError, blas.BlasError) as e:
         return fail(str(e))
     except KeyboardInterrupt:

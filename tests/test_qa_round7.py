@@ -43,8 +43,23 @@ def test_inspect_headless_release_names_the_add_mtp_command(capsys, headless_glm
     assert f"mlx-mtp add-mtp --model {headless_glm} --source" in out
 
 
+def test_headless_refusal_names_the_model_in_the_add_mtp_command(capsys, headless_glm):
+    code, out, err = run_cli(capsys, "generate", "--model", str(headless_glm), "-p", "hi",
+                             "-m", "2")
+    assert code == 2 and "Traceback" not in err
+    assert "model.layers.2.eh_proj.weight" in err  # the keys it expected
+    assert f"mlx-mtp add-mtp --model {headless_glm} --source" in err
+    assert "--model THIS" not in err
+
+
 def test_no_mtp_with_a_drafter_is_refused(capsys, headless_glm):
     code, _, err = run_cli(capsys, "generate", "--model", str(headless_glm), "-p", "hi",
                            "--no-mtp", "--mtp-model", str(headless_glm))
     assert code == 2 and "--mtp-model" in err and "--no-mtp" in err
 
+
+def test_top_level_help_speaks_to_users(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "dispatch to the verb's module" not in out and "speculative decoding" in out
