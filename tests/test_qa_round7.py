@@ -63,3 +63,8 @@ def test_top_level_help_speaks_to_users(capsys):
         cli.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert "dispatch to the verb's module" not in out and "speculative decoding" in out
+
+
+def test_unsupported_model_type_says_what_to_use_instead(capsys, llama_dir):
+    code, _, err = run_cli(capsys, "generate", "--model", str(llama_dir), "-p", "hi")
+    assert code == 2 and "'llama' is not supported" in err and "mlx_lm" in err
