@@ -68,3 +68,21 @@ def test_top_level_help_speaks_to_users(capsys):
 def test_unsupported_model_type_says_what_to_use_instead(capsys, llama_dir):
     code, _, err = run_cli(capsys, "generate", "--model", str(llama_dir), "-p", "hi")
     assert code == 2 and "'llama' is not supported" in err and "mlx_lm" in err
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory, tiny_ckpt):
+    from mlx_mtp.convert.main import convert
+
+    root = tmp_path_factory.mktemp("pair")
+    convert(str(tiny_ckpt("qwen3_5", vocab_size=4096)), str(root / "trunk"),
+            split_mtp=str(root / "trunk-MTP"), verbose=False)
+    return root / "trunk-MTP"
+
+
+def test_convert_of_a_split_drafter_says_what_it_is(capsys, drafter, tmp_path):
+    code, _, err = run_cli(capsys, "convert", "--hf-path", str(drafter), "--mlx-path",
+                           str(tmp_path / "out"))
+    assert code == 2 and "is a split MTP drafter" in err and "--mtp-model" in err
+    assert len(err) < 600  # not the list of every key the trunk lacked
+    assert not (tmp_path / "out").exists()
