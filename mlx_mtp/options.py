@@ -246,10 +246,16 @@ def add_sampling_arguments(p: argparse.ArgumentParser):
     p.add_argument("--temp", type=float, default=None,
                    help="Sampling temperature, 0 = greedy (default: the model's "
                         "generation_config.json, else 0)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    from_config = "(default: the model's generation_config.json, else off)"
+    p.add_argument("--top-p", type=float, default=None,
+                   help=f"Keep the smallest set of tokens whose probability reaches P {from_config}")
+    p.add_argument("--top-k", type=int, default=None,
+                   help=f"Keep the K most probable tokens {from_config}")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="Drop tokens below P times the top token's probability "
+                        f"{from_config}")
+    p.add_argument("--seed", type=int, default=None,
+                   help="Random seed; a seeded output is reproducible (default: none, random)")
     p.add_argument("--coupled", action="store_true", default=None,
                    help="Sampled drafts share the target's per-position noise: with --seed the "
                         "output equals --no-mtp's token for token at any K, for some "

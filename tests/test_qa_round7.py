@@ -86,3 +86,28 @@ def test_convert_of_a_split_drafter_says_what_it_is(capsys, drafter, tmp_path):
     assert code == 2 and "is a split MTP drafter" in err and "--mtp-model" in err
     assert len(err) < 600  # not the list of every key the trunk lacked
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_flag_with_a_default_names_it_in_help(command):
+    parser = cli.build_parser(command).command_parser
+    formatter = parser._get_formatter()
+    silent = []
+    for action in parser._actions:
+        if not action.option_strings or any(action.default is v for v in (None, False, True)):
+            continue
+        if action.default == "==SUPPRESS==":
+            continue
+        text = formatter._expand_help(action) if action.help else ""
+        if "default" not in text.lower() and f"({action.default})" not in text:
+            silent.append(action.option_strings[0])
+    assert not silent, f"{command}: --help does not name the default of {silent}"
+
+
+def test_sampling_flags_have_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--top-k TOP_K Keep the K most probable tokens" in out
+    assert "--max-tokens MAX_TOKENS, -m MAX_TOKENS Tokens to generate at most (default: 256)" \
+        in out
