@@ -76,8 +76,8 @@ def drafter(tmp_path_factory, tiny_ckpt):
 
     root = tmp_path_factory.mktemp("pair")
     convert(str(tiny_ckpt("qwen3_5", vocab_size=4096)), str(root / "trunk"),
-            split_mtp=str(root / "trunk-MTP"), verbose=False)
-    return root / "trunk-MTP"
+            split_mtp=str(root / "head"), verbose=False)
+    return root / "head"  # not named as a sibling drafter: the trunk alone has no head
 
 
 def test_convert_of_a_split_drafter_says_what_it_is(capsys, drafter, tmp_path):
@@ -111,3 +111,11 @@ def test_sampling_flags_have_help(capsys):
     assert "--top-k TOP_K Keep the K most probable tokens" in out
     assert "--max-tokens MAX_TOKENS, -m MAX_TOKENS Tokens to generate at most (default: 256)" \
         in out
+
+
+def test_headless_qwen_conversion_points_to_a_split_drafter(capsys, drafter):
+    # A trunk whose drafter is not named as a sibling: the refusal says how to pass it.
+    trunk = drafter.parent / "trunk"
+    code, _, err = run_cli(capsys, "generate", "--model", str(trunk), "-p", "hi", "-m", "2")
+    assert code == 2 and "--mtp-model DRAFTER" in err
+    assert f"--model {trunk} --source" in err
