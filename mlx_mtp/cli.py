@@ -32,20 +32,53 @@ def fail(msg: str) -> int:
     return 2
 
 
+def _name_the_model(message: str, args) -> str:
+    """Put the model the user passed into the fix a model error suggests (the model code
+    that raises does not know the path)."""
+    model = getattr(args, "model", None)
+    return message.replace("--model THIS", f"--model {model}") if model else message
+
+
+def _shows_default(action) -> bool:
+    return bool(action.option_strings) and not any(
+        action.default is v for v in (None, False, True, argparse.SUPPRESS))
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every flag's help names its default (as ``(default: X)``) unless it already does."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (_shows_default(action) and "default" not in text.lower()
+                and f"({action.default})" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser(command=None):
     """The parser; only ``command``'s module is imported (for its arguments)."""
     from .platform import blas
 
-    parser = argparse.ArgumentParser(prog="mlx-mtp", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="mlx-mtp", description="Lossless speculative decoding on MLX with the multi-token-"
+        "prediction (MTP) heads checkpoints ship. `mlx-mtp COMMAND --help` lists a command's "
+        "flags; without --model, commands use the embedded demo model.")
     parser.add_argument("--version", action="version", version=f"mlx-mtp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_, description=help_)
+        sp = sub.add_parser(name, help=help_, description=help_,
+                            formatter_class=_DefaultsFormatter)
         if name == command:
             parser.command_parser = sp  # reports the verb's own usage on bad flags
             importlib.import_module(module).add_arguments(sp)
             if name in MODEL_COMMANDS:
                 blas.add_argument(sp)
+            if not issubclass(sp.formatter_class, _DefaultsFormatter):  # a verb chose its own
+                sp.formatter_class = type("Formatter", (_DefaultsFormatter, sp.formatter_class),
+                                          {})
+            for action in sp._actions:
+                if action.help is None and _shows_default(action):
+                    action.help = "(default: %(default)s)"
     return parser
 
 
@@ -74,7 +107,7 @@ def main(argv=None) -> int:
         try:
             return importlib.import_module(COMMANDS[args.command][0]).run(args) or 0
         except USER_ERRORS + (EmptyPromptError,) as e:
-            return fail(str(e))
+            return fail(_name_the_model(str(e), args))
     except (UserError, blas.BlasError) as e:
         return fail(str(e))
     except KeyboardInterrupt:

@@ -18,14 +18,17 @@ def str_to_bool(value: str) -> bool:
 def add_arguments(p):
     add_model_arguments(p)
     p.add_argument("--prompt", "-p", required=True, help="Prompt text, or '-' to read stdin")
-    p.add_argument("--max-tokens", "-m", type=int, default=256)
+    p.add_argument("--max-tokens", "-m", type=int, default=256,
+                   help="Tokens to generate at most (default: 256)")
     add_sampling_arguments(p)
-    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--system-prompt", default=None,
+                   help="System message put before the prompt (default: none)")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="Send the prompt as raw text, without the chat template")
     p.add_argument("--chat-template-args", default=None,
                    help='JSON passed to the chat template, e.g. \'{"enable_thinking": false}\'')
-    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prefill-step-size", type=int, default=2048,
+                   help="Prompt tokens per prefill pass (default: 2048)")
     p.add_argument("--verbose", type=str_to_bool, nargs="?", const=True, default=True,
                    help="As mlx_lm.generate: True (default) frames the text and prints the "
                         "stats; False or F prints the text only")

@@ -124,6 +124,10 @@ def mtp_model_from_args(args, distributed: bool = False):
         raise UserError(f"--draft-kind {kind} is not supported: mlx-mtp drafts with MTP heads "
                         "only (--draft-kind mtp, or leave it out)")
     path = getattr(args, "mtp_model", None)
+    if path is not None and (getattr(args, "no_mtp", False)
+                             or getattr(args, "spec_type", None) == "none"):
+        raise UserError("--mtp-model names a drafter, which --no-mtp leaves unused: drop one "
+                        "of the two")
     if path is not None and distributed:
         raise UserError("--mtp-model cannot be combined with a distributed run yet: convert "
                         "the pair into one checkpoint (`mlx-mtp add-mtp`) instead")
@@ -250,10 +254,16 @@ def add_sampling_arguments(p: argparse.ArgumentParser):
     p.add_argument("--temp", type=float, default=None,
                    help="Sampling temperature, 0 = greedy (default: the model's "
                         "generation_config.json, else 0)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    from_config = "(default: the model's generation_config.json, else off)"
+    p.add_argument("--top-p", type=float, default=None,
+                   help=f"Keep the smallest set of tokens whose probability reaches P {from_config}")
+    p.add_argument("--top-k", type=int, default=None,
+                   help=f"Keep the K most probable tokens {from_config}")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="Drop tokens below P times the top token's probability "
+                        f"{from_config}")
+    p.add_argument("--seed", type=int, default=None,
+                   help="Random seed; a seeded output is reproducible (default: none, random)")
     p.add_argument("--coupled", action="store_true", default=None,
                    help="Sampled drafts share the target's per-position noise: with --seed the "
                         "output equals --no-mtp's token for token at any K, for some "

@@ -47,6 +47,7 @@ from ..models.layout import (QWEN_FAMILIES, CheckpointError, MissingMTPWeightsEr
                              config_mtp_layers, config_quantization, count_mtp_layers, family,
                              is_mtp_key, set_config_mtp_layers, text_config)
 from ..models.loader import load_config, quantize_like_checkpoint, weight_files
+from ..models.split_drafter import is_drafter_config
 
 DEFAULT_MAX_SHARD_GB = 5.0
 Q_BITS = (2, 3, 4, 5, 6, 8)
@@ -68,10 +69,21 @@ class _Source:
     files: List[Path]
 
 
+def _refuse_split_drafter(src: Path, config: dict, weights: dict) -> None:
+    """A split drafter is a head without a trunk: converting it cannot give a model."""
+    if is_drafter_config(config) and not any("embed_tokens" in k for k in weights):
+        raise ConversionError(
+            f"{src} is a split MTP drafter (model_type {config.get('model_type')!r}: the head "
+            "alone, mlx-vlm's layout), not a model to convert. Use it beside its trunk "
+            f"(`--model TRUNK --mtp-model {src}`), or convert the original release with "
+            "--split-mtp to write a new pair.")
+
+
 def _load_source(src: Path, verbose: bool) -> _Source:
     config = load_config(src)
     files = weight_files(src)
     weights = read_tensors(files, verbose=verbose)
+    _refuse_split_drafter(src, config, weights)
     attention_trunk = family_of(config) is not None  # reads FP8 block-scaled weights
     _check_foreign_quant(weights, src, (".weight_scale_inv",) if attention_trunk else ())
 

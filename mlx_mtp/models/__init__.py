@@ -38,6 +38,7 @@ def get_model_module(model_type: str):
         supported = ", ".join(sorted(MODEL_TYPES))
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported by mlx-mtp. "
-            f"Supported model types: {supported}."
+            f"Supported model types: {supported}. Run other models with mlx-lm "
+            "(`mlx_lm.generate`, `mlx_lm.server`); see docs/model-families.md."
         )
     return importlib.import_module(f"{__name__}.{name}")

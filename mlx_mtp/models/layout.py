@@ -361,8 +361,9 @@ def missing_mtp_message(model, missing: Optional[List[str]] = None) -> str:
         f"weights lack the MTP head: {what}. This usually means the checkpoint was "
         "converted by a tool that strips mtp.* weights. Fix: convert again from the "
         "original Hugging Face checkpoint with `mlx-mtp convert --hf-path SRC --mlx-path DST`, "
-        "or graft the head into this model with `mlx-mtp add-mtp --model THIS --source SRC`. "
-        "To run without MTP, pass --no-mtp."
+        "or graft the head into this model with `mlx-mtp add-mtp --model THIS --source SRC`, "
+        "or draft with its split drafter (mlx-community's ...-MTP-4bit repo, or `convert "
+        "--split-mtp`'s output): --mtp-model DRAFTER. To run without MTP, pass --no-mtp."
     )
 
 

@@ -163,8 +163,12 @@ def _draft_vocab_info(path: Path) -> Optional[dict]:
         return {"file": f.name, "error": f"unreadable ({e})"}
 
 
-def _advice(path: Path, layout_name: str, mtp: dict) -> Optional[str]:
+def _advice(path: Path, layout_name: str, mtp: dict, supported: bool = True) -> Optional[str]:
     """What to do next, when the checkpoint cannot draft as it is."""
+    if not supported:
+        return ("mlx-mtp cannot run this model_type, with or without MTP: run it with mlx-lm "
+                "(`mlx_lm.generate`, `mlx_lm.server`), or pick a model of a supported family "
+                "(docs/model-families.md).")
     if layout_name == LAYOUT_SPLIT:
         return ("A drafter alone: load it next to its trunk conversion "
                 f"(`--mtp-model {path}` with `--model TRUNK`).")
@@ -175,8 +179,10 @@ def _advice(path: Path, layout_name: str, mtp: dict) -> Optional[str]:
                 "(mlx-lm's convert drops mtp.*) stripped it. Graft it back from the original: "
                 f"`mlx-mtp add-mtp --model {path} --source ORIGINAL_HF_CHECKPOINT`.")
     if mtp["declared_layers"]:
-        return ("The config declares an MTP head but the weights lack it; the download may be "
-                "incomplete. Run with --no-mtp, or graft the head with `mlx-mtp add-mtp`.")
+        return ("The config declares an MTP head but the weights lack it (an incomplete "
+                "download, or a tool that drops mtp.*). Graft it from the original: "
+                f"`mlx-mtp add-mtp --model {path} --source ORIGINAL_HF_CHECKPOINT`, or run "
+                "with --no-mtp.")
     return "No MTP head: the model runs with --no-mtp only (plain decoding)."
 
 
@@ -201,7 +207,7 @@ def inspect_model(path: Optional[str]) -> dict:
         "mtp": mtp,
         "head_stripped": (layout_name != LAYOUT_SPLIT and mtp["declared_layers"] > 0
                           and mtp["present_layers"] == 0),
-        "advice": _advice(where, layout_name, mtp),
+        "advice": _advice(where, layout_name, mtp, model_type in MODEL_TYPES),
         "draft_vocab": _draft_vocab_info(where),
         "memory": memory_estimate(config, tensors),
     }
