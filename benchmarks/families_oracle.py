@@ -90,6 +90,7 @@ def main():
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     results = {}
+    args.out.parent.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):
             path = build(Path(tmp) / family, family, args)
@@ -97,13 +98,13 @@ def main():
             report = bench(path, Path(tmp) / f"{family}-bench", args)
             results[family] = {"checkpoint_mb": round(size), "machine": report["machine"],
                                "settings": rows(report)}
-            print(f"{family} ({size:.0f} MB):")
+            print(f"{family} ({size:.0f} MB):", flush=True)
             for r in rows(report):
-                print("  ", r)
-    args.out.parent.mkdir(exist_ok=True)
-    args.out.write_text(json.dumps({"hidden": args.hidden, "layers": args.layers,
-                                    "max_tokens": args.max_tokens, "results": results},
-                                   indent=1))
+                print("  ", r, flush=True)
+            # Written after every family: a long run keeps what it measured.
+            args.out.write_text(json.dumps({"hidden": args.hidden, "layers": args.layers,
+                                            "max_tokens": args.max_tokens,
+                                            "results": results}, indent=1))
     print(f"wrote {args.out}")
 
 
