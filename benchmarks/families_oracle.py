@@ -1,10 +1,22 @@
-"""Speed of MTP per attention-trunk family on an oracle checkpoint (issue 22's benchmark).
+"""Speed of MTP per family on an oracle checkpoint (issues 22 and 27's benchmark).
 
 For each family, builds a checkpoint in its released Hugging Face layout whose trunk and MTP
-head follow the cycle t -> t+1 (``testing/tiny_attention.py``: acceptance 100 % at every
-depth), a few hundred MB at the default shape, and runs ``mlx-mtp bench`` on it (plain, K=1..3,
-adaptive). Prints speedup and realised / ideal per K and writes the table to
-``benchmarks/results/families_oracle.json``. Not a test: timings depend on the machine.
+head follow the cycle t -> t+1 (``testing/tiny_attention.py``, ``testing/tiny_special.py``:
+acceptance 100 % at every depth), a few hundred MB at the default shape, and runs ``mlx-mtp
+bench`` on it (plain, K=1..3, adaptive). Prints speedup and realised / ideal per K and writes
+the table to ``benchmarks/results/families_oracle.json`` (``--out`` to change). Not a test:
+timings depend on the machine.
+
+realised / ideal is ``mlx-mtp bench``'s: ideal = E[tokens/step] / (c_verify(K) + K * c_draft),
+with c_verify(K) one trunk pass over K+1 tokens and c_draft one one-token MTP call, both
+measured in isolation relative to a plain step; realised = the measured speedup. The
+remainder is everything else a step runs (the head's catch-up over the accepted pairs,
+sampling, rollback, Python, the host sync).
+
+Issue 27's families use a sliding window of 32 (``step3p5``, ``mimo_v2_flash``: it wraps
+within a run) and ``index_topk`` 32 (``deepseek_v32``, ``glm_moe_dsa``: sparse attention is
+active past 32 tokens). ``--layers`` does not apply to ``nemotron_h`` and ``longcat_flash``
+(their fixtures' layer patterns are fixed).
 
     python benchmarks/families_oracle.py [--families glm4_moe,mimo] [--hidden 1024 --layers 8]
 """
@@ -20,9 +32,36 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_mtp.testing.tiny_attention import FAMILIES, make_tiny
+from mlx_mtp.testing import tiny_special as special
+from mlx_mtp.testing.tiny_attention import FAMILIES as ATTENTION_FAMILIES
+from mlx_mtp.testing.tiny_attention import make_tiny
 
 RESULTS = Path(__file__).parent / "results" / "families_oracle.json"
+WINDOW, INDEX_TOPK = 32, 32
+SPECIAL = {  # issue 27's families: builder, config keywords
+    "step3p5": (special.make_tiny_step3p5, lambda a: dict(num_layers=a.layers, window=WINDOW)),
+    "mimo_v2_flash": (special.make_tiny_mimo_v2_flash,
+                      lambda a: dict(num_layers=a.layers, window=WINDOW)),
+    "nemotron_h": (special.make_tiny_nemotron_h, lambda a: {}),
+    "longcat_flash": (special.make_tiny_longcat_flash, lambda a: {}),
+    "deepseek_v32": (lambda path, head, **kw: special.make_tiny_dsa(path, "deepseek_v32", head,
+                                                                     **kw),
+                     lambda a: dict(num_layers=a.layers, index_topk=INDEX_TOPK)),
+    "glm_moe_dsa": (lambda path, head, **kw: special.make_tiny_dsa(path, "glm_moe_dsa", head,
+                                                                    **kw),
+                    lambda a: dict(num_layers=a.layers, index_topk=INDEX_TOPK)),
+}
+FAMILIES = ATTENTION_FAMILIES + tuple(SPECIAL)
+
+
+def build(path: Path, family: str, args) -> Path:
+    """The family's oracle checkpoint (bf16, as released checkpoints are stored)."""
+    if family in SPECIAL:
+        make, kwargs = SPECIAL[family]
+        return make(path, "oracle", vocab_size=4096, hidden=args.hidden, dtype=mx.bfloat16,
+                    **kwargs(args))
+    return make_tiny(path, family, "oracle", vocab_size=4096, hidden=args.hidden,
+                     num_layers=args.layers, dtype=mx.bfloat16)
 
 
 def bench(path: Path, out: Path, args) -> dict:
@@ -48,24 +87,25 @@ def main():
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     results = {}
+    args.out.parent.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):
-            path = make_tiny(Path(tmp) / family, family, "oracle", vocab_size=4096,
-                             hidden=args.hidden, num_layers=args.layers, dtype=mx.bfloat16)
+            path = build(Path(tmp) / family, family, args)
             size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e6
             report = bench(path, Path(tmp) / f"{family}-bench", args)
             results[family] = {"checkpoint_mb": round(size), "machine": report["machine"],
                                "settings": rows(report)}
-            print(f"{family} ({size:.0f} MB):")
+            print(f"{family} ({size:.0f} MB):", flush=True)
             for r in rows(report):
-                print("  ", r)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"hidden": args.hidden, "layers": args.layers,
-                                   "max_tokens": args.max_tokens, "results": results},
-                                  indent=1))
-    print(f"wrote {RESULTS}")
+                print("  ", r, flush=True)
+            # Written after every family: a long run keeps what it measured.
+            args.out.write_text(json.dumps({"hidden": args.hidden, "layers": args.layers,
+                                            "max_tokens": args.max_tokens,
+                                            "results": results}, indent=1))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,12 @@ import mlx.core as mx
 
 from .cache import CACHE_KINDS, BatchKVCache, KVCache
 
-# Positions a rollback may take back beyond the window (drafts per step are far fewer).
-ROLLBACK_MARGIN = 64
+# Positions a rollback may take back beyond the window: every draft of a step, rejected
+# from the first. The longest a step verifies is a lookup proposal extended by the head
+# (decode/draft_source.py): MAX_LOOKUP_DRAFT (32, decode/lookup.py) + MAX_DRAFT_TOKENS
+# (8, decode/__init__.py); models/ cannot import decode/ (decode imports models), so
+# tests/test_window_margin.py holds the two equal.
+ROLLBACK_MARGIN = 32 + 8
 
 
 def _check_window(cache_window: int, window_size: Optional[int]):

@@ -271,11 +271,18 @@ def dsa_config(family: str = "deepseek_v32", index_topk: int = 6, **kw) -> dict:
 
 def make_tiny_dsa(path, family: str = "deepseek_v32", head: str = "random", *, seed: int = 0,
                   trunk_scale: float = 0.1, proj_noise: float = 2.5, drop_mtp: bool = False,
-                  dtype=mx.float32, **config_kwargs) -> Path:
-    from .tiny_attention import to_hf
+                  dtype=mx.float32, fp8: bool = False, **config_kwargs) -> Path:
+    """``fp8``: the projections in the FP8 release form (as ``tiny_attention.make_tiny``)."""
+    from .tiny_attention import FP8_BLOCK, to_fp8, to_hf
 
     config = dsa_config(family, **config_kwargs)
     model = build_model(config, seed)
     if head in ("oracle", "noisy"):
         make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
-    return save_tiny(path, to_hf(model, drop_mtp), config, dtype)
+    weights = to_hf(model, drop_mtp)
+    if fp8:
+        weights = to_fp8(weights)
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                         "activation_scheme": "dynamic",
+                                         "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    return save_tiny(path, weights, config, dtype)
