@@ -110,12 +110,14 @@ def run_batch(model, k: int, prompts, n: int = 16):
 
 
 def assert_batched_rows_equal_mlx_lm(model, ref_model, prompts, n: int = 16, ks=(0, 2)):
-    """Returns the batch decoder of the last K, for checks on its caches."""
+    """Returns the batch decoders of ``ks``, for checks on their caches."""
     want = [mlx_lm_greedy(ref_model, p, n) for p in prompts]
+    decoders = []
     for k in ks:
         rows, bd = run_batch(model, k, prompts, n)
         assert rows == want, f"K={k}"
-    return bd
+        decoders.append(bd)
+    return decoders
 
 
 def assert_trunk_follows_mlx_lm(model, ref_model, chunks, atol=None):
@@ -159,11 +161,12 @@ def assert_missing_head_explained(path, *names):
         assert s in str(e.value), s
 
 
-def assert_decodes_without_head(path, prompt, strict: bool = True):
+def assert_decodes_without_head(path, prompt, strict: bool = True, n: int = N_TOKENS):
     """``mtp=False`` loads the trunk alone: plain decoding equals mlx-lm's."""
     model = load_model(path, mtp=False)[0]
     assert model.num_mtp_layers == 0
-    assert mtp_tokens(model, prompt, 0)[0] == mlx_lm_greedy(mlx_lm_model(path, strict), prompt)
+    ref = mlx_lm_greedy(mlx_lm_model(path, strict), prompt, n)
+    assert mtp_tokens(model, prompt, 0, n=n)[0] == ref
 
 
 def rms(x, w, eps):
