@@ -36,10 +36,8 @@ def small_window_buffers(monkeypatch):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
+    # mlx_lm_model loads them strictly: its sanitize drops the MTP layer.
     return fc.checkpoints(tmp_path_factory, fc.by_family(BUILDERS))
-
-
-# mlx-lm loads these strictly: its sanitize drops the MTP layer.
 
 
 @pytest.mark.parametrize("family", FAMILIES)
