@@ -77,13 +77,17 @@ def assert_acceptance(rate: float, agree: str):
         assert 0.0 < rate < 1.0
 
 
-def assert_greedy_identical(model, prompt, ref, agree=None, ks=(1, 2, 3)):
-    """K=0 and every K in ``ks`` give ``ref`` (mlx-lm's greedy tokens); with ``agree`` (a key
-    of HEADS) the acceptance rate is the head's. Returns the decoders of ``ks``."""
-    assert mtp_tokens(model, prompt, 0, n=len(ref))[0] == ref
+def assert_greedy_identical(path, prompt, agree=None, ks=(1, 2, 3), n: int = N_TOKENS,
+                            strict: bool = True):
+    """K=0 and every K in ``ks`` give mlx-lm's greedy tokens for the checkpoint at ``path``;
+    with ``agree`` (a key of HEADS) the acceptance rate is the head's. Returns the decoders
+    of ``ks``."""
+    ref = mlx_lm_greedy(mlx_lm_model(path, strict), prompt, n)
+    model = load_model(path)[0]
+    assert mtp_tokens(model, prompt, 0, n=n)[0] == ref
     decoders = []
     for k in ks:
-        got, dec = mtp_tokens(model, prompt, k, n=len(ref))
+        got, dec = mtp_tokens(model, prompt, k, n=n)
         assert got == ref, f"K={k}"
         if agree is not None:
             assert_acceptance(dec.stats.acceptance_rate, agree)
@@ -171,6 +175,24 @@ def assert_decodes_without_head(path, prompt, strict: bool = True, n: int = N_TO
 
 def rms(x, w, eps):
     return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w
+
+
+def reference_inputs(hidden_size: int, tokens=((5, 60, 11),)):
+    """The trunk hidden states (1, T, H) and tokens (1, T) MTP-layer references run on."""
+    tokens = np.array(tokens)
+    shape = (1, tokens.shape[1], hidden_size)
+    return np.random.default_rng(3).standard_normal(shape).astype(np.float32), tokens
+
+
+def fused_input(embedded, hidden, enorm, hnorm, eh_proj, eps, hidden_first: bool = False):
+    """An MTP layer's input in numpy: [enorm(e) || hnorm(h)] @ eh_proj^T (MiMo: h first)."""
+    e, h = rms(embedded, enorm, eps), rms(hidden, hnorm, eps)
+    return np.concatenate([h, e] if hidden_first else [e, h], axis=-1) @ eh_proj.T
+
+
+def assert_mtp_forward_equals(model, hidden, tokens, want, cache=None):
+    got = model.mtp_forward(mx.array(hidden), mx.array(tokens), cache)
+    np.testing.assert_allclose(np.array(got), want, atol=2e-5)
 
 
 def raw_tensors(path, pattern: str = "*.safetensors") -> dict:

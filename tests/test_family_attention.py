@@ -53,9 +53,7 @@ def test_verify_rows_equal_plain_one_token_decoding(ckpt, family):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("agree", list(HEADS))
 def test_greedy_identical_to_mlx_lm(ckpt, family, agree):
-    path = ckpt(family, HEADS[agree])
-    ref = mlx_lm_greedy(mlx_lm_model(path), PROMPT)
-    fc.assert_greedy_identical(load_model(path)[0], PROMPT, ref, agree)
+    fc.assert_greedy_identical(ckpt(family, HEADS[agree]), PROMPT, agree, strict=False)
 
 
 def test_bfloat16_moe_checkpoint_runs_on_the_cpu(ckpt):
@@ -80,19 +78,14 @@ def test_mtp_layer_equals_reference(ckpt, family):
     numpy, the decoder block called as mlx-lm calls it, the final norm in numpy."""
     model = load_model(ckpt(family, "noisy"))[0]
     layer = model.mtp.layers[0]
-    H, eps = model.args.hidden_size, model.args.rms_norm_eps
-    rng = np.random.default_rng(3)
-    hidden = rng.standard_normal((1, 3, H)).astype(np.float32)
-    tokens = np.array([[5, 60, 11]])
-    e = rms(np.array(model.model.embed_tokens.weight)[tokens], np.array(layer.enorm.weight), eps)
-    h = rms(hidden, np.array(layer.hnorm.weight), eps)
-    x = np.concatenate([h, e] if family == "mimo" else [e, h], axis=-1)
-    x = x @ np.array(layer.eh_proj.weight).T
+    eps = model.args.rms_norm_eps
+    hidden, tokens = fc.reference_inputs(model.args.hidden_size)
+    x = fc.fused_input(np.array(model.model.embed_tokens.weight)[tokens], hidden,
+                       np.array(layer.enorm.weight), np.array(layer.hnorm.weight),
+                       np.array(layer.eh_proj.weight), eps, hidden_first=family == "mimo")
     mask = create_causal_mask(3) if family in MLA_FAMILIES else "causal"
     x = np.array(layer.block(mx.array(x), mask, None))
-    want = rms(x, np.array(layer.norm.weight), eps)
-    got = model.mtp_forward(mx.array(hidden), mx.array(tokens), None)
-    np.testing.assert_allclose(np.array(got), want, atol=2e-5)
+    fc.assert_mtp_forward_equals(model, hidden, tokens, rms(x, np.array(layer.norm.weight), eps))
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])

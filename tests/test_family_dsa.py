@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import family_checks as fc
-from family_checks import HEADS, mlx_lm_greedy, mlx_lm_model, raw_tensors, rms
+from family_checks import HEADS, mlx_lm_model, raw_tensors, rms
 from mlx_mtp.models.cache import KVCache
 from mlx_mtp.models.loader import load_model
 from mlx_mtp.testing.tiny_special import make_tiny_dsa
@@ -51,9 +51,7 @@ def test_verify_rows_follow_plain_decoding_and_both_caches_roll_back(ckpt, famil
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("agree", list(HEADS))
 def test_greedy_identical_to_mlx_lm(ckpt, family, agree):
-    path = ckpt(family, HEADS[agree])
-    ref = mlx_lm_greedy(mlx_lm_model(path), PROMPT)
-    fc.assert_greedy_identical(load_model(path)[0], PROMPT, ref, agree)
+    fc.assert_greedy_identical(ckpt(family, HEADS[agree]), PROMPT, agree)
 
 
 def test_mtp_layer_equals_reference(ckpt):
@@ -62,19 +60,18 @@ def test_mtp_layer_equals_reference(ckpt):
     path = ckpt("deepseek_v32", "noisy")
     raw, p = raw_tensors(path), "model.layers.2."
     model = load_model(path)[0]
-    H, eps = model.args.hidden_size, model.args.rms_norm_eps
-    hidden = np.random.default_rng(3).standard_normal((1, 9, H)).astype(np.float32)
-    tokens = np.array([[int(x) for x in RNG.integers(0, 128, 9)]])
-    e = rms(raw["model.embed_tokens.weight"][tokens], raw[p + "enorm.weight"], eps)
-    h = rms(hidden, raw[p + "hnorm.weight"], eps)
-    x = mx.array(np.concatenate([e, h], axis=-1) @ raw[p + "eh_proj.weight"].T)
     from mlx_lm.models.base import create_causal_mask
 
+    eps = model.args.rms_norm_eps
+    hidden, tokens = fc.reference_inputs(model.args.hidden_size,
+                                         [[int(x) for x in RNG.integers(0, 128, 9)]])
+    x = fc.fused_input(raw["model.embed_tokens.weight"][tokens], hidden, raw[p + "enorm.weight"],
+                       raw[p + "hnorm.weight"], raw[p + "eh_proj.weight"], eps)
     block = model.mtp.layers[0].block
-    x = np.array(block(x, create_causal_mask(9), (KVCache(), KVCache())))
-    want = rms(x, raw[p + "shared_head.norm.weight"], eps)
-    got = model.mtp_forward(mx.array(hidden), mx.array(tokens), model.make_mtp_cache())
-    np.testing.assert_allclose(np.array(got), want, atol=2e-5)
+    x = np.array(block(mx.array(x), create_causal_mask(9), (KVCache(), KVCache())))
+    fc.assert_mtp_forward_equals(model, hidden, tokens,
+                                 rms(x, raw[p + "shared_head.norm.weight"], eps),
+                                 model.make_mtp_cache())
 
 
 @pytest.mark.parametrize("family", FAMILIES)

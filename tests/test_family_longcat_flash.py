@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 
 import family_checks as fc
-from family_checks import HEADS, mlx_lm_greedy, mlx_lm_model, raw_tensors, rms
+from family_checks import HEADS, mlx_lm_model, raw_tensors, rms
 from mlx_mtp.models.loader import load_model
 from mlx_mtp.testing.tiny_special import make_tiny_longcat_flash
 
@@ -47,9 +47,7 @@ def test_verify_rows_equal_plain_decoding_and_both_sublayers_roll_back(ckpt):
 
 @pytest.mark.parametrize("agree", list(HEADS))
 def test_greedy_identical_to_mlx_lm(ckpt, agree):
-    path = ckpt(HEADS[agree])
-    ref = mlx_lm_greedy(mlx_lm_model(path), PROMPT)
-    fc.assert_greedy_identical(load_model(path)[0], PROMPT, ref, agree)
+    fc.assert_greedy_identical(ckpt(HEADS[agree]), PROMPT, agree)
 
 
 def test_mtp_layer_equals_reference(ckpt):
@@ -58,20 +56,17 @@ def test_mtp_layer_equals_reference(ckpt):
     path = ckpt("noisy")
     raw, p = raw_tensors(path), "model.mtp.layers.0."
     model = load_model(path)[0]
-    H, eps = model.args.hidden_size, model.args.rms_norm_eps
-    hidden = np.random.default_rng(3).standard_normal((1, 3, H)).astype(np.float32)
-    tokens = np.array([[5, 60, 11]])
-    e = rms(raw["model.embed_tokens.weight"][tokens], raw[p + "enorm.m.weight"], eps)
-    h = rms(hidden, raw[p + "hnorm.m.weight"], eps)
-    x = mx.array(np.concatenate([e, h], axis=-1) @ raw[p + "eh_proj.weight"].T)
+    eps = model.args.rms_norm_eps
+    hidden, tokens = fc.reference_inputs(model.args.hidden_size)
+    x = mx.array(fc.fused_input(raw["model.embed_tokens.weight"][tokens], hidden,
+                                raw[p + "enorm.m.weight"], raw[p + "hnorm.m.weight"],
+                                raw[p + "eh_proj.weight"], eps))
     block = model.mtp.layers[0].block
     np.testing.assert_array_equal(np.array(block.mlp.down_proj.weight),
                                   raw[p + "transformer_layer.mlp.down_proj.weight"])
     x = x + block.self_attn(block.input_layernorm(x), create_causal_mask(3), None)
     x = np.array(x + block.mlp(block.post_attention_layernorm(x)))
-    want = rms(x, raw["model.mtp.norm.weight"], eps)
-    got = model.mtp_forward(mx.array(hidden), mx.array(tokens), None)
-    np.testing.assert_allclose(np.array(got), want, atol=2e-5)
+    fc.assert_mtp_forward_equals(model, hidden, tokens, rms(x, raw["model.mtp.norm.weight"], eps))
 
 
 def test_batched_rows_equal_mlx_lm(ckpt):

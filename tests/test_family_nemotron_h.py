@@ -7,7 +7,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import family_checks as fc
-from family_checks import HEADS, mlx_lm_greedy, mlx_lm_model, mtp_tokens, raw_tensors, rms
+from family_checks import HEADS, mlx_lm_model, mtp_tokens, raw_tensors, rms
 from mlx_mtp.models.cache import RecurrentCache, cache_state_arrays
 from mlx_mtp.models.loader import load_model
 from mlx_mtp.testing.tiny_special import make_tiny_nemotron_h
@@ -57,9 +57,7 @@ def test_replay_after_partial_acceptance_equals_plain_decoding(ckpt):
 @pytest.mark.parametrize("agree", list(HEADS))
 def test_greedy_identical_to_mlx_lm(ckpt, agree):
     """At partial acceptance the SSM replay runs on kept prefixes shorter than K+1."""
-    path = ckpt(HEADS[agree])
-    ref = mlx_lm_greedy(mlx_lm_model(path), PROMPT)
-    fc.assert_greedy_identical(load_model(path)[0], PROMPT, ref, agree)
+    fc.assert_greedy_identical(ckpt(HEADS[agree]), PROMPT, agree)
 
 
 def test_mtp_layer_equals_reference(ckpt):
@@ -68,19 +66,17 @@ def test_mtp_layer_equals_reference(ckpt):
     path = ckpt("noisy")
     raw = raw_tensors(path)
     model = load_model(path)[0]
-    H, eps = model.args.hidden_size, model.args.layer_norm_epsilon
-    hidden = np.random.default_rng(3).standard_normal((1, 3, H)).astype(np.float32)
-    tokens = np.array([[5, 60, 11]])
-    e = rms(raw["backbone.embeddings.weight"][tokens], raw["mtp.layers.0.enorm.weight"], eps)
-    h = rms(hidden, raw["mtp.layers.0.hnorm.weight"], eps)
-    x = mx.array(np.concatenate([e, h], axis=-1) @ raw["mtp.layers.0.eh_proj.weight"].T)
+    eps, p = model.args.layer_norm_epsilon, "mtp.layers.0."
+    hidden, tokens = fc.reference_inputs(model.args.hidden_size)
+    x = mx.array(fc.fused_input(raw["backbone.embeddings.weight"][tokens], hidden,
+                                raw[p + "enorm.weight"], raw[p + "hnorm.weight"],
+                                raw[p + "eh_proj.weight"], eps))
     attn, moe = model.mtp.layers[0].block.layers
     assert (attn.block_type, moe.block_type) == ("*", "E")
     np.testing.assert_array_equal(np.array(moe.norm.weight), raw["mtp.layers.1.norm.weight"])
     x = np.array(moe(attn(x, "causal", None)))
-    want = rms(x, raw["mtp.layers.1.final_layernorm.weight"], eps)
-    got = model.mtp_forward(mx.array(hidden), mx.array(tokens), None)
-    np.testing.assert_allclose(np.array(got), want, atol=2e-5)
+    fc.assert_mtp_forward_equals(model, hidden, tokens,
+                                 rms(x, raw["mtp.layers.1.final_layernorm.weight"], eps))
 
 
 def test_batched_rows_equal_mlx_lm(ckpt):

@@ -8,7 +8,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import family_checks as fc
-from family_checks import HEADS, mlx_lm_greedy, mlx_lm_model, raw_tensors, rms
+from family_checks import HEADS, mlx_lm_model, raw_tensors, rms
 from mlx_mtp.decode.speculative import MTPDecoder
 from mlx_mtp.models import window_cache
 from mlx_mtp.models.loader import load_model
@@ -78,8 +78,7 @@ def test_window_cache_refuses_a_rollback_beyond_its_margin():
 @pytest.mark.parametrize("agree", list(HEADS))
 def test_greedy_identical_to_mlx_lm(ckpt, family, agree):
     path = ckpt(family, HEADS[agree])  # "always" proves the 1+w norms, concat order, chaining
-    ref = mlx_lm_greedy(mlx_lm_model(path), PROMPT, N_TOKENS)
-    for dec in fc.assert_greedy_identical(load_model(path)[0], PROMPT, ref, agree):
+    for dec in fc.assert_greedy_identical(path, PROMPT, agree, n=N_TOKENS):
         assert all(c.start > 0 for c in dec.mtp_cache)  # the MTP layer's window wrapped
 
 
@@ -89,19 +88,17 @@ def test_step3p5_mtp_layer_equals_reference(ckpt):
     path = ckpt("step3p5", "noisy")
     raw, p = raw_tensors(path), MTP_PREFIX["step3p5"]
     model = load_model(path)[0]
-    H, eps = model.args.hidden_size, model.args.rms_norm_eps
-    hidden = np.random.default_rng(3).standard_normal((1, 3, H)).astype(np.float32)
-    tokens = np.array([[5, 60, 11]])
-    e = rms(raw["model.embed_tokens.weight"][tokens], 1 + raw[p + "enorm.weight"], eps)
-    h = rms(hidden, 1 + raw[p + "hnorm.weight"], eps)
-    x = np.concatenate([e, h], axis=-1) @ raw[p + "eh_proj.weight"].T
+    eps = model.args.rms_norm_eps
+    hidden, tokens = fc.reference_inputs(model.args.hidden_size)
+    x = fc.fused_input(raw["model.embed_tokens.weight"][tokens], hidden,
+                       1 + raw[p + "enorm.weight"], 1 + raw[p + "hnorm.weight"],
+                       raw[p + "eh_proj.weight"], eps)
     block = model.mtp.layers[0].block
     np.testing.assert_allclose(np.array(block.input_layernorm.weight),
                                1 + raw[p + "transformer.input_layernorm.weight"])
     x = np.array(block(mx.array(x), "causal", None))
-    want = rms(x, 1 + raw[p + "shared_head.norm.weight"], eps)
-    got = model.mtp_forward(mx.array(hidden), mx.array(tokens), None)
-    np.testing.assert_allclose(np.array(got), want, atol=2e-5)
+    fc.assert_mtp_forward_equals(model, hidden, tokens,
+                                 rms(x, 1 + raw[p + "shared_head.norm.weight"], eps))
 
 
 def test_mimo_v2_flash_mtp_layer_equals_reference(ckpt):
@@ -110,12 +107,10 @@ def test_mimo_v2_flash_mtp_layer_equals_reference(ckpt):
     path = ckpt("mimo_v2_flash", "noisy")
     raw, p = raw_tensors(path), MTP_PREFIX["mimo_v2_flash"]
     model = load_model(path)[0]
-    H, eps = model.args.hidden_size, model.args.layernorm_epsilon
-    hidden = np.random.default_rng(3).standard_normal((1, 3, H)).astype(np.float32)
-    tokens = np.array([[5, 60, 11]])
-    e = rms(raw["model.embed_tokens.weight"][tokens], raw[p + "enorm.weight"], eps)
-    h = rms(hidden, raw[p + "hnorm.weight"], eps)
-    x = np.concatenate([e, h], axis=-1) @ raw[p + "eh_proj.weight"].T
+    eps = model.args.layernorm_epsilon
+    hidden, tokens = fc.reference_inputs(model.args.hidden_size)
+    x = fc.fused_input(raw["model.embed_tokens.weight"][tokens], hidden, raw[p + "enorm.weight"],
+                       raw[p + "hnorm.weight"], raw[p + "eh_proj.weight"], eps)
     block = model.mtp.layers[0].block
     assert block.is_sliding_window
     np.testing.assert_array_equal(np.array(block.self_attn.attention_sink_bias),
@@ -123,9 +118,8 @@ def test_mimo_v2_flash_mtp_layer_equals_reference(ckpt):
     np.testing.assert_array_equal(np.array(block.post_attention_layernorm.weight),
                                   raw[p + "pre_mlp_layernorm.weight"])
     x = np.array(block(mx.array(x), "causal", None))
-    want = rms(x, raw[p + "final_layernorm.weight"], eps)
-    got = model.mtp_forward(mx.array(hidden), mx.array(tokens), None)
-    np.testing.assert_allclose(np.array(got), want, atol=2e-5)
+    fc.assert_mtp_forward_equals(model, hidden, tokens,
+                                 rms(x, raw[p + "final_layernorm.weight"], eps))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
