@@ -1,67 +1,37 @@
 """Attention-trunk families (GLM-4.x, GLM-4.7-Flash, DeepSeek-V3, MiMo-7B): the trunk is
 mlx-lm's, the MTP layer ours; greedy output equals mlx-lm's plain decoding at every K."""
 
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step as mlx_lm_generate_step
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from distribution_check import assert_follows, sample_outcomes, two_token_joint
-from mlx_mtp.decode.batch import BatchDecoder
-from mlx_mtp.decode.sampling import SamplingParams
-from mlx_mtp.decode.speculative import MTPDecoder, generate_step
+import family_checks as fc
+from family_checks import HEADS, mlx_lm_greedy, mtp_tokens, rms
 from mlx_mtp.models.attention_trunk import dequantize_fp8
-from mlx_mtp.models.layout import MissingMTPWeightsError
 from mlx_mtp.models.loader import load_model
 from mlx_mtp.testing.tiny_attention import FAMILIES, MLA_FAMILIES, make_tiny
 
 PROMPT = [1, 5, 9, 22, 7, 3, 100, 20, 42, 17, 18]
-N_TOKENS = 24
 PROMPTS = [[int(x) for x in np.random.default_rng(0).integers(0, 128, n)] for n in (5, 11, 1, 8)]
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    made = {}
-
-    def make(family, head="random", **kw):
-        key = (family, head, tuple(sorted(kw.items())))
-        if key not in made:
-            made[key] = make_tiny(tmp_path_factory.mktemp(f"{family}_{head}"), family, head, **kw)
-        return made[key]
-
-    return make
+    return fc.checkpoints(tmp_path_factory, make_tiny)
 
 
 def mlx_lm_model(path):
     # mlx-lm's deepseek_v3 sanitize drops only layer 61 (the real model's MTP index), so a
     # tiny checkpoint's MTP layer is left over: ignore it there.
-    return mlx_lm_load_model(Path(path), strict=False)[0]
-
-
-def mlx_lm_greedy(model, prompt, n=N_TOKENS):
-    return [int(t) for t, _ in mlx_lm_generate_step(mx.array(prompt), model, max_tokens=n)]
-
-
-def mtp_tokens(model, prompt, k, sampling=SamplingParams(), n=N_TOKENS):
-    dec = MTPDecoder(model, k, sampling, adaptive=False)
-    return [t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=n)], dec
+    return fc.mlx_lm_model(path, strict=False)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_trunk_logits_equal_mlx_lm(ckpt, family):
     path = ckpt(family)
-    model, ref = load_model(path)[0], mlx_lm_model(path)
-    ours, theirs = model.make_cache(), make_prompt_cache(ref)
-    for chunk in ([PROMPT], [[4]], [[77]], [[2]]):
-        a = model.logits(model.trunk(mx.array(chunk), ours)[0])
-        b = ref(mx.array(chunk), cache=theirs)
-        assert mx.array_equal(a, b), family
+    fc.assert_trunk_follows_mlx_lm(load_model(path)[0], mlx_lm_model(path),
+                                   [PROMPT, [4], [77], [2]])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -69,15 +39,10 @@ def test_verify_rows_equal_plain_one_token_decoding(ckpt, family):
     """A verify pass (capture) computes each row as plain decoding does: bit for bit, also
     for MLA, where a multi-token pass in mlx-lm's formula would differ."""
     model = load_model(ckpt(family))[0]
-    history, rows = mx.array([PROMPT]), [4, 77, 2, 9]
-    cache = model.make_cache()
-    model.trunk(history, cache)
-    plain = [model.logits(model.trunk(mx.array([[t]]), cache)[0]) for t in rows]
-    plain = mx.concatenate(plain, axis=1)
+    rows = [4, 77, 2, 9]
+    plain = fc.one_by_one_logits(model, PROMPT, rows)
     for capture in (True, False):
-        cache = model.make_cache()
-        model.trunk(history, cache)
-        verify = model.logits(model.trunk(mx.array([rows]), cache, capture=capture)[0])
+        verify = fc.verify_logits(model, PROMPT, rows, capture)[0]
         if capture:
             assert mx.array_equal(verify, plain)
         elif family in MLA_FAMILIES:  # the trap: the expanded formula rounds differently
@@ -85,26 +50,10 @@ def test_verify_rows_equal_plain_one_token_decoding(ckpt, family):
             assert mx.allclose(verify, plain, atol=1e-4)
 
 
-HEADS = {"always": "oracle", "sometimes": "noisy", "never": "random"}
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("agree", list(HEADS))
 def test_greedy_identical_to_mlx_lm(ckpt, family, agree):
-    path = ckpt(family, HEADS[agree])
-    model = load_model(path)[0]
-    ref = mlx_lm_greedy(mlx_lm_model(path), PROMPT)
-    assert mtp_tokens(model, PROMPT, 0)[0] == ref
-    for k in (1, 2, 3):
-        got, dec = mtp_tokens(model, PROMPT, k)
-        assert got == ref, f"K={k}"
-        rate = dec.stats.acceptance_rate
-        if agree == "always":  # proves concat order, norms and chaining
-            assert rate == 1.0
-        elif agree == "never":
-            assert rate < 0.2
-        else:
-            assert 0.0 < rate < 1.0
+    fc.assert_greedy_identical(ckpt(family, HEADS[agree]), PROMPT, agree, strict=False)
 
 
 def test_bfloat16_moe_checkpoint_runs_on_the_cpu(ckpt):
@@ -123,87 +72,41 @@ def test_quantized_draft_head_keeps_greedy_output(ckpt, family):
     assert got == ref and dec.stats.num_accepted_tokens > 0
 
 
-def _rms(x, w, eps):
-    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mtp_layer_equals_reference(ckpt, family):
     """mtp_forward against the block written out: norms, concat order and projection in
     numpy, the decoder block called as mlx-lm calls it, the final norm in numpy."""
     model = load_model(ckpt(family, "noisy"))[0]
     layer = model.mtp.layers[0]
-    H, eps = model.args.hidden_size, model.args.rms_norm_eps
-    rng = np.random.default_rng(3)
-    hidden = rng.standard_normal((1, 3, H)).astype(np.float32)
-    tokens = np.array([[5, 60, 11]])
-    e = _rms(np.array(model.model.embed_tokens.weight)[tokens], np.array(layer.enorm.weight), eps)
-    h = _rms(hidden, np.array(layer.hnorm.weight), eps)
-    x = np.concatenate([h, e] if family == "mimo" else [e, h], axis=-1)
-    x = x @ np.array(layer.eh_proj.weight).T
+    eps = model.args.rms_norm_eps
+    hidden, tokens = fc.reference_inputs(model.args.hidden_size)
+    x = fc.fused_input(np.array(model.model.embed_tokens.weight)[tokens], hidden,
+                       np.array(layer.enorm.weight), np.array(layer.hnorm.weight),
+                       np.array(layer.eh_proj.weight), eps, hidden_first=family == "mimo")
     mask = create_causal_mask(3) if family in MLA_FAMILIES else "causal"
     x = np.array(layer.block(mx.array(x), mask, None))
-    want = _rms(x, np.array(layer.norm.weight), eps)
-    got = model.mtp_forward(mx.array(hidden), mx.array(tokens), None)
-    np.testing.assert_allclose(np.array(got), want, atol=2e-5)
-
-
-def run_batch(model, k, prompts, n=16):
-    bd = BatchDecoder(model, k, adaptive=False)
-    outs = {}
-    for i, p in enumerate(prompts):  # staggered joins: rows at different positions
-        dec = MTPDecoder(model, k, adaptive=False)
-        dec.prefill(p)
-        bd.add(i, dec)
-        outs[i] = []
-        for key, o in bd.step().items():
-            outs[key] += o.tokens
-    while min(len(t) for t in outs.values()) < n:
-        for key, o in bd.step().items():
-            outs[key] += o.tokens
-    return [outs[i][:n] for i in range(len(prompts))]
+    fc.assert_mtp_forward_equals(model, hidden, tokens, rms(x, np.array(layer.norm.weight), eps))
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
 def test_batched_rows_equal_mlx_lm(ckpt, family):
     path = ckpt(family, "noisy")
-    model, ref = load_model(path)[0], mlx_lm_model(path)
-    want = [mlx_lm_greedy(ref, p, 16) for p in PROMPTS]
-    for k in (0, 2):
-        assert run_batch(model, k, PROMPTS) == want, f"K={k}"
+    fc.assert_batched_rows_equal_mlx_lm(load_model(path)[0], mlx_lm_model(path), PROMPTS)
 
 
 @pytest.mark.parametrize("family", ["glm4_moe_lite", "mimo"])
 def test_sampling_follows_the_target_distribution(ckpt, family):
     path = ckpt(family, "random", vocab_size=8)
-    model, ref = load_model(path)[0], mlx_lm_model(path)
-    prompt = [1, 2, 3, 4, 5]
-
-    def target(prefix):
-        logits = ref(mx.array([prompt + prefix]))[0, -1].astype(mx.float32)
-        return np.exp(np.array(logits - mx.logsumexp(logits), np.float64))
-
-    def draw(seed):
-        return mtp_tokens(model, prompt, 2, SamplingParams(temperature=1.0, seed=seed), n=2)
-
-    n_samples = 400
-    seen, accepted = sample_outcomes(draw, n_samples)
-    assert accepted > n_samples // 10
-    assert_follows(seen, two_token_joint(target), n_samples)
+    fc.assert_sampling_follows_target(load_model(path)[0], mlx_lm_model(path), [1, 2, 3, 4, 5])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_checkpoint_without_its_mtp_layer(ckpt, family):
     path = ckpt(family, drop_mtp=True)
-    with pytest.raises(MissingMTPWeightsError) as e:
-        load_model(path)
-    msg = str(e.value)
-    assert "mlx-mtp add-mtp" in msg and "--no-mtp" in msg
-    assert ("model.mtp_layers.0.input_proj.weight" if family == "mimo"
-            else "model.layers.2.eh_proj.weight") in msg
-    model = load_model(path, mtp=False)[0]
-    assert model.num_mtp_layers == 0
-    assert mtp_tokens(model, PROMPT, 0)[0] == mlx_lm_greedy(mlx_lm_model(path), PROMPT)
+    fc.assert_missing_head_explained(path, "mlx-mtp add-mtp", "--no-mtp",
+                                     "model.mtp_layers.0.input_proj.weight" if family == "mimo"
+                                     else "model.layers.2.eh_proj.weight")
+    fc.assert_decodes_without_head(path, PROMPT, strict=False)
 
 
 def test_fp8_block_weights_are_dequantized():

@@ -8,8 +8,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
+import family_checks as fc
 from mlx_mtp.convert.main import convert
-from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.loader import load_model
 from mlx_mtp.testing.tiny_attention import FAMILIES, make_tiny
 
@@ -18,9 +18,7 @@ MTP_PREFIX = {"mimo": "model.mtp_layers.0."}
 
 
 def decode(model, k):
-    dec = MTPDecoder(model, k, adaptive=False)
-    toks = [t for t, _, _ in generate_step(PROMPT, model, decoder=dec, max_tokens=16)]
-    return toks, dec.stats.num_accepted_tokens
+    return fc.decode_and_accepted(model, PROMPT, k, n=16)
 
 
 def mtp_file_keys(path: Path):
@@ -32,16 +30,11 @@ def mtp_file_keys(path: Path):
 def test_convert_keeps_the_mtp_layer_and_mlx_lm_still_loads(tmp_path, family):
     src = make_tiny(tmp_path / "src", family, "noisy")
     out = tmp_path / "out"
-    convert(src, out, verbose=False)
+    fc.assert_convert_round_trip(src, out, PROMPT, n=16)
     prefix = MTP_PREFIX.get(family, "model.layers.2.")
     keys = mtp_file_keys(out)
     assert keys and all(k.startswith(prefix) for k in keys)
     assert not any("embed_tokens" in k or "shared_head.head" in k for k in keys)  # duplicates
-    ours, original = load_model(out)[0], load_model(src)[0]
-    assert decode(ours, 2) == decode(original, 2)
-    plain, _ = mlx_lm_load_model(out)  # strict: mlx-lm never opens mtp.safetensors
-    x = mx.array([PROMPT])
-    assert mx.array_equal(plain(x), ours(x))
 
 
 def test_quantized_convert_records_the_head_under_its_own_prefix(tmp_path):
@@ -73,35 +66,14 @@ def test_fp8_release_is_dequantized_on_load_and_convert(tmp_path):
     assert decode(load_model(tmp_path / "out")[0], 2) == (toks, accepted)
 
 
-def mlx_lm_convert(src, dst, quantize):
-    from mlx_lm import convert as mlx_lm_convert_fn
-
-    mlx_lm_convert_fn(str(src), str(dst), quantize=quantize, q_group_size=32, q_bits=4)
-
-
 @pytest.mark.parametrize("family,quantize", [("glm4_moe", False), ("glm4_moe_lite", True),
                                              ("mimo", True)])
 def test_add_mtp_onto_an_mlx_lm_conversion(tmp_path, family, quantize):
-    from mlx_lm.generate import generate_step as mlx_lm_generate_step
-
-    from mlx_mtp.convert.add_mtp import add_mtp
-    from mlx_mtp.models.layout import MissingMTPWeightsError
-
     src = make_tiny(tmp_path / "src", family, "noisy", num_shards=2)
     dst = tmp_path / "mlx-community"
-    mlx_lm_convert(src, dst, quantize)  # drops the MTP layer
-    with pytest.raises(MissingMTPWeightsError, match="add-mtp"):
-        load_model(dst)
-    add_mtp(dst, src, verbose=False)
+    model = fc.assert_add_mtp_onto_mlx_lm_conversion(src, dst, PROMPT, quantize)
     assert mtp_file_keys(dst)[0].startswith(MTP_PREFIX.get(family, "model.layers.2."))
-    model = load_model(dst)[0]
-    plain, _ = mlx_lm_load_model(dst)  # still loads, without the head
-    ref = [int(t) for t, _ in mlx_lm_generate_step(mx.array(PROMPT), plain, max_tokens=16)]
-    toks, accepted = decode(model, 2)
-    assert toks == ref and accepted > 0
-    if not quantize:  # the grafted head is the original's: same drafts, same acceptance
-        assert (toks, accepted) == decode(load_model(src)[0], 2)
-    else:
+    if quantize:
         assert model.mtp.layers[0].eh_proj.bits == 4  # quantized like the model
 
 

@@ -3,16 +3,15 @@
 per layer, DSA's latent and indexer caches past index_topk), prompt-prefix states
 go to memory and disk and a restored turn decodes as a cold one and as plain decoding."""
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step as mlx_lm_generate_step
-from mlx_lm.utils import load_model as mlx_lm_load_model
 
+import family_checks as fc
+from engine_events import Sink
 from mlx_mtp.models import window_cache
 from mlx_mtp.models.loader import load
 from mlx_mtp.models.window_cache import WindowKVCache
-from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest, Failed
+from mlx_mtp.server.engine import Done, Engine, EngineRequest
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.server.session_store import SessionStore, model_fingerprint
 from mlx_mtp.testing.tiny_special import (make_tiny_dsa, make_tiny_longcat_flash,
@@ -44,22 +43,6 @@ def family(request, tmp_path_factory):
     return request.param, path, load(str(path))
 
 
-class Sink:
-    def __init__(self):
-        self.events = []
-
-    def __call__(self, ev):
-        self.events.append(ev)
-
-    @property
-    def done(self):
-        return next((e for e in self.events if isinstance(e, (Done, Failed))), None)
-
-    @property
-    def tokens(self):
-        return [t for e in self.events if isinstance(e, Delta) for t in e.token_ids]
-
-
 def run(engine, prompts, **kw):
     sinks = [Sink() for _ in prompts]
     for p, s in zip(prompts, sinks):
@@ -79,8 +62,7 @@ def engine(model_tok, k=3, prefix_cache=None):
 
 
 def mlx_lm_greedy(path, prompt, n=12):
-    ref = mlx_lm_load_model(path)[0]
-    return [int(t) for t, _ in mlx_lm_generate_step(mx.array(prompt), ref, max_tokens=n)]
+    return fc.mlx_lm_greedy(fc.mlx_lm_model(path), prompt, n)
 
 
 def test_concurrent_requests_equal_mlx_lm(family):

@@ -3,16 +3,12 @@ by models/mtp_chain.py: each layer's cache is caught up on committed positions, 
 drafts with layer j; checked against every layer run over the whole sequence at once, and
 end to end against mlx-lm."""
 
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step as mlx_lm_generate_step
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from mlx_mtp.decode.batch import BatchDecoder
+import family_checks as fc
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.loader import load_model
 from mlx_mtp.models.mtp_chain import drafted_entries
@@ -29,15 +25,7 @@ FAMILIES = list(BUILDERS)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    made = {}
-
-    def make(family, head, **kw):
-        key = (family, head, tuple(sorted(kw.items())))
-        if key not in made:
-            made[key] = BUILDERS[family](tmp_path_factory.mktemp(f"{family}_{head}"), head, **kw)
-        return made[key]
-
-    return make
+    return fc.checkpoints(tmp_path_factory, fc.by_family(BUILDERS))
 
 
 def reference_chain(model, hidden, tokens, drafts):
@@ -81,8 +69,7 @@ def test_drafts_equal_the_layers_run_over_the_whole_sequence(ckpt, family):
 
 
 def mlx_lm_greedy(path, prompt, n):
-    ref = mlx_lm_load_model(Path(path))[0]
-    return [int(t) for t, _ in mlx_lm_generate_step(mx.array(prompt), ref, max_tokens=n)]
+    return fc.mlx_lm_greedy(fc.mlx_lm_model(path), prompt, n)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -93,23 +80,15 @@ def test_each_depth_drafts_with_its_own_layer(ckpt, family):
         path = ckpt(family, "oracle", broken=broken)
         model = load_model(path)[0]
         assert model.num_mtp_layers == 3
-        ref = mlx_lm_greedy(path, PROMPT, 24)
-        dec = MTPDecoder(model, 4, adaptive=False)
-        got = [t for t, _, _ in generate_step(PROMPT, model, decoder=dec, max_tokens=24)]
-        assert got == ref
+        got, dec = fc.mtp_tokens(model, PROMPT, 4, n=24)
+        assert got == mlx_lm_greedy(path, PROMPT, 24)
         assert dec.stats.acceptance_per_pos == want, broken
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("head", ["noisy", "random"])
 def test_greedy_identical_to_mlx_lm_at_every_k(ckpt, family, head):
-    path = ckpt(family, head)
-    model = load_model(path)[0]
-    ref = mlx_lm_greedy(path, PROMPT, 24)
-    for k in (0, 1, 2, 3, 4):
-        dec = MTPDecoder(model, k, adaptive=False)
-        assert [t for t, _, _ in generate_step(PROMPT, model, decoder=dec,
-                                               max_tokens=24)] == ref, k
+    fc.assert_greedy_identical(ckpt(family, head), PROMPT, ks=(1, 2, 3, 4), n=24)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -118,20 +97,7 @@ def test_batched_rows_equal_mlx_lm(ckpt, family):
     path = ckpt(family, "noisy")
     model = load_model(path)[0]
     prompts = [[int(x) for x in RNG.integers(0, 128, n)] for n in (6, 17, 1, 10)]
-    want = [mlx_lm_greedy(path, p, 16) for p in prompts]
-    bd = BatchDecoder(model, 3, adaptive=False)
-    outs = {}
-    for i, p in enumerate(prompts):
-        dec = MTPDecoder(model, 3, adaptive=False)
-        dec.prefill(p)
-        bd.add(i, dec)
-        outs[i] = []
-        for key, o in bd.step().items():
-            outs[key] += o.tokens
-    while min(len(t) for t in outs.values()) < 16:
-        for key, o in bd.step().items():
-            outs[key] += o.tokens
-    assert [outs[i][:16] for i in range(len(prompts))] == want
+    [bd] = fc.assert_batched_rows_equal_mlx_lm(model, fc.mlx_lm_model(path), prompts, ks=(3,))
     assert bd.core.mtp_cache[2].chain_pending is not None
 
 

@@ -15,10 +15,11 @@ import mlx.core as mx
 import openai
 import pytest
 
+from engine_events import Sink
 from mlx_mtp.decode.speculative import MTPDecoder
 from mlx_mtp.models.cache import cache_state_arrays
 from mlx_mtp.models.loader import load
-from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest, Failed
+from mlx_mtp.server.engine import Done, Engine, EngineRequest
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.server.session_store import SUFFIX, SessionStore, model_fingerprint
 from mlx_mtp.testing.tiny import FAMILIES, make_tiny
@@ -36,22 +37,6 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def models(ckpts):
     return {f: load(str(p)) for f, p in ckpts.items()}
-
-
-class Sink:
-    def __init__(self):
-        self.events = []
-
-    def __call__(self, ev):
-        self.events.append(ev)
-
-    @property
-    def done(self):
-        return next((e for e in self.events if isinstance(e, (Done, Failed))), None)
-
-    @property
-    def tokens(self):
-        return [t for e in self.events if isinstance(e, Delta) for t in e.token_ids]
 
 
 def run(engine, prompt, **kw):

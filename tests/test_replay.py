@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from family_checks import prefilled_cache
 from mlx_mtp.models import hybrid
 from mlx_mtp.models.cache import RecurrentCache
 from mlx_mtp.models.loader import load_model
@@ -39,15 +40,9 @@ def _num_deltanet_layers(model):
     return sum(layer.is_linear for layer in model.layers)
 
 
-def _prefilled(model, prompt):
-    cache = model.make_cache()
-    model.trunk(mx.array([prompt]), cache)
-    return cache
-
-
 def _sequential(model, prompt, tokens):
     """Caches after the prompt then ``tokens`` one by one (plain decoding)."""
-    cache = _prefilled(model, prompt)
+    cache = prefilled_cache(model, prompt)
     for t in tokens:
         model.trunk(mx.array([[t]]), cache)
     return cache
@@ -59,7 +54,7 @@ def _recurrent(caches):
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_verify_makes_one_recurrence_call_per_layer(model, recurrence_calls, k):
-    cache = _prefilled(model, PROMPTS[0])
+    cache = prefilled_cache(model, PROMPTS[0])
     recurrence_calls.clear()
     h, _ = model.trunk(mx.array([list(range(10, 11 + k))]), cache, capture=True)
     mx.eval(h, *[c.ssm for c in _recurrent(cache)])
@@ -74,7 +69,7 @@ def test_verify_makes_one_recurrence_call_per_layer(model, recurrence_calls, k):
 
 def test_full_acceptance_keeps_the_verify_state_without_replay(model, recurrence_calls):
     tokens = [3, 4, 5, 6]
-    cache = _prefilled(model, PROMPTS[1])
+    cache = prefilled_cache(model, PROMPTS[1])
     model.trunk(mx.array([tokens]), cache, capture=True)
     after_verify = [(c.conv, c.ssm) for c in _recurrent(cache)]
     recurrence_calls.clear()
@@ -98,7 +93,7 @@ def _sequential_recurrence(layer, record, row, n):
 @pytest.mark.parametrize("n_keep", [1, 2, 3, 4])
 def test_replay_is_bit_identical_to_sequential_decoding(model, n_keep):
     tokens = [7, 77, 177, 277]
-    cache = _prefilled(model, PROMPTS[0])
+    cache = prefilled_cache(model, PROMPTS[0])
     model.trunk(mx.array([tokens]), cache, capture=True)
     records = [c.verify_record for c in _recurrent(cache)]
     layers = [layer.linear_attn for layer in model.layers if layer.is_linear]
@@ -119,7 +114,7 @@ def test_replay_is_bit_identical_to_sequential_decoding(model, n_keep):
 @pytest.mark.parametrize("n_keep", [[1, 3, 4], [2, 2, 2], [4, 1, 1]])
 def test_batch_replay_with_per_row_lengths_matches_sequential(model, recurrence_calls, n_keep):
     """One masked replay call per layer gives every row its own sequential state."""
-    solo = [_recurrent(_prefilled(model, p)) for p in PROMPTS]
+    solo = [_recurrent(prefilled_cache(model, p)) for p in PROMPTS]
     caches = [RecurrentCache.concat(list(cs)) for cs in zip(*solo)]
     layers = [layer.linear_attn for layer in model.layers if layer.is_linear]
     x = mx.array(RNG.standard_normal((3, 4, model.text.args.hidden_size)).astype(np.float32))
@@ -145,7 +140,7 @@ def test_batch_replay_with_per_row_lengths_matches_sequential(model, recurrence_
 
 
 def test_plain_pass_forgets_a_stale_verify_record(model):
-    cache = _prefilled(model, PROMPTS[2])
+    cache = prefilled_cache(model, PROMPTS[2])
     model.trunk(mx.array([[1, 2, 3]]), cache, capture=True)
     for c in cache:
         c.accept([3])
@@ -155,7 +150,7 @@ def test_plain_pass_forgets_a_stale_verify_record(model):
 
 
 def test_accept_rejects_lengths_outside_the_pass(model):
-    cache = _prefilled(model, PROMPTS[2])
+    cache = prefilled_cache(model, PROMPTS[2])
     model.trunk(mx.array([[1, 2, 3]]), cache, capture=True)
     with pytest.raises(ValueError, match="does not fit"):
         _recurrent(cache)[0].accept([4])

@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from engine_events import Sink
 from mlx_mtp.models.loader import load
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest, Failed
@@ -19,26 +20,6 @@ def tiny(tmp_path_factory):
     path = make_tiny(tmp_path_factory.mktemp("engine") / "ckpt", "qwen3_5", "noisy",
                      vocab_size=4096, trunk_scale=2.0, fc_noise=1.0)
     return load(str(path))
-
-
-class Sink:
-    def __init__(self):
-        self.events = []
-
-    def __call__(self, ev):
-        self.events.append(ev)
-
-    @property
-    def done(self):
-        return next((e for e in self.events if isinstance(e, (Done, Failed))), None)
-
-    @property
-    def text(self):
-        return "".join(e.text for e in self.events if isinstance(e, Delta))
-
-    @property
-    def tokens(self):
-        return [t for e in self.events if isinstance(e, Delta) for t in e.token_ids]
 
 
 def request(prompt, max_tokens=16, **kw):

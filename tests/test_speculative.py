@@ -5,9 +5,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step as mlx_lm_generate_step
-from mlx_lm.utils import load_model as mlx_lm_load_model
 
+import family_checks as fc
 from mlx_mtp.models.cache import RecurrentCache
 from mlx_mtp.models.loader import load_model
 from mlx_mtp.decode.sampling import SamplingParams
@@ -26,14 +25,7 @@ HEADS = {
 
 
 def mlx_lm_greedy(path, prompt, n):
-    model, _ = mlx_lm_load_model(Path(path))
-    gen = mlx_lm_generate_step(mx.array(prompt), model, max_tokens=n)
-    return [int(t) for t, _ in gen]
-
-
-def mtp_tokens(model, prompt, n, k, sampling=SamplingParams(), adaptive=False):
-    dec = MTPDecoder(model, k, sampling, adaptive=adaptive)
-    return [t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=n)], dec
+    return fc.mlx_lm_greedy(fc.mlx_lm_model(path), prompt, n)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
@@ -41,19 +33,7 @@ def mtp_tokens(model, prompt, n, k, sampling=SamplingParams(), adaptive=False):
 def test_greedy_identical_to_mlx_lm(tiny_ckpt, family, agree):
     head, kw = HEADS[agree]
     path = tiny_ckpt(family, head, **kw)
-    ref = mlx_lm_greedy(path, PROMPT, N_TOKENS)
-    model, _ = load_model(Path(path))
-    for k in (1, 2, 3):
-        got, dec = mtp_tokens(model, PROMPT, N_TOKENS, k)
-        assert got == ref, f"K={k}"
-        rate = dec.stats.acceptance_rate
-        if agree == "always":
-            assert rate == 1.0
-        elif agree == "never":
-            assert rate < 0.2
-        else:
-            assert 0.0 < rate < 1.0
-    assert mtp_tokens(model, PROMPT, N_TOKENS, 0)[0] == ref
+    fc.assert_greedy_identical(path, PROMPT, agree, n=N_TOKENS)
 
 
 def test_greedy_identical_with_adaptive_k_and_long_prompt(tiny_ckpt):
