@@ -439,7 +439,7 @@ class DecodeBatch:
         model = self.model
         hidden, tokens, lengths = self._owed_chunk()
         _prepare(self.mtp_cache, hidden.shape[1], lengths)
-        out = model.mtp_forward(hidden, tokens, self.mtp_cache)[:, -1:]
+        out = model.mtp_forward(hidden, tokens, self.mtp_cache, last_only=True)
         drafts, draft_lps, noises = [], [], None  # per step j: (B,), per group (b, V)
         for j in range(J):
             if j:

@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models import glm4_moe, mimo, mimo_v2_flash, step3p5
 from mlx_lm.models.base import create_causal_mask
 
 from . import hybrid, layout
@@ -54,6 +55,12 @@ class Family:
     hidden_first: bool = False  # MiMo concatenates [hidden, embedding]
     mla: bool = False
     tied: Callable = lambda args: False  # whether lm_head is the embedding (as mlx-lm reads it)
+
+
+# mlx-lm blocks computing ``h = x + self_attn(input_layernorm(x))`` then
+# ``h + mlp(post_attention_layernorm(h))``: an MTP pass can cut them after attention.
+SPLIT_BLOCKS = (glm4_moe.DecoderLayer, mimo.TransformerBlock, mimo_v2_flash.DecoderLayer,
+                step3p5.Step3p5DecoderLayer)
 
 
 def nextn_prefix(args, i: int) -> str:
@@ -155,11 +162,23 @@ class TextModel(hybrid.TextModel):
             self.mtp = MTPStack([MTPLayer(lm_args.hidden_size, lm_args.rms_norm_eps, block)])
 
     # --- forward ----------------------------------------------------------
-    def decoder_layer(self, layer, x, mask, cache, absorbed: bool):
-        if not self.family.mla:
+    def decoder_layer(self, layer, x, mask, cache, absorbed: bool, last_only: bool = False):
+        """``last_only``: the last row's output only (every row still fills ``cache``)."""
+        if not (self.family.mla or last_only):
             return layer(x, mask, cache)
-        h = x + mla_attention(layer.self_attn, layer.input_layernorm(x), mask, cache, absorbed)
+        if self.family.mla:
+            r = mla_attention(layer.self_attn, layer.input_layernorm(x), mask, cache, absorbed)
+        else:
+            r = layer.self_attn(layer.input_layernorm(x), mask, cache)
+        h = x + r if not last_only else x[:, -1:] + r[:, -1:]
         return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def splits_mtp_block(self) -> bool:
+        """Whether the MTP block is ``decoder_layer``'s attention-then-MLP shape, so a pass
+        can skip the MLP on rows whose output is not used."""
+        if type(self).decoder_layer is not TextModel.decoder_layer:
+            return False  # a family's own layer (LongCat's two sublayers, ...)
+        return self.family.mla or isinstance(self.mtp.layers[0].block, SPLIT_BLOCKS)
 
     def trunk(self, inputs, cache=None, capture=False):
         """(post-norm hidden, hidden for the MTP head). ``capture``: a verify pass, whose
@@ -174,18 +193,22 @@ class TextModel(hybrid.TextModel):
         normed = self.model.norm(h)
         return normed, (normed if self.mtp_hidden == "post_norm" else h)
 
-    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
+    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0,
+                    last_only: bool = False):
         """hidden (B,S,H) at positions i, next_tokens (B,S) = t_{i+1} -> the MTP layer's
-        post-norm output (B,S,H): its logits predict t_{i+2}; the next draft chains on it."""
+        post-norm output (B,S,H): its logits predict t_{i+2}; the next draft chains on it.
+        ``last_only``: (B,1,H), the last row's; the cache gets every row's entries."""
         layer = self.mtp.layers[0]
         e = layer.enorm(self.model.embed_tokens(next_tokens))
         h = layer.hnorm(hidden)
         x = layer.eh_proj(mx.concatenate([h, e] if self.family.hidden_first else [e, h], axis=-1))
         cache = mtp_cache[0] if mtp_cache else None
         L = x.shape[1]
-        x = self.decoder_layer(layer.block, x, attention_mask(cache, L, self.family.mla),
-                               cache, absorbed=L == 1)
-        return layer.norm(x)
+        mask = attention_mask(cache, L, self.family.mla)
+        if last_only and self.splits_mtp_block():
+            return layer.norm(self.decoder_layer(layer.block, x, mask, cache, L == 1, True))
+        x = self.decoder_layer(layer.block, x, mask, cache, absorbed=L == 1)
+        return layer.norm(x[:, -1:] if last_only else x)
 
     def make_cache(self):
         return [KVCache() for _ in self.model.layers]

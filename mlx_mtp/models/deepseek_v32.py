@@ -37,13 +37,15 @@ class DSAModel(_Model):
         h = x + verify_attention(layer.self_attn, layer.input_layernorm(x), mask, caches)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
+    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0,
+                    last_only: bool = False):
         layer = self.mtp.layers[0]
         e = layer.enorm(self.model.embed_tokens(next_tokens))
         x = layer.eh_proj(mx.concatenate([e, layer.hnorm(hidden)], axis=-1))
         caches = tuple(mtp_cache) if mtp_cache else (KVCache(), KVCache())
         mask = attention_mask(caches[0], x.shape[1], True)
-        return layer.norm(layer.block(x, mask, caches))
+        x = layer.block(x, mask, caches)
+        return layer.norm(x[:, -1:] if last_only else x)
 
     def make_cache(self):
         return [KVCache() for _ in range(2 * len(self.model.layers))]

@@ -342,16 +342,17 @@ class DistributedModel:
             return self.inner.draft_logits(hidden, any_token)
         return self.logits(hidden)
 
-    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
+    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0,
+                    last_only: bool = False):
         if self.is_head:
-            return self.inner.mtp_forward(hidden, next_tokens, mtp_cache, depth)
+            return self.inner.mtp_forward(hidden, next_tokens, mtp_cache, depth, last_only)
         # Without the head: the caches only track positions (one-element entries), so
         # batching, trimming and rollback work on them as on the head rank's.
         B, S = next_tokens.shape
         for c in mtp_cache:
             z = mx.zeros((B, 1, S, 1), hidden.dtype)
             c.update_and_fetch(z, z)
-        return mx.zeros(hidden.shape, hidden.dtype)
+        return mx.zeros((B, 1 if last_only else S, hidden.shape[-1]), hidden.dtype)
 
     def make_cache(self):
         if self.mode == "tensor":

@@ -355,6 +355,13 @@ class DecoderLayer(nn.Module):
         h = x + r
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def last_row(self, x, mask=None, cache=None):
+        """The (attention) layer's output at the last row only: attention still runs on
+        every row (their keys and values fill ``cache``, the last row attends to them all);
+        the MLP / MoE runs on the last row alone."""
+        h = x[:, -1:] + self.self_attn(self.input_layernorm(x), mask, cache)[:, -1:]
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class Trunk(nn.Module):
     def __init__(self, args: HybridArgs, linear_cls):
@@ -394,15 +401,18 @@ class MTPHead(nn.Module):
         ]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
 
-    def __call__(self, hidden, embeds, cache):
+    def __call__(self, hidden, embeds, cache, last_only: bool = False):
+        """``last_only``: the output at the last row only (the earlier rows still fill the
+        caches); only the last layer's output leaves the head, so only it is cut."""
         x = mx.concatenate(
             [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1
         )
         x = self.fc(x)
         L = x.shape[1]
         mask = cache[0].make_mask(L) if cache else ("causal" if L > 1 else None)
-        for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
-            x = layer(x, mask, c)
+        n = len(self.layers)
+        for i, (layer, c) in enumerate(zip(self.layers, cache or [None] * n)):
+            x = layer.last_row(x, mask, c) if last_only and i == n - 1 else layer(x, mask, c)
         return self.norm(x)
 
 
@@ -479,14 +489,17 @@ class TextModel(nn.Module):
     def compiled(self) -> bool:
         return any(layer.compiled_steps is not None for layer in self.model.layers)
 
-    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
+    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0,
+                    last_only: bool = False):
         """hidden (B,S,H) at positions i, next_tokens (B,S) = t_{i+1}; ``depth``: the
         draft's depth (0: the trunk's hiddens; families with one MTP layer ignore it).
 
         Returns the head's post-norm output (B,S,H): ``logits()`` of it predicts
-        t_{i+2}, and it is the hidden to chain the next draft on.
+        t_{i+2}, and it is the hidden to chain the next draft on. ``last_only``: (B,1,H),
+        the last row's (the caches get every row's entries as without it); the earlier
+        rows skip the MLP / MoE and the norm after attention.
         """
-        return self.mtp(hidden, self.model.embed_tokens(next_tokens), mtp_cache)
+        return self.mtp(hidden, self.model.embed_tokens(next_tokens), mtp_cache, last_only)
 
     def make_cache(self):
         return [RecurrentCache() if l.is_linear else KVCache() for l in self.model.layers]
@@ -548,8 +561,10 @@ class WrappedTextModel(nn.Module):
     def compiled(self) -> bool:
         return self.language_model.compiled
 
-    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
-        return self.language_model.mtp_forward(hidden, next_tokens, mtp_cache, depth)
+    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0,
+                    last_only: bool = False):
+        return self.language_model.mtp_forward(hidden, next_tokens, mtp_cache, depth,
+                                               last_only)
 
     def make_cache(self):
         return self.language_model.make_cache()

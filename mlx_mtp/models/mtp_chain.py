@@ -124,13 +124,19 @@ class ChainedMTP:
             "causal" if x.shape[1] > 1 else None)
         return layer.norm(layer.block(x, mask, cache))
 
-    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0):
+    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0,
+                    last_only: bool = False):
+        """``last_only``: only the last row's output. One layer: the shared block's pass
+        (its MLP runs on that row alone); several: every row's layer-0 output is computed,
+        layer 1 catches up on them."""
         if depth:
             return draft_at_depth(self.run_mtp_layer, depth, hidden, next_tokens, mtp_cache)
+        if self.num_mtp_layers == 1:  # the same call as ``run_mtp_layer(0, ...)``
+            return super().mtp_forward(hidden, next_tokens, mtp_cache, 0, last_only)
         out = self.run_mtp_layer(0, hidden, next_tokens, mtp_cache[0] if mtp_cache else None)
         if mtp_cache and len(mtp_cache) > 1:
             catch_up(self.run_mtp_layer, out, next_tokens, mtp_cache)
-        return out
+        return out[:, -1:] if last_only else out
 
     def drafted_entries(self, k: int) -> List[int]:
         return drafted_entries(self.num_mtp_layers, k)
