@@ -1,7 +1,8 @@
 """Compiled Gated DeltaNet decode steps (``TextModel.set_compiled``) against the lazy
 graph, interleaved A B B A in one process: decode tok/s at fixed K = 0..3 and with
 adaptive K (``auto``, K <= 3, the policy ``mlx-mtp generate`` uses: stored or
-calibrated step costs for each mode), greedy, outputs checked equal.
+calibrated step costs for each mode, recalibrated at the start and saved after each
+run), greedy, outputs checked equal, no trace while decoding.
 
     python benchmarks/compiled_steps.py [--model demo|PATH] [--hidden 1024] [--layers 8]
         [--vocab 8192] [--dtype bf16] [--head oracle|noisy] [--tokens 64] [--rounds 4]
@@ -21,27 +22,53 @@ import mlx_mtp  # noqa: F401  (first: loads the OpenBLAS shim before MLX, as the
 import mlx.core as mx
 
 from mlx_mtp.decode import step_costs
+from mlx_mtp.decode.policy import DraftPolicy
 from mlx_mtp.decode.speculative import MTPDecoder
+from mlx_mtp.models import hybrid
 from mlx_mtp.models.loader import load
 from mlx_mtp.testing.tiny import make_tiny
 
 PROMPT = "def fibonacci(n):\n    "
 DEMO = Path(__file__).resolve().parents[1] / "mlx_mtp" / "assets" / "demo-model"
-SETTINGS = [0, 1, 2, 3, "auto"]
+SETTINGS = [0, 1, 2, 3, "auto", "auto, same costs"]
+SHARED = []  # the lazy mode's stored costs after the warm-up: (B, K, seconds)
 
 
 def decode(model, ids, k, n):
     if k == "auto":  # a fresh process's policy: the costs stored for this mode
         dec = MTPDecoder(model, 3, adaptive=True, policy=step_costs.policy_for(model, 3))
+    elif k == "auto, same costs":  # both modes choose K from the same inputs
+        policy = DraftPolicy(3, adaptive=True)
+        for B, kk, sec in SHARED:
+            policy.costs.observe(B, kk, sec)
+        dec = MTPDecoder(model, 3, adaptive=True, policy=policy)
     else:
         dec = MTPDecoder(model, k, adaptive=False)
     dec.prefill(ids)
     out = list(dec.step().tokens)  # the first token belongs to prompt processing
+    drafted0, steps = dec.stats.num_draft_tokens, 0
     tic = time.perf_counter()
     while len(out) < n + 1:
         out += dec.step().tokens
+        steps += 1
     dec.finish_pending()
-    return (len(out) - 1) / (time.perf_counter() - tic), out[: n + 1], dec
+    tps = (len(out) - 1) / (time.perf_counter() - tic)
+    if k == "auto":  # as `mlx-mtp generate` does: the next run starts from these costs
+        step_costs.save(model, dec.policy)
+    return tps, out[: n + 1], (dec.stats.num_draft_tokens - drafted0) / steps
+
+
+def count_traces():
+    """Trace lengths of compiled layer steps (the Python step runs only while tracing)."""
+    traced = []
+    real = hybrid.DecoderLayer._linear_step
+
+    def spy(self, x, *args):
+        traced.append(x.shape[1])
+        return real(self, x, *args)
+
+    hybrid.DecoderLayer._linear_step = spy
+    return traced
 
 
 def build(a):
@@ -69,29 +96,42 @@ def main():
     (model, tok), name = build(a)
     ids = tok.encode(PROMPT)
     tps = {(k, c): [] for k in SETTINGS for c in (False, True)}
+    mean_k = {(k, c): [] for k in SETTINGS for c in (False, True)}
     outputs = {}
+    traced = count_traces()
     for c in (False, True):  # warm up both; the policy's costs are stored per mode
         model.set_compiled(c, 3)
+        # Both modes' costs calibrated now, at the same load (a file left by an earlier
+        # run at another load steers auto's K by itself; see docs/verify-cost.md).
+        step_costs.cost_file(model).unlink(missing_ok=True)
         for k in SETTINGS:
-            _, _, dec = decode(model, ids, k, 8)
-            if k == "auto":
-                step_costs.save(model, dec.policy)
+            decode(model, ids, k, a.tokens)
+        if not c:
+            probe = DraftPolicy(3, adaptive=True)
+            step_costs.load(model, probe)
+            SHARED.extend((B, kk, t) for (B, kk), secs in probe.costs.cells.items() for t in secs)
     load_before = os.getloadavg()[0]
     for r in range(a.rounds):
         order = (False, True) if r % 2 == 0 else (True, False)  # A B, then B A
         for k in SETTINGS:
             for c in order:
-                model.set_compiled(c, 3)
-                v, out, _ = decode(model, ids, k, a.tokens)
+                model.set_compiled(c, 3)  # traced here (kept if on already), not below
+                traced.clear()
+                v, out, drafted = decode(model, ids, k, a.tokens)
+                assert not traced, f"K={k}: traced {traced} while decoding"
                 tps[(k, c)].append(v)
+                mean_k[(k, c)].append(drafted)
                 outputs.setdefault("greedy", out)
                 assert out == outputs["greedy"], f"K={k} compiled={c}: output differs"
     print(f"{name}, {a.tokens} tokens, {a.rounds} rounds (ABBA); load average "
           f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}")
-    print("| K | lazy tok/s | compiled tok/s | compiled / lazy |\n|---|---:|---:|---:|")
+    print("| K | lazy tok/s | compiled tok/s | compiled / lazy | mean K lazy / compiled |\n"
+          "|---|---:|---:|---:|---|")
     for k in SETTINGS:
         lazy, comp = (statistics.median(tps[(k, c)]) for c in (False, True))
-        print(f"| {k} | {lazy:.1f} | {comp:.1f} | {comp / lazy:.2f}× |")
+        ks = " / ".join(f"{statistics.mean(mean_k[(k, c)]):.2f}" for c in (False, True))
+        print(f"| {k} | {lazy:.1f} | {comp:.1f} | {comp / lazy:.2f}× | {ks} |")
+    print("no traces while decoding")
     print("outputs identical: yes")
 
 

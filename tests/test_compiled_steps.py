@@ -113,3 +113,36 @@ def test_every_k_is_traced_up_front_and_never_while_decoding(noisy, monkeypatch)
         model.set_compiled(False)
     assert traced == []
     assert adaptive == _tokens(model, 0, n=12)
+
+
+def test_switching_off_and_on_keeps_every_k_traced(noisy, monkeypatch):
+    """A caller that switches compiled steps off and on again without a K (the bench's
+    graph probe) must not leave verify passes to be traced mid-decode, and switching on
+    twice does not trace again."""
+    from mlx_mtp.models.hybrid import DecoderLayer
+
+    _, model = noisy
+    traced = []
+    real = DecoderLayer._linear_step
+
+    def spy(self, x, *args):
+        traced.append(x.shape[1])
+        return real(self, x, *args)
+
+    monkeypatch.setattr(DecoderLayer, "_linear_step", spy)
+    try:
+        model.set_compiled(True, 2)
+        traced.clear()
+        model.set_compiled(True, 2)
+        assert traced == []  # already traced: kept
+        model.set_compiled(True, 4)  # a larger K than any before (earlier tests: 3)
+        assert set(traced) == {5}  # only the new verify length
+        model.set_compiled(False)
+        model.set_compiled(True)
+        assert set(traced) == {1, 2, 3, 4, 5}
+        traced.clear()
+        for k in (4, 2):
+            _tokens(model, k, n=6)
+    finally:
+        model.set_compiled(False)
+    assert traced == []

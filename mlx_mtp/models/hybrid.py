@@ -327,9 +327,10 @@ class DecoderLayer(nn.Module):
         """Compile a Gated DeltaNet layer's decode step (state in, state out). MLX keeps one
         trace per input shape (per K and batch size); a plain step returns only the new
         state, a verify pass also what replay needs. Weights are captured at trace time:
-        call after loading."""
-        self.compiled_steps = None
-        if on and self.is_linear:
+        call after loading. Switching on when already on keeps the traces."""
+        if not on or not self.is_linear:
+            self.compiled_steps = None
+        elif self.compiled_steps is None:
             self.compiled_steps = (mx.compile(lambda x, c, s: self._linear_step(x, c, s)[:3]),
                                    mx.compile(self._linear_step))
 
@@ -472,14 +473,20 @@ class TextModel(nn.Module):
         out = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
         self.draft_head = DraftHead(out, bits, vocab, group_size)
 
-    def set_compiled(self, on: bool, max_k: int = 0):
+    def set_compiled(self, on: bool, max_k: Optional[int] = None):
         """Run Gated DeltaNet layers' decode steps as compiled graphs, traced here for
         plain steps and verify passes up to ``max_k`` drafts (batch of one), so a change
-        of K never traces mid-decode."""
+        of K never traces mid-decode. ``max_k`` None: the largest K given before (a
+        caller switching off and on again, e.g. the bench's graph probe, keeps every K
+        traced); already traced lengths are not traced again."""
+        was_on = self.compiled
+        self.compiled_max_k = max(max_k or 0, getattr(self, "compiled_max_k", 0))
         for layer in self.model.layers:
             layer.set_compiled(on)
         if on:
-            for T in range(1, min(max_k + 1, MAX_COMPILED_TOKENS) + 1):
+            first = self.compiled_traced + 1 if was_on else 1
+            self.compiled_traced = min(self.compiled_max_k + 1, MAX_COMPILED_TOKENS)
+            for T in range(first, self.compiled_traced + 1):
                 cache = self.make_cache()
                 self.trunk(mx.zeros((1, 1), mx.int32), cache)  # a state to step from
                 h, _ = self.trunk(mx.zeros((1, T), mx.int32), cache, capture=T > 1)
@@ -554,7 +561,7 @@ class WrappedTextModel(nn.Module):
     def set_draft_head(self, bits: Optional[int] = None, group_size: int = 64, vocab=None):
         self.language_model.set_draft_head(bits, group_size, vocab)
 
-    def set_compiled(self, on: bool, max_k: int = 0):
+    def set_compiled(self, on: bool, max_k: Optional[int] = None):
         self.language_model.set_compiled(on, max_k)
 
     @property
