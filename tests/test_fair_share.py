@@ -1,31 +1,37 @@
 """A long prompt and the streams decoding beside it share the machine by time (issue 25):
 chunks last about one decode step, prompts pause once they are ahead, nobody banks time."""
 
+from itertools import accumulate
+
+import mlx.core as mx
 import pytest
 
 from mlx_mtp.models.loader import load
 from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest
 from mlx_mtp.server.fair_share import FairShare
+from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.testing.tiny import make_tiny
 
-GRID, MOST = 64, 512
+LEAST, MOST = 8, 512
 
 
 def test_chunks_last_about_one_decode_step():
     fair = FairShare()
-    assert fair.budget(128, GRID, MOST) == 128  # nothing measured: the token budget
+    assert fair.budget(128, LEAST, MOST) == 128  # nothing measured: the token budget
     fair.decode_ran(0.10, competing=False)
     fair.prefill_ran(0.64, 64, competing=False)  # 10 ms a token: 10 tokens a step
-    assert fair.budget(128, GRID, MOST) == GRID  # at least one grid cell
+    assert fair.budget(128, LEAST, MOST) == 10  # less than a grid cell
+    fair.prefill_ran(2.0, 64, competing=False)  # ~21 ms a token (smoothed): 4 a step
+    assert fair.budget(128, LEAST, MOST) == LEAST  # but never below the floor
     fair = FairShare()
     fair.decode_ran(0.10, competing=False)
     fair.prefill_ran(0.064, 128, competing=False)  # 0.5 ms a token: 200 a step
-    assert fair.budget(1000, GRID, MOST) == 200
-    assert fair.budget(150, GRID, MOST) == 150  # never above the token budget
+    assert fair.budget(1000, LEAST, MOST) == 200
+    assert fair.budget(150, LEAST, MOST) == 150  # never above the token budget
     fair.prefill_ran(0.001, 100, competing=False)  # cheaper: smoothed toward it
-    assert fair.budget(1000, GRID, MOST) == int(0.10 / fair.token_s) > 200
+    assert fair.budget(1000, LEAST, MOST) == int(0.10 / fair.token_s) > 200
     fair.prefill_ran(0.0001, 100, competing=False)
-    assert fair.budget(1000, GRID, MOST) == MOST
+    assert fair.budget(1000, LEAST, MOST) == MOST
 
 
 def test_prompts_pause_when_ahead_and_credit_is_bounded():
@@ -35,15 +41,15 @@ def test_prompts_pause_when_ahead_and_credit_is_bounded():
     fair.decode_ran(0.125, competing=True)
     assert fair.debt == -0.125
     fair.prefill_ran(0.5, 64, competing=True)  # a long cell: prompts are ahead
-    assert fair.budget(128, GRID, MOST) == 0
+    assert fair.budget(128, LEAST, MOST) == 0
     for _ in range(2):
         fair.decode_ran(0.125, competing=True)
-        assert fair.budget(128, GRID, MOST) == 0
+        assert fair.budget(128, LEAST, MOST) == 0
     fair.decode_ran(0.125, competing=True)  # paid back
-    assert fair.budget(128, GRID, MOST) > 0
+    assert fair.budget(128, LEAST, MOST) > 0
     fair.prefill_ran(0.5, 64, competing=True)
     fair.decode_ran(0.125, competing=False)  # the prompt finished: nothing owed
-    assert fair.debt == 0.0 and fair.budget(128, GRID, MOST) > 0
+    assert fair.debt == 0.0 and fair.budget(128, LEAST, MOST) > 0
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +100,9 @@ def test_a_long_prompt_never_runs_ahead_of_the_streams(tiny):
         before = [len(s) for s in streams]
         eng.step()
         iterations += 1
-        assert all(len(s) > n for s, n in zip(streams, before))  # every iteration decodes
+        # Every iteration decodes every stream (one may end at its EOS meanwhile).
+        live = [(s, n) for s, n in zip(streams, before) if not isinstance(s[n - 1], Done)]
+        assert live and all(len(s) > n for s, n in live)
     assert log["ahead"] <= 1e-9, log
     assert log["prefill"] > 0 and iterations > 1
     while not any(isinstance(e, Done) for e in events):
@@ -107,3 +115,49 @@ def test_a_long_prompt_never_runs_ahead_of_the_streams(tiny):
         alone.step()
     tokens = lambda evs: [t for e in evs if isinstance(e, Delta) for t in e.token_ids]  # noqa
     assert tokens(events) == tokens(solo)
+
+
+def _greedy(engine, prompt, n=6, boundaries=()):
+    events = []
+    engine.submit(EngineRequest(prompt=prompt, max_tokens=n, boundaries=boundaries,
+                                on_event=events.append))
+    while not any(isinstance(e, Done) for e in events):
+        engine.step()
+    return [t for e in events if isinstance(e, Delta) for t in e.token_ids]
+
+
+def test_chunks_below_a_grid_cell_beside_streams_keep_the_answer(tiny):
+    """Beside decoding streams a prompt runs in chunks shorter than a 64-token cell (the
+    Gated DeltaNet layers' per-token recurrence): it still stops exactly at its prefix-cache
+    boundary, its snapshot there matches the grid-computed one to float rounding, and its
+    greedy output is the output alone."""
+    model, tok = tiny
+    prompt = [(11 * j) % 3000 + 40 for j in range(400)]
+    kw = dict(num_draft_tokens=2, adaptive=False, log_interval=0, calibrate=False)
+    alone = Engine(model, tok, prefix_cache=PrefixCache(), prefill_step_size=512, **kw)
+    first = _greedy(alone, prompt + [0], 1, [300])
+    expected = _greedy(alone, prompt[:301] + [7, 8])
+    eng = Engine(model, tok, prefix_cache=PrefixCache(), prefill_step_size=512, **kw)
+    eng.fair.budget = lambda tokens, least, most: 13  # a long cell: 13 tokens a step
+    sizes, chunk = [], eng._prefill_chunk
+
+    def recorded(seq, max_tokens, below_grid=False):
+        sizes.append(chunk(seq, max_tokens, below_grid))
+        return sizes[-1]
+
+    eng._prefill_chunk = recorded
+    stream = []
+    eng.submit(EngineRequest(prompt=[5, 9, 22, 7], max_tokens=10 ** 5, on_event=stream.append))
+    while not stream:
+        eng.step()
+    sizes.clear()
+    assert _greedy(eng, prompt + [0], 1, [300]) == first
+    assert sizes[:3] == [13, 13, 13] and sum(sizes) == 400 and 300 in accumulate(sizes)
+    key = tuple(prompt[:301])
+    shared, grid = eng.prefix_cache.entries[key].state, alone.prefix_cache.entries[key].state
+    for a, b in zip(shared.arrays(), grid.arrays()):
+        assert a.shape == b.shape and mx.allclose(a, b, rtol=1e-4, atol=1e-4).item()
+    for r in eng.running:
+        eng.cancel(r.req)
+    eng.step()
+    assert _greedy(eng, prompt[:301] + [7, 8]) == expected  # restored from that snapshot

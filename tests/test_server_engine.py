@@ -115,7 +115,7 @@ def test_long_prompt_is_chunked_and_does_not_stall_streams(tiny):
 def test_prompt_work_per_step_is_bounded_while_streams_decode(tiny):
     # Defaults: prompt chunks of up to 512 tokens, a step budget of 128 tokens.
     eng = make_engine(tiny, calibrate=False)
-    running, r_sink = request(prompts(1)[0], max_tokens=300)
+    running, r_sink = request(prompts(1)[0], max_tokens=3000)  # outlasts the prefill
     eng.submit(running)
     while not r_sink.tokens:
         eng.step()

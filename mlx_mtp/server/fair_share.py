@@ -4,9 +4,10 @@ The scheduler runs, per iteration, prompt chunks then one decode step for every 
 A fixed token budget per chunk is not fair: a chunk's cost grows with the prompt's context
 (at 8k tokens a 64-token chunk can outlast a decode step many times over), so streams slowed
 ~10x beside a long prefill. Here the time decides: a chunk lasts about one decode step
-(measured), and when prompts have run longer than the decode steps since they started
-competing, the next iteration decodes only. Each side keeps at least half of the time, so
-a stream's inter-token gap stays within about two steps plus the overrun of one grid cell.
+(measured; it may be shorter than a 64-token grid cell), and when prompts have run longer
+than the decode steps since they started competing, the next iteration decodes only. Each
+side keeps at least half of the time, so a stream's inter-token gap stays within about two
+steps.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ class FairShare:
         else:
             self.debt = 0.0
 
-    def budget(self, tokens: int, grid: int, most: int) -> int:
+    def budget(self, tokens: int, least: int, most: int) -> int:
         """Prompt tokens for this iteration, ``tokens`` at most: none while prompts have
-        had more than their half; else about one decode step's worth, rounded up to a
-        whole grid cell (a cell is the smallest chunk), at most ``most``."""
+        had more than their half; else about one decode step's worth, at least ``least``
+        (a chunk's fixed cost makes tinier ones wasteful), at most ``most``."""
         if self.debt > 0:
             return 0
         if self.step_s is not None and self.token_s:
             tokens = min(tokens, int(self.step_s / self.token_s))
-        return min(most, max(grid, tokens))
+        return min(most, max(least, tokens))
