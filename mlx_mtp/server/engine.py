@@ -44,7 +44,7 @@ from ..decode.speculative import SpecStats, StepOutput
 from ..decode.text_stream import TextStream, token_bytes
 from ..models.hybrid import CHUNKED_MIN_TOKENS
 from ..models.layout import check_acceptance
-from .metrics import ServerMetrics, spec_fields, spec_log_line
+from .metrics import PeriodicLog, ServerMetrics, spec_fields
 from .distributed import StepSync
 from .fair_share import FairShare
 from .prefix_cache import PrefixCache
@@ -133,13 +133,10 @@ class Engine:
         self._park = threading.Event()
         self._stopped = threading.Event()
         self.alive = False
-        self.log_interval = log_interval
+        self.periodic = PeriodicLog(log_interval)  # vLLM's log line
         self.calibrate = calibrate  # time a few batch shapes before serving (start())
         # Distributed serve: the other ranks replay what this engine does to the model.
         self.sync = sync or StepSync()
-        self._log_t = time.perf_counter()
-        self._log_stats = SpecStats()
-        self._log_tokens = 0
         self.total_stats = SpecStats()
         # Decoding sequences share one batched forward per step (MTP included).
         self.batch = BatchDecoder(model, num_draft_tokens if self.has_mtp else 0, adaptive)
@@ -247,7 +244,9 @@ class Engine:
         self._prefill_round()
         self._decode_round()
         self.sync.end_step()
-        self._maybe_log()
+        self.periodic.maybe_log(len(self.running), self.num_waiting,
+                               lambda: self.batch.policy.describe(self._load())
+                               if self.batch.K else None)
         return bool(self.running or self.waiting)
 
     # -- admission ------------------------------------------------------------------
@@ -438,13 +437,12 @@ class Engine:
         req = seq.req
         self.metrics.record_step(out.num_drafted, out.num_accepted, out.lookup_drafted,
                                  out.lookup_accepted)
-        self._log_stats.record(out.num_drafted, out.num_accepted)
         n_used, text = seq.text.add(out.tokens)
         used = out.tokens[:n_used]
         finish = seq.text.finish_reason
         seq.n_generated = seq.text.num_tokens
         self.metrics.generation_tokens.inc(len(used))
-        self._log_tokens += len(used)
+        self.periodic.record(out.num_drafted, out.num_accepted, len(used))
 
         # Latency metrics: the step's time spread over the tokens it produced.
         if seq.t_first is None:
@@ -587,19 +585,3 @@ class Engine:
             req.on_event(ev)
         except Exception:  # the consumer is gone (closed event loop): nothing to do
             log.debug("Dropped an event for %s", req.request_id, exc_info=True)
-
-    # -- periodic log line (vLLM's format) ---------------------------------------------
-    def _maybe_log(self):
-        now = time.perf_counter()
-        if self.log_interval <= 0 or now - self._log_t < self.log_interval:
-            return
-        dt, s = now - self._log_t, self._log_stats
-        if self._log_tokens or self.running:
-            line = (f"Running: {len(self.running)} reqs, Waiting: {self.num_waiting} reqs, "
-                    f"Avg generation throughput: {self._log_tokens / dt:.1f} tokens/s")
-            if s.num_drafts:
-                line += ". " + spec_log_line(s)
-            log.info(line)
-            if self.batch.K and self.running:
-                log.info("MTP draft policy at %s", self.batch.policy.describe(self._load()))
-        self._log_t, self._log_stats, self._log_tokens = now, SpecStats(), 0

@@ -12,6 +12,8 @@ periodic log line (``spec_log_line``) and ``/metrics`` (``ServerMetrics.record_s
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import prometheus_client
@@ -264,3 +266,31 @@ class ServerMetrics:
 
     def render(self) -> str:
         return self.registry.render()
+
+
+class PeriodicLog:
+    """The scheduler's periodic log line (vLLM's format), every ``interval`` seconds (0: off)."""
+
+    def __init__(self, interval: float, logger: Optional[logging.Logger] = None):
+        self.interval = interval
+        self.log = logger or logging.getLogger("mlx_mtp.server")
+        self._t, self._stats, self._tokens = time.perf_counter(), SpecStats(), 0
+
+    def record(self, num_drafted: int, num_accepted: int, num_tokens: int):
+        self._stats.record(num_drafted, num_accepted)
+        self._tokens += num_tokens
+
+    def maybe_log(self, running: int, waiting: int, policy: Callable[[], Optional[str]]):
+        now = time.perf_counter()
+        if self.interval <= 0 or now - self._t < self.interval:
+            return
+        if self._tokens or running:
+            line = (f"Running: {running} reqs, Waiting: {waiting} reqs, "
+                    f"Avg generation throughput: {self._tokens / (now - self._t):.1f} tokens/s")
+            if self._stats.num_drafts:
+                line += ". " + spec_log_line(self._stats)
+            self.log.info(line)
+            described = policy() if running else None
+            if described:
+                self.log.info("MTP draft policy at %s", described)
+        self._t, self._stats, self._tokens = now, SpecStats(), 0
