@@ -75,6 +75,26 @@ def load_or_tokenize(run_dir: Path, name: str, files, tokenizer_dir, chat_fracti
     return ids
 
 
+def load_or_build_copy(run_dir: Path, files, tokenizer_dir, n_docs: int, seed: int = 0):
+    """Copy documents (``copydata``) built from ``files``, tokenized; cached in the run dir."""
+    from . import copydata
+    from .tokenizer_build import read_corpus_file
+
+    cache = run_dir / f"tokens-copy-{n_docs}-{seed}.npz"
+    if cache.exists():
+        z = np.load(cache)
+        return z["ids"], z["starts"]
+    try:
+        docs = copydata.build_documents([read_corpus_file(f) for f in files], n_docs, seed)
+    except ValueError as e:
+        raise _user_error(f"--copy-fraction: {e}")
+    ids, starts = copydata.tokenize_documents(docs, _load_tokenizer(tokenizer_dir), ENDOFTEXT_ID)
+    tmp = run_dir / ".tokens-copy.tmp.npz"
+    np.savez(tmp, ids=ids, starts=starts)
+    os.replace(tmp, cache)
+    return ids, starts
+
+
 def sample_batch(tokens: np.ndarray, batch_size: int, length: int, seed: int, step: int):
     """``batch_size`` random windows of ``length`` tokens (deterministic per step)."""
     rng = np.random.default_rng([seed, step])

@@ -41,8 +41,8 @@ from mlx.utils import tree_flatten
 # Re-exported: callers and tests import these from mlx_mtp.train.main.
 from .data import (  # noqa: F401
     ASSETS, DEMO_MODEL_DIR, ENDOFTEXT_ID, FAMILY, IM_END_ID, TEXT_SUFFIXES, TOKENIZER_DIR,
-    _chat_wrap, _load_tokenizer, _user_error, corpus_file_list, load_or_tokenize, sample_batch,
-    tokenize_corpus,
+    _chat_wrap, _load_tokenizer, _user_error, corpus_file_list, load_or_build_copy,
+    load_or_tokenize, sample_batch, tokenize_corpus,
 )
 from .export import (  # noqa: F401
     TOKENIZER_FILES, _atomic_dir, _full_config, _swap_in, copy_tokenizer_files,
@@ -51,6 +51,7 @@ from .export import (  # noqa: F401
 )
 
 
+from .copydata import mixed_batch
 from .model import (  # noqa: F401  (re-exported for callers and tests)
     SIZES, build_scratch_model, count_params, head_loss, head_targets, scratch_losses,
     text_config,
@@ -97,6 +98,8 @@ class TrainConfig:
     intermediate_size: Optional[int] = None
     keep_head: bool = False
     init_from: Optional[str] = None
+    copy_fraction: float = 0.0
+    copy_docs: int = 4000
 
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -215,6 +218,12 @@ class Trainer:
             efiles = []
         self.eval_tokens = (load_or_tokenize(self.run_dir, "eval", efiles, self.tokenizer_dir)
                             if efiles else None)
+        if not 0.0 <= cfg.copy_fraction <= 1.0:
+            raise _user_error("--copy-fraction must be between 0 and 1")
+        self.copy_tokens = self.copy_starts = None
+        if cfg.copy_fraction > 0:
+            self.copy_tokens, self.copy_starts = load_or_build_copy(
+                self.run_dir, files, self.tokenizer_dir, cfg.copy_docs, cfg.seed)
         if self.eval_tokens is not None and len(self.eval_tokens) <= cfg.seq_len + 1:
             self.eval_tokens = None
         vocab = self.text_cfg["vocab_size"]
@@ -252,6 +261,14 @@ class Trainer:
         return self.model.trainable_parameters()
 
     # -- steps -------------------------------------------------------------
+    def _batch(self):
+        cfg = self.cfg
+        if self.copy_tokens is None:
+            return sample_batch(self.train_tokens, cfg.batch_size, cfg.seq_len + 1, cfg.seed,
+                                self.step)
+        return mixed_batch(self.train_tokens, self.copy_tokens, self.copy_starts,
+                           cfg.copy_fraction, cfg.batch_size, cfg.seq_len + 1, cfg.seed, self.step)
+
     def _make_step(self):
         cfg = self.cfg
         model, opt = self.model, self.optimizer
@@ -351,8 +368,7 @@ class Trainer:
         last = {}
         while self.step < cfg.steps:
             t0 = time.perf_counter()
-            batch = mx.array(sample_batch(self.train_tokens, cfg.batch_size, cfg.seq_len + 1,
-                                          cfg.seed, self.step))
+            batch = mx.array(self._batch())
             loss, a, b = step_fn(batch)
             mx.eval(loss, a, b, self.model.state, self.optimizer.state)
             dt = time.perf_counter() - t0
@@ -439,6 +455,11 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-from", default=None, metavar="MODEL",
                    help="(scratch) start from this saved model's weights, fresh optimizer")
+    p.add_argument("--copy-fraction", type=float, default=0.0,
+                   help="fraction of batch rows drawn from copy documents (a snippet of the "
+                        "corpus repeated or lightly edited, mlx_mtp.train.copydata)")
+    p.add_argument("--copy-docs", type=int, default=4000,
+                   help="with --copy-fraction: how many copy documents to build")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
     p.add_argument("--eval-every", type=int, default=200, help="held-out loss every N steps")
@@ -465,6 +486,7 @@ def config_from_args(args) -> TrainConfig:
         progress=not args.no_progress, hidden_size=args.hidden_size,
         num_hidden_layers=args.num_hidden_layers, intermediate_size=args.intermediate_size,
         keep_head=args.keep_head, init_from=args.init_from,
+        copy_fraction=args.copy_fraction, copy_docs=args.copy_docs,
     )
 
 

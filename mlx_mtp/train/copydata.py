@@ -1,0 +1,158 @@
+"""Copy-rich training documents: a model that has only seen fresh code never learns to
+repeat its context, so ``mlx-mtp train --copy-fraction F`` mixes in documents whose second
+half repeats (or lightly edits) their first half.
+
+Kinds (each a seeded choice per document, from a code snippet of 6-40 lines):
+
+* ``block``: the snippet, a separator comment, the snippet again (no chat).
+* ``repeat``: a user turn giving the snippet and asking for it verbatim; the answer is it.
+* ``rename``: asks to rename an identifier the snippet uses; the answer is the renamed code.
+* ``reindent``: the snippet with 2-space indentation, asked back with 4 spaces.
+* ``uncomment``: asks for the snippet without its comment lines.
+
+Chat documents are ChatML as the demo model's template renders them (empty think block),
+with the code given fenced or bare and the request before or after it.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+KINDS = ("block", "repeat", "rename", "reindent", "uncomment")
+MIN_LINES, MAX_LINES, MAX_CHARS = 6, 40, 1400
+_IDENT = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
+_ASK_REPEAT = ("Repeat this module verbatim.", "Return the code below exactly as it is.",
+               "Copy this code without changing anything.", "Repeat the following code.",
+               "Please write this Python code back to me unchanged.",
+               "Here is a module. Repeat it.")
+_RENAME_SUFFIX = ("_value", "_item", "_obj", "2", "_new", "_data")
+
+
+def chat(user: str, answer: str) -> str:
+    return (f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+            f"<think>\n\n</think>\n\n```python\n{answer}```<|im_end|>\n")
+
+
+def snippet(text: str, rng: np.random.Generator) -> str:
+    """A window of whole lines from ``text`` (6-40 lines, at most MAX_CHARS), ending in \\n;
+    empty if the text has too few non-blank lines."""
+    lines = text.splitlines()
+    if sum(1 for line in lines if line.strip()) < MIN_LINES:
+        return ""
+    n = int(rng.integers(MIN_LINES, MAX_LINES + 1))
+    start = int(rng.integers(0, max(1, len(lines) - n + 1)))
+    out: List[str] = []
+    size = 0
+    for line in lines[start:start + n]:
+        if size + len(line) + 1 > MAX_CHARS and out:
+            break
+        out.append(line)
+        size += len(line) + 1
+    while out and not out[0].strip():
+        out.pop(0)
+    while out and not out[-1].strip():
+        out.pop()
+    return "\n".join(out) + "\n" if len(out) >= 3 else ""
+
+
+def renamable(code: str) -> List[str]:
+    """Identifiers used at least twice, not keywords or builtins-like dunders."""
+    counts: dict = {}
+    for name in _IDENT.findall(code):
+        if len(name) > 2 and not keyword.iskeyword(name) and not name.startswith("__"):
+            counts[name] = counts.get(name, 0) + 1
+    return sorted(n for n, c in counts.items() if c >= 2)
+
+
+def rename(code: str, old: str, new: str) -> str:
+    return re.sub(rf"\b{re.escape(old)}\b", new, code)
+
+
+def _ask(rng, request: str, code: str) -> str:
+    shown = f"```python\n{code}```" if rng.random() < 0.5 else code
+    if rng.random() < 0.5:
+        return f"{request}\n\n{shown}"
+    return f"Here is a Python module:\n\n{shown}\n{request}"
+
+
+def make_document(code: str, kind: str, rng: np.random.Generator) -> str:
+    """One training document of ``kind`` built from ``code`` (a snippet)."""
+    if kind == "block":
+        return f"{code}\n# --- the same code again ---\n{code}"
+    if kind == "repeat":
+        return chat(_ask(rng, _ASK_REPEAT[int(rng.integers(len(_ASK_REPEAT)))], code), code)
+    if kind == "rename":
+        names = renamable(code)
+        if not names:
+            return make_document(code, "repeat", rng)
+        old = names[int(rng.integers(len(names)))]
+        new = old + _RENAME_SUFFIX[int(rng.integers(len(_RENAME_SUFFIX)))]
+        if new in code:
+            return make_document(code, "repeat", rng)
+        return chat(_ask(rng, f"Rename `{old}` to `{new}` everywhere and return the whole "
+                              "code.", code), rename(code, old, new))
+    if kind == "reindent":
+        two = re.sub(r"(?m)^((?:    )+)", lambda m: "  " * (len(m.group(1)) // 4), code)
+        return chat(_ask(rng, "Reformat it with four-space indentation and return the whole "
+                              "code.", two), code)
+    if kind == "uncomment":
+        bare = "".join(line for line in code.splitlines(True) if not line.lstrip().startswith("#"))
+        return chat(_ask(rng, "Remove the comment lines and return the rest unchanged.", code),
+                    bare)
+    raise ValueError(f"unknown copy document kind {kind!r}")
+
+
+def build_documents(texts: Sequence[str], n_docs: int, seed: int = 0) -> List[str]:
+    """``n_docs`` documents from snippets of ``texts`` (seeded: same inputs, same output)."""
+    rng = np.random.default_rng(seed)
+    docs: List[str] = []
+    usable = [t for t in texts if t.strip()]
+    if not usable:
+        raise ValueError("no text to build copy documents from")
+    tries = 0
+    while len(docs) < n_docs and tries < 20 * n_docs:
+        tries += 1
+        code = snippet(usable[int(rng.integers(len(usable)))], rng)
+        if code:
+            docs.append(make_document(code, KINDS[int(rng.integers(len(KINDS)))], rng))
+    if len(docs) < n_docs:
+        raise ValueError(f"only {len(docs)} of {n_docs} copy documents could be built "
+                         f"(texts too short: need >= {MIN_LINES} lines)")
+    return docs
+
+
+def tokenize_documents(docs: Sequence[str], tok, eot_id: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Concatenated ids (each document followed by ``eot_id``) and each document's start."""
+    ids: List[np.ndarray] = []
+    starts = []
+    pos = 0
+    for i in range(0, len(docs), 64):
+        for enc in tok.encode_batch(list(docs[i:i + 64]), add_special_tokens=False):
+            starts.append(pos)
+            ids.append(np.asarray(enc.ids + [eot_id], dtype=np.int32))
+            pos += len(ids[-1])
+    return np.concatenate(ids), np.asarray(starts, dtype=np.int64)
+
+
+def mixed_batch(base: np.ndarray, copy: np.ndarray, copy_starts: np.ndarray, fraction: float,
+                batch_size: int, length: int, seed: int, step: int) -> np.ndarray:
+    """Rows of ``length`` tokens: each, with probability ``fraction``, a window of the copy
+    stream starting at a document start (so the repeated part follows its source), else a
+    random window of ``base``. Deterministic per (seed, step), so resuming replays it."""
+    rng = np.random.default_rng([seed, step, 1])
+    usable = copy_starts[copy_starts <= len(copy) - length]
+    if len(base) <= length or (fraction > 0 and len(usable) == 0):
+        raise ValueError(f"too few tokens for windows of {length}")
+    rows = []
+    for _ in range(batch_size):
+        if rng.random() < fraction:
+            s = int(usable[int(rng.integers(len(usable)))])
+            rows.append(copy[s:s + length])
+        else:
+            s = int(rng.integers(0, len(base) - length + 1))
+            rows.append(base[s:s + length])
+    return np.stack(rows).astype(np.int32)
