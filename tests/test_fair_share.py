@@ -34,6 +34,26 @@ def test_chunks_last_about_one_decode_step():
     assert fair.budget(1000, LEAST, MOST) == MOST
 
 
+def test_cells_split_only_where_one_outlasts_a_decode_round():
+    fair = FairShare()
+    assert fair.floor(64, LEAST) == 64  # nothing measured: whole cells
+    fair.decode_ran(0.10, competing=False)
+    fair.prefill_ran(0.128, 64, competing=False)  # a cell costs 1.28 rounds
+    assert fair.floor(64, LEAST) == 64  # short prompts queued behind it are not delayed
+    fair.prefill_ran(1.2, 64, competing=False)  # long context: a cell outlasts the round
+    assert fair.floor(64, LEAST) == LEAST
+
+
+def test_prompts_owed_time_get_it_back_within_one_round():
+    fair = FairShare()
+    fair.decode_ran(0.10, competing=False)
+    fair.prefill_ran(0.10, 100, competing=False)  # 1 ms a token: 100 a round
+    fair.decode_ran(0.10, competing=True)  # prompts ran nothing beside it: owed a round
+    assert fair.budget(1000, LEAST, MOST) == 200
+    fair.decode_ran(0.10, competing=True)  # credit stays one round
+    assert fair.budget(1000, LEAST, MOST) == 200
+
+
 def test_prompts_pause_when_ahead_and_credit_is_bounded():
     fair = FairShare()  # binary fractions: exact sums
     fair.decode_ran(0.125, competing=True)

@@ -315,7 +315,7 @@ class Engine:
         if not n_decoding:
             return self.prefill_step_size
         rest = self.max_batched_tokens - n_decoding * (1 + self.batch.K)
-        least = min(SHARED_CHUNK_MIN, self.prefill_grid)
+        least = self.fair.floor(self.prefill_grid, min(SHARED_CHUNK_MIN, self.prefill_grid))
         return self.fair.budget(rest, least, self.prefill_step_size)
 
     def _prefill_round(self):
@@ -327,11 +327,13 @@ class Engine:
         # instead of waiting behind a long prompt's prefill.
         waiting.sort(key=lambda s: (len(s.req.prompt) - s.dec.n_processed, s.req.arrival))
         spent, competing = 0, any(not s.prefilling for s in self.running)
+        # Cells split only where one outlasts the decode rounds (FairShare.floor).
+        split = competing and self.fair.floor(self.prefill_grid, 0) < self.prefill_grid
         for seq in waiting:
             while seq.prefilling and spent < budget:
                 start = time.perf_counter()
                 try:
-                    n = self._prefill_chunk(seq, budget - spent, below_grid=competing)
+                    n = self._prefill_chunk(seq, budget - spent, below_grid=split)
                 except Exception as e:
                     self._fail(seq, e)
                     break

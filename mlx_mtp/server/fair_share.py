@@ -46,12 +46,25 @@ class FairShare:
         else:
             self.debt = 0.0
 
+    CELL_ROUNDS = 1.5  # a whole cell may last this many decode rounds (gap <= 2.5 rounds)
+
+    def floor(self, cell: int, least: int) -> int:
+        """The smallest chunk: ``least`` where a whole grid cell would stretch a stream's
+        gap beyond 2.5 decode rounds (long contexts), else the cell (short contexts:
+        splitting a cheap cell only delays the short prompts queued behind it)."""
+        if (self.step_s is not None and self.token_s
+                and self.token_s * cell > self.CELL_ROUNDS * self.step_s):
+            return least
+        return cell
+
     def budget(self, tokens: int, least: int, most: int) -> int:
         """Prompt tokens for this iteration, ``tokens`` at most: none while prompts have
-        had more than their half; else about one decode step's worth, at least ``least``
+        had more than their half; else about one decode step's worth (up to two while
+        prompts are owed time), at least ``least``
         (a chunk's fixed cost makes tinier ones wasteful), at most ``most``."""
         if self.debt > 0:
             return 0
         if self.step_s is not None and self.token_s:
-            tokens = min(tokens, int(self.step_s / self.token_s))
+            # One round's worth, plus what prompts are owed (credit is at most one round).
+            tokens = min(tokens, int((self.step_s - min(self.debt, 0.0)) / self.token_s))
         return min(most, max(least, tokens))
