@@ -26,7 +26,8 @@ class FairShare:
     """
 
     SMOOTH = 0.5  # weight of the newest measurement
-    FLOOR = 8  # tokens: a chunk's fixed cost makes tinier ones wasteful
+    FLOOR = 8  # tokens: fixed cost per call (4-token calls ran at 69 % of 512-token ones)
+    BANK = 1.0  # decode steps the account may hold either way (a stream's gap: ~3 at most)
 
     def __init__(self):
         self.debt = 0.0
@@ -51,7 +52,7 @@ class FairShare:
         self.step_s = self._mix(self.step_s, seconds)
         if competing:
             self.decode_s += seconds
-            bound = self.step_s
+            bound = self.BANK * self.step_s
             self.debt = min(max(self.debt - seconds, -bound), bound)
         else:
             self.debt = 0.0
