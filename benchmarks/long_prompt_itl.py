@@ -163,6 +163,13 @@ def _fair_share_figures(record: list, t0: float, t1: float) -> dict:
     if not chunks:
         return {}
     sizes = sorted(r[3] for r in chunks)
+    iterations, tokens, seconds = [], 0, 0.0  # per decode step: [tokens, prompt ms, step ms]
+    for kind, _, s, n, _ in inside:
+        if kind == "prefill":
+            tokens, seconds = tokens + n, seconds + s
+        else:
+            iterations.append([tokens, round(seconds * 1e3, 2), round(s * 1e3, 2)])
+            tokens, seconds = 0, 0.0
     return {
         "prompt_share": prompt_s / (prompt_s + decode_s),
         "timed_of_wall": (prompt_s + decode_s) / (t1 - t0),
@@ -170,6 +177,7 @@ def _fair_share_figures(record: list, t0: float, t1: float) -> dict:
         "chunks_under_8": sum(n < 8 for n in sizes),
         "prompt_ms_per_token": prompt_s * 1e3 / sum(sizes),
         "decode_step_p50_ms": percentile(steps, 0.5) * 1e3 if steps else float("nan"),
+        "iterations": iterations,
     }
 
 
