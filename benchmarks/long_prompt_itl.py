@@ -178,6 +178,11 @@ def _fair_share_figures(record: list, t0: float, t1: float) -> dict:
         "prompt_ms_per_token": prompt_s * 1e3 / sum(sizes),
         "decode_step_p50_ms": percentile(steps, 0.5) * 1e3 if steps else float("nan"),
         "iterations": iterations,
+        # Context grows along the prompt, so sizes used late look dearer; still the best
+        # hint of what a call's size costs (chunks of 10-63 tokens run the recurrence's
+        # per-position op loop, 8-9 its compiled graph: models/hybrid.py).
+        "ms_per_token_by_size": {n: round(statistics.median(
+            r[2] * 1e3 / n for r in chunks if r[3] == n), 2) for n in set(sizes)},
     }
 
 
@@ -243,6 +248,7 @@ def main():
             f"{statistics.median(r[k] for r in rs):.3g}" for k in keys) + " |")
         for r in rs:  # the scheduler's accounting, per run (with streams, then alone)
             print(f"  {tree}: " + ", ".join(f"{k} {r[k]:.3g}" for k in FAIR_KEYS if k in r))
+            print(f"  ms per prompt token by chunk size: {r.get('ms_per_token_by_size')}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f, indent=2)

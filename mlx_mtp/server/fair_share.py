@@ -20,7 +20,7 @@ class FairShare:
 
     ``debt``: seconds prompts ran beyond the decode steps' time since they started
     competing, kept within one decode step either way (negative: the prompt is owed time).
-    ``tokens`` sizes this iteration's chunk from ``step_s - debt`` and the latest per-token
+    ``budget`` sizes this iteration's chunk from ``step_s - debt`` and the latest per-token
     prompt cost (it grows with context). ``prompt_s`` / ``decode_s``: the competing seconds
     each side ran, the record the time share is read from.
     """
