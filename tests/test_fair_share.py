@@ -55,8 +55,8 @@ def test_the_account_stays_within_one_step_and_credit_is_spent():
     assert fair.budget(128, LEAST, MOST) == 0  # a step ahead: decode only
     fair.decode_ran(0.125, competing=True)  # paid back: one step's worth
     assert fair.budget(128, LEAST, MOST) == 16
-    fair.decode_ran(0.125, competing=True)  # owed a step: two steps' worth
-    assert fair.budget(128, LEAST, MOST) == 32
+    fair.decode_ran(0.125, competing=True)  # owed a step: spent half a step at a time
+    assert fair.budget(128, LEAST, MOST) == 24
     fair.prefill_ran(0.5, 64, competing=True)
     fair.decode_ran(0.125, competing=False)  # the prompt finished: nothing owed
     assert fair.debt == 0.0 and fair.budget(128, LEAST, MOST) > 0
@@ -84,7 +84,7 @@ def _contend(fair, noise, prompt=6000, step=0.1, seed=0):
 @pytest.mark.parametrize("noise", [0.0, 0.3, 0.6])
 def test_the_prompt_gets_half_of_the_time(noise):
     """The record's time share stays near one half whatever the jitter; no chunk under the
-    floor but the prompt's last; no chunk longer than about three decode steps."""
+    floor but the prompt's last; no chunk much longer than 1.5 decode steps."""
     fair = FairShare()
     chunks, steps = _contend(fair, noise)
     assert 0.45 <= fair.share() <= 0.55, fair.share()
@@ -92,7 +92,8 @@ def test_the_prompt_gets_half_of_the_time(noise):
     assert abs(fair.decode_s - sum(steps)) < 1e-9
     assert all(n >= LEAST for n, _ in chunks[:-1])
     typical = sorted(steps)[len(steps) // 2]
-    assert max(s for _, s in chunks) < 3 * 3 * typical * math.exp(2 * noise)
+    # typical: the median step; a spiked step is 3x; the noise of the chunk itself on top
+    assert max(s for _, s in chunks) < 1.5 * 3 * typical * math.exp(2 * noise)
 
 
 @pytest.fixture(scope="module")

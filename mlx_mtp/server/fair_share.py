@@ -5,9 +5,9 @@ A fixed token budget per chunk is not fair: a chunk's cost grows with the prompt
 (at 8k tokens a 64-token chunk can outlast a decode step many times over), so streams slowed
 ~10x beside a long prefill. Here the time decides, as a running account: each iteration the
 prompt may run about one decode step's time plus what it is owed (minus what it overran),
-and the account is kept within one step either way, so neither side banks a burst. Over a
-prefill the prompt and the streams each get about half of the time, and a stream's
-inter-token gap stays within about three steps.
+and the account is kept within one step either way, so neither side banks a burst; credit is
+spent at most half a step per iteration. Over a prefill the prompt and the streams each get
+about half of the time, and a stream's inter-token gap stays within about 2.5 steps.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ class FairShare:
 
     SMOOTH = 0.5  # weight of the newest measurement
     FLOOR = 8  # tokens: fixed cost per call (4-token calls ran at 69 % of 512-token ones)
-    BANK = 1.0  # decode steps the account may hold either way (a stream's gap: ~3 at most)
+    BANK = 1.0  # decode steps the account may hold either way
+    SPEND = 1.5  # decode steps a prompt may run in one iteration (a stream's gap: 2.5)
 
     def __init__(self):
         self.debt = 0.0
@@ -64,12 +65,12 @@ class FairShare:
 
     def budget(self, tokens: int, least: int, most: int) -> int:
         """Prompt tokens for this iteration, ``tokens`` at most: about one decode step's
-        worth plus the time owed (none when the prompt is a step ahead), a multiple of
+        worth plus the time owed (up to ``SPEND`` steps; none when the prompt is a step ahead), a multiple of
         ``least`` (few distinct chunk shapes) and at least ``least`` when half of such a
         chunk fits in the time (so on average the prompt keeps its half), at most ``most``."""
         if self.step_s is None or not self.token_s:
             return min(most, max(least, tokens))
-        fits = (self.step_s - self.debt) / self.token_s
+        fits = min(self.step_s - self.debt, self.SPEND * self.step_s) / self.token_s
         if fits < least / 2:
             return 0
         n = min(tokens, int(fits))
