@@ -9,7 +9,10 @@ runs are interleaved A B B A ... and the table shows medians over passes.
 
 Fair share (issue 25): the streams' p99 gap during the prefill against their p99 before it
 (target <= 2.5x), and the prompt's prefill rate against the same prompt alone (``--solo``
-adds a run without streams per tree and pass; target >= 40 %).
+adds a run without streams per tree and pass; target >= 40 %). Per run, the scheduler's own
+accounting while the prompt is processed (``FairShare.prefill_ran`` / ``decode_ran``): the
+prompt's part of the timed time, how much of the wall time is timed at all, the chunks'
+sizes and cost per token (alone: the same prompt's), the decode steps' median.
 
     python benchmarks/long_prompt_itl.py --trees /work/before . --passes 2 --solo
 """
@@ -26,6 +29,8 @@ import sys
 import threading
 import time
 
+FAIR_KEYS = ["prompt_share", "timed_of_wall", "chunks", "chunk_p50_tokens", "chunks_under_8",
+             "prompt_ms_per_token", "solo_prompt_ms_per_token", "decode_step_p50_ms"]
 STREAM_PROMPT = "Write a long story about a lighthouse keeper number {i}."
 LONG_TEXT = "def f(x):\n    return x + 1\n\n"
 
@@ -51,6 +56,7 @@ def worker(args) -> dict:
                   max_batched_tokens=args.max_batched_tokens)
     accepted = inspect.signature(Engine.__init__).parameters
     engine = Engine(model, tok, **{k: v for k, v in wanted.items() if k in accepted})
+    record = _record_fair_share(engine)
     engine.start()
 
     lock = threading.Lock()
@@ -122,6 +128,61 @@ def worker(args) -> dict:
         "prefill_tok_s": len(long_ids) / (firsts.get("long", float("nan")) - t_long),
         "short_ttft_s": firsts.get("short", float("nan")) - t_short,
         "prompt_tokens": len(long_ids),
+        **_fair_share_figures(record, t_long, firsts.get("long", t_end)),
+    }
+
+
+def _record_fair_share(engine) -> list:
+    """The scheduler's own accounting, per call: (kind, end time, seconds, tokens,
+    competing); empty for checkouts without ``engine.fair``."""
+    record, fair = [], getattr(engine, "fair", None)
+    if fair is None:
+        return record
+    prefill_ran, decode_ran = fair.prefill_ran, fair.decode_ran
+
+    def on_prefill(seconds, tokens, competing):
+        record.append(("prefill", time.perf_counter(), seconds, tokens, competing))
+        prefill_ran(seconds, tokens, competing)
+
+    def on_decode(seconds, competing):
+        record.append(("decode", time.perf_counter(), seconds, 0, competing))
+        decode_ran(seconds, competing)
+
+    fair.prefill_ran, fair.decode_ran = on_prefill, on_decode
+    return record
+
+
+def _fair_share_figures(record: list, t0: float, t1: float) -> dict:
+    """From the record between the long prompt's arrival and its first token: the prompt's
+    part of the timed time, the part of the wall time timed at all, the chunks' sizes and
+    their cost per token, the decode steps' median."""
+    inside = [r for r in record if t0 <= r[1] <= t1]
+    chunks = [r for r in inside if r[0] == "prefill" and r[3]]
+    steps = [r[2] for r in inside if r[0] == "decode"]
+    prompt_s, decode_s = sum(r[2] for r in chunks), sum(steps)
+    if not chunks:
+        return {}
+    sizes = sorted(r[3] for r in chunks)
+    iterations, tokens, seconds = [], 0, 0.0  # per decode step: [tokens, prompt ms, step ms]
+    for kind, _, s, n, _ in inside:
+        if kind == "prefill":
+            tokens, seconds = tokens + n, seconds + s
+        else:
+            iterations.append([tokens, round(seconds * 1e3, 2), round(s * 1e3, 2)])
+            tokens, seconds = 0, 0.0
+    return {
+        "prompt_share": prompt_s / (prompt_s + decode_s),
+        "timed_of_wall": (prompt_s + decode_s) / (t1 - t0),
+        "chunks": len(chunks), "chunk_p50_tokens": sizes[len(sizes) // 2],
+        "chunks_under_8": sum(n < 8 for n in sizes),
+        "prompt_ms_per_token": prompt_s * 1e3 / sum(sizes),
+        "decode_step_p50_ms": percentile(steps, 0.5) * 1e3 if steps else float("nan"),
+        "iterations": iterations,
+        # Context grows along the prompt, so sizes used late look dearer; still the best
+        # hint of what a call's size costs (chunks of 10-63 tokens run the recurrence's
+        # per-position op loop, 8-9 its compiled graph: models/hybrid.py).
+        "ms_per_token_by_size": {n: round(statistics.median(
+            r[2] * 1e3 / n for r in chunks if r[3] == n), 2) for n in set(sizes)},
     }
 
 
@@ -169,6 +230,8 @@ def main():
             if args.solo:
                 alone = run_tree(tree, args, 0)
                 r["solo_prefill_tok_s"] = alone["prefill_tok_s"]
+                if "prompt_ms_per_token" in alone:
+                    r["solo_prompt_ms_per_token"] = alone["prompt_ms_per_token"]
                 r["prefill_vs_solo"] = r["prefill_tok_s"] / alone["prefill_tok_s"]
             runs[tree].append(r)
             print(f"pass {p + 1} {tree}: " + ", ".join(
@@ -183,6 +246,9 @@ def main():
     for tree, rs in runs.items():
         print(f"| {tree} | " + " | ".join(
             f"{statistics.median(r[k] for r in rs):.3g}" for k in keys) + " |")
+        for r in rs:  # the scheduler's accounting, per run (with streams, then alone)
+            print(f"  {tree}: " + ", ".join(f"{k} {r[k]:.3g}" for k in FAIR_KEYS if k in r))
+            print(f"  ms per prompt token by chunk size: {r.get('ms_per_token_by_size')}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f, indent=2)

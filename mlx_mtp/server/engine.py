@@ -58,8 +58,6 @@ log = logging.getLogger("mlx_mtp.server")
 # Prompt chunks end on a grid of this many tokens: the shortest input the chunked delta
 # rule takes, so every call but a short prompt's only one runs the same algorithm.
 PREFILL_GRID = CHUNKED_MIN_TOKENS
-# Shortest chunk beside streams (fixed cost: 4 tokens a call run at 69 % of 512's rate).
-SHARED_CHUNK_MIN = 8
 
 
 class _Seq:
@@ -117,6 +115,7 @@ class Engine:
         self.max_batched_tokens = max_batched_tokens
         # Smaller steps than the grid: one step per call, each the same size.
         self.prefill_grid = min(PREFILL_GRID, prefill_step_size)
+        self.chunk_floor = min(FairShare.FLOOR, self.prefill_grid)  # shortest chunk but a tail
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0, 0)
         self.metrics = metrics or ServerMetrics(model_name)
         self.model_name = model_name
@@ -315,7 +314,7 @@ class Engine:
         if not n_decoding:
             return self.prefill_step_size
         rest = self.max_batched_tokens - n_decoding * (1 + self.batch.K)
-        least = self.fair.floor(self.prefill_grid, min(SHARED_CHUNK_MIN, self.prefill_grid))
+        least = self.fair.floor(self.prefill_grid, self.chunk_floor)
         return self.fair.budget(rest, least, self.prefill_step_size)
 
     def _prefill_round(self):
@@ -329,8 +328,9 @@ class Engine:
         spent, competing = 0, any(not s.prefilling for s in self.running)
         # Cells split only where one outlasts the decode rounds (FairShare.floor).
         split = competing and self.fair.floor(self.prefill_grid, 0) < self.prefill_grid
+        least = max(1, min(self.chunk_floor, budget))  # a rest under the floor waits
         for seq in waiting:
-            while seq.prefilling and spent < budget:
+            while seq.prefilling and budget - spent >= least:
                 start = time.perf_counter()
                 try:
                     n = self._prefill_chunk(seq, budget - spent, below_grid=split)
@@ -339,7 +339,7 @@ class Engine:
                     break
                 spent += n
                 self.fair.prefill_ran(time.perf_counter() - start, n, competing)
-            if spent >= budget:
+            if budget - spent < least:
                 break
 
     def _prefill_chunk(self, seq: _Seq, max_tokens: int, below_grid: bool = False) -> int:
@@ -350,8 +350,9 @@ class Engine:
         remainder shorter than a cell. The trunk's state after a run of cells does not
         depend on how many cells each call covered (checked bit for bit on the CPU with
         both BLAS settings), so a prompt alone is computed the same whatever the budget.
-        ``below_grid`` (streams decode): under a cell, ``max_tokens`` (to a boundary) run
-        through the per-token recurrence, equal up to float rounding; then back on the grid.
+        ``below_grid`` (streams decode): under a cell, ``max_tokens`` (to a boundary, taking
+        in a remainder under the floor) run through the per-token recurrence, equal up to
+        float rounding; then back on the grid.
         """
         prompt, dec = seq.req.prompt, seq.dec
         n = len(prompt) - 1
@@ -364,7 +365,9 @@ class Engine:
         if seg_end - end < grid:
             end = seg_end
         if below_grid and max_tokens < grid:
-            end = min(start + max(1, max_tokens), seg_end)
+            end = min(start + max(self.chunk_floor, max_tokens), seg_end)
+            if seg_end - end < self.chunk_floor:
+                end = seg_end
         # Sequence.prefill continues after n_processed and stops at the last
         # token it is given, which becomes the pending input: passing the
         # prompt up to ``end`` runs exactly tokens [start, end).
