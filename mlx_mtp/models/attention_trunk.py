@@ -95,11 +95,18 @@ def mla_attention(attn, x, mask, cache, absorbed: bool):
         q = attn.q_proj(x)
     else:
         q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
-    q = q.reshape(B, L, attn.num_heads, attn.q_head_dim).transpose(0, 2, 1, 3)
+    # mlx-lm names the head sizes differently in LongCat (num_attention_heads, qk_head_dim).
+    heads = getattr(attn, "num_heads", None) or attn.num_attention_heads
+    head_dim = getattr(attn, "q_head_dim", None) or attn.qk_head_dim
+    q = q.reshape(B, L, heads, head_dim).transpose(0, 2, 1, 3)
+    if getattr(attn, "mla_scale_q_lora", None) is not None:  # LongCat's LoRA scaling
+        q = q * attn.mla_scale_q_lora
     q_nope, q_pe = mx.split(q, [attn.qk_nope_head_dim], axis=-1)
     latent, k_pe = mx.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank], axis=-1)
     k_pe = k_pe.reshape(B, L, 1, attn.qk_rope_head_dim).transpose(0, 2, 1, 3)
     latent = attn.kv_a_layernorm(latent)
+    if getattr(attn, "mla_scale_kv_lora", None) is not None:
+        latent = latent * attn.mla_scale_kv_lora
     offset = cache.offset if cache is not None else 0
     q_pe = attn.rope(q_pe, offset)
     k_pe = attn.rope(k_pe, offset)

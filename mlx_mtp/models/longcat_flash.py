@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import longcat_flash as _lm
 
-from .attention_trunk import Family, ModelArgs, attention_mask
+from .attention_trunk import Family, ModelArgs, attention_mask, mla_attention
 from .attention_trunk import Model as _Model
 from .cache import KVCache
 
@@ -55,46 +55,12 @@ class MTPBlock(nn.Module):
         self.mlp = _lm.LongcatFlashMLP(args, is_expert=False)
 
 
-def mla(attn, x, mask, cache, absorbed: bool):
-    """mlx-lm's LongCat MLA with the formula chosen by the caller (``absorbed``: what it
-    runs for one token)."""
-    B, L, _ = x.shape
-    if attn.q_lora_rank is None:
-        q = attn.q_proj(x)
-    else:
-        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
-    q = q.reshape(B, L, attn.num_attention_heads, attn.qk_head_dim).transpose(0, 2, 1, 3)
-    if getattr(attn, "mla_scale_q_lora", None) is not None:
-        q = q * attn.mla_scale_q_lora
-    q_nope, q_pe = mx.split(q, [attn.qk_nope_head_dim], axis=-1)
-    latent, k_pe = mx.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank], axis=-1)
-    k_pe = k_pe.reshape(B, L, 1, attn.qk_rope_head_dim).transpose(0, 2, 1, 3)
-    latent = attn.kv_a_layernorm(latent)
-    if getattr(attn, "mla_scale_kv_lora", None) is not None:
-        latent = latent * attn.mla_scale_kv_lora
-    offset = cache.offset if cache is not None else 0
-    q_pe, k_pe = attn.rope(q_pe, offset), attn.rope(k_pe, offset)
-    latent = mx.expand_dims(latent, axis=1)
-    if cache is not None:
-        latent, k_pe = cache.update_and_fetch(latent, k_pe)
-    scores = (q_pe * attn.scale) @ k_pe.swapaxes(-1, -2)
-    if mask is not None:
-        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    if absorbed:
-        out = mx.fast.scaled_dot_product_attention(
-            attn.embed_q(q_nope), latent, latent, scale=attn.scale, mask=scores)
-        out = attn.unembed_out(out)
-    else:
-        k, v = attn.embed_q(latent, transpose=False), attn.unembed_out(latent)
-        out = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=attn.scale, mask=scores)
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
 def trunk_layer(layer, h, mask, caches, absorbed: bool):
-    """mlx-lm's LongCat decoder layer with ``mla`` for its two attention sublayers."""
+    """mlx-lm's LongCat decoder layer with the shared MLA attention for its two sublayers."""
     shortcut = None
     for i in range(2):
-        h = h + mla(layer.self_attn[i], layer.input_layernorm[i](h), mask, caches[i], absorbed)
+        h = h + mla_attention(layer.self_attn[i], layer.input_layernorm[i](h), mask,
+                              caches[i], absorbed)
         x = layer.post_attention_layernorm[i](h)
         if i == 0:
             shortcut = layer.mlp(x)
@@ -127,7 +93,7 @@ class Model(_Model):
         return normed, (normed if self.mtp_hidden == "post_norm" else h)
 
     def decoder_layer(self, layer, x, mask, cache, absorbed: bool):
-        h = x + mla(layer.self_attn, layer.input_layernorm(x), mask, cache, absorbed)
+        h = x + mla_attention(layer.self_attn, layer.input_layernorm(x), mask, cache, absorbed)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def make_cache(self):
