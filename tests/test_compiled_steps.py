@@ -87,20 +87,25 @@ def test_generate_flag(noisy, capsys):
     assert capsys.readouterr().out == plain
 
 
-def test_every_k_is_traced_up_front_and_never_while_decoding(noisy, monkeypatch):
-    """``set_compiled(True, max_k)`` traces a plain step and each verify length once; decodes
-    whose K changes then never trace (a trace mid-decode is what made adaptive K lose)."""
+@pytest.fixture
+def traced(monkeypatch):
+    """The token counts each DeltaNet step is traced (or run uncompiled) with."""
     from mlx_mtp.models.hybrid import DecoderLayer
 
-    _, model = noisy
-    traced = []
-    real = DecoderLayer._linear_step
+    calls, real = [], DecoderLayer._linear_step
 
     def spy(self, x, *args):
-        traced.append(x.shape[1])
+        calls.append(x.shape[1])
         return real(self, x, *args)
 
     monkeypatch.setattr(DecoderLayer, "_linear_step", spy)
+    return calls
+
+
+def test_every_k_is_traced_up_front_and_never_while_decoding(noisy, traced):
+    """``set_compiled(True, max_k)`` traces a plain step and each verify length once; decodes
+    whose K changes then never trace (a trace mid-decode is what made adaptive K lose)."""
+    _, model = noisy
     model.set_compiled(True, 3)
     try:
         assert set(traced) == {1, 2, 3, 4}
@@ -115,21 +120,11 @@ def test_every_k_is_traced_up_front_and_never_while_decoding(noisy, monkeypatch)
     assert adaptive == _tokens(model, 0, n=12)
 
 
-def test_switching_off_and_on_keeps_every_k_traced(noisy, monkeypatch):
+def test_switching_off_and_on_keeps_every_k_traced(noisy, traced):
     """A caller that switches compiled steps off and on again without a K (the bench's
     graph probe) must not leave verify passes to be traced mid-decode, and switching on
     twice does not trace again."""
-    from mlx_mtp.models.hybrid import DecoderLayer
-
     _, model = noisy
-    traced = []
-    real = DecoderLayer._linear_step
-
-    def spy(self, x, *args):
-        traced.append(x.shape[1])
-        return real(self, x, *args)
-
-    monkeypatch.setattr(DecoderLayer, "_linear_step", spy)
     try:
         model.set_compiled(True, 2)
         traced.clear()
