@@ -9,7 +9,7 @@ from mlx_lm.generate import generate_step as mlx_lm_generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from mlx_mtp.decode.batch import BatchDecoder
-from mlx_mtp.models.cache import RecurrentCache
+from mlx_mtp.models.recurrent_cache import RecurrentCache
 from mlx_mtp.models.loader import load_model
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step

@@ -4,29 +4,13 @@ surgery give back exactly the state a sequence decoded alone holds."""
 import mlx.core as mx
 import pytest
 
-from mlx_mtp.models.cache import (BatchKVCache, KVCache, RecurrentCache, cache_state_arrays,
-                                  restore_caches, snapshot_caches)
+from cache_checks import (assert_filter_keeps_rows, assert_rows_are, merged_solos, next_logits,
+                          same, solo)
+
+from mlx_mtp.models.cache import BatchKVCache, KVCache, cache_state_arrays, restore_caches, snapshot_caches
+from mlx_mtp.models.recurrent_cache import RecurrentCache
 
 PROMPTS = [[5, 9, 200, 31, 7, 64, 3], [11, 400], [1]]
-
-
-def solo(model, prompt):
-    """Caches after running ``prompt`` through the trunk alone."""
-    cache = model.make_cache()
-    model.trunk(mx.array([prompt], mx.uint32), cache)
-    mx.eval(cache_state_arrays(cache))
-    return cache
-
-
-def same(xs, ys):
-    assert len(xs) == len(ys)
-    for x, y in zip(xs, ys):
-        assert x.shape == y.shape and mx.array_equal(x, y).item()
-
-
-def next_logits(model, cache, token):
-    h, _ = model.trunk(mx.array([[token]], mx.uint32), cache)
-    return model.logits(h)
 
 
 def test_state_round_trip_continues_exactly(tiny_model):
@@ -34,7 +18,7 @@ def test_state_round_trip_continues_exactly(tiny_model):
     loaded = [type(c).from_state(c.state if c.arrays() else None, c.meta_state) for c in cache]
     same(cache_state_arrays(loaded), cache_state_arrays(cache))
     assert [c.meta_state for c in loaded] == [c.meta_state for c in cache]
-    same([next_logits(tiny_model, loaded, 42)], [next_logits(tiny_model, cache, 42)])
+    same([next_logits(tiny_model, loaded, [[42]])], [next_logits(tiny_model, cache, [[42]])])
 
 
 def test_empty_state_round_trip():
@@ -61,15 +45,10 @@ def test_batch_kv_state_round_trip():
 
 
 def test_merge_extract_filter_equal_solo_caches(tiny_model):
-    solos = [solo(tiny_model, p) for p in PROMPTS]
-    merged = [type(cs[0]).merge(list(cs)) for cs in zip(*solos)]
+    solos, merged = merged_solos(tiny_model, PROMPTS)
     assert all(c.size() == len(PROMPTS) for c in merged)
-    for b, cache in enumerate(solos):
-        same(cache_state_arrays([c.extract(b) for c in merged]), cache_state_arrays(cache))
-    for c in merged:
-        c.filter([2, 0])
-    for b, src in enumerate([2, 0]):
-        same(cache_state_arrays([c.extract(b) for c in merged]), cache_state_arrays(solos[src]))
+    assert_rows_are(merged, solos)
+    assert_filter_keeps_rows(merged, solos)
 
 
 def test_merge_of_an_empty_recurrent_cache_is_the_zero_state():
@@ -101,4 +80,4 @@ def test_snapshot_restore_undoes_a_verify_pass(tiny_model, batched):
     # and decoding goes on as if the pass never ran
     fresh = solo(tiny_model, PROMPTS[0])
     if not batched:
-        same([next_logits(tiny_model, cache, 42)], [next_logits(tiny_model, fresh, 42)])
+        same([next_logits(tiny_model, cache, [[42]])], [next_logits(tiny_model, fresh, [[42]])])

@@ -5,6 +5,9 @@ holds, also after old entries were dropped (``start`` > 0)."""
 import mlx.core as mx
 import pytest
 
+from cache_checks import (assert_filter_keeps_rows, assert_rows_are, merged_solos, next_logits,
+                          same, solo)
+
 from mlx_mtp.models import window_cache
 from mlx_mtp.models.cache import (CACHE_KINDS, KVCache, cache_state_arrays, restore_caches,
                                   snapshot_caches)
@@ -29,24 +32,6 @@ def small_window_buffers(monkeypatch):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return load_model(make_tiny_step3p5(tmp_path_factory.mktemp("step3p5")))[0]
-
-
-def solo(model, prompt):
-    cache = model.make_cache()
-    model.trunk(mx.array([prompt], mx.uint32), cache)
-    mx.eval(cache_state_arrays(cache))
-    return cache
-
-
-def same(xs, ys):
-    assert len(xs) == len(ys)
-    for x, y in zip(xs, ys):
-        assert x.shape == y.shape and mx.array_equal(x, y).item()
-
-
-def next_logits(model, cache, tokens):
-    h, _ = model.trunk(mx.array(tokens, mx.uint32), cache)
-    return model.logits(h)
 
 
 def windows(cache):
@@ -81,28 +66,21 @@ def test_window_from_state_refuses_a_start_that_does_not_fit():
 
 
 def test_merge_extract_filter_equal_solo_caches(model):
-    solos = [solo(model, p) for p in PROMPTS]
-    merged = [type(cs[0]).merge(list(cs)) for cs in zip(*solos)]
+    solos, merged = merged_solos(model, PROMPTS)
     assert {type(c) for c in windows(merged)} == {BatchWindowKVCache}
     assert all(c.size() == len(PROMPTS) for c in merged)
-    for b, cache in enumerate(solos):
-        rows = [c.extract(b) for c in merged]
-        assert [c.meta_state for c in rows] == [c.meta_state for c in cache]
-        same(cache_state_arrays(rows), cache_state_arrays(cache))
+    assert_rows_are(merged, solos)
+    for b, cache in enumerate(solos):  # rows come back with their window and start
+        assert [c.extract(b).meta_state for c in merged] == [c.meta_state for c in cache]
     # a saved batch comes back with its window and rows
     loaded = [CACHE_KINDS[c.kind].from_state(c.state, c.meta_state) if c.kind.startswith(
         "batch_window") else c for c in merged]
-    for b, cache in enumerate(solos):
-        same(cache_state_arrays([c.extract(b) for c in loaded]), cache_state_arrays(cache))
-    for c in merged:
-        c.filter([2, 0])
-    for b, src in enumerate([2, 0]):
-        same(cache_state_arrays([c.extract(b) for c in merged]), cache_state_arrays(solos[src]))
+    assert_rows_are(loaded, solos)
+    assert_filter_keeps_rows(merged, solos)
 
 
 def test_merged_rows_decode_as_each_alone(model):
-    solos = [solo(model, p) for p in PROMPTS]
-    merged = [type(cs[0]).merge(list(cs)) for cs in zip(*solos)]
+    solos, merged = merged_solos(model, PROMPTS)
     for c in merged:
         c.prepare(1)
     batch = next_logits(model, merged, [[42]] * len(PROMPTS))

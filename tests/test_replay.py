@@ -9,7 +9,7 @@ import pytest
 
 from family_checks import prefilled_cache
 from mlx_mtp.models import hybrid
-from mlx_mtp.models.cache import RecurrentCache
+from mlx_mtp.models.recurrent_cache import RecurrentCache
 from mlx_mtp.models.loader import load_model
 
 RNG = np.random.default_rng(1)

@@ -2,7 +2,7 @@
 
 import importlib
 
-from . import window_cache  # noqa: F401  (registers the window caches' kinds for loading)
+from . import recurrent_cache, window_cache  # noqa: F401  (register their caches' kinds for loading)
 
 # model_type -> module name. The ``*_text`` names are the text configs of the
 # multimodal Qwen3.5/3.6 checkpoints (flat ``*ForCausalLM`` exports); ``*_mtp`` are

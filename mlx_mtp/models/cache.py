@@ -5,21 +5,18 @@ Two kinds of per-layer state:
 * ``KVCache`` for full-attention layers (trunk and MTP head). Rolling back
   ``n`` speculative positions is a pointer move (``trim``); the stale rows are
   overwritten by the next write.
-* ``RecurrentCache`` for Gated DeltaNet layers: a convolution window and the
-  recurrent (SSM) state. A recurrence cannot be trimmed, so a verify pass
-  (``capture=True``) keeps the pre-verify state and the per-position
-  recurrence inputs (references only: MLX arrays are immutable). ``accept``
-  then *replays* the recurrence from the pre-verify state over the kept
-  prefix, with the same call plain decoding makes (bit-identical to it), as
-  a lazy graph; no per-position state is ever materialised.
+* ``BatchKVCache``: the same for rows of different lengths decoding together.
+* ``RecurrentCache`` (``recurrent_cache.py``) for Gated DeltaNet layers: a
+  convolution window and the recurrent (SSM) state, rolled back by replaying the
+  recurrence; sliding-window caches live in ``window_cache.py``.
 
 Every cache answers ``accept(n_keep)`` after a speculative (verify) pass:
 ``n_keep[b]`` is how many of that pass's positions row ``b`` keeps (>= 1, the
 first verified token is always committed). The decode step calls it on every
 layer without knowing which kind of layer it is.
 
-Every cache speaks one protocol (mlx-lm's shape), so nothing outside this file reads
-a cache field: ``state`` / ``meta_state`` / ``from_state`` (save and load; ``kind``,
+Every cache speaks one protocol (mlx-lm's shape, ``_Cache`` here), so nothing outside the
+cache modules reads a cache field: ``state`` / ``meta_state`` / ``from_state`` (save and load; ``kind``,
 ``state_names`` name them on disk), ``snapshot()`` / ``restore(snap)`` (undo a step,
 by reference), ``merge(caches)`` into a batch, ``extract(row)``, ``filter(rows)``,
 ``empty(B)``, ``lengths()`` (attention caches: tokens per row) and ``nbytes``.
@@ -27,7 +24,7 @@ by reference), ``merge(caches)`` into a batch, ``extract(row)``, ``filter(rows)`
 
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -89,6 +86,7 @@ class KVCache(_Cache):
     step = 256
     kind = "kv"
     state_names = ("k", "v")
+    start = 0  # absolute position of stored entry 0 (a window cache drops old entries)
 
     def __init__(self):
         self.keys: Optional[mx.array] = None  # (B, n_kv_heads, capacity, head_dim)
@@ -115,15 +113,20 @@ class KVCache(_Cache):
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
     @property
+    def stored(self) -> int:
+        """Entries held: positions ``start`` .. ``offset - 1``."""
+        return self.offset - self.start
+
+    @property
     def state(self):
         if self.keys is None:
             return None, None
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.keys[..., : self.stored, :], self.values[..., : self.stored, :]
 
     @state.setter
     def state(self, v):
         self.keys, self.values = v
-        self.offset = 0 if self.keys is None else self.keys.shape[2]
+        self.offset = self.start + (0 if self.keys is None else self.keys.shape[2])
 
     @property
     def meta_state(self):
@@ -180,168 +183,20 @@ class KVCache(_Cache):
     def nbytes(self) -> int:  # the whole buffer
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
+    def _like(self) -> "KVCache":
+        """An empty cache of this kind and settings."""
+        return KVCache()
+
     def copy(self) -> "KVCache":
-        c = KVCache()
+        c = self._like()
         if self.keys is not None:
             k, v = self.state
             c.keys, c.values = mx.array(k), mx.array(v)
-            c.offset = self.offset
+        c.offset, c.start = self.offset, self.start
         return c
 
 
-class VerifyRecord(NamedTuple):
-    """What ``accept`` needs to recompute a Gated DeltaNet layer's state after
-    a verify pass: the state before it, the pass's conv input (pre-verify
-    window followed by the new positions) and the recurrence inputs."""
-
-    conv_input: mx.array  # (B, kernel-1+T, conv_dim)
-    ssm: Optional[mx.array]  # (B, Hv, Dv, Dk) before the pass (None: zeros)
-    inputs: Tuple[mx.array, ...]  # per-position (q, k, v, a, b), time axis 1
-    mask: Optional[mx.array]  # (B, T) mask the pass ran with
-    recurrence: Callable  # (*inputs, state, mask) -> (y, state): the layer's call
-
-
-class RecurrentCache(_Cache):
-    """Conv window + recurrent state of one Gated DeltaNet layer (B rows).
-
-    ``conv``: (B, kernel-1, conv_dim) in the activation dtype.
-    ``ssm``:  (B, Hv, Dv, Dk) in float32.
-    After a verify pass both hold the state after *all* its positions and
-    ``verify_record`` what ``accept`` needs to step back.
-    """
-
-    kind = "rec"
-    state_names = ("conv", "ssm")
-
-    def __init__(self, rows: int = 1):
-        self.conv: Optional[mx.array] = None  # None: no token seen yet (zeros)
-        self.ssm: Optional[mx.array] = None
-        self.offset = 0
-        self.verify_record: Optional[VerifyRecord] = None
-        self._rows = rows  # while empty
-
-    @classmethod
-    def empty(cls, B: int = 1) -> "RecurrentCache":
-        return cls(B)
-
-    def size(self) -> int:
-        return self._rows if self.conv is None else self.conv.shape[0]
-
-    # mlx-lm's ArraysCache indexing, so its kernels and helpers can read us.
-    def __getitem__(self, i):
-        return (self.conv, self.ssm)[i]
-
-    def __setitem__(self, i, v):
-        setattr(self, self.state_names[i], v)
-
-    @property
-    def state(self):
-        return self.conv, self.ssm
-
-    @state.setter
-    def state(self, v):
-        self.conv, self.ssm = v
-        self.verify_record = None
-
-    @property
-    def meta_state(self):
-        return (str(self.offset),)
-
-    @meta_state.setter
-    def meta_state(self, v):
-        self.offset = int(v[0])
-
-    def snapshot(self):
-        return self.conv, self.ssm, self.offset, self._rows
-
-    def restore(self, snap):
-        self.conv, self.ssm, self.offset, self._rows = snap
-        self.verify_record = None
-
-    def advance(self, conv_input, new_ssm, T: int, record: Optional[VerifyRecord] = None):
-        """After a pass of ``T`` positions over ``conv_input`` (old window + them); ``record``
-        (a verify pass): what ``accept`` replays from."""
-        self.verify_record = record
-        self.conv = mx.contiguous(conv_input[:, T:])
-        self.ssm = new_ssm
-        self.offset += T
-
-    def accept(self, n_keep):
-        """Row ``b`` keeps its state after ``n_keep[b]`` positions of the verify pass."""
-        if self.verify_record is None:
-            raise RuntimeError("accept() needs a forward pass run with capture=True")
-        T = self.verify_record.inputs[0].shape[1]
-        self.offset -= T - max(n_keep)
-        self.select_rows(list(n_keep))
-
-    def select_rows(self, n_keep: List[int]):
-        """Keep row b's state after ``n_keep[b]`` positions (offset untouched).
-
-        One replay call for the whole batch: the recurrence over the longest kept
-        prefix from the pre-verify state, with a (B, T) mask when rows differ.
-        """
-        rec = self.verify_record
-        if rec is None:
-            raise RuntimeError("select_rows() needs a forward pass run with capture=True")
-        T = rec.inputs[0].shape[1]
-        longest = max(n_keep)
-        if not 1 <= min(n_keep) <= longest <= T or len(n_keep) != rec.conv_input.shape[0]:
-            raise ValueError(f"n_keep {n_keep} does not fit a verify pass of {T} positions")
-        self.verify_record = None
-        if all(n == T for n in n_keep):
-            return  # conv and ssm already hold the state after every position
-        window = rec.conv_input.shape[1] - T
-        mask = rec.mask[:, :longest] if rec.mask is not None else None
-        if any(n != longest for n in n_keep):
-            keep = mx.arange(longest)[None] < mx.array(n_keep)[:, None]
-            mask = keep if mask is None else mask & keep
-            # Row b's window is conv_input[b, n_b : n_b + window].
-            ix = mx.array(n_keep)[:, None] + mx.arange(window)[None]
-            self.conv = mx.take_along_axis(rec.conv_input, ix[..., None], axis=1)
-        else:
-            self.conv = mx.contiguous(rec.conv_input[:, longest : longest + window])
-        prefix = [x[:, :longest] for x in rec.inputs]
-        _, self.ssm = rec.recurrence(*prefix, rec.ssm, mask)
-
-    @classmethod
-    def merge(cls, caches: List["RecurrentCache"]) -> "RecurrentCache":
-        """The caches' rows in order; an empty cache's rows hold the zero state."""
-        ref = next((c for c in caches if c.conv is not None), None)
-        out = cls(sum(c.size() for c in caches))
-        out.offset = max(c.offset for c in caches)
-        if ref is not None:
-            def rows(c, a, like):
-                return a if a is not None else mx.zeros((c.size(), *like.shape[1:]), like.dtype)
-            out.conv = mx.concatenate([rows(c, c.conv, ref.conv) for c in caches])
-            out.ssm = mx.concatenate([rows(c, c.ssm, ref.ssm) for c in caches])
-        return out
-    concat = merge  # the older name
-
-    def filter(self, rows: List[int]):
-        self.verify_record = None  # its rows no longer line up
-        self._rows = len(rows)
-        if self.conv is not None:
-            ix = mx.array(rows)
-            self.conv, self.ssm = self.conv[ix], self.ssm[ix]
-
-    def extract(self, row: int) -> "RecurrentCache":
-        c = RecurrentCache()
-        if self.conv is not None:
-            c.conv, c.ssm = self.conv[row : row + 1], self.ssm[row : row + 1]
-        c.offset = self.offset
-        return c
-
-    def is_trimmable(self) -> bool:
-        return False
-
-    def copy(self) -> "RecurrentCache":
-        c = RecurrentCache(self._rows)
-        c.conv, c.ssm = (None if a is None else mx.array(a) for a in (self.conv, self.ssm))
-        c.offset = self.offset
-        return c
-
-
-CACHE_KINDS = {cls.kind: cls for cls in (KVCache, RecurrentCache)}  # what can be saved
+CACHE_KINDS = {KVCache.kind: KVCache}  # what can be saved (other modules add their kinds)
 
 
 def cache_state_arrays(caches) -> List[mx.array]:
@@ -356,6 +211,26 @@ def snapshot_caches(caches) -> list:
 def restore_caches(snaps):
     for c, snap in snaps:
         c.restore(snap)
+
+
+def stack_left_padded(caches: List[KVCache]):
+    """The single-row caches' stored keys and values as rows of one batch, left-padded to
+    the longest, and the (B, L) mask of real slots; all None while every cache is empty."""
+    ref = next((c for c in caches if c.keys is not None), None)
+    if ref is None:
+        return None, None, None
+    L = max(c.stored for c in caches)
+    H, D, Dv = ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
+    ks, vs = [], []
+    for c in caches:
+        pad = L - c.stored
+        zk = mx.zeros((1, H, pad, D), ref.keys.dtype)
+        zv = mx.zeros((1, H, pad, Dv), ref.values.dtype)
+        k, v = c.state
+        ks.append(zk if k is None else mx.concatenate([zk, k], axis=2))
+        vs.append(zv if v is None else mx.concatenate([zv, v], axis=2))
+    valid = mx.arange(L)[None] >= mx.array([L - c.stored for c in caches])[:, None]
+    return mx.concatenate(ks), mx.concatenate(vs), valid
 
 
 class BatchKVCache(_Cache):
@@ -447,22 +322,7 @@ class BatchKVCache(_Cache):
     @classmethod
     def from_single(cls, caches: List[KVCache]) -> "BatchKVCache":
         """Batch single-sequence caches, left-padded to a common length."""
-        ref = next((c for c in caches if c.keys is not None), None)
-        pos = [c.offset for c in caches]
-        if ref is None:
-            return cls(pos)
-        L = max(pos)
-        H, D, Dv = ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
-        ks, vs = [], []
-        for c in caches:
-            pad = L - c.offset
-            zk = mx.zeros((1, H, pad, D), ref.keys.dtype)
-            zv = mx.zeros((1, H, pad, Dv), ref.values.dtype)
-            k, v = c.state
-            ks.append(zk if k is None else mx.concatenate([zk, k], axis=2))
-            vs.append(zv if v is None else mx.concatenate([zv, v], axis=2))
-        valid = mx.arange(L)[None] >= mx.array([L - p for p in pos])[:, None]
-        return cls(pos, mx.concatenate(ks), mx.concatenate(vs), valid)
+        return cls([c.offset for c in caches], *stack_left_padded(caches))
 
     def prepare(self, S: int, lengths: Optional[List[int]] = None):
         """Announce the next chunk (before the forward, so masks see final positions)."""

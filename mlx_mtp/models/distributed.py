@@ -35,7 +35,8 @@ from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx.utils import tree_flatten
 
 from . import layout
-from .cache import KVCache, RecurrentCache
+from .cache import KVCache
+from .recurrent_cache import RecurrentCache
 from .hybrid import GatedAttention, GatedDeltaNetBase, MLP, SparseMoeBlock
 from .loader import (ModelLoadError, _apply_overrides, _upcast_cpu_experts, build_model,
                      load_config, load_tokenizer, quantize_and_cast, read_weights,

@@ -29,7 +29,8 @@ from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated as RMSNormGated
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from .cache import KVCache, RecurrentCache, VerifyRecord, cache_state_arrays
+from .cache import KVCache, cache_state_arrays
+from .recurrent_cache import RecurrentCache, VerifyRecord
 from .draft_head import DraftHead
 
 # Longer GDN inputs go through the chunked (matmul-form) recurrence when available.

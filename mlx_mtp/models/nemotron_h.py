@@ -30,7 +30,8 @@ from mlx_lm.models.ssm import ssm_update
 from . import layout
 from .attention_trunk import Family, ModelArgs
 from .attention_trunk import Model as _Model
-from .cache import KVCache, RecurrentCache, VerifyRecord
+from .cache import KVCache
+from .recurrent_cache import RecurrentCache, VerifyRecord
 
 CACHED = ("M", "*")  # block types that keep state across calls
 

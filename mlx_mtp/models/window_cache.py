@@ -27,7 +27,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from .cache import CACHE_KINDS, BatchKVCache, KVCache
+from .cache import CACHE_KINDS, BatchKVCache, KVCache, stack_left_padded
 
 # Positions a rollback may take back beyond the window: every draft of a step, rejected
 # from the first. The longest a step verifies is a lookup proposal extended by the head
@@ -96,10 +96,6 @@ class WindowKVCache(KVCache):
     def restore(self, snap):
         self.keys, self.values, self.offset, self.start = snap
 
-    @property
-    def stored(self) -> int:
-        return self.offset - self.start
-
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         # KVCache writes at ``offset``: run it on stored indices.
         self.offset -= self.start
@@ -120,17 +116,6 @@ class WindowKVCache(KVCache):
         self.values = mx.contiguous(self.values[..., drop:end, :])
         self.start += drop
 
-    @property
-    def state(self):
-        if self.keys is None:
-            return None, None
-        return self.keys[..., : self.stored, :], self.values[..., : self.stored, :]
-
-    @state.setter
-    def state(self, v):
-        self.keys, self.values = v
-        self.offset = self.start + (0 if self.keys is None else self.keys.shape[2])
-
     def trim(self, n: int) -> int:
         n = min(self.stored, n)
         if n > self.margin:
@@ -149,13 +134,8 @@ class WindowKVCache(KVCache):
         k = mx.arange(stored + n)[None]
         return (k <= q) & (k > q - self.window)
 
-    def copy(self) -> "WindowKVCache":
-        c = WindowKVCache(self.window, self.margin)
-        if self.keys is not None:
-            k, v = self.state
-            c.keys, c.values = mx.array(k), mx.array(v)
-        c.offset, c.start = self.offset, self.start
-        return c
+    def _like(self) -> "WindowKVCache":
+        return WindowKVCache(self.window, self.margin)
 
 
 class BatchWindowKVCache(BatchKVCache):
@@ -219,23 +199,7 @@ class BatchWindowKVCache(BatchKVCache):
     @classmethod
     def from_single(cls, caches: List[WindowKVCache]) -> "BatchWindowKVCache":
         """Batch single-sequence window caches, left-padded to a common stored length."""
-        window = caches[0].window
-        ref = next((c for c in caches if c.keys is not None), None)
-        pos = [c.offset for c in caches]
-        if ref is None:
-            return cls(window, pos)
-        L = max(c.stored for c in caches)
-        H, D, Dv = ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
-        ks, vs = [], []
-        for c in caches:
-            pad = L - c.stored
-            zk = mx.zeros((1, H, pad, D), ref.keys.dtype)
-            zv = mx.zeros((1, H, pad, Dv), ref.values.dtype)
-            k, v = c.state
-            ks.append(zk if k is None else mx.concatenate([zk, k], axis=2))
-            vs.append(zv if v is None else mx.concatenate([zv, v], axis=2))
-        valid = mx.arange(L)[None] >= mx.array([L - c.stored for c in caches])[:, None]
-        return cls(window, pos, mx.concatenate(ks), mx.concatenate(vs), valid)
+        return cls(caches[0].window, [c.offset for c in caches], *stack_left_padded(caches))
 
     def make_mask(self, S: int, return_array: bool = True, window_size: Optional[int] = None):
         """(B, 1, S, idx + S): causal, valid slots, and within each row's window."""
