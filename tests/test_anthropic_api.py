@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 from tokenizers import Tokenizer
 
-from mlx_mtp.server.engine import Delta, Done, Failed
+from mlx_mtp.server.engine import Admitted, Delta, Done, Failed
 from server_process import ServerProcess
 
 SYSTEM = "You are terse."
@@ -97,12 +97,10 @@ def test_greedy_text_equals_chat_completions(server, claude, gpt):
     assert m2.usage.input_tokens + m2.usage.cache_read_input_tokens < ref.usage.prompt_tokens
 
 
-def test_stream_events_in_anthropic_order(server, claude):
-    kw = dict(model=server.model, max_tokens=16, system=SYSTEM,
-              messages=[{"role": "user", "content": "Write a line of verse"}])
-    whole = claude.messages.create(extra_body=GREEDY, **kw)
+def stream_events(server, body: dict) -> list:
+    """The events of a streamed ``/v1/messages`` request, read off the wire."""
     with httpx.stream("POST", server.url + "/v1/messages", timeout=60,
-                      json={**kw, **GREEDY, "stream": True}) as r:
+                      json={**body, **GREEDY, "stream": True}) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
@@ -112,6 +110,14 @@ def test_stream_events_in_anthropic_order(server, claude):
         data = json.loads(lines["data"])
         assert lines["event"] == data["type"]  # named events, no [DONE]
         events.append(data)
+    return events
+
+
+def test_stream_events_in_anthropic_order(server, claude):
+    kw = dict(model=server.model, max_tokens=16, system=SYSTEM,
+              messages=[{"role": "user", "content": "Write a line of verse"}])
+    whole = claude.messages.create(extra_body=GREEDY, **kw)
+    events = stream_events(server, kw)
     names = [e["type"] for e in events]
     n = len(names)
     assert names[:3] == ["message_start", "content_block_start", "ping"]
@@ -129,6 +135,28 @@ def test_stream_events_in_anthropic_order(server, claude):
     assert streamed.content[0].text == whole.content[0].text
     assert streamed.stop_reason == whole.stop_reason
     assert streamed.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_stream_start_usage_splits_the_prompt_as_the_final_usage(server, claude):
+    """message_start's usage leaves out what the prefix cache gave (cache_read_input_tokens),
+    as message_delta's and a whole response's do."""
+    system = "You answer questions about old sailing ships, their crews and their routes. " * 8
+
+    def kw(question):
+        return dict(model=server.model, system=system,
+                    messages=[{"role": "user", "content": question}])
+    questions = ["Count to 1", "Count to 2", "Count to 3"]
+    sizes = {claude.messages.count_tokens(**kw(q)).input_tokens for q in questions}
+    assert len(sizes) == 1  # equal prompts but for one token: each finds the same prefix
+    claude.messages.create(max_tokens=4, extra_body=GREEDY, **kw(questions[0]))  # caches it
+    whole = claude.messages.create(max_tokens=4, extra_body=GREEDY, **kw(questions[1])).usage
+    events = stream_events(server, dict(max_tokens=4, **kw(questions[2])))
+    start, final = events[0]["message"]["usage"], events[-2]["usage"]
+    assert whole.cache_read_input_tokens > 0.5 * sizes.pop()  # the shared system prompt
+    for usage in (start, final):
+        assert usage["cache_read_input_tokens"] == whole.cache_read_input_tokens
+        assert usage["input_tokens"] == whole.input_tokens
+    assert start["output_tokens"] == 0
 
 
 def test_stop_sequences(server, claude):
@@ -301,6 +329,7 @@ class ScriptedEngine:
         text, end = self.scripts.pop(0)
 
         def run():
+            req.on_event(Admitted(0))  # as the engine: joined the batch, nothing cached
             n = 0
             for i in range(0, len(text), 5):
                 ids = self.tokenizer.encode(text[i:i + 5], add_special_tokens=False)
@@ -461,4 +490,8 @@ def test_auth_and_failure_mid_stream(scripted):
                 pass
     scripted.engine.scripts.append(("", Failed(503, "The server is overloaded")))
     r = httpx.post(url, json=body, headers={"x-api-key": "secret-key"})
+    assert r.status_code == 529 and r.json()["error"]["type"] == "overloaded_error"
+    # streamed, a failure right after admission (before any token) still gets its status
+    scripted.engine.scripts.append(("", Failed(503, "The server is overloaded")))
+    r = httpx.post(url, json={**body, "stream": True}, headers={"x-api-key": "secret-key"})
     assert r.status_code == 529 and r.json()["error"]["type"] == "overloaded_error"

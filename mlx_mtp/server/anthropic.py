@@ -20,7 +20,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..decode.grammar import first_line
-from .events import Delta, Done
+from .events import Admitted, Delta, Done
 from .parsers import OutputParser, Piece
 from .prompts import PreparedChat, forced_tool, prepare_chat
 from .protocol import APIError, ChatCompletionRequest, bad_request, translated_chat_request
@@ -268,12 +268,18 @@ def _input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
-def _usage(done: Done) -> dict:
-    u = done.usage
-    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+def _cached(done: Done) -> int:
+    return (done.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+
+
+def _usage(n_prompt: int, cached: int, n_output: int) -> dict:
     # Anthropic's input_tokens excludes tokens read from the cache.
-    return {"input_tokens": u["prompt_tokens"] - cached, "cache_read_input_tokens": cached,
-            "output_tokens": u["completion_tokens"]}
+    return {"input_tokens": n_prompt - cached, "cache_read_input_tokens": cached,
+            "output_tokens": n_output}
+
+
+def _final_usage(done: Done) -> dict:
+    return _usage(done.usage["prompt_tokens"], _cached(done), done.usage["completion_tokens"])
 
 
 class MessageFormatter:
@@ -295,6 +301,7 @@ class MessageFormatter:
         self.num_calls = 0
         self.index = -1  # index of the open content block
         self.open_kind: Optional[str] = None
+        self.started = False  # message_start sent
 
     def _message(self, content: list, stop_reason, stop_sequence, usage: dict) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -327,9 +334,20 @@ class MessageFormatter:
         hits = [(i, s) for s in self.stops for i in (full.find(s, len(self.text)),) if i >= 0]
         return min(hits)[1] if hits else None
 
-    # streaming
+    # streaming: message_start waits for the engine's Admitted (before the first token), so
+    # its usage splits the prompt into input and cache reads as the final usage does.
     def start(self) -> List[dict]:
-        usage = {"input_tokens": self.n_prompt, "output_tokens": 0}
+        return []
+
+    def on_admitted(self, ev: Admitted) -> List[dict]:
+        return self._start(ev.cached_tokens)
+
+    def _start(self, cached: int) -> List[dict]:
+        """message_start, once (a stream without Admitted sends it before its first event)."""
+        if self.started:
+            return []
+        self.started = True
+        usage = _usage(self.n_prompt, cached, 0)
         return [{"type": "message_start", "message": self._message([], None, None, usage)}]
 
     def _close(self) -> List[dict]:
@@ -374,14 +392,14 @@ class MessageFormatter:
 
     def on_delta(self, ev: Delta) -> List[dict]:
         self._record(ev)
-        return self._events(self.parser.feed(ev.text))
+        return self._start(0) + self._events(self.parser.feed(ev.text))
 
     def on_done(self, done: Done, include_usage: bool = False) -> List[dict]:
-        events = self._events(self.parser.finish()) + self._close()
+        events = self._start(_cached(done)) + self._events(self.parser.finish()) + self._close()
         reason, seq = self._stop(done)
         events.append({"type": "message_delta",
                        "delta": {"stop_reason": reason, "stop_sequence": seq},
-                       "usage": _usage(done), "mtp": done.mtp, "timings": done.timings})
+                       "usage": _final_usage(done), "mtp": done.mtp, "timings": done.timings})
         events.append({"type": "message_stop"})
         return events
 
@@ -423,7 +441,7 @@ class MessageFormatter:
                 b["text"] = b["text"].strip()
         content = [b for b in content if b.get("thinking", b.get("text", True))]
         reason, seq = self._stop(done)
-        out = self._message(content, reason, seq, _usage(done))
+        out = self._message(content, reason, seq, _final_usage(done))
         out.update(mtp=done.mtp, timings=done.timings)
         return out
 

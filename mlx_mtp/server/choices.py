@@ -16,7 +16,7 @@ import json
 from dataclasses import replace
 from typing import Callable, List, Optional, Sequence
 
-from .events import Delta, Done, EngineRequest, Failed
+from .events import Delta, Done, EngineRequest, Failed, early_events
 from .protocol import APIError
 
 # A stream sends a keep-alive comment after this long without a chunk (long prefill).
@@ -84,17 +84,15 @@ async def stream_choices(submit: Callable[[EngineRequest], None],
     try:
         for r in reqs:
             submit(r)
-        first = await asyncio.wait_for(queue.get(), first_wait)
-    except asyncio.TimeoutError:
-        first = None
+        early = await early_events(queue, first_wait, event=lambda item: item[1])
     except BaseException:
         for r in reqs:
             cancel(r)
         raise
-    if first is not None and isinstance(first[1], Failed):
+    if early and isinstance(early[-1][1], Failed):
         for r in reqs:
             cancel(r)
-        raise _error(first[1])
+        raise _error(early[-1][1])
 
     async def events():
         dones: List[Optional[Done]] = [None] * len(fmts)
@@ -102,10 +100,10 @@ async def stream_choices(submit: Callable[[EngineRequest], None],
             for fmt in fmts:
                 for c in fmt.start():
                     yield _sse(c)
-            pending = first
+            pending = list(early)  # OpenAI chunks have no use for Admitted: passed over
             while any(d is None for d in dones):
-                if pending is not None:
-                    (i, ev), pending = pending, None
+                if pending:
+                    i, ev = pending.pop(0)
                 else:
                     try:
                         i, ev = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)

@@ -21,8 +21,9 @@ output does not depend on what else is running. The batch's ``DraftPolicy``
 picks K per step from acceptance and a step-cost model by batch size; while it
 pauses drafting, joining prompts skip the MTP head.
 
-Events sent to ``on_event`` (``events.py``): ``Delta`` (new text, token ids, logprobs),
-then exactly one of ``Done`` or ``Failed``. A cancelled request gets nothing.
+Events sent to ``on_event`` (``events.py``): ``Admitted`` (with the prompt tokens the prefix
+cache gave) when the request joins the batch, ``Delta`` (new text, token ids, logprobs), then
+exactly one of ``Done`` or ``Failed``. A cancelled request gets nothing.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ from .fair_share import FairShare
 from .prefix_cache import PrefixCache
 # The request and its events live apart (the API modules need only them); importable
 # from here as before.
-from .events import (LOGPROB_FLOOR, Delta, Done, EngineRequest, EngineUnavailable,  # noqa: F401
-                     Failed, TokenLogprob)
+from .events import (LOGPROB_FLOOR, Admitted, Delta, Done, EngineRequest,  # noqa: F401
+                     EngineUnavailable, Failed, TokenLogprob)
 
 log = logging.getLogger("mlx_mtp.server")
 
@@ -269,7 +270,9 @@ class Engine:
                 self.metrics.request_failure.inc(reason="abort")
                 continue
             try:
-                self.running.append(self._make_seq(req))
+                seq = self._make_seq(req)
+                self.running.append(seq)
+                self._emit(req, Admitted(seq.n_cached))
             except Exception as e:
                 log.exception("Could not start request %s", req.request_id)
                 self._emit(req, Failed(*self._error_status(e)))

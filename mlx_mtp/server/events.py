@@ -1,12 +1,15 @@
 """What a request to the engine is, and the events it sends back.
 
 ``EngineRequest`` goes to ``Engine.submit``; its ``on_event`` callback then receives
-``Delta`` events (new text, token ids, logprobs) and exactly one ``Done`` or ``Failed``.
+``Admitted`` once the request joins the batch, ``Delta`` events (new text, token ids,
+logprobs) and exactly one ``Done`` or ``Failed`` (a request that fails before it joins
+gets no ``Admitted``).
 ``EngineUnavailable`` is raised by ``submit`` when no request can be taken.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +28,14 @@ class TokenLogprob:
     top: List["TokenLogprob"] = field(default_factory=list)
     # The token's own bytes (its text can be part of a character): these join to the text.
     raw: Optional[bytes] = None
+
+
+@dataclass
+class Admitted:
+    """The request joined the batch: ``cached_tokens`` of its prompt come from the prefix
+    cache (the count ``Done.usage`` reports as ``prompt_tokens_details.cached_tokens``)."""
+
+    cached_tokens: int
 
 
 @dataclass
@@ -75,3 +86,18 @@ class EngineUnavailable(RuntimeError):
     def __init__(self, message: str, code: str):
         super().__init__(message)
         self.code = code
+
+
+async def early_events(queue: asyncio.Queue, wait: float, event=lambda item: item) -> list:
+    """What ``queue`` holds within ``wait`` seconds, up to the first event that is not
+    ``Admitted``: a failure before the first token (e.g. out of memory in prefill) still
+    gets a real HTTP status. ``event`` picks the event out of a queued item."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    items: list = []
+    while not items or isinstance(event(items[-1]), Admitted):
+        try:
+            items.append(await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time())))
+        except asyncio.TimeoutError:
+            break
+    return items

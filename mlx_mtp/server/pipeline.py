@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from .choices import choice_kwargs, merge_choices, stream_choices
-from .events import Delta, Done, EngineRequest, EngineUnavailable, Failed
+from .events import Admitted, Delta, Done, EngineRequest, EngineUnavailable, Failed, early_events
 from .http_guard import BODY_BYTES
 from .protocol import APIError, parse_request
 from .state import ServerState
@@ -103,19 +103,14 @@ class Pipeline:
         self.submit(ereq)
         if not stream:
             return await self._collect(request, queue, ereq, fmt)
-        # Wait briefly for the first event so that an early failure (e.g. out of memory
-        # during prefill) gets a real HTTP status.
-        first = None
         try:
-            first = await asyncio.wait_for(queue.get(), FIRST_EVENT_WAIT)
-        except asyncio.TimeoutError:
-            pass
+            early = await early_events(queue, FIRST_EVENT_WAIT)
         except BaseException:
             self.engine.cancel(ereq)
             raise
-        if isinstance(first, Failed):
-            raise _failed(first)
-        return StreamingResponse(self._events(queue, ereq, fmt, first, include_usage),
+        if early and isinstance(early[-1], Failed):
+            raise _failed(early[-1])
+        return StreamingResponse(self._events(queue, ereq, fmt, early, include_usage),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def _collect(self, request: Request, queue: asyncio.Queue, ereq, fmt):
@@ -139,27 +134,32 @@ class Pipeline:
             watcher.cancel()
             self.engine.cancel(ereq)  # no-op once finished; frees the slot if we were cancelled
 
-    async def _events(self, queue: asyncio.Queue, ereq, fmt, first, include_usage: bool):
+    async def _events(self, queue: asyncio.Queue, ereq, fmt, early: list, include_usage: bool):
         # Formatters of other APIs (Anthropic, Responses) name their events and frame
-        # errors their own way; OpenAI chat streams end with [DONE].
+        # errors their own way; OpenAI chat streams end with [DONE]. ``on_admitted``: what a
+        # formatter sends once the prompt's prefix-cache hit is known (Anthropic's start).
         encode = getattr(fmt, "encode_event", _sse)
         trailer = getattr(fmt, "stream_trailer", "data: [DONE]\n\n")
         error_events = getattr(fmt, "error_events", lambda err: [err.body()])
+        on_admitted = getattr(fmt, "on_admitted", lambda ev: [])
         finished = False
         try:
             for c in fmt.start():
                 yield encode(c)
-            pending = first
+            pending = list(early)
             while True:
-                if pending is not None:
-                    ev, pending = pending, None
+                if pending:
+                    ev = pending.pop(0)
                 else:
                     try:
                         ev = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
                     except asyncio.TimeoutError:
                         yield ": keepalive\n\n"
                         continue
-                if isinstance(ev, Delta):
+                if isinstance(ev, Admitted):
+                    for c in on_admitted(ev):
+                        yield encode(c)
+                elif isinstance(ev, Delta):
                     for c in fmt.on_delta(ev):
                         yield encode(c)
                 elif isinstance(ev, Done):
