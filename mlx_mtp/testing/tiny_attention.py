@@ -11,6 +11,7 @@ noise on ``eh_proj``: partial acceptance).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -142,16 +143,28 @@ def to_fp8(weights: dict) -> dict:
     return out
 
 
-def make_tiny(path, family: str = "glm4_moe", head: str = "random", *, seed: int = 0,
-              trunk_scale: float = 0.1, proj_noise: float = 2.5, drop_mtp: bool = False,
-              num_shards: int = 1, dtype=mx.float32, fp8: bool = False,
-              **config_kwargs) -> Path:
+def make_tiny(path, family: str = "glm4_moe", head: str = "random", **kw) -> Path:
     """Build and save a tiny checkpoint in the released layout; returns its path."""
-    config = tiny_config(family, **config_kwargs)
+    return write_tiny(path, lambda **c: tiny_config(family, **c), to_hf, head, **kw)
+
+
+def write_tiny(path, make_config: Callable[..., dict], to_hf_names: Callable, head: str = "random",
+               *, seed: int = 0, trunk_scale: float = 0.1, proj_noise: float = 2.5,
+               drop_mtp: bool = False, num_shards: int = 1, dtype=mx.float32, fp8: bool = False,
+               prepare: Optional[Callable] = None, oracle: Callable = make_oracle,
+               **config_kwargs) -> Path:
+    """The one writer of every family's tiny checkpoint: the model of
+    ``make_config(**config_kwargs)`` from ``seed`` (``prepare(model)`` first, if given), its
+    head (``random``; ``oracle`` / ``noisy``: ``oracle(model, trunk_scale, noise, seed)``),
+    its weights under the released names (``to_hf_names(model, drop_mtp)``; ``fp8``: the
+    projections in the FP8 release form), saved with the test tokenizer."""
+    config = make_config(**config_kwargs)
     model = build_model(config, seed)
+    if prepare is not None:
+        prepare(model)
     if head in ("oracle", "noisy"):
-        make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
-    weights = to_hf(model, drop_mtp)
+        oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
+    weights = to_hf_names(model, drop_mtp)
     if fp8:
         weights = to_fp8(weights)
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .tiny_attention import _unsplit, build_model, make_oracle, save_tiny
+from .tiny_attention import _unsplit, make_oracle, tiny_config, to_hf, write_tiny
 
 WINDOW = 8
 
@@ -68,18 +68,11 @@ def step3p5_to_hf(model, drop_mtp: bool = False) -> dict:
     return out
 
 
-def make_tiny_step3p5(path, head: str = "random", *, seed: int = 0, trunk_scale: float = 0.1,
-                      proj_noise: float = 2.5, drop_mtp: bool = False, dtype=mx.float32,
-                      broken: tuple = (), **config_kwargs) -> Path:
+def make_tiny_step3p5(path, head: str = "random", *, broken: tuple = (), **kw) -> Path:
     """``mtp_layers=3`` ships three MTP layers (as Step-3.5-Flash does); ``broken``: see
-    ``chain_oracle``."""
-    config = step3p5_config(**config_kwargs)
-    model = build_model(config, seed)
-    if head in ("oracle", "noisy"):
-        noise = proj_noise if head == "noisy" else 0.0
-        make_oracle(model, trunk_scale, noise, seed)
-        chain_oracle(model, noise, seed, broken)
-    return save_tiny(path, step3p5_to_hf(model, drop_mtp), config, dtype)
+    ``chain_oracle``. Other options: ``tiny_attention.write_tiny``."""
+    return write_tiny(path, step3p5_config, step3p5_to_hf, head, oracle=chained_oracle(broken),
+                      **kw)
 
 
 def mimo_v2_flash_config(vocab_size: int = 128, hidden: int = 64, num_layers: int = 3,
@@ -135,18 +128,18 @@ def chain_oracle(model, proj_noise: float, seed: int, broken: tuple = ()):
     mx.eval(model.parameters())
 
 
-def make_tiny_mimo_v2_flash(path, head: str = "random", *, seed: int = 0,
-                            trunk_scale: float = 0.1, proj_noise: float = 2.5,
-                            drop_mtp: bool = False, dtype=mx.float32, broken: tuple = (),
-                            **config_kwargs) -> Path:
+def chained_oracle(broken: tuple = ()):
+    """``make_oracle`` for the trunk and MTP layer 0, then ``chain_oracle`` for the rest."""
+    def oracle(model, trunk_scale: float, proj_noise: float, seed: int):
+        make_oracle(model, trunk_scale, proj_noise, seed)
+        chain_oracle(model, proj_noise, seed, broken)
+    return oracle
+
+
+def make_tiny_mimo_v2_flash(path, head: str = "random", *, broken: tuple = (), **kw) -> Path:
     """``broken``: MTP layers given a random projection (their depth's drafts fail)."""
-    config = mimo_v2_flash_config(**config_kwargs)
-    model = build_model(config, seed)
-    if head in ("oracle", "noisy"):
-        noise = proj_noise if head == "noisy" else 0.0
-        make_oracle(model, trunk_scale, noise, seed)
-        chain_oracle(model, noise, seed, broken)
-    return save_tiny(path, mimo_v2_flash_to_hf(model, drop_mtp), config, dtype)
+    return write_tiny(path, mimo_v2_flash_config, mimo_v2_flash_to_hf, head,
+                      oracle=chained_oracle(broken), **kw)
 
 
 def nemotron_h_config(vocab_size: int = 128, hidden: int = 64) -> dict:
@@ -193,17 +186,15 @@ def nemotron_h_to_hf(model, drop_mtp: bool = False) -> dict:
     return out
 
 
-def make_tiny_nemotron_h(path, head: str = "random", *, seed: int = 0, trunk_scale: float = 0.1,
-                         proj_noise: float = 2.5, drop_mtp: bool = False, dtype=mx.float32,
-                         **config_kwargs) -> Path:
-    config = nemotron_h_config(**config_kwargs)
-    model = build_model(config, seed)
+def _random_routers(model):
     gates = [(k, mx.random.normal(v.shape)) for k, v in tree_flatten(model.parameters())
              if k.endswith("mixer.gate.weight")]  # mlx-lm starts routers at zero
     model.load_weights(gates, strict=False)
-    if head in ("oracle", "noisy"):
-        nemotron_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
-    return save_tiny(path, nemotron_h_to_hf(model, drop_mtp), config, dtype)
+
+
+def make_tiny_nemotron_h(path, head: str = "random", **kw) -> Path:
+    return write_tiny(path, nemotron_h_config, nemotron_h_to_hf, head, prepare=_random_routers,
+                      oracle=nemotron_oracle, **kw)
 
 
 def longcat_flash_config(vocab_size: int = 128, hidden: int = 64) -> dict:
@@ -246,21 +237,13 @@ def longcat_flash_to_hf(model, drop_mtp: bool = False) -> dict:
     return out
 
 
-def make_tiny_longcat_flash(path, head: str = "random", *, seed: int = 0,
-                            trunk_scale: float = 0.1, proj_noise: float = 2.5,
-                            drop_mtp: bool = False, dtype=mx.float32, **config_kwargs) -> Path:
-    config = longcat_flash_config(**config_kwargs)
-    model = build_model(config, seed)
-    if head in ("oracle", "noisy"):
-        make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
-    return save_tiny(path, longcat_flash_to_hf(model, drop_mtp), config, dtype)
+def make_tiny_longcat_flash(path, head: str = "random", **kw) -> Path:
+    return write_tiny(path, longcat_flash_config, longcat_flash_to_hf, head, **kw)
 
 
 def dsa_config(family: str = "deepseek_v32", index_topk: int = 6, **kw) -> dict:
     """DeepSeek-V3's tiny MLA + MoE shape with a sparse-attention indexer whose top-k is
     small, so short contexts cross it."""
-    from .tiny_attention import tiny_config
-
     cfg = dict(tiny_config("deepseek_v3", **kw), model_type=family, index_head_dim=16,
                index_n_heads=2, index_topk=index_topk)
     if family == "glm_moe_dsa":
@@ -269,20 +252,6 @@ def dsa_config(family: str = "deepseek_v32", index_topk: int = 6, **kw) -> dict:
     return dict(cfg, architectures=["DeepseekV32ForCausalLM"], indexer_rope_interleave=False)
 
 
-def make_tiny_dsa(path, family: str = "deepseek_v32", head: str = "random", *, seed: int = 0,
-                  trunk_scale: float = 0.1, proj_noise: float = 2.5, drop_mtp: bool = False,
-                  dtype=mx.float32, fp8: bool = False, **config_kwargs) -> Path:
-    """``fp8``: the projections in the FP8 release form (as ``tiny_attention.make_tiny``)."""
-    from .tiny_attention import FP8_BLOCK, to_fp8, to_hf
-
-    config = dsa_config(family, **config_kwargs)
-    model = build_model(config, seed)
-    if head in ("oracle", "noisy"):
-        make_oracle(model, trunk_scale, proj_noise if head == "noisy" else 0.0, seed)
-    weights = to_hf(model, drop_mtp)
-    if fp8:
-        weights = to_fp8(weights)
-        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                         "activation_scheme": "dynamic",
-                                         "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
-    return save_tiny(path, weights, config, dtype)
+def make_tiny_dsa(path, family: str = "deepseek_v32", head: str = "random", **kw) -> Path:
+    """``fp8=True``: the projections in the FP8 release form (as ``tiny_attention.make_tiny``)."""
+    return write_tiny(path, lambda **c: dsa_config(family, **c), to_hf, head, **kw)
