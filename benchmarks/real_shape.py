@@ -38,8 +38,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_mtp.bench.inprocess import measure_costs
-from mlx_mtp.decode.speculative import MTPDecoder
+from mlx_mtp.bench.inprocess import decode_tps, measure_costs
 from mlx_mtp.models import draft_vocab_auto
 from mlx_mtp.models.loader import load_model
 from mlx_mtp.options import apply_model_options
@@ -154,17 +153,6 @@ def prompt_ids(n=32) -> list:
     return cycle_tokens()[:n].tolist()
 
 
-def ours(model, ids, n, k):
-    """Decode tok/s with the default policy (adaptive K <= k), and the decoder."""
-    dec = MTPDecoder(model, k, adaptive=True)
-    dec.prefill(ids)
-    dec.step()
-    got, tic = 0, time.perf_counter()
-    while got < n:
-        got += len(dec.step().tokens)
-    return got / (time.perf_counter() - tic), dec
-
-
 def mlx_lm_tps(path, ids, n):
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model as lm_load_model
@@ -189,13 +177,13 @@ def our_model(path, dtype, noise):
 
 def run_ours(path, dtype, label, ids, a, tps, stats):
     model, heads = our_model(path, dtype, a.fc_noise)
-    tps.setdefault(f"{label}_mtp_off", []).append(ours(model, ids, a.tokens, 0)[0])
+    tps.setdefault(f"{label}_mtp_off", []).append(decode_tps(model, ids, a.tokens, 0)[0])
     for kind in a.heads.split(","):
         set_head(model, heads[kind])
         tuner = model.draft_vocab_tuner
         if tuner is not None:  # every head starts from the load-time choice
             tuner.__init__(model, tuner.ranking, tuner.bits)
-        t, dec = ours(model, ids, a.tokens, 3)
+        t, dec = decode_tps(model, ids, a.tokens, 3)  # the default policy
         tps.setdefault(f"{label}_{kind}", []).append(t)
         stats[f"{label}_{kind}"] = {
             **{k: v for k, v in dec.stats.to_dict().items()

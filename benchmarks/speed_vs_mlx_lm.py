@@ -23,15 +23,13 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate as lm_stream_generate
 from mlx_lm.utils import load as lm_load
 
-from mlx_mtp.bench.inprocess import measure_costs
-from mlx_mtp.decode.speculative import MTPDecoder
+from mlx_mtp.bench.inprocess import decode_tps, measure_costs
 from mlx_mtp.models.loader import load
 from mlx_mtp.testing.tiny import make_tiny
 
@@ -44,17 +42,6 @@ TARGETS = {  # name: (minimum ratio, what it is measured against)
 }
 
 
-def ours(model, ids, n, k, adaptive):
-    """Generation tok/s (the first token belongs to the prompt, as in mlx-lm) and the decoder."""
-    dec = MTPDecoder(model, k, adaptive=adaptive)
-    dec.prefill(ids)
-    dec.step()
-    got, tic = 0, time.perf_counter()
-    while got < n:
-        got += len(dec.step().tokens)
-    return got / (time.perf_counter() - tic), dec
-
-
 def mlx_lm_tps(model, tok, n):
     last = None
     for last in lm_stream_generate(model, tok, PROMPT, max_tokens=n + 1):
@@ -63,7 +50,7 @@ def mlx_lm_tps(model, tok, n):
 
 
 def first_position_acceptance(model, ids, n):
-    _, dec = ours(model, ids, n, 1, False)
+    _, dec = decode_tps(model, ids, n, 1, False)
     return dec.stats.acceptance_per_pos[0]
 
 
@@ -98,12 +85,12 @@ def main():
     for _ in range(a.repeats):  # interleaved: every configuration once per round
         for head in paths:
             run(f"mlx_lm_{head}", lambda: mlx_lm_tps(*lm[head], n))
-            tok_s, dec = ours(mine[head], ids, n, 3, True)
+            tok_s, dec = decode_tps(mine[head], ids, n, 3, True)
             tps.setdefault(f"{head}_default", []).append(tok_s)
             acceptance.setdefault(head, []).append(dec.stats.to_dict())
-        run("mtp_off", lambda: ours(mine["oracle"], ids, n, 0, False)[0])
+        run("mtp_off", lambda: decode_tps(mine["oracle"], ids, n, 0, False)[0])
         for k in (1, 2, 3):
-            run(f"oracle_k{k}", lambda: ours(mine["oracle"], ids, n, k, False)[0])
+            run(f"oracle_k{k}", lambda: decode_tps(mine["oracle"], ids, n, k, False)[0])
     med = {k: statistics.median(v) for k, v in tps.items()}
     base = {"oracle_default": "mlx_lm_oracle", "noisy_default": "mlx_lm_noisy",
             "random_default": "mlx_lm_random", "mtp_off": "mlx_lm_oracle"}

@@ -478,3 +478,16 @@ def predictions(rows: List[dict], costs: dict) -> List[dict]:
 def work_units(n_settings: int, n_prompts: int, repeats: int) -> int:
     """How many progress ticks ``run_inprocess`` makes."""
     return n_settings + n_prompts + repeats * n_prompts * n_settings
+
+
+def decode_tps(model, ids: Sequence[int], n: int, k: int, adaptive: bool = True):
+    """Generation tok/s of an ``MTPDecoder`` (K = ``k``, or adaptive K <= ``k``) over at least
+    ``n`` tokens after the prompt ``ids``, and the decoder (its stats). The first token
+    belongs to the prompt, as in mlx-lm's own figures."""
+    dec = MTPDecoder(model, k, adaptive=adaptive)
+    dec.prefill(ids)
+    dec.step()
+    got, tic = 0, time.perf_counter()
+    while got < n:
+        got += len(dec.step().tokens)
+    return got / (time.perf_counter() - tic), dec
