@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 
 import family_checks as fc
-from engine_events import Sink
+from engine_events import make_engine, run
 from mlx_mtp.models import window_cache
 from mlx_mtp.models.loader import load
 from mlx_mtp.models.window_cache import WindowKVCache
-from mlx_mtp.server.engine import Done, Engine, EngineRequest
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.server.session_store import SessionStore, model_fingerprint
 from mlx_mtp.testing.tiny_special import (make_tiny_dsa, make_tiny_longcat_flash,
@@ -43,22 +42,9 @@ def family(request, tmp_path_factory):
     return request.param, path, load(str(path))
 
 
-def run(engine, prompts, **kw):
-    sinks = [Sink() for _ in prompts]
-    for p, s in zip(prompts, sinks):
-        engine.submit(EngineRequest(prompt=list(p), max_tokens=12, on_event=s, **kw))
-    for _ in range(3000):
-        if all(s.done is not None for s in sinks):
-            assert all(isinstance(s.done, Done) for s in sinks), [s.done for s in sinks]
-            return sinks
-        engine.step()
-    raise AssertionError("requests did not finish")
-
-
 def engine(model_tok, k=3, prefix_cache=None):
-    model, tok = model_tok
-    return Engine(model, tok, num_draft_tokens=k, adaptive=False, log_interval=0,
-                  prefix_cache=prefix_cache, prefill_step_size=16)
+    return make_engine(model_tok, num_draft_tokens=k, adaptive=False, prefix_cache=prefix_cache,
+                       prefill_step_size=16)
 
 
 def mlx_lm_greedy(path, prompt, n=12):

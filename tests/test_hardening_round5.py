@@ -7,8 +7,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from mlx_lm.utils import load_tokenizer
 
+from grammar_fixtures import VOCAB, ckpt, grammar, tok  # noqa: F401  (fixtures)
 from mlx_mtp.decode import grammar as G
 from mlx_mtp.decode.batch import BatchDecoder, BatchStepError
 from mlx_mtp.decode.sampling import SamplingParams
@@ -16,7 +16,6 @@ from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.loader import load_model
 from mlx_mtp.server.structured import tool_call_grammar
 
-VOCAB = 4096
 PROMPTS = [[1, 5, 9, 22, 7, 3, 100, 200], [4, 8, 15, 16, 23, 42], [7, 7, 1, 2, 3, 9, 11]]
 
 CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
@@ -40,19 +39,8 @@ def assert_short(message: str):
         assert leak not in message, message
 
 
-@pytest.fixture(scope="module")
-def ckpt(tiny_ckpt):
-    return tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1, vocab_size=VOCAB)
-
-
-@pytest.fixture(scope="module")
-def tok(ckpt):
-    return load_tokenizer(Path(ckpt))
-
-
 def compile_format(tok, response_format):
-    return G.Grammar(tok, G.response_format_grammar(response_format), VOCAB,
-                     sorted(tok.eos_token_ids))
+    return grammar(tok, G.response_format_grammar(response_format))
 
 
 @pytest.mark.parametrize("fmt,reason", [

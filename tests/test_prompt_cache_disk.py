@@ -15,11 +15,10 @@ import mlx.core as mx
 import openai
 import pytest
 
-from engine_events import Sink
+from engine_events import make_engine, run as run_all
 from mlx_mtp.decode.speculative import MTPDecoder
 from mlx_mtp.models.cache import cache_state_arrays
 from mlx_mtp.models.loader import load
-from mlx_mtp.server.engine import Done, Engine, EngineRequest
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.server.session_store import SUFFIX, SessionStore, model_fingerprint
 from mlx_mtp.testing.tiny import FAMILIES, make_tiny
@@ -40,20 +39,12 @@ def models(ckpts):
 
 
 def run(engine, prompt, **kw):
-    sink = Sink()
-    engine.submit(EngineRequest(prompt=list(prompt), max_tokens=12, on_event=sink, **kw))
-    for _ in range(2000):
-        if sink.done is not None:
-            assert isinstance(sink.done, Done), sink.done
-            return sink
-        engine.step()
-    raise AssertionError("request did not finish")
+    return run_all(engine, [prompt], limit=2000, **kw)[0]
 
 
 def engine(model_tok, k=2, prefix_cache=None):
-    model, tok = model_tok
-    return Engine(model, tok, num_draft_tokens=k, adaptive=False, log_interval=0,
-                  prefix_cache=prefix_cache, prefill_step_size=64)
+    return make_engine(model_tok, num_draft_tokens=k, adaptive=False, prefix_cache=prefix_cache,
+                       prefill_step_size=64)
 
 
 def prompt_of(n, seed=0):

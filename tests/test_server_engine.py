@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from engine_events import Sink
+from engine_events import Sink, drive, make_engine
 from mlx_mtp.models.loader import load
 from mlx_mtp.decode.sampling import SamplingParams
-from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest, Failed
+from mlx_mtp.server.engine import Delta, Done, EngineRequest, Failed
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.testing.tiny import make_tiny
 
@@ -25,20 +25,6 @@ def tiny(tmp_path_factory):
 def request(prompt, max_tokens=16, **kw):
     sink = Sink()
     return EngineRequest(prompt=list(prompt), max_tokens=max_tokens, on_event=sink, **kw), sink
-
-
-def drive(engine, sinks, limit=5000):
-    for _ in range(limit):
-        if all(s.done is not None for s in sinks):
-            return
-        engine.step()
-    raise AssertionError("requests did not finish")
-
-
-def make_engine(tiny, **kw):
-    model, tok = tiny
-    kw.setdefault("log_interval", 0)
-    return Engine(model, tok, **kw)
 
 
 def prompts(n, length=24):

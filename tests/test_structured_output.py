@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step as mlx_lm_generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
-from mlx_lm.utils import load_tokenizer
 
 import llguidance
 import llguidance.hf
@@ -22,8 +21,8 @@ from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.loader import load_model
 from distribution_check import assert_follows, two_token_joint
+from grammar_fixtures import VOCAB, ckpt, grammar, tok  # noqa: F401  (fixtures)
 
-VOCAB = 4096  # the test tokenizer's vocabulary
 PROMPT = [1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 18]
 SCHEMA = {
     "type": "object",
@@ -41,21 +40,6 @@ def check_schema(doc):
     assert isinstance(doc["size"], int) and 0 <= doc["size"] <= 999
     assert isinstance(doc["tags"], list) and len(doc["tags"]) <= 3
     assert set(doc["tags"]) <= {"a", "b", "c"}
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny_ckpt):
-    # A head that agrees with the trunk most of the time: drafts get accepted.
-    return tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1, vocab_size=VOCAB)
-
-
-@pytest.fixture(scope="module")
-def tok(ckpt):
-    return load_tokenizer(Path(ckpt))
-
-
-def grammar(tok, text):
-    return G.Grammar(tok, text, VOCAB, sorted(tok.eos_token_ids))
 
 
 def mtp_tokens(model, prompt, n, k, sampling, gram):
