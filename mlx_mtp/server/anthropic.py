@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..decode.grammar import first_line
 from .events import Admitted, Delta, Done
-from .parsers import OutputParser, Piece
-from .prompts import PreparedChat, forced_tool, prepare_chat
+from .parsers import Piece
+from .prompts import PreparedChat, forced_tool, output_parser, prepare_chat
 from .protocol import APIError, ChatCompletionRequest, bad_request, translated_chat_request
 
 if TYPE_CHECKING:
@@ -286,16 +286,13 @@ class MessageFormatter:
     """Engine events -> an Anthropic message, or its stream events."""
 
     def __init__(self, state: ServerState, model: str, prepared: PreparedChat,
-                 parse_tools: bool, stop_sequences: List[str]):
+                 stop_sequences: List[str]):
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.state = state
         self.model = model
         self.n_prompt = len(prepared.ids)
         self.stops = [s for s in stop_sequences if s]
-        self.parser = OutputParser(reasoning=state.reasoning_parser != "none",
-                                   start_in_reasoning=prepared.start_in_reasoning,
-                                   tools=prepared.tools, parse_tools=parse_tools,
-                                   tool_format=state.tool_call_parser)
+        self.parser = output_parser(state, prepared)
         self.token_ids: List[int] = []
         self.text = ""  # everything the engine sent, for telling stop strings from eos
         self.num_calls = 0
@@ -472,11 +469,7 @@ def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Cal
             kw = resolve_common(state, chat, len(prepared.ids), req.max_tokens)
             kw["grammar"] = await tokenize(compile_constraint, state, None, prepared,
                                            forced_tool(chat))
-            parse_tools = prepared.tools is not None and state.tool_call_parser != "none"
-            fmt = MessageFormatter(state, req.model or state.model_name, prepared, parse_tools,
-                                   kw["stop"])
-            if prepared.forced_prefix:  # a forced tool call: the parser reads its opening
-                fmt.parser.feed(prepared.forced_prefix)
+            fmt = MessageFormatter(state, req.model or state.model_name, prepared, kw["stop"])
             return await run_request(request, kw, prepared.ids, prepared.boundaries, None, fmt,
                                      bool(req.stream), False)
         except APIError:

@@ -20,8 +20,8 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict
 
 from .events import Delta, Done
-from .parsers import OutputParser, Piece
-from .prompts import PreparedChat, forced_tool, prepare_chat
+from .parsers import Piece
+from .prompts import PreparedChat, forced_tool, output_parser, prepare_chat
 from .protocol import APIError, ChatCompletionRequest, bad_request, translated_chat_request
 
 if TYPE_CHECKING:
@@ -211,17 +211,14 @@ class ResponseFormatter:
     """Engine events -> a ``response`` object, or its ``response.*`` stream events."""
 
     def __init__(self, state: ServerState, model: str, prepared: PreparedChat,
-                 parse_tools: bool, req: ResponsesRequest, tools: Optional[list]):
+                 req: ResponsesRequest, tools: Optional[list]):
         self.id = _new_id("resp")
         self.created_at = int(time.time())
         self.state = state
         self.model = model
         self.req = req
         self.tools = tools
-        self.parser = OutputParser(reasoning=state.reasoning_parser != "none",
-                                   start_in_reasoning=prepared.start_in_reasoning,
-                                   tools=prepared.tools, parse_tools=parse_tools,
-                                   tool_format=state.tool_call_parser)
+        self.parser = output_parser(state, prepared)
         self.output: List[dict] = []  # items, the last one possibly still open
         self.open = False
         self.seq = 0
@@ -405,10 +402,6 @@ def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Cal
         kw["grammar"] = await tokenize(compile_constraint, state,
                                        (chat.model_extra or {}).get("response_format"),
                                        prepared, forced_tool(chat))
-        parse_tools = prepared.tools is not None and state.tool_call_parser != "none"
-        fmt = ResponseFormatter(state, req.model or state.model_name, prepared, parse_tools,
-                                req, req.tools)
-        if prepared.forced_prefix:  # a forced tool call: the parser reads its opening
-            fmt.parser.feed(prepared.forced_prefix)
+        fmt = ResponseFormatter(state, req.model or state.model_name, prepared, req, req.tools)
         return await run_request(request, kw, prepared.ids, prepared.boundaries, None, fmt,
                                  bool(req.stream), False)

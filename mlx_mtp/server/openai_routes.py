@@ -116,14 +116,9 @@ def add_routes(app, pipe: Pipeline):
                                             (req.model_extra or {}).get("response_format"),
                                             prepared, forced_tool(req))
         logprobs = _chat_logprobs(req)
-        parse_tools = prepared.tools is not None and state.tool_call_parser != "none"
 
         def make_fmt():
-            fmt = ChatFormatter(state, req.model or state.model_name, prepared, logprobs,
-                                parse_tools)
-            if prepared.forced_prefix:  # a forced tool call: the parser reads its opening
-                fmt.parser.feed(prepared.forced_prefix)
-            return fmt
+            return ChatFormatter(state, req.model or state.model_name, prepared, logprobs)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await pipe.run_choices(request, kw, req.n or 1, make_fmt, prepared.ids,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ..decode.prompt import chat_template_args
+from .parsers import OutputParser
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 
 if TYPE_CHECKING:
@@ -133,6 +134,19 @@ class PreparedChat:
     # Text appended to the prompt to force a tool call (tool_choice); the output parser
     # reads it first, as if the model had written it.
     forced_prefix: str = ""
+
+
+def output_parser(state: ServerState, prepared: PreparedChat) -> OutputParser:
+    """The parser of the answer to ``prepared``, in the server's reasoning and tool-call
+    formats, from where the prompt leaves off (inside a think block, or in a forced tool
+    call whose opening it reads first, as if the model had written it)."""
+    parse_tools = prepared.tools is not None and state.tool_call_parser != "none"
+    parser = OutputParser(reasoning=state.reasoning_parser != "none",
+                          start_in_reasoning=prepared.start_in_reasoning, tools=prepared.tools,
+                          parse_tools=parse_tools, tool_format=state.tool_call_parser)
+    if prepared.forced_prefix:
+        parser.feed(prepared.forced_prefix)
+    return parser
 
 
 def forced_tool(req: ChatCompletionRequest) -> Optional[str]:

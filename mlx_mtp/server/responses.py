@@ -11,8 +11,8 @@ import uuid
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from .events import Delta, Done, TokenLogprob
-from .parsers import OutputParser, Piece
-from .prompts import PreparedChat
+from .parsers import Piece
+from .prompts import PreparedChat, output_parser
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -93,16 +93,13 @@ class ChatFormatter:
     index = 0  # the choice this formatter streams (n > 1: choices.stream_choices sets it)
 
     def __init__(self, state: ServerState, model: str, prepared: PreparedChat,
-                 logprobs: Optional[int], parse_tools: bool):
+                 logprobs: Optional[int]):
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
         self.state = state
         self.logprobs = logprobs
-        self.parser = OutputParser(reasoning=state.reasoning_parser != "none",
-                                   start_in_reasoning=prepared.start_in_reasoning,
-                                   tools=prepared.tools, parse_tools=parse_tools,
-                                   tool_format=state.tool_call_parser)
+        self.parser = output_parser(state, prepared)
         self.num_calls = 0
         self.lp_items: List[TokenLogprob] = []
 
