@@ -96,16 +96,9 @@ def mimo_v2_flash_config(vocab_size: int = 128, hidden: int = 64, num_layers: in
             "tie_word_embeddings": False}
 
 
-def mimo_v2_flash_to_hf(model, drop_mtp: bool = False) -> dict:
-    """Per-expert experts; the MTP layers at ``model.mtp.layers.{i}.*``."""
-    flat = dict(tree_flatten(model.parameters()))
-    out = {k: v for k, v in flat.items() if not k.startswith("mtp.")}
-    for i in range(model.args.num_hidden_layers):
-        _unsplit(out, f"model.layers.{i}.", model.args)
-    if model.num_mtp_layers and not drop_mtp:
-        out.update(model.checkpoint_mtp_names({k: v for k, v in flat.items()
-                                               if k.startswith("mtp.")}))
-    return out
+# Per-expert experts; the MTP layers (dense, no duplicated embedding or head) at
+# ``model.mtp.layers.{i}.*``: what ``to_hf`` writes for the attention families.
+mimo_v2_flash_to_hf = to_hf
 
 
 def chain_oracle(model, proj_noise: float, seed: int, broken: tuple = ()):
