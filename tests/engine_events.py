@@ -1,15 +1,20 @@
 """What an engine request reports, collected: the sink tests hand to ``EngineRequest``, and
 the loops that step an engine until its requests are done."""
 
+import threading
+
 from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest, Failed
 
 
 class Sink:
     def __init__(self):
         self.events = []
+        self.ended = threading.Event()  # set by Done or Failed (an engine on its own thread)
 
     def __call__(self, ev):
         self.events.append(ev)
+        if isinstance(ev, (Done, Failed)):
+            self.ended.set()
 
     @property
     def done(self):

@@ -58,6 +58,17 @@ def setup(tmp_path_factory):
     server.shutdown()
 
 
+def graft_from_hub(hub, trunk: Path, tmp_path: Path, repo: str):
+    """``add-mtp --from repo`` onto a copy of ``trunk``: (the model, the GET requests it made)."""
+    dst = tmp_path / "model"
+    shutil.copytree(trunk, dst)
+    first = len(hub.requests)
+    code, _, err = cli(env_for(hub, tmp_path / "hf"), "add-mtp", "--model", str(dst),
+                       "--from", repo)
+    assert code == 0, err
+    return dst, [r for r in hub.requests[first:] if r.method == "GET" and "/resolve/" in r.path]
+
+
 def same_tensors(a: Path, b: Path):
     x, y = mx.load(str(a / "mtp.safetensors")), mx.load(str(b / "mtp.safetensors"))
     assert x.keys() == y.keys() and all(mx.array_equal(x[k], y[k]).item() for k in x)
@@ -68,13 +79,7 @@ def test_from_hub_reads_only_the_head_shards_and_grafts_like_the_local_source(se
     index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
     head_shards = {f for k, f in index.items() if is_mtp_key(k)}
     assert head_shards < set(index.values())  # the test means something: a shard is skipped
-    dst = tmp_path / "model"
-    shutil.copytree(trunk, dst)
-    first = len(hub.requests)
-    code, _, err = cli(env_for(hub, tmp_path / "hf"), "add-mtp", "--model", str(dst),
-                       "--from", "org/orig")
-    assert code == 0, err
-    fetched = [r for r in hub.requests[first:] if r.method == "GET" and "/resolve/" in r.path]
+    dst, fetched = graft_from_hub(hub, trunk, tmp_path, "org/orig")
     names = sorted(r.path.rsplit("/", 1)[1] for r in fetched)
     assert names == sorted({"config.json", "model.safetensors.index.json"} | head_shards)
     wanted = sum((src / n).stat().st_size for n in names)
@@ -149,13 +154,7 @@ def test_head_in_a_file_the_index_does_not_name(setup, tmp_path):
     index["weight_map"] = {k: f for k, f in index["weight_map"].items() if not is_mtp_key(k)}
     index_file.write_text(json.dumps(index))
     hub.add_repo("org/release-mtp-file", release)
-    dst = tmp_path / "model"
-    shutil.copytree(trunk, dst)
-    first = len(hub.requests)
-    code, _, err = cli(env_for(hub, tmp_path / "hf"), "add-mtp", "--model", str(dst),
-                       "--from", "org/release-mtp-file")
-    assert code == 0, err
-    names = sorted(r.path.rsplit("/", 1)[1] for r in hub.requests[first:]
-                   if r.method == "GET" and "/resolve/" in r.path)
+    dst, fetched = graft_from_hub(hub, trunk, tmp_path, "org/release-mtp-file")
+    names = sorted(r.path.rsplit("/", 1)[1] for r in fetched)
     assert names == ["config.json", "model.safetensors.index.json", "mtp.safetensors"]
     same_tensors(dst, reference)

@@ -1,6 +1,5 @@
 """The scheduler in-process (no HTTP): batching, chunked prefill, prefix cache, failures."""
 
-import threading
 import time
 
 import pytest
@@ -266,31 +265,17 @@ def test_logprobs(tiny):
 def test_threaded_engine_and_shutdown(tiny):
     eng = make_engine(tiny)
     eng.start()
-    done = threading.Event()
     sink = Sink()
-
-    def on_event(ev):
-        sink(ev)
-        if isinstance(ev, (Done, Failed)):
-            done.set()
-
-    eng.submit(EngineRequest(prompt=prompts(1)[0], max_tokens=8, on_event=on_event))
-    assert done.wait(30) and isinstance(sink.done, Done)
+    eng.submit(EngineRequest(prompt=prompts(1)[0], max_tokens=8, on_event=sink))
+    assert sink.ended.wait(30) and isinstance(sink.done, Done)
     # a long request is running when the engine shuts down: it fails with 503
-    done.clear()
     sink2 = Sink()
-
-    def on_event2(ev):
-        sink2(ev)
-        if isinstance(ev, (Done, Failed)):
-            done.set()
-
-    eng.submit(EngineRequest(prompt=prompts(1)[0], max_tokens=3000, on_event=on_event2))
+    eng.submit(EngineRequest(prompt=prompts(1)[0], max_tokens=3000, on_event=sink2))
     t0 = time.time()
     while not sink2.tokens and time.time() - t0 < 30:
         time.sleep(0.01)
     eng.shutdown()
-    assert done.wait(10) and isinstance(sink2.done, Failed) and sink2.done.status == 503
+    assert sink2.ended.wait(10) and isinstance(sink2.done, Failed) and sink2.done.status == 503
     assert not eng.alive
     with pytest.raises(RuntimeError):
         eng.submit(EngineRequest(prompt=[1, 2], max_tokens=1))
@@ -323,11 +308,9 @@ def test_scheduler_failure_fails_the_batch_and_empties_it(tiny):
             assert isinstance(sink.done, Failed) and sink.done.status == 500
         assert len(eng.batch) == 0 and not eng.running
         eng.batch.step = real
-        done = threading.Event()
         r, sink = request(ps[2])
-        r.on_event = lambda ev: (sink(ev), isinstance(ev, (Done, Failed)) and done.set())
         eng.submit(r)
-        assert done.wait(60) and isinstance(sink.done, Done)
+        assert sink.ended.wait(60) and isinstance(sink.done, Done)
         assert sink.tokens == alone[2]
     finally:
         eng.shutdown()
