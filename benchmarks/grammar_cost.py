@@ -87,14 +87,9 @@ def qwen_tokenizer():
         return out
 
     def strings():  # GPT-2 byte-to-unicode spelling, as Hugging Face vocabularies spell them
-        bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-        cs, n = bs[:], 0
-        for b in range(256):
-            if b not in bs:
-                bs.append(b)
-                cs.append(256 + n)
-                n += 1
-        table = {b: chr(c) for b, c in zip(bs, cs)}
+        from mlx_mtp.decode.text_stream import byte_alphabet
+
+        table = byte_alphabet()
         vocab = {}
         for tok, i in ranks.items():
             vocab.setdefault("".join(table[b] for b in tok), []).append(i)

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from mlx_mtp.decode.text_stream import byte_alphabet  # noqa: E402
 from mlx_mtp.models.draft_vocab import COVERAGE_SIZES, vocab_hash  # noqa: E402
 
 WEIGHTS = {"code": 0.4, "prose": 0.4, "multilingual": 0.2}
@@ -42,15 +43,7 @@ PROSE_SUFFIXES = {".md", ".rst", ".txt", ".html", ""}
 
 def bytes_to_unicode() -> dict:
     """GPT-2 byte-level alphabet: how tokenizer.json spells each byte of a token."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+    return dict(byte_alphabet())
 
 
 def qwen_tokenizer():

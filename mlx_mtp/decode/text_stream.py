@@ -27,17 +27,24 @@ _PROBE = "  x\n    def f():\n\tr\u00e9sum\u00e9 \u20ac \U0001F600 ok  "
 
 
 @functools.lru_cache(maxsize=1)
-def _byte_decoder() -> Dict[str, int]:
-    """GPT-2's byte-level alphabet: printable stand-in character -> byte."""
+def byte_alphabet() -> Dict[int, str]:
+    """GPT-2's byte-level alphabet: byte -> the printable stand-in character Hugging Face
+    vocabularies spell it with (read only: shared)."""
     printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
                  + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
-    out = {chr(b): b for b in printable}
+    out = {b: chr(b) for b in printable}
     n = 0
     for b in range(256):
         if b not in printable:
-            out[chr(256 + n)] = b
+            out[b] = chr(256 + n)
             n += 1
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> Dict[str, int]:
+    """Printable stand-in character -> byte."""
+    return {c: b for b, c in byte_alphabet().items()}
 
 
 class TokenBytes:
