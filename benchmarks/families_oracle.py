@@ -15,8 +15,9 @@ sampling, rollback, Python, the host sync).
 
 Issue 27's families use a sliding window of 32 (``step3p5``, ``mimo_v2_flash``: it wraps
 within a run) and ``index_topk`` 32 (``deepseek_v32``, ``glm_moe_dsa``: sparse attention is
-active past 32 tokens). ``--layers`` does not apply to ``nemotron_h`` and ``longcat_flash``
-(their fixtures' layer patterns are fixed).
+active past 32 tokens). ``nemotron_h`` repeats its pattern ``M*M-ME`` ``--layers // 2`` times
+(6 blocks each) and ``longcat_flash`` has ``--layers // 2`` layers of two sublayers, so every
+fixture is a few hundred MB at the default shape.
 
     python benchmarks/families_oracle.py [--families glm4_moe,mimo] [--hidden 1024 --layers 8]
 """
@@ -42,8 +43,10 @@ SPECIAL = {  # issue 27's families: builder, config keywords
     "step3p5": (special.make_tiny_step3p5, lambda a: dict(num_layers=a.layers, window=WINDOW)),
     "mimo_v2_flash": (special.make_tiny_mimo_v2_flash,
                       lambda a: dict(num_layers=a.layers, window=WINDOW)),
-    "nemotron_h": (special.make_tiny_nemotron_h, lambda a: {}),
-    "longcat_flash": (special.make_tiny_longcat_flash, lambda a: {}),
+    # Layers come in fixed groups: Nemotron-H's pattern M*M-ME, LongCat's two sublayers.
+    "nemotron_h": (special.make_tiny_nemotron_h, lambda a: dict(repeats=max(1, a.layers // 2))),
+    "longcat_flash": (special.make_tiny_longcat_flash,
+                      lambda a: dict(num_layers=max(2, a.layers // 2))),
     "deepseek_v32": (lambda path, head, **kw: special.make_tiny_dsa(path, "deepseek_v32", head,
                                                                      **kw),
                      lambda a: dict(num_layers=a.layers, index_topk=INDEX_TOPK)),

@@ -14,12 +14,12 @@ HYBRID = ("qwen3_5_moe", "qwen3_next")
 
 def _hybrid(family):
     model = tiny.build_model(family, tiny.tiny_text_config(family, mtp_layers=2))
-    return model, model.text.mtp.layers[-1]
+    return model, model.text.mtp.layers[-1], "mlp"
 
 
 def _attention(config):
     model = tiny_attention.build_model(config)
-    return model, model.mtp.layers[0].block
+    return model, model.mtp.layers[0].block, "mlp"
 
 
 BUILDERS = {
@@ -29,7 +29,17 @@ BUILDERS = {
     "deepseek_v3": lambda: _attention(tiny_attention.tiny_config("deepseek_v3")),
     "mimo": lambda: _attention(tiny_attention.tiny_config("mimo")),
     "step3p5": lambda: _attention(tiny_special.step3p5_config()),  # windowed, one layer
+    "longcat_flash": lambda: _attention(tiny_special.longcat_flash_config()),
+    "deepseek_v32": lambda: _attention(tiny_special.dsa_config("deepseek_v32")),
+    "glm_moe_dsa": lambda: _attention(tiny_special.dsa_config("glm_moe_dsa")),
+    "nemotron_h": lambda: _nemotron(),  # pattern "*E": attention, then an MoE block
 }
+
+
+def _nemotron():
+    """The MLP to watch is the mixer of the MoE block."""
+    model, blocks, _ = _attention(tiny_special.nemotron_h_config())
+    return model, next(layer for layer in blocks.layers if layer.block_type == "E"), "mixer"
 
 
 class RowsSeen:
@@ -49,7 +59,7 @@ def _cache_arrays(cache):
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))
 def test_last_row_matches_full_pass(family, monkeypatch):
-    model, block = BUILDERS[family]()
+    model, owner, mlp = BUILDERS[family]()  # the block's MLP / MoE: ``owner.<mlp>``
     H = model.model.embed_tokens.weight.shape[1] if family not in HYBRID else \
         model.text.args.hidden_size
     rng = np.random.default_rng(1)
@@ -59,8 +69,8 @@ def test_last_row_matches_full_pass(family, monkeypatch):
     for c in caches:  # earlier positions, so the pass attends to cached keys too
         model.mtp_forward(hidden[:, :PREFIX], tokens[:, :PREFIX], c)
     full = model.mtp_forward(hidden[:, PREFIX:], tokens[:, PREFIX:], caches[0])
-    seen = RowsSeen(block.mlp)
-    monkeypatch.setattr(block, "mlp", seen)
+    seen = RowsSeen(getattr(owner, mlp))
+    monkeypatch.setattr(owner, mlp, seen)
     last = model.mtp_forward(hidden[:, PREFIX:], tokens[:, PREFIX:], caches[1], last_only=True)
     mx.eval(full, last, _cache_arrays(caches[0]), _cache_arrays(caches[1]))
 

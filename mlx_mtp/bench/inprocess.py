@@ -175,10 +175,16 @@ def measure_costs(model, ids: Sequence[int], ks: Sequence[int], reps: int = 7,
             return [mx.argmax(lp, axis=-1), *cache_state_arrays(dec.cache)]
         return fn
 
+    def verify_inputs(k):
+        """(1, k+1): y, then k of the prompt's tokens as drafts. Real drafts differ; k+1
+        copies of y would route every position of an MoE to the same experts (too cheap)."""
+        drafts = [ids[(len(ids) - k + j) % len(ids)] for j in range(k)]
+        return mx.concatenate([y, mx.array([drafts], y.dtype)], axis=1)
+
     passes = {"plain": (trunk_pass(y, False), dec.cache)}
     for k in sorted(set(ks) | set(verify_lengths)):
         if k > 0:
-            passes[k] = (trunk_pass(mx.repeat(y, k + 1, axis=1), True), dec.cache)
+            passes[k] = (trunk_pass(verify_inputs(k), True), dec.cache)
     if has_mtp:
         saved = snapshot_caches(dec.cache)
         _, hidden = model.trunk(y, dec.cache)  # a real trunk hidden for the head

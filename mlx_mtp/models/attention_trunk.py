@@ -127,6 +127,13 @@ def mla_attention(attn, x, mask, cache, absorbed: bool):
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
+def mlp_after(layer, x, r, last_only: bool = False):
+    """The second half of a pre-norm block, ``h = x + r`` then ``h + mlp(norm(h))``;
+    ``last_only``: for the last row alone (an MTP pass reads only that row's output)."""
+    h = x + r if not last_only else x[:, -1:] + r[:, -1:]
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 class MTPLayer(nn.Module):
     def __init__(self, H: int, eps: float, block: nn.Module):
         super().__init__()
@@ -173,19 +180,21 @@ class TextModel(hybrid.TextModel):
         """``last_only``: the last row's output only (every row still fills ``cache``)."""
         if not (self.family.mla or last_only):
             return layer(x, mask, cache)
+        if last_only and hasattr(layer, "last_row"):  # a block that cuts itself (Nemotron-H)
+            return layer.last_row(x, mask, cache)
         if self.family.mla:
             r = mla_attention(layer.self_attn, layer.input_layernorm(x), mask, cache, absorbed)
         else:
             r = layer.self_attn(layer.input_layernorm(x), mask, cache)
-        h = x + r if not last_only else x[:, -1:] + r[:, -1:]
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return mlp_after(layer, x, r, last_only)
 
     def splits_mtp_block(self) -> bool:
-        """Whether the MTP block is ``decoder_layer``'s attention-then-MLP shape, so a pass
-        can skip the MLP on rows whose output is not used."""
+        """Whether the MTP block can skip its MLP on rows whose output is not used: the
+        attention-then-MLP shape ``decoder_layer`` computes, or a block with ``last_row``."""
         if type(self).decoder_layer is not TextModel.decoder_layer:
-            return False  # a family's own layer (LongCat's two sublayers, ...)
-        return self.family.mla or isinstance(self.mtp.layers[0].block, SPLIT_BLOCKS)
+            return False  # a family's own layer
+        block = self.mtp.layers[0].block
+        return self.family.mla or isinstance(block, SPLIT_BLOCKS) or hasattr(block, "last_row")
 
     def trunk(self, inputs, cache=None, capture=False):
         """(post-norm hidden, hidden for the MTP head). ``capture``: a verify pass, whose

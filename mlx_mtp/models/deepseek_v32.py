@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import mlx.core as mx
 from mlx_lm.models import deepseek_v32 as _v32
 
-from .attention_trunk import Family, ModelArgs, attention_mask, nextn_prefix  # noqa: F401
+from .attention_trunk import (  # noqa: F401
+    Family, ModelArgs, attention_mask, mlp_after, nextn_prefix)
 from .attention_trunk import Model as _Model
 from .cache import KVCache
 from .dsa import verify_attention
@@ -34,8 +35,8 @@ class DSAModel(_Model):
     def decoder_layer(self, layer, x, mask, caches, verify: bool):
         if not verify:
             return layer(x, mask, caches)  # mlx-lm's own (one token: its gather path)
-        h = x + verify_attention(layer.self_attn, layer.input_layernorm(x), mask, caches)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return mlp_after(layer, x, verify_attention(layer.self_attn, layer.input_layernorm(x),
+                                                    mask, caches))
 
     def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0,
                     last_only: bool = False):
@@ -44,8 +45,11 @@ class DSAModel(_Model):
         x = layer.eh_proj(mx.concatenate([e, layer.hnorm(hidden)], axis=-1))
         caches = tuple(mtp_cache) if mtp_cache else (KVCache(), KVCache())
         mask = attention_mask(caches[0], x.shape[1], True)
-        x = layer.block(x, mask, caches)
-        return layer.norm(x[:, -1:] if last_only else x)
+        if not last_only:
+            return layer.norm(layer.block(x, mask, caches))
+        block = layer.block  # the MLP on the last row only; every row fills the caches
+        r = block.self_attn(block.input_layernorm(x), mask, caches)
+        return layer.norm(mlp_after(block, x, r, last_only=True))
 
     def make_cache(self):
         return [KVCache() for _ in range(2 * len(self.model.layers))]

@@ -92,10 +92,6 @@ class Model(_Model):
         normed = self.model.norm(h)
         return normed, (normed if self.mtp_hidden == "post_norm" else h)
 
-    def decoder_layer(self, layer, x, mask, cache, absorbed: bool):
-        h = x + mla_attention(layer.self_attn, layer.input_layernorm(x), mask, cache, absorbed)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
-
     def make_cache(self):
         return [KVCache() for _ in range(2 * len(self.model.layers))]
 

@@ -55,10 +55,18 @@ class MTPBlocks(nn.Module):
         super().__init__()
         self.layers = [_lm.NemotronHBlock(args, t) for t in pattern]
 
-    def __call__(self, x, mask=None, cache=None):
-        for layer in self.layers:
+    def __call__(self, x, mask=None, cache=None, last_only: bool = False):
+        # Rows after the last attention block matter only for their own output.
+        cut = max((i for i, l in enumerate(self.layers) if l.block_type == "*"), default=-1)
+        x = x[:, -1:] if last_only and cut < 0 else x
+        for i, layer in enumerate(self.layers):
             x = layer(x, mask, cache) if layer.block_type == "*" else layer(x)
+            x = x[:, -1:] if last_only and i == cut else x
         return x
+
+    def last_row(self, x, mask=None, cache=None):
+        """The last row's output (B, 1, H); every row still fills the cache."""
+        return self(x, mask, cache, last_only=True)
 
 
 def mtp_pattern(args) -> str:

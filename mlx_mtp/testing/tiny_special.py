@@ -135,8 +135,9 @@ def make_tiny_mimo_v2_flash(path, head: str = "random", *, broken: tuple = (), *
                       oracle=chained_oracle(broken), **kw)
 
 
-def nemotron_h_config(vocab_size: int = 128, hidden: int = 64) -> dict:
-    """Mamba-2, attention, MLP and MoE blocks; an attention + MoE MTP layer."""
+def nemotron_h_config(vocab_size: int = 128, hidden: int = 64, repeats: int = 1) -> dict:
+    """Mamba-2, attention, MLP and MoE blocks (the pattern ``M*M-ME``, ``repeats`` times);
+    an attention + MoE MTP layer."""
     return {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
             "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 2 * hidden,
             "max_position_embeddings": 4096, "num_attention_heads": 4,
@@ -144,7 +145,7 @@ def nemotron_h_config(vocab_size: int = 128, hidden: int = 64) -> dict:
             "mamba_num_heads": 4, "mamba_head_dim": 16, "mamba_proj_bias": False,
             "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 2, "mlp_bias": False,
             "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True,
-            "hybrid_override_pattern": "M*M-ME", "mtp_hybrid_override_pattern": "*E",
+            "hybrid_override_pattern": "M*M-ME" * repeats, "mtp_hybrid_override_pattern": "*E",
             "time_step_limit": [0.0, 1e9], "moe_intermediate_size": hidden // 2,
             "moe_shared_expert_intermediate_size": hidden // 2, "n_routed_experts": 4,
             "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
@@ -190,14 +191,14 @@ def make_tiny_nemotron_h(path, head: str = "random", **kw) -> Path:
                       oracle=nemotron_oracle, **kw)
 
 
-def longcat_flash_config(vocab_size: int = 128, hidden: int = 64) -> dict:
-    """Two layers of two MLA sublayers each (q/kv LoRA scaling on), a shortcut MoE with
+def longcat_flash_config(vocab_size: int = 128, hidden: int = 64, num_layers: int = 2) -> dict:
+    """``num_layers`` layers of two MLA sublayers each (q/kv LoRA scaling on), a shortcut MoE with
     four experts and two zero-compute ones. No MTP count key, as released."""
     return {"model_type": "longcat_flash", "architectures": ["LongcatFlashForCausalLM"],
             "attention_method": "MLA", "zero_expert_type": "identity",
             "vocab_size": vocab_size, "hidden_size": hidden, "ffn_hidden_size": 2 * hidden,
             "expert_ffn_hidden_size": hidden // 2, "moe_topk": 2, "n_routed_experts": 4,
-            "zero_expert_num": 2, "num_layers": 2, "max_position_embeddings": 4096,
+            "zero_expert_num": 2, "num_layers": num_layers, "max_position_embeddings": 4096,
             "num_attention_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48,
             "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
             "routed_scaling_factor": 1.0, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
