@@ -48,7 +48,7 @@ def worker(args) -> dict:
         from mlx_mtp.models.loader import load
     except ImportError:  # the flat layout of older checkouts
         from mlx_mtp.loader import load
-    from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest
+    from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest, Failed
 
     model, tok = load(args.model)
     wanted = dict(num_draft_tokens=args.k, max_concurrency=16, log_interval=0,
@@ -74,7 +74,7 @@ def worker(args) -> dict:
         def on_event(ev):
             if isinstance(ev, Delta) and ev.token_ids and name not in firsts:
                 firsts[name] = time.perf_counter()
-            if not isinstance(ev, Delta):  # Done or Failed
+            if isinstance(ev, (Done, Failed)):  # the end (Admitted comes first)
                 done_event.set()
         return on_event
 
