@@ -54,14 +54,14 @@ class MTPBlocks(nn.Module):
     def __init__(self, args, pattern: str):
         super().__init__()
         self.layers = [_lm.NemotronHBlock(args, t) for t in pattern]
+        # Rows after the last attention block matter only for their own output.
+        self._cut = pattern.rfind("*")
 
     def __call__(self, x, mask=None, cache=None, last_only: bool = False):
-        # Rows after the last attention block matter only for their own output.
-        cut = max((i for i, l in enumerate(self.layers) if l.block_type == "*"), default=-1)
-        x = x[:, -1:] if last_only and cut < 0 else x
+        x = x[:, -1:] if last_only and self._cut < 0 else x
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, cache) if layer.block_type == "*" else layer(x)
-            x = x[:, -1:] if last_only and i == cut else x
+            x = x[:, -1:] if last_only and i == self._cut else x
         return x
 
     def last_row(self, x, mask=None, cache=None):

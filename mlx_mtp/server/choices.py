@@ -16,7 +16,7 @@ import json
 from dataclasses import replace
 from typing import Callable, List, Optional, Sequence
 
-from .events import Delta, Done, EngineRequest, Failed, early_events
+from .events import Admitted, Delta, Done, EngineRequest, Failed
 from .protocol import APIError
 
 # A stream sends a keep-alive comment after this long without a chunk (long prefill).
@@ -57,6 +57,21 @@ def merge_choices(results: List[dict]) -> dict:
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def early_events(queue: asyncio.Queue, wait: float, event=lambda item: item) -> list:
+    """What ``queue`` holds within ``wait`` seconds, up to the first event that is not
+    ``Admitted``: a failure before the first token (e.g. out of memory in prefill) still
+    gets a real HTTP status. ``event`` picks the event out of a queued item."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    items: list = []
+    while not items or isinstance(event(items[-1]), Admitted):
+        try:
+            items.append(await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time())))
+        except asyncio.TimeoutError:
+            break
+    return items
 
 
 async def stream_choices(submit: Callable[[EngineRequest], None],

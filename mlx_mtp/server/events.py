@@ -9,7 +9,6 @@ gets no ``Admitted``).
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -87,17 +86,3 @@ class EngineUnavailable(RuntimeError):
         super().__init__(message)
         self.code = code
 
-
-async def early_events(queue: asyncio.Queue, wait: float, event=lambda item: item) -> list:
-    """What ``queue`` holds within ``wait`` seconds, up to the first event that is not
-    ``Admitted``: a failure before the first token (e.g. out of memory in prefill) still
-    gets a real HTTP status. ``event`` picks the event out of a queued item."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait
-    items: list = []
-    while not items or isinstance(event(items[-1]), Admitted):
-        try:
-            items.append(await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time())))
-        except asyncio.TimeoutError:
-            break
-    return items

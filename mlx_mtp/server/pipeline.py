@@ -13,8 +13,8 @@ from typing import List, Optional
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from .choices import choice_kwargs, merge_choices, stream_choices
-from .events import Admitted, Delta, Done, EngineRequest, EngineUnavailable, Failed, early_events
+from .choices import choice_kwargs, early_events, merge_choices, stream_choices
+from .events import Admitted, Delta, Done, EngineRequest, EngineUnavailable, Failed
 from .http_guard import BODY_BYTES
 from .protocol import APIError, parse_request
 from .state import ServerState
