@@ -457,6 +457,9 @@ class DecodeBatch:
                           else mx.where(where[:, j], fixed[:, j], pick.astype(mx.uint32)))
             draft_lps.append(qs)
             transforms.advance(drafts[-1])
+            # Start the head's work now: it runs while Python builds the rest of the step
+            # (a GPU would otherwise idle until the step's graph is complete). No sync.
+            mx.async_eval(drafts[-1])
         return drafts, draft_lps, noises
 
     def _draft_logprobs(self, g: _Group, gi: int, draft_lps, where):
