@@ -44,7 +44,11 @@ SPECIAL = {  # issue 27's families: builder, config keywords
     "mimo_v2_flash": (special.make_tiny_mimo_v2_flash,
                       lambda a: dict(num_layers=a.layers, window=WINDOW)),
     # Layers come in fixed groups: Nemotron-H's pattern M*M-ME, LongCat's two sublayers.
-    "nemotron_h": (special.make_tiny_nemotron_h, lambda a: dict(repeats=max(1, a.layers // 2))),
+    # Nemotron-H's 24 blocks at the default trunk scale (0.1) add enough to the residual that
+    # plain greedy leaves the cycle every few tokens (first-draft acceptance 83 %): not an
+    # oracle. At 0.05 it follows the cycle; the trunk's compute is the same.
+    "nemotron_h": (special.make_tiny_nemotron_h,
+                   lambda a: dict(repeats=max(1, a.layers // 2), trunk_scale=0.05)),
     "longcat_flash": (special.make_tiny_longcat_flash,
                       lambda a: dict(num_layers=max(2, a.layers // 2))),
     "deepseek_v32": (lambda path, head, **kw: special.make_tiny_dsa(path, "deepseek_v32", head,
@@ -102,6 +106,10 @@ def main():
             results[family] = {"checkpoint_mb": round(size), "machine": report["machine"],
                                "settings": rows(report)}
             print(f"{family} ({size:.0f} MB):", flush=True)
+            fixed = [r for r in rows(report) if r["setting"].startswith("K=")]
+            if any(r["mean_acceptance_length"] != int(r["setting"][2:]) + 1 for r in fixed):
+                print("   not an oracle: some drafts were rejected (see mean_acceptance_length)",
+                      flush=True)
             for r in rows(report):
                 print("  ", r, flush=True)
             # Written after every family: a long run keeps what it measured.
