@@ -31,6 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import mlx_mtp  # noqa: F401  (before MLX: it routes CPU matmuls to OpenBLAS)
 import mlx.core as mx
 
 from mlx_mtp.testing import tiny_special as special

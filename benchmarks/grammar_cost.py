@@ -20,6 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
+import mlx_mtp  # noqa: F401  (before MLX: it routes CPU matmuls to OpenBLAS)
 import mlx.core as mx
 import numpy as np
 

@@ -27,6 +27,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import mlx_mtp  # noqa: F401  (before MLX: it routes CPU matmuls to OpenBLAS)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 

@@ -9,6 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import mlx_mtp  # noqa: F401  (before MLX: it routes CPU matmuls to OpenBLAS)
 import mlx.core as mx
 
 import mlx_mtp.models.hybrid as hybrid

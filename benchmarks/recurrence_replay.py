@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 
+import mlx_mtp  # noqa: F401  (before MLX: it routes CPU matmuls to OpenBLAS)
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update
 

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 
+import mlx_mtp  # noqa: F401  (before MLX: it routes CPU matmuls to OpenBLAS)
 import mlx.core as mx
 
 from mlx_mtp.decode.speculative import MTPDecoder

@@ -25,6 +25,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import mlx_mtp  # noqa: F401  (before MLX: it routes CPU matmuls to OpenBLAS)
 import mlx.core as mx
 from mlx_lm.generate import stream_generate as lm_stream_generate
 from mlx_lm.utils import load as lm_load

@@ -71,3 +71,22 @@ def test_no_two_subpackages_import_each_other():
     graph = _graph()
     cycles = sorted((a, b) for a in graph for b in graph[a] if a < b and a in graph.get(b, set()))
     assert not cycles, f"import cycles between subpackages: {cycles}"
+
+
+def test_benchmarks_import_mlx_mtp_before_mlx():
+    """A script that imports MLX first runs on the wheel's reference BLAS (``platform/blas.py``:
+    the OpenBLAS shim must load before MLX), and times something slower than a user gets."""
+    late = []
+    for path in sorted((PACKAGE.parent / "benchmarks").glob("*.py")):
+        first = {}
+        for node in ast.parse(path.read_text()).body:  # module level, in order
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                root = name.split(".")[0]
+                if root in ("mlx", "mlx_mtp", "mlx_lm", "families_oracle"):
+                    first.setdefault("mlx_mtp" if root != "mlx" and root != "mlx_lm" else "mlx",
+                                     node.lineno)
+        if "mlx" in first and first["mlx"] < first.get("mlx_mtp", 1 << 30):
+            late.append(path.name)
+    assert not late, f"import mlx_mtp before MLX (or mlx_lm) in: {late}"
