@@ -6,6 +6,7 @@ is complete (the same calls made no-ops), on a family's oracle checkpoint
 equal plain decoding's. Not a test: timings depend on the machine.
 
     python benchmarks/early_drafts.py [--family glm4_moe --k 3 --rounds 14 --tokens 64]
+    python benchmarks/early_drafts.py --model DIR     # any checkpoint (``demo``: the demo model)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import mlx_mtp.decode.step as step_module
 from families_oracle import build
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.loader import load, load_model
 
 PROMPT = list(range(100, 164))
 
@@ -74,6 +75,8 @@ def run(model, k: int, tokens: int):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", default="glm4_moe")
+    p.add_argument("--model", help="a checkpoint directory instead of a family's oracle "
+                                   "fixture ('demo': the embedded demo model)")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--k", type=int, default=3)
@@ -81,9 +84,12 @@ def main():
     p.add_argument("--tokens", type=int, default=64)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        path = build(Path(tmp) / args.family, args.family,
-                     SimpleNamespace(hidden=args.hidden, layers=args.layers))
-        model = load_model(path)[0]
+        if args.model:
+            model = load(None if args.model == "demo" else args.model)[0]
+        else:
+            path = build(Path(tmp) / args.family, args.family,
+                         SimpleNamespace(hidden=args.hidden, layers=args.layers))
+            model = load_model(path)[0]
         settings = {"plain": (0, False), "late drafts (before)": (args.k, True),
                     "early drafts (now)": (args.k, False)}
         tps = {name: [] for name in settings}
@@ -100,7 +106,7 @@ def main():
                 tps[name].append(rate)
         late_drafts(False)
     plain = st.median(tps["plain"])
-    print(f"{args.family}, K={args.k}, {args.rounds} rounds of {args.tokens} tokens:")
+    print(f"{args.model or args.family}, K={args.k}, {args.rounds} rounds of {args.tokens} tokens:")
     for name, v in tps.items():
         print(f"  {name:22s} median {st.median(v):6.1f} tok/s  {st.median(v) / plain:.3f}x plain"
               f"  (runs {min(v):.1f}-{max(v):.1f})")
