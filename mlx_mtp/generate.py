@@ -74,6 +74,8 @@ def run(args) -> int:
     # Step costs measured on this machine before (or in a short calibration now): K is
     # right from the first steps. Not for a split model (ranks would time differently).
     policy = step_costs.policy_for(model, k) if adaptive and k and group is None else None
+    if sources is not None:  # context drafts' step costs from earlier runs, if stored
+        step_costs.load(model, None, sources)
     if args.verbose:
         print("==========")
     for r in stream_generate(model, tokenizer, text, max_tokens=args.max_tokens,
@@ -83,8 +85,8 @@ def run(args) -> int:
         print(r.text, end="", flush=True)
         last = r
     print()
-    if policy is not None:
-        step_costs.save(model, policy)
+    if policy is not None or sources is not None:
+        step_costs.save(model, policy, sources)
     if args.verbose and last is not None:
         print("==========")
         print(format_stats(last))

@@ -103,3 +103,48 @@ def test_serve_reads_stored_costs_and_times_only_missing_batch_sizes(tiny_model)
     assert measured(second.batch.policy) == measured(first.batch.policy)
     wider, timed = start(4)
     assert timed == [[4]] and wider.batch.policy.costs.count(4, 2)
+
+
+def test_context_draft_costs_are_kept_beside_the_policy_costs(tiny_model):
+    """Context drafts' step costs (8-32 positions deep, measured only by live steps) survive
+    the process; saving one kind keeps the other's stored value."""
+    from mlx_mtp.decode.draft_source import DraftSources
+
+    policy, sources = DraftPolicy(2), DraftSources("both")
+    for s in (0.010, 0.012):
+        policy.record_step(1, 0, s)
+        sources.costs.observe(1, 16, 0, 3 * s)
+        sources.costs.observe(1, 18, 2, 4 * s)
+    step_costs.save(tiny_model, policy)
+    step_costs.save(tiny_model, None, sources)
+    fresh_policy, fresh_sources = DraftPolicy(2), DraftSources("both")
+    assert step_costs.load(tiny_model, fresh_policy, fresh_sources)
+    assert measured(fresh_policy) == measured(policy)
+    assert ({c: list(v) for c, v in fresh_sources.costs.cells.items()}
+            == {c: list(v) for c, v in sources.costs.cells.items()})
+    # A fresh process predicts the cost of a 16-deep context step from its first step.
+    assert DraftSources("both").costs.predict(1, 16, 0) is None
+    assert fresh_sources.costs.predict(1, 16, 0) == pytest.approx(0.036)
+    step_costs.save(tiny_model, DraftPolicy(2))  # nothing measured: the stored costs stay
+    again = DraftSources("both")
+    step_costs.load(tiny_model, None, again)
+    assert set(again.costs.cells) == {(1, 16, 0), (1, 18, 2)}
+
+
+def test_generate_stores_what_its_context_drafts_cost(tiny_ckpt, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    model = tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1, vocab_size=4096)
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "generate", "--model", str(model),
+                        "--prompt", "a b c d a b c d a b c d a b c d a b c", "-m", "24",
+                        "--ignore-chat-template", "--draft-source", "lookup"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr
+    files = list((tmp_path / "cache" / "mlx-mtp" / "step-costs").glob("*.json"))
+    assert len(files) == 1
+    stored = json.loads(files[0].read_text())
+    assert any(k > 1 for _, k, _, _ in stored["context_cells"]), stored

@@ -6,7 +6,9 @@ the matmul route, and whether decode steps are compiled: that is the file's key.
 no file exists, ``calibrate`` times a few plain and draft steps of a dummy sequence
 within a time budget. ``mlx-mtp generate`` loads (or calibrates) before decoding and
 saves what it measured after; ``mlx-mtp serve`` loads them and times only the batch
-sizes the file lacks.
+sizes the file lacks. The step costs of context drafts (``draft_source.StepCosts``), which
+only live steps measure, are kept in the same file: ``generate`` saves them after its run,
+``serve`` when it shuts down.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 
@@ -60,30 +63,52 @@ def cost_file(model) -> Path:
     return cache_dir() / f"{cost_key(model)}.json"
 
 
-def load(model, policy: DraftPolicy) -> bool:
-    """Feed stored costs to ``policy``; False when there are none (or unreadable ones)."""
+def _stored(model) -> dict:
+    """The file's content ({} when there is none, or an unreadable one)."""
     try:
         data = json.loads(cost_file(model).read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def load(model, policy: Optional[DraftPolicy], sources=None) -> bool:
+    """Feed stored costs to ``policy`` and, with ``sources`` (``draft_source.DraftSources``),
+    the step costs of context drafts (8-32 positions deep, measured live) to its
+    ``costs``; False when there are no policy costs (or unreadable ones)."""
+    data = _stored(model)
+    try:
         cells = [(int(B), int(k), [float(s) for s in secs]) for B, k, secs in data["cells"]]
-    except (OSError, ValueError, KeyError, TypeError):
+        context = [(int(B), int(k), int(head), [float(s) for s in secs])
+                   for B, k, head, secs in data.get("context_cells", [])]
+    except (ValueError, KeyError, TypeError):
         return False
-    for B, k, secs in cells:
+    for B, k, secs in cells if policy is not None else ():
         for s in secs:
             policy.costs.observe(B, k, s)
+    for B, k, head, secs in context if sources is not None else ():
+        for s in secs:
+            sources.costs.observe(B, k, head, s)
     return bool(cells)
 
 
-def save(model, policy: DraftPolicy):
-    """Write the policy's measured costs (atomically: readers never see half a file)."""
-    cells = [[B, k, list(secs)] for (B, k), secs in sorted(policy.costs.cells.items()) if secs]
-    if not cells:
+def save(model, policy: Optional[DraftPolicy], sources=None):
+    """Write the policy's measured costs and ``sources``' context-draft step costs; what
+    is not given keeps its stored value. Atomic: readers never see half a file."""
+    old = _stored(model)
+    cells = ([[B, k, list(secs)] for (B, k), secs in sorted(policy.costs.cells.items()) if secs]
+             if policy is not None else old.get("cells", []))
+    context = ([[B, k, head, list(secs)]
+                for (B, k, head), secs in sorted(sources.costs.cells.items()) if secs]
+               if sources is not None else old.get("context_cells", []))
+    if not cells and not context:
         return
     path = cost_file(model)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump({"format": FORMAT, "cells": cells}, f)
+            json.dump({"format": FORMAT, "cells": cells, "context_cells": context}, f)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache directory costs a calibration next time, nothing more

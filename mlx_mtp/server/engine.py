@@ -207,8 +207,9 @@ class Engine:
                      self.batch.policy.describe(self.max_concurrency))
 
     def _run(self):
-        if self.calibrate:
+        if self.calibrate:  # this machine's stored step costs (context drafts' too), or timed
             self._calibrate()
+            step_costs.load(self.model, None, self.draft_sources)
         while True:
             with self._cv:
                 while (not self._stopping and not self._incoming and not self.waiting
@@ -227,6 +228,8 @@ class Engine:
                 mx.clear_cache()
         self.sync.stopped()
         self.alive = False
+        if self.calibrate:  # what live steps measured of context drafts, for the next start
+            step_costs.save(self.model, None, self.draft_sources)
         self._fail_all(503, "The server is shutting down.", code="shutting_down")
         self._stopped.set()
         # MLX aborts the process at exit ("terminate called without an active
