@@ -1,6 +1,8 @@
 """Step costs kept across processes (decode/step_costs.py): stored, found again under
 the same key, measured within a budget when missing, and used from the first step."""
 
+import time
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
@@ -125,10 +127,38 @@ def test_context_draft_costs_are_kept_beside_the_policy_costs(tiny_model):
     # A fresh process predicts the cost of a 16-deep context step from its first step.
     assert DraftSources("both").costs.predict(1, 16, 0) is None
     assert fresh_sources.costs.predict(1, 16, 0) == pytest.approx(0.036)
-    step_costs.save(tiny_model, DraftPolicy(2))  # nothing measured: the stored costs stay
-    again = DraftSources("both")
-    step_costs.load(tiny_model, None, again)
+    # A kind with nothing measured keeps its stored costs.
+    step_costs.save(tiny_model, DraftPolicy(2))
+    step_costs.save(tiny_model, None, DraftSources("both"))
+    again_policy, again = DraftPolicy(2), DraftSources("both")
+    assert step_costs.load(tiny_model, again_policy, again)
+    assert measured(again_policy) == measured(policy)
     assert set(again.costs.cells) == {(1, 16, 0), (1, 18, 2)}
+
+
+def test_serve_keeps_context_draft_costs_across_starts(tiny_model):
+    """What a server's live steps measured of context drafts is stored at shutdown and
+    read at the next start (with calibration, i.e. this machine's costs, on)."""
+    from mlx_mtp.decode.draft_source import DraftSources
+    from mlx_mtp.server.engine import Engine
+
+    def engine():
+        return Engine(tiny_model, None, num_draft_tokens=2, max_concurrency=1, log_interval=0,
+                      draft_sources=DraftSources("both"))
+
+    first = engine()
+    first.start()
+    first.draft_sources.costs.observe(1, 16, 0, 0.05)  # as a live 16-deep context step would
+    first.shutdown()
+    second = engine()
+    second.start()
+    try:
+        deadline = time.time() + 60
+        while not second.draft_sources.costs.cells and time.time() < deadline:
+            time.sleep(0.05)  # the engine thread loads after its calibration
+        assert list(second.draft_sources.costs.cells.get((1, 16, 0), [])) == [0.05]
+    finally:
+        second.shutdown()
 
 
 def test_generate_stores_what_its_context_drafts_cost(tiny_ckpt, tmp_path):

@@ -93,16 +93,19 @@ def load(model, policy: Optional[DraftPolicy], sources=None) -> bool:
 
 
 def save(model, policy: Optional[DraftPolicy], sources=None):
-    """Write the policy's measured costs and ``sources``' context-draft step costs; what
-    is not given keeps its stored value. Atomic: readers never see half a file."""
-    old = _stored(model)
-    cells = ([[B, k, list(secs)] for (B, k), secs in sorted(policy.costs.cells.items()) if secs]
-             if policy is not None else old.get("cells", []))
+    """Write the policy's measured costs and ``sources``' context-draft step costs; a kind
+    not given, or with nothing measured, keeps its stored value. Atomic: readers never see
+    half a file."""
+    measured = ([[B, k, list(secs)] for (B, k), secs in sorted(policy.costs.cells.items()) if secs]
+                if policy is not None else [])
     context = ([[B, k, head, list(secs)]
                 for (B, k, head), secs in sorted(sources.costs.cells.items()) if secs]
-               if sources is not None else old.get("context_cells", []))
-    if not cells and not context:
+               if sources is not None else [])
+    if not measured and not context:
         return
+    old = _stored(model)
+    cells = measured or old.get("cells", [])
+    context = context or old.get("context_cells", [])
     path = cost_file(model)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
