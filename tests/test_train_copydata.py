@@ -108,26 +108,39 @@ def test_build_documents_seeded_and_covers_kinds():
 def test_tokenized_starts_point_at_documents():
     tok = _load_tokenizer(TOKENIZER_DIR)
     docs = C.build_documents([CODE * 3], 6, seed=0)
-    ids, starts = C.tokenize_documents(docs, tok, ENDOFTEXT_ID)
-    assert len(starts) == 6 and starts[0] == 0
+    ids, starts, answer = C.tokenize_documents(docs, tok, ENDOFTEXT_ID)
+    assert len(starts) == 6 and starts[0] == 0 and answer.shape == ids.shape
     for i, s in enumerate(starts):
         end = starts[i + 1] if i + 1 < len(starts) else len(ids)
         assert ids[end - 1] == ENDOFTEXT_ID
         assert tok.decode(list(ids[s:end - 1]), skip_special_tokens=False) == docs[i]
+        # The flagged tokens are exactly the answer: one run at the end of the document.
+        first = s + int(np.argmax(answer[s:end]))
+        assert answer[first:end].all() and not answer[s:first].any()
+        text = tok.decode(list(ids[first:end - 1]), skip_special_tokens=False)
+        assert text == docs[i][C.answer_start(docs[i]):]
+        assert text.endswith(("```<|im_end|>\n", "\n")) and len(text) > 20
 
 
 def test_mixed_batch_fraction_and_alignment():
     base = np.arange(10_000, 20_000, dtype=np.int32)
     copy = np.arange(0, 5_000, dtype=np.int32)
     starts = np.arange(0, 5_000, 100)
-    b = C.mixed_batch(base, copy, starts, 0.5, 400, 65, seed=0, step=3)
-    assert b.shape == (400, 65)
+    answer = (copy % 100 >= 60).astype(np.uint8)  # the last 40 tokens of each document
+    b, w = C.mixed_batch(base, copy, starts, 0.5, 400, 65, seed=0, step=3, answer=answer,
+                         context_weight=0.25)
+    assert b.shape == w.shape == (400, 65)
     from_copy = b[:, 0] < 10_000
     assert 150 < from_copy.sum() < 250
     assert np.all(b[from_copy, 0] % 100 == 0)  # copy rows start at a document start
     assert np.all(np.diff(b, axis=1) == 1)  # contiguous windows
-    assert np.array_equal(b, C.mixed_batch(base, copy, starts, 0.5, 400, 65, seed=0, step=3))
-    assert np.all(C.mixed_batch(base, copy, starts, 0.0, 50, 65, 0, 1)[:, 0] >= 10_000)
+    # Answers and fresh text weigh 1, a copy document's context 0.25.
+    assert np.array_equal(w, np.where(from_copy[:, None] & (b % 100 < 60), 0.25, 1.0))
+    b2, w2 = C.mixed_batch(base, copy, starts, 0.5, 400, 65, seed=0, step=3, answer=answer,
+                           context_weight=0.25)
+    assert np.array_equal(b, b2) and np.array_equal(w, w2)
+    b0, w0 = C.mixed_batch(base, copy, starts, 0.0, 50, 65, 0, 1)
+    assert np.all(b0[:, 0] >= 10_000) and np.all(w0 == 1)
 
 
 def test_trainer_copy_fraction_feeds_copy_rows(tmp_path):
@@ -137,9 +150,39 @@ def test_trainer_copy_fraction_feeds_copy_rows(tmp_path):
                         steps=1, batch_size=8, seq_len=64, save_every=0, eval_every=0,
                         progress=False, compile=False, copy_fraction=1.0, copy_docs=30)
     tr = T.Trainer(cfg)
-    rows = tr._batch()
+    rows, weights = tr._batch()
     starts = set(int(tr.copy_tokens[s]) for s in tr.copy_starts)
     assert rows.shape == (8, 65) and all(int(r[0]) in starts for r in rows)
+    assert np.all(weights == 1)  # --copy-context-weight defaults to 1: every token counts
     assert list((tmp_path / "run").glob("tokens-copy-30-0.npz"))
     with pytest.raises(Exception, match="--copy-fraction"):
         T.Trainer(T.TrainConfig(**{**cfg.__dict__, "copy_fraction": 1.5}))
+    with pytest.raises(Exception, match="--copy-context-weight"):
+        T.Trainer(T.TrainConfig(**{**cfg.__dict__, "copy_context_weight": -1.0}))
+
+
+def test_answer_only_loss_ignores_the_context(tmp_path):
+    """With --copy-context-weight 0 the loss is the answers' mean CE: changing a token
+    before an answer changes no target's weight, and the weighted loss equals the mean over
+    the flagged targets computed by hand."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    src = tmp_path / "code.py"
+    src.write_text(CODE * 20)
+    cfg = T.TrainConfig(mode="scratch", corpus=str(src), out=str(tmp_path / "run"), size="tiny",
+                        steps=1, batch_size=4, seq_len=96, save_every=0, eval_every=0,
+                        progress=False, compile=False, copy_fraction=1.0, copy_docs=30,
+                        copy_context_weight=0.0)
+    tr = T.Trainer(cfg)
+    rows, weights = tr._batch()
+    assert 0 < weights.mean() < 1 and set(np.unique(weights)) <= {0.0, 1.0}
+    ce, mtp = T.scratch_losses(tr.model, mx.array(rows), mx.array(weights))
+    text = tr.model.text
+    hidden, _ = text.trunk(mx.array(rows[:, :-1]))
+    per = np.array(nn.losses.cross_entropy(text.logits(hidden).astype(mx.float32),
+                                           mx.array(rows[:, 1:])))
+    m = weights[:, 1:]
+    assert ce.item() == pytest.approx(float((per * m).sum() / m.sum()), rel=1e-4)
+    plain, _ = T.scratch_losses(tr.model, mx.array(rows))
+    assert plain.item() == pytest.approx(float(per.mean()), rel=1e-4)

@@ -12,13 +12,17 @@ Kinds (each a seeded choice per document, from a code snippet of 6-40 lines):
 
 Chat documents are ChatML as the demo model's template renders them (empty think block),
 with the code given fenced or bare and the request before or after it.
+
+Each document's *answer* is what follows its last marker (the assistant turn, or the
+separator comment): ``--copy-context-weight`` scales the loss on everything before it, so a
+run can spend its gradient on the copying rather than on predicting fresh code again.
 """
 
 from __future__ import annotations
 
 import keyword
 import re
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -30,6 +34,8 @@ _ASK_REPEAT = ("Repeat this module verbatim.", "Return the code below exactly as
                "Please write this Python code back to me unchanged.",
                "Here is a module. Repeat it.")
 _RENAME_SUFFIX = ("_value", "_item", "_obj", "2", "_new", "_data")
+_SEPARATOR = "# --- the same code again ---\n"
+_ANSWER_MARKERS = ("<|im_start|>assistant\n", _SEPARATOR)
 
 
 def chat(user: str, answer: str) -> str:
@@ -82,7 +88,7 @@ def _ask(rng, request: str, code: str) -> str:
 def make_document(code: str, kind: str, rng: np.random.Generator) -> str:
     """One training document of ``kind`` built from ``code`` (a snippet)."""
     if kind == "block":
-        return f"{code}\n# --- the same code again ---\n{code}"
+        return f"{code}\n{_SEPARATOR}{code}"
     if kind == "repeat":
         return chat(_ask(rng, _ASK_REPEAT[int(rng.integers(len(_ASK_REPEAT)))], code), code)
     if kind == "rename":
@@ -125,34 +131,51 @@ def build_documents(texts: Sequence[str], n_docs: int, seed: int = 0) -> List[st
     return docs
 
 
-def tokenize_documents(docs: Sequence[str], tok, eot_id: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Concatenated ids (each document followed by ``eot_id``) and each document's start."""
+def answer_start(doc: str) -> int:
+    """Character offset where ``doc``'s answer begins (after its last marker)."""
+    return max(doc.rfind(m) + len(m) for m in _ANSWER_MARKERS if m in doc)
+
+
+def tokenize_documents(docs: Sequence[str], tok, eot_id: int
+                       ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Concatenated ids (each document followed by ``eot_id``), each document's start, and
+    a per-token flag: 1 on answer tokens (and the closing ``eot_id``), 0 before them."""
     ids: List[np.ndarray] = []
+    answer: List[np.ndarray] = []
     starts = []
     pos = 0
     for i in range(0, len(docs), 64):
-        for enc in tok.encode_batch(list(docs[i:i + 64]), add_special_tokens=False):
+        batch = list(docs[i:i + 64])
+        for doc, enc in zip(batch, tok.encode_batch(batch, add_special_tokens=False)):
             starts.append(pos)
             ids.append(np.asarray(enc.ids + [eot_id], dtype=np.int32))
+            begin = answer_start(doc)
+            answer.append(np.asarray([o[0] >= begin for o in enc.offsets] + [True], np.uint8))
             pos += len(ids[-1])
-    return np.concatenate(ids), np.asarray(starts, dtype=np.int64)
+    return np.concatenate(ids), np.asarray(starts, dtype=np.int64), np.concatenate(answer)
 
 
 def mixed_batch(base: np.ndarray, copy: np.ndarray, copy_starts: np.ndarray, fraction: float,
-                batch_size: int, length: int, seed: int, step: int) -> np.ndarray:
-    """Rows of ``length`` tokens: each, with probability ``fraction``, a window of the copy
-    stream starting at a document start (so the repeated part follows its source), else a
-    random window of ``base``. Deterministic per (seed, step), so resuming replays it."""
+                batch_size: int, length: int, seed: int, step: int,
+                answer: Optional[np.ndarray] = None, context_weight: float = 1.0
+                ) -> Tuple[np.ndarray, np.ndarray]:
+    """(rows, weights), both (batch_size, length): each row, with probability ``fraction``,
+    a window of the copy stream starting at a document start (so the repeated part follows
+    its source), else a random window of ``base``. A token's weight scales the loss of
+    predicting it: ``context_weight`` on copy tokens ``answer`` does not flag, else 1.
+    Deterministic per (seed, step), so resuming replays it."""
     rng = np.random.default_rng([seed, step, 1])
     usable = copy_starts[copy_starts <= len(copy) - length]
     if len(base) <= length or (fraction > 0 and len(usable) == 0):
         raise ValueError(f"too few tokens for windows of {length}")
-    rows = []
-    for _ in range(batch_size):
+    rows, weights = [], np.ones((batch_size, length), np.float32)
+    for r in range(batch_size):
         if rng.random() < fraction:
             s = int(usable[int(rng.integers(len(usable)))])
             rows.append(copy[s:s + length])
+            if answer is not None:
+                weights[r] = np.where(answer[s:s + length], 1.0, context_weight)
         else:
             s = int(rng.integers(0, len(base) - length + 1))
             rows.append(base[s:s + length])
-    return np.stack(rows).astype(np.int32)
+    return np.stack(rows).astype(np.int32), weights

@@ -83,16 +83,18 @@ def load_or_build_copy(run_dir: Path, files, tokenizer_dir, n_docs: int, seed: i
     cache = run_dir / f"tokens-copy-{n_docs}-{seed}.npz"
     if cache.exists():
         z = np.load(cache)
-        return z["ids"], z["starts"]
+        if "answer" in z:  # caches from before the answer flags are rebuilt
+            return z["ids"], z["starts"], z["answer"]
     try:
         docs = copydata.build_documents([read_corpus_file(f) for f in files], n_docs, seed)
     except ValueError as e:
         raise _user_error(f"--copy-fraction: {e}")
-    ids, starts = copydata.tokenize_documents(docs, _load_tokenizer(tokenizer_dir), ENDOFTEXT_ID)
+    ids, starts, answer = copydata.tokenize_documents(
+        docs, _load_tokenizer(tokenizer_dir), ENDOFTEXT_ID)
     tmp = run_dir / ".tokens-copy.tmp.npz"
-    np.savez(tmp, ids=ids, starts=starts)
+    np.savez(tmp, ids=ids, starts=starts, answer=answer)
     os.replace(tmp, cache)
-    return ids, starts
+    return ids, starts, answer
 
 
 def sample_batch(tokens: np.ndarray, batch_size: int, length: int, seed: int, step: int):

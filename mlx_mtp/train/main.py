@@ -100,6 +100,7 @@ class TrainConfig:
     init_from: Optional[str] = None
     copy_fraction: float = 0.0
     copy_docs: int = 4000
+    copy_context_weight: float = 1.0
 
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -220,9 +221,11 @@ class Trainer:
                             if efiles else None)
         if not 0.0 <= cfg.copy_fraction <= 1.0:
             raise _user_error("--copy-fraction must be between 0 and 1")
-        self.copy_tokens = self.copy_starts = None
+        if cfg.copy_context_weight < 0:
+            raise _user_error("--copy-context-weight must be >= 0")
+        self.copy_tokens = self.copy_starts = self.copy_answer = None
         if cfg.copy_fraction > 0:
-            self.copy_tokens, self.copy_starts = load_or_build_copy(
+            self.copy_tokens, self.copy_starts, self.copy_answer = load_or_build_copy(
                 self.run_dir, files, self.tokenizer_dir, cfg.copy_docs, cfg.seed)
         if self.eval_tokens is not None and len(self.eval_tokens) <= cfg.seq_len + 1:
             self.eval_tokens = None
@@ -262,12 +265,15 @@ class Trainer:
 
     # -- steps -------------------------------------------------------------
     def _batch(self):
+        """(tokens, per-token loss weights), both (batch_size, seq_len + 1)."""
         cfg = self.cfg
         if self.copy_tokens is None:
-            return sample_batch(self.train_tokens, cfg.batch_size, cfg.seq_len + 1, cfg.seed,
+            rows = sample_batch(self.train_tokens, cfg.batch_size, cfg.seq_len + 1, cfg.seed,
                                 self.step)
+            return rows, np.ones(rows.shape, np.float32)
         return mixed_batch(self.train_tokens, self.copy_tokens, self.copy_starts,
-                           cfg.copy_fraction, cfg.batch_size, cfg.seq_len + 1, cfg.seed, self.step)
+                           cfg.copy_fraction, cfg.batch_size, cfg.seq_len + 1, cfg.seed, self.step,
+                           self.copy_answer, cfg.copy_context_weight)
 
     def _make_step(self):
         cfg = self.cfg
@@ -275,21 +281,22 @@ class Trainer:
         w = cfg.mtp_loss_weight
 
         if cfg.mode == "scratch":
-            def loss_fn(batch):
-                ce, mtp_ce = scratch_losses(model, batch)
+            def loss_fn(batch, weights):
+                ce, mtp_ce = scratch_losses(model, batch, weights)
                 return ce + w * mtp_ce, (ce, mtp_ce)
         else:
             T = cfg.distill_temperature
 
-            def loss_fn(batch):
+            def loss_fn(batch, weights):
+                del weights  # distillation weighs every position alike
                 h, target_lp = head_targets(model, batch, T)
                 soft_ce, kl = head_loss(model, h, batch[:, 1:], target_lp)
                 return soft_ce, (kl, soft_ce)
 
         vg = nn.value_and_grad(model, loss_fn)
 
-        def step(batch):
-            (loss, aux), grads = vg(batch)
+        def step(batch, weights):
+            (loss, aux), grads = vg(batch, weights)
             if cfg.grad_clip > 0:
                 grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
             opt.update(model, grads)
@@ -368,8 +375,8 @@ class Trainer:
         last = {}
         while self.step < cfg.steps:
             t0 = time.perf_counter()
-            batch = mx.array(self._batch())
-            loss, a, b = step_fn(batch)
+            batch, weights = self._batch()
+            loss, a, b = step_fn(mx.array(batch), mx.array(weights))
             mx.eval(loss, a, b, self.model.state, self.optimizer.state)
             dt = time.perf_counter() - t0
             self.wall += dt
@@ -460,6 +467,10 @@ def add_arguments(p):
                         "corpus repeated or lightly edited, mlx_mtp.train.copydata)")
     p.add_argument("--copy-docs", type=int, default=4000,
                    help="with --copy-fraction: how many copy documents to build")
+    p.add_argument("--copy-context-weight", type=float, default=1.0,
+                   help="with --copy-fraction: loss weight of a copy document's tokens before "
+                        "its answer (the code given and the request; 0 trains on the answers "
+                        "only)")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
     p.add_argument("--eval-every", type=int, default=200, help="held-out loss every N steps")
@@ -487,6 +498,7 @@ def config_from_args(args) -> TrainConfig:
         num_hidden_layers=args.num_hidden_layers, intermediate_size=args.intermediate_size,
         keep_head=args.keep_head, init_from=args.init_from,
         copy_fraction=args.copy_fraction, copy_docs=args.copy_docs,
+        copy_context_weight=args.copy_context_weight,
     )
 
 

@@ -8,7 +8,7 @@ next-token distribution one position later (self-distillation).
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -112,19 +112,25 @@ def count_params(module) -> int:
 # --------------------------------------------------------------------------
 
 
-def scratch_losses(model, batch: mx.array):
-    """(trunk CE, MTP CE) for a (B, L+1) batch; mean over positions."""
+def _mean_ce(logits, targets, weights):
+    ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets)
+    if weights is None:
+        return ce.mean()
+    return (ce * weights).sum() / mx.maximum(weights.sum(), 1e-6)
+
+
+def scratch_losses(model, batch: mx.array, weights: Optional[mx.array] = None):
+    """(trunk CE, MTP CE) for a (B, L+1) batch: the mean over predicted tokens, or with
+    ``weights`` (B, L+1; each token's weight as a target) the weighted mean."""
     text = model.text
     inputs, targets = batch[:, :-1], batch[:, 1:]
     hidden, h_mtp = text.trunk(inputs)
-    logits = text.logits(hidden)
-    ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="mean")
+    ce = _mean_ce(text.logits(hidden), targets, None if weights is None else weights[:, 1:])
     if text.num_mtp_layers == 0:
         return ce, mx.array(0.0)
     # Pair (h_t, token t+1) predicts token t+2.
     m = text.mtp_forward(h_mtp[:, :-1], inputs[:, 1:], None)
-    mtp_logits = text.logits(m)
-    mtp_ce = nn.losses.cross_entropy(mtp_logits.astype(mx.float32), batch[:, 2:], reduction="mean")
+    mtp_ce = _mean_ce(text.logits(m), batch[:, 2:], None if weights is None else weights[:, 2:])
     return ce, mtp_ce
 
 
