@@ -84,6 +84,15 @@ def test_uncomment_drops_only_comment_lines():
     assert ans.splitlines() == [line for line in CODE.splitlines() if "#" not in line]
 
 
+def test_continue_sends_bare_code_and_answers_with_the_rest():
+    rng = np.random.default_rng(2)
+    for _ in range(8):
+        doc = C.make_document(CODE, "continue", rng)
+        given, rest = _user(doc), _answer(doc)
+        assert given + rest == CODE and given and rest  # no request, and no echo
+        assert doc[C.answer_start(doc):].startswith("<think>")
+
+
 def test_snippets_are_whole_lines_of_the_source_and_bounded():
     rng = np.random.default_rng(3)
     text = "\n".join(f"x{i} = {i}" for i in range(200)) + "\n"
@@ -171,7 +180,7 @@ def test_answer_only_loss_ignores_the_context(tmp_path):
     src = tmp_path / "code.py"
     src.write_text(CODE * 20)
     cfg = T.TrainConfig(mode="scratch", corpus=str(src), out=str(tmp_path / "run"), size="tiny",
-                        steps=1, batch_size=4, seq_len=96, save_every=0, eval_every=0,
+                        steps=1, batch_size=4, seq_len=320, save_every=0, eval_every=0,
                         progress=False, compile=False, copy_fraction=1.0, copy_docs=30,
                         copy_context_weight=0.0)
     tr = T.Trainer(cfg)

@@ -9,6 +9,9 @@ Kinds (each a seeded choice per document, from a code snippet of 6-40 lines):
 * ``rename``: asks to rename an identifier the snippet uses; the answer is the renamed code.
 * ``reindent``: the snippet with 2-space indentation, asked back with 4 spaces.
 * ``uncomment``: asks for the snippet without its comment lines.
+* ``continue``: a user turn of bare code, no request; the answer continues it. Without it,
+  every chat turn of the mix asks for code back, and a model trained on answers only learns
+  to echo any code it is sent.
 
 Chat documents are ChatML as the demo model's template renders them (empty think block),
 with the code given fenced or bare and the request before or after it.
@@ -26,7 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-KINDS = ("block", "repeat", "rename", "reindent", "uncomment")
+KINDS = ("block", "repeat", "rename", "reindent", "uncomment", "continue")
 MIN_LINES, MAX_LINES, MAX_CHARS = 6, 40, 1400
 _IDENT = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
 _ASK_REPEAT = ("Repeat this module verbatim.", "Return the code below exactly as it is.",
@@ -109,6 +112,10 @@ def make_document(code: str, kind: str, rng: np.random.Generator) -> str:
         bare = "".join(line for line in code.splitlines(True) if not line.lstrip().startswith("#"))
         return chat(_ask(rng, "Remove the comment lines and return the rest unchanged.", code),
                     bare)
+    if kind == "continue":
+        lines = code.splitlines(True)
+        cut = int(rng.integers(1, len(lines)))
+        return chat("".join(lines[:cut]), "".join(lines[cut:]))
     raise ValueError(f"unknown copy document kind {kind!r}")
 
 
