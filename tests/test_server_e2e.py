@@ -356,9 +356,10 @@ def test_16_concurrent_streams_equal_alone_and_accept_drafts(server, client, mod
     # they streamed together: every stream had its first token before half had finished
     # (one at a time, the last would start after 15 had finished). Streams decoding keep
     # half of the machine while later prompts are processed (fair share), so the earliest
-    # may finish before the last prompt is done.
+    # may finish before the last prompt is done. Events of one engine step reach the client
+    # in any order, hence one step's slack (serial decoding would miss by ~8 streams' time).
     finish = sorted(r[2] for r in results)
-    assert max(r[1] for r in results) < finish[len(finish) // 2]
+    assert max(r[1] for r in results) < finish[len(finish) // 2] + 0.05
     assert sum(r[3]["num_accepted_tokens"] for r in results) > 0
     assert server.metric("mlx_mtp:spec_decode_num_accepted_tokens_total") > accepted_before
     assert server.metric("mlx_mtp:spec_decode_num_accepted_tokens_per_pos_total",
