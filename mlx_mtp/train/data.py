@@ -82,9 +82,9 @@ def load_or_build_copy(run_dir: Path, files, tokenizer_dir, n_docs: int, seed: i
 
     cache = run_dir / f"tokens-copy-{n_docs}-{seed}.npz"
     if cache.exists():
-        z = np.load(cache)
-        if "answer" in z:  # caches from before the answer flags are rebuilt
-            return z["ids"], z["starts"], z["answer"]
+        with np.load(cache) as z:
+            if "answer" in z:  # caches from before the answer flags are rebuilt
+                return z["ids"], z["starts"], z["answer"]
     try:
         docs = copydata.build_documents([read_corpus_file(f) for f in files], n_docs, seed)
     except ValueError as e:

@@ -468,9 +468,9 @@ def add_arguments(p):
     p.add_argument("--copy-docs", type=int, default=4000,
                    help="with --copy-fraction: how many copy documents to build")
     p.add_argument("--copy-context-weight", type=float, default=1.0,
-                   help="with --copy-fraction: loss weight of a copy document's tokens before "
-                        "its answer (the code given and the request; 0 trains on the answers "
-                        "only)")
+                   help="(scratch) with --copy-fraction: loss weight of a copy document's "
+                        "tokens before its answer (the code given and the request; 0 trains on "
+                        "the answers only)")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
     p.add_argument("--eval-every", type=int, default=200, help="held-out loss every N steps")
