@@ -170,6 +170,29 @@ def test_trainer_copy_fraction_feeds_copy_rows(tmp_path):
         T.Trainer(T.TrainConfig(**{**cfg.__dict__, "copy_context_weight": -1.0}))
 
 
+def test_copy_token_cache_is_rebuilt_for_other_kinds(tmp_path, monkeypatch):
+    """The cache is reused as long as the document kinds are the same, and rebuilt when
+    they change (a cache from an older set of kinds would silently train the old mix)."""
+    from mlx_mtp.train import data as D
+
+    src = tmp_path / "code.py"
+    src.write_text(CODE * 20)
+    first = D.load_or_build_copy(tmp_path, [src], TOKENIZER_DIR, 12)
+    cache = tmp_path / "tokens-copy-12-0.npz"
+    stamp = cache.stat().st_mtime_ns
+    again = D.load_or_build_copy(tmp_path, [src], TOKENIZER_DIR, 12)
+    assert cache.stat().st_mtime_ns == stamp
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    monkeypatch.setattr(C, "KINDS", ("repeat",))
+    ids, starts, answer = D.load_or_build_copy(tmp_path, [src], TOKENIZER_DIR, 12)
+    with np.load(cache) as z:
+        assert list(z["kinds"]) == ["repeat"] and np.array_equal(z["ids"], ids)
+    tok = _load_tokenizer(TOKENIZER_DIR)
+    bounds = list(starts) + [len(ids)]
+    for a, b in zip(bounds[:-1], bounds[1:]):  # every document is now a "repeat" one
+        assert any(ask in tok.decode(ids[a:b].tolist()) for ask in C._ASK_REPEAT)
+
+
 def test_answer_only_loss_ignores_the_context(tmp_path):
     """With --copy-context-weight 0 the loss is the answers' mean CE: changing a token
     before an answer changes no target's weight, and the weighted loss equals the mean over

@@ -81,9 +81,11 @@ def load_or_build_copy(run_dir: Path, files, tokenizer_dir, n_docs: int, seed: i
     from .tokenizer_build import read_corpus_file
 
     cache = run_dir / f"tokens-copy-{n_docs}-{seed}.npz"
+    kinds = np.array(copydata.KINDS)
     if cache.exists():
         with np.load(cache) as z:
-            if "answer" in z:  # caches from before the answer flags are rebuilt
+            # caches from before the answer flags, or built with other kinds, are rebuilt
+            if "answer" in z and "kinds" in z and np.array_equal(z["kinds"], kinds):
                 return z["ids"], z["starts"], z["answer"]
     try:
         docs = copydata.build_documents([read_corpus_file(f) for f in files], n_docs, seed)
@@ -92,7 +94,7 @@ def load_or_build_copy(run_dir: Path, files, tokenizer_dir, n_docs: int, seed: i
     ids, starts, answer = copydata.tokenize_documents(
         docs, _load_tokenizer(tokenizer_dir), ENDOFTEXT_ID)
     tmp = run_dir / ".tokens-copy.tmp.npz"
-    np.savez(tmp, ids=ids, starts=starts, answer=answer)
+    np.savez(tmp, ids=ids, starts=starts, answer=answer, kinds=kinds)
     os.replace(tmp, cache)
     return ids, starts, answer
 
