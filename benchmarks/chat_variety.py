@@ -16,7 +16,7 @@ import sys
 from mlx_mtp.decode.generation import stream_generate
 from mlx_mtp.decode.prompt import build_prompt, encode_prompt
 from mlx_mtp.decode.sampling import SamplingParams
-from mlx_mtp.models.loader import generation_defaults, load
+from mlx_mtp.models.io.loader import generation_defaults, load
 
 PROMPTS = ("def fibonacci(n):", "def add(a, b):", "class Stack:", "def read_lines(path):",
            "Write the Python module `stack`.", "import json",

@@ -24,8 +24,8 @@ import mlx.core as mx
 from mlx_mtp.decode import step_costs
 from mlx_mtp.decode.policy import DraftPolicy
 from mlx_mtp.decode.speculative import MTPDecoder
-from mlx_mtp.models import hybrid
-from mlx_mtp.models.loader import load
+from mlx_mtp.models.blocks import hybrid
+from mlx_mtp.models.io.loader import load
 from mlx_mtp.testing.tiny import make_tiny
 
 PROMPT = "def fibonacci(n):\n    "

@@ -31,7 +31,7 @@ from mlx_mtp.bench.copy_prompts import _MODULE
 from mlx_mtp.decode.generation import stream_generate
 from mlx_mtp.decode.prompt import build_prompt, encode_prompt
 from mlx_mtp.decode.sampling import SamplingParams
-from mlx_mtp.models.loader import load
+from mlx_mtp.models.io.loader import load
 from mlx_mtp.text_corpus import corpus_files, read_corpus_file
 
 _START = re.compile(r"^(def |class |import |from |@)")

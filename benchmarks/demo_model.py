@@ -38,7 +38,7 @@ from pathlib import Path
 from mlx_mtp.decode.generation import stream_generate
 from mlx_mtp.decode.prompt import build_prompt, encode_prompt
 from mlx_mtp.decode.sampling import SamplingParams
-from mlx_mtp.models.loader import generation_defaults, load
+from mlx_mtp.models.io.loader import generation_defaults, load
 from mlx_mtp.options import PENALTIES, apply_model_options, sampling_from_args
 from mlx_mtp.train.data import corpus_file_list
 from mlx_mtp.train.export import heldout_prompts

@@ -82,7 +82,7 @@ def decode(model, k: int, tokens: int, counter: SyncCounter) -> dict:
 
 def run_rank(args):
     """Inside a launch (or alone): decode with each K, repeat, print rank 0's medians."""
-    from mlx_mtp.models.loader import load_model
+    from mlx_mtp.models.io.loader import load_model
 
     group = mx.distributed.init() if args.mode != "single" else None
     if group is None:

@@ -32,9 +32,9 @@ import mlx.core as mx
 from mlx_mtp.decode.prompt import build_prompt, encode_prompt
 from mlx_mtp.decode.sampling import SamplingParams, log_softmax
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models import draft_vocab
-from mlx_mtp.models.cache import KVCache
-from mlx_mtp.models.loader import DEFAULT_MODEL, generation_defaults, load
+from mlx_mtp.models.draft import vocab as draft_vocab
+from mlx_mtp.models.cache.kv import KVCache
+from mlx_mtp.models.io.loader import DEFAULT_MODEL, generation_defaults, load
 from mlx_mtp.options import PENALTIES
 from mlx_mtp.train.export import heldout_prompts
 

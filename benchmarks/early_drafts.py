@@ -25,7 +25,7 @@ import mlx_mtp.decode.step as step_module
 from families_oracle import build
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder
-from mlx_mtp.models.loader import load, load_model
+from mlx_mtp.models.io.loader import load, load_model
 
 PROMPT = list(range(100, 164))
 

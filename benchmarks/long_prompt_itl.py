@@ -45,7 +45,7 @@ def percentile(values, q):
 def worker(args) -> dict:
     """One run in this process, with the mlx_mtp found on sys.path."""
     try:
-        from mlx_mtp.models.loader import load
+        from mlx_mtp.models.io.loader import load
     except ImportError:  # the flat layout of older checkouts
         from mlx_mtp.loader import load
     from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest, Failed

@@ -35,7 +35,7 @@ import mlx.core as mx
 from mlx_mtp.decode.draft_source import DraftSources
 from mlx_mtp.decode.policy import DraftPolicy
 from mlx_mtp.decode.speculative import MTPDecoder
-from mlx_mtp.models.loader import load
+from mlx_mtp.models.io.loader import load
 from mlx_mtp.testing.tiny import make_tiny
 
 SETTINGS = {"plain": (0, None), "mtp": (3, None), "lookup": (0, "lookup"), "both": (3, "both")}

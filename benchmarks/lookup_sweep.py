@@ -30,7 +30,7 @@ from mlx_mtp.decode.lookup import LookupSettings
 from mlx_mtp.decode.policy import DraftPolicy
 from mlx_mtp.decode.prompt import build_prompt, encode_prompt
 from mlx_mtp.decode.sampling import SamplingParams
-from mlx_mtp.models.loader import load
+from mlx_mtp.models.io.loader import load
 
 
 def _ints(text):

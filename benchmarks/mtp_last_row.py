@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from families_oracle import build
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.io.loader import load_model
 
 
 def time_call(model, cache, hidden, tokens, last_only: bool) -> float:

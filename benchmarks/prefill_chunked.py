@@ -12,8 +12,8 @@ from pathlib import Path
 import mlx_mtp  # noqa: F401  (before MLX: it routes CPU matmuls to OpenBLAS)
 import mlx.core as mx
 
-import mlx_mtp.models.hybrid as hybrid
-from mlx_mtp.models.loader import load_model
+import mlx_mtp.models.blocks.hybrid as hybrid
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny import make_tiny
 
 

@@ -39,8 +39,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_mtp.bench.inprocess import decode_tps, measure_costs
-from mlx_mtp.models import draft_vocab_auto
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.draft import vocab_auto as draft_vocab_auto
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.options import apply_model_options
 from mlx_mtp.testing.tiny import save_hf_checkpoint, tiny_text_config
 
@@ -62,7 +62,7 @@ def real_text_config(hidden=1024, layers=24, vocab=248320, intermediate=3584) ->
 def random_model(text: dict, dtype=mx.bfloat16, seed=0):
     """Our Qwen3.5 model at ``text``'s shape, random weights made directly in ``dtype``."""
     from mlx_mtp.models import get_model_module
-    from mlx_mtp.models.layout import hf_config
+    from mlx_mtp.models.io.layout import hf_config
 
     mx.random.seed(seed)
     module = get_model_module("qwen3_5")

@@ -29,8 +29,8 @@ import mlx_mtp  # noqa: F401  (before MLX: it routes CPU matmuls to OpenBLAS)
 import mlx.core as mx
 
 from mlx_mtp.decode.speculative import MTPDecoder
-from mlx_mtp.models.cache import cache_state_arrays
-from mlx_mtp.models.loader import load
+from mlx_mtp.models.cache.kv import cache_state_arrays
+from mlx_mtp.models.io.loader import load
 from mlx_mtp.server.session_store import SessionStore, model_fingerprint
 
 

@@ -31,7 +31,7 @@ from mlx_lm.generate import stream_generate as lm_stream_generate
 from mlx_lm.utils import load as lm_load
 
 from mlx_mtp.bench.inprocess import decode_tps, measure_costs
-from mlx_mtp.models.loader import load
+from mlx_mtp.models.io.loader import load
 from mlx_mtp.testing.tiny import make_tiny
 
 PROMPT = "def fibonacci(n):\n    "

@@ -19,8 +19,8 @@ import mlx_mtp  # noqa: F401  (first: loads the OpenBLAS shim before MLX, as the
 import mlx.core as mx
 
 from mlx_mtp.bench.inprocess import measure_costs
-from mlx_mtp.models import hybrid
-from mlx_mtp.models.loader import load
+from mlx_mtp.models.blocks import hybrid
+from mlx_mtp.models.io.loader import load
 
 DEMO = Path(__file__).resolve().parents[1] / "mlx_mtp" / "assets" / "demo-model"
 PROMPT = "def fibonacci(n):\n    "

@@ -12,7 +12,7 @@ from .platform import blas as _blas  # noqa: E402
 _blas.preload()
 
 _LAZY = {
-    "load": "mlx_mtp.models.loader",
+    "load": "mlx_mtp.models.io.loader",
     "stream_generate": "mlx_mtp.decode.generation",
     "generate": "mlx_mtp.decode.generation",
 }

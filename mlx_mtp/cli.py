@@ -102,7 +102,7 @@ def main(argv=None) -> int:
             blas.setup(args)
         # Errors meant for users (bad input, unusable checkpoints) derive from these.
         from .decode.prompt import EmptyPromptError
-        from .models.loader import USER_ERRORS
+        from .models.io.loader import USER_ERRORS
 
         try:
             return importlib.import_module(COMMANDS[args.command][0]).run(args) or 0

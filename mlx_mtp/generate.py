@@ -38,7 +38,7 @@ def run(args) -> int:
     from .decode import step_costs
     from .decode.generation import format_stats, stream_generate
     from .decode.prompt import build_prompt
-    from .models.loader import check_tokenizer_fits, generation_defaults
+    from .models.io.loader import check_tokenizer_fits, generation_defaults
     from .platform import blas
 
     # As mlx_lm.generate: "\n" and "\t" typed on the command line are a newline and a tab.

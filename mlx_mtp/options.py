@@ -177,8 +177,8 @@ def apply_model_options(model, args):
     if (bits is not None or vocab is not None) and model.num_mtp_layers > 0:
         model.set_draft_head(bits, vocab=vocab)
     if vocab is None and _shipped_vocab_applies(model, args):
-        from .models import draft_vocab_auto
-        from .models.loader import resolve_model_path
+        from .models.draft import vocab_auto as draft_vocab_auto
+        from .models.io.loader import resolve_model_path
 
         draft_vocab_auto.install(model, resolve_model_path(args.model), bits)
     else:
@@ -195,7 +195,7 @@ def load_from_args(args, mtp: bool, group=None):
     """The model and tokenizer the flags name, ``apply_model_options`` applied: in this
     process, or this rank's part of a model split over ``group`` (``--distributed``)."""
     if group is None:
-        from .models.loader import load
+        from .models.io.loader import load
 
         model, tokenizer = load(args.model, mtp=mtp, mtp_hidden=args.mtp_hidden,
                                 dtype=args.dtype, mtp_model=mtp_model_from_args(args))
@@ -225,8 +225,8 @@ def describe_choices(model) -> str:
 
 def _shipped_vocab_applies(model, args) -> bool:
     """``--draft-vocab auto`` without a ranking file: the shipped ranking, if it matches."""
-    from .models import draft_vocab
-    from .models.loader import resolve_model_path
+    from .models.draft import vocab as draft_vocab
+    from .models.io.loader import resolve_model_path
 
     # Not over a distributed group (no set_compiled): ranks holding different parts of the
     # model would size the subset differently.
@@ -240,8 +240,8 @@ def draft_vocab_from_args(model, args):
     value = getattr(args, "draft_vocab", None)
     if value is None or value == "0" or model.num_mtp_layers == 0:
         return None
-    from .models import draft_vocab
-    from .models.loader import resolve_model_path
+    from .models.draft import vocab as draft_vocab
+    from .models.io.loader import resolve_model_path
 
     try:
         return draft_vocab.select(resolve_model_path(args.model), draft_vocab.parse_size(value),

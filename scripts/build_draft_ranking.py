@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mlx_mtp.decode.text_stream import byte_alphabet  # noqa: E402
-from mlx_mtp.models.draft_vocab import COVERAGE_SIZES, vocab_hash  # noqa: E402
+from mlx_mtp.models.draft.vocab import COVERAGE_SIZES, vocab_hash  # noqa: E402
 
 WEIGHTS = {"code": 0.4, "prose": 0.4, "multilingual": 0.2}
 PROSE_SUFFIXES = {".md", ".rst", ".txt", ".html", ""}

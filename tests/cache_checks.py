@@ -3,7 +3,7 @@ equality, and merged batches whose rows must equal those solo caches."""
 
 import mlx.core as mx
 
-from mlx_mtp.models.cache import cache_state_arrays
+from mlx_mtp.models.cache.kv import cache_state_arrays
 
 
 def solo(model, prompt):

@@ -18,8 +18,8 @@ from distribution_check import assert_follows, sample_outcomes, two_token_joint
 from mlx_mtp.decode.batch import BatchDecoder
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models.layout import MissingMTPWeightsError
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.io.layout import MissingMTPWeightsError
+from mlx_mtp.models.io.loader import load_model
 
 N_TOKENS = 24
 # How often each tiny head's drafts agree with the trunk -> the head the builders make.

@@ -367,7 +367,7 @@ def serve_app(app):
 
 @pytest.fixture(scope="module")
 def scripted():
-    from mlx_mtp.models.loader import load_tokenizer
+    from mlx_mtp.models.io.loader import load_tokenizer
     from mlx_mtp.server.app import create_app
     from mlx_mtp.server.state import ServerState
 

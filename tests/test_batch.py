@@ -9,8 +9,8 @@ from mlx_lm.generate import generate_step as mlx_lm_generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from mlx_mtp.decode.batch import BatchDecoder
-from mlx_mtp.models.recurrent_cache import RecurrentCache
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.cache.recurrent import RecurrentCache
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 
@@ -144,7 +144,7 @@ def test_failed_step_restores_batch_and_names_one_row(tiny_ckpt):
 def test_calibrate_fills_the_cost_model_and_leaves_the_batch_empty():
     from mlx_mtp.testing.tiny import make_tiny
     import tempfile
-    from mlx_mtp.models.loader import load_model
+    from mlx_mtp.models.io.loader import load_model
 
     with tempfile.TemporaryDirectory() as d:  # token ids only: the model without a tokenizer
         model, _ = load_model(make_tiny(d + "/m", "qwen3_5", "oracle"))

@@ -10,7 +10,7 @@ from mlx_mtp.bench.inprocess import BenchConfig, make_settings, run_inprocess
 from mlx_mtp.bench.prompts import builtin_prompts, load_prompts
 from mlx_mtp.cli import main
 from mlx_mtp.decode.prompt import encode_prompt
-from mlx_mtp.models.loader import load
+from mlx_mtp.models.io.loader import load
 from mlx_mtp.testing.tiny import make_tiny
 
 ROW_FIELDS = [

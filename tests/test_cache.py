@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_mtp.models.cache import BatchKVCache, KVCache
+from mlx_mtp.models.cache.kv import BatchKVCache, KVCache
 
 H, D = 2, 4
 

@@ -7,8 +7,8 @@ import pytest
 from cache_checks import (assert_filter_keeps_rows, assert_rows_are, merged_solos, next_logits,
                           same, solo)
 
-from mlx_mtp.models.cache import BatchKVCache, KVCache, cache_state_arrays, restore_caches, snapshot_caches
-from mlx_mtp.models.recurrent_cache import RecurrentCache
+from mlx_mtp.models.cache.kv import BatchKVCache, KVCache, cache_state_arrays, restore_caches, snapshot_caches
+from mlx_mtp.models.cache.recurrent import RecurrentCache
 
 PROMPTS = [[5, 9, 200, 31, 7, 64, 3], [11, 400], [1]]
 

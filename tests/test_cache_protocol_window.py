@@ -8,11 +8,11 @@ import pytest
 from cache_checks import (assert_filter_keeps_rows, assert_rows_are, merged_solos, next_logits,
                           same, solo)
 
-from mlx_mtp.models import window_cache
-from mlx_mtp.models.cache import (CACHE_KINDS, KVCache, cache_state_arrays, restore_caches,
+from mlx_mtp.models.cache import window as window_cache
+from mlx_mtp.models.cache.kv import (CACHE_KINDS, KVCache, cache_state_arrays, restore_caches,
                                   snapshot_caches)
-from mlx_mtp.models.loader import load_model
-from mlx_mtp.models.window_cache import BatchWindowKVCache, WindowKVCache
+from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.models.cache.window import BatchWindowKVCache, WindowKVCache
 from mlx_mtp.testing.tiny_special import WINDOW, make_tiny_step3p5
 
 # Buffers grow by 8 and keep 4 beyond the window (8): a single cache drops old entries

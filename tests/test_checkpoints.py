@@ -20,9 +20,9 @@ from mlx_mtp.convert import main as cv
 from mlx_mtp.convert.checkpoint_io import write_checkpoint
 from mlx_mtp.convert.main import ConversionError, convert
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models import layout
-from mlx_mtp.models.layout import CheckpointError, check_acceptance
-from mlx_mtp.models.loader import ModelLoadError, load_model
+from mlx_mtp.models.io import layout
+from mlx_mtp.models.io.layout import CheckpointError, check_acceptance
+from mlx_mtp.models.io.loader import ModelLoadError, load_model
 from mlx_mtp.testing.tiny import (build_model, make_oracle, make_tiny, save_hf_checkpoint,
                                   tiny_text_config)
 
@@ -229,7 +229,7 @@ def test_missing_per_expert_tensor_is_named(tmp_path):
 
 def test_prompt_with_no_tokens_exits_2(tiny_ckpt, monkeypatch, capsys):
     from mlx_mtp.cli import main
-    from mlx_mtp.models import loader
+    from mlx_mtp.models.io import loader
 
     class NoTokens:
         """A tokenizer that turns every prompt into nothing (e.g. a WordLevel vocabulary
@@ -439,7 +439,7 @@ def test_generation_warns_when_head_accepts_nothing(tiny_ckpt, caplog):
     """End to end: a head that accepts ~nothing (here a random one, as a head read in the
     wrong norm layout behaves) is reported once the warm-up has passed."""
     from mlx_mtp.decode.generation import stream_generate
-    from mlx_mtp.models.loader import load_model, load_tokenizer
+    from mlx_mtp.models.io.loader import load_model, load_tokenizer
 
     # The tiny model embeds 512 ids, fewer than its tokenizer's: load() refuses the pair,
     # so the test takes both parts and feeds ids in range.

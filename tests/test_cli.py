@@ -137,7 +137,7 @@ def test_llama_server_speculative_flags(model):
 
 def test_generate_and_serve_build_the_same_prompt(model):
     from mlx_mtp.decode.prompt import build_prompt, chat_template_args
-    from mlx_mtp.models.loader import load
+    from mlx_mtp.models.io.loader import load
 
     _, tok = load(model)
     # One default for both commands: thinking off unless asked for.

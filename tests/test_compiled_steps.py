@@ -7,8 +7,8 @@ from mlx_mtp.cli import main
 from mlx_mtp.decode.batch import BatchDecoder
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models.cache import cache_state_arrays
-from mlx_mtp.models.loader import load
+from mlx_mtp.models.cache.kv import cache_state_arrays
+from mlx_mtp.models.io.loader import load
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 
@@ -90,7 +90,7 @@ def test_generate_flag(noisy, capsys):
 @pytest.fixture
 def traced(monkeypatch):
     """The token counts each DeltaNet step is traced (or run uncompiled) with."""
-    from mlx_mtp.models.hybrid import DecoderLayer
+    from mlx_mtp.models.blocks.hybrid import DecoderLayer
 
     calls, real = [], DecoderLayer._linear_step
 

@@ -16,8 +16,8 @@ from mlx_mtp.convert import add_mtp as am
 from mlx_mtp.convert import main as cv
 from mlx_mtp.convert.add_mtp import add_mtp
 from mlx_mtp.convert.main import ConversionError, convert
-from mlx_mtp.models.loader import load_model
-from mlx_mtp.models.layout import MissingMTPWeightsError
+from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.models.io.layout import MissingMTPWeightsError
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.testing.tiny import build_model, make_tiny, save_hf_checkpoint, tiny_text_config
 

@@ -19,8 +19,8 @@ from mlx_mtp.convert.main import convert
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import generate_step
 from mlx_mtp.models.distributed import DistributedError, choose_mode, split_layers
-from mlx_mtp.models.hybrid import HybridArgs
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.blocks.hybrid import HybridArgs
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny import make_tiny
 
 RANK_SCRIPT = Path(__file__).parent / "distributed_rank.py"

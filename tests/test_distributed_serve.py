@@ -183,7 +183,7 @@ def test_chat_stream_and_concurrent_equal_single_process(cluster, expected):
 
 
 def eos_ids(ckpt) -> list:
-    from mlx_mtp.models.loader import load_config, load_tokenizer
+    from mlx_mtp.models.io.loader import load_config, load_tokenizer
 
     return sorted(load_tokenizer(ckpt, load_config(ckpt)).eos_token_ids)
 

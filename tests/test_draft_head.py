@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.io.loader import load_model
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from mlx_mtp.cli import main
-from mlx_mtp.models.hybrid import TextModel
+from mlx_mtp.models.blocks.hybrid import TextModel
 
 
 @pytest.fixture(scope="module")

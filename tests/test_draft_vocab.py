@@ -18,8 +18,8 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models import draft_vocab
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.draft import vocab as draft_vocab
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.options import UserError, apply_model_options
 from distribution_check import assert_follows, sample_outcomes, two_token_joint
 

@@ -15,9 +15,9 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models import draft_vocab, draft_vocab_auto
-from mlx_mtp.models.draft_vocab_auto import DraftCosts, best_size, expected_speed
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.draft import vocab as draft_vocab, vocab_auto as draft_vocab_auto
+from mlx_mtp.models.draft.vocab_auto import DraftCosts, best_size, expected_speed
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.options import apply_model_options
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]  # the oracle then emits 80, 81, 82, ...

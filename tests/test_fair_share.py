@@ -9,7 +9,7 @@ from itertools import accumulate
 import mlx.core as mx
 import pytest
 
-from mlx_mtp.models.loader import load
+from mlx_mtp.models.io.loader import load
 from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest
 from mlx_mtp.server.fair_share import FairShare
 from mlx_mtp.server.prefix_cache import PrefixCache

@@ -8,8 +8,8 @@ from mlx_lm.models.base import create_causal_mask
 
 import family_checks as fc
 from family_checks import HEADS, mlx_lm_greedy, mtp_tokens, rms
-from mlx_mtp.models.attention_trunk import dequantize_fp8
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.blocks.attention_trunk import dequantize_fp8
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny_attention import FAMILIES, MLA_FAMILIES, make_tiny
 
 PROMPT = [1, 5, 9, 22, 7, 3, 100, 20, 42, 17, 18]
@@ -133,7 +133,7 @@ def test_caches_answer_mlx_lm_mask_calls():
     batch's holes."""
     from mlx_lm.models.base import create_attention_mask
 
-    from mlx_mtp.models.cache import BatchKVCache, KVCache
+    from mlx_mtp.models.cache.kv import BatchKVCache, KVCache
 
     solo = KVCache()
     solo.update_and_fetch(mx.zeros((1, 1, 5, 4)), mx.zeros((1, 1, 5, 4)))

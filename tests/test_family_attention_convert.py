@@ -10,7 +10,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 import family_checks as fc
 from mlx_mtp.convert.main import convert
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny_attention import FAMILIES, make_tiny
 
 PROMPT = [1, 5, 9, 22, 7, 3, 100, 20, 42, 17, 18]

@@ -8,8 +8,8 @@ import pytest
 
 import family_checks as fc
 from family_checks import HEADS, mlx_lm_model, raw_tensors, rms
-from mlx_mtp.models.cache import KVCache
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.cache.kv import KVCache
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny_special import make_tiny_dsa
 
 FAMILIES = ["deepseek_v32", "glm_moe_dsa"]

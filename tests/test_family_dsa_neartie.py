@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step as mlx_lm_generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.dsa_neartie import INDEX_TOPK, make_near_tie_dsa, mlx_lm_selections
 
 FAMILIES = ["deepseek_v32", "glm_moe_dsa"]

@@ -10,8 +10,8 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from mlx_mtp.convert.add_mtp import add_mtp
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models.layout import MissingMTPWeightsError
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.io.layout import MissingMTPWeightsError
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny_special import make_tiny_dsa
 
 PROMPT = [1, 5, 9, 22, 7, 3, 100, 20, 42, 17, 18, 64, 2, 90]  # past index_topk (6)

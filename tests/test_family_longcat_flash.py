@@ -9,7 +9,7 @@ from mlx_lm.models.base import create_causal_mask
 
 import family_checks as fc
 from family_checks import HEADS, mlx_lm_model, raw_tensors, rms
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny_special import make_tiny_longcat_flash
 
 RNG = np.random.default_rng(3)

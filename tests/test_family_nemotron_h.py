@@ -8,9 +8,9 @@ from mlx.utils import tree_flatten
 
 import family_checks as fc
 from family_checks import HEADS, mlx_lm_model, mtp_tokens, raw_tensors, rms
-from mlx_mtp.models.cache import cache_state_arrays
-from mlx_mtp.models.recurrent_cache import RecurrentCache
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.cache.kv import cache_state_arrays
+from mlx_mtp.models.cache.recurrent import RecurrentCache
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny_special import make_tiny_nemotron_h
 
 RNG = np.random.default_rng(0)

@@ -8,9 +8,9 @@ import pytest
 
 import family_checks as fc
 from engine_events import make_engine, run
-from mlx_mtp.models import window_cache
-from mlx_mtp.models.loader import load
-from mlx_mtp.models.window_cache import WindowKVCache
+from mlx_mtp.models.cache import window as window_cache
+from mlx_mtp.models.io.loader import load
+from mlx_mtp.models.cache.window import WindowKVCache
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.server.session_store import SessionStore, model_fingerprint
 from mlx_mtp.testing.tiny_special import (make_tiny_dsa, make_tiny_longcat_flash,

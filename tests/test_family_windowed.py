@@ -10,9 +10,9 @@ from mlx.utils import tree_flatten
 import family_checks as fc
 from family_checks import HEADS, mlx_lm_model, raw_tensors, rms
 from mlx_mtp.decode.speculative import MTPDecoder
-from mlx_mtp.models import window_cache
-from mlx_mtp.models.loader import load_model
-from mlx_mtp.models.window_cache import BatchWindowKVCache, WindowKVCache
+from mlx_mtp.models.cache import window as window_cache
+from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.models.cache.window import BatchWindowKVCache, WindowKVCache
 from mlx_mtp.testing.tiny_special import WINDOW, make_tiny_mimo_v2_flash, make_tiny_step3p5
 
 RNG = np.random.default_rng(0)

@@ -9,7 +9,7 @@ import pytest
 
 import family_checks as fc
 from family_checks import raw_tensors
-from mlx_mtp.models.layout import config_mtp_layers
+from mlx_mtp.models.io.layout import config_mtp_layers
 from mlx_mtp.testing.tiny_special import make_tiny_mimo_v2_flash, make_tiny_step3p5
 
 PROMPT = [int(x) for x in np.random.default_rng(1).integers(0, 128, 20)]

@@ -6,7 +6,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from mlx_mtp.models.gated_delta_chunked import _random_inputs, gated_delta_chunked
+from mlx_mtp.models.kernels.gated_delta_chunked import gated_delta_chunked
+from mlx_mtp.testing.kernels import random_gated_delta_inputs as _random_inputs
 
 TOL = 1e-4
 

@@ -13,7 +13,7 @@ from mlx_mtp.decode import grammar as G
 from mlx_mtp.decode.batch import BatchDecoder, BatchStepError
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.server.structured import tool_call_grammar
 
 PROMPTS = [[1, 5, 9, 22, 7, 3, 100, 200], [4, 8, 15, 16, 23, 42], [7, 7, 1, 2, 3, 9, 11]]

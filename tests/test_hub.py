@@ -78,7 +78,7 @@ def test_hub_id_generates_as_the_local_path_and_fetches_only_what_it_needs(stand
 
 def fill(env, patterns: str):
     """Download org/tiny's files matching ``patterns`` into the cache, as a command would."""
-    code = f"from mlx_mtp import hub; hub.snapshot('org/tiny', {patterns})"
+    code = f"from mlx_mtp.models.io import hub; hub.snapshot('org/tiny', {patterns})"
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0, p.stderr
@@ -212,7 +212,7 @@ def qwen3_8_style(path: Path) -> Path:
     tower, explicit layer_types, bf16 weights, one MTP layer (oracle head)."""
     import mlx.core as mx
 
-    from mlx_mtp.models.layout import hf_config
+    from mlx_mtp.models.io.layout import hf_config
     from mlx_mtp.testing.tiny import (build_model, make_oracle, save_hf_checkpoint,
                                       tiny_text_config)
 
@@ -235,7 +235,7 @@ def test_qwen3_8_style_config_loads_and_decodes_as_mlx_lm(stand_in, tmp_path):
     from mlx_lm.utils import load_model as lm_load_model
 
     from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-    from mlx_mtp.models.loader import load_model
+    from mlx_mtp.models.io.loader import load_model
 
     path = qwen3_8_style(tmp_path / "Qwen3.8-tiny")
     prompt = [3, 17, 42, 99, 7, 250, 11, 5]

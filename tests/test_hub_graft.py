@@ -12,8 +12,8 @@ import pytest
 
 from mlx_mtp.convert.add_mtp import add_mtp
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models.layout import is_mtp_key
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.io.layout import is_mtp_key
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny import make_tiny
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -12,8 +12,8 @@ import mlx.nn as nn
 import pytest
 
 from mlx_mtp.cli import main
-from mlx_mtp.models import draft_vocab
-from mlx_mtp.models.loader import load_model, weight_files
+from mlx_mtp.models.draft import vocab as draft_vocab
+from mlx_mtp.models.io.loader import load_model, weight_files
 from mlx_mtp.testing.tiny import make_tiny
 from mlx_mtp.tools.inspect_model import inspect_model, render
 

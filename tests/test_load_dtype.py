@@ -13,8 +13,8 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_mtp.convert.main import convert
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models import loader
-from mlx_mtp.models.loader import ModelLoadError, load_model
+from mlx_mtp.models.io import loader
+from mlx_mtp.models.io.loader import ModelLoadError, load_model
 from mlx_mtp.options import add_model_arguments
 
 PROMPT = [1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 18]

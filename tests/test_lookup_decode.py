@@ -18,7 +18,7 @@ from mlx_mtp.decode.draft_source import DraftSources
 from mlx_mtp.decode.lookup import LookupSettings
 from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.io.loader import load_model
 
 # The oracle trunk predicts t+1: after a stretch of the cycle, restarting it makes the
 # answer a copy of the context; the stray 7, 8 make some context drafts wrong.

@@ -4,7 +4,7 @@ source in usage and /metrics, a clear 400 for a bad value."""
 import pytest
 
 from mlx_mtp.decode.draft_source import DraftSources
-from mlx_mtp.models.loader import load
+from mlx_mtp.models.io.loader import load
 from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest
 from mlx_mtp.server.protocol import APIError, check_draft_source
 from mlx_mtp.testing.tiny import make_tiny

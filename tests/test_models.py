@@ -7,9 +7,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from mlx_mtp.models.loader import ModelLoadError, load_model
+from mlx_mtp.models.io.loader import ModelLoadError, load_model
 from mlx_mtp.models import UnsupportedModelError
-from mlx_mtp.models.layout import MissingMTPWeightsError
+from mlx_mtp.models.io.layout import MissingMTPWeightsError
 
 PROMPT = mx.array([[1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 300, 4]])
 

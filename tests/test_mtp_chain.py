@@ -10,8 +10,8 @@ from mlx_lm.models.base import create_causal_mask
 
 import family_checks as fc
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models.loader import load_model
-from mlx_mtp.models.mtp_chain import drafted_entries
+from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.models.blocks.mtp_chain import drafted_entries
 from mlx_mtp.testing.tiny_special import WINDOW, make_tiny_mimo_v2_flash, make_tiny_step3p5
 
 RNG = np.random.default_rng(5)

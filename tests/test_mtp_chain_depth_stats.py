@@ -5,7 +5,7 @@ own depth, not averaged into the others."""
 import pytest
 
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny_special import make_tiny_mimo_v2_flash
 
 PROMPT = [3, 17, 40, 9, 88, 21, 5, 60, 33, 12, 101, 7, 45, 2]

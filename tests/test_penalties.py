@@ -13,7 +13,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.io.loader import load_model
 from distribution_check import assert_follows, sample_outcomes, two_token_joint
 
 PROMPT = [1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 18]
@@ -241,7 +241,7 @@ def test_generation_config_repetition_penalty_is_the_cli_default(tiny_ckpt, tmp_
     import subprocess
     import sys
 
-    from mlx_mtp.models.loader import load_tokenizer
+    from mlx_mtp.models.io.loader import load_tokenizer
 
     src = Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1, vocab_size=4096))
     path = tmp_path / "ckpt"

@@ -175,7 +175,7 @@ def test_a_fresh_request_after_a_copy_request_drafts_from_the_head(tiny_ckpt):
     import mlx.core as mx
 
     from mlx_mtp.decode.speculative import MTPDecoder
-    from mlx_mtp.models.loader import load_model
+    from mlx_mtp.models.io.loader import load_model
 
     path = tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1, fc_noise=1.0)  # ~60-80 % first
     model, _ = load_model(Path(path))

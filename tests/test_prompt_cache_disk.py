@@ -17,8 +17,8 @@ import pytest
 
 from engine_events import make_engine, run as run_all
 from mlx_mtp.decode.speculative import MTPDecoder
-from mlx_mtp.models.cache import cache_state_arrays
-from mlx_mtp.models.loader import load
+from mlx_mtp.models.cache.kv import cache_state_arrays
+from mlx_mtp.models.io.loader import load
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.server.session_store import SUFFIX, SessionStore, model_fingerprint
 from mlx_mtp.testing.tiny import FAMILIES, make_tiny

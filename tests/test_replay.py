@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from family_checks import prefilled_cache
-from mlx_mtp.models import hybrid
-from mlx_mtp.models.recurrent_cache import RecurrentCache
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.blocks import hybrid
+from mlx_mtp.models.cache.recurrent import RecurrentCache
+from mlx_mtp.models.io.loader import load_model
 
 RNG = np.random.default_rng(1)
 PROMPTS = [[int(x) for x in RNG.integers(0, 512, n)] for n in (5, 9, 2)]

@@ -228,7 +228,7 @@ def test_coupled_verify_emits_the_plain_samples_and_follows_target(K):
 
 def test_end_to_end_sampling_distribution(tiny_ckpt):
     """Two tokens generated with MTP sampling follow the plain model's joint distribution."""
-    from mlx_mtp.models.loader import load_model
+    from mlx_mtp.models.io.loader import load_model
     from mlx_mtp.decode.speculative import MTPDecoder
 
     V = 8
@@ -265,7 +265,7 @@ def test_end_to_end_sampling_distribution(tiny_ckpt):
 
 def test_top_k_one_sampling_equals_greedy(tiny_ckpt):
     """top_k=1 leaves one token: sampling (with MTP drafts) must give greedy output."""
-    from mlx_mtp.models.loader import load_model
+    from mlx_mtp.models.io.loader import load_model
     from mlx_mtp.decode.speculative import generate_step
 
     model, _ = load_model(Path(tiny_ckpt("qwen3_5", "noisy", trunk_scale=0.1)))

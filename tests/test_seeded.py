@@ -14,7 +14,7 @@ import pytest
 from mlx_mtp.decode.batch import BatchDecoder
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.io.loader import load_model
 
 PROMPT = [3, 1, 4, 1, 5, 2, 6, 5]
 N = 20
@@ -125,7 +125,7 @@ def test_identical_seeded_requests_to_the_server_engine_agree(tiny_ckpt):
     """Issue 12.11: identical seeded requests, sent together with other traffic and
     decoded in one batch under the adaptive policy, all return the same tokens as the
     same request sent alone."""
-    from mlx_mtp.models.loader import load_tokenizer
+    from mlx_mtp.models.io.loader import load_tokenizer
     from mlx_mtp.server.engine import Done, Engine, EngineRequest
 
     # 8 embedding rows, a 4096-token tokenizer: load() refuses the pair, so the parts are

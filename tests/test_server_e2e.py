@@ -515,7 +515,7 @@ def test_no_mtp_is_lossless_api_key_and_clean_shutdown(ckpt, tmp_path_factory, c
 
 def test_chat_prompt_equals_the_generate_prompt(server, client, model_id, ckpt):
     from mlx_mtp.decode.prompt import build_prompt
-    from mlx_mtp.models.loader import load_tokenizer
+    from mlx_mtp.models.io.loader import load_tokenizer
 
     tok = load_tokenizer(ckpt, {})
     for kwargs in ({}, {"enable_thinking": True}):

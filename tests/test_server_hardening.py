@@ -58,7 +58,7 @@ def test_stop_strings_are_capped():
 # --- chat template variables and tool_choice (real tokenizer, no model) -------------------
 @pytest.fixture(scope="module")
 def tiny_state(tiny_ckpt):
-    from mlx_mtp.models.loader import load_config, load_tokenizer
+    from mlx_mtp.models.io.loader import load_config, load_tokenizer
 
     path = tiny_ckpt("qwen3_5", "random", vocab_size=4096)
     tok = load_tokenizer(path, load_config(path))

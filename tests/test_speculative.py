@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import family_checks as fc
-from mlx_mtp.models.recurrent_cache import RecurrentCache
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.cache.recurrent import RecurrentCache
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 

@@ -13,9 +13,9 @@ from mlx.utils import tree_flatten
 
 from mlx_mtp.convert.main import ConversionError, convert
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models.layout import CheckpointError
-from mlx_mtp.models.loader import load_model
-from mlx_mtp.models.split_drafter import DRAFTER_MODEL_TYPE
+from mlx_mtp.models.io.layout import CheckpointError
+from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.models.io.split_drafter import DRAFTER_MODEL_TYPE
 from mlx_mtp.testing.tiny import make_tiny
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 5]

@@ -19,7 +19,7 @@ import llguidance.hf
 from mlx_mtp.decode import grammar as G
 from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models.loader import load_model
+from mlx_mtp.models.io.loader import load_model
 from distribution_check import assert_follows, two_token_joint
 from grammar_fixtures import VOCAB, ckpt, grammar, tok  # noqa: F401  (fixtures)
 

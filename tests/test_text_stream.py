@@ -9,7 +9,7 @@ import random
 import pytest
 
 from mlx_mtp.decode.text_stream import TextStream, _WindowDecoder, partial_match_start
-from mlx_mtp.models.loader import load
+from mlx_mtp.models.io.loader import load
 
 TEXTS = [
     "    return x\n",  # 4-space indentation as the first token

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mlx_mtp.cli import main
-from mlx_mtp.models.loader import ModelLoadError, load, load_model, load_tokenizer
+from mlx_mtp.models.io.loader import ModelLoadError, load, load_model, load_tokenizer
 from server_process import free_port
 
 

@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_mtp.train import main as T
-from mlx_mtp.models.loader import DEFAULT_MODEL, load, load_model
+from mlx_mtp.models.io.loader import DEFAULT_MODEL, load, load_model
 
 CODE = '''
 def add(a, b):

@@ -14,9 +14,9 @@ from mlx_mtp.decode import MAX_DRAFT_TOKENS
 from mlx_mtp.decode.draft_source import DraftSources
 from mlx_mtp.decode.lookup import MAX_LOOKUP_DRAFT, LookupSettings
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
-from mlx_mtp.models import window_cache
-from mlx_mtp.models.loader import load_model
-from mlx_mtp.models.window_cache import ROLLBACK_MARGIN, WindowKVCache
+from mlx_mtp.models.cache import window as window_cache
+from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.models.cache.window import ROLLBACK_MARGIN, WindowKVCache
 from mlx_mtp.testing.tiny_special import make_tiny_mimo_v2_flash, make_tiny_step3p5
 
 # The oracle trunk predicts t+1 on the cycle: restarting the stretch makes the answer a

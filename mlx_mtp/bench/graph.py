@@ -18,8 +18,8 @@ from typing import Dict, List, Sequence
 
 import mlx.core as mx
 
-from ..models.cache import cache_state_arrays, restore_caches, snapshot_caches
-from ..models.hybrid import GatedDeltaNetBase
+from ..models.cache.kv import cache_state_arrays, restore_caches, snapshot_caches
+from ..models.blocks.hybrid import GatedDeltaNetBase
 
 
 def count_nodes(arrays: Sequence[mx.array]) -> int:

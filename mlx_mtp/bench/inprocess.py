@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..models.cache import cache_state_arrays, restore_caches, snapshot_caches
+from ..models.cache.kv import cache_state_arrays, restore_caches, snapshot_caches
 from ..decode.draft_source import DraftSources
 from ..decode.lookup import LookupSettings
 from ..decode.policy import DraftPolicy

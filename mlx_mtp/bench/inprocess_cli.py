@@ -52,7 +52,7 @@ def _load(args, prompts, ks: List[int], console):
     from rich.markup import escape
 
     from ..decode.prompt import build_prompt, encode_prompt
-    from ..models.loader import generation_defaults, resolve_model_path
+    from ..models.io.loader import generation_defaults, resolve_model_path
     from ..options import UserError, load_from_args, parse_json_arg, sampling_from_args
 
     sampling = sampling_from_args(args, generation_defaults(args.model))
@@ -96,7 +96,7 @@ def _measure(args, model, prompts, encoded, cfg, eos) -> dict:
 
 def _meta(args, command: str, model, model_path: Path, prompts, encoded, cfg) -> dict:
     """What the results were measured on: machine, model, prompts and settings."""
-    from ..models.loader import parameter_count
+    from ..models.io.loader import parameter_count
 
     sampling, lookup = cfg.sampling, cfg.lookup
     return {

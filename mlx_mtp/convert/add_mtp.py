@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from .. import hub
+from ..models.io import hub
 from .checkpoint_io import (MTP_SHARD, run_guarded, read_tensors, _checkpoint_tensors, _link_tree,
                             _recover_stale, _save_shard, _staging, _swap_into_place, _write_index,
                             _write_json)
@@ -25,12 +25,12 @@ from .common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast
                      _check_foreign_quant, _check_model_dir, _dequantize, _incomplete_head,
                      _param_bytes, _print_summary, _summarize)
 from ..models import UnsupportedModelError, get_model_module
-from ..models.attention_trunk import family_of, mtp_key_predicate
-from ..models.hybrid import HybridArgs
-from ..models.layout import (MissingMTPWeightsError, args_dict, config_mtp_layers,
+from ..models.blocks.attention_trunk import family_of, mtp_key_predicate
+from ..models.blocks.hybrid import HybridArgs
+from ..models.io.layout import (MissingMTPWeightsError, args_dict, config_mtp_layers,
                              config_quantization, count_mtp_layers, family, is_mtp_key,
                              set_config_mtp_layers, text_config)
-from ..models.loader import load_config, quantize_like_checkpoint
+from ..models.io.loader import load_config, quantize_like_checkpoint
 
 # Text-config fields that must agree for a head to fit a trunk.
 _SHAPE_FIELDS = (

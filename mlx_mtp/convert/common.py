@@ -16,8 +16,8 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path, tree_unflatten
 from tqdm import tqdm
 
-from ..models.layout import CheckpointError, is_mtp_key, text_config
-from ..models.loader import build_model, weight_files
+from ..models.io.layout import CheckpointError, is_mtp_key, text_config
+from ..models.io.loader import build_model, weight_files
 
 MTP_BITS = (4, 8, 16)  # 16 = keep the head in floating point
 ROUTER_QUANT = {"group_size": 64, "bits": 8}
@@ -49,7 +49,7 @@ def _build_model(config: dict, mtp_layers: int):
 
 def _check_model_dir(path: Path, role: str, hub_files=None) -> Path:
     """A local checkpoint directory; with ``hub_files`` (patterns) a hub id is downloaded."""
-    from .. import hub
+    from ..models.io import hub
 
     if hub_files and hub.is_repo_id(path):
         path = hub.snapshot(str(path), hub_files)

@@ -13,10 +13,10 @@ import sys
 
 import numpy as np
 
-from ..models import draft_vocab
-from ..models.layout import text_config
-from .. import hub
-from ..models.loader import load_config, resolve_model_path
+from ..models.draft import vocab as draft_vocab
+from ..models.io.layout import text_config
+from ..models.io import hub
+from ..models.io.loader import load_config, resolve_model_path
 from ..options import UserError
 from ..text_corpus import _load_tokenizer, corpus_file_list, read_corpus_file
 

@@ -40,14 +40,14 @@ from .common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast
                      _check_foreign_quant, _check_model_dir, _dequantize, _fmt_bytes,
                      _incomplete_head, _param_bytes, _print_summary, _summarize, _warn)
 from . import split_mtp as split_mtp_io
-from .. import hub
+from ..models.io import hub
 from ..models import UnsupportedModelError
-from ..models.attention_trunk import count_checkpoint_mtp_layers, family_of
-from ..models.layout import (QWEN_FAMILIES, CheckpointError, MissingMTPWeightsError,
+from ..models.blocks.attention_trunk import count_checkpoint_mtp_layers, family_of
+from ..models.io.layout import (QWEN_FAMILIES, CheckpointError, MissingMTPWeightsError,
                              config_mtp_layers, config_quantization, count_mtp_layers, family,
                              is_mtp_key, set_config_mtp_layers, text_config)
-from ..models.loader import load_config, quantize_like_checkpoint, weight_files
-from ..models.split_drafter import is_drafter_config
+from ..models.io.loader import load_config, quantize_like_checkpoint, weight_files
+from ..models.io.split_drafter import is_drafter_config
 
 DEFAULT_MAX_SHARD_GB = 5.0
 Q_BITS = (2, 3, 4, 5, 6, 8)

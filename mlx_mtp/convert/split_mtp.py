@@ -13,8 +13,8 @@ from tqdm import tqdm
 
 from .checkpoint_io import TOKENIZER_FILES, _copy_tokenizer, _save_shard, _staging, _write_json
 from .common import ConversionError, _param_bytes
-from ..models.layout import count_mtp_layers, is_mtp_key
-from ..models.split_drafter import drafter_config
+from ..models.io.layout import count_mtp_layers, is_mtp_key
+from ..models.io.split_drafter import drafter_config
 
 
 def check_target(out, mlx_path) -> Path:

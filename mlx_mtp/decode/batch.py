@@ -22,7 +22,7 @@ from typing import Dict, Hashable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..models.cache import restore_caches, snapshot_caches
+from ..models.cache.kv import restore_caches, snapshot_caches
 from .policy import DraftPolicy
 from .sequence import Sequence as DecodeSequence
 from .step import DecodeBatch, Row, RowError, StepOutput

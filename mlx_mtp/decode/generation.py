@@ -8,7 +8,7 @@ from typing import Generator, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from ..models.layout import check_acceptance
+from ..models.io.layout import check_acceptance
 from .grammar import Grammar
 from .policy import DraftPolicy
 from .prompt import encode_prompt

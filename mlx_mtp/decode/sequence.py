@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Sequence as Seq
 import mlx.core as mx
 
 from . import check_num_draft_tokens
-from ..models.cache import cache_state_arrays
+from ..models.cache.kv import cache_state_arrays
 from .policy import SeededSchedule, needs_schedule
 from .sampling import Sampler, SamplingParams
 from .stats import SpecStats

@@ -2,7 +2,7 @@
 
 import importlib
 
-from . import recurrent_cache, window_cache  # noqa: F401  (register their caches' kinds for loading)
+from .cache import recurrent, window  # noqa: F401  (register their caches' kinds for loading)
 
 # model_type -> module name. The ``*_text`` names are the text configs of the
 # multimodal Qwen3.5/3.6 checkpoints (flat ``*ForCausalLM`` exports); ``*_mtp`` are
@@ -41,4 +41,4 @@ def get_model_module(model_type: str):
             f"Supported model types: {supported}. Run other models with mlx-lm "
             "(`mlx_lm.generate`, `mlx_lm.server`); see docs/model-families.md."
         )
-    return importlib.import_module(f"{__name__}.{name}")
+    return importlib.import_module(f"{__name__}.families.{name}")

@@ -34,11 +34,11 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx.utils import tree_flatten
 
-from . import layout
-from .cache import KVCache
-from .recurrent_cache import RecurrentCache
-from .hybrid import GatedAttention, GatedDeltaNetBase, MLP, SparseMoeBlock
-from .loader import (ModelLoadError, _apply_overrides, _upcast_cpu_experts, build_model,
+from .io import layout
+from .cache.kv import KVCache
+from .cache.recurrent import RecurrentCache
+from .blocks.hybrid import GatedAttention, GatedDeltaNetBase, MLP, SparseMoeBlock
+from .io.loader import (ModelLoadError, _apply_overrides, _upcast_cpu_experts, build_model,
                      load_config, load_tokenizer, quantize_and_cast, read_weights,
                      resolve_model_path)
 

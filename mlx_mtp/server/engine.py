@@ -43,8 +43,8 @@ from ..decode.grammar import first_line
 from ..decode.sequence import Sequence
 from ..decode.speculative import SpecStats, StepOutput
 from ..decode.text_stream import TextStream, token_bytes
-from ..models.hybrid import CHUNKED_MIN_TOKENS
-from ..models.layout import check_acceptance
+from ..models.blocks.hybrid import CHUNKED_MIN_TOKENS
+from ..models.io.layout import check_acceptance
 from .metrics import PeriodicLog, ServerMetrics, spec_fields
 from .distributed import StepSync
 from .fair_share import FairShare

@@ -14,9 +14,9 @@ import mlx.core as mx
 import uvicorn
 
 from ..decode import MAX_DRAFT_TOKENS
-from ..models.layout import text_config
+from ..models.io.layout import text_config
 from ..models.distributed import distributed_group
-from ..models.loader import generation_defaults, load_config, resolve_model_path
+from ..models.io.loader import generation_defaults, load_config, resolve_model_path
 from ..options import (UserError, add_model_arguments, add_sampling_arguments,
                        draft_sources_from_args, load_from_args, num_draft_tokens_from_args,
                        parse_json_arg, sampling_defaults, sampling_from_args)

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..decode.speculative import DecoderState
 from ..decode.step import OwedPairs
-from ..models.cache import CACHE_KINDS
+from ..models.cache.kv import CACHE_KINDS
 
 log = logging.getLogger("mlx_mtp.server")
 

@@ -24,7 +24,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..convert.checkpoint_io import write_checkpoint
-from ..models.layout import hf_config, is_mtp_key, to_hf
+from ..models.io.layout import hf_config, is_mtp_key, to_hf
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 TOKENIZER_DIR = Path(__file__).parent.parent / "assets" / "tokenizer"

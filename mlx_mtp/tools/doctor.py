@@ -75,7 +75,7 @@ def probe_model():
 def measure(reps: int = 5, context: int = 64) -> dict:
     """Plain-step seconds and verify/draft costs relative to it (``bench.inprocess``)."""
     from ..bench.inprocess import combine_costs, measure_costs
-    from ..models.loader import parameter_count
+    from ..models.io.loader import parameter_count
 
     model = probe_model()
     ids = [(7 * i + 3) % PROBE["vocab_size"] for i in range(context)]

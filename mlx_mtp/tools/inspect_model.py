@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ..models import MODEL_TYPES, draft_vocab
-from ..models.hybrid import HybridArgs
-from ..models.layout import (CheckpointError, args_dict, config_mtp_layers, config_quantization,
+from ..models import MODEL_TYPES
+from ..models.draft import vocab as draft_vocab
+from ..models.blocks.hybrid import HybridArgs
+from ..models.io.layout import (CheckpointError, args_dict, config_mtp_layers, config_quantization,
                              count_mtp_layers, family, is_mtp_key, text_config)
-from ..models.loader import load_config, read_safetensors_header, resolve_model_path, weight_files
+from ..models.io.loader import load_config, read_safetensors_header, resolve_model_path, weight_files
 
 LAYOUT_HF, LAYOUT_MLX, LAYOUT_SPLIT = "hf", "mlx", "split"
 LAYOUT_NAMES = {

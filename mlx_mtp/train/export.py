@@ -37,7 +37,7 @@ def generation_config() -> dict:
 
 
 def _full_config(model, text: dict) -> dict:
-    from ..models.layout import hf_config
+    from ..models.io.layout import hf_config
 
     cfg = hf_config(FAMILY, text)
     cfg["eos_token_id"] = IM_END_ID
@@ -83,7 +83,7 @@ def save_model(model, config: dict, out: Path, layout: str = "hf", dtype=mx.floa
     ``config`` is the full config.json (nested ``text_config`` for Qwen3.5).
     """
     from ..convert.checkpoint_io import write_checkpoint
-    from ..models.layout import family, text_config, to_hf
+    from ..models.io.layout import family, text_config, to_hf
 
     if layout == "hf":
         weights = to_hf(model, family(config) or FAMILY, nested="text_config" in config)
@@ -245,7 +245,7 @@ def evaluate_acceptance(model_path=None, ks: Sequence[int] = (1, 2, 3),
 
     Returns ``{"K=k,T=t": {"acceptance_per_pos": [...], "mean_acceptance_length": ..}}``.
     """
-    from ..models.loader import load_model, resolve_model_path
+    from ..models.io.loader import load_model, resolve_model_path
     from ..decode.sampling import SamplingParams
     from ..decode.speculative import MTPDecoder
 

@@ -148,7 +148,7 @@ class Trainer:
     def _init_weights(self, source: str):
         """Start from a saved model of the same shape (e.g. the shipped demo model),
         with a fresh optimizer: continued training when only the export survives."""
-        from ..models.loader import ModelLoadError, load_model
+        from ..models.io.loader import ModelLoadError, load_model
 
         try:
             saved, _ = load_model(source, mtp=True, dtype=mx.float32)
@@ -163,8 +163,8 @@ class Trainer:
         mx.eval(self.model.parameters())
 
     def _setup_head(self):
-        from ..models.loader import ModelLoadError, load_config, load_model, resolve_model_path
-        from ..models.hybrid import MTPHead
+        from ..models.io.loader import ModelLoadError, load_config, load_model, resolve_model_path
+        from ..models.blocks.hybrid import MTPHead
 
         cfg = self.cfg
         if not cfg.model:

@@ -88,7 +88,7 @@ def _mrope_section(half_rot: int) -> List[int]:
 
 def build_scratch_model(text: dict, seed: int = 0):
     from ..models import get_model_module
-    from ..models.layout import hf_config
+    from ..models.io.layout import hf_config
 
     mx.random.seed(seed)
     module = get_model_module(FAMILY)

@@ -23,11 +23,11 @@ from typing import Dict
 import mlx.core as mx
 from mlx_lm.models import step3p5 as lm
 
-from .attention_trunk import NEXTN_DUPLICATES, NEXTN_KEYS, Family, ModelArgs  # noqa: F401
-from .attention_trunk import Model as _Model
-from .attention_trunk import nextn_prefix
-from .mtp_chain import ChainedMTP
-from .windowed import WindowedTrunk
+from ..blocks.attention_trunk import NEXTN_DUPLICATES, NEXTN_KEYS, Family, ModelArgs  # noqa: F401
+from ..blocks.attention_trunk import Model as _Model
+from ..blocks.attention_trunk import nextn_prefix
+from ..blocks.mtp_chain import ChainedMTP
+from ..blocks.windowed import WindowedTrunk
 
 BLOCK_LEVEL = "transformer."  # the released layout's extra level around the MTP block
 

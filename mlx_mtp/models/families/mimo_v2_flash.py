@@ -21,10 +21,10 @@ from typing import Dict, List
 import mlx.core as mx
 from mlx_lm.models import mimo_v2_flash as _lm
 
-from .attention_trunk import Family, ModelArgs  # noqa: F401
-from .attention_trunk import Model as _Model
-from .mtp_chain import ChainedMTP
-from .windowed import WindowedTrunk
+from ..blocks.attention_trunk import Family, ModelArgs  # noqa: F401
+from ..blocks.attention_trunk import Model as _Model
+from ..blocks.mtp_chain import ChainedMTP
+from ..blocks.windowed import WindowedTrunk
 
 RELEASED_LAYERS = 3  # MTP layers the release ships (its config has no count key)
 PUBLIC_PREFIX = "model.mtp.layers."

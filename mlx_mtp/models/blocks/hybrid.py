@@ -29,9 +29,9 @@ from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated as RMSNormGated
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from .cache import KVCache, cache_state_arrays
-from .recurrent_cache import RecurrentCache, VerifyRecord
-from .draft_head import DraftHead
+from ..cache.kv import KVCache, cache_state_arrays
+from ..cache.recurrent import RecurrentCache, VerifyRecord
+from ..draft.head import DraftHead
 
 # Longer GDN inputs go through the chunked (matmul-form) recurrence when available.
 CHUNKED_MIN_TOKENS = 64
@@ -203,7 +203,7 @@ class SparseMoeBlock(nn.Module):
 
 def _chunked_impl():
     try:
-        from .gated_delta_chunked import gated_delta_chunked
+        from ..kernels.gated_delta_chunked import gated_delta_chunked
     except ImportError:  # pragma: no cover - module is optional during bring-up
         return None
     return gated_delta_chunked

@@ -32,8 +32,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import glm4_moe, mimo, mimo_v2_flash, step3p5
 from mlx_lm.models.base import create_causal_mask
 
-from . import hybrid, layout
-from .cache import KVCache
+from . import hybrid
+from ..io import layout
+from ..cache.kv import KVCache
 
 log = logging.getLogger("mlx_mtp")
 
@@ -373,7 +374,7 @@ def mtp_key_predicate(config: dict) -> Callable[[str], bool]:
 
 def family_of(config: dict) -> Optional[Family]:
     """The attention-trunk family of ``config`` (None: another kind of model)."""
-    from . import MODEL_TYPES, get_model_module
+    from .. import MODEL_TYPES, get_model_module
 
     name = config.get("model_type")
     return getattr(get_model_module(name).Model, "family", None) if name in MODEL_TYPES else None

@@ -24,7 +24,7 @@ from typing import Dict, Iterable, List, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..errors import CheckpointError  # noqa: F401 (re-exported)
+from ...errors import CheckpointError  # noqa: F401 (re-exported)
 
 log = logging.getLogger("mlx_mtp")
 

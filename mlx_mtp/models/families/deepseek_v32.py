@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import mlx.core as mx
 from mlx_lm.models import deepseek_v32 as _v32
 
-from .attention_trunk import (  # noqa: F401
+from ..blocks.attention_trunk import (  # noqa: F401
     Family, ModelArgs, attention_mask, mlp_after, nextn_prefix)
-from .attention_trunk import Model as _Model
-from .cache import KVCache
-from .dsa import verify_attention
+from ..blocks.attention_trunk import Model as _Model
+from ..cache.kv import KVCache
+from ..blocks.dsa import verify_attention
 
 
 class DSAModel(_Model):

@@ -8,8 +8,8 @@ naming, with an MoE block.
 
 from mlx_lm.models import glm4_moe as lm
 
-from .attention_trunk import Family, ModelArgs, nextn_prefix  # noqa: F401
-from .attention_trunk import Model as _Model
+from ..blocks.attention_trunk import Family, ModelArgs, nextn_prefix  # noqa: F401
+from ..blocks.attention_trunk import Model as _Model
 
 
 class Model(_Model):

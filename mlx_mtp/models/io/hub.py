@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterable, Optional, Tuple
 
-from .errors import CheckpointError
+from ...errors import CheckpointError
 
 # What loading a model reads: config, weights (mtp.safetensors included, unlike mlx-lm's
 # ``model*.safetensors``), tokenizer, chat template, draft-vocab ranking. No ``*.py``:

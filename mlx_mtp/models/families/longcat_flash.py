@@ -23,9 +23,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import longcat_flash as _lm
 
-from .attention_trunk import Family, ModelArgs, attention_mask, mla_attention
-from .attention_trunk import Model as _Model
-from .cache import KVCache
+from ..blocks.attention_trunk import Family, ModelArgs, attention_mask, mla_attention
+from ..blocks.attention_trunk import Model as _Model
+from ..cache.kv import KVCache
 
 PUBLIC = "model.mtp."
 RAW_PREFIX = "model.mtp_layers.0."  # internal, while loading (``model.mtp.*`` reads as ``mtp.*``)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
-from . import hybrid, layout
+from ..blocks import hybrid
+from ..io import layout
 
 
 @dataclass

@@ -11,7 +11,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import hybrid, layout
+from ..blocks import hybrid
+from ..io import layout
 
 
 class ModelArgs(hybrid.HybridArgs):

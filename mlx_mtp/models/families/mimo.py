@@ -7,8 +7,8 @@ Qwen2 block -> ``final_layernorm`` -> the trunk's ``lm_head``. No embedding/head
 
 from mlx_lm.models import mimo as lm
 
-from .attention_trunk import Family, ModelArgs  # noqa: F401
-from .attention_trunk import Model as _Model
+from ..blocks.attention_trunk import Family, ModelArgs  # noqa: F401
+from ..blocks.attention_trunk import Model as _Model
 
 MIMO_KEYS = {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj",
              "final_layernorm": "norm"}

@@ -14,7 +14,7 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
-from .cache import CACHE_KINDS, _Cache
+from .kv import CACHE_KINDS, _Cache
 
 
 class VerifyRecord(NamedTuple):

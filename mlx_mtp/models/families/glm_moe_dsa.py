@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from mlx_lm.models import deepseek_v32 as _v32
 from mlx_lm.models import glm_moe_dsa as _glm
 
-from .attention_trunk import Family, ModelArgs, nextn_prefix  # noqa: F401
+from ..blocks.attention_trunk import Family, ModelArgs, nextn_prefix  # noqa: F401
 from .deepseek_v32 import DSAModel
 
 lm = SimpleNamespace(**{k: getattr(_v32, k) for k in dir(_v32) if not k.startswith("__")})

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from mlx_lm.models.base import create_attention_mask
 
-from .cache import KVCache
-from .window_cache import WindowKVCache
+from ..cache.kv import KVCache
+from ..cache.window import WindowKVCache
 
 
 class WindowedTrunk:

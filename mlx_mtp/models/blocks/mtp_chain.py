@@ -23,9 +23,9 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from . import layout
+from ..io import layout
 from .attention_trunk import MTPLayer, MTPStack
-from .cache import BatchKVCache
+from ..cache.kv import BatchKVCache
 
 
 def drafted_entries(n_layers: int, k: int) -> List[int]:

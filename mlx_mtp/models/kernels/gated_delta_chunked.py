@@ -26,8 +26,6 @@ by matmul flops, ~(4 C Dk + 3 Dk Dv) multiply-adds per token and head, which
 is why the default chunk is smaller than the 64 used by GPU kernels.
 """
 
-import time
-from functools import partial
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -249,74 +247,3 @@ def gated_delta_chunked(
         y = mx.where(mask[..., None, None], y, 0.0)
     final_state = m_state.swapaxes(-1, -2).reshape(B, Hv, Dv, Dk)
     return y.astype(q.dtype), final_state
-
-
-def _random_inputs(B, T, Hk, Hv, Dk, Dv, seed=0, dtype=mx.float32):
-    """Inputs in the regime the models produce (normalised q/k, g, beta in (0,1))."""
-    keys = mx.random.split(mx.random.key(seed), 5)
-    q = mx.random.normal((B, T, Hk, Dk), key=keys[0])
-    k = mx.random.normal((B, T, Hk, Dk), key=keys[1])
-    q = q / mx.linalg.norm(q, axis=-1, keepdims=True) * Dk**-0.5
-    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
-    v = mx.random.normal((B, T, Hv, Dv), key=keys[2])
-    g = mx.exp(-mx.exp(mx.random.normal((B, T, Hv), key=keys[3]) - 2.0))
-    beta = mx.sigmoid(mx.random.normal((B, T, Hv), key=keys[4]))
-    return [x.astype(dtype) for x in (q, k, v)] + [g, beta]
-
-
-def benchmark(
-    T=512,
-    B=1,
-    Hk=4,
-    Hv=8,
-    Dk=64,
-    Dv=64,
-    chunk_sizes=(DEFAULT_CHUNK_SIZE,),
-    repeats=3,
-):
-    """Time gated_delta_ops vs gated_delta_chunked, forward and forward+backward.
-
-    Reports the best of ``repeats`` runs in milliseconds (best-of, because a
-    shared machine adds one-sided noise).
-
-    Not run by the tests; ``python -m mlx_mtp.models.gated_delta_chunked``.
-    """
-    from mlx_lm.models.gated_delta import gated_delta_ops
-
-    q, k, v, g, beta = _random_inputs(B, T, Hk, Hv, Dk, Dv)
-    state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    args = (q, k, v, g, beta, state)
-    mx.eval(*args)
-
-    def fwd_bwd(fn):
-        def loss(*a):
-            y, s = fn(*a)
-            return (y * y).sum() + s.sum()
-
-        return mx.grad(loss, argnums=tuple(range(len(args))))
-
-    fns = {"ops": gated_delta_ops}
-    for c in chunk_sizes:
-        fns[f"chunked_C{c}"] = partial(gated_delta_chunked, chunk_size=c)
-
-    cases = {}
-    for name, fn in fns.items():
-        cases[(name, "fwd")] = fn
-        cases[(name, "fwd+bwd")] = fwd_bwd(fn)
-    for f in cases.values():
-        mx.eval(f(*args))  # warm-up (compiles the reference step)
-    # Interleave the cases so drifting background load hits them alike.
-    results = {key: float("inf") for key in cases}
-    for _ in range(repeats):
-        for key, f in cases.items():
-            t0 = time.perf_counter()
-            mx.eval(f(*args))
-            results[key] = min(results[key], (time.perf_counter() - t0) * 1e3)
-    for (name, mode), ms in results.items():
-        print(f"T={T:5d} {name:12s} {mode:8s} {ms:9.1f} ms", flush=True)
-    return results
-
-
-if __name__ == "__main__":
-    for T in (512, 2048):
-        benchmark(T=T, chunk_sizes=(8, 16, 32, 64), repeats=5)

@@ -27,11 +27,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import nemotron_h as _lm
 from mlx_lm.models.ssm import ssm_update
 
-from . import layout
-from .attention_trunk import Family, ModelArgs
-from .attention_trunk import Model as _Model
-from .cache import KVCache
-from .recurrent_cache import RecurrentCache, VerifyRecord
+from ..io import layout
+from ..blocks.attention_trunk import Family, ModelArgs
+from ..blocks.attention_trunk import Model as _Model
+from ..cache.kv import KVCache
+from ..cache.recurrent import RecurrentCache, VerifyRecord
 
 CACHED = ("M", "*")  # block types that keep state across calls
 

@@ -29,7 +29,7 @@ from typing import Dict, Optional
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .draft_vocab import vocab_hash
+from .vocab import vocab_hash
 
 ASSETS = Path(__file__).parent.parent / "assets" / "draft-vocab"
 # Typical per-position acceptance of a trained MTP head and K, for sizing only (the

@@ -7,8 +7,8 @@ with 128x128-block ``weight_scale_inv`` (dequantized on load); ``eh_proj`` is bf
 
 from mlx_lm.models import deepseek_v3 as lm
 
-from .attention_trunk import Family, ModelArgs, nextn_prefix  # noqa: F401
-from .attention_trunk import Model as _Model
+from ..blocks.attention_trunk import Family, ModelArgs, nextn_prefix  # noqa: F401
+from ..blocks.attention_trunk import Model as _Model
 
 
 class Model(_Model):

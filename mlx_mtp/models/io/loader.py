@@ -15,8 +15,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from . import UnsupportedModelError, get_model_module, layout, split_drafter
-from .hybrid import SparseMoeBlock
+from .. import UnsupportedModelError, get_model_module
+from . import layout, split_drafter
+from ..blocks.hybrid import SparseMoeBlock
 from .layout import CheckpointError
 
 DEFAULT_MODEL = Path(__file__).parent.parent / "assets" / "demo-model"
@@ -35,7 +36,7 @@ def resolve_model_path(path: Optional[str], files=None) -> Path:
     """The local directory of ``path``: a directory, a hub id ``org/name[@revision]``
     (downloaded into the Hugging Face cache: only ``files``, patterns, default
     ``hub.MODEL_FILES``), or None for the embedded demo model."""
-    from .. import hub
+    from . import hub
 
     if path is None:
         if not (DEFAULT_MODEL / "config.json").exists():
@@ -380,7 +381,7 @@ def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str]
     """Load model and tokenizer. ``path=None`` loads the embedded demo model. ``dtype``:
     None (weights as stored), ``"auto"`` (the CLI's default: float32 on the CPU for small
     half-precision checkpoints), ``"float32"``/``"bfloat16"``/``"float16"`` or an mx.Dtype."""
-    from ..platform import blas
+    from ...platform import blas
 
     blas.ensure_configured()  # Linux CPU: OpenBLAS for multi-row matmuls, checked once
     p = resolve_model_path(path)

@@ -6,8 +6,8 @@ Trunk: mlx-lm's (DeepSeek-style MLA attention and MoE). The MTP layer is
 
 from mlx_lm.models import glm4_moe_lite as lm
 
-from .attention_trunk import Family, ModelArgs, nextn_prefix  # noqa: F401
-from .attention_trunk import Model as _Model
+from ..blocks.attention_trunk import Family, ModelArgs, nextn_prefix  # noqa: F401
+from ..blocks.attention_trunk import Model as _Model
 
 
 class Model(_Model):
