@@ -208,14 +208,36 @@ def verify(
     ``q`` one-hot, in index form (no (B, K, V) ``q`` is built for it).
     Everything stays on device; the caller reads both in one sync.
     """
-    K = drafts.shape[1]
     if accept_uniform is None:
-        choice = sample(target, target_noise)  # (B, K+1)
-        n = mx.cumprod((drafts == choice[:, :K]).astype(mx.int32), axis=1).sum(axis=1)
-        if limit is not None:
-            n = mx.minimum(n, limit)
-        return n, mx.take_along_axis(choice, n[:, None], axis=1)[:, 0]
+        return _match(target, drafts, target_noise, limit)
+    n, recovered = _rejection(target, drafts, draft_logprobs, target_noise, accept_uniform,
+                              deterministic)
+    K = drafts.shape[1]
+    if limit is None:
+        bonus = sample(target[:, K], target_noise[:, K])  # (B,)
+        candidates = mx.concatenate([recovered, bonus[:, None]], axis=1)
+    else:
+        n = mx.minimum(n, limit)
+        choice = sample(target, target_noise)  # (B, K+1): the bonus at every cut
+        cut = mx.arange(K + 1)[None] >= limit[:, None]
+        candidates = mx.where(cut, choice, mx.concatenate([recovered, choice[:, K:]], axis=1))
+    return n, mx.take_along_axis(candidates, n[:, None], axis=1)[:, 0]
 
+
+def _match(target, drafts, target_noise, limit):
+    """Match verification: drafts accepted while they equal the target's own choice."""
+    K = drafts.shape[1]
+    choice = sample(target, target_noise)  # (B, K+1)
+    n = mx.cumprod((drafts == choice[:, :K]).astype(mx.int32), axis=1).sum(axis=1)
+    if limit is not None:
+        n = mx.minimum(n, limit)
+    return n, mx.take_along_axis(choice, n[:, None], axis=1)[:, 0]
+
+
+def _rejection(target, drafts, draft_logprobs, target_noise, accept_uniform, deterministic):
+    """Rejection sampling's accepted counts (B,) and the token recovered at each of the K
+    positions (B, K), were it the first rejected one."""
+    K = drafts.shape[1]
     J = 0 if draft_logprobs is None else draft_logprobs.shape[1]
     fixed = mx.arange(K)[None] >= J  # (1, K): past the head's positions
     if deterministic is not None:
@@ -240,12 +262,4 @@ def verify(
         from_p = mx.argmax(without, axis=-1)  # (B, K)
         recovered = from_p if recovered is None else mx.where(
             fixed, from_p, mx.concatenate([recovered, from_p[:, J:]], axis=1))
-    if limit is None:
-        bonus = sample(target[:, K], target_noise[:, K])  # (B,)
-        candidates = mx.concatenate([recovered, bonus[:, None]], axis=1)
-    else:
-        n = mx.minimum(n, limit)
-        choice = sample(target, target_noise)  # (B, K+1): the bonus at every cut
-        cut = mx.arange(K + 1)[None] >= limit[:, None]
-        candidates = mx.where(cut, choice, mx.concatenate([recovered, choice[:, K:]], axis=1))
-    return n, mx.take_along_axis(candidates, n[:, None], axis=1)[:, 0]
+    return n, recovered
