@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_mtp.train import main as T
+from mlx_mtp.train import trainer as T
 from mlx_mtp.models.io.loader import DEFAULT_MODEL, load, load_model
 
 CODE = '''

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mlx_mtp.train import copydata as C
-from mlx_mtp.train import main as T
+from mlx_mtp.train import trainer as T
 from mlx_mtp.train.data import ENDOFTEXT_ID, TOKENIZER_DIR, _load_tokenizer
 
 CODE = '''\
