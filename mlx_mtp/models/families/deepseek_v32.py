@@ -6,10 +6,8 @@ one-token decoding does (``dsa.py``). The MTP layer is ``model.layers.{N}.*`` in
 naming (61 on V3.2) with its own indexer; FP8 releases are dequantized.
 """
 
-from types import SimpleNamespace
-
 import mlx.core as mx
-from mlx_lm.models import deepseek_v32 as _v32
+from mlx_lm.models import deepseek_v32 as lm
 
 from ..blocks.attention_trunk import (  # noqa: F401
     Family, ModelArgs, attention_mask, mlp_after, nextn_prefix)
@@ -19,7 +17,7 @@ from ..blocks.dsa import verify_attention
 
 
 class DSAModel(_Model):
-    """The DSA families' forward and caches (``family.lm`` provides mlx-lm's classes)."""
+    """The DSA families' forward and caches (``family`` names mlx-lm's classes)."""
 
     def trunk(self, inputs, cache=None, capture=False):
         h = self.model.embed_tokens(inputs)
@@ -58,9 +56,6 @@ class DSAModel(_Model):
         return [KVCache(), KVCache()] if self.num_mtp_layers else []
 
 
-lm = SimpleNamespace(**{k: getattr(_v32, k) for k in dir(_v32) if not k.startswith("__")})
-
-
 class Model(DSAModel):
-    family = Family(lm=lm, trunk_cls="DeepseekV32Model", block=lm.DeepseekV32DecoderLayer,
+    family = Family(lm=lm, trunk_cls=lm.DeepseekV32Model, block=lm.DeepseekV32DecoderLayer,
                     mtp_prefix=nextn_prefix, mla=True)
