@@ -98,7 +98,7 @@ def test_batched_rows_equal_mlx_lm(ckpt, family):
     model = load_model(path)[0]
     prompts = [[int(x) for x in RNG.integers(0, 128, n)] for n in (6, 17, 1, 10)]
     [bd] = fc.assert_batched_rows_equal_mlx_lm(model, fc.mlx_lm_model(path), prompts, ks=(3,))
-    assert bd.core.mtp_cache[2].chain_pending is not None
+    assert bd.core.mtp_cache[2].pending is not None
 
 
 @pytest.mark.parametrize("family", FAMILIES)

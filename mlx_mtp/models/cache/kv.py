@@ -171,6 +171,9 @@ class KVCache(_Cache):
         if lengths is not None and list(lengths) != [S]:
             raise ValueError(f"a single-row cache cannot take a padded chunk ({lengths} of {S})")
 
+    def chunk_lengths(self, S: int) -> List[int]:
+        return [S]
+
     def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
         """mlx-lm's call. ``return_array``: a boolean (n, offset + n) causal mask instead of
         ``"causal"`` (MLA attention masks its scores with it)."""
@@ -196,7 +199,9 @@ class KVCache(_Cache):
         return c
 
 
-CACHE_KINDS = {KVCache.kind: KVCache}  # what can be saved (other modules add their kinds)
+# What can be saved, by kind; each cache module adds its kinds, and the package imports
+# every module, so importing any cache module fills it.
+CACHE_KINDS = {KVCache.kind: KVCache}
 
 
 def cache_state_arrays(caches) -> List[mx.array]:
@@ -331,10 +336,14 @@ class BatchKVCache(_Cache):
         if self.keys is not None and self.idx + S > self.keys.shape[2]:
             self._grow(S)
 
+    def chunk_lengths(self, S: int) -> List[int]:
+        """Real tokens per row of the chunk ``prepare`` announced (right-aligned in ``S``)."""
+        return list(self._lengths) if self._lengths else [S] * len(self.pos)
+
     @property
     def offset(self) -> mx.array:
         """Per-row RoPE offsets so a row's real tokens continue at its ``pos``."""
-        lengths = self._lengths or [self._S] * len(self.pos)
+        lengths = self.chunk_lengths(self._S)
         return mx.array([p - (self._S - n) for p, n in zip(self.pos, lengths)])
 
     def _new_valid(self) -> mx.array:
@@ -357,8 +366,7 @@ class BatchKVCache(_Cache):
         self.valid[:, self.idx : self.idx + S] = self._new_valid()
         self.idx += S
         self.last_write = S
-        lengths = self._lengths or [S] * len(self.pos)
-        self.pos = [p + n for p, n in zip(self.pos, lengths)]
+        self.pos = [p + n for p, n in zip(self.pos, self.chunk_lengths(S))]
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
 
     def make_mask(self, S: int, return_array: bool = True, window_size: Optional[int] = None):
