@@ -4,4 +4,4 @@ Importing any of them imports them all, so ``kv.CACHE_KINDS`` names every kind: 
 kind is a module here that registers itself, listed below.
 """
 
-from . import chain, kv, recurrent, window  # noqa: F401  (each registers its kinds)
+from . import chain, index, kv, recurrent, window  # noqa: F401  (each registers its kinds)

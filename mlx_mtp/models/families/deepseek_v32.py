@@ -12,8 +12,14 @@ from mlx_lm.models import deepseek_v32 as lm
 from ..blocks.attention_trunk import (  # noqa: F401
     Family, ModelArgs, attention_mask, mlp_after, nextn_prefix)
 from ..blocks.attention_trunk import Model as _Model
+from ..cache.index import IndexKeyCache
 from ..cache.kv import KVCache
 from ..blocks.dsa import verify_attention
+
+
+def dsa_caches():
+    """A DSA attention layer's caches: its MLA latents and its indexer's keys."""
+    return KVCache(), IndexKeyCache()
 
 
 class DSAModel(_Model):
@@ -41,7 +47,7 @@ class DSAModel(_Model):
         layer = self.mtp.layers[0]
         e = layer.enorm(self.model.embed_tokens(next_tokens))
         x = layer.eh_proj(mx.concatenate([e, layer.hnorm(hidden)], axis=-1))
-        caches = tuple(mtp_cache) if mtp_cache else (KVCache(), KVCache())
+        caches = tuple(mtp_cache) if mtp_cache else dsa_caches()
         mask = attention_mask(caches[0], x.shape[1], True)
         if not last_only:
             return layer.norm(layer.block(x, mask, caches))
@@ -50,10 +56,10 @@ class DSAModel(_Model):
         return layer.norm(mlp_after(block, x, r, last_only=True))
 
     def make_cache(self):
-        return [KVCache() for _ in range(2 * len(self.model.layers))]
+        return [c for _ in self.model.layers for c in dsa_caches()]
 
     def make_mtp_cache(self):
-        return [KVCache(), KVCache()] if self.num_mtp_layers else []
+        return list(dsa_caches()) if self.num_mtp_layers else []
 
 
 class Model(DSAModel):
