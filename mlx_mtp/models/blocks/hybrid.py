@@ -381,7 +381,8 @@ class Trunk(nn.Module):
             cache = [None] * len(self.layers)
         L = h.shape[1]
         # Full-attention layers share one mask, made by the first one's cache.
-        kv = next((c for l, c in zip(self.layers, cache) if not l.is_linear and c is not None), None)
+        kv = next((c for layer, c in zip(self.layers, cache)
+                   if not layer.is_linear and c is not None), None)
         fa_mask = kv.make_mask(L) if kv is not None else ("causal" if L > 1 else None)
         for layer, c in zip(self.layers, cache):
             h = layer(h, None if layer.is_linear else fa_mask, c, capture)

@@ -6,9 +6,11 @@ Two kinds of per-layer state:
   ``n`` speculative positions is a pointer move (``trim``); the stale rows are
   overwritten by the next write.
 * ``BatchKVCache``: the same for rows of different lengths decoding together.
-* ``RecurrentCache`` (``recurrent_cache.py``) for Gated DeltaNet layers: a
+* ``RecurrentCache`` (``recurrent.py``) for Gated DeltaNet and Mamba-2 layers: a
   convolution window and the recurrent (SSM) state, rolled back by replaying the
-  recurrence; sliding-window caches live in ``window_cache.py``.
+  recurrence; sliding-window caches live in ``window.py``, chained MTP layers' caches
+  (an attention cache and a pending input) in ``chain.py``, the DSA indexer's keys in
+  ``index.py``.
 
 Every cache answers ``accept(n_keep)`` after a speculative (verify) pass:
 ``n_keep[b]`` is how many of that pass's positions row ``b`` keeps (>= 1, the

@@ -53,7 +53,8 @@ class RecurrentCache(_Cache):
         return cls(B)
 
     @classmethod
-    def zeros(cls, conv_shape: Tuple[int, int], ssm_shape: Tuple[int, ...], dtype) -> "RecurrentCache":
+    def zeros(cls, conv_shape: Tuple[int, int], ssm_shape: Tuple[int, ...],
+              dtype) -> "RecurrentCache":
         """One row holding the zero state up front: ``conv_shape`` (kernel - 1, conv_dim) in
         ``dtype``, ``ssm_shape`` in float32 (a layer that always reads its state, Mamba-2)."""
         c = cls()
