@@ -81,3 +81,41 @@ def test_snapshot_restore_undoes_a_verify_pass(tiny_model, batched):
     fresh = solo(tiny_model, PROMPTS[0])
     if not batched:
         same([next_logits(tiny_model, cache, [[42]])], [next_logits(tiny_model, fresh, [[42]])])
+
+
+def test_every_cache_kind_is_registered_by_importing_any_cache_module():
+    """The session store imports ``kv`` alone: the package brings every kind in."""
+    import subprocess
+    import sys
+
+    code = "from mlx_mtp.models.cache.kv import CACHE_KINDS; print(' '.join(sorted(CACHE_KINDS)))"
+    kinds = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert {"kv", "rec", "window_kv", "batch_window_kv", "chain", "index_kv",
+            "batch_index_kv"} <= set(kinds)
+
+
+def test_index_key_cache_keeps_its_kind_through_batch_surgery_and_ties_the_latents():
+    from mlx_mtp.models.cache.index import BatchIndexKeyCache, IndexKeyCache
+
+    rows, latents = [], []
+    for n in (3, 5):
+        c, latent = IndexKeyCache(), KVCache()
+        k = mx.arange(n * 4, dtype=mx.float32).reshape(1, 1, n, 4) + n
+        latent.update_and_fetch(k, k)
+        assert c.update_keys(k, latent).shape == (1, 1, n, 4)
+        assert not mx.any(c.values).item()
+        rows.append(c)
+        latents.append(latent)
+    batch = type(rows[0]).merge(rows)
+    assert isinstance(batch, BatchIndexKeyCache) and batch.kind == "batch_index_kv"
+    loaded = BatchIndexKeyCache.from_state(batch.state, batch.meta_state)
+    for b, single in enumerate(rows):
+        out = loaded.extract(b)
+        assert isinstance(out, IndexKeyCache) and out.offset == single.offset
+        same(out.state, single.state)
+    batch.filter([1])
+    same(batch.extract(0).state, rows[1].state)
+    batch.prepare(1)
+    batch.update_keys(mx.ones((1, 1, 1, 4)), BatchKVCache.merge(latents[1:]))
+    assert batch.lengths() == [6]

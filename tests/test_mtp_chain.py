@@ -9,6 +9,7 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 
 import family_checks as fc
+from mlx_mtp.decode.batch import BatchDecoder
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.models.blocks.mtp_chain import drafted_entries
@@ -98,7 +99,7 @@ def test_batched_rows_equal_mlx_lm(ckpt, family):
     model = load_model(path)[0]
     prompts = [[int(x) for x in RNG.integers(0, 128, n)] for n in (6, 17, 1, 10)]
     [bd] = fc.assert_batched_rows_equal_mlx_lm(model, fc.mlx_lm_model(path), prompts, ks=(3,))
-    assert bd.core.mtp_cache[2].chain_pending is not None
+    assert bd.core.mtp_cache[2].pending is not None
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -120,3 +121,93 @@ def test_context_drafts_beside_the_chained_layers_equal_mlx_lm(ckpt, family):
         got = [t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=60)]
         assert got == ref, source
         assert 0 < dec.stats.lookup_accepted_tokens < dec.stats.lookup_draft_tokens
+
+
+def head_pass(model, prompt):
+    """A sequence's chained MTP caches after the head's pass over its prompt pairs."""
+    tokens = mx.array([prompt])
+    mtp = model.make_mtp_cache()
+    model.mtp_forward(model.trunk(tokens[:, :-1], model.make_cache())[0], tokens[:, 1:], mtp)
+    return mtp
+
+
+def chained_drafts(model, mtp):
+    """Depth-1 and depth-2 draft outputs from (copies of) one row's caches: they read
+    layers 1 and 2's pending inputs."""
+    caches = [c.copy() for c in mtp]
+    hidden = mx.full((1, 1, model.args.hidden_size), 0.5)
+    out1 = model.mtp_forward(hidden, mx.array([[7]]), caches, depth=1)
+    out2 = model.mtp_forward(out1, mx.array([[3]]), caches, depth=2)
+    return [out1, out2]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pending_inputs_travel_through_snapshot_batch_and_disk(ckpt, family):
+    """A chained row's pending inputs come back from a snapshot, a batch join and a filter
+    (its row extracted) and a save: its drafts are bit-equal to the untouched row's."""
+    from mlx_mtp.models.cache.kv import CACHE_KINDS, restore_caches, snapshot_caches
+
+    model = load_model(ckpt(family, "random"))[0]
+    mtp = head_pass(model, PROMPT)
+    want = chained_drafts(model, mtp)
+    assert all(c.pending is not None for c in mtp[1:])
+    zeroed = [c.copy() for c in mtp]
+    for c in zeroed[1:]:
+        c.pending = mx.zeros_like(c.pending)
+    assert not mx.array_equal(chained_drafts(model, zeroed)[0], want[0])  # pending is read
+
+    snap = snapshot_caches(mtp)
+    model.mtp_forward(mx.ones((1, 3, model.args.hidden_size)), mx.array([[1, 2, 3]]), mtp)
+    restore_caches(snap)
+    checks = {"snapshot": mtp}
+    others = [head_pass(model, PROMPT[:5]), head_pass(model, PROMPT[:2])]  # the last: no pending
+    merged = [type(cs[0]).merge(list(cs)) for cs in zip(others[0], mtp, others[1])]
+    checks["merge"] = [c.extract(1) for c in merged]
+    for c in merged:
+        c.filter([2, 1])
+    checks["filter"] = [c.extract(1) for c in merged]
+    checks["save"] = [CACHE_KINDS[c.kind].from_state(c.state, c.meta_state) for c in mtp]
+    for name, caches in checks.items():
+        for got, ref in zip(chained_drafts(model, caches), want):
+            assert mx.array_equal(got, ref).item(), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_row_through_snapshot_and_batch_surgery_decodes_as_plain(ckpt, family):
+    """A prefix state restored from its snapshot, a row joined by others that then leave:
+    greedy tokens equal plain decoding's, and the restored row drafts as the untouched one."""
+    model = load_model(ckpt(family, "noisy"))[0]
+    plain = fc.mtp_tokens(model, PROMPT, 0, n=16)[0]
+
+    def decode(dec, n=16):
+        out = []
+        while len(out) < n:
+            out += dec.step().tokens
+        return out[:n]
+
+    untouched = MTPDecoder(model, 3, adaptive=False)
+    untouched.prefill(PROMPT, snapshot_at=len(PROMPT) - 4)
+    restored = MTPDecoder(model, 3, adaptive=False)
+    restored.restore(untouched.snapshot_state)
+    restored.prefill(PROMPT)
+    for got, ref in zip(chained_drafts(model, restored.mtp_cache),
+                        chained_drafts(model, untouched.mtp_cache)):
+        assert mx.array_equal(got, ref).item()
+    assert decode(untouched) == decode(restored) == plain
+    assert restored.stats.acceptance_per_pos == untouched.stats.acceptance_per_pos
+
+    bd = BatchDecoder(model, 3, adaptive=False)
+    outs = {}
+    for key, prompt in (("row", PROMPT), ("a", PROMPT[:9]), ("b", PROMPT[3:])):
+        dec = MTPDecoder(model, 3, adaptive=False)
+        dec.prefill(prompt)
+        bd.add(key, dec)
+        for k, o in bd.step().items():
+            outs.setdefault(k, []).extend(o.tokens)
+    for key in ("a", "b"):
+        bd.remove(key)
+        for k, o in bd.step().items():
+            outs[k] += o.tokens
+    while len(outs["row"]) < 16:
+        outs["row"] += bd.step()["row"].tokens
+    assert outs["row"][:16] == plain

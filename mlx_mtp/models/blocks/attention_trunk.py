@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
@@ -47,8 +47,8 @@ NEXTN_DUPLICATES = ("embed_tokens.", "shared_head.head.")
 
 @dataclass(frozen=True)
 class Family:
-    lm: ModuleType  # mlx_lm.models.<family>
-    trunk_cls: str  # the trunk's class in ``lm`` (embed_tokens, layers, norm)
+    lm: ModuleType  # mlx_lm.models.<family>: its ModelArgs and Model (whose sanitize we run)
+    trunk_cls: type  # the trunk's class (embed_tokens, layers, norm): mlx-lm's or a subclass
     block: Callable  # (lm args, layer index) -> the MTP layer's decoder block
     mtp_prefix: Callable  # (lm args, i) -> checkpoint prefix of MTP layer i
     key_map: Dict[str, str] = field(default_factory=lambda: dict(NEXTN_KEYS))
@@ -56,6 +56,11 @@ class Family:
     hidden_first: bool = False  # MiMo concatenates [hidden, embedding]
     mla: bool = False
     tied: Callable = lambda args: False  # whether lm_head is the embedding (as mlx-lm reads it)
+    args_cls: Optional[type] = None  # a subclass of ``lm.ModelArgs`` adding names we read
+
+    @property
+    def lm_args_cls(self) -> type:
+        return self.args_cls or self.lm.ModelArgs
 
 
 # mlx-lm blocks computing ``h = x + self_attn(input_layernorm(x))`` then
@@ -76,6 +81,18 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, params: dict):
         return cls(model_type=params["model_type"], config=dict(params))
+
+
+def mlx_lm_sanitize(lm_model: type, args, weights: dict) -> dict:
+    """``lm_model.sanitize`` (an mlx-lm ``Model`` class) on ``weights``. It reads only
+    ``self.args``, so it runs on an instance of a subclass that skips building the model."""
+
+    class Sanitizer(lm_model):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.args = args
+
+    return Sanitizer().sanitize(weights)
 
 
 def attention_mask(cache, L: int, array: bool):
@@ -160,7 +177,7 @@ class TextModel(hybrid.TextModel):
     def __init__(self, family: Family, config: dict):
         nn.Module.__init__(self)
         self.family = family
-        lm_args = family.lm.ModelArgs.from_dict(config)
+        lm_args = family.lm_args_cls.from_dict(config)
         lm_args.tie_word_embeddings = family.tied(lm_args)
         self.args = lm_args
         self.model_type = config["model_type"]
@@ -169,7 +186,7 @@ class TextModel(hybrid.TextModel):
             raise ValueError(f"mtp_hidden must be 'post_norm' or 'pre_norm', got {self.mtp_hidden!r}")
         self.draft_head = None
         self.declared_mtp_layers = layout.config_mtp_layers(config)
-        self.model = getattr(family.lm, family.trunk_cls)(lm_args)
+        self.model = family.trunk_cls(lm_args)
         if not lm_args.tie_word_embeddings:
             self.lm_head = nn.Linear(lm_args.hidden_size, lm_args.vocab_size, bias=False)
         if self.declared_mtp_layers > 0:
@@ -244,7 +261,7 @@ class TextModel(hybrid.TextModel):
     # --- weights ----------------------------------------------------------
     def lm_sanitize(self, weights: dict) -> dict:
         """mlx-lm's own sanitize for this family (stacks experts, splits MLA's kv_b_proj)."""
-        return self.family.lm.Model.sanitize(SimpleNamespace(args=self.args), weights)
+        return mlx_lm_sanitize(self.family.lm.Model, self.args, weights)
 
     def sanitize(self, weights: dict) -> dict:
         weights = {k: v for k, v in layout.text_weight_names(weights).items()

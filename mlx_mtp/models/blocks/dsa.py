@@ -22,16 +22,15 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-def index_scores(indexer, x, qr, cache):
+def index_scores(indexer, x, qr, cache, latent_cache):
     """The indexer's scores (B, 1, L, T) for L queries over all T cached keys (one-token
-    path's head reduction); writes the indexer cache as mlx-lm does."""
+    path's head reduction); writes the indexer cache (``cache.index.IndexKeyCache``)."""
     b, s, _ = x.shape
     q = indexer.wq_b(qr).reshape(b, s, indexer.n_heads, indexer.head_dim).swapaxes(1, 2)
     k = indexer.k_norm(indexer.wk(x)).reshape(b, 1, s, indexer.head_dim)
     offset = cache.offset
     q, k = indexer.rope(q, offset=offset), indexer.rope(k, offset=offset)
-    k, _ = cache.update_and_fetch(k, k)
-    cache.values = mx.zeros_like(cache.keys)  # as mlx-lm: only the keys are read
+    k = cache.update_keys(k, latent_cache)
     scores = mx.maximum(q @ k.swapaxes(-1, -2), 0)
     weights = indexer.weights_proj(x) * (indexer.n_heads**-0.5 * indexer.softmax_scale)
     scores = scores * weights.swapaxes(-1, -2)[..., None]
@@ -53,8 +52,7 @@ def verify_attention(attn, x, mask, caches):
     offset = latent_cache.offset
     q_pe, k_pe = attn.rope(q_pe, offset), attn.rope(k_pe, offset)
     latent, k_pe = latent_cache.update_and_fetch(latent, k_pe)  # (B, 1, T, R), (B, 1, T, dr)
-    scores = index_scores(attn.indexer, x, qr, index_cache)  # (B, 1, L, T)
-    latent_cache.keys = mx.depends(latent_cache.keys, (index_cache.keys, index_cache.values))
+    scores = index_scores(attn.indexer, x, qr, index_cache, latent_cache)  # (B, 1, L, T)
     T = latent.shape[2]
     mask = mask if mask is not None else mx.arange(T - L, T)[:, None] >= mx.arange(T)
     q_abs = attn.embed_q(q_nope)  # (B, H, L, R)

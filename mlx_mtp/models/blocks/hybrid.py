@@ -380,7 +380,9 @@ class Trunk(nn.Module):
         if cache is None:
             cache = [None] * len(self.layers)
         L = h.shape[1]
-        kv = next((c for c in cache if c is not None and not isinstance(c, RecurrentCache)), None)
+        # Full-attention layers share one mask, made by the first one's cache.
+        kv = next((c for layer, c in zip(self.layers, cache)
+                   if not layer.is_linear and c is not None), None)
         fa_mask = kv.make_mask(L) if kv is not None else ("causal" if L > 1 else None)
         for layer, c in zip(self.layers, cache):
             h = layer(h, None if layer.is_linear else fa_mask, c, capture)

@@ -5,14 +5,14 @@ Layer j at position p takes layer j-1's output at p and the embedding of t_{p+j+
 depth j (from the newest position q) runs layer j. A layer's cache must hold its entries
 for the committed positions, so every depth-0 call (the head's pass over the step's new
 trunk hiddens) also *catches up* layers 1.. on the positions whose tokens are now known:
-layer j lags j positions behind layer 0, and each layer keeps layer j-1's newest output
-(the one whose token is not known yet) as ``chain_pending`` on its cache.
+layer j lags j positions behind layer 0, and each layer's cache (``cache.chain.ChainCache``)
+keeps layer j-1's newest output (the one whose token is not known yet) as its pending input.
 
 The depth-j draft then runs layer j over positions q-j+1 .. q (the pending output and the
 depth-(j-1) call's outputs, with drafts d_1..d_j as tokens): j speculative entries, rolled
 back after the step (``drafted_entries``). Depth j >= the number of layers reuses the last
-layer on one position. MTP caches only shape drafts: anything that loses a pending output
-(a cache copy, a batch join) lowers acceptance for a step, never changes output.
+layer on one position. The pending output travels with its row through snapshots, copies,
+batch joins and saved sessions.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from ..io import layout
 from .attention_trunk import MTPLayer, MTPStack
-from ..cache.kv import BatchKVCache
+from ..cache.chain import ChainCache
 
 
 def drafted_entries(n_layers: int, k: int) -> List[int]:
@@ -39,45 +39,16 @@ def drafted_entries(n_layers: int, k: int) -> List[int]:
     return counts
 
 
-def _lengths(cache, B: int, S: int) -> List[int]:
-    lengths = getattr(cache, "_lengths", None) if isinstance(cache, BatchKVCache) else None
-    return list(lengths) if lengths is not None else [S] * B
-
-
-def _pending(cache, B: int, H: int, dtype):
-    pending = getattr(cache, "chain_pending", None)
-    if pending is None or pending[0].shape[0] != B:  # a new cache, or rows joined or left
-        return mx.zeros((B, 1, H), dtype), [False] * B
-    return pending
-
-
-def catch_up(run_layer, out: mx.array, tokens: mx.array, caches: list):
+def catch_up(run_layer, out: mx.array, tokens: mx.array, caches: List[ChainCache]):
     """After layer 0 ran on a chunk (out (B,S,H), tokens (B,S) right-aligned with per-row
     lengths), run layers 1.. on the positions each can now take; keep their pending."""
-    B, S = tokens.shape
-    lengths = _lengths(caches[0], B, S)
+    lengths = caches[0].chunk_lengths(tokens.shape[1])
     for j in range(1, len(caches)):
-        cache = caches[j]
-        pend, valid = _pending(cache, B, out.shape[-1], out.dtype)
-        x = mx.concatenate([pend, out], axis=1)  # (B, S+1, H)
-        if any(n < S for n in lengths):  # move each row's pending next to its new outputs
-            i = mx.arange(S + 1)[None]
-            ix = mx.where(i >= (S + 1 - mx.array(lengths))[:, None], i, 0)
-            x = mx.take_along_axis(x, ix[..., None], axis=1)
-        has_new = [n > 0 for n in lengths]
-        keep_new = mx.array(has_new)[:, None, None]
-        cache.chain_pending = (mx.where(keep_new, x[:, S:], pend),
-                               [v or h for v, h in zip(valid, has_new)])
-        lengths = [n + v - 1 if n else 0 for n, v in zip(lengths, valid)]
+        x, lengths = caches[j].take(out, lengths)
         if max(lengths) == 0:
             return
-        if isinstance(cache, BatchKVCache):
-            cache.prepare(S, lengths)
-            out = run_layer(j, x[:, :S], tokens, cache)
-        else:  # one row: no padding
-            S = lengths[0]
-            tokens = tokens[:, tokens.shape[1] - S:]
-            out = run_layer(j, x[:, x.shape[1] - 1 - S : -1], tokens, cache)
+        x, tokens = caches[j].chunk(x[:, :-1], tokens, lengths)
+        out = run_layer(j, x, tokens, caches[j])
 
 
 def draft_at_depth(run_layer, depth: int, hidden: mx.array, token: mx.array,
@@ -88,13 +59,10 @@ def draft_at_depth(run_layer, depth: int, hidden: mx.array, token: mx.array,
     if caches is None or depth >= n:
         j = min(depth, n - 1)
         return run_layer(j, hidden[:, -1:], token, caches[j] if caches else None)
-    chain = caches[0]
-    chain.chain_drafts = (getattr(chain, "chain_drafts", [])[: depth - 1]) + [token]
+    tokens = caches[0].note_draft(depth, token)  # d_1 .. d_depth
     cache = caches[depth]
-    B, H = hidden.shape[0], hidden.shape[-1]
-    pend, _ = _pending(cache, B, H, hidden.dtype)
+    pend = cache.pending_rows(hidden.shape[0], hidden.shape[-1], hidden.dtype)
     x = pend if depth == 1 else mx.concatenate([pend, hidden[:, -(depth - 1):]], axis=1)
-    tokens = mx.concatenate(chain.chain_drafts, axis=1)  # d_1 .. d_depth
     cache.prepare(depth)  # the step announced one position; this call writes ``depth``
     return run_layer(depth, x, tokens, cache)
 
@@ -140,6 +108,10 @@ class ChainedMTP:
 
     def drafted_entries(self, k: int) -> List[int]:
         return drafted_entries(self.num_mtp_layers, k)
+
+    def make_mtp_cache(self):
+        caches = super().make_mtp_cache()
+        return [ChainCache(c) for c in caches] if len(caches) > 1 else caches
 
     # --- weights ------------------------------------------------------------
     def sanitize(self, weights: dict) -> dict:

@@ -6,9 +6,11 @@ Two kinds of per-layer state:
   ``n`` speculative positions is a pointer move (``trim``); the stale rows are
   overwritten by the next write.
 * ``BatchKVCache``: the same for rows of different lengths decoding together.
-* ``RecurrentCache`` (``recurrent_cache.py``) for Gated DeltaNet layers: a
+* ``RecurrentCache`` (``recurrent.py``) for Gated DeltaNet and Mamba-2 layers: a
   convolution window and the recurrent (SSM) state, rolled back by replaying the
-  recurrence; sliding-window caches live in ``window_cache.py``.
+  recurrence; sliding-window caches live in ``window.py``, chained MTP layers' caches
+  (an attention cache and a pending input) in ``chain.py``, the DSA indexer's keys in
+  ``index.py``.
 
 Every cache answers ``accept(n_keep)`` after a speculative (verify) pass:
 ``n_keep[b]`` is how many of that pass's positions row ``b`` keeps (>= 1, the
@@ -171,6 +173,9 @@ class KVCache(_Cache):
         if lengths is not None and list(lengths) != [S]:
             raise ValueError(f"a single-row cache cannot take a padded chunk ({lengths} of {S})")
 
+    def chunk_lengths(self, S: int) -> List[int]:
+        return [S]
+
     def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
         """mlx-lm's call. ``return_array``: a boolean (n, offset + n) causal mask instead of
         ``"causal"`` (MLA attention masks its scores with it)."""
@@ -196,7 +201,9 @@ class KVCache(_Cache):
         return c
 
 
-CACHE_KINDS = {KVCache.kind: KVCache}  # what can be saved (other modules add their kinds)
+# What can be saved, by kind; each cache module adds its kinds, and the package imports
+# every module, so importing any cache module fills it.
+CACHE_KINDS = {KVCache.kind: KVCache}
 
 
 def cache_state_arrays(caches) -> List[mx.array]:
@@ -331,10 +338,14 @@ class BatchKVCache(_Cache):
         if self.keys is not None and self.idx + S > self.keys.shape[2]:
             self._grow(S)
 
+    def chunk_lengths(self, S: int) -> List[int]:
+        """Real tokens per row of the chunk ``prepare`` announced (right-aligned in ``S``)."""
+        return list(self._lengths) if self._lengths else [S] * len(self.pos)
+
     @property
     def offset(self) -> mx.array:
         """Per-row RoPE offsets so a row's real tokens continue at its ``pos``."""
-        lengths = self._lengths or [self._S] * len(self.pos)
+        lengths = self.chunk_lengths(self._S)
         return mx.array([p - (self._S - n) for p, n in zip(self.pos, lengths)])
 
     def _new_valid(self) -> mx.array:
@@ -357,8 +368,7 @@ class BatchKVCache(_Cache):
         self.valid[:, self.idx : self.idx + S] = self._new_valid()
         self.idx += S
         self.last_write = S
-        lengths = self._lengths or [S] * len(self.pos)
-        self.pos = [p + n for p, n in zip(self.pos, lengths)]
+        self.pos = [p + n for p, n in zip(self.pos, self.chunk_lengths(S))]
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
 
     def make_mask(self, S: int, return_array: bool = True, window_size: Optional[int] = None):

@@ -52,6 +52,15 @@ class RecurrentCache(_Cache):
     def empty(cls, B: int = 1) -> "RecurrentCache":
         return cls(B)
 
+    @classmethod
+    def zeros(cls, conv_shape: Tuple[int, int], ssm_shape: Tuple[int, ...],
+              dtype) -> "RecurrentCache":
+        """One row holding the zero state up front: ``conv_shape`` (kernel - 1, conv_dim) in
+        ``dtype``, ``ssm_shape`` in float32 (a layer that always reads its state, Mamba-2)."""
+        c = cls()
+        c.state = (mx.zeros((1, *conv_shape), dtype), mx.zeros((1, *ssm_shape), mx.float32))
+        return c
+
     def size(self) -> int:
         return self._rows if self.conv is None else self.conv.shape[0]
 

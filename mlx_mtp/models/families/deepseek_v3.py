@@ -12,5 +12,5 @@ from ..blocks.attention_trunk import Model as _Model
 
 
 class Model(_Model):
-    family = Family(lm=lm, trunk_cls="DeepseekV3Model", block=lm.DeepseekV3DecoderLayer,
+    family = Family(lm=lm, trunk_cls=lm.DeepseekV3Model, block=lm.DeepseekV3DecoderLayer,
                     mtp_prefix=nextn_prefix, mla=True)

@@ -6,20 +6,24 @@ one-token decoding does (``dsa.py``). The MTP layer is ``model.layers.{N}.*`` in
 naming (61 on V3.2) with its own indexer; FP8 releases are dequantized.
 """
 
-from types import SimpleNamespace
-
 import mlx.core as mx
-from mlx_lm.models import deepseek_v32 as _v32
+from mlx_lm.models import deepseek_v32 as lm
 
 from ..blocks.attention_trunk import (  # noqa: F401
     Family, ModelArgs, attention_mask, mlp_after, nextn_prefix)
 from ..blocks.attention_trunk import Model as _Model
+from ..cache.index import IndexKeyCache
 from ..cache.kv import KVCache
 from ..blocks.dsa import verify_attention
 
 
+def dsa_caches():
+    """A DSA attention layer's caches: its MLA latents and its indexer's keys."""
+    return KVCache(), IndexKeyCache()
+
+
 class DSAModel(_Model):
-    """The DSA families' forward and caches (``family.lm`` provides mlx-lm's classes)."""
+    """The DSA families' forward and caches (``family`` names mlx-lm's classes)."""
 
     def trunk(self, inputs, cache=None, capture=False):
         h = self.model.embed_tokens(inputs)
@@ -43,7 +47,7 @@ class DSAModel(_Model):
         layer = self.mtp.layers[0]
         e = layer.enorm(self.model.embed_tokens(next_tokens))
         x = layer.eh_proj(mx.concatenate([e, layer.hnorm(hidden)], axis=-1))
-        caches = tuple(mtp_cache) if mtp_cache else (KVCache(), KVCache())
+        caches = tuple(mtp_cache) if mtp_cache else dsa_caches()
         mask = attention_mask(caches[0], x.shape[1], True)
         if not last_only:
             return layer.norm(layer.block(x, mask, caches))
@@ -52,15 +56,12 @@ class DSAModel(_Model):
         return layer.norm(mlp_after(block, x, r, last_only=True))
 
     def make_cache(self):
-        return [KVCache() for _ in range(2 * len(self.model.layers))]
+        return [c for _ in self.model.layers for c in dsa_caches()]
 
     def make_mtp_cache(self):
-        return [KVCache(), KVCache()] if self.num_mtp_layers else []
-
-
-lm = SimpleNamespace(**{k: getattr(_v32, k) for k in dir(_v32) if not k.startswith("__")})
+        return list(dsa_caches()) if self.num_mtp_layers else []
 
 
 class Model(DSAModel):
-    family = Family(lm=lm, trunk_cls="DeepseekV32Model", block=lm.DeepseekV32DecoderLayer,
+    family = Family(lm=lm, trunk_cls=lm.DeepseekV32Model, block=lm.DeepseekV32DecoderLayer,
                     mtp_prefix=nextn_prefix, mla=True)

@@ -13,5 +13,5 @@ from ..blocks.attention_trunk import Model as _Model
 
 
 class Model(_Model):
-    family = Family(lm=lm, trunk_cls="LanguageModel", block=lm.DecoderLayer,
+    family = Family(lm=lm, trunk_cls=lm.LanguageModel, block=lm.DecoderLayer,
                     mtp_prefix=nextn_prefix)

@@ -11,5 +11,5 @@ from ..blocks.attention_trunk import Model as _Model
 
 
 class Model(_Model):
-    family = Family(lm=lm, trunk_cls="Glm4MoeLiteModel", block=lm.Glm4MoeLiteDecoderLayer,
+    family = Family(lm=lm, trunk_cls=lm.Glm4MoeLiteModel, block=lm.Glm4MoeLiteDecoderLayer,
                     mtp_prefix=nextn_prefix, mla=True)

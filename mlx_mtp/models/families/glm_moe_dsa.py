@@ -2,18 +2,13 @@
 architecture (DeepSeek sparse attention, see ``deepseek_v32.py``) with GLM's config
 (``rope_parameters``); the MTP layer is ``model.layers.{N}.*`` (78 on GLM-5)."""
 
-from types import SimpleNamespace
-
 from mlx_lm.models import deepseek_v32 as _v32
 from mlx_lm.models import glm_moe_dsa as _glm
 
 from ..blocks.attention_trunk import Family, ModelArgs, nextn_prefix  # noqa: F401
 from .deepseek_v32 import DSAModel
 
-lm = SimpleNamespace(**{k: getattr(_v32, k) for k in dir(_v32) if not k.startswith("__")})
-lm.ModelArgs, lm.Model = _glm.ModelArgs, _glm.Model
-
 
 class Model(DSAModel):
-    family = Family(lm=lm, trunk_cls="DeepseekV32Model", block=lm.DeepseekV32DecoderLayer,
+    family = Family(lm=_glm, trunk_cls=_v32.DeepseekV32Model, block=_v32.DeepseekV32DecoderLayer,
                     mtp_prefix=nextn_prefix, mla=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Dict, List
 
 import mlx.core as mx
@@ -38,10 +37,6 @@ class LmArgs(_lm.ModelArgs):
     @property
     def num_hidden_layers(self) -> int:
         return self.num_layers
-
-
-lm = SimpleNamespace(**{k: getattr(_lm, k) for k in dir(_lm) if not k.startswith("__")})
-lm.ModelArgs = LmArgs
 
 
 class MTPBlock(nn.Module):
@@ -69,7 +64,7 @@ def trunk_layer(layer, h, mask, caches, absorbed: bool):
 
 
 class Model(_Model):
-    family = Family(lm=lm, trunk_cls="LongcatFlashModel", block=MTPBlock,
+    family = Family(lm=_lm, args_cls=LmArgs, trunk_cls=_lm.LongcatFlashModel, block=MTPBlock,
                     mtp_prefix=lambda args, i: RAW_PREFIX, mla=True,
                     key_map={"enorm.m": "enorm", "hnorm.m": "hnorm", "eh_proj": "eh_proj",
                              "final_norm": "norm"}, duplicates=("embed_tokens.",))

@@ -15,7 +15,7 @@ MIMO_KEYS = {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_pro
 
 
 class Model(_Model):
-    family = Family(lm=lm, trunk_cls="MiMoModel",
+    family = Family(lm=lm, trunk_cls=lm.MiMoModel,
                     block=lambda args, index: lm.TransformerBlock(args),
                     mtp_prefix=lambda args, i: f"model.mtp_layers.{i}.",
                     key_map=MIMO_KEYS, duplicates=(), hidden_first=True,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Dict, List
 
 import mlx.core as mx
@@ -40,16 +39,12 @@ class LmArgs(_lm.ModelArgs):
         return self.layernorm_epsilon
 
 
-lm = SimpleNamespace(**{k: getattr(_lm, k) for k in dir(_lm) if not k.startswith("__")})
-lm.ModelArgs = LmArgs
-
-
 def mtp_block(args, index: int):
-    return lm.DecoderLayer(args, is_moe=False, is_sliding_window=True)
+    return _lm.DecoderLayer(args, is_moe=False, is_sliding_window=True)
 
 
 class Model(ChainedMTP, WindowedTrunk, _Model):
-    family = Family(lm=lm, trunk_cls="LanguageModel", block=mtp_block,
+    family = Family(lm=_lm, args_cls=LmArgs, trunk_cls=_lm.LanguageModel, block=mtp_block,
                     mtp_prefix=lambda args, i: f"{RAW_PREFIX}{i}.",
                     key_map={"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
                              "final_layernorm": "norm"}, duplicates=())

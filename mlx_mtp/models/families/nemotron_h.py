@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 import mlx.core as mx
@@ -28,7 +27,7 @@ from mlx_lm.models import nemotron_h as _lm
 from mlx_lm.models.ssm import ssm_update
 
 from ..io import layout
-from ..blocks.attention_trunk import Family, ModelArgs
+from ..blocks.attention_trunk import Family, ModelArgs, mlx_lm_sanitize
 from ..blocks.attention_trunk import Model as _Model
 from ..cache.kv import KVCache
 from ..cache.recurrent import RecurrentCache, VerifyRecord
@@ -107,6 +106,12 @@ def mamba(mixer, x, cache: RecurrentCache, capture: bool):
     return mixer.out_proj(mixer.norm(y.reshape(Bsz, S, -1), gate))
 
 
+def mamba_cache(mixer, dtype) -> RecurrentCache:
+    """A Mamba-2 layer's cache at the zero state (mlx-lm's "no state yet" on a first call)."""
+    return RecurrentCache.zeros((mixer.conv_kernel_size - 1, mixer.conv_dim),
+                                (mixer.num_heads, mixer.head_dim, mixer.ssm_state_size), dtype)
+
+
 @dataclass
 class LmArgs(_lm.ModelArgs):
     mtp_hybrid_override_pattern: Optional[str] = None
@@ -116,12 +121,8 @@ class LmArgs(_lm.ModelArgs):
         return self.layer_norm_epsilon
 
 
-lm = SimpleNamespace(**{k: getattr(_lm, k) for k in dir(_lm) if not k.startswith("__")})
-lm.ModelArgs, lm.NemotronHModel = LmArgs, Trunk
-
-
 class Model(_Model):
-    family = Family(lm=lm, trunk_cls="NemotronHModel",
+    family = Family(lm=_lm, args_cls=LmArgs, trunk_cls=Trunk,
                     block=lambda args, index: MTPBlocks(args, mtp_pattern(args)),
                     mtp_prefix=lambda args, i: f"mtp.layers.{i}.")
 
@@ -155,17 +156,8 @@ class Model(_Model):
 
     def make_cache(self):
         dtype = self.model.embed_tokens.weight.dtype
-        out = []
-        for layer in self.layers:
-            if layer.block_type == "*":
-                out.append(KVCache())
-                continue
-            m, c = layer.mixer, RecurrentCache()
-            # Zero state up front (equal to mlx-lm's "no state yet" on the first call).
-            c.state = (mx.zeros((1, m.conv_kernel_size - 1, m.conv_dim), dtype),
-                       mx.zeros((1, m.num_heads, m.head_dim, m.ssm_state_size), mx.float32))
-            out.append(c)
-        return out
+        return [KVCache() if layer.block_type == "*" else mamba_cache(layer.mixer, dtype)
+                for layer in self.layers]
 
     def make_mtp_cache(self):
         return [KVCache() for _ in range(self.num_mtp_layers)]
@@ -179,7 +171,7 @@ class Model(_Model):
         """mlx-lm's sanitize (conv layout, expert stacking) on ``backbone.*`` names."""
         back = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v
                 for k, v in weights.items()}
-        out = _lm.Model.sanitize(SimpleNamespace(args=self.args), back)
+        out = mlx_lm_sanitize(_lm.Model, self.args, back)
         return {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v
                 for k, v in out.items()}
 

@@ -49,7 +49,7 @@ def zero_centred(key: str) -> bool:
 
 
 class Model(ChainedMTP, WindowedTrunk, _Model):
-    family = Family(lm=lm, trunk_cls="Step3p5Model", block=mtp_block, mtp_prefix=nextn_prefix,
+    family = Family(lm=lm, trunk_cls=lm.Step3p5Model, block=mtp_block, mtp_prefix=nextn_prefix,
                     key_map=dict(NEXTN_KEYS),
                     duplicates=NEXTN_DUPLICATES + ("shared_head.output.",))
 
