@@ -65,12 +65,12 @@ class StepCosts:
     def observe(self, B: int, k: int, head: int, seconds: float):
         """One step's time (``head`` of its ``k`` drafted positions chained by the head)."""
         cell = (B, k, head)
+        self._derived.clear()  # first: a copy taken meanwhile (the dashboard's) stays whole
         if self._stale(cell):  # what it measured long ago (other contexts, load) is gone
             self.cells.pop(cell, None)
         self.cells.setdefault(cell, deque(maxlen=self.memory)).append(seconds)
         self._clock += 1
         self._last[cell] = self._clock
-        self._derived.clear()
 
     def _memo(self, key, fn: Callable):
         if key not in self._derived:

@@ -21,7 +21,6 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 
