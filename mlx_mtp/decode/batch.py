@@ -13,8 +13,8 @@ launch when the caller ran other work in between; unknown for a driver's first s
 why this clock: ``costs.py``), shape and acceptance go to the policy, whose ``costs``
 is the one step-cost table (the draft-source chooser reads it too), and its tokens to
 the model's draft-vocabulary tuner. Plain steps may be launched ahead (``overlap``:
-before the previous step's token is read, as mlx-lm does). With more than one row a step is checkpointed and a failed
-step is undone and fails one row (``BatchStepError``).
+before the previous step's token is read, as mlx-lm does). With more than one row a
+step is checkpointed and a failed step is undone and fails one row (``BatchStepError``).
 """
 
 from __future__ import annotations
