@@ -1,10 +1,12 @@
 """What a decode step costs: the one table of measured step times, and its estimates.
 
 A step is keyed by its shape: ``B`` rows, ``k`` positions drafted per row (the longest
-row's; the trunk verifies ``k + 1``), ``head`` of them chained through the MTP head
-(``head == k``: a head step, K=k; ``head == 0``: plain, or context drafts only; in
-between: a context run extended by the head, ``draft_source.py``). The driver
-(``batch.BatchDecoder``) records one observation per step; every reader asks this table:
+row's; the trunk verifies ``k + 1``) and ``head``, the passes the MTP head chains (as far
+as the longest row that uses it). ``head == k``: the head ran through every position, the
+step the K policy plans (K=k; context drafts it extends cost the same); ``head == 0``: a
+plain step, or context drafts only (``draft_source.py``); in between: rows copying from
+the context beside rows drafting from the head. The driver (``batch.BatchDecoder``)
+records one observation per step; every reader asks this table:
 
 * the K policy (``policy.DraftPolicy``): ``predict(B, K)`` for a head step, from the
   cell or a least-squares fit over every batch size; ``count`` and ``stale`` for its probes;
@@ -86,9 +88,11 @@ class StepCosts:
         return self._stale((B, K, K))
 
     def count(self, B: int, K: int) -> int:
+        """Steps the head step's cell holds."""
         return len(self.cells.get((B, K, K), ()))
 
     def measured(self, B: int, K: int) -> Optional[float]:
+        """The head step's own median (None: never measured)."""
         return self._median((B, K, K))
 
     def predict(self, B: int, K: int) -> Optional[float]:
