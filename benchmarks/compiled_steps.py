@@ -31,7 +31,7 @@ from mlx_mtp.testing.tiny import make_tiny
 PROMPT = "def fibonacci(n):\n    "
 DEMO = Path(__file__).resolve().parents[1] / "mlx_mtp" / "assets" / "demo-model"
 SETTINGS = [0, 1, 2, 3, "auto", "auto, same costs"]
-SHARED = []  # the lazy mode's stored costs after the warm-up: (B, K, seconds)
+SHARED = []  # the lazy mode's stored costs after the warm-up: (B, k, head, seconds)
 
 
 def decode(model, ids, k, n):
@@ -39,8 +39,8 @@ def decode(model, ids, k, n):
         dec = MTPDecoder(model, 3, adaptive=True, policy=step_costs.policy_for(model, 3))
     elif k == "auto, same costs":  # both modes choose K from the same inputs
         policy = DraftPolicy(3, adaptive=True)
-        for B, kk, sec in SHARED:
-            policy.costs.observe(B, kk, sec)
+        for B, kk, head, sec in SHARED:
+            policy.costs.observe(B, kk, head, sec)
         dec = MTPDecoder(model, 3, adaptive=True, policy=policy)
     else:
         dec = MTPDecoder(model, k, adaptive=False)
@@ -54,7 +54,7 @@ def decode(model, ids, k, n):
     dec.finish_pending()
     tps = (len(out) - 1) / (time.perf_counter() - tic)
     if k == "auto":  # as `mlx-mtp generate` does: the next run starts from these costs
-        step_costs.save(model, dec.policy)
+        step_costs.save(model, dec.policy.costs)
     return tps, out[: n + 1], (dec.stats.num_draft_tokens - drafted0) / steps
 
 
@@ -108,8 +108,8 @@ def main():
             decode(model, ids, k, a.tokens)
         if not c:
             probe = DraftPolicy(3, adaptive=True)
-            step_costs.load(model, probe)
-            SHARED.extend((B, kk, t) for (B, kk), secs in probe.costs.cells.items() for t in secs)
+            step_costs.load(model, probe.costs)
+            SHARED.extend((*cell, t) for cell, secs in probe.costs.cells.items() for t in secs)
     load_before = os.getloadavg()[0]
     for r in range(a.rounds):
         order = (False, True) if r % 2 == 0 else (True, False)  # A B, then B A

@@ -71,11 +71,11 @@ def run(args) -> int:
     text = build_prompt(tokenizer, prompt, args.system_prompt, template_args,
                         args.ignore_chat_template)
     last = None
-    # Step costs measured on this machine before (or in a short calibration now): K is
-    # right from the first steps. Not for a split model (ranks would time differently).
-    policy = step_costs.policy_for(model, k) if adaptive and k and group is None else None
-    if sources is not None:  # context drafts' step costs from earlier runs, if stored
-        step_costs.load(model, None, sources)
+    # Step costs measured on this machine before (or in a short calibration now): K and
+    # the draft source are right from the first steps. Not for a split model (ranks
+    # would time differently).
+    stored = group is None and ((adaptive and k) or sources is not None)
+    policy = step_costs.policy_for(model, k, adaptive) if stored else None
     if args.verbose:
         print("==========")
     for r in stream_generate(model, tokenizer, text, max_tokens=args.max_tokens,
@@ -85,8 +85,8 @@ def run(args) -> int:
         print(r.text, end="", flush=True)
         last = r
     print()
-    if policy is not None or sources is not None:
-        step_costs.save(model, policy, sources)
+    if policy is not None:
+        step_costs.save(model, policy.costs)
     if args.verbose and last is not None:
         print("==========")
         print(format_stats(last))

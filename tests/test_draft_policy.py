@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from mlx_mtp.decode.policy import DraftPolicy, StepCosts
+from mlx_mtp.decode.costs import StepCosts
+from mlx_mtp.decode.policy import DraftPolicy
 
 
 def linear_cost(B, K):  # ms
@@ -96,7 +97,7 @@ def test_fit_extrapolates_to_unseen_batch_sizes():
     for B in (1, 2, 3):
         for K in range(4):
             for _ in range(5):
-                costs.observe(B, K, linear_cost(B, K))
+                costs.observe(B, K, K, linear_cost(B, K))
     for B, K in [(8, 0), (8, 3), (16, 1)]:
         assert costs.predict(B, K) == pytest.approx(linear_cost(B, K), rel=1e-6)
     assert costs.measured(8, 0) is None
@@ -207,11 +208,11 @@ def test_a_cost_measured_long_ago_is_replaced_not_averaged():
     another load) would outvote the new one in the median."""
     costs = StepCosts(memory=24)
     for _ in range(20):
-        costs.observe(1, 3, 0.020)  # slow, long ago
+        costs.observe(1, 3, 3, 0.020)  # slow, long ago
     for _ in range(300):
-        costs.observe(1, 2, 0.010)
+        costs.observe(1, 2, 2, 0.010)
     assert costs.stale(1, 3)
-    costs.observe(1, 3, 0.012)
+    costs.observe(1, 3, 3, 0.012)
     assert costs.count(1, 3) == 1 and costs.measured(1, 3) == 0.012
 
 

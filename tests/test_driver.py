@@ -4,6 +4,7 @@ K passed in, plain steps launched ahead while rows join and leave, a batch of on
 import pytest
 
 from mlx_mtp.decode.batch import BatchDecoder
+from mlx_mtp.decode.costs import StepCosts
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.sequence import Sequence
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
@@ -31,6 +32,8 @@ def drain(batch, outs, n=N, **step_kw):
 
 class NoPolicy:
     """A follower's batch: it must never choose K itself."""
+
+    costs = StepCosts()  # the step-cost table the driver hands each step
 
     def row_ks(self, *a, **k):
         raise AssertionError("the driver consulted its policy though ks were passed in")

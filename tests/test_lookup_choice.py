@@ -3,7 +3,8 @@ source against the measured cost of verifying that many positions."""
 
 import pytest
 
-from mlx_mtp.decode.draft_source import DraftPlan, DraftSources, StepCosts, check_draft_source
+from mlx_mtp.decode.costs import StepCosts
+from mlx_mtp.decode.draft_source import DraftPlan, DraftSources, check_draft_source
 from mlx_mtp.decode.lookup import LookupSettings
 
 
@@ -16,8 +17,8 @@ def test_costs_interpolate_between_measured_lengths_and_add_head_passes():
     assert c.verify(1, 4) == pytest.approx(12.0)
     assert c.verify(1, 20) == pytest.approx(14.0)  # past the longest: optimistic
     assert c.head_pass(1) == pytest.approx(5.5 / 3)
-    assert c.predict(1, 3, 3) == pytest.approx(17.0)  # measured
-    assert c.predict(1, 5, 5) == pytest.approx(12.5 + 5 * 5.5 / 3)
+    assert c.predict_plan(1, 3, 3) == pytest.approx(17.0)  # measured
+    assert c.predict_plan(1, 5, 5) == pytest.approx(12.5 + 5 * 5.5 / 3)
     assert c.verify(2, 4) is None  # another batch size: nothing measured
 
 
@@ -37,28 +38,30 @@ def _drafter(source="both", max_draft=8, **kw):
     return sources, d
 
 
-def _cheap_verify(sources, per_position=0.05):
+def _cheap_verify(per_position=0.05):
+    costs = StepCosts()
     for _ in range(3):
         for k in (0, 4, 8):
-            sources.costs.observe(1, k, 0, 1.0 + per_position * k)
-        sources.costs.observe(1, 3, 3, 1.6)
+            costs.observe(1, k, 0, 1.0 + per_position * k)
+        costs.observe(1, 3, 3, 1.6)
+    return costs
 
 
 def test_copies_when_the_context_has_been_right():
     sources, d = _drafter()
-    _cheap_verify(sources)
+    costs = _cheap_verify()
     for _ in range(10):
         d.record(DraftPlan([0] * 8), 8)
-    assert d.plan(3, True, 1) == DraftPlan([3, 4, 5, 6, 7, 8, 9, 10])
+    assert d.plan(3, True, 1, costs) == DraftPlan([3, 4, 5, 6, 7, 8, 9, 10])
 
 
 def test_uses_the_head_when_the_context_has_been_wrong_and_probes_it_again():
     sources, d = _drafter()
-    _cheap_verify(sources)
+    costs = _cheap_verify()
     for _ in range(10):
         d.record(DraftPlan([0] * 8), 0)
         d.record(DraftPlan([], 3), 3)
-    plans = [d.plan(3, True, 1) for _ in range(12)]
+    plans = [d.plan(3, True, 1, costs) for _ in range(12)]
     assert plans[0] == DraftPlan([], 3)
     probes = [i for i, p in enumerate(plans) if p.lookup]
     assert probes == [3, 11]  # after 4 steps, then 8 (doubling)
@@ -66,26 +69,27 @@ def test_uses_the_head_when_the_context_has_been_wrong_and_probes_it_again():
 
 def test_verify_cost_sets_the_length():
     sources, d = _drafter()
-    _cheap_verify(sources, per_position=0.5)  # each verified position costs half a step
+    costs = _cheap_verify(per_position=0.5)  # each verified position costs half a step
     for _ in range(10):
         d.record(DraftPlan([0] * 8), 2)  # the first two land, the third never
-    assert d.plan(0, False, 1) == DraftPlan([3, 4])
+    assert d.plan(0, False, 1, costs) == DraftPlan([3, 4])
 
 
 def test_a_run_that_ends_with_the_context_is_extended_by_the_head():
     sources, d = _drafter(max_draft=16, adaptive=False)
-    assert d.plan(2, True, 1) == DraftPlan([3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2], 2)
-    assert d.plan(0, False, 1).head == 0  # the head paused or absent: the context alone
+    costs = StepCosts()
+    assert d.plan(2, True, 1, costs) == DraftPlan([3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2], 2)
+    assert d.plan(0, False, 1, costs).head == 0  # the head paused or absent: the context alone
     lookup_only = DraftSources("lookup", LookupSettings(min_match=2, max_draft=16),
                                adaptive=False).drafter()
     lookup_only.index.extend([1, 2, 3, 1, 2])
-    assert lookup_only.plan(3, True, 1) == DraftPlan([3, 1, 2])
+    assert lookup_only.plan(3, True, 1, costs) == DraftPlan([3, 1, 2])
 
 
 def test_no_match_leaves_the_head_its_k():
     sources, d = _drafter()
     d.index.extend([99])
-    assert d.plan(3, True, 1) == DraftPlan([], 3)
+    assert d.plan(3, True, 1, StepCosts()) == DraftPlan([], 3)
     assert DraftSources("mtp").drafter() is None
     with pytest.raises(ValueError, match="draft_source must be one of mtp, lookup, both"):
         check_draft_source("ngram")
@@ -95,11 +99,12 @@ def test_drafting_must_beat_a_plain_step_by_the_margin():
     from mlx_mtp.decode.policy import AcceptanceEstimate
 
     sources, d = _drafter()
+    costs = StepCosts()
     for _ in range(3):
         for k in (0, 8):
-            sources.costs.observe(1, k, 0, 1.0 + 0.07 * k)
+            costs.observe(1, k, 0, 1.0 + 0.07 * k)
     d.acceptance["lookup"] = AcceptanceEstimate(32, 0.97, 1e9, prior=0.1)  # a1 = 0.1
     # One context draft: 1.1 tokens for 1.07 of a plain step, 2.8 % better: not enough.
-    assert d.plan(0, False, 1) == DraftPlan()
+    assert d.plan(0, False, 1, costs) == DraftPlan()
     d.acceptance["lookup"] = AcceptanceEstimate(32, 0.97, 1e9, prior=0.2)
-    assert d.plan(0, False, 1) == DraftPlan([3])
+    assert d.plan(0, False, 1, costs) == DraftPlan([3])

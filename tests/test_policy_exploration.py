@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mlx_mtp.decode.costs import StepCosts
 from mlx_mtp.decode.draft_source import DraftPlan, DraftSources
 from mlx_mtp.decode.lookup import LookupSettings
 from mlx_mtp.decode.policy import AcceptanceEstimate, DraftPolicy
@@ -138,31 +139,30 @@ def test_a_new_row_starts_from_what_earlier_rows_showed():
 
 def test_a_few_context_rejections_do_not_stop_copying():
     sources, d = _drafter()
+    costs = StepCosts()
     for _ in range(3):
         for k in (0, 4, 8):
-            sources.costs.observe(1, k, 0, 1.0 + 0.05 * k)
-        sources.costs.observe(1, 3, 3, 1.6)
+            costs.observe(1, k, 0, 1.0 + 0.05 * k)
+        costs.observe(1, 3, 3, 1.6)
     for _ in range(2):
         d.record(DraftPlan([0] * 8), 0)
-    assert d.plan(3, True, 1).lookup  # two misses: not yet evidence against copying
+    assert d.plan(3, True, 1, costs).lookup  # two misses: not yet evidence against copying
     for _ in range(12):
         d.record(DraftPlan([0] * 8), 0)
         d.record(DraftPlan([], 3), 3)
-    assert not d.plan(3, True, 1).lookup
+    assert not d.plan(3, True, 1, costs).lookup
 
 
 # -- end to end: one policy across requests, as a server or a benchmark keeps it ----------
 
-def _fixed_costs(policy, sources, ms=ORACLE_MS):
+def _fixed_costs(policy, ms=ORACLE_MS):
     """Step costs set once and frozen, so that what is tested is learning acceptance."""
     for _ in range(3):
         for k, t in ms.items():
-            policy.costs.observe(1, k, t / 1e3)
-            sources.costs.observe(1, k, k, t / 1e3)
+            policy.costs.observe(1, k, k, t / 1e3)
         for k in (8, 16, 32):
-            sources.costs.observe(1, k, 0, (ms[0] + 2.0 * k) / 1e3)
+            policy.costs.observe(1, k, 0, (ms[0] + 2.0 * k) / 1e3)
     policy.costs.observe = lambda *a, **kw: None
-    sources.costs.observe = lambda *a, **kw: None
 
 
 def test_a_fresh_request_after_a_copy_request_drafts_from_the_head(tiny_ckpt):
@@ -184,7 +184,7 @@ def test_a_fresh_request_after_a_copy_request_drafts_from_the_head(tiny_ckpt):
     copy = cycle + [7, 8] + cycle[:6]
     fresh = [int(t) for t in np.random.default_rng(5).integers(0, 512, 24)]
     policy, sources = DraftPolicy(3), DraftSources("both", LookupSettings())
-    _fixed_costs(policy, sources)
+    _fixed_costs(policy)
     stats, steps = [], []
     for prompt in (copy, fresh):
         dec = MTPDecoder(model, 3, policy=policy, drafter=sources.drafter())

@@ -9,6 +9,7 @@ import pytest
 import family_checks as fc
 from mlx_mtp.models.cache.recurrent import RecurrentCache
 from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.decode.costs import StepCosts
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 
@@ -174,13 +175,14 @@ class _ScriptedPolicy:
 
     def __init__(self, script):
         self.script, self.i, self.recorded = list(script), 0, []
+        self.costs = StepCosts()  # the step-cost table the driver hands each step
 
     def row_ks(self, rows, B, prompts_waiting=False):
         k = self.script[min(self.i, len(self.script) - 1)]
         self.i += 1
         return [k]
 
-    def record_step(self, B, k, seconds, accepted=(), ks=None):
+    def record_step(self, B, k, seconds, accepted=(), ks=None, **context):
         self.recorded.append((k, seconds))
 
 

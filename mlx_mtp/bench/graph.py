@@ -110,6 +110,7 @@ def step_graphs(dec, ks: Sequence[int]) -> dict:
     the caches' new state), ``replay`` (what rolling back to one kept position adds)
     and ``state_bytes_verify`` / ``state_bytes_replay`` (recurrent state written).
     """
+    from ..decode.costs import StepCosts
     from ..decode.step import DecodeBatch
 
     out: Dict[object, dict] = {}
@@ -122,7 +123,7 @@ def step_graphs(dec, ks: Sequence[int]) -> dict:
         rec = _RecurrenceNodes()
         try:
             with rec.patch(), _no_async_eval():
-                p = core.launch([k])
+                p = core.launch([k], StepCosts())  # head drafts only: no costs read
                 outputs = [p.tokens, p.logprobs] + cache_state_arrays(dec.cache)
                 if k == 0:
                     total = count_nodes(outputs)

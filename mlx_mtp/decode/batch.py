@@ -7,12 +7,14 @@ Each step is ``step.DecodeBatch`` over every row: the MTP head drafts for all ro
 one trunk pass verifies them, and each row accepts its own number of drafts.
 
 K per row comes from a ``DraftPolicy`` (``choose_ks``) or from the caller (``step(ks=)``:
-a distributed follower runs the K its leader chose). A step's cost, for the policy,
-is the time from the previous step's read to its own (from its launch when the
-caller ran other work in between; unknown for a driver's first step). Plain steps
-may be launched ahead (``overlap``: before the previous step's token is read, as
-mlx-lm does). With more than one row a step is checkpointed and a failed
-step is undone and fails one row (``BatchStepError``).
+a distributed follower runs the K its leader chose). The driver records each step
+once (``_record``): its time, from the previous step's read to its own (from its
+launch when the caller ran other work in between; unknown for a driver's first step;
+why this clock: ``costs.py``), shape and acceptance go to the policy, whose ``costs``
+is the one step-cost table (the draft-source chooser reads it too), and its tokens to
+the model's draft-vocabulary tuner. Plain steps may be launched ahead (``overlap``:
+before the previous step's token is read, as mlx-lm does). With more than one row a
+step is checkpointed and a failed step is undone and fails one row (``BatchStepError``).
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ class BatchDecoder:
                 ks = self.choose_ks(load) if ks is None else list(ks)
                 snap = self._checkpoint()
                 start = time.perf_counter() if interleaved else self._last_read
-                pending = self.core.launch(ks)
+                pending = self.core.launch(ks, self.policy.costs)
             if chosen_here:  # a caller's K is for this step only: nothing ahead
                 self._launch_ahead(pending, load)
             outs = self.core.finish(pending)
@@ -152,7 +154,7 @@ class BatchDecoder:
             victim = max(range(len(rows)), key=self._context)
             raise BatchStepError(rows[victim].key, e) from e
         now = self._last_read = time.perf_counter()
-        self._record(pending, None if start is None else now - start, outs)
+        self._record(outs, None if start is None else now - start)
         return {r.key: o for r, o in zip(rows, outs)}
 
     def _launch_ahead(self, pending, load: int):
@@ -166,7 +168,7 @@ class BatchDecoder:
         if not any(self._next_ks):
             ks, self._next_ks = self._next_ks, None
             snap = self._checkpoint()
-            self._ahead = (self.core.launch(ks), snap)
+            self._ahead = (self.core.launch(ks, self.policy.costs), snap)
 
     def finish_pending(self):
         """Wait for a plain step launched ahead (before timing or reusing the model)."""
@@ -183,22 +185,25 @@ class BatchDecoder:
             raise RuntimeError("read the step launched ahead before rows join or leave")
         self._restore(snap)
 
-    def _record(self, p, seconds: Optional[float], outs: List[StepOutput]):
-        """Tell the policy what the step cost. A plain step read after its successor was
-        launched has no cost of its own: launching the successor waited for most of its
-        work on the CPU (on a GPU the two overlap), so the first step of such a chain
-        reads as two and the last as almost nothing. Each counts the mean of its chain
-        (recorded when the chain ends, or two at a time while it goes on, the newest step
-        held back so the next pair stays together). Timed one by one, the policy's median
-        swung between the two and drafting paused for two plain steps after each draft."""
-        if not self.K:
-            return
-        B = len(outs)
-        if p.plans is not None and any(o.lookup_drafted for o in outs):
-            self._record_context(p, seconds, outs)
-            return
-        if p.k != 0 or seconds is None or (self._ahead is None and not self._plain_run):
-            self.policy.record_step(B, p.k, seconds, [o.num_accepted for o in outs], p.ks)
+    def _record(self, outs: List[StepOutput], seconds: Optional[float]):
+        """Record the step once: its shape, time and each row's drafts and accepted
+        count for the policy, its tokens for the draft-vocabulary tuner.
+
+        A plain step read after its successor was launched has no cost of its own:
+        launching the successor waited for most of its work on the CPU (on a GPU the two
+        overlap), so the first step of such a chain reads as two and the last as almost
+        nothing. Each counts the mean of its chain (recorded when the chain ends, or two
+        at a time while it goes on, the newest step held back so the next pair stays
+        together). Timed one by one, the policy's median swung between the two and
+        drafting paused for two plain steps after each draft."""
+        self._tune_draft_vocab(outs)
+        B, k = len(outs), max(o.num_drafted for o in outs)
+        if k or seconds is None or (self._ahead is None and not self._plain_run):
+            heads = [o.head_drafted for o in outs]
+            head_passes = max((o.num_drafted for o, h in zip(outs, heads) if h), default=0)
+            self.policy.record_step(B, k, seconds, [o.num_accepted for o in outs], heads,
+                                    starts=[o.lookup_drafted for o in outs],
+                                    head_passes=head_passes)
             return
         self._plain_run.append(seconds)
         if self._ahead is None:  # the chain ends here
@@ -210,14 +215,11 @@ class BatchDecoder:
         for _ in group:
             self.policy.record_step(B, 0, sum(group) / len(group), [0] * B, [0] * B)
 
-    def _record_context(self, p, seconds: Optional[float], outs: List[StepOutput]):
-        """A step with context drafts teaches the policy about the head: each row's head
-        drafts, at their chain depth (after its context drafts). Its time is a head
-        step's of K=k only when the head chained through every position."""
-        same_work = p.head_steps == p.k <= self.policy.max_k
-        self.policy.record_step(len(outs), p.k, seconds if same_work else None,
-                                [o.num_accepted for o in outs], [pl.head for pl in p.plans],
-                                [len(pl.lookup) for pl in p.plans])
+    def _tune_draft_vocab(self, outs: List[StepOutput]):
+        """The default draft vocabulary re-sizes from the tokens emitted (``vocab_auto``)."""
+        tuner = getattr(self.model, "draft_vocab_tuner", None)
+        if tuner is not None:
+            tuner.observe([t for o in outs for t in o.tokens])
 
     def _context(self, b: int) -> int:
         kv = next((c for c in self.cache if c.is_trimmable()), None)  # counts per row
@@ -269,13 +271,15 @@ class BatchDecoder:
                 seq.prefill(prompt)
                 self.add(("calibration", i), seq)
             for k in ks:
+                read = None  # timed read to read, as live steps (costs.py)
                 for j in range(steps + 1):  # the first step of a shape pays one-off costs
                     if spent():
                         break
-                    start = time.perf_counter()
-                    self.core.step([k] * B)
+                    self.core.step([k] * B, self.policy.costs)
+                    now = time.perf_counter()
                     if j:
-                        self.policy.costs.observe(B, k, time.perf_counter() - start)
+                        self.policy.costs.observe(B, k, k, now - read)
+                    read = now
             for i in range(B):
                 self.remove(("calibration", i))
             if spent():

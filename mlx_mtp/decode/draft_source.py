@@ -2,14 +2,15 @@
 context run extended by the head when it ends.
 
 ``DraftSources`` is shared by the rows of one decoder or engine: the setting
-(``mtp``, ``lookup`` or ``both``), the lookup settings and the measured step costs.
-``RowDrafter`` belongs to one row: its lookup index and its acceptance per source.
-Per step, ``RowDrafter.plan`` picks the candidate with the most tokens per second:
-expected tokens from the row's measured acceptance at each draft position (per source),
-over the measured cost of a step verifying that many positions (``StepCosts``: a step
-with ``k`` positions to verify, ``J`` of them chained through the head, costs
-``verify(k) + J * head``, both fitted from steps as they run; a length never measured
-is tried at an optimistic guess, which measuring it corrects).
+(``mtp``, ``lookup`` or ``both``), the lookup settings and the acceptance earlier rows
+showed. ``RowDrafter`` belongs to one row: its lookup index and its acceptance per
+source. Per step, ``RowDrafter.plan`` picks the candidate with the most tokens per
+second: expected tokens from the row's measured acceptance at each draft position (per
+source), over the measured cost of a step verifying that many positions (the driver's
+step-cost table, ``costs.StepCosts.predict_plan``: a step with ``k`` positions to
+verify, ``J`` of them chained through the head, costs ``verify(k) + J * head``, both
+fitted from steps as they run; a length never measured is tried at an optimistic
+guess, which measuring it corrects).
 
 The choice depends only on what earlier steps showed, never on this step's draws, and a
 context draft is a deterministic proposal: greedy output is unchanged and sampled output
@@ -18,14 +19,11 @@ keeps the target distribution (``sampling.verify``: ``q`` one-hot at the proposa
 
 from __future__ import annotations
 
-import bisect
-import math
-import statistics
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from . import MAX_DRAFT_TOKENS
+from .costs import StepCosts
 from .lookup import MAX_LOOKUP_DRAFT, LookupIndex, LookupSettings
 from .policy import AcceptanceEstimate
 
@@ -50,81 +48,8 @@ class DraftPlan:
         return len(self.lookup) + self.head
 
 
-class StepCosts:
-    """Seconds per step by (batch size, positions verified, head passes chained).
-
-    Read many times per step (every candidate of every row), written once: what is
-    derived from the cells is kept until the next observation.
-    """
-
-    def __init__(self, memory: int = 16):
-        self.cells: Dict[Tuple[int, int, int], Deque[float]] = {}
-        self.memory = memory
-        self._derived: Dict[tuple, object] = {}
-
-    def observe(self, B: int, k: int, head: int, seconds: float):
-        self.cells.setdefault((B, k, head), deque(maxlen=self.memory)).append(seconds)
-        self._derived.clear()
-
-    def _memo(self, key, fn):
-        if key not in self._derived:
-            self._derived[key] = fn()
-        return self._derived[key]
-
-    def _median(self, key) -> Optional[float]:
-        """The cell's median, leaving out its first step once there are others (the first
-        use of a shape pays one-off costs)."""
-        def median():
-            cell = self.cells.get(key)
-            if not cell:
-                return None
-            steps = list(cell)
-            return statistics.median(steps[1:] if 1 < len(steps) < self.memory else steps)
-        return self._memo(("median", key), median)
-
-    def _verify_cells(self, B: int) -> List[Tuple[int, float]]:
-        return self._memo(("verify", B), lambda: sorted(
-            (k, self._median(c)) for c in self.cells for k in [c[1]] if c[0] == B and c[2] == 0))
-
-    def verify(self, B: int, k: int) -> Optional[float]:
-        """A step with no head pass: measured, else interpolated between the nearest
-        measured lengths, else the nearest shorter one (optimistic)."""
-        known = self._verify_cells(B)
-        if not known:
-            return None
-        i = bisect.bisect_left(known, (k, -math.inf))
-        if i < len(known) and known[i][0] == k:
-            return known[i][1]
-        if i == 0:
-            return known[0][1]
-        (k0, t0) = known[i - 1]
-        if i == len(known):
-            return t0
-        (k1, t1) = known[i]
-        return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
-
-    def head_pass(self, B: int) -> float:
-        """Seconds one chained head pass adds (0 until measured: optimistic)."""
-        def fit():
-            extra = [(self._median(c) - base) / c[2] for c in self.cells
-                     if c[0] == B and c[2] for base in [self.verify(B, c[1])]
-                     if base is not None]
-            return max(statistics.median(extra), 0.0) if extra else 0.0
-        return self._memo(("head", B), fit)
-
-    def predict(self, B: int, k: int, head: int) -> Optional[float]:
-        direct = self._median((B, k, head))
-        if direct is not None and len(self.cells[(B, k, head)]) >= 3:
-            return direct
-        base = self.verify(B, k)
-        if base is None:
-            return direct
-        fitted = base + head * self.head_pass(B)
-        return fitted if direct is None else min(direct, fitted)
-
-
 class DraftSources:
-    """The draft-source setting of one decoder or engine, and its measured step costs."""
+    """The draft-source setting of one decoder or engine (step costs: the driver's table)."""
 
     def __init__(self, source: str = "both", settings: LookupSettings = LookupSettings(),
                  adaptive: bool = True, margin: float = 1.05,
@@ -136,7 +61,6 @@ class DraftSources:
         # Steps between re-tries of a context run the estimates turned down (doubling):
         # a row that starts copying later must be noticed; a useless one costs little.
         self.probe_gap = probe_gap
-        self.costs = StepCosts()
         # What every row's steps showed, per source: a new row's prior, its own steps
         # then take over (a server's chat requests rarely copy, its edit requests do).
         self.acceptance = _estimates(0.99)
@@ -174,8 +98,9 @@ class RowDrafter:
     def has_match(self) -> bool:
         return self.index.match()[1] is not None
 
-    def plan(self, k_head: int, can_head: bool, B: int) -> DraftPlan:
-        """Drafts for the next step; ``k_head``: the policy's K for the head (0: paused)."""
+    def plan(self, k_head: int, can_head: bool, B: int, costs: StepCosts) -> DraftPlan:
+        """Drafts for the next step; ``k_head``: the policy's K for the head (0: paused);
+        ``costs``: the driver's step-cost table."""
         mtp = DraftPlan([], k_head if can_head and self.source == "both" else 0)
         proposal = self.index.propose()
         if not proposal:
@@ -184,9 +109,9 @@ class RowDrafter:
         full = DraftPlan(proposal, mtp.head if ended else 0)
         if not self.sources.adaptive:
             return full
-        best = self._best(proposal, mtp, full, B)
+        best = self._best(proposal, mtp, full, B, costs)
         if not best.lookup:  # pausing the context needs evidence: its upper estimate
-            best = self._best(proposal, mtp, full, B, optimistic=True)
+            best = self._best(proposal, mtp, full, B, costs, optimistic=True)
         if best.lookup:
             self._gap = self._wait = self.sources.probe_gap[0]
             return best
@@ -197,7 +122,7 @@ class RowDrafter:
         return full  # a probe: measures its acceptance and its cost again
 
     def _best(self, proposal: List[int], mtp: DraftPlan, full: DraftPlan, B: int,
-              optimistic: bool = False) -> DraftPlan:
+              costs: StepCosts, optimistic: bool = False) -> DraftPlan:
         """The candidate with the most expected tokens per second: each prefix of the
         context's proposal, the head alone, a plain step, the proposal extended by the
         head. ``optimistic``: the context's acceptance at its upper estimate."""
@@ -211,13 +136,13 @@ class RowDrafter:
         candidates = [(DraftPlan(proposal[:n]), expected[n]) for n in range(1, len(proposal) + 1)]
         candidates += [(mtp, head.expected_tokens(mtp.head)), (DraftPlan(), 1.0),
                        (full, expected[-1] + reach * extension)]
-        return max(candidates, key=lambda c: self._rate(*c, B))[0]
+        return max(candidates, key=lambda c: self._rate(*c, B, costs))[0]
 
-    def _rate(self, plan: DraftPlan, expected: float, B: int) -> float:
+    def _rate(self, plan: DraftPlan, expected: float, B: int, costs: StepCosts) -> float:
         """Expected tokens per second; a plain step's counts ``margin`` times (drafting
         must beat it clearly)."""
         head_passes = plan.total if plan.head else 0
-        t = self.sources.costs.predict(B, plan.total, head_passes)
+        t = costs.predict_plan(B, plan.total, head_passes)
         t = t if t is not None else 1.0  # nothing measured yet: tokens alone decide
         return expected / t * (1.0 if plan.total else self.sources.margin)
 

@@ -5,16 +5,16 @@ Drafting K tokens for B rows pays when the tokens a row gains per step,
 ``E_K = 1 + a1 + a1*a2 + ...`` (``a_j``: acceptance at draft position j), outweigh
 what the step costs relative to a plain one: ``E_K / t(B, K) > 1 / t(B, 0)``.
 
-Step times are fitted by least squares as ``t(B, K) ~ c0 + c1*B + c2*K + c3*B*K``
-over every (B, K) measured so far: drafting is K MTP passes over B rows, verifying
-one trunk pass over B*(K+1) positions. The fit carries what was measured at one
-batch size over to the others. Where extra rows cost almost nothing (Apple GPUs,
+Step times come from the one step-cost table (``costs.StepCosts``), fitted by least
+squares as ``t(B, K) ~ c0 + c1*B + c2*K + c3*B*K`` over every (B, K) measured so far:
+the fit carries what was measured at one batch size over to the others. Where extra rows cost almost nothing (Apple GPUs,
 a good CPU BLAS) drafting stays on under load; where they cost linearly (the
 reference BLAS of the Linux CPU wheel) it stops at the batch sizes where it
 would lose, without probing each of them. A single sequence is the batch of one.
 
 The policy's state (costs, acceptance) belongs to whoever decodes: the server's
-engine, a generator, a benchmark; never the model object.
+engine, a generator, a benchmark; never the model object. Its ``costs`` are the table
+the draft-source chooser reads too (the driver passes it to each step).
 
 **Seeded requests.** Greedy rows and coupled rows (``SamplingParams.coupled``)
 emit the target's own per-position choice whatever was drafted, so K is free for
@@ -28,83 +28,9 @@ own (``step.py``), so every row's output is what it would be alone.
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
-
-
-def _features(B: int, K: int):
-    return (1.0, float(B), float(K), float(B * K))
-
-
-class StepCosts:
-    """Seconds per batch step by (batch size, K): cell averages plus a pooled linear fit.
-
-    The fit is local: cells are weighted by how close their batch size is to the one
-    asked about (on a log scale), so costs that grow sub-linearly with rows (a tuned
-    BLAS, a GPU) are followed instead of extrapolated from small batches.
-    """
-
-    def __init__(self, memory: int = 24):
-        self.memory = memory  # a cell keeps its last ``memory`` steps
-        self.cells: Dict[Tuple[int, int], Deque[float]] = {}  # (B, K) -> recent seconds
-        self._coef: Dict[int, Optional[np.ndarray]] = {}  # per batch size asked about
-        self._clock = 0  # steps observed
-        self._last: Dict[Tuple[int, int], int] = {}  # cell -> step of its last observation
-
-    def observe(self, B: int, K: int, seconds: float):
-        if self.stale(B, K):  # what it measured long ago (other contexts, load) is gone
-            self.cells.pop((B, K), None)
-        self.cells.setdefault((B, K), deque(maxlen=self.memory)).append(seconds)
-        self._clock += 1
-        self._last[(B, K)] = self._clock
-        self._coef.clear()
-
-    def stale(self, B: int, K: int, horizon: int = 256) -> bool:
-        """Not measured in the last ``horizon`` steps (contexts grow, load changes)."""
-        return self._clock - self._last.get((B, K), 0) > horizon
-
-    def count(self, B: int, K: int) -> int:
-        return len(self.cells.get((B, K), ()))
-
-    def measured(self, B: int, K: int, min_count: int = 1) -> Optional[float]:
-        """The median of the cell's recent steps, leaving out its very first once
-        there are others: one-off costs (first use of a shape, a cache growing as rows
-        join) must not decide K for good."""
-        cell = self.cells.get((B, K))
-        if cell is None or len(cell) < min_count:
-            return None
-        steps = list(cell)
-        if len(steps) > 1 and len(steps) < self.memory:
-            steps = steps[1:]
-        return statistics.median(steps)
-
-    def predict(self, B: int, K: int) -> Optional[float]:
-        """The cell's own median once it has a few steps, else the fit or the thin
-        cell, whichever is lower (None: unknown). Optimism is self-correcting: a K
-        chosen on a low estimate gets measured; one dismissed on a high one would not."""
-        direct = self.measured(B, K)
-        if direct is not None and self.count(B, K) >= 3:
-            return direct
-        coef = self._fit(B)
-        fitted = float(np.dot(coef, _features(B, K))) if coef is not None else None
-        estimates = [t for t in (direct, fitted) if t is not None and t > 0]
-        return min(estimates) if estimates else None
-
-    def _fit(self, B: int) -> Optional[np.ndarray]:
-        if B not in self._coef:
-            self._coef[B] = None
-            keys = list(self.cells)
-            X = np.array([_features(b, k) for b, k in keys])
-            if len(keys) >= 4 and np.linalg.matrix_rank(X) == 4:
-                count = np.array([len(self.cells[c]) for c in keys])
-                near = np.exp(-np.abs(np.log2([b for b, _ in keys]) - np.log2(B)))
-                w = np.sqrt(count * near)
-                y = np.array([self.measured(*c) for c in keys])
-                self._coef[B] = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)[0]
-        return self._coef[B]
+from .costs import StepCosts
 
 
 class AcceptanceEstimate:
@@ -202,13 +128,15 @@ class DraftPolicy:
 
     # -- measurements ------------------------------------------------------------
     def record_step(self, B: int, k: int, seconds: Optional[float], accepted: Sequence[int] = (),
-                    ks: Optional[Sequence[int]] = None, starts: Optional[Sequence[int]] = None):
-        """One finished step: its batch size, K, wall time (None: unknown) and each
-        row's accepted count (``ks``: each row's own head drafts, if not all drafted
-        ``k``; ``starts``: the position of each row's first head draft, after its
-        context drafts, ``AcceptanceEstimate.record``)."""
+                    ks: Optional[Sequence[int]] = None, starts: Optional[Sequence[int]] = None,
+                    head_passes: Optional[int] = None):
+        """One finished step: its batch size, positions drafted, wall time (None:
+        unknown) and each row's accepted count (``ks``: each row's own head drafts, if
+        not all drafted ``k``; ``starts``: the position of each row's first head draft,
+        after its context drafts, ``AcceptanceEstimate.record``; ``head_passes``: the
+        head passes chained, if not ``k``). Its time goes to ``costs``, the one table."""
         if seconds is not None:
-            self.costs.observe(B, k, seconds)
+            self.costs.observe(B, k, k if head_passes is None else head_passes, seconds)
         self.acceptance.record(k, accepted, ks, starts)
         landed = any(n > s for n, s in zip(accepted, starts or [0] * len(accepted)))
         if landed and not self._drafting and self._could_pay(B):

@@ -35,11 +35,11 @@ other rows or on how many drafts earlier steps made.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from time import perf_counter
 from typing import Hashable, List, Optional, Sequence
 
 import mlx.core as mx
 
+from .costs import StepCosts
 from .draft_source import DraftPlan
 from .logits import PositionTransforms
 from .noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, uniform
@@ -105,6 +105,11 @@ class StepOutput:
     num_accepted: int
     lookup_drafted: int = 0  # of num_drafted, copied from the context (draft_source.py)
     lookup_accepted: int = 0
+
+    @property
+    def head_drafted(self) -> int:
+        """Of num_drafted, the head's (after the context drafts, if any)."""
+        return self.num_drafted - self.lookup_drafted
 
 
 @dataclass
@@ -185,7 +190,6 @@ class _Pending:
     h_mtp: Optional[mx.array] = None  # (B, k+1, H)
     plans: Optional[List[DraftPlan]] = None  # per row: context drafts, then head drafts
     head_steps: int = 0  # head passes chained (positions drafted by the head or after it)
-    started: float = 0.0
 
 
 @dataclass
@@ -212,19 +216,19 @@ class DecodeBatch:
         self.cache = cache
         self.mtp_cache = mtp_cache
 
-    def step(self, ks: Sequence[int]) -> List[StepOutput]:
-        return self.finish(self.launch(ks))
+    def step(self, ks: Sequence[int], costs: StepCosts) -> List[StepOutput]:
+        return self.finish(self.launch(ks, costs))
 
-    def launch(self, ks: Sequence[int]) -> _Pending:
-        """Build the step's graph (``ks[b]``: drafts for row b) and start evaluating it."""
-        started = perf_counter()
-        plans = self._plans(list(ks))
+    def launch(self, ks: Sequence[int], costs: StepCosts) -> _Pending:
+        """Build the step's graph (``ks[b]``: drafts for row b; ``costs``: the driver's
+        step-cost table, for rows that choose between context and head drafts) and start
+        evaluating it. Timing it is the driver's (``costs.py``: one clock)."""
+        plans = self._plans(list(ks), costs)
         ks = [p.total for p in plans]
         k = max(ks) if ks else 0
         if any(p.head for p in plans) and self.mtp_cache is None:
             raise ValueError("drafting needs an MTP cache")
         pending = self._launch_plain() if k == 0 else self._launch_spec(k, ks, plans)
-        pending.started = started
         mx.async_eval(pending.tokens, pending.logprobs)
         return pending
 
@@ -238,18 +242,20 @@ class DecodeBatch:
         return _Pending(k, ks, nxt.astype(mx.uint32), raw, n_acc, proposal.drafts, h_mtp, plans,
                         proposal.head_steps)
 
-    def _plans(self, ks: List[int]) -> List[DraftPlan]:
+    def _plans(self, ks: List[int], costs: StepCosts) -> List[DraftPlan]:
         """Each row's drafts: the head's ``ks[b]``, or what its drafter picks. The head
         alone drafts for a row under a grammar (a context draft may break it) or with a
         seeded schedule, and on a split model (every rank must draft alike)."""
         off = getattr(self.model, "share", None) is not None
         return [DraftPlan([], kb) if off or r.drafter is None or r.schedule is not None
                 or r.sampler.grammar is not None
-                else r.drafter.plan(kb, r.can_draft(), len(self.rows))
+                else r.drafter.plan(kb, r.can_draft(), len(self.rows), costs)
                 for r, kb in zip(self.rows, ks)]
 
     def finish(self, p: _Pending) -> List[StepOutput]:
-        """Read the step (the one host sync) and commit it: rollback, owed pairs, stats."""
+        """Read the step (the one host sync) and commit it: rollback, owed pairs, stats.
+        The outputs say what each row drafted (from the context and the head) and accepted:
+        all the driver records of the step."""
         if p.k == 0:
             return self._finish_plain(p)
         B, k = len(self.rows), p.k
@@ -260,11 +266,8 @@ class DecodeBatch:
             c.accept([n + 1 for n in n_acc])
         if p.head_steps:  # entries conditioned on drafts, not on trunk hiddens
             drop_drafted(self.model, self.mtp_cache, p.head_steps)
-        out = [self._commit(b, p, n_acc[b], draft_ids[b * k : b * k + n_acc[b]] + [next_ids[b]])
-               for b in range(B)]
-        self._observe([t for o in out for t in o.tokens])
-        self._observe_cost(p)
-        return out
+        return [self._commit(b, p, n_acc[b], draft_ids[b * k : b * k + n_acc[b]] + [next_ids[b]])
+                for b in range(B)]
 
     def _finish_plain(self, p: _Pending) -> List[StepOutput]:
         ids = p.tokens.tolist()
@@ -273,8 +276,6 @@ class DecodeBatch:
                 self._on_row(b, lambda: r.sampler.grammar.commit([ids[b]]))
             if r.drafter is not None:
                 r.drafter.index.extend([ids[b]])
-        self._observe(ids)
-        self._observe_cost(p)
         return [StepOutput([ids[b]], p.logprobs[b : b + 1], 0, 0) for b in range(len(self.rows))]
 
     def _commit(self, b: int, p: _Pending, n: int, ids: List[int]) -> StepOutput:
@@ -302,19 +303,6 @@ class DecodeBatch:
             r.stats.lookup_draft_tokens += looked
             r.stats.lookup_accepted_tokens += hit
         return StepOutput(ids, p.logprobs[b, : n + 1], p.ks[b], n, looked, hit)
-
-    def _observe(self, ids: List[int]):
-        """The default draft vocabulary re-sizes from the tokens emitted (draft_vocab_auto)."""
-        tuner = getattr(self.model, "draft_vocab_tuner", None)
-        if tuner is not None:
-            tuner.observe(ids)
-
-    def _observe_cost(self, p: _Pending):
-        """The step's wall time, for the drafters' choice (launch to read, commit included)."""
-        drafter = next((r.drafter for r in self.rows if r.drafter is not None), None)
-        if drafter is not None:
-            drafter.sources.costs.observe(len(self.rows), p.k, p.head_steps,
-                                          perf_counter() - p.started)
 
     # -- internals -------------------------------------------------------------------
     def _groups(self) -> List[_Group]:

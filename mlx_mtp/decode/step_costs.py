@@ -5,10 +5,11 @@ Costs depend on the model's shapes and dtypes (not its values), the machine, MLX
 the matmul route, and whether decode steps are compiled: that is the file's key. When
 no file exists, ``calibrate`` times a few plain and draft steps of a dummy sequence
 within a time budget. ``mlx-mtp generate`` loads (or calibrates) before decoding and
-saves what it measured after; ``mlx-mtp serve`` loads them and times only the batch
-sizes the file lacks. The step costs of context drafts (``draft_source.StepCosts``), which
-only live steps measure, are kept in the same file: ``generate`` saves them after its run,
-``serve`` when it shuts down.
+saves what it measured after; ``mlx-mtp serve`` loads them, times only the batch
+sizes the file lacks and saves what it measured when it shuts down. The file holds the
+one step-cost table (``costs.StepCosts``): head steps and context drafts alike (the
+latter only live steps measure). A file of an older format is ignored (its key differs
+too: the format is part of it).
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 
+from .costs import StepCosts
 from .policy import DraftPolicy
 
-FORMAT = "mlx-mtp-step-costs-1"
+FORMAT = "mlx-mtp-step-costs-2"  # cells (B, k, head passes): one table
 
 
 def cache_dir() -> Path:
@@ -72,57 +73,47 @@ def _stored(model) -> dict:
         return {}
 
 
-def load(model, policy: Optional[DraftPolicy], sources=None) -> bool:
-    """Feed stored costs to ``policy`` and, with ``sources`` (``draft_source.DraftSources``),
-    the step costs of context drafts (8-32 positions deep, measured live) to its
-    ``costs``; False when there are no policy costs (or unreadable ones)."""
+def load(model, costs: StepCosts) -> bool:
+    """Feed the stored cells to ``costs``; False when there are none (no file, an
+    unreadable one, or one of another format)."""
     data = _stored(model)
+    if data.get("format") != FORMAT:
+        return False
     try:
-        cells = [(int(B), int(k), [float(s) for s in secs]) for B, k, secs in data["cells"]]
-        context = [(int(B), int(k), int(head), [float(s) for s in secs])
-                   for B, k, head, secs in data.get("context_cells", [])]
+        cells = [(int(B), int(k), int(head), [float(s) for s in secs])
+                 for B, k, head, secs in data["cells"]]
     except (ValueError, KeyError, TypeError):
         return False
-    for B, k, secs in cells if policy is not None else ():
+    for B, k, head, secs in cells:
         for s in secs:
-            policy.costs.observe(B, k, s)
-    for B, k, head, secs in context if sources is not None else ():
-        for s in secs:
-            sources.costs.observe(B, k, head, s)
+            costs.observe(B, k, head, s)
     return bool(cells)
 
 
-def save(model, policy: Optional[DraftPolicy], sources=None):
-    """Write the policy's measured costs and ``sources``' context-draft step costs; a kind
-    not given, or with nothing measured, keeps its stored value. Atomic: readers never see
-    half a file."""
-    measured = ([[B, k, list(secs)] for (B, k), secs in sorted(policy.costs.cells.items()) if secs]
-                if policy is not None else [])
-    context = ([[B, k, head, list(secs)]
-                for (B, k, head), secs in sorted(sources.costs.cells.items()) if secs]
-               if sources is not None else [])
-    if not measured and not context:
+def save(model, costs: StepCosts):
+    """Write the measured cells (with nothing measured, the stored file stays). Atomic:
+    readers never see half a file."""
+    cells = [[B, k, head, list(secs)] for (B, k, head), secs in sorted(costs.cells.items())
+             if secs]
+    if not cells:
         return
-    old = _stored(model)
-    cells = measured or old.get("cells", [])
-    context = context or old.get("context_cells", [])
     path = cost_file(model)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump({"format": FORMAT, "cells": cells, "context_cells": context}, f)
+            json.dump({"format": FORMAT, "cells": cells}, f)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache directory costs a calibration next time, nothing more
 
 
-def uncalibrated(model, policy: DraftPolicy, max_batch: int, K: int) -> list:
-    """Load stored costs into ``policy``; of the batch sizes a server times at start
+def uncalibrated(model, costs: StepCosts, max_batch: int, K: int) -> list:
+    """Load stored costs into ``costs``; of the batch sizes a server times at start
     (1, 4, ``max_batch``), those still lacking a plain or a K-draft cost."""
-    load(model, policy)
+    load(model, costs)
     sizes = sorted({1, min(4, max_batch), max_batch})
-    return [B for B in sizes if not (policy.costs.count(B, 0) and policy.costs.count(B, K))]
+    return [B for B in sizes if not (costs.count(B, 0) and costs.count(B, K))]
 
 
 def calibrate(model, policy: DraftPolicy, budget: float = 0.5) -> float:
@@ -134,10 +125,11 @@ def calibrate(model, policy: DraftPolicy, budget: float = 0.5) -> float:
     return batch.calibrate(batch_sizes=(1,), steps=3, prompt_len=8, budget=budget)
 
 
-def policy_for(model, max_k: int, budget: float = 0.5) -> DraftPolicy:
-    """An adaptive policy that knows this machine's step costs from the start."""
-    policy = DraftPolicy(max_k, adaptive=True)
-    if max_k and model.num_mtp_layers and not load(model, policy):
+def policy_for(model, max_k: int, adaptive: bool = True, budget: float = 0.5) -> DraftPolicy:
+    """A policy that knows this machine's step costs from the start: the stored ones,
+    else (adaptive, drafting from the head) a short calibration."""
+    policy = DraftPolicy(max_k, adaptive)
+    if not load(model, policy.costs) and adaptive and max_k and model.num_mtp_layers:
         tic = time.perf_counter()
         calibrate(model, policy, budget)
         policy.calibration_seconds = time.perf_counter() - tic

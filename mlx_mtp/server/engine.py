@@ -189,13 +189,13 @@ class Engine:
     # -- the loop -------------------------------------------------------------------
     def _calibrate(self):
         # Batch sizes whose costs an earlier run on this machine stored are not timed again.
-        sizes = step_costs.uncalibrated(self.model, self.batch.policy, self.max_concurrency,
-                                        self.batch.K)
+        sizes = step_costs.uncalibrated(self.model, self.batch.policy.costs,
+                                        self.max_concurrency, self.batch.K)
         try:
             self.sync.calibrating(sizes)
             seconds = self.batch.calibrate(sizes) if sizes else 0.0
             if seconds:
-                step_costs.save(self.model, self.batch.policy)
+                step_costs.save(self.model, self.batch.policy.costs)
         except Exception as e:  # never fatal: the policy then learns from live steps
             if self.sync.group_lost(e):
                 return
@@ -207,9 +207,8 @@ class Engine:
                      self.batch.policy.describe(self.max_concurrency))
 
     def _run(self):
-        if self.calibrate:  # this machine's stored step costs (context drafts' too), or timed
+        if self.calibrate:  # this machine's stored step costs, or timed
             self._calibrate()
-            step_costs.load(self.model, None, self.draft_sources)
         while True:
             with self._cv:
                 while (not self._stopping and not self._incoming and not self.waiting
@@ -228,8 +227,8 @@ class Engine:
                 mx.clear_cache()
         self.sync.stopped()
         self.alive = False
-        if self.calibrate:  # what live steps measured of context drafts, for the next start
-            step_costs.save(self.model, None, self.draft_sources)
+        if self.calibrate:  # what live steps measured (context drafts too), for the next start
+            step_costs.save(self.model, self.batch.policy.costs)
         self._fail_all(503, "The server is shutting down.", code="shutting_down")
         self._stopped.set()
         # MLX aborts the process at exit ("terminate called without an active
