@@ -512,4 +512,4 @@ class DecodeBatch:
 
         results = [self._on_row(g.rows[0], lambda: accept(g, gi)) for gi, g in enumerate(groups)]
         return self.model.share(self._merge(groups, [n for n, _ in results]),
-                      self._merge(groups, [t for _, t in results]))
+                                self._merge(groups, [t for _, t in results]))
