@@ -2,14 +2,17 @@
 hidden-state taps read the trunk without changing it, state is set through declared methods."""
 
 from functools import partial
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_mtp.models.cache.kv import cache_state_arrays
+from mlx_mtp.models.distributed import DistributedModel
 from mlx_mtp.models.interface import ModelInterface, MTPModel
 from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.options import UserError, apply_model_options
 from mlx_mtp.testing import tiny, tiny_attention, tiny_special
 
 PROMPT = [3, 17, 5, 90, 41, 8, 66]
@@ -86,3 +89,25 @@ def test_state_is_set_through_declared_methods(model):
         assert model.draft_vocab_tuner is tuner and model.text.draft_vocab_tuner is tuner
     finally:
         model.use_draft_vocab_tuner(None)
+
+
+class _TwoRanks:
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 2
+
+
+def test_a_split_model_declares_what_it_cannot_do(tiny_ckpt):
+    inner = load_model(tiny_ckpt("qwen3_5"))[0]
+    model = DistributedModel(inner, "tensor", _TwoRanks())
+    caps = model.capabilities
+    assert caps.shares and caps.distributed
+    assert not (caps.compilable or caps.draft_vocab or caps.taps or caps.splits)
+    # What the split does not change is the loaded model's.
+    assert model.text is inner.text and model.dtype_choice == inner.dtype_choice == "as stored"
+    assert model.drafted_entries(3) == [2] * inner.num_mtp_layers
+    with pytest.raises(UserError, match="distributed"):
+        apply_model_options(model, SimpleNamespace(compile_steps=True))
+    assert not model.compiled and not inner.compiled
