@@ -189,7 +189,7 @@ def run_ours(path, dtype, label, ids, a, tps, stats):
             **{k: v for k, v in dec.stats.to_dict().items()
                if k in ("acceptance_per_pos", "num_drafts", "mean_acceptance_length")},
             "draft_vocab": None if tuner is None else tuner.size}
-    info = {"dtype_choice": str(getattr(model, "dtype_choice", model.load_dtype)),
+    info = {"dtype_choice": str(model.dtype_choice),
             "draft_vocab": None if model.draft_vocab_tuner is None
             else model.draft_vocab_tuner.describe()}
     del model, heads
@@ -207,7 +207,7 @@ def pass_costs(path, ids):
         out[name] = {"plain_ms": 1e3 * c["plain_s"], "c_draft": c["draft_s"] / c["plain_s"],
                      "c_verify": {k: v / c["plain_s"] for k, v in c["verify_s"].items()}}
         model.set_draft_head(None)
-        model.draft_vocab_tuner = None
+        model.use_draft_vocab_tuner(None)
     return out
 
 

@@ -182,13 +182,14 @@ def apply_model_options(model, args):
 
         draft_vocab_auto.install(model, resolve_model_path(args.model), bits)
     else:
-        model.draft_vocab_tuner = None  # a size given or off: never re-sized
+        model.use_draft_vocab_tuner(None)  # a size given or off: never re-sized
     if getattr(args, "compile_steps", False):
-        if not hasattr(model, "set_compiled"):
+        if model.capabilities.distributed:
             raise UserError("--compile-steps is not available for this model (distributed)")
         k = 0 if getattr(args, "no_mtp", False) else getattr(args, "num_draft_tokens", 0)
         k = max(k, default=0) if isinstance(k, (list, tuple)) else k if isinstance(k, int) else 0
-        model.set_compiled(True, k)  # traced here for every K up to k
+        if model.capabilities.compilable:
+            model.set_compiled(True, k)  # traced here for every K up to k
 
 
 def load_from_args(args, mtp: bool, group=None):
@@ -211,8 +212,8 @@ def load_from_args(args, mtp: bool, group=None):
 
 def describe_choices(model) -> str:
     """What ``--dtype auto`` and ``--draft-vocab`` chose for ``model`` (one stats line)."""
-    dtype = getattr(model, "dtype_choice", None) or "as stored"
-    tuner = getattr(model, "draft_vocab_tuner", None)
+    dtype = model.dtype_choice or "as stored"
+    tuner = model.draft_vocab_tuner
     head = model.text.draft_head if model.num_mtp_layers else None
     if tuner is not None:
         vocab = tuner.describe()
@@ -228,10 +229,10 @@ def _shipped_vocab_applies(model, args) -> bool:
     from .models.draft import vocab as draft_vocab
     from .models.io.loader import resolve_model_path
 
-    # Not over a distributed group (no set_compiled): ranks holding different parts of the
-    # model would size the subset differently.
+    # Not over a distributed group: ranks holding different parts of the model would size
+    # the subset differently.
     return (getattr(args, "draft_vocab", None) == "auto" and model.num_mtp_layers > 0
-            and hasattr(model, "set_compiled")
+            and model.capabilities.draft_vocab
             and not (resolve_model_path(args.model) / draft_vocab.FILE).exists())
 
 

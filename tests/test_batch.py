@@ -118,18 +118,19 @@ def test_failed_step_restores_batch_and_names_one_row(tiny_ckpt):
         outs[i] = []
     for key, o in bd.step().items():
         outs[key] += o.tokens
-    real_trunk = model.trunk
+    text = model.text  # the model a wrapper's trunk is
+    real_trunk = text.trunk
 
     def failing_trunk(*a, **k):
         h = real_trunk(*a, **k)
         raise MemoryError("out of memory")
 
-    model.trunk = failing_trunk
+    text.trunk = failing_trunk
     try:
         with pytest.raises(BatchStepError) as e:
             bd.step()
     finally:
-        del model.trunk
+        del text.trunk
     longest = max(range(3), key=lambda i: len(prompts[i]) + len(outs[i]))
     assert e.value.key == longest
     bd.remove(longest)

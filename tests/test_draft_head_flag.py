@@ -6,7 +6,7 @@ import json
 import pytest
 
 from mlx_mtp.cli import main
-from mlx_mtp.models.blocks.hybrid import TextModel
+from mlx_mtp.models.interface import MTPModel
 
 
 @pytest.fixture(scope="module")
@@ -18,13 +18,13 @@ def oracle(tiny_ckpt):
 def draft_calls(monkeypatch):
     """Record every draft-head call (bits of the head that made it)."""
     calls = []
-    real = TextModel.draft_logits
+    real = MTPModel.draft_logits
 
     def spy(self, hidden, any_token=False):
         calls.append(None if self.draft_head is None else self.draft_head.bits)
         return real(self, hidden, any_token)
 
-    monkeypatch.setattr(TextModel, "draft_logits", spy)
+    monkeypatch.setattr(MTPModel, "draft_logits", spy)
     return calls
 
 

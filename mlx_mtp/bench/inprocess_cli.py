@@ -101,7 +101,7 @@ def _meta(args, command: str, model, model_path: Path, prompts, encoded, cfg) ->
     sampling, lookup = cfg.sampling, cfg.lookup
     return {
         "mode": "inprocess", "command": command, "machine": machine_info(),
-        "model": str(model_path), "model_type": getattr(model, "model_type", None),
+        "model": str(model_path), "model_type": model.model_type,
         "parameters": parameter_count(model), "dtype": str(model.text.model.norm.weight.dtype),
         "prompts": [{"name": p.name, "category": p.category, "tokens": len(ids)}
                     for p, ids in zip(prompts, encoded)],

@@ -169,8 +169,7 @@ def _quantize_head(model, head, prefix, packed, dst_quant, dst_quantized: bool,
                          mtp_group_size=group_size)
     default = dst_quant if dst_quant else scheme.default()
     record = scheme.apply(head, prefix=prefix, default=default, verbose=verbose)
-    checkpoint_name = getattr(model.text, "checkpoint_name", lambda key: key)
-    record = {checkpoint_name(k): v for k, v in record.items()}
+    record = {model.text.checkpoint_name(k): v for k, v in record.items()}
     # Layers the source already stored at this precision keep their exact packed values.
     same = [(p, packed[p]) for p, m in head.named_modules() if p in packed and hasattr(m, "bits")
             and (m.bits, m.group_size, m.mode) == (packed[p].bits, packed[p].group_size,
@@ -271,7 +270,7 @@ def add_mtp(model_path, source_path, mtp_bits: Optional[int] = None, force: bool
                                           dst_quantized, dst_dtype, mtp_bits, verbose)
     head_params = {prefix + k: v for k, v in tree_flatten(head.parameters())}
     rows = _summarize(head_params, model)
-    head_params = getattr(model.text, "checkpoint_mtp_names", lambda w: w)(head_params)
+    head_params = model.text.checkpoint_mtp_names(head_params)
     new_cfg, quant = _grafted_config(dst_cfg, n_layers, dst_quant, is_head, bits, scheme,
                                      record)
     _swap_in_head(dst, dst_tensors, existing, is_head, head_params, new_cfg, verbose)

@@ -17,6 +17,7 @@ from mlx.utils import tree_map_with_path, tree_unflatten
 from tqdm import tqdm
 
 from ..models.io.layout import CheckpointError, is_mtp_key, text_config
+from ..models.interface import ModelInterface
 from ..models.io.loader import build_model, weight_files
 
 MTP_BITS = (4, 8, 16)  # 16 = keep the head in floating point
@@ -200,16 +201,16 @@ def _dequantize(model: nn.Module) -> int:
     return len(replaced)
 
 
-def _cast(model: nn.Module, dtype: mx.Dtype):
-    """Cast floating-point parameters to ``dtype``, except those the model keeps (A_log)."""
-    keep = getattr(model, "cast_predicate", None) or (lambda p: not p.endswith("A_log"))
+def _cast(module: nn.Module, dtype: mx.Dtype, keep=ModelInterface.cast_predicate):
+    """Cast floating-point parameters to ``dtype``, except those ``keep`` (a model's
+    ``cast_predicate``) leaves as they are."""
 
     def cast(path, v):
         if keep(path) and mx.issubdtype(v.dtype, mx.floating):
             return v.astype(dtype)
         return v
 
-    model.update(tree_map_with_path(cast, model.parameters()))
+    module.update(tree_map_with_path(cast, module.parameters()))
 
 
 def _incomplete_head(src: Path, error: Exception, fix: str) -> str:

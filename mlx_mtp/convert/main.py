@@ -188,7 +188,7 @@ def _set_precision(source, quantize, q_bits, q_group_size, mtp_bits, dtype, dequ
     if dtype is None:
         dtype = _config_dtype(config)  # as mlx-lm does: the dtype the config declares
     if dtype is not None:
-        _cast(model, DTYPES[dtype])
+        _cast(model, DTYPES[dtype], model.cast_predicate)
     if dequantize:
         return None, dtype
     if source.quantized:
@@ -205,8 +205,7 @@ def _set_precision(source, quantize, q_bits, q_group_size, mtp_bits, dtype, dequ
         return None, dtype
     record = scheme.apply(model, verbose=verbose)
     # Attention-trunk families: the MTP layer under the checkpoint's own prefix.
-    checkpoint_name = getattr(model.text, "checkpoint_name", lambda key: key)
-    record = {checkpoint_name(k): v for k, v in record.items()}
+    record = {model.text.checkpoint_name(k): v for k, v in record.items()}
     return dict(scheme.default(), **record), dtype
 
 
@@ -231,7 +230,7 @@ def _write(model, src, dst, out_config, quantization, drafter_dir, max_shard_siz
     weights = dict(tree_flatten(model.parameters()))
     rows = _summarize(weights, model)
     # The MTP layer under its checkpoint names, in its released form (step3p5: 1+w norms).
-    weights = getattr(model.text, "checkpoint_mtp_names", lambda w: w)(weights)
+    weights = model.text.checkpoint_mtp_names(weights)
     if drafter_dir is not None:
         weights, trunk_q, head, head_q = split_mtp_io.split_head(weights, quantization)
         drafter_from = copy.deepcopy(out_config)
@@ -246,7 +245,7 @@ def _write(model, src, dst, out_config, quantization, drafter_dir, max_shard_siz
     weight_map = write_checkpoint(dst, weights, out_config, tokenizer_from=src,
                                   max_shard_bytes=int(max_shard_size_gb * (1 << 30)),
                                   verbose=verbose,
-                                  is_head=getattr(model.text, "is_mtp_key", is_mtp_key))
+                                  is_head=model.text.is_mtp_key)
     if drafter_dir is not None:
         try:
             split_mtp_io.write_drafter(drafter_dir, head, drafter_from, head_q, src, verbose)

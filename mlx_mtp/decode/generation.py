@@ -79,7 +79,7 @@ def stream_generate(
         s = dec.stats  # the head's drafts only: context drafts say nothing about it
         check_acceptance(s.num_draft_tokens - s.lookup_draft_tokens,
                          s.num_accepted_tokens - s.lookup_accepted_tokens,
-                         getattr(model, "model_type", ""))
+                         model.model_type)
         if prompt_time is None:
             prompt_time = time.perf_counter() - tic
             tic = time.perf_counter()

@@ -142,18 +142,10 @@ class RowError(Exception):
         self.key, self.cause = key, cause
 
 
-def _share(model, *arrays: mx.array):
-    """What the step reads, the same on every rank of a split model (one small message);
-    a single-process model has no ``share`` and keeps its own values."""
-    share = getattr(model, "share", None)
-    return arrays if share is None else share(*arrays)
-
-
 def drop_drafted(model, mtp_cache, k: int):
     """Roll the MTP caches back over the entries a step's drafts wrote (conditioned on
     drafts, not on trunk hiddens): k - 1 with one MTP layer; the model says otherwise."""
-    counts = getattr(model, "drafted_entries", lambda k: [k - 1] * len(mtp_cache))(k)
-    for c, n in zip(mtp_cache, counts):
+    for c, n in zip(mtp_cache, model.drafted_entries(k)):
         c.trim(n)
 
 
@@ -246,7 +238,7 @@ class DecodeBatch:
         """Each row's drafts: the head's ``ks[b]``, or what its drafter picks. The head
         alone drafts for a row under a grammar (a context draft may break it) or with a
         seeded schedule, and on a split model (every rank must draft alike)."""
-        off = getattr(self.model, "share", None) is not None
+        off = self.model.capabilities.shares
         return [DraftPlan([], kb) if off or r.drafter is None or r.schedule is not None
                 or r.sampler.grammar is not None
                 else r.drafter.plan(kb, r.can_draft(), len(self.rows), costs)
@@ -336,7 +328,7 @@ class DecodeBatch:
         states = [r.sampler.grammar for r in self.rows]
         if all(g is None for g in states):
             return None
-        if getattr(self.model, "share", None) is not None:
+        if self.model.capabilities.shares:
             raise ValueError("structured output is not supported on a model split "
                              "across processes")
         return states
@@ -376,7 +368,7 @@ class DecodeBatch:
             return sample(self._filter(g, lp),
                           None if noise is None else noise[:, 0])
 
-        toks, = _share(model, self._merge(groups, self._per_group(groups, draw)))  # (B,)
+        toks, = model.share(self._merge(groups, self._per_group(groups, draw)))  # (B,)
         for b, r in enumerate(rows):
             if r.owed is not None:
                 r.owed.owe(h_mtp[b : b + 1], toks[b : b + 1, None])
@@ -475,7 +467,7 @@ class DecodeBatch:
                 if r.owed is not None and r.schedule is None:
                     r.owed.trim()
         drafts = [d.astype(mx.uint32) for d in drafts] + [fixed[:, j] for j in range(J, k)]
-        drafts, = _share(self.model, mx.stack(drafts, axis=1))  # what every rank verifies
+        drafts, = self.model.share(mx.stack(drafts, axis=1))  # what every rank verifies
         return _Proposal(drafts, draft_lps, where, J, noises)
 
     def _verify(self, drafts: mx.array, transforms):
@@ -507,5 +499,5 @@ class DecodeBatch:
             return verify(target, d, q, target_noise[gi], u, limit=limit, deterministic=fixed)
 
         results = [self._on_row(g.rows[0], lambda: accept(g, gi)) for gi, g in enumerate(groups)]
-        return _share(self.model, self._merge(groups, [n for n, _ in results]),
-                      self._merge(groups, [t for _, t in results]))
+        return self.model.share(self._merge(groups, [n for n, _ in results]),
+                                self._merge(groups, [t for _, t in results]))

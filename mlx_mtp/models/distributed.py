@@ -38,6 +38,7 @@ from .io import layout
 from .cache.kv import KVCache
 from .cache.recurrent import RecurrentCache
 from .blocks.hybrid import GatedAttention, GatedDeltaNetBase, MLP, SparseMoeBlock
+from .interface import Capabilities, ModelInterface, forwards_interface
 from .io.loader import (ModelLoadError, _apply_overrides, _upcast_cpu_experts, build_model,
                      load_config, load_tokenizer, quantize_and_cast, read_weights,
                      resolve_model_path)
@@ -200,8 +201,13 @@ def shard_layer(layer, group):
 
 # -- the model every rank decodes with ------------------------------------------------
 
-class DistributedModel:
-    """The engine interface of ``hybrid.TextModel`` over a split model (see module doc)."""
+@forwards_interface("inner")
+class DistributedModel(ModelInterface):
+    """The engine interface over a split model (see module doc); what the split does not
+    change is the loaded model's (``inner``)."""
+
+    # Ranks hold different parts of the model: nothing is compiled or sized per rank.
+    capabilities = Capabilities(shares=True, distributed=True, draft_vocab=False, taps=False)
 
     def __init__(self, model, mode: str, group, layer_range: Optional[Tuple[int, int]] = None):
         self.inner = model
@@ -213,7 +219,7 @@ class DistributedModel:
         self.bytes_sent = 0  # this rank's payload bytes over the group (benchmarks)
         self.messages = 0
 
-    def __getattr__(self, name):  # everything the split does not change
+    def __getattr__(self, name):  # the loaded model's other attributes (args, sanitize...)
         return getattr(self.__dict__["inner"], name)
 
     @property
@@ -371,12 +377,26 @@ class DistributedModel:
     def num_mtp_layers(self) -> int:
         return self.text.args.mtp_num_hidden_layers
 
+    @property
+    def num_mtp_caches(self) -> int:
+        return self.num_mtp_layers  # on every rank, the head's pruned or not
+
+    def drafted_entries(self, k: int) -> List[int]:
+        return [k - 1] * self.num_mtp_caches
+
     def set_draft_head(self, bits=None, group_size: int = 64, vocab=None):
         if self.is_head:
             self.inner.set_draft_head(bits, group_size, vocab)
 
-    def __call__(self, inputs, cache=None):
-        return self.logits(self.trunk(inputs, cache)[0])
+    def trunk_with_taps(self, inputs, taps, cache=None, capture=False):
+        raise NotImplementedError("hidden-state taps on a model split across processes")
+
+    def set_compiled(self, on: bool, max_k: Optional[int] = None):
+        """Not compiled (``capabilities.compilable`` is off)."""
+
+    @property
+    def compiled(self) -> bool:
+        return False
 
 
 # -- loading --------------------------------------------------------------------------
@@ -410,7 +430,7 @@ def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None
     p = resolve_model_path(path)
     config = _apply_overrides(load_config(p), mtp, mtp_hidden)
     model = build_model(config, p / "config.json")
-    if not getattr(model.text, "distributed_split", True):
+    if not model.capabilities.splits:
         raise DistributedError(f"--distributed cannot split {model.model_type} models yet; "
                                "run this model on one machine (without --distributed).")
     weights = model.sanitize(read_weights(p))

@@ -109,7 +109,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.num_draft_tokens = num_draft_tokens
-        self.has_mtp = getattr(model, "num_mtp_layers", 0) > 0
+        self.has_mtp = model.num_mtp_layers > 0
         self.adaptive = adaptive
         self.max_concurrency = max_concurrency
         self.prefill_step_size = prefill_step_size

@@ -186,7 +186,7 @@ def build_state(args, model, tokenizer, config: dict, k: int, sampling_defaults:
     aliases = set(names)
     if args.model:
         aliases.update({args.model, resolved, Path(resolved).name})
-    num_layers = int(getattr(model, "num_mtp_layers", 0) or 0)
+    num_layers = model.num_mtp_layers
     metrics = ServerMetrics(names[0])
     engine = Engine(
         model, tokenizer, num_draft_tokens=k, adaptive=not args.fixed_k,

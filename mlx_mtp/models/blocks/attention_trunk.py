@@ -32,9 +32,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import glm4_moe, mimo, mimo_v2_flash, step3p5
 from mlx_lm.models.base import create_causal_mask
 
-from . import hybrid
 from ..io import layout
 from ..cache.kv import KVCache
+from ..interface import MTPModel
 
 log = logging.getLogger("mlx_mtp")
 
@@ -168,14 +168,11 @@ class MTPStack(nn.Module):
         self.layers = layers
 
 
-class TextModel(hybrid.TextModel):
-    """Trunk (mlx-lm's module) + lm_head + MTP layer. The engine-facing methods not
-    defined here (logits, draft head, MTP cache, quantization) are the Qwen model's."""
-
-    distributed_split = False  # models/distributed.py splits the Qwen layers only
+class TextModel(MTPModel):
+    """Trunk (mlx-lm's module) + lm_head + MTP layer."""
 
     def __init__(self, family: Family, config: dict):
-        nn.Module.__init__(self)
+        super().__init__()
         self.family = family
         lm_args = family.lm_args_cls.from_dict(config)
         lm_args.tie_word_embeddings = family.tied(lm_args)
@@ -184,7 +181,6 @@ class TextModel(hybrid.TextModel):
         self.mtp_hidden = config.get("mtp_hidden", "post_norm")
         if self.mtp_hidden not in ("post_norm", "pre_norm"):
             raise ValueError(f"mtp_hidden must be 'post_norm' or 'pre_norm', got {self.mtp_hidden!r}")
-        self.draft_head = None
         self.declared_mtp_layers = layout.config_mtp_layers(config)
         self.model = family.trunk_cls(lm_args)
         if not lm_args.tie_word_embeddings:
@@ -214,18 +210,20 @@ class TextModel(hybrid.TextModel):
         block = self.mtp.layers[0].block
         return self.family.mla or isinstance(block, SPLIT_BLOCKS) or hasattr(block, "last_row")
 
-    def trunk(self, inputs, cache=None, capture=False):
-        """(post-norm hidden, hidden for the MTP head). ``capture``: a verify pass, whose
-        rows must be computed as plain one-token decoding computes them."""
+    def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
+        """``capture``: a verify pass, whose rows must be computed as plain one-token
+        decoding computes them."""
         h = self.model.embed_tokens(inputs)
         L = h.shape[1]
         cache = cache if cache is not None else [None] * len(self.model.layers)
         mask = attention_mask(cache[0], L, self.family.mla)
         absorbed = capture or L == 1
-        for layer, c in zip(self.model.layers, cache):
+        tapped = {}
+        for i, (layer, c) in enumerate(zip(self.model.layers, cache)):
             h = self.decoder_layer(layer, h, mask, c, absorbed)
-        normed = self.model.norm(h)
-        return normed, (normed if self.mtp_hidden == "post_norm" else h)
+            if i in taps:
+                tapped[i] = h
+        return h, tapped
 
     def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0,
                     last_only: bool = False):
@@ -246,13 +244,6 @@ class TextModel(hybrid.TextModel):
 
     def make_cache(self):
         return [KVCache() for _ in self.model.layers]
-
-    def set_compiled(self, on: bool):
-        """Nothing to compile: attention layers run as mlx-lm runs them."""
-
-    @property
-    def compiled(self) -> bool:
-        return False
 
     @staticmethod
     def cast_predicate(path: str) -> bool:

@@ -4,15 +4,8 @@ Trunk: Gated DeltaNet layers and gated full-attention layers (3:1 by default).
 MTP head: ``fc([norm(embed(t+1)) || norm(h_t)])`` -> full-attention decoder
 layer(s) with their own KV cache -> ``mtp.norm`` -> the trunk's ``lm_head``.
 
-The interface the engine uses (see ``TextModel``):
-    trunk(tokens, cache, capture)  -> (post-norm hidden, hidden fed to MTP)
-    logits(hidden)                 -> lm_head
-    draft_logits(hidden)           -> the output layer the draft samples from
-    set_draft_head(bits)           -> drafts from a 4/8-bit copy of it (None: off)
-    mtp_forward(hidden, next_tokens, mtp_cache) -> post-mtp.norm hidden
-    make_cache(), make_mtp_cache(), num_mtp_layers
-Family files differ only in how a Gated DeltaNet layer projects its input and
-in ``sanitize``.
+The model class over these blocks is ``hybrid_model.HybridModel``. Family files differ
+only in how a Gated DeltaNet layer projects its input and in ``sanitize``.
 """
 
 from __future__ import annotations
@@ -29,9 +22,8 @@ from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated as RMSNormGated
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..cache.kv import KVCache, cache_state_arrays
+from ..cache.kv import KVCache
 from ..cache.recurrent import RecurrentCache, VerifyRecord
-from ..draft.head import DraftHead
 
 # Longer GDN inputs go through the chunked (matmul-form) recurrence when available.
 CHUNKED_MIN_TOKENS = 64
@@ -375,7 +367,8 @@ class Trunk(nn.Module):
         ]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, inputs, cache=None, capture=False, input_embeddings=None):
+    def __call__(self, inputs, cache=None, capture=False, input_embeddings=None, taps=()):
+        """(the last layer's residual, {layer id in ``taps``: the residual after it})."""
         h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
         if cache is None:
             cache = [None] * len(self.layers)
@@ -384,9 +377,12 @@ class Trunk(nn.Module):
         kv = next((c for layer, c in zip(self.layers, cache)
                    if not layer.is_linear and c is not None), None)
         fa_mask = kv.make_mask(L) if kv is not None else ("causal" if L > 1 else None)
-        for layer, c in zip(self.layers, cache):
+        tapped = {}
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h = layer(h, None if layer.is_linear else fa_mask, c, capture)
-        return h
+            if i in taps:
+                tapped[i] = h
+        return h, tapped
 
 
 class MTPHead(nn.Module):
@@ -418,180 +414,3 @@ class MTPHead(nn.Module):
         for i, (layer, c) in enumerate(zip(self.layers, cache or [None] * n)):
             x = layer.last_row(x, mask, c) if last_only and i == n - 1 else layer(x, mask, c)
         return self.norm(x)
-
-
-class TextModel(nn.Module):
-    """Trunk + lm_head + optional MTP head; the engine-facing interface."""
-
-    linear_cls = None  # set by the family module
-
-    def __init__(self, args: HybridArgs):
-        super().__init__()
-        self.draft_head: Optional[DraftHead] = None  # set_draft_head
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Trunk(args, self.linear_cls)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.mtp_num_hidden_layers > 0:
-            self.mtp = MTPHead(args)
-
-    # --- engine interface -------------------------------------------------
-    @property
-    def text(self) -> "TextModel":
-        return self
-
-    @property
-    def num_mtp_layers(self) -> int:
-        return len(self.mtp.layers) if "mtp" in self else 0
-
-    def trunk(self, inputs, cache=None, capture=False):
-        """Run the trunk. Returns (post-norm hidden, hidden for the MTP head)."""
-        h = self.model(inputs, cache, capture)
-        normed = self.model.norm(h)
-        return normed, (normed if self.args.mtp_hidden == "post_norm" else h)
-
-    def logits(self, hidden):
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(hidden)
-        return self.lm_head(hidden)
-
-    def draft_logits(self, hidden, any_token: bool = False):
-        """Logits the MTP draft samples from (full vocabulary, (..., V)). The target
-        distribution always comes from ``logits``; a cheaper draft head only lowers
-        acceptance, never changes output. ``any_token``: every token must stay possible
-        (drafts under a grammar, whose allowed tokens may all lie outside a draft
-        vocabulary), so a vocabulary-restricted head is bypassed."""
-        head = self.draft_head
-        if head is not None and not (any_token and head.restricted):
-            return head(hidden)
-        return self.logits(hidden)
-
-    def set_draft_head(self, bits: Optional[int] = None, group_size: int = 64, vocab=None):
-        """Draft from a ``bits``-bit copy of the output projection and/or only the rows of
-        the token ids ``vocab`` (both None: the output projection itself)."""
-        if bits is None and vocab is None:
-            self.draft_head = None
-            return
-        out = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
-        self.draft_head = DraftHead(out, bits, vocab, group_size)
-
-    def set_compiled(self, on: bool, max_k: Optional[int] = None):
-        """Run Gated DeltaNet layers' decode steps as compiled graphs, traced here for
-        plain steps and verify passes up to ``max_k`` drafts (batch of one), so a change
-        of K never traces mid-decode. ``max_k`` None: the largest K given before (a
-        caller switching off and on again, e.g. the bench's graph probe, keeps every K
-        traced); already traced lengths are not traced again."""
-        was_on = self.compiled
-        self.compiled_max_k = max(max_k or 0, getattr(self, "compiled_max_k", 0))
-        for layer in self.model.layers:
-            layer.set_compiled(on)
-        if on:
-            first = self.compiled_traced + 1 if was_on else 1
-            self.compiled_traced = min(self.compiled_max_k + 1, MAX_COMPILED_TOKENS)
-            for T in range(first, self.compiled_traced + 1):
-                cache = self.make_cache()
-                self.trunk(mx.zeros((1, 1), mx.int32), cache)  # a state to step from
-                h, _ = self.trunk(mx.zeros((1, T), mx.int32), cache, capture=T > 1)
-                mx.eval(h, cache_state_arrays(cache))
-
-    @property
-    def compiled(self) -> bool:
-        return any(layer.compiled_steps is not None for layer in self.model.layers)
-
-    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0,
-                    last_only: bool = False):
-        """hidden (B,S,H) at positions i, next_tokens (B,S) = t_{i+1}; ``depth``: the
-        draft's depth (0: the trunk's hiddens; families with one MTP layer ignore it).
-
-        Returns the head's post-norm output (B,S,H): ``logits()`` of it predicts
-        t_{i+2}, and it is the hidden to chain the next draft on. ``last_only``: (B,1,H),
-        the last row's (the caches get every row's entries as without it); the earlier
-        rows skip the MLP / MoE and the norm after attention.
-        """
-        return self.mtp(hidden, self.model.embed_tokens(next_tokens), mtp_cache, last_only)
-
-    def make_cache(self):
-        return [RecurrentCache() if l.is_linear else KVCache() for l in self.model.layers]
-
-    def make_mtp_cache(self):
-        return [KVCache() for _ in range(self.num_mtp_layers)]
-
-    def __call__(self, inputs, cache=None):
-        return self.logits(self.trunk(inputs, cache)[0])
-
-    @property
-    def layers(self):
-        return self.model.layers
-
-    # --- weights ----------------------------------------------------------
-    def quant_predicate(self, path: str, module) -> Union[bool, dict]:
-        # Router gates are tiny and sensitive: keep them at 8 bits.
-        if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
-            return {"group_size": 64, "bits": 8}
-        return True
-
-    @staticmethod
-    def cast_predicate(path: str) -> bool:
-        return not path.endswith("A_log")
-
-
-class WrappedTextModel(nn.Module):
-    """Multimodal-style wrapper (``language_model.*``) exposing the text model's interface."""
-
-    def __init__(self, args):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-
-    @property
-    def text(self) -> TextModel:
-        return self.language_model
-
-    @property
-    def num_mtp_layers(self):
-        return self.language_model.num_mtp_layers
-
-    def trunk(self, inputs, cache=None, capture=False):
-        return self.language_model.trunk(inputs, cache, capture)
-
-    def logits(self, hidden):
-        return self.language_model.logits(hidden)
-
-    def draft_logits(self, hidden, any_token: bool = False):
-        return self.language_model.draft_logits(hidden, any_token)
-
-    def set_draft_head(self, bits: Optional[int] = None, group_size: int = 64, vocab=None):
-        self.language_model.set_draft_head(bits, group_size, vocab)
-
-    def set_compiled(self, on: bool, max_k: Optional[int] = None):
-        self.language_model.set_compiled(on, max_k)
-
-    @property
-    def compiled(self) -> bool:
-        return self.language_model.compiled
-
-    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0,
-                    last_only: bool = False):
-        return self.language_model.mtp_forward(hidden, next_tokens, mtp_cache, depth,
-                                               last_only)
-
-    def make_cache(self):
-        return self.language_model.make_cache()
-
-    def make_mtp_cache(self):
-        return self.language_model.make_mtp_cache()
-
-    def __call__(self, inputs, cache=None):
-        return self.language_model(inputs, cache)
-
-    @property
-    def layers(self):
-        return self.language_model.layers
-
-    def quant_predicate(self, path, module):
-        return self.language_model.quant_predicate(path, module)
-
-    @staticmethod
-    def cast_predicate(path: str) -> bool:
-        return TextModel.cast_predicate(path)

@@ -21,19 +21,20 @@ class WindowedTrunk:
     def is_sliding(layer) -> bool:
         raise NotImplementedError
 
-    def trunk(self, inputs, cache=None, capture=False):
+    def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
         h = self.model.embed_tokens(inputs)
         layers = self.model.layers
         cache = cache if cache is not None else [None] * len(layers)
-        masks = {}
-        for layer, c in zip(layers, cache):
+        masks, tapped = {}, {}
+        for i, (layer, c) in enumerate(zip(layers, cache)):
             sliding = self.is_sliding(layer)
             if sliding not in masks:
                 masks[sliding] = create_attention_mask(
                     h, c, window_size=self.window if sliding else None)
             h = layer(h, masks[sliding], c)
-        normed = self.model.norm(h)
-        return normed, (normed if self.mtp_hidden == "post_norm" else h)
+            if i in taps:
+                tapped[i] = h
+        return h, tapped
 
     def attention_cache(self, layer):
         return WindowKVCache(self.window) if self.is_sliding(layer) else KVCache()

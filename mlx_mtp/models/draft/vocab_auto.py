@@ -176,5 +176,5 @@ def install(model, model_dir, bits: Optional[int] = None) -> Optional[DraftVocab
     is ``model.draft_vocab_tuner`` (None, and the model unchanged, without a match)."""
     ranking = shipped_ranking(model_dir, model.text.args.vocab_size)
     tuner = None if ranking is None else DraftVocabTuner(model, ranking, bits)
-    model.draft_vocab_tuner = tuner
+    model.use_draft_vocab_tuner(tuner)
     return tuner

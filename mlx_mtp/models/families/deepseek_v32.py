@@ -25,16 +25,18 @@ def dsa_caches():
 class DSAModel(_Model):
     """The DSA families' forward and caches (``family`` names mlx-lm's classes)."""
 
-    def trunk(self, inputs, cache=None, capture=False):
+    def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
         h = self.model.embed_tokens(inputs)
         L = h.shape[1]
         cache = cache if cache is not None else self.make_cache()
         mask = attention_mask(cache[0], L, True)
+        tapped = {}
         for i, layer in enumerate(self.model.layers):
             caches = (cache[2 * i], cache[2 * i + 1])
             h = self.decoder_layer(layer, h, mask, caches, capture and L > 1)
-        normed = self.model.norm(h)
-        return normed, (normed if self.mtp_hidden == "post_norm" else h)
+            if i in taps:
+                tapped[i] = h
+        return h, tapped
 
     def decoder_layer(self, layer, x, mask, caches, verify: bool):
         if not verify:
@@ -57,6 +59,10 @@ class DSAModel(_Model):
 
     def make_cache(self):
         return [c for _ in self.model.layers for c in dsa_caches()]
+
+    @property
+    def num_mtp_caches(self) -> int:
+        return 2 if self.num_mtp_layers else 0  # latents, indexer keys
 
     def make_mtp_cache(self):
         return list(dsa_caches()) if self.num_mtp_layers else []

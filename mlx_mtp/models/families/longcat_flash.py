@@ -77,15 +77,17 @@ class Model(_Model):
         super().__init__(ModelArgs(args.model_type, config))
 
     # --- forward ----------------------------------------------------------
-    def trunk(self, inputs, cache=None, capture=False):
+    def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
         h = self.model.embed_tokens(inputs)
         L = h.shape[1]
         cache = cache if cache is not None else [None] * (2 * len(self.model.layers))
         mask = attention_mask(cache[0], L, True)
+        tapped = {}
         for i, layer in enumerate(self.model.layers):
             h = trunk_layer(layer, h, mask, cache[2 * i : 2 * i + 2], capture or L == 1)
-        normed = self.model.norm(h)
-        return normed, (normed if self.mtp_hidden == "post_norm" else h)
+            if i in taps:
+                tapped[i] = h
+        return h, tapped
 
     def make_cache(self):
         return [KVCache() for _ in range(2 * len(self.model.layers))]

@@ -139,11 +139,13 @@ class Model(_Model):
         """The layers that keep a cache, in cache order."""
         return [layer for layer in self.model.layers if layer.block_type in CACHED]
 
-    def trunk(self, inputs, cache=None, capture=False):
+    def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
+        """``taps`` count every block of the pattern (``model.layers``), cached or not."""
         h = self.model.embed_tokens(inputs)
         L = h.shape[1]
         caches = iter(cache if cache is not None else self.make_cache())
-        for layer in self.model.layers:
+        tapped = {}
+        for i, layer in enumerate(self.model.layers):
             if layer.block_type == "M":
                 h = h + mamba(layer.mixer, layer.norm(h), next(caches), capture)
             elif layer.block_type == "*":
@@ -151,16 +153,14 @@ class Model(_Model):
                 h = layer(h, c.make_mask(L), c)
             else:
                 h = layer(h)
-        normed = self.model.norm(h)
-        return normed, (normed if self.mtp_hidden == "post_norm" else h)
+            if i in taps:
+                tapped[i] = h
+        return h, tapped
 
     def make_cache(self):
         dtype = self.model.embed_tokens.weight.dtype
         return [KVCache() if layer.block_type == "*" else mamba_cache(layer.mixer, dtype)
                 for layer in self.layers]
-
-    def make_mtp_cache(self):
-        return [KVCache() for _ in range(self.num_mtp_layers)]
 
     @staticmethod
     def cast_predicate(path: str) -> bool:

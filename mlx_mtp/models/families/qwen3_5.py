@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import mlx.nn as nn
 
 from ..blocks import hybrid
+from ..blocks.hybrid_model import HybridModel
+from ..interface import LanguageModelWrapper
 from ..io import layout
 
 
@@ -41,16 +43,13 @@ class GatedDeltaNet(hybrid.GatedDeltaNetBase):
         return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
 
 
-class TextModel(hybrid.TextModel):
+class TextModel(HybridModel):
     linear_cls = GatedDeltaNet
 
 
-class Model(hybrid.WrappedTextModel):
-    text_model_cls = TextModel
-
+class Model(LanguageModelWrapper):
     def __init__(self, args: ModelArgs):
-        super().__init__(args)
-        self.language_model = self.text_model_cls(hybrid.HybridArgs.from_dict(args.text_config))
+        super().__init__(args, TextModel(hybrid.HybridArgs.from_dict(args.text_config)))
 
     def sanitize(self, weights: dict):
         text = layout.sanitize_text_weights(self.language_model, layout.text_weight_names(weights))

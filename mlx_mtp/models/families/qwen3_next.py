@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..blocks import hybrid
+from ..blocks.hybrid_model import HybridModel
 from ..io import layout
 
 
@@ -42,7 +43,7 @@ class GatedDeltaNet(hybrid.GatedDeltaNetBase):
         return qkv, z.reshape(B, S, nv, dv), b.reshape(B, S, nv), a.reshape(B, S, nv)
 
 
-class Model(hybrid.TextModel):
+class Model(HybridModel):
     linear_cls = GatedDeltaNet
 
     def sanitize(self, weights: dict):

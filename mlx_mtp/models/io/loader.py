@@ -272,11 +272,11 @@ def quantize_and_cast(model: nn.Module, weights: dict, quantization: Optional[di
                       dtype_choice) -> dict:
     """The one path from sanitized checkpoint weights to loadable ones (single-process and
     distributed loads alike): quantize the modules the checkpoint stores quantized, pick the
-    dtype (``choose_dtype``; recorded as ``model.load_dtype`` / ``model.dtype_choice``) and
+    dtype (``choose_dtype``; recorded by ``model.record_load_dtype``) and
     cast the float weights to it, lazily, so a caller evaluates only what it keeps."""
     quantize_like_checkpoint(model, weights, quantization)
-    dtype, model.dtype_choice = choose_dtype(dtype_choice, weights, model)
-    model.load_dtype = dtype
+    dtype, choice = choose_dtype(dtype_choice, weights, model)
+    model.record_load_dtype(dtype, choice)
     if dtype is None:
         return weights
     quantized = _quantized_prefixes(weights)
