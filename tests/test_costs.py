@@ -52,7 +52,7 @@ class CountingTuner:
 
 def test_the_driver_records_each_step_once_and_feeds_the_tuner(tiny_ckpt):
     model, _ = load_model(Path(tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1)))
-    model.draft_vocab_tuner = CountingTuner()
+    model.use_draft_vocab_tuner(CountingTuner())
     sources = DraftSources("both", LookupSettings(), adaptive=False)
     dec = MTPDecoder(model, 3, SamplingParams(), adaptive=False, overlap=False,
                      drafter=sources.drafter())

@@ -217,7 +217,7 @@ class BatchDecoder:
 
     def _tune_draft_vocab(self, outs: List[StepOutput]):
         """The default draft vocabulary re-sizes from the tokens emitted (``vocab_auto``)."""
-        tuner = getattr(self.model, "draft_vocab_tuner", None)
+        tuner = self.model.draft_vocab_tuner
         if tuner is not None:
             tuner.observe([t for o in outs for t in o.tokens])
 
