@@ -189,6 +189,11 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                 parallel_tool_calls=req.parallel_tool_calls, max_tokens=req.max_output_tokens,
                 temperature=req.temperature, top_p=req.top_p)
     fmt = (req.text or {}).get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" \
+            and not isinstance(fmt.get("schema"), dict):
+        # The API requires the schema here; without it, output would be unconstrained.
+        raise bad_request("Missing required parameter: 'text.format.schema' (an object).",
+                          param="text.format.schema", code="missing_required_parameter")
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         # Structured output goes the chat way (response_format), which decides support.
         schema = {k: v for k, v in fmt.items() if k != "type"}
