@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from mlx_mtp.server.engine import Failed
+from mlx_mtp.server.events import Failed
 from test_anthropic_api import (SAMPLED, SYSTEM, THOUGHT_AND_CALL, TOKENIZER,  # noqa: F401
                                 scripted, server)  # fixtures
 

@@ -1,7 +1,7 @@
 """What every API's routes share: the API key, body parsing and tokenization on the prompt
 workers, submission to the engine, and turning engine events into a response (a body, or
-an SSE stream in the formatter's framing). The routes of each API (``openai_routes``,
-``anthropic``, ``openai_responses``) only translate requests and pick a formatter."""
+an SSE stream in the formatter's framing). The routes of each API (``routers/``) only
+translate requests and pick a formatter."""
 
 from __future__ import annotations
 
