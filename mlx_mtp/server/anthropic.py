@@ -7,6 +7,7 @@ parser handle as for ``/v1/chat/completions``. The parser's pieces become conten
 blocks (``thinking``, ``text``, ``tool_use``) and stream events in Anthropic's order.
 Errors under ``/v1/messages`` use Anthropic's shape ``{"type": "error", "error": {"type",
 "message"}}`` (``AnthropicErrors`` reshapes the app's OpenAI envelopes on these paths).
+The routes are in ``routers/anthropic``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ a ``ChatCompletionRequest`` that the chat template, the engine and the output
 parser handle as for ``/v1/chat/completions``; the parser's pieces become
 ``output`` items (``reasoning``, ``message`` with ``output_text``,
 ``function_call``) and the ``response.*`` stream events. Nothing is stored, so
-``previous_response_id`` is a 400.
+``previous_response_id`` is a 400. The route is in ``routers/responses``.
 """
 
 from __future__ import annotations
