@@ -48,7 +48,8 @@ def worker(args) -> dict:
         from mlx_mtp.models.io.loader import load
     except ImportError:  # the flat layout of older checkouts
         from mlx_mtp.loader import load
-    from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest, Failed
+    from mlx_mtp.server.engine import Engine
+    from mlx_mtp.server.events import Delta, Done, EngineRequest, Failed
 
     model, tok = load(args.model)
     wanted = dict(num_draft_tokens=args.k, max_concurrency=16, log_interval=0,

@@ -3,7 +3,8 @@ the loops that step an engine until its requests are done."""
 
 import threading
 
-from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest, Failed
+from mlx_mtp.server.engine import Engine
+from mlx_mtp.server.events import Delta, Done, EngineRequest, Failed
 
 
 class Sink:

@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 from tokenizers import Tokenizer
 
-from mlx_mtp.server.engine import Admitted, Delta, Done, Failed
+from mlx_mtp.server.events import Admitted, Delta, Done, Failed
 from server_process import ServerProcess
 
 SYSTEM = "You are terse."

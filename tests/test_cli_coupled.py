@@ -40,7 +40,7 @@ def test_serve_coupled_is_the_default_of_requests_mtp_coupled():
 
     from mlx_mtp.cli import build_parser
     from mlx_mtp.options import sampling_defaults
-    from mlx_mtp.server.app import resolve_common
+    from mlx_mtp.server.params import resolve_common
     from mlx_mtp.server.protocol import ChatCompletionRequest
 
     def coupled(flags, body):

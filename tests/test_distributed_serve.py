@@ -261,7 +261,8 @@ def test_follower_replays_the_engine_step_for_step(model):
     from mlx_mtp.decode.sampling import SamplingParams
     from mlx_mtp.models.distributed import load_distributed
     from mlx_mtp.server.distributed import Follower, LeaderSync
-    from mlx_mtp.server.engine import Done, EngineRequest, Engine
+    from mlx_mtp.server.engine import Engine
+    from mlx_mtp.server.events import Done, EngineRequest
     from mlx_mtp.server.prefix_cache import PrefixCache
 
     group = mx.distributed.init()

@@ -10,7 +10,8 @@ import mlx.core as mx
 import pytest
 
 from mlx_mtp.models.io.loader import load
-from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest
+from mlx_mtp.server.engine import Engine
+from mlx_mtp.server.events import Delta, Done, EngineRequest
 from mlx_mtp.server.fair_share import FairShare
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.testing.tiny import make_tiny

@@ -121,7 +121,8 @@ def test_a_grammar_failing_mid_output_fails_only_its_row(ckpt, tok, k):
 
 def test_max_queue_counts_only_requests_that_wait(ckpt, tok):
     """--max-queue 2 with one free slot: three requests go in (one starts, two wait)."""
-    from mlx_mtp.server.engine import Engine, EngineRequest
+    from mlx_mtp.server.engine import Engine
+    from mlx_mtp.server.events import EngineRequest
 
     model, _ = load_model(Path(ckpt))
     engine = Engine(model, tok, max_concurrency=1, max_queue=2, calibrate=False)

@@ -5,7 +5,8 @@ import pytest
 
 from mlx_mtp.decode.draft_source import DraftSources
 from mlx_mtp.models.io.loader import load
-from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest
+from mlx_mtp.server.engine import Engine
+from mlx_mtp.server.events import Delta, Done, EngineRequest
 from mlx_mtp.server.protocol import APIError, check_draft_source
 from mlx_mtp.testing.tiny import make_tiny
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from mlx_mtp.server.engine import Failed
+from mlx_mtp.server.events import Failed
 from test_anthropic_api import (SAMPLED, SYSTEM, THOUGHT_AND_CALL, TOKENIZER,  # noqa: F401
                                 scripted, server)  # fixtures
 
@@ -121,12 +121,16 @@ def test_forced_tool_choice_yields_function_call(server, gpt):  # noqa: F811
     ({"input": "hi", "max_output_tokens": 100000}, 400, "context length"),
     ({"input": "hi", "model": "gpt-nope"}, 404, "gpt-nope"),
     ({"input": 5}, 400, "input"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400,
+     "text.format.schema"),
 ])
 def test_errors(server, body, status, words):  # noqa: F811
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert words in err["message"] and err["type"]
+    if "text" in body:  # the missing schema is named as OpenAI names it
+        assert err["param"] == "text.format.schema", err
 
 
 def test_sdk_raises_on_previous_response_id(server, gpt):  # noqa: F811

@@ -126,7 +126,8 @@ def test_identical_seeded_requests_to_the_server_engine_agree(tiny_ckpt):
     decoded in one batch under the adaptive policy, all return the same tokens as the
     same request sent alone."""
     from mlx_mtp.models.io.loader import load_tokenizer
-    from mlx_mtp.server.engine import Done, Engine, EngineRequest
+    from mlx_mtp.server.engine import Engine
+    from mlx_mtp.server.events import Done, EngineRequest
 
     # 8 embedding rows, a 4096-token tokenizer: load() refuses the pair, so the parts are
     # loaded apart; the requests hold ids in range and the tokenizer only decodes.

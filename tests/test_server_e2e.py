@@ -275,7 +275,7 @@ def test_n_choices_stream_interleaved_by_index(client, model_id, endpoint):
 
 def test_n_choices_stream_ends_with_the_error_of_a_failing_choice(scripted):
     """One choice failing mid-stream ends the stream with its error event (no [DONE])."""
-    from mlx_mtp.server.engine import Failed
+    from mlx_mtp.server.events import Failed
 
     scripted.engine.scripts += [("the first choice goes on", "stop"),
                                 ("the second breaks", Failed(500, "Out of memory while "

@@ -7,7 +7,7 @@ import pytest
 from engine_events import Sink, drive, make_engine
 from mlx_mtp.models.io.loader import load
 from mlx_mtp.decode.sampling import SamplingParams
-from mlx_mtp.server.engine import Delta, Done, EngineRequest, Failed
+from mlx_mtp.server.events import Delta, Done, EngineRequest, Failed
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.testing.tiny import make_tiny
 

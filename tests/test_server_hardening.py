@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from mlx_mtp.server.app import check_stop
+from mlx_mtp.server.params import check_stop
 from mlx_mtp.server.http_guard import GuardConfig, host_name, split_list
 from mlx_mtp.server.prompts import check_template_variables, prepare_chat
 from mlx_mtp.server.protocol import APIError, ChatCompletionRequest, load_json_body

@@ -270,3 +270,42 @@ def test_tool_format_restriction():
     xml = XML_CALL[len("<tool_call>"):-len("</tool_call>")]
     assert parse_tool_body(xml, WEATHER, fmt="qwen3_coder")
     assert parse_tool_body(xml, WEATHER, fmt="hermes") is None
+
+
+def test_every_api_is_one_router_the_app_includes_the_same_way():
+    """Each API's routes come from its ``routers.<api>.router(pipe)``, and the app routes every
+    one of those paths (another method on it is a 405, not a 404): the catalogue is unchanged."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from fastapi import APIRouter
+    from fastapi.testclient import TestClient
+
+    from mlx_mtp.models.io.loader import load_tokenizer
+    from mlx_mtp.server.app import create_app
+    from mlx_mtp.server.pipeline import Pipeline
+    from mlx_mtp.server.routers import APIS
+    from mlx_mtp.server.state import ServerState
+
+    tok = load_tokenizer(Path(__file__).parent.parent / "mlx_mtp" / "assets" / "tokenizer", {})
+    state = ServerState(engine=SimpleNamespace(alive=True), tokenizer=tok, model_name="m",
+                        aliases={"m"}, context_length=64, vocab_size=len(tok.get_vocab()))
+    expected = {("POST", p) for p in (
+        "/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
+        "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/responses")}
+    expected |= {("GET", p) for p in (
+        "/health", "/v1/health", "/metrics", "/v1/models", "/v1/models/{model_id:path}",
+        "/", "/static/{name}", "/v1/dashboard", "/v1/dashboard/events")}
+    routed = set()
+    for api in APIS:
+        router = api.router(Pipeline(state))
+        assert isinstance(router, APIRouter), api.__name__
+        routed |= {(m, r.path) for r in router.routes for m in r.methods if m in ("GET", "POST")}
+    assert routed == expected
+    client = TestClient(create_app(state))
+    for method, path in sorted(expected):
+        url = path.replace("{model_id:path}", "m").replace("{name}", "app.js")
+        r = client.request("GET" if method == "POST" else "POST", url)
+        assert r.status_code == 405, (method, path, r.text)
+    assert client.get("/v1/nothing").status_code == 404
+    state.prompt_workers.shutdown()

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from mlx_mtp.models.io.loader import load
-from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest, Failed
+from mlx_mtp.server.engine import Engine
+from mlx_mtp.server.events import Delta, Done, EngineRequest, Failed
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.server.session_store import SessionStore, model_fingerprint, read_entry
 from mlx_mtp.testing.tiny import make_tiny

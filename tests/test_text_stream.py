@@ -151,7 +151,8 @@ def test_stream_generate_stop_strings(oracle):
 
 
 def test_engine_text_equals_decode_of_ids(oracle):
-    from mlx_mtp.server.engine import Delta, Done, Engine, EngineRequest
+    from mlx_mtp.server.engine import Engine
+    from mlx_mtp.server.events import Delta, Done, EngineRequest
 
     model, tok = oracle
     eng = Engine(model, tok, log_interval=0, calibrate=False)
@@ -203,15 +204,14 @@ def test_logprob_bytes_join_to_the_text_inside_a_character(oracle):
     import mlx.core as mx
 
     from mlx_mtp.decode.speculative import StepOutput
-    from mlx_mtp.server.engine import Engine
+    from mlx_mtp.server.output import token_logprobs
     from mlx_mtp.server.responses import chat_logprobs
 
     model, tok = oracle
     ids = tok.encode("\u00e9\u20ac", add_special_tokens=False)  # 2 + 3 bytes
     assert len(ids) > 2  # some token holds part of a character
-    eng = Engine(model, tok, log_interval=0, calibrate=False)
     lp = mx.log(mx.softmax(mx.random.normal((len(ids), 4096)), axis=-1))
-    items = eng._logprobs(StepOutput(ids, lp, 0, 0), ids, 2)
+    items = token_logprobs(tok, StepOutput(ids, lp, 0, 0), ids, 2)
     entries = chat_logprobs(items, top=True)
     assert bytes(b for e in entries for b in e["bytes"]).decode() == "\u00e9\u20ac"
     assert all(len(e["top_logprobs"]) == 2 for e in entries)

@@ -9,7 +9,7 @@ sequence that drives a batch of one itself).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence as Seq
+from typing import List, Optional, Sequence as Seq
 
 import mlx.core as mx
 
@@ -78,9 +78,6 @@ class Sequence:
         self.last_hidden: Optional[mx.array] = None  # hidden of the last prompt token run
         self.n_processed = 0  # prompt tokens already in the trunk cache
         self.snapshot_state: Optional[DecoderState] = None
-        # Called during prefill: False when drafting is paused where the sequence
-        # will decode (the server's batch), so the MTP head need not see the prompt.
-        self.drafting_hint: Optional[Callable[[], bool]] = None
 
     @property
     def stats(self) -> SpecStats:
@@ -101,12 +98,15 @@ class Sequence:
             self.mtp_cache = []
 
     # -- prompt ------------------------------------------------------------
-    def prefill(self, prompt: Seq[int], progress=None, snapshot_at: Optional[int] = None):
+    def prefill(self, prompt: Seq[int], progress=None, snapshot_at: Optional[int] = None,
+                run_head: bool = True):
         """Run the prompt (all but its last token) through the trunk, in chunks.
 
         Continues after the ``n_processed`` tokens of a restored prefix state.
         With ``snapshot_at``, keeps ``self.snapshot_state``: the state after that
-        many prompt tokens (for a prefix cache).
+        many prompt tokens (for a prefix cache). ``run_head=False``: drafting is paused
+        where the sequence will decode (the server's batch), so the MTP head need not
+        read these tokens.
         """
         if len(prompt) == 0:
             raise ValueError("The prompt is empty: at least one token is required.")
@@ -132,7 +132,7 @@ class Sequence:
                 end = snapshot_at
             _, h_mtp = self.model.trunk(tokens[:, start:end], self.cache)
             if self.row.owed is not None:
-                self._head_prompt(h_mtp, tokens[:, start:end])
+                self._head_prompt(h_mtp, tokens[:, start:end], run_head)
             owed = self.row.owed
             mx.eval(cache_state_arrays(self.cache), *(owed.hidden if owed else []))
             self.n_processed = end
@@ -147,11 +147,11 @@ class Sequence:
             self.row.owed.owe(self.last_hidden, self.row.y[:, None])
             self.last_hidden = None
 
-    def _head_prompt(self, hidden, tokens):
+    def _head_prompt(self, hidden, tokens, run_head: bool):
         """The MTP head's share of a prompt chunk: run it now, or skip it while paused."""
         # A seeded schedule's drafts must not depend on the batch: it always runs the
         # head over its prompt.
-        if self.row.schedule is not None or self.drafting_hint is None or self.drafting_hint():
+        if self.row.schedule is not None or run_head:
             self._owe_prompt(hidden, tokens)
             # The head's pass over the prompt is prompt work: done here, the first
             # draft step costs what later ones do (its time decides K).

@@ -7,28 +7,24 @@ parser handle as for ``/v1/chat/completions``. The parser's pieces become conten
 blocks (``thinking``, ``text``, ``tool_use``) and stream events in Anthropic's order.
 Errors under ``/v1/messages`` use Anthropic's shape ``{"type": "error", "error": {"type",
 "message"}}`` (``AnthropicErrors`` reshapes the app's OpenAI envelopes on these paths).
+The routes are in ``routers/anthropic``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Union
 
-from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..decode.grammar import first_line
 from .events import Admitted, Delta, Done
 from .parsers import Piece
-from .prompts import PreparedChat, forced_tool, output_parser, prepare_chat
+from .prompts import PreparedChat, output_parser
 from .protocol import APIError, ChatCompletionRequest, bad_request, translated_chat_request
 
 if TYPE_CHECKING:
     from .state import ServerState
-
-log = logging.getLogger("mlx_mtp.server")
 
 # Anthropic's error type for each HTTP status; 503 (queue full, shutting down) is
 # answered as Anthropic's 529 "overloaded_error", which its clients retry.
@@ -445,42 +441,3 @@ class MessageFormatter:
 
 def _tool_id(call: dict) -> str:
     return "toolu_" + call["id"].split("_", 1)[-1]
-
-
-# --- routes ------------------------------------------------------------------------------
-def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Callable,
-               tokenize: Callable, run_request: Callable, resolve_common: Callable,
-               compile_constraint: Callable, **_):
-    """Register the Anthropic endpoints on ``app`` (helpers come from ``app.create_app``)."""
-
-    async def prepare(request: Request, model_cls):
-        check_auth(request)
-        req = await parse_body(request, model_cls)
-        chat = to_chat_request(req)
-        if chat.model is not None and chat.model not in state.aliases:
-            raise APIError(404, f"The model `{chat.model}` does not exist. This server serves "
-                           f"`{state.model_name}`.", param="model")
-        return req, chat, await tokenize(prepare_chat, state, chat)
-
-    @app.post("/v1/messages")
-    async def messages(request: Request):
-        try:
-            req, chat, prepared = await prepare(request, MessagesRequest)
-            kw = resolve_common(state, chat, len(prepared.ids), req.max_tokens)
-            kw["grammar"] = await tokenize(compile_constraint, state, None, prepared,
-                                           forced_tool(chat))
-            fmt = MessageFormatter(state, req.model or state.model_name, prepared, kw["stop"])
-            return await run_request(request, kw, prepared.ids, prepared.boundaries, None, fmt,
-                                     bool(req.stream), False)
-        except APIError:
-            raise
-        except Exception as e:  # the app's own handler for these answers outside middleware
-            log.exception("Unhandled error on /v1/messages")
-            raise APIError(500, f"Internal server error: {type(e).__name__}: {first_line(e)}")
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request):
-        _, _, prepared = await prepare(request, CountTokensRequest)
-        return {"input_tokens": len(prepared.ids)}
-
-    app.add_middleware(AnthropicErrors)

@@ -11,10 +11,11 @@ llama-server-style ``timings`` (``draft_n``, ``draft_n_accepted``...) and an
 ``mtp`` block. Errors use the OpenAI envelope ``{"error": {message, type,
 param, code}}``; during a stream, one ``data: {"error": ...}`` event ends it.
 
-This module assembles the app: the guard middleware, the error envelope, and one router per
-API (``openai_routes``, ``anthropic``, ``openai_responses``, ``dashboard``) over the shared
-request path (``pipeline``). Request fields are validated in ``params``; prompts are prepared
-in ``prompts``, bodies and stream chunks rendered in ``responses``.
+This module assembles the app: the guard middleware, the error envelopes (Anthropic's on
+its paths), and one router per API (``routers``: status, openai, anthropic, responses,
+dashboard), each built by ``router(pipe)`` over the shared request path (``pipeline``).
+Request fields are validated in ``params``; prompts are prepared in ``prompts``, bodies and
+stream chunks rendered in ``responses``.
 """
 
 from __future__ import annotations
@@ -27,16 +28,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decode.grammar import first_line
-from . import anthropic, openai_responses, openai_routes
-from .dashboard import register_dashboard
+from .anthropic import AnthropicErrors
 from .http_guard import GuardConfig, RequestGuard
-from .params import (MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS,  # noqa: F401 (re-exported)
-                     MAX_TEMPERATURE, MAX_TOP_LOGPROBS, check_logit_bias, check_model,
-                     check_stop, resolve_common)
-from .pipeline import FIRST_EVENT_WAIT, KEEPALIVE_SECONDS, Pipeline  # noqa: F401
+from .pipeline import Pipeline
 from .protocol import APIError
+from .routers import APIS
 from .state import ServerState
-from .structured import compile_constraint
 
 log = logging.getLogger("mlx_mtp.server")
 
@@ -73,13 +70,9 @@ def create_app(state: ServerState, guard: Optional[GuardConfig] = None):
     app.state.server = state
     app.add_middleware(RequestGuard, config=guard or GuardConfig(
         check_origin=state.api_key is None))
+    app.add_middleware(AnthropicErrors)  # outside the guard: its errors are reshaped too
     _add_error_handlers(app)
     pipe = Pipeline(state)
-    openai_routes.add_status_routes(app, pipe)
-    openai_routes.add_routes(app, pipe)
-    for api in (anthropic, openai_responses):
-        api.add_routes(app, state, check_auth=pipe.check_auth, parse_body=pipe.parse_body,
-                       tokenize=pipe.tokenize, run_request=pipe.run_request,
-                       resolve_common=resolve_common, compile_constraint=compile_constraint)
-    register_dashboard(app, state, pipe.check_auth)  # the live page at / and its event stream
+    for api in APIS:
+        app.include_router(api.router(pipe))
     return app

@@ -55,7 +55,7 @@ def merge_choices(results: List[dict]) -> dict:
     return out
 
 
-def _sse(obj) -> str:
+def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
@@ -107,46 +107,48 @@ async def stream_choices(submit: Callable[[EngineRequest], None],
     if early and isinstance(early[-1][1], Failed):
         for r in reqs:
             cancel(r)
-        raise _error(early[-1][1])
-
-    async def events():
-        dones: List[Optional[Done]] = [None] * len(fmts)
-        try:
-            for fmt in fmts:
-                for c in fmt.start():
-                    yield _sse(c)
-            pending = list(early)  # OpenAI chunks have no use for Admitted: passed over
-            while any(d is None for d in dones):
-                if pending:
-                    i, ev = pending.pop(0)
-                else:
-                    try:
-                        i, ev = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
-                    except asyncio.TimeoutError:
-                        yield ": keepalive\n\n"
-                        continue
-                if isinstance(ev, Delta):
-                    for c in fmts[i].on_delta(ev):
-                        yield _sse(c)
-                elif isinstance(ev, Done):
-                    dones[i] = ev
-                    for c in fmts[i].on_done(ev, False):
-                        yield _sse(c)
-                elif isinstance(ev, Failed):  # one choice failed: the stream ends with it
-                    yield _sse(_error(ev).body())
-                    return
-            if include_usage:
-                f = fmts[0]
-                yield _sse({"id": f.id, "object": f.object_chunk, "created": f.created,
-                            "model": f.model, "choices": [],
-                            "usage": merged_usage([d.usage for d in dones])})
-            yield "data: [DONE]\n\n"
-        finally:
-            for r in reqs:  # no-op for finished rows; frees the others (client gone, failure)
-                cancel(r)
-
-    return events()
+        raise failed_error(early[-1][1])
+    return _interleaved(queue, fmts, early, include_usage, reqs, cancel)
 
 
-def _error(ev: Failed) -> APIError:
+async def _interleaved(queue: asyncio.Queue, fmts: list, early: list, include_usage: bool,
+                       reqs: List[EngineRequest], cancel: Callable[[EngineRequest], None]):
+    """The choices' SSE chunks as their events come (``early``: those already taken)."""
+    dones: List[Optional[Done]] = [None] * len(fmts)
+    try:
+        for fmt in fmts:
+            for c in fmt.start():
+                yield sse(c)
+        pending = list(early)  # OpenAI chunks have no use for Admitted: passed over
+        while any(d is None for d in dones):
+            if pending:
+                i, ev = pending.pop(0)
+            else:
+                try:
+                    i, ev = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
+                except asyncio.TimeoutError:
+                    yield ": keepalive\n\n"
+                    continue
+            if isinstance(ev, Delta):
+                for c in fmts[i].on_delta(ev):
+                    yield sse(c)
+            elif isinstance(ev, Done):
+                dones[i] = ev
+                for c in fmts[i].on_done(ev, False):
+                    yield sse(c)
+            elif isinstance(ev, Failed):  # one choice failed: the stream ends with it
+                yield sse(failed_error(ev).body())
+                return
+        if include_usage:
+            f = fmts[0]
+            yield sse({"id": f.id, "object": f.object_chunk, "created": f.created,
+                       "model": f.model, "choices": [],
+                       "usage": merged_usage([d.usage for d in dones])})
+        yield "data: [DONE]\n\n"
+    finally:
+        for r in reqs:  # no-op for finished rows; frees the others (client gone, failure)
+            cancel(r)
+
+
+def failed_error(ev: Failed) -> APIError:
     return APIError(ev.status, ev.message, code=ev.code)

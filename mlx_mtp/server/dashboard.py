@@ -1,6 +1,6 @@
-"""The live page: ``GET /`` (chat and dashboard, static files) and its data feed.
+"""The live page (chat and dashboard): its static files and its data feed.
 
-Routes (registered by ``register_dashboard``):
+Its routes (``routers/dashboard``):
 
 * ``GET /`` and ``GET /static/<file>``: the page (``static/``; no build step, no CDN).
   Served without a key, since it holds no data; the page asks for the key.
@@ -14,19 +14,12 @@ Browsers' ``EventSource`` cannot send headers, so the page reads the stream with
 
 from __future__ import annotations
 
-import asyncio
 import copy
-import json
 import re
 import time
 from collections import deque
 from importlib import resources
 from typing import Callable, List, Optional
-
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from .protocol import APIError
 
 SNAPSHOT_INTERVAL = 1.0  # seconds between two events of the stream
 RATE_WINDOW = 3.0  # tokens/s is measured over this many seconds
@@ -44,7 +37,7 @@ PAGE_HEADERS = {
 }
 
 
-def _static_files() -> dict:
+def static_files() -> dict:
     """name -> (bytes, content type) of every file under ``static/``, read once."""
     root = resources.files(__package__).joinpath("static")
     files = {}
@@ -151,45 +144,3 @@ class DashboardFeed:
                              "max_bytes": pc.max_bytes, "hits": pc.hits, "misses": pc.misses},
             "draft_policy": draft_policy_view(engine),
         }
-
-
-def register_dashboard(app, state, check_auth: Callable[[Request], None]):
-    """Add the page and its data routes to ``app``."""
-    files = _static_files()
-    feed = DashboardFeed(state)
-    engine = state.engine
-
-    def static(name: str) -> Response:
-        if name not in files:
-            raise APIError(404, f"Not found: /static/{name}", code=None,
-                           type="invalid_request_error")
-        body, media_type = files[name]
-        return Response(body, media_type=media_type, headers=PAGE_HEADERS)
-
-    @app.get("/", include_in_schema=False)
-    async def page():
-        return static("index.html")
-
-    @app.get("/static/{name}", include_in_schema=False)
-    async def static_file(name: str):
-        return static(name)
-
-    @app.get("/v1/dashboard")
-    async def dashboard_snapshot(request: Request):
-        check_auth(request)
-        return JSONResponse(feed.snapshot())
-
-    @app.get("/v1/dashboard/events")
-    async def dashboard_events(request: Request):
-        check_auth(request)
-
-        async def events():
-            # Ends with the engine (shutdown must not wait for viewers); Starlette
-            # cancels it when the client goes away.
-            while engine.alive:
-                yield f"data: {json.dumps(feed.snapshot())}\n\n"
-                await asyncio.sleep(SNAPSHOT_INTERVAL)
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache",
-                                          "X-Accel-Buffering": "no"})

@@ -59,7 +59,7 @@ class StepSync:
     lost: Optional[str] = None  # why the group can no longer serve
 
     def admitted(self, seq, entry): pass
-    def prefill(self, seq, end: int): pass
+    def prefill(self, seq, end: int, run_head: bool): pass
     def stored(self, seq, key, state): pass
     def removed(self, seq): pass
     def decoding(self, ks): pass
@@ -87,20 +87,6 @@ def params_from_json(d: dict) -> SamplingParams:
     return SamplingParams(**{**d, "logit_bias": d.get("logit_bias") or None})
 
 
-class _FrozenHint:
-    """A sequence's drafting hint, read once per prompt chunk (rank 0 sends the value)."""
-
-    def __init__(self, source):
-        self.source, self.value = source, None
-
-    def refresh(self) -> bool:
-        self.value = bool(self.source())
-        return self.value
-
-    def __call__(self) -> bool:
-        return self.value
-
-
 class LeaderSync(StepSync):
     """Rank 0's side: queue the engine's operations and send them before model work."""
 
@@ -114,7 +100,6 @@ class LeaderSync(StepSync):
         self.ops: List[list] = []
         self.seq = 0
         self.rows: Dict[str, int] = {}  # request id -> row id
-        self.hints: Dict[str, _FrozenHint] = {}
         self.entries: Dict[tuple, int] = {}  # prefix-cache key -> entry id
         self._next_id = 0
         self._last_exchange: Optional[float] = None  # None: watchdog not armed yet
@@ -138,15 +123,11 @@ class LeaderSync(StepSync):
             raise RuntimeError("a prompt-cache entry the other ranks do not hold was restored")
         rid = self.rows[seq.req.request_id] = self._new_id()
         dec = seq.dec
-        if dec.drafting_hint is not None:
-            dec.drafting_hint = self.hints[seq.req.request_id] = _FrozenHint(dec.drafting_hint)
         self.ops.append(["admit", rid, list(seq.req.prompt), params_to_json(dec.params),
                          dec.K, dec.sampler.seed, restore])
 
-    def prefill(self, seq, end: int):
-        hint = self.hints.get(seq.req.request_id)
-        self.ops.append(["prefill", self.rows[seq.req.request_id], end,
-                         None if hint is None else hint.refresh()])
+    def prefill(self, seq, end: int, run_head: bool):
+        self.ops.append(["prefill", self.rows[seq.req.request_id], end, run_head])
         self._send()
 
     def stored(self, seq, key, state):
@@ -164,7 +145,6 @@ class LeaderSync(StepSync):
 
     def removed(self, seq):
         rid = self.rows.pop(seq.req.request_id, None)
-        self.hints.pop(seq.req.request_id, None)
         if rid is not None:
             self.ops.append(["remove", rid])
 
@@ -340,10 +320,9 @@ class Follower:
             dec.restore(self.entries[restore])
         self.seqs[rid] = (dec, prompt)
 
-    def _prefill(self, rid, end, hint):
+    def _prefill(self, rid, end, run_head):
         dec, prompt = self.seqs[rid]
-        dec.drafting_hint = None if hint is None else (lambda: hint)
-        dec.prefill(prompt[: end + 1])
+        dec.prefill(prompt[: end + 1], run_head=run_head)
         if end == len(prompt) - 1:
             self.joining.append(rid)
 

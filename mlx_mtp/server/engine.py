@@ -1,9 +1,8 @@
 """The scheduler: continuous batching with per-sequence MTP speculative decoding.
 
-One background thread owns the model. HTTP handlers ``submit`` an
-``EngineRequest`` (with an ``on_event`` callback that must be thread-safe)
-and ``cancel`` it when the client goes away. Every scheduler iteration
-(``Engine.step``):
+One background thread owns the model. HTTP handlers ``submit`` an ``EngineRequest`` (with a
+thread-safe ``on_event`` callback) and ``cancel`` it when the client goes away. Every
+scheduler iteration (``Engine.step``):
 
 1. takes new submissions and drops cancelled requests;
 2. admits waiting requests into the running batch, up to ``max_concurrency``,
@@ -14,16 +13,15 @@ and ``cancel`` it when the client goes away. Every scheduler iteration
    reusable boundaries;
 4. runs one decode step for each decoding sequence (``_decode_round``).
 
-A sequence's prompt runs through its own ``Sequence``; then it joins the
-``BatchDecoder``: one trunk forward per step for all decoding sequences, each
-accepting its own number of drafts and rolling back its own state, so greedy
-output does not depend on what else is running. The batch's ``DraftPolicy``
-picks K per step from acceptance and a step-cost model by batch size; while it
-pauses drafting, joining prompts skip the MTP head.
+A sequence's prompt runs through its own ``Sequence``; then it joins the ``BatchDecoder``:
+one trunk forward per step for all decoding sequences, each accepting its own number of
+drafts and rolling back its own state, so greedy output does not depend on what else is
+running. The batch's ``DraftPolicy`` picks K per step; while it pauses drafting, joining
+prompts skip the MTP head.
 
-Events sent to ``on_event`` (``events.py``): ``Admitted`` (with the prompt tokens the prefix
-cache gave) when the request joins the batch, ``Delta`` (new text, token ids, logprobs), then
-exactly one of ``Done`` or ``Failed``. A cancelled request gets nothing.
+Events sent to ``on_event`` (``events.py``, shaped by ``output.py``): ``Admitted`` when the
+request joins the batch, ``Delta`` per step, then exactly one of ``Done`` or ``Failed``.
+A cancelled request gets nothing.
 """
 
 from __future__ import annotations
@@ -39,39 +37,30 @@ import mlx.core as mx
 from ..decode import step_costs
 from ..decode.batch import BatchDecoder, BatchStepError
 from ..decode.draft_source import DraftSources
-from ..decode.grammar import first_line
 from ..decode.sequence import Sequence
 from ..decode.speculative import SpecStats, StepOutput
-from ..decode.text_stream import TextStream, token_bytes
-from ..models.blocks.hybrid import CHUNKED_MIN_TOKENS
 from ..models.io.layout import check_acceptance
-from .metrics import PeriodicLog, ServerMetrics, spec_fields
+from .metrics import PeriodicLog, ServerMetrics
 from .distributed import StepSync
+from .events import Admitted, EngineRequest, EngineUnavailable, Failed
 from .fair_share import FairShare
+from .output import RowOutput, failure
 from .prefix_cache import PrefixCache
-# The request and its events live apart (the API modules need only them); importable
-# from here as before.
-from .events import (LOGPROB_FLOOR, Admitted, Delta, Done, EngineRequest,  # noqa: F401
-                     EngineUnavailable, Failed, TokenLogprob)
+from .prompt_chunks import ChunkGrid
 
 log = logging.getLogger("mlx_mtp.server")
-
-# Prompt chunks end on a grid of this many tokens: the shortest input the chunked delta
-# rule takes, so every call but a short prompt's only one runs the same algorithm.
-PREFILL_GRID = CHUNKED_MIN_TOKENS
 
 
 class _Seq:
     """Engine-side state of one admitted request."""
 
-    def __init__(self, req: EngineRequest, dec: Sequence, text: TextStream, n_cached: int):
+    def __init__(self, req: EngineRequest, dec: Sequence, output: RowOutput, n_cached: int):
         self.req = req
         self.dec = dec
-        self.text = text
+        self.output = output
         self.n_cached = n_cached
         self.prefilling = True
         self.mtp_enabled = dec.mtp_cache is not None
-        self.n_generated = 0
         self.t_admit = time.perf_counter()
         self.t_prefill_done: Optional[float] = None
         self.t_first: Optional[float] = None
@@ -100,12 +89,11 @@ class Engine:
         sync: Optional[StepSync] = None,
         draft_sources: Optional[DraftSources] = None,
     ):
-        if prefill_step_size < 1:
-            raise ValueError("prefill_step_size must be >= 1")
-        if max_batched_tokens < 1:
-            raise ValueError("max_batched_tokens must be >= 1")
-        if max_concurrency < 1:
-            raise ValueError("max_concurrency must be >= 1")
+        for name, value in (("prefill_step_size", prefill_step_size),
+                            ("max_batched_tokens", max_batched_tokens),
+                            ("max_concurrency", max_concurrency)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1")
         self.model = model
         self.tokenizer = tokenizer
         self.num_draft_tokens = num_draft_tokens
@@ -114,9 +102,7 @@ class Engine:
         self.max_concurrency = max_concurrency
         self.prefill_step_size = prefill_step_size
         self.max_batched_tokens = max_batched_tokens
-        # Smaller steps than the grid: one step per call, each the same size.
-        self.prefill_grid = min(PREFILL_GRID, prefill_step_size)
-        self.chunk_floor = min(FairShare.FLOOR, self.prefill_grid)  # shortest chunk but a tail
+        self.chunks = ChunkGrid(prefill_step_size)
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0, 0)
         self.metrics = metrics or ServerMetrics(model_name)
         self.model_name = model_name
@@ -277,7 +263,7 @@ class Engine:
                 self._emit(req, Admitted(seq.n_cached))
             except Exception as e:
                 log.exception("Could not start request %s", req.request_id)
-                self._emit(req, Failed(*self._error_status(e)))
+                self._emit(req, failure(e))
 
     def _load(self) -> int:
         """Sequences in the batch soon: running (decoding or in prefill) and queued."""
@@ -292,9 +278,6 @@ class Engine:
                        prefill_step_size=self.prefill_step_size,
                        grammar=None if req.grammar is None else req.grammar.start(),
                        drafter=self.draft_sources.drafter(source))
-        if dec.mtp_cache is not None:
-            dec.drafting_hint = lambda: self.batch.would_draft(max(len(self.batch) + 1,
-                                                                   self._load()))
         n_cached, entry = 0, None
         pc = self.prefix_cache
         if req.cache_prompt and pc.enabled:
@@ -304,9 +287,7 @@ class Engine:
                 dec.restore(entry.state)
                 n_cached = entry.state.n_processed
                 self.metrics.prefix_cache_hits.inc(n_cached)
-        text = TextStream(self.tokenizer, stop=req.stop, max_tokens=req.max_tokens,
-                          eos_token_ids=self.eos)
-        seq = _Seq(req, dec, text, n_cached)
+        seq = _Seq(req, dec, RowOutput(self.tokenizer, req, self.eos, n_cached), n_cached)
         self.sync.admitted(seq, entry)
         return seq
 
@@ -319,7 +300,7 @@ class Engine:
         if not n_decoding:
             return self.prefill_step_size
         rest = self.max_batched_tokens - n_decoding * (1 + self.batch.K)
-        least = self.fair.floor(self.prefill_grid, self.chunk_floor)
+        least = self.fair.floor(self.chunks.grid, self.chunks.floor)
         return self.fair.budget(rest, least, self.prefill_step_size)
 
     def _prefill_round(self):
@@ -332,8 +313,8 @@ class Engine:
         waiting.sort(key=lambda s: (len(s.req.prompt) - s.dec.n_processed, s.req.arrival))
         spent, competing = 0, any(not s.prefilling for s in self.running)
         # Cells split only where one outlasts the decode rounds (FairShare.floor).
-        split = competing and self.fair.floor(self.prefill_grid, 0) < self.prefill_grid
-        least = max(1, min(self.chunk_floor, budget))  # a rest under the floor waits
+        split = competing and self.fair.floor(self.chunks.grid, 0) < self.chunks.grid
+        least = max(1, min(self.chunks.floor, budget))  # a rest under the floor waits
         for seq in waiting:
             while seq.prefilling and budget - spent >= least:
                 start = time.perf_counter()
@@ -348,36 +329,22 @@ class Engine:
                 break
 
     def _prefill_chunk(self, seq: _Seq, max_tokens: int, below_grid: bool = False) -> int:
-        """Process the next chunk of the prompt (about ``max_tokens``); returns its length.
-
-        Chunk ends lie on a grid of ``prefill_grid`` tokens counted from the restored
-        prefix and from each snapshot boundary, and a segment's last cell takes in a
-        remainder shorter than a cell. The trunk's state after a run of cells does not
-        depend on how many cells each call covered (checked bit for bit on the CPU with
-        both BLAS settings), so a prompt alone is computed the same whatever the budget.
-        ``below_grid`` (streams decode): under a cell, ``max_tokens`` (to a boundary, taking
-        in a remainder under the floor) run through the per-token recurrence, equal up to
-        float rounding; then back on the grid.
-        """
+        """Process the next chunk of the prompt (about ``max_tokens``, on the grid of
+        ``prompt_chunks``); returns its length."""
         prompt, dec = seq.req.prompt, seq.dec
         n = len(prompt) - 1
         start = dec.n_processed
         seg_start = max([seq.n_cached] + [b for b in seq.boundaries if b <= start])
         seg_end = min([n] + [b for b in seq.boundaries if b > start])
-        grid = self.prefill_grid
-        cells = max(1, min(max_tokens, self.prefill_step_size) // grid)
-        end = seg_start + ((start - seg_start) // grid + cells) * grid
-        if seg_end - end < grid:
-            end = seg_end
-        if below_grid and max_tokens < grid:
-            end = min(start + max(self.chunk_floor, max_tokens), seg_end)
-            if seg_end - end < self.chunk_floor:
-                end = seg_end
+        end = self.chunks.end(start, seg_start, seg_end, max_tokens, below_grid)
         # Sequence.prefill continues after n_processed and stops at the last
         # token it is given, which becomes the pending input: passing the
         # prompt up to ``end`` runs exactly tokens [start, end).
-        self.sync.prefill(seq, end)
-        dec.prefill(prompt[: end + 1])
+        # The MTP head reads the chunk only if the batch the sequence joins drafts now.
+        run_head = dec.mtp_cache is None or self.batch.would_draft(
+            max(len(self.batch) + 1, self._load()))
+        self.sync.prefill(seq, end, run_head)
+        dec.prefill(prompt[: end + 1], run_head=run_head)
         if end in seq.boundaries:
             self._store_prefix(seq, end)
         if end == n:
@@ -390,16 +357,10 @@ class Engine:
         return end - start
 
     def _store_prefix(self, seq: _Seq, end: int):
-        pc = self.prefix_cache
-        key = seq.req.prompt[: end + 1]
-        if not (seq.req.cache_prompt and pc.enabled):
-            return
+        pc, key = self.prefix_cache, seq.req.prompt[: end + 1]
         has_mtp = seq.dec.mtp_cache is not None
-        if key in pc:
-            old = pc.entries[tuple(key)]
-            if old.has_mtp or not has_mtp:
-                pc.touch(key)
-                return
+        if not (seq.req.cache_prompt and pc.enabled and pc.adds(key, has_mtp)):
+            return
         state = seq.dec.snapshot()
         mx.eval(state.arrays())
         pc.store(key, state, state.nbytes, has_mtp)
@@ -447,10 +408,7 @@ class Engine:
         req = seq.req
         self.metrics.record_step(out.num_drafted, out.num_accepted, out.lookup_drafted,
                                  out.lookup_accepted)
-        n_used, text = seq.text.add(out.tokens)
-        used = out.tokens[:n_used]
-        finish = seq.text.finish_reason
-        seq.n_generated = seq.text.num_tokens
+        used, delta = seq.output.add(out)
         self.metrics.generation_tokens.inc(len(used))
         self.periodic.record(out.num_drafted, out.num_accepted, len(used))
 
@@ -464,39 +422,12 @@ class Engine:
                 self.metrics.itl.observe(dt)
         seq.t_last = now
 
-        logprobs = None
-        if req.logprobs is not None:
-            text_tokens = [t for t in used if t not in self.eos]
-            logprobs = self._logprobs(out, text_tokens, req.logprobs)
-        if used:  # token ids of every step, also while text waits for a whole character
-            self._emit(req, Delta(text, used, logprobs))
-        if finish is not None:
-            self._finish(seq, finish)
+        if delta is not None:
+            self._emit(req, delta)
+        if seq.output.finish_reason is not None:
+            self._finish(seq)
 
-    def _logprobs(self, out: StepOutput, tokens: List[int], top: int) -> List[TokenLogprob]:
-        if not tokens:
-            return []
-        lp = out.logprobs[: len(tokens)]
-        chosen = mx.take_along_axis(lp, mx.array(tokens)[:, None], axis=1)[:, 0].tolist()
-        tops_i = tops_v = None
-        if top > 0:
-            order = mx.argsort(-lp, axis=-1)[:, :top]
-            tops_i = order.tolist()
-            tops_v = mx.take_along_axis(lp, order, axis=-1).tolist()
-        dec = self.tokenizer.decode
-        raw = token_bytes(getattr(self.tokenizer, "_tokenizer", self.tokenizer)) or \
-            (lambda t: None)
-        result = []
-        for j, (t, v) in enumerate(zip(tokens, chosen)):
-            # JSON has no -inf: a token the grammar forbids is left out of the top list
-            entry = TokenLogprob(t, dec([t]), max(float(v), LOGPROB_FLOOR), raw=raw(t))
-            if tops_i is not None:
-                entry.top = [TokenLogprob(i, dec([i]), float(x), raw=raw(i))
-                             for i, x in zip(tops_i[j], tops_v[j]) if x > LOGPROB_FLOOR]
-            result.append(entry)
-        return result
-
-    def _finish(self, seq: _Seq, finish: str):
+    def _finish(self, seq: _Seq):
         now = time.perf_counter()
         req, stats = seq.req, seq.dec.stats
         self._remove(seq)
@@ -504,51 +435,16 @@ class Engine:
         t = self.total_stats  # the head's drafts only: context drafts say nothing about it
         check_acceptance(t.num_draft_tokens - t.lookup_draft_tokens,
                          t.num_accepted_tokens - t.lookup_accepted_tokens, self.model_name)
-        P, C = len(req.prompt), seq.n_generated
-        prompt_s = (seq.t_prefill_done or now) - seq.t_admit
-        gen_s = now - (seq.t_prefill_done or now)
-        prompt_n = P - seq.n_cached
-        timings = {
-            "cache_n": seq.n_cached,
-            "prompt_n": prompt_n,
-            "prompt_ms": prompt_s * 1e3,
-            "prompt_per_token_ms": prompt_s * 1e3 / prompt_n if prompt_n else 0.0,
-            "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
-            "predicted_n": C,
-            "predicted_ms": gen_s * 1e3,
-            "predicted_per_token_ms": gen_s * 1e3 / C if C else 0.0,
-            "predicted_per_second": C / gen_s if gen_s > 0 else 0.0,
-            "draft_n": stats.num_draft_tokens,
-            "draft_n_accepted": stats.num_accepted_tokens,
-        }
-        usage = {
-            "prompt_tokens": P,
-            "completion_tokens": C,
-            "total_tokens": P + C,
-            "prompt_tokens_details": {"cached_tokens": seq.n_cached},
-            # Ours: drafted and accepted tokens by source (the head, the context).
-            "draft_tokens_by_source": {
-                "mtp": {"drafted": stats.num_draft_tokens - stats.lookup_draft_tokens,
-                        "accepted": stats.num_accepted_tokens - stats.lookup_accepted_tokens},
-                "lookup": {"drafted": stats.lookup_draft_tokens,
-                           "accepted": stats.lookup_accepted_tokens}},
-        }
-        mtp = {"enabled": seq.mtp_enabled, **spec_fields(stats)}
+        prefill_done = seq.t_prefill_done or now
+        done = seq.output.done(stats, seq.mtp_enabled, prefill_done - seq.t_admit,
+                               now - prefill_done)
         m = self.metrics
-        m.request_success.inc(finished_reason=finish)
+        m.request_success.inc(finished_reason=done.finish_reason)
         m.e2e.observe(now - req.arrival)
-        m.generation_len.observe(C)
-        self._emit(req, Done(finish, usage, timings, mtp))
+        m.generation_len.observe(seq.output.num_tokens)
+        self._emit(req, done)
 
     # -- failures -------------------------------------------------------------------
-    @staticmethod
-    def _error_status(e: Exception):
-        reason = first_line(e)  # for a client; the log has the whole reason
-        if isinstance(e, MemoryError) or "out of memory" in reason.lower() \
-                or "unable to allocate" in reason.lower():
-            return 500, f"Out of memory while generating: {reason}", "out_of_memory"
-        return 500, f"Generation failed: {type(e).__name__}: {reason}", "internal_error"
-
     def _fail(self, seq: _Seq, e: Exception):
         if self.sync.group_lost(e):
             return  # every request failed already (503)
@@ -556,7 +452,7 @@ class Engine:
                   exc_info=not isinstance(e, MemoryError))
         self._remove(seq)
         self.metrics.request_failure.inc(reason="error")
-        self._emit(seq.req, Failed(*self._error_status(e)))
+        self._emit(seq.req, failure(e))
         seq.dec = None  # drop its caches before clearing MLX's buffer cache
         mx.clear_cache()
 

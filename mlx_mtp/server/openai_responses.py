@@ -6,7 +6,7 @@ a ``ChatCompletionRequest`` that the chat template, the engine and the output
 parser handle as for ``/v1/chat/completions``; the parser's pieces become
 ``output`` items (``reasoning``, ``message`` with ``output_text``,
 ``function_call``) and the ``response.*`` stream events. Nothing is stored, so
-``previous_response_id`` is a 400.
+``previous_response_id`` is a 400. The route is in ``routers/responses``.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
-from fastapi import Request
 from pydantic import BaseModel, ConfigDict
 
 from .events import Delta, Done
 from .parsers import Piece
-from .prompts import PreparedChat, forced_tool, output_parser, prepare_chat
+from .prompts import PreparedChat, output_parser
 from .protocol import APIError, ChatCompletionRequest, bad_request, translated_chat_request
 
 if TYPE_CHECKING:
@@ -189,6 +188,11 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                 parallel_tool_calls=req.parallel_tool_calls, max_tokens=req.max_output_tokens,
                 temperature=req.temperature, top_p=req.top_p)
     fmt = (req.text or {}).get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" \
+            and not isinstance(fmt.get("schema"), dict):
+        # The API requires the schema here; without it, output would be unconstrained.
+        raise bad_request("Missing required parameter: 'text.format.schema' (an object).",
+                          param="text.format.schema", code="missing_required_parameter")
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         # Structured output goes the chat way (response_format), which decides support.
         schema = {k: v for k, v in fmt.items() if k != "type"}
@@ -383,25 +387,3 @@ class ResponseFormatter:
         self.output = [x for x in self.output if x["type"] == "function_call"
                        or x["content"][0]["text"]]
         return self._final(done)
-
-
-# --- route -------------------------------------------------------------------------------
-def add_routes(app, state: ServerState, *, check_auth: Callable, parse_body: Callable,
-               tokenize: Callable, run_request: Callable, resolve_common: Callable,
-               compile_constraint: Callable, **_):
-    """Register ``POST /v1/responses`` on ``app`` (helpers come from ``app.create_app``)."""
-
-    @app.post("/v1/responses")
-    @app.post("/responses")
-    async def responses(request: Request):
-        check_auth(request)
-        req = await parse_body(request, ResponsesRequest)
-        chat = to_chat_request(req)
-        prepared = await tokenize(prepare_chat, state, chat)
-        kw = resolve_common(state, chat, len(prepared.ids), req.max_output_tokens)
-        kw["grammar"] = await tokenize(compile_constraint, state,
-                                       (chat.model_extra or {}).get("response_format"),
-                                       prepared, forced_tool(chat))
-        fmt = ResponseFormatter(state, req.model or state.model_name, prepared, req, req.tools)
-        return await run_request(request, kw, prepared.ids, prepared.boundaries, None, fmt,
-                                 bool(req.stream), False)

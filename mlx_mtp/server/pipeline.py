@@ -1,25 +1,24 @@
 """What every API's routes share: the API key, body parsing and tokenization on the prompt
 workers, submission to the engine, and turning engine events into a response (a body, or
-an SSE stream in the formatter's framing). The routes of each API (``openai_routes``,
-``anthropic``, ``openai_responses``) only translate requests and pick a formatter."""
+an SSE stream in the formatter's framing). The routes of each API (``routers/``) only
+translate requests and pick a formatter."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 from typing import List, Optional
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from .choices import choice_kwargs, early_events, merge_choices, stream_choices
+from .choices import (KEEPALIVE_SECONDS, choice_kwargs, early_events, failed_error,
+                      merge_choices, sse, stream_choices)
 from .events import Admitted, Delta, Done, EngineRequest, EngineUnavailable, Failed
 from .http_guard import BODY_BYTES
 from .protocol import APIError, parse_request
 from .state import ServerState
 
-KEEPALIVE_SECONDS = 10.0  # SSE comment while nothing else is sent (long prefill)
 FIRST_EVENT_WAIT = 2.0  # wait this long for the first event so early failures get a status
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -35,14 +34,6 @@ async def _disconnected(request: Request, queue: asyncio.Queue):
     while (await request.receive())["type"] != "http.disconnect":
         pass
     queue.put_nowait(DISCONNECTED)
-
-
-def _failed(ev: Failed) -> APIError:
-    return APIError(ev.status, ev.message, code=ev.code)
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class Pipeline:
@@ -109,7 +100,7 @@ class Pipeline:
             self.engine.cancel(ereq)
             raise
         if early and isinstance(early[-1], Failed):
-            raise _failed(early[-1])
+            raise failed_error(early[-1])
         return StreamingResponse(self._events(queue, ereq, fmt, early, include_usage),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -129,7 +120,7 @@ class Pipeline:
                 elif isinstance(ev, Done):
                     return fmt.response(deltas, ev)
                 elif isinstance(ev, Failed):
-                    raise _failed(ev)
+                    raise failed_error(ev)
         finally:
             watcher.cancel()
             self.engine.cancel(ereq)  # no-op once finished; frees the slot if we were cancelled
@@ -138,7 +129,7 @@ class Pipeline:
         # Formatters of other APIs (Anthropic, Responses) name their events and frame
         # errors their own way; OpenAI chat streams end with [DONE]. ``on_admitted``: what a
         # formatter sends once the prompt's prefix-cache hit is known (Anthropic's start).
-        encode = getattr(fmt, "encode_event", _sse)
+        encode = getattr(fmt, "encode_event", sse)
         trailer = getattr(fmt, "stream_trailer", "data: [DONE]\n\n")
         error_events = getattr(fmt, "error_events", lambda err: [err.body()])
         on_admitted = getattr(fmt, "on_admitted", lambda ev: [])
@@ -171,7 +162,7 @@ class Pipeline:
                     return
                 elif isinstance(ev, Failed):
                     finished = True
-                    for c in error_events(_failed(ev)):
+                    for c in error_events(failed_error(ev)):
                         yield encode(c)
                     return
         finally:

@@ -114,6 +114,15 @@ class PrefixCache:
         self._evict()
         return True
 
+    def adds(self, key: Sequence[int], has_mtp: bool) -> bool:
+        """Whether a state stored under ``key`` would add to the entry there (one as good is
+        marked used instead)."""
+        old = self.entries.get(tuple(key))
+        if old is not None and (old.has_mtp or not has_mtp):
+            self.touch(key)
+            return False
+        return True
+
     def touch(self, key: Sequence[int]):
         key = tuple(key)
         if key in self.entries:

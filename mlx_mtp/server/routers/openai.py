@@ -1,17 +1,16 @@
 """The OpenAI routes: chat and text completions (streaming or not; also without the ``/v1``
-prefix), the model list with its MTP capability, health and Prometheus metrics."""
+prefix) and the model list with its MTP capability."""
 
 from __future__ import annotations
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import APIRouter, Request
 
-from .params import MAX_TOP_LOGPROBS, check_model, resolve_common
-from .pipeline import Pipeline
-from .prompts import forced_tool, prepare_chat, prepare_completion
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
-from .responses import ChatFormatter, CompletionFormatter
-from .structured import compile_constraint
+from ..params import MAX_TOP_LOGPROBS, check_model, resolve_common
+from ..pipeline import Pipeline
+from ..prompts import forced_tool, prepare_chat, prepare_completion
+from ..protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
+from ..responses import ChatFormatter, CompletionFormatter
+from ..structured import compile_constraint
 
 
 def model_card(state) -> dict:
@@ -68,29 +67,16 @@ def _check_completion(req):
                           param="logprobs")
 
 
-def add_status_routes(app, pipe: Pipeline):
-    state, engine = pipe.state, pipe.engine
+def router(pipe: Pipeline) -> APIRouter:
+    r = APIRouter()
+    state = pipe.state
 
-    @app.get("/health")
-    @app.get("/v1/health")
-    async def health():
-        if not engine.alive:
-            return JSONResponse({"status": "unavailable"}, status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics(request: Request):
-        if state.protect_metrics:
-            pipe.check_auth(request)
-        return PlainTextResponse(engine.metrics.render(),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/v1/models")
+    @r.get("/v1/models")
     async def list_models(request: Request):
         pipe.check_auth(request)
         return {"object": "list", "data": [model_card(state)]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @r.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
         pipe.check_auth(request)
         if model_id not in state.aliases:
@@ -98,12 +84,8 @@ def add_status_routes(app, pipe: Pipeline):
                            code="model_not_found")
         return model_card(state)
 
-
-def add_routes(app, pipe: Pipeline):
-    state = pipe.state
-
-    @app.post("/v1/chat/completions")
-    @app.post("/chat/completions")
+    @r.post("/v1/chat/completions")
+    @r.post("/chat/completions")
     async def chat_completions(request: Request):
         pipe.check_auth(request)
         req = await pipe.parse_body(request, ChatCompletionRequest)
@@ -125,8 +107,8 @@ def add_routes(app, pipe: Pipeline):
                                       prepared.boundaries, logprobs, bool(req.stream),
                                       include_usage)
 
-    @app.post("/v1/completions")
-    @app.post("/completions")
+    @r.post("/v1/completions")
+    @r.post("/completions")
     async def completions(request: Request):
         pipe.check_auth(request)
         req = await pipe.parse_body(request, CompletionRequest)
@@ -143,3 +125,5 @@ def add_routes(app, pipe: Pipeline):
             lambda: CompletionFormatter(state, req.model or state.model_name, logprobs),
             ids, [len(ids) - 1] if len(ids) > 1 else [], logprobs, bool(req.stream),
             include_usage)
+
+    return r
