@@ -5,6 +5,12 @@ Resolution goes through ``huggingface_hub`` as mlx-lm does: its cache (``HF_HOME
 ``hf auth login``, its progress bars, and its resume of a dropped transfer (HTTP Range).
 Only the files a command needs are fetched (``allow_patterns``), never the whole repo.
 Every failure becomes a ``HubError`` whose message says what to do (CLI: exit 2).
+
+Ids are checked before any request: the name by huggingface_hub's ``validate_repo_id``,
+the revision as a git ref name that cannot act as a path (huggingface_hub stores
+``refs/{revision}`` in the cache, so ``@/abs/path`` would write there). Every request waits
+at most ``HF_HUB_ETAG_TIMEOUT`` seconds (default 10) to connect or for data: a Hub that
+accepts connections and never answers fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -27,7 +33,11 @@ MODEL_FILES = ("*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "tikt
 TOKENIZER_FILES = ("*.json", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt",
                    "*.jinja")
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@.+)?$")  # the shape; see check_hub_id
+# A branch, tag or commit: git ref name components, none of them ``.``/``..`` or empty, so
+# ``refs/{revision}`` stays inside the cache.
+_REVISION = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)*$")
+MAX_REVISION_LENGTH = 255  # a file name's limit (the cache's ref file)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -44,10 +54,43 @@ def parse_repo_id(spec: str) -> Optional[Tuple[str, Optional[str]]]:
     return repo_id, revision or None
 
 
+def local_path_exists(spec) -> bool:
+    """Whether ``spec`` names an existing local path (False for names no file system
+    takes, e.g. a component longer than 255 bytes)."""
+    try:
+        return Path(str(spec)).expanduser().exists()
+    except (OSError, ValueError):
+        return False
+
+
 def is_repo_id(spec) -> bool:
     """A string that is not an existing local path and reads as a hub id."""
-    return (spec is not None and not Path(str(spec)).expanduser().exists()
+    return (spec is not None and not local_path_exists(spec)
             and parse_repo_id(str(spec)) is not None)
+
+
+def check_hub_id(repo_id: str, revision: Optional[str]) -> None:
+    """Refuse an id huggingface_hub would not accept, or a revision that reads as a path."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise HubError(f"{repo_id[:100]!r} is not a valid Hugging Face id: "
+                       f"{str(e).split(':')[0]}.") from e
+    if revision is not None and (len(revision) > MAX_REVISION_LENGTH
+                                 or ".." in revision or not _REVISION.match(revision)):
+        raise HubError(f"{revision[:100]!r} is not a valid revision of {repo_id}: pass a "
+                       f"branch, tag or commit (at most {MAX_REVISION_LENGTH} characters; "
+                       "letters, digits, '_', '-', '.', and '/' between names).")
+
+
+def _bound_request_time() -> None:
+    """Give huggingface_hub's shared HTTP client a timeout (it has none by default; the
+    calls that pass their own keep theirs)."""
+    from huggingface_hub import constants, get_session
+
+    get_session().timeout = constants.HF_HUB_ETAG_TIMEOUT
 
 
 def _hub_url(repo_id: str) -> str:
@@ -127,6 +170,8 @@ def snapshot(spec: str, patterns: Iterable[str] = MODEL_FILES) -> Path:
         from huggingface_hub import snapshot_download
 
         repo_id, revision = parsed
+        check_hub_id(repo_id, revision)
+        _bound_request_time()
         with _hub_errors(spec):
             path = Path(snapshot_download(repo_id, revision=revision,
                                           allow_patterns=list(patterns)))
@@ -146,6 +191,8 @@ def download_file(repo_id: str, filename: str, revision: Optional[str] = None,
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     spec = repo_id + (f"@{revision}" if revision else "")
+    check_hub_id(repo_id, revision)
+    _bound_request_time()
     try:
         with _hub_errors(spec):
             path = Path(hf_hub_download(repo_id, filename, revision=revision))
