@@ -198,9 +198,10 @@ def _advice(path: Path, layout_name: str, mtp: dict, supported: bool = True) -> 
 def check_loadable(where: Path, config: dict, layout_name: str) -> None:
     """The loader's refusals, from the config and the file sizes (the model is built
     lazily: nothing is allocated)."""
-    if layout_name != LAYOUT_SPLIT:  # a drafter's config describes its trunk's weights too
+    split = layout_name == LAYOUT_SPLIT  # a drafter borrows its trunk's tokenizer...
+    if not split:  # ...and its config describes its trunk's weights too
         check_fits_weights(config, weight_files(where), where / "config.json")
-        check_tokenizer_files(where)  # a drafter borrows its trunk's tokenizer
+    check_tokenizer_files(where, required=not split)
     if config.get("model_type") in MODEL_TYPES:
         build_model(copy.deepcopy(config), where / "config.json")
 

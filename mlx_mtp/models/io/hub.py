@@ -86,11 +86,23 @@ def check_hub_id(repo_id: str, revision: Optional[str]) -> None:
 
 
 def _bound_request_time() -> None:
-    """Give huggingface_hub's shared HTTP client a timeout (it has none by default; the
-    calls that pass their own keep theirs)."""
-    from huggingface_hub import constants, get_session
+    """Every request of huggingface_hub's shared HTTP client gets a timeout: its API calls
+    (repo info, file listings) pass none, so a silent endpoint would hang them."""
+    from huggingface_hub import get_session
 
-    get_session().timeout = constants.HF_HUB_ETAG_TIMEOUT
+    hooks = get_session().event_hooks["request"]
+    if _fill_in_timeouts not in hooks:
+        hooks.append(_fill_in_timeouts)
+
+
+def _fill_in_timeouts(request) -> None:
+    """Request hook: ``HF_HUB_ETAG_TIMEOUT`` for each phase without a timeout of its own."""
+    from huggingface_hub import constants
+
+    timeouts = dict.fromkeys(("connect", "read", "write", "pool"))
+    timeouts.update(request.extensions.get("timeout") or {})
+    request.extensions["timeout"] = {phase: constants.HF_HUB_ETAG_TIMEOUT if t is None else t
+                                     for phase, t in timeouts.items()}
 
 
 def _hub_url(repo_id: str) -> str:
@@ -126,10 +138,17 @@ def _explain(spec: str, error: Exception) -> str:
             return (f"{spec} is not (completely) in the Hugging Face cache ({cache}) and "
                     "HF_HUB_OFFLINE is set: unset HF_HUB_OFFLINE to download it, download it "
                     f"once while online (`hf download {repo_id}`), or pass a local directory.")
-        return (f"Could not download {spec} from {constants.ENDPOINT} and it is not (completely) "
-                f"in the cache ({cache}): check the network connection (or HF_ENDPOINT) and run "
-                f"the command again (downloads resume), or pass a local directory. ({error})")
-    return f"Could not fetch {spec} from {constants.ENDPOINT}: {error}"
+        waited = (f" within {constants.HF_HUB_ETAG_TIMEOUT} s (HF_HUB_ETAG_TIMEOUT)"
+                  if "Timeout" in str(error) else "")
+        return (f"Could not download {spec} from {constants.ENDPOINT}{waited} and it is not "
+                f"(completely) in the cache ({cache}): check the network connection (or "
+                "HF_ENDPOINT) and run the command again (downloads resume), or pass a local "
+                f"directory. ({_first_line(error)})")
+    return f"Could not fetch {spec} from {constants.ENDPOINT}: {_first_line(error)}"
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 @contextmanager

@@ -319,10 +319,11 @@ def _optional_json(path: Path) -> dict:
     return read_json_object(path) if os.path.lexists(path) else {}
 
 
-def check_tokenizer_files(path: Path) -> None:
-    """Refuse a checkpoint without tokenizer files, or with damaged JSON ones, naming them
-    (the tokenizer libraries would fall back to an empty vocabulary or a traceback)."""
-    if not any(glob.glob(str(path / name)) for name in TOKENIZER_VOCAB_FILES):
+def check_tokenizer_files(path: Path, required: bool = True) -> None:
+    """Refuse a checkpoint without tokenizer files (when ``required``), or with damaged
+    JSON ones, naming them (the tokenizer libraries would fall back to an empty vocabulary
+    or a traceback)."""
+    if required and not any(glob.glob(str(path / name)) for name in TOKENIZER_VOCAB_FILES):
         raise ModelLoadError(
             f"{path} has no tokenizer (none of {', '.join(TOKENIZER_VOCAB_FILES)}): copy the "
             "tokenizer files of the model it was made from into it.")
