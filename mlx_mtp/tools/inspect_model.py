@@ -8,7 +8,8 @@ grafts one back, the draft-vocabulary file, and the memory the model needs to ru
 
 A checkpoint the loader would refuse (a damaged config or header, counts the weight files
 cannot hold, a config no model can be built from) is refused here too, with the loader's
-message and exit 2; a model_type mlx-mtp does not run is reported (exit 0), with advice.
+message and exit 2; a model_type mlx-mtp does not run is reported (exit 0) with advice,
+its config's JSON types checked only.
 """
 
 from __future__ import annotations
@@ -196,14 +197,15 @@ def _advice(path: Path, layout_name: str, mtp: dict, supported: bool = True) -> 
 
 
 def check_loadable(where: Path, config: dict, layout_name: str) -> None:
-    """The loader's refusals, from the config and the file sizes (the model is built
-    lazily: nothing is allocated)."""
+    """The loader's refusals of a model_type it runs, from the config, the file sizes and
+    the tokenizer files (the model is built lazily: nothing is allocated)."""
+    if config.get("model_type") not in MODEL_TYPES:
+        return  # the report says mlx-mtp cannot run it, and what can
     split = layout_name == LAYOUT_SPLIT  # a drafter borrows its trunk's tokenizer...
     if not split:  # ...and its config describes its trunk's weights too
         check_fits_weights(config, weight_files(where), where / "config.json")
     check_tokenizer_files(where, required=not split)
-    if config.get("model_type") in MODEL_TYPES:
-        build_model(copy.deepcopy(config), where / "config.json")
+    build_model(copy.deepcopy(config), where / "config.json")
 
 
 def inspect_model(path: Optional[str]) -> dict:

@@ -371,10 +371,12 @@ def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str]
 
     blas.ensure_configured()  # Linux CPU: OpenBLAS for multi-row matmuls, checked once
     p = resolve_model_path(path)
-    tokenizer = load_tokenizer(p, load_config(p))  # a bad tokenizer fails before the weights
-    model, _ = load_model(p, mtp=mtp, mtp_hidden=mtp_hidden, dtype=dtype, lazy=lazy,
-                          mtp_model=mtp_model)
+    model, config = load_model(p, mtp=mtp, mtp_hidden=mtp_hidden, dtype=dtype, lazy=True,
+                               mtp_model=mtp_model)
+    tokenizer = load_tokenizer(p, config)  # a bad tokenizer fails before the weights are read
     check_tokenizer_fits(model, tokenizer, p)
+    if not lazy:
+        mx.eval(model.parameters())
     return model, tokenizer
 
 
