@@ -172,7 +172,8 @@ def test_a_bad_split_drafter_is_one_line_and_exit_2(case, split_pair, tmp_path, 
 # --- hub ids --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("revision", ["main", "v1.0", "refs/pr/1", "a" * 40, "feature_x-2"])
+@pytest.mark.parametrize("revision", ["main", "v1.0", "refs/pr/1", "a" * 40, "feature_x-2",
+                                      "v1.0+build"])
 def test_revisions_huggingface_hub_takes_are_accepted(revision):
     hub.check_hub_id("org/name", revision)
 

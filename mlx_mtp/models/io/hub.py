@@ -34,9 +34,11 @@ TOKENIZER_FILES = ("*.json", "tokenizer.model", "*.tiktoken", "tiktoken.model", 
                    "*.jinja")
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@.+)?$")  # the shape; see check_hub_id
-# A branch, tag or commit: git ref name components, none of them ``.``/``..`` or empty, so
-# ``refs/{revision}`` stays inside the cache.
-_REVISION = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)*$")
+# A branch, tag or commit, by git's ref-name rules (git check-ref-format): components
+# without control characters, spaces or ~^:?*[\ that do not start with a dot, joined by
+# single slashes; so ``refs/{revision}`` stays inside the cache.
+_REF_COMPONENT = r"[^\x00-\x20\x7f~^:?*\[\\/.][^\x00-\x20\x7f~^:?*\[\\/]*"
+_REVISION = re.compile(rf"^{_REF_COMPONENT}(/{_REF_COMPONENT})*$")
 MAX_REVISION_LENGTH = 255  # a file name's limit (the cache's ref file)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -78,11 +80,12 @@ def check_hub_id(repo_id: str, revision: Optional[str]) -> None:
     except HFValidationError as e:
         raise HubError(f"{repo_id[:100]!r} is not a valid Hugging Face id: "
                        f"{str(e).split(':')[0]}.") from e
-    if revision is not None and (len(revision) > MAX_REVISION_LENGTH
-                                 or ".." in revision or not _REVISION.match(revision)):
+    if revision is not None and (
+            len(revision) > MAX_REVISION_LENGTH or not _REVISION.match(revision)
+            or ".." in revision or "@{" in revision or revision.endswith((".", ".lock"))):
         raise HubError(f"{revision[:100]!r} is not a valid revision of {repo_id}: pass a "
-                       f"branch, tag or commit (at most {MAX_REVISION_LENGTH} characters; "
-                       "letters, digits, '_', '-', '.', and '/' between names).")
+                       f"branch, tag or commit (a git ref name of at most "
+                       f"{MAX_REVISION_LENGTH} characters: no '..', no leading '/').")
 
 
 def _bound_request_time() -> None:

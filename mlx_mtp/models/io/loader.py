@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -102,6 +102,14 @@ def _apply_overrides(config: dict, mtp: bool, mtp_hidden: Optional[str]) -> dict
         layout.set_config_mtp_layers(config, 0)
     if mtp_hidden is not None:
         layout.text_config(config)["mtp_hidden"] = mtp_hidden
+    return config
+
+
+def model_config(path: Path, mtp: bool = True, mtp_hidden: Optional[str] = None) -> dict:
+    """The config the model at ``path`` is built from: config.json checked, the overrides
+    applied, its counts bounded by what the weight files can hold."""
+    config = _apply_overrides(load_config(path), mtp, mtp_hidden)
+    config_checks.check_fits_weights(config, weight_files(path), path / "config.json")
     return config
 
 
@@ -257,8 +265,7 @@ def load_model(
     model's own (``split_drafter``), after checking it belongs to this model.
     """
     path = resolve_model_path(path) if not isinstance(path, Path) else path
-    config = _apply_overrides(load_config(path), mtp, mtp_hidden)
-    config_checks.check_fits_weights(config, weight_files(path), path / "config.json")
+    config = model_config(path, mtp, mtp_hidden)
     model_type = config.get("model_type")
     if model_type is None:
         raise ModelLoadError(f"{path / 'config.json'} has no model_type.")
