@@ -27,7 +27,8 @@ from tqdm import tqdm
 from .common import ConversionError, _param_bytes, _warn
 from ..models import UnsupportedModelError
 from ..models.io.layout import CheckpointError, is_mtp_key, mlx_config, text_config
-from ..models.io.loader import INDEX_FILE, load_safetensors, read_safetensors_header, weight_files
+from ..models.io.files import load_safetensors, read_safetensors_header
+from ..models.io.loader import INDEX_FILE, weight_files
 
 
 def read_tensors(files: List[Path], wanted=None, verbose: bool = True) -> Dict[str, mx.array]:

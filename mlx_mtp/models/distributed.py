@@ -39,9 +39,8 @@ from .cache.kv import KVCache
 from .cache.recurrent import RecurrentCache
 from .blocks.hybrid import GatedAttention, GatedDeltaNetBase, MLP, SparseMoeBlock
 from .interface import Capabilities, ModelInterface, forwards_interface
-from .io.loader import (ModelLoadError, _apply_overrides, _upcast_cpu_experts, build_model,
-                     load_config, load_tokenizer, quantize_and_cast, read_weights,
-                     resolve_model_path)
+from .io.loader import (ModelLoadError, _upcast_cpu_experts, build_model, load_tokenizer,
+                     model_config, quantize_and_cast, read_weights, resolve_model_path)
 
 MODES = ("pipeline", "tensor")
 # int32 words in the first all_sum of a ``broadcast``: a serve step's message fits.
@@ -428,7 +427,7 @@ def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None
     """
     group = group or mx.distributed.init()
     p = resolve_model_path(path)
-    config = _apply_overrides(load_config(p), mtp, mtp_hidden)
+    config = model_config(p, mtp, mtp_hidden)
     model = build_model(config, p / "config.json")
     if not model.capabilities.splits:
         raise DistributedError(f"--distributed cannot split {model.model_type} models yet; "

@@ -5,11 +5,17 @@ Reports the family, the layout (Hugging Face original, MLX conversion, or a spli
 drafter as mlx-vlm publishes them), the MTP layers declared and present (which files,
 precision, size), whether the head was stripped by a conversion and the command that
 grafts one back, the draft-vocabulary file, and the memory the model needs to run.
+
+A checkpoint the loader would refuse (a damaged config or header, counts the weight files
+cannot hold, a config no model can be built from) is refused here too, with the loader's
+message and exit 2; a model_type mlx-mtp does not run is reported (exit 0) with advice,
+its config's JSON types checked only.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +26,10 @@ from ..models.draft import vocab as draft_vocab
 from ..models.blocks.hybrid import HybridArgs
 from ..models.io.layout import (CheckpointError, args_dict, config_mtp_layers, config_quantization,
                              count_mtp_layers, family, is_mtp_key, text_config)
-from ..models.io.loader import load_config, read_safetensors_header, resolve_model_path, weight_files
+from ..models.io.config_checks import check_fits_weights
+from ..models.io.files import read_safetensors_header
+from ..models.io.loader import (build_model, check_tokenizer_files, load_config,
+                                resolve_model_path, weight_files)
 
 LAYOUT_HF, LAYOUT_MLX, LAYOUT_SPLIT = "hf", "mlx", "split"
 LAYOUT_NAMES = {
@@ -187,12 +196,25 @@ def _advice(path: Path, layout_name: str, mtp: dict, supported: bool = True) -> 
     return "No MTP head: the model runs with --no-mtp only (plain decoding)."
 
 
+def check_loadable(where: Path, config: dict, layout_name: str) -> None:
+    """The loader's refusals of a model_type it runs, from the config, the file sizes and
+    the tokenizer files (the model is built lazily: nothing is allocated)."""
+    if config.get("model_type") not in MODEL_TYPES:
+        return  # the report says mlx-mtp cannot run it, and what can
+    split = layout_name == LAYOUT_SPLIT  # a drafter borrows its trunk's tokenizer...
+    if not split:  # ...and its config describes its trunk's weights too
+        check_fits_weights(config, weight_files(where), where / "config.json")
+    check_tokenizer_files(where, required=not split)
+    build_model(copy.deepcopy(config), where / "config.json")
+
+
 def inspect_model(path: Optional[str]) -> dict:
     """The report for the checkpoint at ``path`` (None: the embedded demo model)."""
     where = resolve_model_path(path)
     config = load_config(where)
     tensors = read_tensors(where)
     layout_name = detect_layout(config, tensors)
+    check_loadable(where, config, layout_name)
     mtp = mtp_summary(config, tensors, layout_name)
     trunk = [k for k in tensors if not is_mtp_key(k) and not k.startswith(_VISION_PREFIXES)]
     model_type = config.get("model_type")

@@ -5,6 +5,12 @@ Resolution goes through ``huggingface_hub`` as mlx-lm does: its cache (``HF_HOME
 ``hf auth login``, its progress bars, and its resume of a dropped transfer (HTTP Range).
 Only the files a command needs are fetched (``allow_patterns``), never the whole repo.
 Every failure becomes a ``HubError`` whose message says what to do (CLI: exit 2).
+
+Ids are checked before any request: the name by huggingface_hub's ``validate_repo_id``,
+the revision as a git ref name that cannot act as a path (huggingface_hub stores
+``refs/{revision}`` in the cache, so ``@/abs/path`` would write there). Every request waits
+at most ``HF_HUB_ETAG_TIMEOUT`` seconds (default 10) to connect or for data: a Hub that
+accepts connections and never answers fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -27,7 +33,13 @@ MODEL_FILES = ("*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "tikt
 TOKENIZER_FILES = ("*.json", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt",
                    "*.jinja")
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@.+)?$")  # the shape; see check_hub_id
+# A branch, tag or commit, by git's ref-name rules (git check-ref-format): components
+# without control characters, spaces or ~^:?*[\ that do not start with a dot, joined by
+# single slashes; so ``refs/{revision}`` stays inside the cache.
+_REF_COMPONENT = r"[^\x00-\x20\x7f~^:?*\[\\/.][^\x00-\x20\x7f~^:?*\[\\/]*"
+_REVISION = re.compile(rf"^{_REF_COMPONENT}(/{_REF_COMPONENT})*$")
+MAX_REVISION_LENGTH = 255  # a file name's limit (the cache's ref file)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -44,10 +56,56 @@ def parse_repo_id(spec: str) -> Optional[Tuple[str, Optional[str]]]:
     return repo_id, revision or None
 
 
+def local_path_exists(spec) -> bool:
+    """Whether ``spec`` names an existing local path (False for names no file system
+    takes, e.g. a component longer than 255 bytes)."""
+    try:
+        return Path(str(spec)).expanduser().exists()
+    except (OSError, ValueError):
+        return False
+
+
 def is_repo_id(spec) -> bool:
     """A string that is not an existing local path and reads as a hub id."""
-    return (spec is not None and not Path(str(spec)).expanduser().exists()
+    return (spec is not None and not local_path_exists(spec)
             and parse_repo_id(str(spec)) is not None)
+
+
+def check_hub_id(repo_id: str, revision: Optional[str]) -> None:
+    """Refuse an id huggingface_hub would not accept, or a revision that reads as a path."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise HubError(f"{repo_id[:100]!r} is not a valid Hugging Face id: "
+                       f"{str(e).split(':')[0]}.") from e
+    if revision is not None and (
+            len(revision) > MAX_REVISION_LENGTH or not _REVISION.match(revision)
+            or ".." in revision or "@{" in revision or revision.endswith((".", ".lock"))):
+        raise HubError(f"{revision[:100]!r} is not a valid revision of {repo_id}: pass a "
+                       f"branch, tag or commit (a git ref name of at most "
+                       f"{MAX_REVISION_LENGTH} characters: no '..', no leading '/').")
+
+
+def _bound_request_time() -> None:
+    """Every request of huggingface_hub's shared HTTP client gets a timeout: its API calls
+    (repo info, file listings) pass none, so a silent endpoint would hang them."""
+    from huggingface_hub import get_session
+
+    hooks = get_session().event_hooks["request"]
+    if _fill_in_timeouts not in hooks:
+        hooks.append(_fill_in_timeouts)
+
+
+def _fill_in_timeouts(request) -> None:
+    """Request hook: ``HF_HUB_ETAG_TIMEOUT`` for each phase without a timeout of its own."""
+    from huggingface_hub import constants
+
+    timeouts = dict.fromkeys(("connect", "read", "write", "pool"))
+    timeouts.update(request.extensions.get("timeout") or {})
+    request.extensions["timeout"] = {phase: constants.HF_HUB_ETAG_TIMEOUT if t is None else t
+                                     for phase, t in timeouts.items()}
 
 
 def _hub_url(repo_id: str) -> str:
@@ -83,10 +141,17 @@ def _explain(spec: str, error: Exception) -> str:
             return (f"{spec} is not (completely) in the Hugging Face cache ({cache}) and "
                     "HF_HUB_OFFLINE is set: unset HF_HUB_OFFLINE to download it, download it "
                     f"once while online (`hf download {repo_id}`), or pass a local directory.")
-        return (f"Could not download {spec} from {constants.ENDPOINT} and it is not (completely) "
-                f"in the cache ({cache}): check the network connection (or HF_ENDPOINT) and run "
-                f"the command again (downloads resume), or pass a local directory. ({error})")
-    return f"Could not fetch {spec} from {constants.ENDPOINT}: {error}"
+        waited = (f" within {constants.HF_HUB_ETAG_TIMEOUT} s (HF_HUB_ETAG_TIMEOUT)"
+                  if "Timeout" in str(error) else "")
+        return (f"Could not download {spec} from {constants.ENDPOINT}{waited} and it is not "
+                f"(completely) in the cache ({cache}): check the network connection (or "
+                "HF_ENDPOINT) and run the command again (downloads resume), or pass a local "
+                f"directory. ({_first_line(error)})")
+    return f"Could not fetch {spec} from {constants.ENDPOINT}: {_first_line(error)}"
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 @contextmanager
@@ -127,6 +192,8 @@ def snapshot(spec: str, patterns: Iterable[str] = MODEL_FILES) -> Path:
         from huggingface_hub import snapshot_download
 
         repo_id, revision = parsed
+        check_hub_id(repo_id, revision)
+        _bound_request_time()
         with _hub_errors(spec):
             path = Path(snapshot_download(repo_id, revision=revision,
                                           allow_patterns=list(patterns)))
@@ -146,6 +213,8 @@ def download_file(repo_id: str, filename: str, revision: Optional[str] = None,
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     spec = repo_id + (f"@{revision}" if revision else "")
+    check_hub_id(repo_id, revision)
+    _bound_request_time()
     try:
         with _hub_errors(spec):
             path = Path(hf_hub_download(repo_id, filename, revision=revision))

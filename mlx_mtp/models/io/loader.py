@@ -5,10 +5,9 @@ from __future__ import annotations
 import glob
 import json
 import os
-import struct
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -16,16 +15,14 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from .. import UnsupportedModelError, get_model_module
-from . import layout, split_drafter
+from . import config_checks, layout, split_drafter
 from ..blocks.hybrid import SparseMoeBlock
+from .files import damaged, load_safetensors, read_json_object, read_safetensors_header
 from .layout import CheckpointError
+from ...errors import ModelLoadError
 
 DEFAULT_MODEL = Path(__file__).parents[2] / "assets" / "demo-model"
 INDEX_FILE = "model.safetensors.index.json"
-
-
-class ModelLoadError(CheckpointError):
-    pass
 
 
 # Errors that describe a problem with the user's checkpoint or arguments (CLI: exit 2).
@@ -46,7 +43,7 @@ def resolve_model_path(path: Optional[str], files=None) -> Path:
             )
         return DEFAULT_MODEL
     p = Path(path).expanduser()
-    if not p.exists():
+    if not hub.local_path_exists(p):
         if hub.parse_repo_id(str(path)) is not None:
             return hub.snapshot(str(path), files or hub.MODEL_FILES)
         raise ModelLoadError(
@@ -58,19 +55,11 @@ def resolve_model_path(path: Optional[str], files=None) -> Path:
     return p
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path} is not valid JSON ({e}); the file is damaged.") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} does not hold a JSON object; the file is damaged.")
-    return data
-
-
 def load_config(path: Path) -> dict:
-    return _read_json(path / "config.json")
+    """config.json of the checkpoint at ``path``, its JSON types and values checked."""
+    config = read_json_object(path / "config.json")
+    config_checks.check_config(config, path / "config.json")
+    return config
 
 
 def weight_files(path: Path) -> list:
@@ -79,7 +68,7 @@ def weight_files(path: Path) -> list:
     index = path / INDEX_FILE
     files = set()
     if index.exists():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index} has no weight_map; the file is damaged.")
         files = {path / name for name in weight_map.values()}
@@ -90,43 +79,11 @@ def weight_files(path: Path) -> list:
                 f"{'is' if len(missing) == 1 else 'are'} missing: the checkpoint is "
                 "incomplete. Download the missing file(s) again.")
     files |= {Path(p) for p in glob.glob(str(path / "*.safetensors"))}
+    for f in files:
+        if not f.is_file():
+            raise damaged(f, "a directory" if f.is_dir() else "not a file: a broken or "
+                          "looping symlink?")
     return sorted(files)
-
-
-def _damaged(f: Path, why: str) -> ModelLoadError:
-    return ModelLoadError(f"{f} is not a readable safetensors file ({why}). It is probably "
-                          "truncated or corrupt (an interrupted download?): download it again.")
-
-
-def read_safetensors_header(f: Path) -> Dict[str, dict]:
-    """Tensor name -> {"dtype", "shape", "data_offsets"}, checked against the file's size,
-    without reading the data."""
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
-        head = fh.read(8)
-        if len(head) != 8:
-            raise _damaged(f, "empty" if not head else "no header")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise _damaged(f, "invalid header length")
-        try:
-            header = json.loads(fh.read(n))
-            header.pop("__metadata__", None)
-            end = max((int(e["data_offsets"][1]) for e in header.values()), default=0)
-        except (ValueError, UnicodeDecodeError, TypeError, KeyError, IndexError,
-                AttributeError) as e:
-            raise _damaged(f, f"invalid header: {e}") from e
-    if 8 + n + end > size:
-        raise _damaged(f, f"{size} bytes, the header needs {8 + n + end}")
-    return header
-
-
-def load_safetensors(f: Path) -> Dict[str, mx.array]:
-    """``mx.load`` (lazy) of one file; a damaged file is a user error, not a traceback."""
-    try:
-        return mx.load(str(f))
-    except RuntimeError as e:  # mx.load checks the header and the data offsets
-        raise _damaged(f, str(e)) from e
 
 
 def read_weights(path: Path) -> dict:
@@ -145,6 +102,14 @@ def _apply_overrides(config: dict, mtp: bool, mtp_hidden: Optional[str]) -> dict
         layout.set_config_mtp_layers(config, 0)
     if mtp_hidden is not None:
         layout.text_config(config)["mtp_hidden"] = mtp_hidden
+    return config
+
+
+def model_config(path: Path, mtp: bool = True, mtp_hidden: Optional[str] = None) -> dict:
+    """The config the model at ``path`` is built from: config.json checked, the overrides
+    applied, its counts bounded by what the weight files can hold."""
+    config = _apply_overrides(load_config(path), mtp, mtp_hidden)
+    config_checks.check_fits_weights(config, weight_files(path), path / "config.json")
     return config
 
 
@@ -300,7 +265,7 @@ def load_model(
     model's own (``split_drafter``), after checking it belongs to this model.
     """
     path = resolve_model_path(path) if not isinstance(path, Path) else path
-    config = _apply_overrides(load_config(path), mtp, mtp_hidden)
+    config = model_config(path, mtp, mtp_hidden)
     model_type = config.get("model_type")
     if model_type is None:
         raise ModelLoadError(f"{path / 'config.json'} has no model_type.")
@@ -348,15 +313,43 @@ def _read_drafter(mtp_model, config: dict, path: Path):
     return drafter
 
 
+# Files that hold a vocabulary (one of them is needed), and the JSON files beside them.
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model",
+                         "*.tiktoken", "vocab.txt")
+# generation_config.json: the end-of-sequence ids the tokenizer is given.
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                        "added_tokens.json", "generation_config.json")
+
+
+def _optional_json(path: Path) -> dict:
+    """The JSON object in ``path``, or {} when there is no such file."""
+    return read_json_object(path) if os.path.lexists(path) else {}
+
+
+def check_tokenizer_files(path: Path, required: bool = True) -> None:
+    """Refuse a checkpoint without tokenizer files (when ``required``), or with damaged
+    JSON ones, naming them (the tokenizer libraries would fall back to an empty vocabulary
+    or a traceback)."""
+    if required and not any(glob.glob(str(path / name)) for name in TOKENIZER_VOCAB_FILES):
+        raise ModelLoadError(
+            f"{path} has no tokenizer (none of {', '.join(TOKENIZER_VOCAB_FILES)}): copy the "
+            "tokenizer files of the model it was made from into it.")
+    for name in TOKENIZER_JSON_FILES:
+        _optional_json(path / name)
+
+
 def load_tokenizer(path: Path, config: dict):
     from mlx_lm.utils import load_tokenizer as _load
 
-    eos = config.get("eos_token_id")
-    gen = path / "generation_config.json"
-    if gen.exists():
-        with open(gen) as f:
-            eos = json.load(f).get("eos_token_id", eos)
-    return _load(path, eos_token_ids=eos)
+    check_tokenizer_files(path)
+    eos = _optional_json(path / "generation_config.json").get(
+        "eos_token_id", config.get("eos_token_id"))
+    try:
+        return _load(path, eos_token_ids=eos)
+    except (ValueError, OSError, TypeError, KeyError, AttributeError, IndexError) as e:
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ModelLoadError(f"The tokenizer in {path} cannot be loaded ({type(e).__name__}: "
+                             f"{reason}); the tokenizer files are damaged.") from e
 
 
 def tokenizer_id_limit(tokenizer) -> int:
@@ -385,21 +378,19 @@ def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str]
 
     blas.ensure_configured()  # Linux CPU: OpenBLAS for multi-row matmuls, checked once
     p = resolve_model_path(path)
-    model, config = load_model(p, mtp=mtp, mtp_hidden=mtp_hidden, dtype=dtype, lazy=lazy,
+    model, config = load_model(p, mtp=mtp, mtp_hidden=mtp_hidden, dtype=dtype, lazy=True,
                                mtp_model=mtp_model)
-    tokenizer = load_tokenizer(p, config)
+    tokenizer = load_tokenizer(p, config)  # a bad tokenizer fails before the weights are read
     check_tokenizer_fits(model, tokenizer, p)
+    if not lazy:
+        mx.eval(model.parameters())
     return model, tokenizer
 
 
 def generation_defaults(path: Optional[str]) -> dict:
     """Sampling defaults from generation_config.json, the keys vLLM takes from it
     (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``)."""
-    p = resolve_model_path(path) / "generation_config.json"
-    if not p.exists():
-        return {}
-    with open(p) as f:
-        g = json.load(f)
+    g = _optional_json(resolve_model_path(path) / "generation_config.json")
     keys = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
             "repetition_penalty": "repetition_penalty"}
     return {ours: g[k] for k, ours in keys.items() if k in g}

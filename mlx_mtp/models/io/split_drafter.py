@@ -25,6 +25,8 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 
+from .config_checks import check_config
+from .files import load_safetensors, read_json_object
 from .layout import (SHIFTED_NORM_SUFFIXES, CheckpointError, args_dict, config_mtp_layers,
                      count_mtp_layers, family, is_mtp_key, text_config)
 
@@ -76,7 +78,7 @@ class Drafter:
 def _head_weights(files: List[Path]) -> Dict[str, mx.array]:
     weights = {}
     for f in files:
-        for k, v in mx.load(str(f)).items():
+        for k, v in load_safetensors(f).items():
             if k.startswith("mtp."):  # raw Hugging Face layout: norms zero-centred
                 if v.ndim == 1 and k.endswith(SHIFTED_NORM_SUFFIXES):
                     v = v + 1.0
@@ -90,7 +92,8 @@ def read_drafter(path: Path) -> Drafter:
     config_file = path / "config.json"
     if not config_file.exists():
         raise DrafterError(f"{path} has no config.json: it is not an MTP drafter directory.")
-    config = json.loads(config_file.read_text())
+    config = read_json_object(config_file, "the MTP drafter's config")
+    check_config(config, config_file)
     if not is_drafter_config(config):
         raise DrafterError(
             f"{path} is not a split MTP drafter (model_type {config.get('model_type')!r}, "
@@ -118,8 +121,8 @@ def sibling_drafter(trunk: Path) -> Optional[Path]:
         path = trunk.parent / c
         if (path / "config.json").exists():
             try:
-                config = json.loads((path / "config.json").read_text())
-            except ValueError:
+                config = read_json_object(path / "config.json")
+            except CheckpointError:
                 continue
             if is_drafter_config(config):
                 return path
@@ -130,9 +133,13 @@ def _tokenizer_vocab(path: Path) -> Optional[dict]:
     f = path / "tokenizer.json"
     if not f.exists():
         return None
-    data = json.loads(f.read_text())
-    vocab = dict((data.get("model") or {}).get("vocab") or {})
-    vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
+    data = read_json_object(f)
+    try:
+        vocab = dict((data.get("model") or {}).get("vocab") or {})
+        vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise DrafterError(f"{f} is not a tokenizer.json ({type(e).__name__}: {e}); the "
+                           "file is damaged.") from e
     return vocab
 
 
