@@ -37,7 +37,7 @@ from mlx.utils import tree_flatten
 from .io import layout
 from .cache.kv import KVCache
 from .cache.recurrent import RecurrentCache
-from .blocks.hybrid import GatedAttention, GatedDeltaNetBase, MLP, SparseMoeBlock
+from .blocks.hybrid import GatedAttention, GatedDeltaNetBase, SparseMoeBlock
 from .interface import Capabilities, ModelInterface, forwards_interface
 from .io.loader import (ModelLoadError, _upcast_cpu_experts, build_model, load_tokenizer,
                      model_config, quantize_and_cast, read_weights, resolve_model_path)

@@ -34,7 +34,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 from ..text_corpus import (  # noqa: F401  (re-exported: the corpus API's old home)
     HELDOUT_MODULUS, _split_of, corpus_files, iter_corpus_texts, read_corpus_file, stdlib_root,
