@@ -65,9 +65,10 @@ def stream_generate(
     state = None
     if grammar is not None:
         state = Grammar(tokenizer, grammar, model.text.args.vocab_size, sorted(text.eos)).start()
-    dec = MTPDecoder(model, num_draft_tokens, sampling, adaptive=adaptive,
-                     prefill_step_size=prefill_step_size, grammar=state, policy=policy,
-                     drafter=None if draft_sources is None else draft_sources.drafter())
+    k, drafter = (num_draft_tokens, None) if draft_sources is None \
+        else draft_sources.for_row(num_draft_tokens)
+    dec = MTPDecoder(model, k, sampling, adaptive=adaptive, prefill_step_size=prefill_step_size,
+                     grammar=state, policy=policy, drafter=drafter)
     mx.reset_peak_memory()
 
     tic = time.perf_counter()
@@ -77,8 +78,7 @@ def stream_generate(
         out = dec.step()
         # A head loaded in the wrong layout fails silently: warn once if it accepts ~nothing.
         s = dec.stats  # the head's drafts only: context drafts say nothing about it
-        check_acceptance(s.num_draft_tokens - s.lookup_draft_tokens,
-                         s.num_accepted_tokens - s.lookup_accepted_tokens,
+        check_acceptance(s.head_draft_tokens, s.head_accepted_tokens,
                          getattr(model, "model_type", ""))
         if prompt_time is None:
             prompt_time = time.perf_counter() - tic
@@ -117,17 +117,6 @@ def format_stats(r: GenerationResponse) -> str:
         f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec",
         f"Peak memory: {r.peak_memory:.3f} GB",
     ]
-    s = r.spec
-    if s.num_drafts:
-        per_pos = " ".join(f"{a:.2f}" for a in s.acceptance_per_pos)
-        lines.append(
-            f"MTP: accepted {s.num_accepted_tokens}/{s.num_draft_tokens} "
-            f"({100 * s.acceptance_rate:.1f}%), mean acceptance length "
-            f"{s.mean_acceptance_length:.2f}, per-pos [{per_pos}], drafts {s.num_drafts}"
-        )
-        if s.lookup_drafts:
-            head_drafted = s.num_draft_tokens - s.lookup_draft_tokens
-            head_accepted = s.num_accepted_tokens - s.lookup_accepted_tokens
-            lines[-1] += (f"; by source: context {s.lookup_accepted_tokens}/"
-                          f"{s.lookup_draft_tokens}, head {head_accepted}/{head_drafted}")
+    if r.spec.num_drafts:
+        lines.append(r.spec.describe())
     return "\n".join(lines)

@@ -146,7 +146,7 @@ class DashboardFeed:
             "max_concurrency": engine.max_concurrency,
             "generation_tokens_per_second": gen_rate,
             "prompt_tokens_per_second": prompt_rate,
-            **totals,  # MTP counters and rates rendered by metrics.spec_fields
+            **totals,  # MTP counters and rates rendered by SpecStats.to_dict
             "prefix_cache": {"enabled": pc.enabled, "entries": len(pc), "bytes": pc.nbytes,
                              "max_bytes": pc.max_bytes, "hits": pc.hits, "misses": pc.misses},
             "draft_policy": draft_policy_view(engine),

@@ -45,7 +45,7 @@ from ..decode.speculative import SpecStats, StepOutput
 from ..decode.text_stream import TextStream, token_bytes
 from ..models.blocks.hybrid import CHUNKED_MIN_TOKENS
 from ..models.io.layout import check_acceptance
-from .metrics import PeriodicLog, ServerMetrics, spec_fields
+from .metrics import PeriodicLog, ServerMetrics
 from .distributed import StepSync
 from .fair_share import FairShare
 from .prefix_cache import PrefixCache
@@ -285,14 +285,12 @@ class Engine:
         return min(len(self.running) + len(self.waiting), self.max_concurrency)
 
     def _make_seq(self, req: EngineRequest) -> _Seq:
-        k = self.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens
-        source = req.draft_source or self.draft_sources.source
-        if not self.has_mtp or source == "lookup":
-            k = 0
+        k, drafter = self.draft_sources.for_row(self.num_draft_tokens, req.num_draft_tokens,
+                                                req.draft_source, self.has_mtp)
         dec = Sequence(self.model, k, req.sampling, adaptive=self.adaptive,
                        prefill_step_size=self.prefill_step_size,
                        grammar=None if req.grammar is None else req.grammar.start(),
-                       drafter=self.draft_sources.drafter(source))
+                       drafter=drafter)
         if dec.mtp_cache is not None:
             dec.drafting_hint = lambda: self.batch.would_draft(max(len(self.batch) + 1,
                                                                    self._load()))
@@ -503,8 +501,7 @@ class Engine:
         self._remove(seq)
         self.total_stats.merge(stats)
         t = self.total_stats  # the head's drafts only: context drafts say nothing about it
-        check_acceptance(t.num_draft_tokens - t.lookup_draft_tokens,
-                         t.num_accepted_tokens - t.lookup_accepted_tokens, self.model_name)
+        check_acceptance(t.head_draft_tokens, t.head_accepted_tokens, self.model_name)
         P, C = len(req.prompt), seq.n_generated
         prompt_s = (seq.t_prefill_done or now) - seq.t_admit
         gen_s = now - (seq.t_prefill_done or now)
@@ -528,13 +525,9 @@ class Engine:
             "total_tokens": P + C,
             "prompt_tokens_details": {"cached_tokens": seq.n_cached},
             # Ours: drafted and accepted tokens by source (the head, the context).
-            "draft_tokens_by_source": {
-                "mtp": {"drafted": stats.num_draft_tokens - stats.lookup_draft_tokens,
-                        "accepted": stats.num_accepted_tokens - stats.lookup_accepted_tokens},
-                "lookup": {"drafted": stats.lookup_draft_tokens,
-                           "accepted": stats.lookup_accepted_tokens}},
+            "draft_tokens_by_source": stats.by_source(),
         }
-        mtp = {"enabled": seq.mtp_enabled, **spec_fields(stats)}
+        mtp = {"enabled": seq.mtp_enabled, **stats.to_dict()}
         m = self.metrics
         m.request_success.inc(finished_reason=finish)
         m.e2e.observe(now - req.arrival)

@@ -130,9 +130,14 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
         except ValueError as e:
             raise bad_request(str(e), param="num_draft_tokens")
         if k > 0 and state.num_mtp_layers == 0:
-            raise bad_request("This server runs without an MTP head (--no-mtp); "
-                              "num_draft_tokens must be 0.", param="num_draft_tokens")
+            raise bad_request("This server runs without an MTP head (--no-mtp or "
+                              "--num-draft-tokens 0); num_draft_tokens must be 0.",
+                              param="num_draft_tokens")
+    source = check_draft_source(req.draft_source)
+    if k == 0 and source in ("lookup", "both"):
+        raise bad_request(f"num_draft_tokens 0 turns drafting off, draft_source {source} asks "
+                          "for context drafts: leave out one of the two.",
+                          param="num_draft_tokens")
     stop = check_stop(req.stop)
     return dict(max_tokens=max_tokens, sampling=sampling, stop=stop, num_draft_tokens=k,
-                cache_prompt=req.cache_prompt is not False,
-                draft_source=check_draft_source(req.draft_source))
+                cache_prompt=req.cache_prompt is not False, draft_source=source)

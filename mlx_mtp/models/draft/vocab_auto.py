@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten
 
 from .vocab import vocab_hash
 
-ASSETS = Path(__file__).parent.parent / "assets" / "draft-vocab"
+ASSETS = Path(__file__).parents[2] / "assets" / "draft-vocab"
 # Typical per-position acceptance of a trained MTP head and K, for sizing only (the
 # acceptance cancels out of which N is best to first order; it sets how much to gain).
 ACCEPTANCE, K, VERIFY_PER_DRAFT = 0.8, 3, 0.35

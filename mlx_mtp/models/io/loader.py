@@ -20,7 +20,7 @@ from . import layout, split_drafter
 from ..blocks.hybrid import SparseMoeBlock
 from .layout import CheckpointError
 
-DEFAULT_MODEL = Path(__file__).parent.parent / "assets" / "demo-model"
+DEFAULT_MODEL = Path(__file__).parents[2] / "assets" / "demo-model"
 INDEX_FILE = "model.safetensors.index.json"
 
 
