@@ -23,12 +23,12 @@ def measured(policy):
 
 
 def test_costs_saved_are_loaded_under_the_same_key(tiny_model):
-    policy = DraftPolicy(3)
+    policy = DraftPolicy()
     for s in (0.010, 0.011, 0.012):
         policy.record_step(1, 0, s)
         policy.record_step(1, 2, 2 * s, [1])
     step_costs.save(tiny_model, policy)
-    fresh = DraftPolicy(3)
+    fresh = DraftPolicy()
     assert step_costs.load(tiny_model, fresh)
     assert measured(fresh) == measured(policy)
 
@@ -44,19 +44,19 @@ def test_the_key_follows_shapes_and_dtypes_not_values():
 
 
 def test_missing_or_broken_files_load_nothing(tiny_model):
-    assert not step_costs.load(tiny_model, DraftPolicy(2))
+    assert not step_costs.load(tiny_model, DraftPolicy())
     path = step_costs.cost_file(tiny_model)
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    policy = DraftPolicy(2)
+    policy = DraftPolicy()
     assert not step_costs.load(tiny_model, policy) and not policy.costs.cells
 
 
 def test_calibration_stays_within_its_budget(tiny_model):
-    policy = DraftPolicy(2)
-    assert step_costs.calibrate(tiny_model, policy, budget=0.0) < 0.5
+    policy = DraftPolicy()
+    assert step_costs.calibrate(tiny_model, policy, 2, budget=0.0) < 0.5
     assert not policy.costs.cells  # no time: nothing measured
-    spent = step_costs.calibrate(tiny_model, policy, budget=5.0)
+    spent = step_costs.calibrate(tiny_model, policy, 2, budget=5.0)
     assert spent < 5.0 + 1.0  # a tiny model's steps take milliseconds
     assert {(1, 0), (1, 1), (1, 2)} <= set(policy.costs.cells)
 
@@ -74,14 +74,14 @@ def test_a_fresh_process_calibrates_once_then_reads_the_file(tiny_model):
 def test_stored_costs_decide_the_first_step(tiny_model, verify_cost, drafts):
     """Known costs: the first decision drafts where drafting pays (at the prior's
     acceptance) and stays off where it does not; nothing is probed first."""
-    stored = DraftPolicy(1)
+    stored = DraftPolicy()
     for _ in range(4):
         stored.record_step(1, 0, 0.020)
         stored.record_step(1, 1, 0.020 * verify_cost, [1])
     step_costs.save(tiny_model, stored)
-    policy = DraftPolicy(1)
+    policy = DraftPolicy()
     step_costs.load(tiny_model, policy)
-    assert (policy.choose(1) > 0) is drafts
+    assert (policy.choose(1, 1) > 0) is drafts
 
 
 def test_serve_reads_stored_costs_and_times_only_missing_batch_sizes(tiny_model):
@@ -93,7 +93,8 @@ def test_serve_reads_stored_costs_and_times_only_missing_batch_sizes(tiny_model)
         engine = Engine(tiny_model, None, num_draft_tokens=2, max_concurrency=max_concurrency,
                         log_interval=0)
         timed, real = [], engine.batch.calibrate
-        engine.batch.calibrate = lambda sizes, **kw: timed.append(list(sizes)) or real(sizes, **kw)
+        engine.batch.calibrate = lambda k, sizes, **kw: (timed.append(list(sizes))
+                                                         or real(k, sizes, **kw))
         engine._calibrate()
         return engine, timed
 
@@ -112,14 +113,14 @@ def test_context_draft_costs_are_kept_beside_the_policy_costs(tiny_model):
     the process; saving one kind keeps the other's stored value."""
     from mlx_mtp.decode.draft_source import DraftSources
 
-    policy, sources = DraftPolicy(2), DraftSources("both")
+    policy, sources = DraftPolicy(), DraftSources("both")
     for s in (0.010, 0.012):
         policy.record_step(1, 0, s)
         sources.costs.observe(1, 16, 0, 3 * s)
         sources.costs.observe(1, 18, 2, 4 * s)
     step_costs.save(tiny_model, policy)
     step_costs.save(tiny_model, None, sources)
-    fresh_policy, fresh_sources = DraftPolicy(2), DraftSources("both")
+    fresh_policy, fresh_sources = DraftPolicy(), DraftSources("both")
     assert step_costs.load(tiny_model, fresh_policy, fresh_sources)
     assert measured(fresh_policy) == measured(policy)
     assert ({c: list(v) for c, v in fresh_sources.costs.cells.items()}
@@ -128,9 +129,9 @@ def test_context_draft_costs_are_kept_beside_the_policy_costs(tiny_model):
     assert DraftSources("both").costs.predict(1, 16, 0) is None
     assert fresh_sources.costs.predict(1, 16, 0) == pytest.approx(0.036)
     # A kind with nothing measured keeps its stored costs.
-    step_costs.save(tiny_model, DraftPolicy(2))
+    step_costs.save(tiny_model, DraftPolicy())
     step_costs.save(tiny_model, None, DraftSources("both"))
-    again_policy, again = DraftPolicy(2), DraftSources("both")
+    again_policy, again = DraftPolicy(), DraftSources("both")
     assert step_costs.load(tiny_model, again_policy, again)
     assert measured(again_policy) == measured(policy)
     assert set(again.costs.cells) == {(1, 16, 0), (1, 18, 2)}

@@ -380,7 +380,7 @@ def run_inprocess(model, prompts: List[Prompt], encoded: List[List[int]], cfg: B
 
     # An adaptive setting keeps one policy over its runs, as a server keeps one: step
     # costs measured once carry over instead of being explored on every prompt.
-    policies = {s.name: DraftPolicy(s.k, True) for s in settings if s.adaptive}
+    policies = {s.name: DraftPolicy(adaptive=True) for s in settings if s.adaptive}
     sources = {s.name: DraftSources(s.draft_source, cfg.lookup) for s in settings
                if s.draft_source != "mtp"}
 

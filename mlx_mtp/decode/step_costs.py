@@ -125,20 +125,20 @@ def uncalibrated(model, policy: DraftPolicy, max_batch: int, K: int) -> list:
     return [B for B in sizes if not (policy.costs.count(B, 0) and policy.costs.count(B, K))]
 
 
-def calibrate(model, policy: DraftPolicy, budget: float = 0.5) -> float:
+def calibrate(model, policy: DraftPolicy, max_k: int, budget: float = 0.5) -> float:
     """Time plain and draft steps of a dummy sequence until ``budget`` seconds are spent
     (each K's first step pays one-off costs and is not counted); returns the seconds."""
     from .batch import BatchDecoder
 
-    batch = BatchDecoder(model, policy.max_k, adaptive=True, policy=policy)
-    return batch.calibrate(batch_sizes=(1,), steps=3, prompt_len=8, budget=budget)
+    batch = BatchDecoder(model, adaptive=True, policy=policy)
+    return batch.calibrate(max_k, batch_sizes=(1,), steps=3, prompt_len=8, budget=budget)
 
 
 def policy_for(model, max_k: int, budget: float = 0.5) -> DraftPolicy:
     """An adaptive policy that knows this machine's step costs from the start."""
-    policy = DraftPolicy(max_k, adaptive=True)
+    policy = DraftPolicy(adaptive=True)
     if max_k and model.num_mtp_layers and not load(model, policy):
         tic = time.perf_counter()
-        calibrate(model, policy, budget)
+        calibrate(model, policy, max_k, budget)
         policy.calibration_seconds = time.perf_counter() - tic
     return policy

@@ -89,13 +89,13 @@ def draft_policy_view(engine) -> Optional[dict]:
     if policy is None:
         return None
     current = len(batch)
-    view = {"max_k": batch.K, "adaptive": bool(getattr(policy, "adaptive", False)),
+    view = {"max_k": engine.num_draft_tokens, "adaptive": bool(getattr(policy, "adaptive", False)),
             "batch_size": current, "by_batch_size": []}
     policy = _policy_copy(policy)
     if policy is None:
         return view
     for size in _batch_sizes(engine.max_concurrency, current):
-        line = policy.describe(size)
+        line = policy.describe(size, engine.num_draft_tokens)
         found = re.search(r"\bK=(\d+)", line)
         view["by_batch_size"].append({"batch_size": size,
                                       "k": int(found.group(1)) if found else None,

@@ -108,8 +108,8 @@ class Engine:
             raise ValueError("max_concurrency must be >= 1")
         self.model = model
         self.tokenizer = tokenizer
-        self.num_draft_tokens = num_draft_tokens
         self.has_mtp = getattr(model, "num_mtp_layers", 0) > 0
+        self.num_draft_tokens = num_draft_tokens if self.has_mtp else 0  # a request's default
         self.adaptive = adaptive
         self.max_concurrency = max_concurrency
         self.prefill_step_size = prefill_step_size
@@ -139,7 +139,7 @@ class Engine:
         self.sync = sync or StepSync()
         self.total_stats = SpecStats()
         # Decoding sequences share one batched forward per step (MTP included).
-        self.batch = BatchDecoder(model, num_draft_tokens if self.has_mtp else 0, adaptive)
+        self.batch = BatchDecoder(model, self.num_draft_tokens > 0, adaptive)
         self.fair = FairShare()
         # Context drafts (--draft-source, a request's draft_source): one cost table for all.
         self.draft_sources = draft_sources or DraftSources("mtp", adaptive=adaptive)
@@ -190,21 +190,21 @@ class Engine:
     def _calibrate(self):
         # Batch sizes whose costs an earlier run on this machine stored are not timed again.
         sizes = step_costs.uncalibrated(self.model, self.batch.policy, self.max_concurrency,
-                                        self.batch.K)
+                                        self.num_draft_tokens)
         try:
             self.sync.calibrating(sizes)
-            seconds = self.batch.calibrate(sizes) if sizes else 0.0
+            seconds = self.batch.calibrate(self.num_draft_tokens, sizes) if sizes else 0.0
             if seconds:
                 step_costs.save(self.model, self.batch.policy)
         except Exception as e:  # never fatal: the policy then learns from live steps
             if self.sync.group_lost(e):
                 return
             log.exception("MTP step-cost calibration failed")
-            self.batch = BatchDecoder(self.model, self.batch.K, self.adaptive)
+            self.batch = BatchDecoder(self.model, self.batch.mtp, self.adaptive)
             return
         if seconds:
             log.info("MTP step costs calibrated in %.1f s; draft policy at %s", seconds,
-                     self.batch.policy.describe(self.max_concurrency))
+                     self.batch.policy.describe(self.max_concurrency, self.num_draft_tokens))
 
     def _run(self):
         if self.calibrate:  # this machine's stored step costs (context drafts' too), or timed
@@ -248,8 +248,9 @@ class Engine:
         self._decode_round()
         self.sync.end_step()
         self.periodic.maybe_log(len(self.running), self.num_waiting,
-                               lambda: self.batch.policy.describe(self._load())
-                               if self.batch.K else None)
+                               lambda: self.batch.policy.describe(self._load(),
+                                                                  self.num_draft_tokens)
+                               if self.batch.mtp else None)
         return bool(self.running or self.waiting)
 
     # -- admission ------------------------------------------------------------------
@@ -293,7 +294,7 @@ class Engine:
                        drafter=drafter)
         if dec.mtp_cache is not None:
             dec.drafting_hint = lambda: self.batch.would_draft(max(len(self.batch) + 1,
-                                                                   self._load()))
+                                                                   self._load()), k)
         n_cached, entry = 0, None
         pc = self.prefix_cache
         if req.cache_prompt and pc.enabled:
@@ -317,7 +318,7 @@ class Engine:
         n_decoding = sum(1 for s in self.running if not s.prefilling)
         if not n_decoding:
             return self.prefill_step_size
-        rest = self.max_batched_tokens - n_decoding * (1 + self.batch.K)
+        rest = self.max_batched_tokens - n_decoding * (1 + self.num_draft_tokens)
         least = self.fair.floor(self.prefill_grid, self.chunk_floor)
         return self.fair.budget(rest, least, self.prefill_step_size)
 
@@ -570,7 +571,7 @@ class Engine:
         except Exception:
             log.exception("Could not remove the failed rows; starting a new batch")
             policy = self.batch.policy
-            self.batch = BatchDecoder(self.model, self.batch.K, self.adaptive)
+            self.batch = BatchDecoder(self.model, self.batch.mtp, self.adaptive)
             self.batch.policy = policy
         for r in [s.req for s in running] + waiting:
             if not r.cancelled:
