@@ -62,13 +62,10 @@ def stream_generate(
         raise ValueError(f"max_tokens must be >= 0 (got {max_tokens})")
     ids = encode_prompt(tokenizer, prompt)
     text = TextStream(tokenizer, stop=stop, max_tokens=max_tokens)
-    state = None
-    if grammar is not None:
-        state = Grammar(tokenizer, grammar, model.text.args.vocab_size, sorted(text.eos)).start()
-    k, drafter = (num_draft_tokens, None) if draft_sources is None \
-        else draft_sources.for_row(num_draft_tokens)
-    dec = MTPDecoder(model, k, sampling, adaptive=adaptive, prefill_step_size=prefill_step_size,
-                     grammar=state, policy=policy, drafter=drafter)
+    state = None if grammar is None else Grammar(
+        tokenizer, grammar, model.text.args.vocab_size, sorted(text.eos)).start()
+    dec = _decoder(model, num_draft_tokens, draft_sources, sampling, adaptive=adaptive,
+                   prefill_step_size=prefill_step_size, grammar=state, policy=policy)
     mx.reset_peak_memory()
 
     tic = time.perf_counter()
@@ -83,27 +80,36 @@ def stream_generate(
         if prompt_time is None:
             prompt_time = time.perf_counter() - tic
             tic = time.perf_counter()
-        for i, tok in enumerate(out.tokens):
-            _, new_text = text.add([tok])
-            n = text.num_tokens
-            finish = text.finish_reason
-            elapsed = time.perf_counter() - tic
-            yield GenerationResponse(
-                text=new_text,
-                token=tok,
-                logprobs=out.logprobs[i],
-                from_draft=i < out.num_accepted,
-                prompt_tokens=len(ids),
-                prompt_tps=len(ids) / prompt_time if prompt_time else 0.0,
-                generation_tokens=n,
-                # As mlx-lm: every token counts, the clock starts after the first step.
-                generation_tps=n / elapsed if n > 1 and elapsed > 0 else 0.0,
-                peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason=finish,
-                spec=dec.stats,
-            )
-            if finish is not None:
-                return
+        yield from _responses(out, text, dec.stats, len(ids), prompt_time, tic)
+
+
+def _responses(out, text: TextStream, spec: SpecStats, n_prompt: int, prompt_time: float,
+               tic: float):
+    """One response per token a step emitted, until the text ends."""
+    for i, tok in enumerate(out.tokens):
+        _, new_text = text.add([tok])
+        n = text.num_tokens
+        elapsed = time.perf_counter() - tic
+        yield GenerationResponse(
+            text=new_text, token=tok, logprobs=out.logprobs[i],
+            from_draft=i < out.num_accepted, prompt_tokens=n_prompt,
+            prompt_tps=n_prompt / prompt_time if prompt_time else 0.0,
+            generation_tokens=n,
+            # As mlx-lm: every token counts, the clock starts after the first step.
+            generation_tps=n / elapsed if n > 1 and elapsed > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=text.finish_reason,
+            spec=spec,
+        )
+        if text.finish_reason is not None:
+            return
+
+
+def _decoder(model, num_draft_tokens: int, draft_sources, sampling, **kwargs) -> MTPDecoder:
+    """The decoder of one generation; with ``draft_sources``, its drafting chosen there."""
+    k, drafter = ((num_draft_tokens, None) if draft_sources is None
+                  else draft_sources.for_row(num_draft_tokens))
+    return MTPDecoder(model, k, sampling, drafter=drafter, **kwargs)
 
 
 def generate(model, tokenizer, prompt, **kwargs) -> str:
