@@ -3,7 +3,8 @@ source against the measured cost of verifying that many positions."""
 
 import pytest
 
-from mlx_mtp.decode.draft_source import DraftPlan, DraftSources, StepCosts, check_draft_source
+from mlx_mtp.decode import check_draft_source
+from mlx_mtp.decode.draft_source import DraftPlan, DraftSources, StepCosts
 from mlx_mtp.decode.lookup import LookupSettings
 
 
