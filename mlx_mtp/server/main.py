@@ -18,7 +18,8 @@ from ..models.io.layout import text_config
 from ..models.distributed import distributed_group
 from ..models.io.loader import generation_defaults, load_config, resolve_model_path
 from ..options import (UserError, add_model_arguments, add_sampling_arguments,
-                       drafting_from_args, load_from_args, parse_json_arg, sampling_defaults, sampling_from_args)
+                       drafting_from_args, load_from_args, parse_json_arg, sampling_defaults,
+                       sampling_from_args)
 from .app import create_app
 from .distributed import LeaderSync, run_follower
 from .engine import Engine
