@@ -239,6 +239,20 @@ def test_spec_stats_rendered_once_for_every_surface():
     assert s.describe().endswith("; by source: context 3/3, head 2/6")
 
 
+def test_the_periodic_log_line_is_the_stats_line(caplog):
+    import logging
+
+    from mlx_mtp.server.metrics import PeriodicLog
+
+    periodic = PeriodicLog(1e-9)
+    periodic.record(4, 3, 4, lookup_drafted=3, lookup_accepted=3)
+    with caplog.at_level(logging.INFO, logger="mlx_mtp.server"):
+        periodic.maybe_log(1, 0, lambda: None)
+    assert "Running: 1 reqs, Waiting: 0 reqs" in caplog.text
+    assert "MTP: accepted 3/4 (75.0%)" in caplog.text
+    assert "by source: context 3/3, head 0/1" in caplog.text
+
+
 # --- request validation ---------------------------------------------------------------
 def _err(raw, cls=ChatCompletionRequest) -> APIError:
     with pytest.raises(APIError) as e:

@@ -452,7 +452,8 @@ class Engine:
         finish = seq.text.finish_reason
         seq.n_generated = seq.text.num_tokens
         self.metrics.generation_tokens.inc(len(used))
-        self.periodic.record(out.num_drafted, out.num_accepted, len(used))
+        self.periodic.record(out.num_drafted, out.num_accepted, len(used), out.lookup_drafted,
+                             out.lookup_accepted)
 
         # Latency metrics: the step's time spread over the tokens it produced.
         if seq.t_first is None:

@@ -248,8 +248,9 @@ class PeriodicLog:
         self.log = logger or logging.getLogger("mlx_mtp.server")
         self._t, self._stats, self._tokens = time.perf_counter(), SpecStats(), 0
 
-    def record(self, num_drafted: int, num_accepted: int, num_tokens: int):
-        self._stats.record(num_drafted, num_accepted)
+    def record(self, num_drafted: int, num_accepted: int, num_tokens: int,
+               lookup_drafted: int = 0, lookup_accepted: int = 0):
+        self._stats.record(num_drafted, num_accepted, lookup_drafted, lookup_accepted)
         self._tokens += num_tokens
 
     def maybe_log(self, running: int, waiting: int, policy: Callable[[], Optional[str]]):
