@@ -38,7 +38,7 @@ def decode(model, ids, k, n):
     if k == "auto":  # a fresh process's policy: the costs stored for this mode
         dec = MTPDecoder(model, 3, adaptive=True, policy=step_costs.policy_for(model, 3))
     elif k == "auto, same costs":  # both modes choose K from the same inputs
-        policy = DraftPolicy(3, adaptive=True)
+        policy = DraftPolicy(adaptive=True)
         for B, kk, head, sec in SHARED:
             policy.costs.observe(B, kk, head, sec)
         dec = MTPDecoder(model, 3, adaptive=True, policy=policy)
@@ -107,7 +107,7 @@ def main():
         for k in SETTINGS:
             decode(model, ids, k, a.tokens)
         if not c:
-            probe = DraftPolicy(3, adaptive=True)
+            probe = DraftPolicy(adaptive=True)
             step_costs.load(model, probe.costs)
             SHARED.extend((*cell, t) for cell, secs in probe.costs.cells.items() for t in secs)
     load_before = os.getloadavg()[0]

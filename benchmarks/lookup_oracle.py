@@ -77,7 +77,7 @@ def bench_head(a, head, tmp):
     model, _ = load(str(path), dtype=a.dtype)
     # One policy and one cost table per setting over its runs, as a server keeps them.
     sources = {s: DraftSources(SETTINGS[s][1]) for s in SETTINGS if SETTINGS[s][1]}
-    policies = {s: DraftPolicy(SETTINGS[s][0]) for s in SETTINGS if SETTINGS[s][0]}
+    policies = {s: DraftPolicy() for s in SETTINGS if SETTINGS[s][0]}
     result = {}
     for name, prompt in prompts(a.vocab, a.tokens).items():
         for s in SETTINGS:  # warm-up: shapes, allocations, first cost measurements

@@ -76,7 +76,7 @@ def main():
         for (m, d), name in zip(grid, names[1:]):
             settings[name] = Setting(name, k, adaptive=True, draft_source=a.source)
             sources[name] = DraftSources(a.source, LookupSettings(min_match=m, max_draft=d))
-            policies[name] = DraftPolicy(k) if k else None
+            policies[name] = DraftPolicy() if k else None
 
         def go(name, ids, n, **kw):
             return run_once(model, ids, settings[name], sampling, n, eos, policy=policies.get(name),

@@ -6,8 +6,8 @@ import os
 import sys
 
 from .options import (UserError, add_model_arguments, add_sampling_arguments,
-                      describe_choices, draft_sources_from_args, load_from_args,
-                      num_draft_tokens_from_args, parse_json_arg, sampling_from_args)
+                      describe_choices, drafting_from_args, load_from_args, parse_json_arg,
+                      sampling_from_args)
 
 
 def str_to_bool(value: str) -> bool:
@@ -48,12 +48,12 @@ def run(args) -> int:
         raise UserError("the prompt is empty; pass --prompt TEXT or pipe text with --prompt -")
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
-    k = num_draft_tokens_from_args(args)
-    sources, k = draft_sources_from_args(args, k)
+    group = _distributed_group(args)
+    drafting = drafting_from_args(args, distributed=group is not None)
+    k, sources = drafting.k, drafting.sources
     template_args = parse_json_arg(args.chat_template_args, "--chat-template-args")
     sampling = sampling_from_args(args, generation_defaults(args.model))
-    group = _distributed_group(args)
-    adaptive = not args.fixed_k
+    adaptive = drafting.adaptive
     model, tokenizer = load_from_args(args, mtp=k > 0, group=group)
     if group is not None:
         import mlx.core as mx
@@ -62,10 +62,6 @@ def run(args) -> int:
         check_tokenizer_fits(model, tokenizer, args.model or "the demo model")
         mx.random.seed(shared_seed(group))  # unseeded sampling: the same seed on every rank
         adaptive = False  # K from per-rank timings could differ between ranks: fixed K
-        if args.draft_source not in (None, "mtp"):
-            raise UserError("--draft-source lookup/both is not available on a model split "
-                            "across processes; use --draft-source mtp")
-        sources = None  # every rank must draft alike: the head only
         if group.rank() != 0:  # rank 0 prints; the others only compute
             args.verbose, sys.stdout = False, open(os.devnull, "w")
     text = build_prompt(tokenizer, prompt, args.system_prompt, template_args,

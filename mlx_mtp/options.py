@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
-from .decode import MAX_DRAFT_TOKENS, check_num_draft_tokens
+from .decode import DRAFT_SOURCES, MAX_DRAFT_TOKENS, check_num_draft_tokens
 from .decode.lookup import LookupSettings
 
 
@@ -26,7 +27,8 @@ def add_model_arguments(p: argparse.ArgumentParser):
     g = p.add_mutually_exclusive_group()
     g.add_argument("--num-draft-tokens", "--spec-draft-n-max", type=int, default=3,
                    dest="num_draft_tokens",
-                   help=f"MTP draft tokens per step, 1-{MAX_DRAFT_TOKENS} (default 3)")
+                   help=f"MTP draft tokens per step, 1-{MAX_DRAFT_TOKENS} (default 3); 0: no "
+                        "drafts from any source (plain decoding, the head is not loaded)")
     g.add_argument("--no-mtp", action="store_true", help="Plain decoding; MTP head not loaded")
     p.add_argument("--fixed-k", action="store_true",
                    help="Always draft K tokens (default: adapt K to measured acceptance/cost)")
@@ -59,9 +61,6 @@ def add_model_arguments(p: argparse.ArgumentParser):
                         "are on this machine, else pipeline")
 
 
-DRAFT_SOURCES = ("mtp", "lookup", "both")  # as decode/draft_source.py (no MLX import here)
-
-
 def add_draft_source_arguments(p):
     p.add_argument("--draft-source", choices=DRAFT_SOURCES, default=None,
                    help="Where drafts come from: the MTP head (mtp), the context, copying the "
@@ -84,24 +83,30 @@ def add_lookup_arguments(p):
                         f"(default {lookup.min_match})")
 
 
-def draft_source_from_args(args, k: int) -> str:
-    """The draft source for ``k`` head drafts (0: no head): ``--draft-source`` or the default."""
-    source = getattr(args, "draft_source", None)
-    if source is None:
-        return "both" if k > 0 else "mtp"
-    if source != "lookup" and k == 0 and (getattr(args, "no_mtp", False)
-                                         or getattr(args, "spec_type", None) == "none"):
-        raise UserError(f"--draft-source {source} needs the MTP head, which --no-mtp leaves "
-                        "out; use --draft-source lookup to draft from the context alone")
-    return source
+@dataclass(frozen=True)
+class Drafting:
+    """What the flags ask of drafting (``drafting_from_args``)."""
+
+    k: int  # head drafts per step at most; 0: the head is not loaded
+    adaptive: bool  # K adapts to the measured acceptance and step cost (not --fixed-k)
+    sources: Optional[object]  # decode.draft_source.DraftSources; None: no context drafts
 
 
-def draft_sources_from_args(args, k: int):
-    """``DraftSources`` for the decoders (None: head drafts only) and the K to use (0 with
-    --draft-source lookup: the head is not used)."""
-    source = draft_source_from_args(args, k)
+def drafting_from_args(args, distributed: bool = False) -> Drafting:
+    """K, whether it adapts, and the draft source, from the flags (llama-server's map onto
+    ours). ``distributed``: the model is split across processes, every rank drafts alike:
+    from the head only."""
+    k = _num_draft_tokens(args)
+    n_min = getattr(args, "spec_draft_n_min", None)
+    adaptive = not (getattr(args, "fixed_k", False) or (k and n_min == k))
+    source = _draft_source(args, k)
+    if distributed and source != "mtp":
+        if getattr(args, "draft_source", None) is not None:
+            raise UserError("--draft-source lookup/both is not available on a model split "
+                            "across processes; use --draft-source mtp")
+        source = "mtp"
     if source == "mtp":
-        return None, k
+        return Drafting(k, adaptive, None)
     from .decode.draft_source import DraftSources
 
     try:
@@ -113,8 +118,26 @@ def draft_sources_from_args(args, k: int):
     except ValueError as e:
         raise UserError(str(e).replace("lookup max_draft", "--lookup-max-draft")
                         .replace("lookup min_match", "--lookup-min-match"))
-    return DraftSources(source, settings, adaptive=not getattr(args, "fixed_k", False)), \
-        (0 if source == "lookup" else k)
+    # Context drafts alone need no head: it is not loaded.
+    return Drafting(0 if source == "lookup" else k, adaptive,
+                    DraftSources(source, settings, adaptive=adaptive))
+
+
+def _draft_source(args, k: int) -> str:
+    """``--draft-source``, or the default: both, or none at all (mtp with K=0) without the
+    head; --num-draft-tokens 0 turns drafting off, from every source."""
+    source = getattr(args, "draft_source", None)
+    if source is None:
+        return "both" if k > 0 else "mtp"
+    no_head = getattr(args, "no_mtp", False) or getattr(args, "spec_type", None) == "none"
+    if k == 0 and no_head and source != "lookup":
+        raise UserError(f"--draft-source {source} needs the MTP head, which --no-mtp leaves "
+                        "out; use --draft-source lookup to draft from the context alone")
+    if k == 0 and not no_head and source != "mtp":
+        raise UserError(f"--num-draft-tokens 0 turns drafting off, --draft-source {source} "
+                        "asks for context drafts: leave out one of the two (--no-mtp "
+                        "--draft-source lookup drafts from the context alone)")
+    return source
 
 
 def mtp_model_from_args(args, distributed: bool = False):
@@ -279,9 +302,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser):
                    help="Subtract this times each token's count in the output (-2..2)")
 
 
-def num_draft_tokens_from_args(args) -> int:
-    """K from the flags (0: plain decoding); llama-server's flags map onto ours
-    (``--spec-draft-n-min`` equal to K sets ``args.fixed_k``)."""
+def _num_draft_tokens(args) -> int:
+    """K from the flags (0: plain decoding)."""
     spec_type = getattr(args, "spec_type", None)
     if spec_type not in (None, "draft-mtp", "none"):
         raise UserError(f"--spec-type {spec_type} is not supported: mlx-mtp drafts with the "
@@ -290,16 +312,15 @@ def num_draft_tokens_from_args(args) -> int:
     if getattr(args, "no_mtp", False) or spec_type == "none":
         return 0
     k = args.num_draft_tokens
-    if k == 0 or not _in_range(k):
-        raise UserError(f"--num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS} "
-                        f"(got {k}); use --no-mtp for plain decoding.")
+    try:
+        check_num_draft_tokens(k, "--num-draft-tokens")
+    except ValueError as e:
+        raise UserError(f"{e}; 0 (or --no-mtp) is plain decoding.")
     n_min = getattr(args, "spec_draft_n_min", None)
-    if n_min is not None and n_min not in (0, k):
+    if k and n_min is not None and n_min not in (0, k):
         raise UserError(f"--spec-draft-n-min {n_min} is not supported: use 0 (K adapts between "
                         f"0 and {k} to the measured acceptance and step cost) or {k}, the value "
                         "of --spec-draft-n-max (always draft K tokens, as --fixed-k)")
-    if n_min == k:
-        args.fixed_k = True
     p_min = getattr(args, "spec_draft_p_min", None)
     if p_min is not None:
         if not 0.0 <= p_min <= 1.0:
@@ -308,14 +329,6 @@ def num_draft_tokens_from_args(args) -> int:
               "acceptance instead of stopping drafts at a confidence threshold.",
               file=sys.stderr)
     return k
-
-
-def _in_range(k) -> bool:
-    try:
-        check_num_draft_tokens(k)
-    except ValueError:
-        return False
-    return True
 
 
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")

@@ -36,8 +36,8 @@ def test_generate_reads_stdin_and_runs_without_mtp(model):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--num-draft-tokens", "9"], "between 1 and 8"),
-    (["--num-draft-tokens", "0"], "between 1 and 8"),
+    (["--num-draft-tokens", "9"], "between 0 and 8"),
+    (["--num-draft-tokens", "-1"], "between 0 and 8"),
     (["--temp", "-1"], "temperature"),
     (["--top-p", "1.5"], "top_p"),
     (["--min-p", "2"], "min_p"),

@@ -61,7 +61,7 @@ def test_compiled_steps_in_a_batch_and_with_sampling(noisy):
     model.set_compiled(True)
     try:
         assert _tokens(model, 2, sampling=params) == want
-        bd = BatchDecoder(model, num_draft_tokens=2, adaptive=False)
+        bd = BatchDecoder(model, adaptive=False)
         for i, prompt in enumerate((PROMPT, PROMPT[:7])):
             dec = MTPDecoder(model, 2, adaptive=False)
             dec.prefill(prompt)

@@ -116,8 +116,8 @@ class FakeEngine:
 
         self.metrics, self.alive, self.max_concurrency = metrics, True, 4
         self.prefix_cache = PrefixCache(8, 1 << 20)
-        self.batch = type("Batch", (), {"K": 3, "policy": DraftPolicy(3), "__len__":
-                                        lambda self: 2})()
+        self.num_draft_tokens = 3
+        self.batch = type("Batch", (), {"policy": DraftPolicy(), "__len__": lambda self: 2})()
 
 
 def test_snapshot_rates_acceptance_and_policy():
@@ -163,10 +163,10 @@ def test_policy_view_reads_a_copy_while_the_engine_records_steps():
     policy = engine.batch.policy
     for step in range(200):
         policy.record_step(1 + step % 4, step % 4, 0.01 * (1 + step % 4), [step % 4])
-    before = [policy.describe(b) for b in (1, 2, 4)]
+    before = [policy.describe(b, 3) for b in (1, 2, 4)]
     mine = _policy_copy(policy)
     mine.record_step(4, 3, 5.0, [0, 0, 0, 0])  # the copy's measurements are its own
-    assert [policy.describe(b) for b in (1, 2, 4)] == before
+    assert [policy.describe(b, 3) for b in (1, 2, 4)] == before
 
     # The engine thread keeps recording (new cells too) while viewers read.
     stop = threading.Event()

@@ -43,7 +43,7 @@ class NoPolicy:
 
 
 def test_ks_passed_in_are_run_as_given(tiny_model):
-    batch = BatchDecoder(tiny_model, 2, adaptive=True, policy=NoPolicy())
+    batch = BatchDecoder(tiny_model, adaptive=True, policy=NoPolicy())
     outs = {}
     for i, p in enumerate(PROMPTS):
         joined(tiny_model, batch, i, p, 2)
@@ -62,7 +62,7 @@ def test_ks_passed_in_are_run_as_given(tiny_model):
 
 
 def test_rows_join_and_leave_while_plain_steps_run_ahead(tiny_model):
-    batch = BatchDecoder(tiny_model, 0, overlap=True)
+    batch = BatchDecoder(tiny_model, mtp=False, overlap=True)
     outs = {0: [], 1: []}
     joined(tiny_model, batch, 0, PROMPTS[0], 0)
     joined(tiny_model, batch, 1, PROMPTS[1], 0)
@@ -86,7 +86,7 @@ def test_a_joined_sequence_decodes_as_the_decoder_of_one(tiny_model, k):
     sampling = SamplingParams(temperature=1.0, seed=7)
     dec = MTPDecoder(tiny_model, k, sampling, adaptive=False)
     alone = [t for t, _, _ in generate_step(PROMPTS[0], tiny_model, decoder=dec, max_tokens=N)]
-    batch = BatchDecoder(tiny_model, k, adaptive=False)
+    batch = BatchDecoder(tiny_model, k > 0, adaptive=False)
     outs = {"r": []}
     joined(tiny_model, batch, "r", PROMPTS[0], k, sampling)
     drain(batch, outs)

@@ -86,7 +86,7 @@ def test_a_grammar_failing_mid_output_fails_only_its_row(ckpt, tok, k):
     wide = G.Grammar(tok, G.lark_grammar(f"start: %json {json.dumps(WIDE)}"), VOCAB, eos)
     good = G.Grammar(tok, G.json_schema_grammar(None), VOCAB, eos)
     grams = [good, wide, None]  # the failing row between the two others
-    bd = BatchDecoder(model, k, adaptive=False)
+    bd = BatchDecoder(model, k > 0, adaptive=False)
     for i, (prompt, g) in enumerate(zip(PROMPTS, grams)):
         dec = MTPDecoder(model, k, SamplingParams(), adaptive=False,
                          grammar=None if g is None else g.start())

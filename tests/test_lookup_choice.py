@@ -3,8 +3,9 @@ source against the measured cost of verifying that many positions."""
 
 import pytest
 
+from mlx_mtp.decode import check_draft_source
 from mlx_mtp.decode.costs import StepCosts
-from mlx_mtp.decode.draft_source import DraftPlan, DraftSources, check_draft_source
+from mlx_mtp.decode.draft_source import DraftPlan, DraftSources
 from mlx_mtp.decode.lookup import LookupSettings
 
 
@@ -93,6 +94,22 @@ def test_no_match_leaves_the_head_its_k():
     assert DraftSources("mtp").drafter() is None
     with pytest.raises(ValueError, match="draft_source must be one of mtp, lookup, both"):
         check_draft_source("ngram")
+
+
+def test_a_rows_drafting_is_chosen_once():
+    """``for_row``: the row's head cap and context drafter, from its own fields or the
+    setting's; num_draft_tokens 0 drafts from no source (issue 43)."""
+    both = DraftSources("both")
+    k, d = both.for_row(3)
+    assert k == 3 and d.source == "both"
+    assert both.for_row(3, k=0) == (0, None)  # no drafts at all, the default source both
+    assert both.for_row(3, k=0, source="lookup") == (0, None)
+    assert both.for_row(3, k=2, source="mtp") == (2, None)
+    k, d = both.for_row(3, source="lookup")
+    assert k == 0 and d.source == "lookup"  # the head does not draft
+    k, d = both.for_row(0, has_head=False)  # a server without head: the context alone
+    assert k == 0 and d.source == "both"
+    assert DraftSources("mtp").for_row(3) == (3, None)
 
 
 def test_drafting_must_beat_a_plain_step_by_the_margin():

@@ -36,8 +36,23 @@ def test_draft_sources_print_the_same_text_as_plain_decoding(model):
         assert "Generation: 24 tokens" in out
 
 
+def test_num_draft_tokens_0_drafts_from_no_source(model):
+    """Issue 43: --num-draft-tokens 0 under the default source (both) is plain decoding."""
+    prompt = "a b c d a b c d a b c d a b c d a b c"
+    common = ("generate", "--model", model, "--prompt", prompt, "-m", "24",
+              "--ignore-chat-template")
+    code, plain, err = run(*common, "--no-mtp")
+    assert code == 0, err
+    code, out, err = run(*common, "--num-draft-tokens", "0")
+    assert code == 0, err
+    assert _text(out) == _text(plain) and "MTP:" not in out  # nothing drafted
+    code, out, err = run(*common, "--num-draft-tokens", "0", "--draft-source", "mtp")
+    assert code == 0 and _text(out) == _text(plain) and "MTP:" not in out, err
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--no-mtp", "--draft-source", "both"], "--draft-source lookup"),
+    (["--num-draft-tokens", "0", "--draft-source", "lookup"], "turns drafting off"),
     (["--draft-source", "lookup", "--lookup-max-draft", "40"], "--lookup-max-draft"),
     (["--draft-source", "ngram"], "invalid choice"),
 ])

@@ -76,7 +76,7 @@ def test_batched_rows_mix_sources_and_match_mlx_lm(tiny_ckpt):
     rng = np.random.default_rng(3)
     prompts = [COPY_PROMPT, [int(x) for x in rng.integers(0, 512, 9)], CYCLE[:20] + CYCLE[:4]]
     sources = DraftSources("both", LookupSettings(max_draft=12), adaptive=False)
-    bd = BatchDecoder(model, 3, adaptive=False)
+    bd = BatchDecoder(model, adaptive=False)
     outs = {}
     for i, pr in enumerate(prompts):
         drafter = None if i == 1 else sources.drafter()  # row 1 drafts from the head only
@@ -166,7 +166,7 @@ def test_a_row_under_a_grammar_keeps_the_head_beside_copying_rows(tiny_ckpt):
     gram = G.Grammar(tok, G.json_schema_grammar({"type": "object", "properties": {
         "n": {"type": "integer"}}, "required": ["n"]}), 4096, sorted(tok.eos_token_ids))
     sources = DraftSources("both", LookupSettings(max_draft=12), adaptive=False)
-    bd = BatchDecoder(model, 2, adaptive=False)
+    bd = BatchDecoder(model, adaptive=False)
     for i, g in enumerate([gram, None, gram]):
         dec = MTPDecoder(model, 2, adaptive=False, drafter=sources.drafter(),
                          grammar=None if g is None else g.start())

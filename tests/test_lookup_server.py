@@ -71,3 +71,41 @@ def test_bad_draft_source_is_a_400():
     assert e.value.status == 400 and e.value.param == "draft_source"
     assert "draft_source must be one of mtp, lookup, both" in e.value.message
     assert check_draft_source(None) is None and check_draft_source("both") == "both"
+
+
+def test_num_draft_tokens_0_drafts_from_no_source(oracle):
+    """Issue 43: under the default source (both), a request's num_draft_tokens 0 is plain
+    decoding: nothing drafted from the head or the context, the same text."""
+    model, tok = oracle
+    engine = Engine(model, tok, num_draft_tokens=3, log_interval=0, calibrate=False,
+                    draft_sources=DraftSources("both"))
+    plain = Engine(model, tok, num_draft_tokens=0, log_interval=0, calibrate=False)
+    tokens, done = _run(engine, [dict(num_draft_tokens=0), dict()])
+    (plain_tokens,), _ = _run(plain, [dict()])
+    assert tokens[0] == tokens[1] == plain_tokens
+    assert done[0].mtp["num_draft_tokens"] == 0 and done[0].mtp["num_drafts"] == 0
+    assert all(s["drafted"] == 0 for s in done[0].usage["draft_tokens_by_source"].values())
+    assert done[1].usage["draft_tokens_by_source"]["lookup"]["drafted"] > 0  # the default
+
+
+def test_num_draft_tokens_0_with_a_context_source_is_a_400():
+    from types import SimpleNamespace
+
+    from mlx_mtp.server.params import resolve_common
+    from mlx_mtp.server.protocol import ChatCompletionRequest
+
+    state = SimpleNamespace(aliases={"m"}, model_name="m", vocab_size=16, context_length=64,
+                            default_max_tokens=8, num_mtp_layers=1, sampling_defaults={})
+
+    def resolve(body):
+        req = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "hi"}], **body})
+        return resolve_common(state, req, 4, None)
+
+    assert resolve({"num_draft_tokens": 0})["num_draft_tokens"] == 0
+    assert resolve({"num_draft_tokens": 0, "draft_source": "mtp"})["draft_source"] == "mtp"
+    for source in ("lookup", "both"):
+        with pytest.raises(APIError) as e:
+            resolve({"num_draft_tokens": 0, "draft_source": source})
+        assert e.value.status == 400 and e.value.param == "num_draft_tokens"
+        assert "turns drafting off" in e.value.message

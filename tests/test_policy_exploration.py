@@ -40,7 +40,7 @@ def drive(policy, lands, steps, ms=ORACLE_MS):
     position j of step i is accepted). Returns the K's chosen and the speedup over plain."""
     ks, plain, spent = [], 0.0, 0.0
     for i in range(steps):
-        k = policy.choose(1)
+        k = policy.choose(1, 3)
         n = 0
         while n < k and lands(i, n):
             n += 1
@@ -56,7 +56,7 @@ def test_early_rejections_do_not_pause_a_head_that_pays(unlucky):
     """What the oracle benchmark showed: a fresh policy met a few rejected drafts at
     ~60 % acceptance, paused, and never drafted again in 128 tokens (it drafted in 2 %
     of the steps here)."""
-    ks, speedup = drive(DraftPolicy(3), stream(unlucky_drafts=unlucky), 200)
+    ks, speedup = drive(DraftPolicy(), stream(unlucky_drafts=unlucky), 200)
     assert any(ks[:16])
     assert sum(k > 0 for k in ks[16:]) >= 0.85 * len(ks[16:])
     fixed_k1 = (1 + 0.6) * ORACLE_MS[0] / ORACLE_MS[1]
@@ -64,7 +64,7 @@ def test_early_rejections_do_not_pause_a_head_that_pays(unlucky):
 
 
 def test_a_useless_head_still_pauses_and_rechecks_within_a_cost_bound():
-    policy = DraftPolicy(3)
+    policy = DraftPolicy()
     ks, speedup = drive(policy, lambda i, j: False, 600)
     assert speedup >= 0.97
     drafting = [i for i, k in enumerate(ks) if k]
@@ -78,7 +78,7 @@ def test_a_useless_head_still_pauses_and_rechecks_within_a_cost_bound():
 def test_a_head_paused_by_bad_luck_is_found_again():
     """Sixty steps the head cannot predict, then 60 %: the re-checks bring drafting back
     within the cost-bounded interval."""
-    ks, _ = drive(DraftPolicy(3), stream(hard_steps=60), 400)
+    ks, _ = drive(DraftPolicy(), stream(hard_steps=60), 400)
     assert sum(k > 0 for k in ks[20:60]) <= 2  # paused
     back = next(i for i in range(60, 400) if all(ks[i:i + 20]))
     assert back < 60 + 80
@@ -183,7 +183,7 @@ def test_a_fresh_request_after_a_copy_request_drafts_from_the_head(tiny_ckpt):
     cycle = list(range(100, 150))
     copy = cycle + [7, 8] + cycle[:6]
     fresh = [int(t) for t in np.random.default_rng(5).integers(0, 512, 24)]
-    policy, sources = DraftPolicy(3), DraftSources("both", LookupSettings())
+    policy, sources = DraftPolicy(), DraftSources("both", LookupSettings())
     _fixed_costs(policy)
     stats, steps = [], []
     for prompt in (copy, fresh):

@@ -35,9 +35,9 @@ def alone(model, params, k, adaptive=True, prompt=PROMPT, n=N):
     return out[:n], dec.stats
 
 
-def batched(model, requests, batch_k=3, n=N):
+def batched(model, requests, n=N):
     """Rows join one per step (each with its own K and sampling); adaptive batch K."""
-    bd = BatchDecoder(model, batch_k, adaptive=True)
+    bd = BatchDecoder(model, adaptive=True)
     outs = {}
     for i, (prompt, params, k) in enumerate(requests):
         dec = MTPDecoder(model, k, params)
@@ -87,7 +87,7 @@ def test_seeded_output_is_the_same_alone_and_in_any_batch(model, k):
 def test_seeded_fixed_k_output_is_the_same_alone_and_batched(model):
     params = SamplingParams(temperature=0.9, seed=5)
     solo, _ = alone(model, params, 2, adaptive=False)
-    bd = BatchDecoder(model, 3, adaptive=False)  # the batch drafts 3, the row asked for 2
+    bd = BatchDecoder(model, adaptive=False)  # a mate drafts 3, the row asked for 2
     rows = [(PROMPT, params, 2), MATES[0]]
     outs = {}
     for i, (prompt, p, k) in enumerate(rows):

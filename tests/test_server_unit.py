@@ -6,7 +6,7 @@ import random
 import pytest
 
 from mlx_mtp.decode.stats import SpecStats
-from mlx_mtp.server.metrics import ServerMetrics, spec_fields, spec_log_line
+from mlx_mtp.server.metrics import ServerMetrics
 from mlx_mtp.server.parsers import OutputParser, parse_full, parse_tool_body
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -224,13 +224,33 @@ def test_spec_stats_rendered_once_for_every_surface():
     s = SpecStats()
     s.record(3, 2)
     s.record(2, 0)
-    line = spec_log_line(s)
-    assert "Mean acceptance length: 2.00, Accepted: 2 tokens, Drafted: 5 tokens" in line
-    assert "Per-position acceptance rate: 0.500, 0.500, 0.000" in line and line.endswith("40.0%")
-    fields = spec_fields(s)
+    line = s.describe()
+    assert line == ("MTP: accepted 2/5 (40.0%), mean acceptance length 2.00, "
+                    "per-pos [0.50 0.50 0.00], drafts 2")
+    fields = s.to_dict()
     assert fields["acceptance_rate"] == pytest.approx(0.4) and fields["num_drafts"] == 2
     assert (fields["accepted_per_pos"], fields["drafted_per_pos"]) == ([1, 1, 0], [2, 2, 1])
-    assert spec_fields(SpecStats())["acceptance_rate"] == 0.0  # a response that drafted nothing
+    assert fields["mtp_acceptance_rate"] == pytest.approx(0.4)
+    assert SpecStats().to_dict()["acceptance_rate"] == 0.0  # a response that drafted nothing
+    assert SpecStats().to_dict(missing=None)["lookup_acceptance_rate"] is None
+    s.record(4, 3, lookup_drafted=3, lookup_accepted=3)  # a context run the head extended
+    assert s.by_source() == {"mtp": {"drafted": 6, "accepted": 2},
+                             "lookup": {"drafted": 3, "accepted": 3}}
+    assert s.describe().endswith("; by source: context 3/3, head 2/6")
+
+
+def test_the_periodic_log_line_is_the_stats_line(caplog):
+    import logging
+
+    from mlx_mtp.server.metrics import PeriodicLog
+
+    periodic = PeriodicLog(1e-9)
+    periodic.record(4, 3, 4, lookup_drafted=3, lookup_accepted=3)
+    with caplog.at_level(logging.INFO, logger="mlx_mtp.server"):
+        periodic.maybe_log(1, 0, lambda: None)
+    assert "Running: 1 reqs, Waiting: 0 reqs" in caplog.text
+    assert "MTP: accepted 3/4 (75.0%)" in caplog.text
+    assert "by source: context 3/3, head 0/1" in caplog.text
 
 
 # --- request validation ---------------------------------------------------------------

@@ -23,12 +23,12 @@ def measured(policy):
 
 
 def test_costs_saved_are_loaded_under_the_same_key(tiny_model):
-    policy = DraftPolicy(3)
+    policy = DraftPolicy()
     for s in (0.010, 0.011, 0.012):
         policy.record_step(1, 0, s)
         policy.record_step(1, 2, 2 * s, [1])
     step_costs.save(tiny_model, policy.costs)
-    fresh = DraftPolicy(3)
+    fresh = DraftPolicy()
     assert step_costs.load(tiny_model, fresh.costs)
     assert measured(fresh) == measured(policy)
 
@@ -44,11 +44,11 @@ def test_the_key_follows_shapes_and_dtypes_not_values():
 
 
 def test_missing_or_broken_files_load_nothing(tiny_model):
-    assert not step_costs.load(tiny_model, DraftPolicy(2).costs)
+    assert not step_costs.load(tiny_model, DraftPolicy().costs)
     path = step_costs.cost_file(tiny_model)
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    policy = DraftPolicy(2)
+    policy = DraftPolicy()
     assert not step_costs.load(tiny_model, policy.costs) and not policy.costs.cells
 
 
@@ -60,15 +60,15 @@ def test_a_file_of_the_old_format_is_ignored(tiny_model):
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"format": "mlx-mtp-step-costs-1", "cells": [[1, 0, [0.01]]],
                                 "context_cells": [[1, 16, 0, [0.03]]]}))
-    policy = DraftPolicy(2)
+    policy = DraftPolicy()
     assert not step_costs.load(tiny_model, policy.costs) and not policy.costs.cells
 
 
 def test_calibration_stays_within_its_budget(tiny_model):
-    policy = DraftPolicy(2)
-    assert step_costs.calibrate(tiny_model, policy, budget=0.0) < 0.5
+    policy = DraftPolicy()
+    assert step_costs.calibrate(tiny_model, policy, 2, budget=0.0) < 0.5
     assert not policy.costs.cells  # no time: nothing measured
-    spent = step_costs.calibrate(tiny_model, policy, budget=5.0)
+    spent = step_costs.calibrate(tiny_model, policy, 2, budget=5.0)
     assert spent < 5.0 + 1.0  # a tiny model's steps take milliseconds
     assert {(1, 0, 0), (1, 1, 1), (1, 2, 2)} <= set(policy.costs.cells)
 
@@ -86,14 +86,14 @@ def test_a_fresh_process_calibrates_once_then_reads_the_file(tiny_model):
 def test_stored_costs_decide_the_first_step(tiny_model, verify_cost, drafts):
     """Known costs: the first decision drafts where drafting pays (at the prior's
     acceptance) and stays off where it does not; nothing is probed first."""
-    stored = DraftPolicy(1)
+    stored = DraftPolicy()
     for _ in range(4):
         stored.record_step(1, 0, 0.020)
         stored.record_step(1, 1, 0.020 * verify_cost, [1])
     step_costs.save(tiny_model, stored.costs)
-    policy = DraftPolicy(1)
+    policy = DraftPolicy()
     step_costs.load(tiny_model, policy.costs)
-    assert (policy.choose(1) > 0) is drafts
+    assert (policy.choose(1, 1) > 0) is drafts
 
 
 def test_serve_reads_stored_costs_and_times_only_missing_batch_sizes(tiny_model):
@@ -105,7 +105,8 @@ def test_serve_reads_stored_costs_and_times_only_missing_batch_sizes(tiny_model)
         engine = Engine(tiny_model, None, num_draft_tokens=2, max_concurrency=max_concurrency,
                         log_interval=0)
         timed, real = [], engine.batch.calibrate
-        engine.batch.calibrate = lambda sizes, **kw: timed.append(list(sizes)) or real(sizes, **kw)
+        engine.batch.calibrate = lambda k, sizes, **kw: (timed.append(list(sizes))
+                                                         or real(k, sizes, **kw))
         engine._calibrate()
         return engine, timed
 
@@ -123,21 +124,21 @@ def test_context_draft_costs_are_kept_beside_the_head_step_costs(tiny_model):
     """Context drafts' step costs (8-32 positions deep, measured only by live steps) are
     cells of the same table and survive the process with it; saving an empty table keeps
     the stored one."""
-    policy = DraftPolicy(2)
+    policy = DraftPolicy()
     for s in (0.010, 0.012):
         policy.record_step(1, 0, s)
         policy.record_step(1, 16, 3 * s, [0], [0], starts=[16], head_passes=0)
         policy.record_step(1, 18, 4 * s, [0], [2], starts=[16], head_passes=18)
     assert set(policy.costs.cells) == {(1, 0, 0), (1, 16, 0), (1, 18, 18)}
     step_costs.save(tiny_model, policy.costs)
-    fresh = DraftPolicy(2)
+    fresh = DraftPolicy()
     assert step_costs.load(tiny_model, fresh.costs)
     assert measured(fresh) == measured(policy)
     # A fresh process predicts the cost of a 16-deep context step from its first step.
-    assert DraftPolicy(2).costs.predict_plan(1, 16, 0) is None
+    assert DraftPolicy().costs.predict_plan(1, 16, 0) is None
     assert fresh.costs.predict_plan(1, 16, 0) == pytest.approx(0.036)
-    step_costs.save(tiny_model, DraftPolicy(2).costs)  # nothing measured: the file stays
-    again = DraftPolicy(2)
+    step_costs.save(tiny_model, DraftPolicy().costs)  # nothing measured: the file stays
+    again = DraftPolicy()
     assert step_costs.load(tiny_model, again.costs)
     assert measured(again) == measured(policy)
 

@@ -144,7 +144,7 @@ def test_batch_of_constrained_and_free_rows_equals_solo(ckpt, tok):
     gram = grammar(tok, G.json_schema_grammar(SCHEMA))
     prompts = [PROMPT, PROMPT[:6], PROMPT[3:]]
     grams = [gram, None, gram]
-    bd = BatchDecoder(model, 3, adaptive=False)
+    bd = BatchDecoder(model, adaptive=False)
     decs = []
     for i, (pr, g) in enumerate(zip(prompts, grams)):
         dec = MTPDecoder(model, 3, SamplingParams(), adaptive=False,

@@ -110,9 +110,9 @@ def run_once(model, ids: Sequence[int], setting: Setting, sampling: SamplingPara
     its context-draft settings and step costs, likewise);
     ``count_syncs``: count host syncs in the decode loop (not for timed runs)."""
     mx.reset_peak_memory()
-    dec = MTPDecoder(model, setting.k, sampling, adaptive=setting.adaptive,
-                     prefill_step_size=prefill_step_size, policy=policy,
-                     drafter=None if sources is None else sources.drafter())
+    k, drafter = (setting.k, None) if sources is None else sources.for_row(setting.k)
+    dec = MTPDecoder(model, k, sampling, adaptive=setting.adaptive,
+                     prefill_step_size=prefill_step_size, policy=policy, drafter=drafter)
     tokens: List[int] = []
     steps_by_k: Counter = Counter()
     drafted = accepted = 0
@@ -275,7 +275,7 @@ def run_inprocess(model, prompts: List[Prompt], encoded: List[List[int]], cfg: B
 
     # An adaptive setting keeps one policy over its runs, as a server keeps one: step
     # costs measured once carry over instead of being explored on every prompt.
-    policies = {s.name: DraftPolicy(s.k, True) for s in settings if s.adaptive}
+    policies = {s.name: DraftPolicy(adaptive=True) for s in settings if s.adaptive}
     sources = {s.name: DraftSources(s.draft_source, cfg.lookup) for s in settings
                if s.draft_source != "mtp"}
 

@@ -180,14 +180,15 @@ def _json_costs(costs: dict) -> dict:
 
 def _draft_sources(args):
     """``--draft-source`` as a list, and the lookup settings; bad values are a UserError."""
+    from ..decode import DRAFT_SOURCES
     from ..decode.lookup import LookupSettings
     from ..options import UserError
 
     sources = [s.strip() for s in args.draft_source.split(",") if s.strip()]
-    bad = [s for s in sources if s not in ("mtp", "lookup", "both")]
+    bad = [s for s in sources if s not in DRAFT_SOURCES]
     if bad or not sources:
-        raise UserError(f"--draft-source takes a comma-separated list of mtp, lookup, both "
-                        f"(got {args.draft_source!r})")
+        raise UserError(f"--draft-source takes a comma-separated list of "
+                        f"{', '.join(DRAFT_SOURCES)} (got {args.draft_source!r})")
     try:
         lookup = LookupSettings(min_match=args.lookup_min_match,
                                 max_match=max(LookupSettings().max_match, args.lookup_min_match),

@@ -56,21 +56,9 @@ def summarize_setting(setting: Setting, runs: List[RunResult], plain_runs: Dict[
         "step_ms": gen_time / steps * 1e3 if steps else None,
         "tokens_per_step": gen_tokens / steps if steps else None,
         "steps_by_k": {str(k): v for k, v in sorted(steps_by_k.items())},
-        "acceptance_per_pos": cum, "acceptance_per_pos_conditional": cond,
-        "acceptance_rate": spec.acceptance_rate if spec.num_draft_tokens else None,
-        "mean_acceptance_length": spec.mean_acceptance_length if spec.num_drafts else None,
-        "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
-        "num_accepted_tokens": spec.num_accepted_tokens,
+        "acceptance_per_pos_conditional": cond,
+        **spec.to_dict(missing=None),  # counts, rates (overall, by source), per position
         "draft_source": setting.draft_source,
-        "lookup_draft_tokens": spec.lookup_draft_tokens,
-        "lookup_accepted_tokens": spec.lookup_accepted_tokens,
-        "lookup_acceptance_rate": (spec.lookup_accepted_tokens / spec.lookup_draft_tokens
-                                   if spec.lookup_draft_tokens else None),
-        "mtp_acceptance_rate": ((spec.num_accepted_tokens - spec.lookup_accepted_tokens)
-                                / (spec.num_draft_tokens - spec.lookup_draft_tokens)
-                                if spec.num_draft_tokens > spec.lookup_draft_tokens else None),
-        "accepted_per_pos": list(spec.accepted_per_pos),
-        "drafted_per_pos": list(spec.drafted_per_pos),
         "peak_memory_gb": max(r.peak_memory_gb for r in runs),
         "step_cost_measured": None,
         "c_verify": None, "c_draft": costs.get("c_draft"), "step_cost_model": None,

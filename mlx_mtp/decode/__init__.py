@@ -5,6 +5,8 @@ before the platform is set up).
 """
 
 MAX_DRAFT_TOKENS = 8  # K range everywhere: 0 (plain decoding) .. 8
+# Where a row's drafts come from (draft_source.py): the MTP head, the context, or both.
+DRAFT_SOURCES = ("mtp", "lookup", "both")
 
 
 def check_num_draft_tokens(k, name: str = "num_draft_tokens") -> int:
@@ -12,3 +14,10 @@ def check_num_draft_tokens(k, name: str = "num_draft_tokens") -> int:
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_DRAFT_TOKENS:
         raise ValueError(f"{name} must be between 0 and {MAX_DRAFT_TOKENS} (got {k!r})")
     return k
+
+
+def check_draft_source(value, name: str = "draft_source") -> str:
+    """The one check of a draft-source value; raises ValueError with a message for users."""
+    if value not in DRAFT_SOURCES:
+        raise ValueError(f"{name} must be one of {', '.join(DRAFT_SOURCES)} (got {value!r})")
+    return value

@@ -6,8 +6,9 @@ later rows are merged in (``merge``), leaving rows are filtered out (``filter``)
 Each step is ``step.DecodeBatch`` over every row: the MTP head drafts for all rows,
 one trunk pass verifies them, and each row accepts its own number of drafts.
 
-K per row comes from a ``DraftPolicy`` (``choose_ks``) or from the caller (``step(ks=)``:
-a distributed follower runs the K its leader chose). The driver records each step
+K per row comes from a ``DraftPolicy`` (``choose_ks``), up to the row's own cap
+(``Row.max_k``, the one place K is stored), or from the caller (``step(ks=)``: a
+distributed follower runs the K its leader chose). The driver records each step
 once (``_record``): its time, from the previous step's read to its own (from its
 launch when the caller ran other work in between; unknown for a driver's first step;
 why this clock: ``costs.py``), shape and acceptance go to the policy, whose ``costs``
@@ -45,12 +46,14 @@ class BatchStepError(Exception):
 
 
 class BatchDecoder:
-    def __init__(self, model, num_draft_tokens: int = 3, adaptive: bool = True,
+    def __init__(self, model, mtp: bool = True, adaptive: bool = True,
                  policy: Optional[DraftPolicy] = None, overlap: bool = False):
+        """``mtp``: the head drafts for this batch's rows (it keeps their MTP caches);
+        False: rows join without them and draft from the context at most."""
         self.model = model
-        self.K = num_draft_tokens if model.num_mtp_layers else 0
+        self.mtp = mtp and model.num_mtp_layers > 0
         self.adaptive = adaptive
-        self.policy = policy if policy is not None else DraftPolicy(self.K, adaptive)
+        self.policy = policy if policy is not None else DraftPolicy(adaptive)
         self.overlap = overlap
         self.core = DecodeBatch(model, [], None, None)
         self._ahead = None  # (pending, checkpoint) of a plain step launched ahead
@@ -79,7 +82,7 @@ class BatchDecoder:
         caches (``share``: the sequence keeps them too; only as the first row)."""
         core = self.core
         self._drop_ahead()
-        use_mtp = self.K > 0 and seq.mtp_cache is not None
+        use_mtp = self.mtp and seq.mtp_cache is not None
         row = seq.row
         row.key = key
         if not use_mtp:
@@ -87,12 +90,12 @@ class BatchDecoder:
         mtp = seq.mtp_cache if use_mtp else self.model.make_mtp_cache()
         if not core.rows:
             core.cache = seq.cache if share else list(seq.cache)
-            core.mtp_cache = (mtp if share else list(mtp)) if self.K else None
+            core.mtp_cache = (mtp if share else list(mtp)) if self.mtp else None
         elif share:
             raise ValueError("a sequence shares its caches only as a batch's only row")
         else:
             core.cache = [type(a).merge([a, c]) for a, c in zip(core.cache, seq.cache)]
-            if self.K:
+            if self.mtp:
                 core.mtp_cache = [type(a).merge([a, c]) for a, c in zip(core.mtp_cache, mtp)]
         core.rows.append(row)
         if not share:
@@ -121,7 +124,7 @@ class BatchDecoder:
             return ks
         rows = self.core.rows
         B = len(rows)
-        return self.policy.row_ks(rows, max(B, load), load > B) if self.K else [0] * B
+        return self.policy.row_ks(rows, max(B, load), load > B) if self.mtp else [0] * B
 
     def step(self, load: int = 0, ks: Optional[Sequence[int]] = None,
              interleaved: bool = False) -> Dict[Hashable, StepOutput]:
@@ -247,19 +250,20 @@ class BatchDecoder:
             if grammar is not None:  # commits of rows before a failing one
                 r.sampler.grammar.restore(grammar)
 
-    def calibrate(self, batch_sizes=(1, 4, 16), steps: int = 3, prompt_len: int = 16,
-                  budget: Optional[float] = None) -> float:
-        """Time steps of dummy batches at a few (batch size, K) cells before serving.
+    def calibrate(self, max_k: int, batch_sizes=(1, 4, 16), steps: int = 3,
+                  prompt_len: int = 16, budget: Optional[float] = None) -> float:
+        """Time steps of dummy batches at a few (batch size, K <= ``max_k``) cells before
+        serving.
 
         Gives ``DraftPolicy`` a cost model from the start, so live traffic does not
         pay for exploring it. Only costs are recorded (dummy drafts say nothing about
         acceptance). Needs an empty batch; stops once ``budget`` seconds are spent;
         returns the seconds spent.
         """
-        if not self.K or not self.adaptive or self.rows:
+        if not self.mtp or not max_k or not self.adaptive or self.rows:
             return 0.0
         t_start = time.perf_counter()
-        ks = sorted({0, 1, self.K})
+        ks = sorted({0, 1, max_k})
         prompt = [(7 * j + 3) % self.model.text.args.vocab_size for j in range(prompt_len)]
 
         def spent() -> bool:
@@ -267,7 +271,7 @@ class BatchDecoder:
 
         for B in batch_sizes:
             for i in range(B):
-                seq = DecodeSequence(self.model, self.K, adaptive=False)
+                seq = DecodeSequence(self.model, max_k, adaptive=False)
                 seq.prefill(prompt)
                 self.add(("calibration", i), seq)
             for k in ks:
@@ -286,7 +290,8 @@ class BatchDecoder:
                 break
         return time.perf_counter() - t_start
 
-    def would_draft(self, batch_size: int) -> bool:
-        """Whether a batch of this size drafts now: only then does a joining prompt
-        run through the MTP head (paused, the head's history starts after it)."""
-        return self.K > 0 and self.policy.would_draft(batch_size)
+    def would_draft(self, batch_size: int, max_k: int) -> bool:
+        """Whether a batch of this size drafts now for a row of cap ``max_k``: only then
+        does a joining prompt run through the MTP head (paused, the head's history starts
+        after it)."""
+        return self.mtp and self.policy.would_draft(batch_size, max_k)

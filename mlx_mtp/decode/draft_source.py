@@ -22,18 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from . import MAX_DRAFT_TOKENS
+from . import MAX_DRAFT_TOKENS, check_draft_source
 from .costs import StepCosts
 from .lookup import MAX_LOOKUP_DRAFT, LookupIndex, LookupSettings
 from .policy import AcceptanceEstimate
-
-DRAFT_SOURCES = ("mtp", "lookup", "both")
-
-
-def check_draft_source(value, name: str = "draft_source") -> str:
-    if value not in DRAFT_SOURCES:
-        raise ValueError(f"{name} must be one of {', '.join(DRAFT_SOURCES)} (got {value!r})")
-    return value
 
 
 @dataclass
@@ -65,8 +57,20 @@ class DraftSources:
         # then take over (a server's chat requests rarely copy, its edit requests do).
         self.acceptance = _estimates(0.99)
 
+    def for_row(self, default_k: int, k: Optional[int] = None, source: Optional[str] = None,
+                has_head: bool = True) -> Tuple[int, Optional["RowDrafter"]]:
+        """A row's drafting, chosen here once: its cap on head drafts per step and its
+        context drafter (None: none). ``k``: the head drafts the row asks for (None:
+        ``default_k``; 0: no drafts from any source); ``source``: the row's (None: this
+        setting's)."""
+        source = self.source if source is None else check_draft_source(source)
+        if k == 0:
+            return 0, None
+        k = default_k if k is None else k
+        return (k if has_head and source != "lookup" else 0), self.drafter(source)
+
     def drafter(self, source: Optional[str] = None) -> Optional["RowDrafter"]:
-        """A row's drafter (None: the row drafts from the head only)."""
+        """A row's context drafter (None: the row drafts from the head only)."""
         source = self.source if source is None else check_draft_source(source)
         return None if source == "mtp" else RowDrafter(self, source)
 

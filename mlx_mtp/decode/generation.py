@@ -62,12 +62,10 @@ def stream_generate(
         raise ValueError(f"max_tokens must be >= 0 (got {max_tokens})")
     ids = encode_prompt(tokenizer, prompt)
     text = TextStream(tokenizer, stop=stop, max_tokens=max_tokens)
-    state = None
-    if grammar is not None:
-        state = Grammar(tokenizer, grammar, model.text.args.vocab_size, sorted(text.eos)).start()
-    dec = MTPDecoder(model, num_draft_tokens, sampling, adaptive=adaptive,
-                     prefill_step_size=prefill_step_size, grammar=state, policy=policy,
-                     drafter=None if draft_sources is None else draft_sources.drafter())
+    state = None if grammar is None else Grammar(
+        tokenizer, grammar, model.text.args.vocab_size, sorted(text.eos)).start()
+    dec = _decoder(model, num_draft_tokens, draft_sources, sampling, adaptive=adaptive,
+                   prefill_step_size=prefill_step_size, grammar=state, policy=policy)
     mx.reset_peak_memory()
 
     tic = time.perf_counter()
@@ -77,33 +75,40 @@ def stream_generate(
         out = dec.step()
         # A head loaded in the wrong layout fails silently: warn once if it accepts ~nothing.
         s = dec.stats  # the head's drafts only: context drafts say nothing about it
-        check_acceptance(s.num_draft_tokens - s.lookup_draft_tokens,
-                         s.num_accepted_tokens - s.lookup_accepted_tokens,
-                         model.model_type)
+        check_acceptance(s.head_draft_tokens, s.head_accepted_tokens, model.model_type)
         if prompt_time is None:
             prompt_time = time.perf_counter() - tic
             tic = time.perf_counter()
-        for i, tok in enumerate(out.tokens):
-            _, new_text = text.add([tok])
-            n = text.num_tokens
-            finish = text.finish_reason
-            elapsed = time.perf_counter() - tic
-            yield GenerationResponse(
-                text=new_text,
-                token=tok,
-                logprobs=out.logprobs[i],
-                from_draft=i < out.num_accepted,
-                prompt_tokens=len(ids),
-                prompt_tps=len(ids) / prompt_time if prompt_time else 0.0,
-                generation_tokens=n,
-                # As mlx-lm: every token counts, the clock starts after the first step.
-                generation_tps=n / elapsed if n > 1 and elapsed > 0 else 0.0,
-                peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason=finish,
-                spec=dec.stats,
-            )
-            if finish is not None:
-                return
+        yield from _responses(out, text, dec.stats, len(ids), prompt_time, tic)
+
+
+def _responses(out, text: TextStream, spec: SpecStats, n_prompt: int, prompt_time: float,
+               tic: float):
+    """One response per token a step emitted, until the text ends."""
+    for i, tok in enumerate(out.tokens):
+        _, new_text = text.add([tok])
+        n = text.num_tokens
+        elapsed = time.perf_counter() - tic
+        yield GenerationResponse(
+            text=new_text, token=tok, logprobs=out.logprobs[i],
+            from_draft=i < out.num_accepted, prompt_tokens=n_prompt,
+            prompt_tps=n_prompt / prompt_time if prompt_time else 0.0,
+            generation_tokens=n,
+            # As mlx-lm: every token counts, the clock starts after the first step.
+            generation_tps=n / elapsed if n > 1 and elapsed > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=text.finish_reason,
+            spec=spec,
+        )
+        if text.finish_reason is not None:
+            return
+
+
+def _decoder(model, num_draft_tokens: int, draft_sources, sampling, **kwargs) -> MTPDecoder:
+    """The decoder of one generation; with ``draft_sources``, its drafting chosen there."""
+    k, drafter = ((num_draft_tokens, None) if draft_sources is None
+                  else draft_sources.for_row(num_draft_tokens))
+    return MTPDecoder(model, k, sampling, drafter=drafter, **kwargs)
 
 
 def generate(model, tokenizer, prompt, **kwargs) -> str:
@@ -117,17 +122,6 @@ def format_stats(r: GenerationResponse) -> str:
         f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec",
         f"Peak memory: {r.peak_memory:.3f} GB",
     ]
-    s = r.spec
-    if s.num_drafts:
-        per_pos = " ".join(f"{a:.2f}" for a in s.acceptance_per_pos)
-        lines.append(
-            f"MTP: accepted {s.num_accepted_tokens}/{s.num_draft_tokens} "
-            f"({100 * s.acceptance_rate:.1f}%), mean acceptance length "
-            f"{s.mean_acceptance_length:.2f}, per-pos [{per_pos}], drafts {s.num_drafts}"
-        )
-        if s.lookup_drafts:
-            head_drafted = s.num_draft_tokens - s.lookup_draft_tokens
-            head_accepted = s.num_accepted_tokens - s.lookup_accepted_tokens
-            lines[-1] += (f"; by source: context {s.lookup_accepted_tokens}/"
-                          f"{s.lookup_draft_tokens}, head {head_accepted}/{head_drafted}")
+    if r.spec.num_drafts:
+        lines.append(r.spec.describe())
     return "\n".join(lines)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from . import MAX_DRAFT_TOKENS
 from .costs import StepCosts
 
 
@@ -44,13 +45,14 @@ class AcceptanceEstimate:
     a source is paused: a few early rejections leave it high, many do not.
     """
 
-    def __init__(self, max_k: int, forget: float, prior_weight: float = 1.0,
+    def __init__(self, positions: int, forget: float, prior_weight: float = 1.0,
                  prior=0.7, z: float = 1.0):
         self.forget, self.z = forget, z
-        self.prior = [float(prior)] * max_k if isinstance(prior, (int, float)) else list(prior)
-        self.hits = [0.0] * max_k  # observed, forgetting
-        self.trials = [0.0] * max_k
-        self.weight = [float(prior_weight)] * max_k  # the prior's, forgotten alike
+        self.prior = ([float(prior)] * positions if isinstance(prior, (int, float))
+                      else list(prior))
+        self.hits = [0.0] * positions  # observed, forgetting
+        self.trials = [0.0] * positions
+        self.weight = [float(prior_weight)] * positions  # the prior's, forgotten alike
 
     def record(self, k: int, accepted: Sequence[int], ks: Optional[Sequence[int]] = None,
                starts: Optional[Sequence[int]] = None):
@@ -94,20 +96,20 @@ class AcceptanceEstimate:
 
 
 class DraftPolicy:
-    """Chooses K for each batch step (``choose``) from what steps cost and what rows accept."""
+    """Chooses K for each batch step (``choose``) from what steps cost and what rows accept,
+    up to the cap it is given (the rows' ``max_k``: K is stored per row, nowhere else)."""
 
-    def __init__(self, max_k: int, adaptive: bool = True, margin: float = 1.05,
+    def __init__(self, adaptive: bool = True, margin: float = 1.05,
                  forget: float = 0.97, probe_gap: Tuple[int, int] = (8, 1024),
                  recheck_gap: Tuple[int, int, int] = (4, 32, 512), prior_weight: float = 3.0,
                  probe_budget: float = 0.005):
-        self.max_k = max_k
         self.adaptive = adaptive
         self.margin = margin  # drafting must win clearly: timing noise must not cost users
         self.waiting_margin = 0.1
         self.costs = StepCosts()
         # A prior worth 3 steps, and pausing only once the upper estimate says so: a few
         # unlucky drafts of a good head do not pause it; a useless head stops after ~6-8.
-        self.acceptance = AcceptanceEstimate(max_k, forget, prior_weight)
+        self.acceptance = AcceptanceEstimate(MAX_DRAFT_TOKENS, forget, prior_weight)
         self.probe_gap = probe_gap  # cost probes, per batch size
         # Acceptance re-checks while paused start sooner: a good head paused by bad luck
         # loses every step until one; a useless one costs a fraction of a step per probe.
@@ -146,37 +148,37 @@ class DraftPolicy:
         """Drafts per row for the next step (``step.Row``s): seeded schedules for rows
         that need one, the policy's K for the others, 0 where a row cannot draft."""
         free = [r for r in rows if r.schedule is None and r.can_draft()]
-        k = self.choose(B, prompts_waiting) if free else 0
-        return [0 if not r.can_draft() else r.schedule.next_k() if r.schedule is not None
+        k = self.choose(B, max(r.max_k for r in free), prompts_waiting) if free else 0
+        return [0 if not r.can_draft() else r.schedule.next_k(r.max_k) if r.schedule is not None
                 else min(k, r.max_k) for r in rows]
 
     # -- decision ----------------------------------------------------------------
-    def choose(self, B: int, prompts_waiting: bool = False) -> int:
-        """K for the next step of a batch of B rows. ``prompts_waiting``: sequences
-        are waiting for their prompt to run, and a longer step delays them (the
+    def choose(self, B: int, max_k: int, prompts_waiting: bool = False) -> int:
+        """K (up to ``max_k``) for the next step of a batch of B rows. ``prompts_waiting``:
+        sequences are waiting for their prompt to run, and a longer step delays them (the
         batch stays smaller for longer), so drafting must win by a wider margin."""
-        if not self.adaptive or self.max_k == 0:
-            return self.max_k
-        k = self._decide(B, self.margin + (self.waiting_margin if prompts_waiting else 0))
+        if not self.adaptive or max_k == 0:
+            return max_k
+        k = self._decide(B, max_k, self.margin + (self.waiting_margin if prompts_waiting else 0))
         if k and not self._drafting:  # drafting pays again: re-check soon after a pause
             self._gaps.pop(None, None)
         self._drafting = k > 0
-        probe = self._maybe_probe(B, k)
+        probe = self._maybe_probe(B, max_k, k)
         return k if probe is None else probe
 
-    def would_draft(self, B: int) -> bool:
+    def would_draft(self, B: int, max_k: int) -> bool:
         """Whether a batch of B rows drafts now (or explores): no side effects."""
-        if not self.adaptive:
-            return self.max_k > 0
-        return self._decide(B) > 0
+        if not self.adaptive or max_k == 0:
+            return max_k > 0
+        return self._decide(B, max_k) > 0
 
-    def _decide(self, B: int, margin: Optional[float] = None) -> int:
+    def _decide(self, B: int, max_k: int, margin: Optional[float] = None) -> int:
         """The best K by predicted tokens per second per row."""
         t0 = self.costs.predict(B, 0)
         if t0 is None:
             return 0  # time plain steps at this batch size first
         best, best_rate = 0, (margin or self.margin) / t0
-        for k in range(1, self.max_k + 1):
+        for k in range(1, max_k + 1):
             t = self.costs.predict(B, k)
             if t is None:
                 # Unknown cost: try it for a step if it could win (measuring it is the
@@ -218,7 +220,7 @@ class DraftPolicy:
             return self.acceptance.reach(k) >= 0.5
         return self.acceptance.expected_tokens(k, optimistic=True) / guess > best_rate
 
-    def _maybe_probe(self, B: int, chosen: int) -> Optional[int]:
+    def _maybe_probe(self, B: int, max_k: int, chosen: int) -> Optional[int]:
         """Now and then (at doubling intervals) try another K.
 
         Per batch size: a K whose cost here is barely or long ago measured (a fit, one
@@ -234,7 +236,7 @@ class DraftPolicy:
         chosen_t = self.costs.predict(B, chosen)
         chosen_rate = (self.acceptance.expected_tokens(chosen) / chosen_t if chosen_t
                        else self.margin / t0)
-        thin = [k for k in range(self.max_k + 1) if k != chosen
+        thin = [k for k in range(max_k + 1) if k != chosen
                 and (self.costs.count(B, k) < 3 or self.costs.stale(B, k))
                 and (k == 0 or self.acceptance.reach(k) >= 0.5
                      or self._worth_trying(B, k, chosen_rate))]
@@ -276,18 +278,18 @@ class DraftPolicy:
         self._gaps[key] = (gap, wait)
         return wait == gap
 
-    def describe(self, B: int) -> str:
-        """One log line: the choice at batch size B and what it rests on."""
-        if not self.adaptive or self.max_k == 0:
-            return f"K={self.max_k} (fixed)"
+    def describe(self, B: int, max_k: int) -> str:
+        """One log line: the choice at batch size B (up to ``max_k``) and what it rests on."""
+        if not self.adaptive or max_k == 0:
+            return f"K={max_k} (fixed)"
         parts = []
-        for k in range(self.max_k + 1):
+        for k in range(max_k + 1):
             t = self.costs.predict(B, k)
             n = self.costs.count(B, k)
             parts.append("?" if t is None else f"{1e3 * t:.1f}" + ("" if n >= 3 else "~"))
         expected = self.acceptance.expected_tokens
-        gains = " ".join(f"{expected(k):.2f}" for k in range(1, self.max_k + 1))
-        return (f"batch {B}: K={self._decide(B)}; step ms by K=0..{self.max_k}: "
+        gains = " ".join(f"{expected(k):.2f}" for k in range(1, max_k + 1))
+        return (f"batch {B}: K={self._decide(B, max_k)}; step ms by K=0..{max_k}: "
                 f"{' '.join(parts)} (~ fitted); tokens/row by K=1..: {gains}")
 
 
@@ -306,20 +308,21 @@ class SeededSchedule:
     Deterministic: the same request takes the same K at every step.
     """
 
-    def __init__(self, max_k: int, adaptive: bool = True, draft_cost: float = 0.35,
+    def __init__(self, adaptive: bool = True, draft_cost: float = 0.35,
                  margin: float = 1.05, probe_gap: Tuple[int, int] = (4, 256)):
-        self.max_k, self.adaptive = max_k, adaptive
+        self.adaptive = adaptive
         self.draft_cost, self.margin = draft_cost, margin
-        self.acceptance = AcceptanceEstimate(max_k, forget=0.9)
+        self.acceptance = AcceptanceEstimate(MAX_DRAFT_TOKENS, forget=0.9)
         self.probe_gap = probe_gap
         self._gap = self._wait = probe_gap[0]
 
-    def next_k(self) -> int:
+    def next_k(self, max_k: int) -> int:
+        """K for the row's next step, up to its cap ``max_k``."""
         if not self.adaptive:
-            return self.max_k
+            return max_k
         rates = [self.acceptance.expected_tokens(k) / (1 + self.draft_cost * k)
-                 for k in range(self.max_k + 1)]
-        best = max(range(self.max_k + 1), key=lambda k: rates[k])
+                 for k in range(max_k + 1)]
+        best = max(range(max_k + 1), key=lambda k: rates[k])
         if best and rates[best] >= self.margin:
             self._gap = self._wait = self.probe_gap[0]
             return best

@@ -64,16 +64,16 @@ class Sequence:
                 "This model was loaded without an MTP head; use num_draft_tokens=0 (--no-mtp)."
             )
         self.model = model
-        self.K = num_draft_tokens
+        k = num_draft_tokens  # kept in the row (``max_k``), its one home
         self.params = sampling
         self.sampler = Sampler(sampling, grammar)
         self.adaptive = adaptive
         self.prefill_step_size = prefill_step_size
         self.cache = cache if cache is not None else model.make_cache()
-        self.mtp_cache = model.make_mtp_cache() if self.K > 0 else None
-        schedule = SeededSchedule(self.K, adaptive) if self.K and needs_schedule(sampling) else None
-        self.row = Row(key=None, sampler=self.sampler, max_k=self.K, y=None,
-                       owed=OwedPairs() if self.K else None, schedule=schedule,
+        self.mtp_cache = model.make_mtp_cache() if k > 0 else None
+        schedule = SeededSchedule(adaptive) if k and needs_schedule(sampling) else None
+        self.row = Row(key=None, sampler=self.sampler, max_k=k, y=None,
+                       owed=OwedPairs() if k else None, schedule=schedule,
                        drafter=drafter)  # draft_source.RowDrafter: context drafts too
         self.last_hidden: Optional[mx.array] = None  # hidden of the last prompt token run
         self.n_processed = 0  # prompt tokens already in the trunk cache

@@ -41,8 +41,8 @@ class MTPDecoder(Sequence):
                  drafter=None):
         super().__init__(model, num_draft_tokens, sampling, adaptive, prefill_step_size,
                          cache, grammar, drafter)
-        # K is resolved here, once: a fixed K, or the adaptive policy's choice per step.
-        self.policy = policy if policy is not None else DraftPolicy(self.K, adaptive)
+        # K per step: the policy's choice up to the row's cap (not adaptive: the cap).
+        self.policy = policy if policy is not None else DraftPolicy(adaptive)
         self.overlap = overlap
         self._batch: Optional[BatchDecoder] = None
 
@@ -61,7 +61,7 @@ class MTPDecoder(Sequence):
         were replaced, e.g. by ``restore``)."""
         batch = self._batch
         if batch is None or batch.cache is not self.cache or batch.mtp_cache is not self.mtp_cache:
-            batch = self._batch = BatchDecoder(self.model, self.K, self.adaptive,
+            batch = self._batch = BatchDecoder(self.model, self.row.max_k > 0, self.adaptive,
                                                policy=self.policy, overlap=self.overlap)
             batch.add(None, self, share=True)
         return batch

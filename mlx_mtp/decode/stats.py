@@ -1,4 +1,6 @@
-"""Speculative-decoding counters, named as vLLM names them.
+"""Speculative-decoding counters, named as vLLM names them, and the figures derived from
+them: the one dict form (``to_dict``) and the one text form (``describe``) that the CLI,
+the server (responses, the live page, the log line) and the benchmark render.
 
 Mean acceptance length counts the bonus/recovered token: ``1 + accepted/drafts``.
 """
@@ -6,7 +8,7 @@ Mean acceptance length counts the bonus/recovered token: ``1 + accepted/drafts``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import Dict, List, Optional
 
 
 @dataclass
@@ -23,12 +25,17 @@ class SpecStats:
     lookup_draft_tokens: int = 0
     lookup_accepted_tokens: int = 0
 
-    def record(self, k: int, n_accepted: int):
+    def record(self, k: int, n_accepted: int, lookup_drafted: int = 0, lookup_accepted: int = 0):
+        """One step that drafted ``k`` tokens (``lookup_drafted`` of them copied from the
+        context) of which ``n_accepted`` were accepted (``lookup_accepted`` of the copies)."""
         if k == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += n_accepted
+        self.lookup_drafts += lookup_drafted > 0
+        self.lookup_draft_tokens += lookup_drafted
+        self.lookup_accepted_tokens += lookup_accepted
         while len(self.drafted_per_pos) < k:
             self.drafted_per_pos.append(0)
             self.accepted_per_pos.append(0)
@@ -62,17 +69,54 @@ class SpecStats:
     def acceptance_per_pos(self) -> List[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
 
-    def to_dict(self) -> dict:
+    @property
+    def head_draft_tokens(self) -> int:
+        """Drafts of the MTP head: all but those copied from the context."""
+        return self.num_draft_tokens - self.lookup_draft_tokens
+
+    @property
+    def head_accepted_tokens(self) -> int:
+        return self.num_accepted_tokens - self.lookup_accepted_tokens
+
+    def by_source(self) -> Dict[str, Dict[str, int]]:
+        """Drafted and accepted tokens of the head (``mtp``) and of the context (``lookup``)."""
+        return {"mtp": {"drafted": self.head_draft_tokens, "accepted": self.head_accepted_tokens},
+                "lookup": {"drafted": self.lookup_draft_tokens,
+                           "accepted": self.lookup_accepted_tokens}}
+
+    def to_dict(self, missing: Optional[float] = 0.0) -> dict:
+        """The counters and the rates derived from them; ``missing``: a rate with nothing
+        drafted to measure it."""
+        def rate(accepted: int, drafted: int):
+            return accepted / drafted if drafted else missing
+
         return {
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
-            "acceptance_rate": self.acceptance_rate,
-            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate": rate(self.num_accepted_tokens, self.num_draft_tokens),
+            "mean_acceptance_length": (self.mean_acceptance_length if self.num_drafts
+                                       else missing),
             "accepted_per_pos": list(self.accepted_per_pos),
             "drafted_per_pos": list(self.drafted_per_pos),
             "acceptance_per_pos": self.acceptance_per_pos,
+            # Of the drafts, those copied from the context (decode/lookup.py); the rest are
+            # the head's.
             "lookup_drafts": self.lookup_drafts,
             "lookup_draft_tokens": self.lookup_draft_tokens,
             "lookup_accepted_tokens": self.lookup_accepted_tokens,
+            "lookup_acceptance_rate": rate(self.lookup_accepted_tokens, self.lookup_draft_tokens),
+            "mtp_acceptance_rate": rate(self.head_accepted_tokens, self.head_draft_tokens),
         }
+
+    def describe(self) -> str:
+        """One line: acceptance overall, per position and, with context drafts, by source."""
+        per_pos = " ".join(f"{a:.2f}" for a in self.acceptance_per_pos)
+        line = (f"MTP: accepted {self.num_accepted_tokens}/{self.num_draft_tokens} "
+                f"({100 * self.acceptance_rate:.1f}%), mean acceptance length "
+                f"{self.mean_acceptance_length:.2f}, per-pos [{per_pos}], drafts {self.num_drafts}")
+        if self.lookup_drafts:
+            line += (f"; by source: context {self.lookup_accepted_tokens}/"
+                     f"{self.lookup_draft_tokens}, head {self.head_accepted_tokens}/"
+                     f"{self.head_draft_tokens}")
+        return line

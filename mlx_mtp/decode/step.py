@@ -282,7 +282,6 @@ class DecodeBatch:
         r.n_out += n + 1
         if r.sampler.history is not None:
             self._on_row(b, lambda: r.sampler.history.commit(ids))
-        r.stats.record(p.ks[b], n)
         if r.schedule is not None:
             r.schedule.record(p.ks[b], n)
         if r.sampler.grammar is not None:
@@ -291,9 +290,7 @@ class DecodeBatch:
         if r.drafter is not None:
             looked, hit = r.drafter.record(p.plans[b], n)
             r.drafter.index.extend(ids)
-            r.stats.lookup_drafts += looked > 0
-            r.stats.lookup_draft_tokens += looked
-            r.stats.lookup_accepted_tokens += hit
+        r.stats.record(p.ks[b], n, looked, hit)
         return StepOutput(ids, p.logprobs[b, : n + 1], p.ks[b], n, looked, hit)
 
     # -- internals -------------------------------------------------------------------

@@ -116,21 +116,21 @@ def uncalibrated(model, costs: StepCosts, max_batch: int, K: int) -> list:
     return [B for B in sizes if not (costs.count(B, 0) and costs.count(B, K))]
 
 
-def calibrate(model, policy: DraftPolicy, budget: float = 0.5) -> float:
+def calibrate(model, policy: DraftPolicy, max_k: int, budget: float = 0.5) -> float:
     """Time plain and draft steps of a dummy sequence until ``budget`` seconds are spent
     (each K's first step pays one-off costs and is not counted); returns the seconds."""
     from .batch import BatchDecoder
 
-    batch = BatchDecoder(model, policy.max_k, adaptive=True, policy=policy)
-    return batch.calibrate(batch_sizes=(1,), steps=3, prompt_len=8, budget=budget)
+    batch = BatchDecoder(model, adaptive=True, policy=policy)
+    return batch.calibrate(max_k, batch_sizes=(1,), steps=3, prompt_len=8, budget=budget)
 
 
 def policy_for(model, max_k: int, adaptive: bool = True, budget: float = 0.5) -> DraftPolicy:
     """A policy that knows this machine's step costs from the start: the stored ones,
     else (adaptive, drafting from the head) a short calibration."""
-    policy = DraftPolicy(max_k, adaptive)
+    policy = DraftPolicy(adaptive)
     if not load(model, policy.costs) and adaptive and max_k and model.num_mtp_layers:
         tic = time.perf_counter()
-        calibrate(model, policy, budget)
+        calibrate(model, policy, max_k, budget)
         policy.calibration_seconds = time.perf_counter() - tic
     return policy

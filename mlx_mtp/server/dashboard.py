@@ -82,13 +82,13 @@ def draft_policy_view(engine) -> Optional[dict]:
     if policy is None:
         return None
     current = len(batch)
-    view = {"max_k": batch.K, "adaptive": bool(getattr(policy, "adaptive", False)),
+    view = {"max_k": engine.num_draft_tokens, "adaptive": bool(getattr(policy, "adaptive", False)),
             "batch_size": current, "by_batch_size": []}
     policy = _policy_copy(policy)
     if policy is None:
         return view
     for size in _batch_sizes(engine.max_concurrency, current):
-        line = policy.describe(size)
+        line = policy.describe(size, engine.num_draft_tokens)
         found = re.search(r"\bK=(\d+)", line)
         view["by_batch_size"].append({"batch_size": size,
                                       "k": int(found.group(1)) if found else None,
@@ -139,7 +139,7 @@ class DashboardFeed:
             "max_concurrency": engine.max_concurrency,
             "generation_tokens_per_second": gen_rate,
             "prompt_tokens_per_second": prompt_rate,
-            **totals,  # MTP counters and rates rendered by metrics.spec_fields
+            **totals,  # MTP counters and rates rendered by SpecStats.to_dict
             "prefix_cache": {"enabled": pc.enabled, "entries": len(pc), "bytes": pc.nbytes,
                              "max_bytes": pc.max_bytes, "hits": pc.hits, "misses": pc.misses},
             "draft_policy": draft_policy_view(engine),

@@ -108,7 +108,7 @@ class LeaderSync(StepSync):
     def attach(self, engine):
         """Bind to ``engine`` (before it starts) and start the watchdog."""
         self.engine = engine
-        self.ops.append(["config", {"K": engine.batch.K, "adaptive": engine.adaptive,
+        self.ops.append(["config", {"K": engine.num_draft_tokens, "adaptive": engine.adaptive,
                                     "prefill_step_size": engine.prefill_step_size}])
         threading.Thread(target=self._watch, name="mlx-mtp-watchdog", daemon=True).start()
 
@@ -124,7 +124,7 @@ class LeaderSync(StepSync):
         rid = self.rows[seq.req.request_id] = self._new_id()
         dec = seq.dec
         self.ops.append(["admit", rid, list(seq.req.prompt), params_to_json(dec.params),
-                         dec.K, dec.sampler.seed, restore])
+                         dec.row.max_k, dec.sampler.seed, restore])
 
     def prefill(self, seq, end: int, run_head: bool):
         self.ops.append(["prefill", self.rows[seq.req.request_id], end, run_head])
@@ -309,7 +309,7 @@ class Follower:
         self.batch = self._new_batch()
 
     def _new_batch(self) -> BatchDecoder:
-        return BatchDecoder(self.model, self.config["K"], self.config["adaptive"])
+        return BatchDecoder(self.model, self.config["K"] > 0, self.config["adaptive"])
 
     def _admit(self, rid, prompt, params, k, seed, restore):
         dec = Sequence(self.model, k, params_from_json(params),
@@ -343,7 +343,7 @@ class Follower:
 
     def _calibrate(self, sizes):
         try:
-            self.batch.calibrate(sizes)
+            self.batch.calibrate(self.config["K"], sizes)
         except Exception:  # as the engine: a fresh batch, costs learnt live
             log.exception("MTP step-cost calibration failed")
             self.batch = self._new_batch()

@@ -96,8 +96,8 @@ class Engine:
                 raise ValueError(f"{name} must be >= 1")
         self.model = model
         self.tokenizer = tokenizer
-        self.num_draft_tokens = num_draft_tokens
         self.has_mtp = model.num_mtp_layers > 0
+        self.num_draft_tokens = num_draft_tokens if self.has_mtp else 0  # a request's default
         self.adaptive = adaptive
         self.max_concurrency = max_concurrency
         self.prefill_step_size = prefill_step_size
@@ -125,7 +125,7 @@ class Engine:
         self.sync = sync or StepSync()
         self.total_stats = SpecStats()
         # Decoding sequences share one batched forward per step (MTP included).
-        self.batch = BatchDecoder(model, num_draft_tokens if self.has_mtp else 0, adaptive)
+        self.batch = BatchDecoder(model, self.num_draft_tokens > 0, adaptive)
         self.fair = FairShare()
         # Context drafts (--draft-source, a request's draft_source): one cost table for all.
         self.draft_sources = draft_sources or DraftSources("mtp", adaptive=adaptive)
@@ -175,22 +175,22 @@ class Engine:
     # -- the loop -------------------------------------------------------------------
     def _calibrate(self):
         # Batch sizes whose costs an earlier run on this machine stored are not timed again.
-        sizes = step_costs.uncalibrated(self.model, self.batch.policy.costs,
-                                        self.max_concurrency, self.batch.K)
+        sizes = step_costs.uncalibrated(self.model, self.batch.policy.costs, self.max_concurrency,
+                                        self.num_draft_tokens)
         try:
             self.sync.calibrating(sizes)
-            seconds = self.batch.calibrate(sizes) if sizes else 0.0
+            seconds = self.batch.calibrate(self.num_draft_tokens, sizes) if sizes else 0.0
             if seconds:
                 step_costs.save(self.model, self.batch.policy.costs)
         except Exception as e:  # never fatal: the policy then learns from live steps
             if self.sync.group_lost(e):
                 return
             log.exception("MTP step-cost calibration failed")
-            self.batch = BatchDecoder(self.model, self.batch.K, self.adaptive)
+            self.batch = BatchDecoder(self.model, self.batch.mtp, self.adaptive)
             return
         if seconds:
             log.info("MTP step costs calibrated in %.1f s; draft policy at %s", seconds,
-                     self.batch.policy.describe(self.max_concurrency))
+                     self.batch.policy.describe(self.max_concurrency, self.num_draft_tokens))
 
     def _run(self):
         if self.calibrate:  # this machine's stored step costs, or timed
@@ -233,8 +233,9 @@ class Engine:
         self._decode_round()
         self.sync.end_step()
         self.periodic.maybe_log(len(self.running), self.num_waiting,
-                               lambda: self.batch.policy.describe(self._load())
-                               if self.batch.K else None)
+                               lambda: self.batch.policy.describe(self._load(),
+                                                                  self.num_draft_tokens)
+                               if self.batch.mtp else None)
         return bool(self.running or self.waiting)
 
     # -- admission ------------------------------------------------------------------
@@ -270,14 +271,12 @@ class Engine:
         return min(len(self.running) + len(self.waiting), self.max_concurrency)
 
     def _make_seq(self, req: EngineRequest) -> _Seq:
-        k = self.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens
-        source = req.draft_source or self.draft_sources.source
-        if not self.has_mtp or source == "lookup":
-            k = 0
+        k, drafter = self.draft_sources.for_row(self.num_draft_tokens, req.num_draft_tokens,
+                                                req.draft_source, self.has_mtp)
         dec = Sequence(self.model, k, req.sampling, adaptive=self.adaptive,
                        prefill_step_size=self.prefill_step_size,
                        grammar=None if req.grammar is None else req.grammar.start(),
-                       drafter=self.draft_sources.drafter(source))
+                       drafter=drafter)
         n_cached, entry = 0, None
         pc = self.prefix_cache
         if req.cache_prompt and pc.enabled:
@@ -299,7 +298,7 @@ class Engine:
         n_decoding = sum(1 for s in self.running if not s.prefilling)
         if not n_decoding:
             return self.prefill_step_size
-        rest = self.max_batched_tokens - n_decoding * (1 + self.batch.K)
+        rest = self.max_batched_tokens - n_decoding * (1 + self.num_draft_tokens)
         least = self.fair.floor(self.chunks.grid, self.chunks.floor)
         return self.fair.budget(rest, least, self.prefill_step_size)
 
@@ -342,7 +341,7 @@ class Engine:
         # prompt up to ``end`` runs exactly tokens [start, end).
         # The MTP head reads the chunk only if the batch the sequence joins drafts now.
         run_head = dec.mtp_cache is None or self.batch.would_draft(
-            max(len(self.batch) + 1, self._load()))
+            max(len(self.batch) + 1, self._load()), dec.row.max_k)
         self.sync.prefill(seq, end, run_head)
         dec.prefill(prompt[: end + 1], run_head=run_head)
         if end in seq.boundaries:
@@ -410,7 +409,8 @@ class Engine:
                                  out.lookup_accepted)
         used, delta = seq.output.add(out)
         self.metrics.generation_tokens.inc(len(used))
-        self.periodic.record(out.num_drafted, out.num_accepted, len(used))
+        self.periodic.record(out.num_drafted, out.num_accepted, len(used), out.lookup_drafted,
+                             out.lookup_accepted)
 
         # Latency metrics: the step's time spread over the tokens it produced.
         if seq.t_first is None:
@@ -433,8 +433,7 @@ class Engine:
         self._remove(seq)
         self.total_stats.merge(stats)
         t = self.total_stats  # the head's drafts only: context drafts say nothing about it
-        check_acceptance(t.num_draft_tokens - t.lookup_draft_tokens,
-                         t.num_accepted_tokens - t.lookup_accepted_tokens, self.model_name)
+        check_acceptance(t.head_draft_tokens, t.head_accepted_tokens, self.model_name)
         prefill_done = seq.t_prefill_done or now
         done = seq.output.done(stats, seq.mtp_enabled, prefill_done - seq.t_admit,
                                now - prefill_done)
@@ -472,7 +471,7 @@ class Engine:
         except Exception:
             log.exception("Could not remove the failed rows; starting a new batch")
             policy = self.batch.policy
-            self.batch = BatchDecoder(self.model, self.batch.K, self.adaptive)
+            self.batch = BatchDecoder(self.model, self.batch.mtp, self.adaptive)
             self.batch.policy = policy
         for r in [s.req for s in running] + waiting:
             if not r.cancelled:

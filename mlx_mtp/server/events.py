@@ -66,7 +66,7 @@ class EngineRequest:
     sampling: SamplingParams = SamplingParams()
     on_event: Callable[[object], None] = lambda ev: None
     stop: Sequence[str] = ()
-    num_draft_tokens: Optional[int] = None  # None: the server's K
+    num_draft_tokens: Optional[int] = None  # None: the server's K; 0: no drafts at all
     draft_source: Optional[str] = None  # mtp | lookup | both; None: the server's
     logprobs: Optional[int] = None  # None: off; n >= 0: chosen token plus top n
     cache_prompt: bool = True

@@ -18,8 +18,8 @@ from ..models.io.layout import text_config
 from ..models.distributed import distributed_group
 from ..models.io.loader import generation_defaults, load_config, resolve_model_path
 from ..options import (UserError, add_model_arguments, add_sampling_arguments,
-                       draft_sources_from_args, load_from_args, num_draft_tokens_from_args,
-                       parse_json_arg, sampling_defaults, sampling_from_args)
+                       drafting_from_args, load_from_args, parse_json_arg, sampling_defaults,
+                       sampling_from_args)
 from .app import create_app
 from .distributed import LeaderSync, run_follower
 from .engine import Engine
@@ -173,9 +173,9 @@ def _session_store(args, model, metrics):
     return store
 
 
-def build_state(args, model, tokenizer, config: dict, k: int, sampling_defaults: dict,
-                template_args: dict, model_path=None, sync=None,
-                draft_sources=None) -> ServerState:
+def build_state(args, model, tokenizer, config: dict, drafting, sampling_defaults: dict,
+                template_args: dict, model_path=None, sync=None) -> ServerState:
+    k = drafting.k
     text_cfg = text_config(config)
     ctx = args.max_kv_size or text_cfg.get("max_position_embeddings") or 32768
     vocab = text_cfg.get("vocab_size") or len(tokenizer.get_vocab())
@@ -189,13 +189,13 @@ def build_state(args, model, tokenizer, config: dict, k: int, sampling_defaults:
     num_layers = model.num_mtp_layers
     metrics = ServerMetrics(names[0])
     engine = Engine(
-        model, tokenizer, num_draft_tokens=k, adaptive=not args.fixed_k,
+        model, tokenizer, num_draft_tokens=k, adaptive=drafting.adaptive,
         max_concurrency=args.max_concurrency, prefill_step_size=args.prefill_step_size,
         max_batched_tokens=args.max_batched_tokens,
         prefix_cache=PrefixCache(args.prompt_cache_size, args.prompt_cache_bytes,
                                  disk=_session_store(args, model, metrics)),
         metrics=metrics, max_queue=args.max_queue, model_name=names[0],
-        log_interval=args.log_interval, sync=sync, draft_sources=draft_sources,
+        log_interval=args.log_interval, sync=sync, draft_sources=drafting.sources,
     )
     return ServerState(
         engine=engine, tokenizer=tokenizer, model_name=names[0], aliases=aliases,
@@ -205,7 +205,7 @@ def build_state(args, model, tokenizer, config: dict, k: int, sampling_defaults:
         tool_call_parser=args.tool_call_parser, api_key=args.api_key or None,
         protect_metrics=args.protect_metrics, max_chars_per_token=max_token_chars(tokenizer),
         model_path=str(model_path) if model_path else str(args.model or ""),
-        num_mtp_layers=num_layers, num_draft_tokens=k, adaptive=not args.fixed_k,
+        num_mtp_layers=num_layers, num_draft_tokens=k, adaptive=drafting.adaptive,
         max_draft_tokens=MAX_DRAFT_TOKENS,
     )
 
@@ -214,16 +214,13 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(args.log_level)
-    k = num_draft_tokens_from_args(args)
     template_args = parse_json_arg(args.chat_template_args, "--chat-template-args")
     _check_args(args)
     # Under mlx.launch: rank 0 serves HTTP, the other ranks follow its steps.
     group = distributed_group(args.distributed)
     leader = group is None or group.rank() == 0
-    if group is not None and args.draft_source not in (None, "mtp"):
-        raise UserError("--draft-source lookup/both is not available on a model split "
-                        "across processes; use --draft-source mtp")
-    draft_sources, k = (None, k) if group is not None else draft_sources_from_args(args, k)
+    drafting = drafting_from_args(args, distributed=group is not None)
+    k = drafting.k
 
     if leader:
         _check_port(args.host, args.port)  # before spending minutes loading a model
@@ -240,11 +237,11 @@ def run(args) -> int:
     if args.chat_template:
         _set_chat_template(tokenizer, _read_template(args.chat_template))
     sync = None if group is None else LeaderSync(model, args.distributed_timeout)
-    state = build_state(args, model, tokenizer, load_config(path), k, defaults, template_args,
-                        model_path=path, sync=sync, draft_sources=draft_sources)
+    state = build_state(args, model, tokenizer, load_config(path), drafting, defaults,
+                        template_args, model_path=path, sync=sync)
     if sync is not None:
         sync.attach(state.engine)
-    _serve(args, state, _guarded_app(args, state), k)
+    _serve(args, state, _guarded_app(args, state))
     if group is not None:  # the engine thread may sit in a collective of a lost rank
         logging.shutdown()
         os._exit(0)
@@ -327,7 +324,7 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def _serve(args, state: ServerState, app, k: int):
+def _serve(args, state: ServerState, app):
     """Start the engine, serve until stopped, then stop the engine and flush the caches."""
     engine = state.engine
     engine.start()
@@ -339,8 +336,9 @@ def _serve(args, state: ServerState, app, k: int):
                             access_log=args.log_level == "DEBUG")
     log.info("mlx-mtp serving %s at http://%s:%d/v1 (MTP: %s, max concurrency %d, "
              "context %d tokens)", state.model_name, args.host, args.port,
-             f"{state.num_mtp_layers} layer(s), K={k}{'' if args.fixed_k else ' adaptive'}"
-             if k else "off", args.max_concurrency, state.context_length)
+             f"{state.num_mtp_layers} layer(s), K={state.num_draft_tokens}"
+             f"{' adaptive' if state.adaptive else ''}" if state.num_draft_tokens else "off",
+             args.max_concurrency, state.context_length)
     try:
         _Server(config, engine).run()  # exits the process with 1 if the port cannot be bound
     finally:

@@ -5,9 +5,9 @@ Names copy vLLM's with the ``mlx_mtp:`` prefix, so dashboards written for
 a ``model_name`` label. The small wrappers below bind that label and give the
 engine and the live page one way to read a value back (``get``/``count``).
 
-This module is also the one place the server renders speculative-decoding counters
-(``SpecStats``): a response's ``mtp`` block and the live page (``spec_fields``), the
-periodic log line (``spec_log_line``) and ``/metrics`` (``ServerMetrics.record_step``).
+Speculative-decoding counters (``SpecStats``) render from their own dict and text forms
+(``SpecStats.to_dict``, ``SpecStats.describe``): a response's ``mtp`` block, the live page
+and the periodic log line; ``/metrics`` counts them step by step (``record_step``).
 """
 
 from __future__ import annotations
@@ -32,32 +32,6 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                  100000, 200000]
-
-
-def spec_fields(stats: SpecStats, missing: Optional[float] = 0.0) -> dict:
-    """The counters as responses (``mtp``) and the live page show them; ``missing``: the rates
-    when nothing was drafted."""
-    return {
-        "num_drafts": stats.num_drafts,
-        "num_draft_tokens": stats.num_draft_tokens,
-        "num_accepted_tokens": stats.num_accepted_tokens,
-        "mean_acceptance_length": stats.mean_acceptance_length if stats.num_drafts else missing,
-        "acceptance_rate": stats.acceptance_rate if stats.num_draft_tokens else missing,
-        "accepted_per_pos": list(stats.accepted_per_pos),
-        "drafted_per_pos": list(stats.drafted_per_pos),
-        # Of the drafts, those copied from the context (decode/lookup.py).
-        "lookup_draft_tokens": stats.lookup_draft_tokens,
-        "lookup_accepted_tokens": stats.lookup_accepted_tokens,
-    }
-
-
-def spec_log_line(stats: SpecStats) -> str:
-    """vLLM's periodic ``SpecDecoding metrics`` line."""
-    per_pos = ", ".join(f"{a:.3f}" for a in stats.acceptance_per_pos)
-    return (f"SpecDecoding metrics: Mean acceptance length: {stats.mean_acceptance_length:.2f}, "
-            f"Accepted: {stats.num_accepted_tokens} tokens, Drafted: {stats.num_draft_tokens} "
-            f"tokens, Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: "
-            f"{100 * stats.acceptance_rate:.1f}%")
 
 
 class _Series:
@@ -226,15 +200,12 @@ class ServerMetrics:
                     lookup_accepted: int = 0):
         if num_drafted <= 0:
             return
-        for source, d, a in (("mtp", num_drafted - lookup_drafted,
-                              num_accepted - lookup_accepted),
-                             ("lookup", lookup_drafted, lookup_accepted)):
-            self.spec_draft_tokens_by_source.inc(d, source=source)
-            self.spec_accepted_by_source.inc(a, source=source)
-        self.spec.record(num_drafted, num_accepted)
-        self.spec.lookup_drafts += lookup_drafted > 0
-        self.spec.lookup_draft_tokens += lookup_drafted
-        self.spec.lookup_accepted_tokens += lookup_accepted
+        step = SpecStats()
+        step.record(num_drafted, num_accepted, lookup_drafted, lookup_accepted)
+        for source, counts in step.by_source().items():
+            self.spec_draft_tokens_by_source.inc(counts["drafted"], source=source)
+            self.spec_accepted_by_source.inc(counts["accepted"], source=source)
+        self.spec.merge(step)
         self.spec_drafts.inc()
         self.spec_draft_tokens.inc(num_drafted)
         self.spec_accepted.inc(num_accepted)
@@ -245,7 +216,7 @@ class ServerMetrics:
 
     def snapshot(self) -> dict:
         """Running totals for the live page (``dashboard`` adds rates and engine state)."""
-        spec = spec_fields(self.spec, missing=None)
+        spec = self.spec.to_dict(missing=None)
         return {
             "requests_running": self.num_requests_running.get(),
             "requests_waiting": self.num_requests_waiting.get(),
@@ -269,15 +240,17 @@ class ServerMetrics:
 
 
 class PeriodicLog:
-    """The scheduler's periodic log line (vLLM's format), every ``interval`` seconds (0: off)."""
+    """The scheduler's periodic log line (vLLM's throughput figures, then ``SpecStats``'s
+    line), every ``interval`` seconds (0: off)."""
 
     def __init__(self, interval: float, logger: Optional[logging.Logger] = None):
         self.interval = interval
         self.log = logger or logging.getLogger("mlx_mtp.server")
         self._t, self._stats, self._tokens = time.perf_counter(), SpecStats(), 0
 
-    def record(self, num_drafted: int, num_accepted: int, num_tokens: int):
-        self._stats.record(num_drafted, num_accepted)
+    def record(self, num_drafted: int, num_accepted: int, num_tokens: int,
+               lookup_drafted: int = 0, lookup_accepted: int = 0):
+        self._stats.record(num_drafted, num_accepted, lookup_drafted, lookup_accepted)
         self._tokens += num_tokens
 
     def maybe_log(self, running: int, waiting: int, policy: Callable[[], Optional[str]]):
@@ -288,7 +261,7 @@ class PeriodicLog:
             line = (f"Running: {running} reqs, Waiting: {waiting} reqs, "
                     f"Avg generation throughput: {self._tokens / (now - self._t):.1f} tokens/s")
             if self._stats.num_drafts:
-                line += ". " + spec_log_line(self._stats)
+                line += ". " + self._stats.describe()
             self.log.info(line)
             described = policy() if running else None
             if described:

@@ -17,7 +17,6 @@ from ..decode.grammar import first_line
 from ..decode.speculative import SpecStats, StepOutput
 from ..decode.text_stream import TextStream, token_bytes
 from .events import LOGPROB_FLOOR, Delta, Done, EngineRequest, Failed, TokenLogprob
-from .metrics import spec_fields
 
 
 def token_logprobs(tokenizer, out: StepOutput, tokens: List[int],
@@ -71,11 +70,7 @@ def _usage(n_prompt: int, n_cached: int, n_generated: int, stats: SpecStats) -> 
         "total_tokens": P + C,
         "prompt_tokens_details": {"cached_tokens": n_cached},
         # Ours: drafted and accepted tokens by source (the head, the context).
-        "draft_tokens_by_source": {
-            "mtp": {"drafted": stats.num_draft_tokens - stats.lookup_draft_tokens,
-                    "accepted": stats.num_accepted_tokens - stats.lookup_accepted_tokens},
-            "lookup": {"drafted": stats.lookup_draft_tokens,
-                       "accepted": stats.lookup_accepted_tokens}},
+        "draft_tokens_by_source": stats.by_source(),
     }
 
 
@@ -118,7 +113,7 @@ class RowOutput:
         C = self.num_tokens
         timings = {"cache_n": self.n_cached,
                    **_timings(self.n_prompt - self.n_cached, C, stats, prompt_s, gen_s)}
-        mtp = {"enabled": mtp_enabled, **spec_fields(stats)}
+        mtp = {"enabled": mtp_enabled, **stats.to_dict()}
         return Done(self.finish_reason, _usage(self.n_prompt, self.n_cached, C, stats),
                     timings, mtp)
 

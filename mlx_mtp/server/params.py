@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from ..decode import check_num_draft_tokens
 from .protocol import APIError, bad_request, check_draft_source
 from .state import ServerState
 
@@ -69,7 +70,6 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
                    prompt_param: str = "messages"):
     """Validate generation fields shared by both endpoints -> engine keyword arguments."""
     from ..decode.sampling import SamplingParams
-    from ..decode import check_num_draft_tokens
 
     check_model(state, req)
     n = 1 if req.n is None else req.n
@@ -123,6 +123,13 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
         msg = str(e)
         raise bad_request(msg, param=msg.split(" ", 1)[0])
 
+    return dict(max_tokens=max_tokens, sampling=sampling, stop=check_stop(req.stop),
+                cache_prompt=req.cache_prompt is not False, **drafting(state, req))
+
+
+def drafting(state: ServerState, req) -> dict:
+    """A request's ``num_draft_tokens`` (None: the server's K; 0: no drafts from any
+    source) and ``draft_source`` (None: the server's), checked."""
     k = req.num_draft_tokens
     if k is not None:
         try:
@@ -130,9 +137,12 @@ def resolve_common(state: ServerState, req, n_prompt: int, max_tokens: Optional[
         except ValueError as e:
             raise bad_request(str(e), param="num_draft_tokens")
         if k > 0 and state.num_mtp_layers == 0:
-            raise bad_request("This server runs without an MTP head (--no-mtp); "
-                              "num_draft_tokens must be 0.", param="num_draft_tokens")
-    stop = check_stop(req.stop)
-    return dict(max_tokens=max_tokens, sampling=sampling, stop=stop, num_draft_tokens=k,
-                cache_prompt=req.cache_prompt is not False,
-                draft_source=check_draft_source(req.draft_source))
+            raise bad_request("This server runs without an MTP head (--no-mtp or "
+                              "--num-draft-tokens 0); num_draft_tokens must be 0.",
+                              param="num_draft_tokens")
+    source = check_draft_source(req.draft_source)
+    if k == 0 and source in ("lookup", "both"):
+        raise bad_request(f"num_draft_tokens 0 turns drafting off, draft_source {source} asks "
+                          "for context drafts: leave out one of the two.",
+                          param="num_draft_tokens")
+    return dict(num_draft_tokens=k, draft_source=source)

@@ -13,6 +13,8 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .. import decode
+
 # OpenAI's "type" for each HTTP status.
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -54,10 +56,10 @@ def bad_request(message: str, param: Optional[str] = None, code: str = "invalid_
 
 def check_draft_source(value: Optional[str]) -> Optional[str]:
     """A request's ``draft_source`` (None: the server's --draft-source)."""
-    if value not in (None, "mtp", "lookup", "both"):
-        raise bad_request(f"draft_source must be one of mtp, lookup, both (got {value!r})",
-                          param="draft_source")
-    return value
+    try:
+        return None if value is None else decode.check_draft_source(value)
+    except ValueError as e:
+        raise bad_request(str(e), param="draft_source")
 
 
 class _Base(BaseModel):

@@ -238,7 +238,7 @@ function update(s) {
   // Draft tokens copied from the context (--draft-source lookup|both): accepted / drafted.
   $("lookup").textContent = s.lookup_draft_tokens
     ? `${count(s.lookup_accepted_tokens)} / ${count(s.lookup_draft_tokens)} ` +
-      `(${percent(s.lookup_accepted_tokens / s.lookup_draft_tokens)})`
+      `(${percent(s.lookup_acceptance_rate)})`
     : "–";
   fillRows($("positions").tBodies[0], s.per_position.map((p) => [
     String(p.position + 1), percent(p.rate), bar(p.rate)]));
