@@ -46,8 +46,9 @@ class CountingTuner:
     def __init__(self):
         self.seen = []
 
-    def observe(self, tokens):
+    def observe(self, tokens, table):
         self.seen.append(list(tokens))
+        self.table = table
 
 
 def test_the_driver_records_each_step_once_and_feeds_the_tuner(tiny_ckpt):
@@ -62,6 +63,7 @@ def test_the_driver_records_each_step_once_and_feeds_the_tuner(tiny_ckpt):
     dec.prefill(COPY_PROMPT)
     outs = [dec.step() for _ in range(12)]
     assert model.draft_vocab_tuner.seen == [o.tokens for o in outs]
+    assert model.draft_vocab_tuner.table is dec.policy.costs  # the one table, read by the tuner
     shapes = [(1, o.num_drafted, o.num_drafted if o.head_drafted else 0) for o in outs]
     assert observed == shapes[1:]  # the first step: no read before it to time from
     assert any(o.lookup_drafted for o in outs[1:]) and any(o.head_drafted for o in outs)

@@ -16,7 +16,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.draft import vocab as draft_vocab, vocab_auto as draft_vocab_auto
-from mlx_mtp.models.draft.vocab_auto import DraftCosts, best_size, expected_speed
+from mlx_mtp.models.draft.vocab_auto import DraftShares, best_size, expected_speed
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.options import apply_model_options
 
@@ -70,7 +70,7 @@ def test_the_shipped_ranking_matches_the_real_qwen_vocabulary_only(tmp_path):
 
 def test_cost_model_trades_draft_cost_against_coverage():
     # A 0.8B Qwen3.5: the output layer is about a third of a plain step.
-    costs = DraftCosts(block=0.04, output=0.33, vocab_size=248320)
+    costs = DraftShares(block=0.04, output=0.33, vocab_size=248320)
     cover = {4096: 0.76, 16384: 0.90, 32768: 0.95, 65536: 0.985}
     n = best_size(costs, cover)
     assert n in (32768, 65536)
@@ -78,8 +78,39 @@ def test_cost_model_trades_draft_cost_against_coverage():
     # Text the ranking barely covers: the whole vocabulary.
     assert best_size(costs, {n: c / 2 for n, c in cover.items()}) is None
     # An output layer that costs nothing to read: no subset.
-    assert best_size(DraftCosts(0.05, 0.001, 248320), cover) is None
+    assert best_size(DraftShares(0.05, 0.001, 248320), cover) is None
 
+
+
+def test_the_tuner_reads_the_measured_step_costs():
+    """The byte shares only start the cost model: once the one step-cost table has timed
+    K-draft steps against plain ones, the shares are scaled to them, and a machine where
+    drafting is dear (or cheap) sizes the subset for what it measured."""
+    from mlx_mtp.decode.costs import StepCosts
+    from mlx_mtp.models.draft.vocab_auto import K
+
+    shares = DraftShares(block=0.04, output=0.33, vocab_size=248320)
+    cover = {4096: 0.76, 16384: 0.90, 32768: 0.95, 65536: 0.985}
+    table = StepCosts()
+    assert shares.measured(table, None) == shares  # nothing timed yet
+    for _ in range(4):
+        table.observe(1, 0, 0, 0.100)
+        table.observe(1, K, K, 0.100 * (1 + K * (shares.verify_per_draft + shares.draft(None))))
+    same = shares.measured(table, None)
+    assert same.output == pytest.approx(shares.output) and same.block == pytest.approx(shares.block)
+    cheap = StepCosts()
+    for _ in range(4):  # drafts and verify rows nearly free here: no subset pays
+        cheap.observe(1, 0, 0, 0.100)
+        cheap.observe(1, K, K, 0.101)
+    assert best_size(shares, cover) is not None
+    assert best_size(shares.measured(cheap, None), cover) is None
+    dear = StepCosts()
+    for _ in range(4):  # a K-draft step costs 4 plain ones: the smallest good subset pays more
+        dear.observe(1, 0, 0, 0.100)
+        dear.observe(1, K, K, 0.400)
+    scaled = shares.measured(dear, None)
+    assert scaled.output > shares.output
+    assert expected_speed(scaled, 32768, 0.95) > expected_speed(scaled, 248320, 1.0)
 
 @pytest.fixture
 def model_with_asset(tiny_ckpt, tmp_path, monkeypatch):

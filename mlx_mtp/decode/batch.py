@@ -219,10 +219,11 @@ class BatchDecoder:
             self.policy.record_step(B, 0, sum(group) / len(group), [0] * B, [0] * B)
 
     def _tune_draft_vocab(self, outs: List[StepOutput]):
-        """The default draft vocabulary re-sizes from the tokens emitted (``vocab_auto``)."""
+        """The default draft vocabulary re-sizes from the tokens emitted and what steps
+        cost (``vocab_auto``)."""
         tuner = self.model.draft_vocab_tuner
         if tuner is not None:
-            tuner.observe([t for o in outs for t in o.tokens])
+            tuner.observe([t for o in outs for t in o.tokens], self.policy.costs)
 
     def _context(self, b: int) -> int:
         kv = next((c for c in self.cache if c.is_trimmable()), None)  # counts per row

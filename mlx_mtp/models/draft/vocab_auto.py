@@ -13,7 +13,9 @@ Cost model (plain-step units, one speculative step of ``K`` drafts):
 
 A draft of a token outside the N kept rows is always rejected, so acceptance scales by the
 share of emitted tokens inside them (coverage); the output layer's share of a draft shrinks
-by N / V. The size with the best speed is kept when it beats the whole vocabulary by
+by N / V. The shares start from the bytes each part reads (``draft_shares``); once the
+step-cost table (``decode/costs.py``, the driver's) has timed K-draft steps against plain
+ones, they are scaled so the model's step cost at the current size is the measured one. The size with the best speed is kept when it beats the whole vocabulary by
 ``MARGIN``, else drafts keep the whole vocabulary. ``DraftVocabTuner`` recomputes coverage from
 the tokens emitted (the shipped figure as a prior) and widens, narrows or drops the subset
 when the best size changes. Output never changes (``draft_vocab.py``).
@@ -49,12 +51,29 @@ class Ranking:
 
 
 @dataclass(frozen=True)
-class DraftCosts:
-    """A draft's parts in plain decoding steps, from the bytes each reads."""
+class DraftShares:
+    """A speculative step's parts in plain decoding steps."""
 
     block: float  # the MTP block (fc, decoder layer(s), norm)
     output: float  # the whole output layer
     vocab_size: int
+    verify_per_draft: float = VERIFY_PER_DRAFT  # a verify pass's extra cost per position
+
+    def draft(self, size: Optional[int]) -> float:
+        """One draft over ``size`` rows of the output layer (None: all of them)."""
+        n = self.vocab_size if size is None else min(size, self.vocab_size)
+        return self.block + self.output * n / self.vocab_size
+
+    def measured(self, table, size: Optional[int], min_steps: int = 3) -> "DraftShares":
+        """These shares scaled so that a K-draft step at ``size`` costs what ``table``
+        (the one step-cost table) measured against a plain step, one row; unchanged until
+        both are measured."""
+        plain, step = table.predict(1, 0), table.predict(1, K)
+        if not plain or not step or table.count(1, K) < min_steps:
+            return self
+        scale = max(step / plain - 1.0, 0.0) / (K * (self.verify_per_draft + self.draft(size)))
+        return DraftShares(self.block * scale, self.output * scale, self.vocab_size,
+                           self.verify_per_draft * scale)
 
 
 def _bytes(module, scale=lambda key: 1.0) -> float:
@@ -63,7 +82,8 @@ def _bytes(module, scale=lambda key: 1.0) -> float:
                if not k.startswith("embed_tokens"))
 
 
-def draft_costs(model) -> DraftCosts:
+def draft_shares(model) -> DraftShares:
+    """A draft's parts from the bytes each reads (before any step is timed)."""
     text = model.text
     args = text.args
     head = text.model.embed_tokens if args.tie_word_embeddings else text.lm_head
@@ -76,17 +96,16 @@ def draft_costs(model) -> DraftCosts:
     trunk = _bytes(text.model, expert_share)
     block = _bytes(text.mtp, expert_share) if "mtp" in text else 0.0
     plain = trunk + out  # text.model: the trunk without embedding or output layer
-    return DraftCosts(block / plain, out / plain, args.vocab_size)
+    return DraftShares(block / plain, out / plain, args.vocab_size)
 
 
-def expected_speed(costs: DraftCosts, size: int, coverage: float) -> float:
+def expected_speed(costs: DraftShares, size: int, coverage: float) -> float:
     a = ACCEPTANCE * coverage
     tokens = sum(a ** j for j in range(K + 1))
-    draft = costs.block + costs.output * min(size, costs.vocab_size) / costs.vocab_size
-    return tokens / (1 + VERIFY_PER_DRAFT * K + K * draft)
+    return tokens / (1 + costs.verify_per_draft * K + K * costs.draft(size))
 
 
-def best_size(costs: DraftCosts, coverage: Dict[int, float]) -> Optional[int]:
+def best_size(costs: DraftShares, coverage: Dict[int, float]) -> Optional[int]:
     """The subset size the cost model prefers (None: the whole vocabulary)."""
     options = {n: c for n, c in coverage.items() if n < costs.vocab_size}
     if not options:
@@ -129,11 +148,12 @@ def shipped_ranking(model_dir, vocab_size: int) -> Optional[Ranking]:
 
 class DraftVocabTuner:
     """Keeps the model's draft vocabulary at the size the cost model prefers for the
-    tokens it actually emits (``observe`` is called with every step's tokens)."""
+    tokens it actually emits (``observe``: every step's tokens and the driver's step-cost
+    table)."""
 
     def __init__(self, model, ranking: Ranking, bits: Optional[int] = None):
         self.model, self.ranking, self.bits = model, ranking, bits
-        self.costs = draft_costs(model)
+        self.costs = draft_shares(model)
         self.sizes = np.array(sorted(n for n in ranking.coverage if n <= ranking.ids.size))
         self.prior = np.array([ranking.coverage[n] for n in self.sizes])
         self.rank = np.full(self.costs.vocab_size, ranking.ids.size, np.int64)
@@ -147,7 +167,7 @@ class DraftVocabTuner:
         share = (self.inside + PRIOR_TOKENS * self.prior) / (self.seen + PRIOR_TOKENS)
         return dict(zip(self.sizes.tolist(), share.tolist()))
 
-    def observe(self, tokens) -> None:
+    def observe(self, tokens, table=None) -> None:
         ranks = self.rank[np.asarray(tokens, np.int64)]
         self.inside += (ranks[:, None] < self.sizes[None]).sum(axis=0)
         self.seen += ranks.size
@@ -155,7 +175,8 @@ class DraftVocabTuner:
         if self._since < CHECK_EVERY:
             return
         self._since = 0
-        self._apply(best_size(self.costs, self.coverage()))
+        costs = self.costs if table is None else self.costs.measured(table, self.size)
+        self._apply(best_size(costs, self.coverage()))
         if self.seen > MEMORY:
             self.seen, self.inside = self.seen / 2, self.inside / 2
 
