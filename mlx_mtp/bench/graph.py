@@ -115,7 +115,7 @@ def step_graphs(dec, ks: Sequence[int]) -> dict:
 
     out: Dict[object, dict] = {}
     core = DecodeBatch(dec.model, [dec.row], dec.cache, dec.mtp_cache)
-    compiled = getattr(dec.model, "compiled", False)
+    compiled = dec.model.compiled
     if compiled:  # count the lazy graph (a compiled step cannot be probed while traced)
         dec.model.set_compiled(False)
     for k in [0] + sorted(k for k in set(ks) if k > 0):

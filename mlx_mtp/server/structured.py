@@ -113,7 +113,7 @@ def compile_constraint(state, response_format, prepared: Optional[PreparedChat] 
     if state.grammar_thinking is None:
         raise bad_request("Structured output needs llguidance on the server: "
                           "pip install 'llguidance>=1.9,<2'.", param=param)
-    if getattr(state.engine.model, "share", None) is not None:
+    if state.engine.model.capabilities.shares:
         raise bad_request("Structured output is not supported when the model is split "
                           "across processes (mlx.launch).", param=param)
     try:
