@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .decode import DRAFT_SOURCES, MAX_DRAFT_TOKENS, check_num_draft_tokens
-from .decode.lookup import LookupSettings
+from .drafters.lookup import LookupSettings
 
 
 class UserError(Exception):
@@ -73,7 +73,7 @@ def add_draft_source_arguments(p):
 
 
 def add_lookup_arguments(p):
-    """How context drafts are found (``decode/lookup.py``); defaults measured (docs/lookup.md)."""
+    """How context drafts are found (``drafters/lookup.py``); defaults measured (docs/lookup.md)."""
     lookup = LookupSettings()
     p.add_argument("--lookup-max-draft", type=int, default=lookup.max_draft, metavar="N",
                    help=f"Context tokens verified per step at most, 1-32 "

@@ -6,12 +6,12 @@ drafts row ``b`` asked for (``k = max k_b``):
 1. draft: chain the MTP head k times for every row. Its first call also writes
    the MTP pairs each row still owes (``OwedPairs``: trunk hidden at ``i`` with
    token ``i+1``); later calls feed the head its own post-norm output and the
-   previous draft. A row with a ``drafter`` (``draft_source.py``) may take its
-   first drafts from the context instead (``lookup.py``), extended by the head or
-   not; the head chains only as far as some row needs it (``J <= k`` passes, fed
-   the context drafts). A context draft is a one-hot proposal ``q``: accepted with
-   probability ``p(d)``, and a rejection draws from ``p`` without ``d`` (the
-   residual ``p - q``), so step 3's rule stays exact.
+   previous draft. A row with a ``drafter`` (``draft_source.py``, ``drafters/``)
+   may take its first drafts from it instead, extended by the head or not; the
+   head chains only as far as some row needs it (``J <= k`` passes, fed the
+   drafter's tokens; why here: ``drafters/mtp_head.py``). A drafter's token is a
+   one-hot proposal ``q``: accepted with probability ``p(d)``, and a rejection
+   draws from ``p`` without ``d`` (the residual ``p - q``): step 3 stays exact.
 2. verify: one trunk pass over every row's ``[y, d_1..d_k]`` (``capture=True``).
 3. accept: ``sampling.verify`` per group of rows sampling alike; a row that asked
    for fewer drafts stops at its own ``k_b`` and takes the target's token there,
@@ -39,8 +39,8 @@ from typing import Hashable, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..drafters.base import DraftPlan
 from .costs import StepCosts
-from .draft_source import DraftPlan
 from .logits import PositionTransforms
 from .noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, uniform
 from .sampling import Sampler, SamplingParams, log_softmax, sample, verify
@@ -103,7 +103,7 @@ class StepOutput:
     logprobs: mx.array  # (len(tokens), V) target log-probs for each emitted token
     num_drafted: int
     num_accepted: int
-    lookup_drafted: int = 0  # of num_drafted, copied from the context (draft_source.py)
+    lookup_drafted: int = 0  # of num_drafted, the row drafter's (draft_source.py)
     lookup_accepted: int = 0
 
     @property
@@ -124,7 +124,7 @@ class Row:
     stats: SpecStats = field(default_factory=SpecStats)
     n_out: int = 0  # tokens emitted: the output position of the next one
     schedule: Optional[object] = None  # policy.SeededSchedule: K from this row alone
-    drafter: Optional[object] = None  # draft_source.RowDrafter: drafts from the context too
+    drafter: Optional[object] = None  # draft_source.RowDrafter: drafts beside the head
 
     @property
     def params(self) -> SamplingParams:
@@ -180,7 +180,7 @@ class _Pending:
     n_accepted: Optional[mx.array] = None  # (B,)
     drafts: Optional[mx.array] = None  # (B, k)
     h_mtp: Optional[mx.array] = None  # (B, k+1, H)
-    plans: Optional[List[DraftPlan]] = None  # per row: context drafts, then head drafts
+    plans: Optional[List[DraftPlan]] = None  # per row: drafter tokens, then head drafts
     head_steps: int = 0  # head passes chained (positions drafted by the head or after it)
 
 
@@ -190,7 +190,7 @@ class _Proposal:
 
     drafts: mx.array  # (B, k) uint32
     draft_lps: list  # per head position j: each group's filtered log q (b, V)
-    where: Optional[mx.array]  # (B, k) bool: context drafts; None: the head's only
+    where: Optional[mx.array]  # (B, k) bool: drafter tokens; None: the head's only
     head_steps: int  # J, the head passes chained
     noises: Optional[tuple]  # per group: the target's and the drafts' noise; None: J == 0
 
@@ -267,7 +267,7 @@ class DecodeBatch:
             if r.sampler.grammar is not None:
                 self._on_row(b, lambda: r.sampler.grammar.commit([ids[b]]))
             if r.drafter is not None:
-                r.drafter.index.extend([ids[b]])
+                r.drafter.extend([ids[b]])
         return [StepOutput([ids[b]], p.logprobs[b : b + 1], 0, 0) for b in range(len(self.rows))]
 
     def _commit(self, b: int, p: _Pending, n: int, ids: List[int]) -> StepOutput:
@@ -289,7 +289,7 @@ class DecodeBatch:
         looked, hit = 0, 0
         if r.drafter is not None:
             looked, hit = r.drafter.record(p.plans[b], n)
-            r.drafter.index.extend(ids)
+            r.drafter.extend(ids)
         r.stats.record(p.ks[b], n, looked, hit)
         return StepOutput(ids, p.logprobs[b, : n + 1], p.ks[b], n, looked, hit)
 
@@ -401,17 +401,17 @@ class DecodeBatch:
                  else self._noise(g, k, DRAFT, V) for g, n in zip(groups, target)]
         return target, draft
 
-    def _context_drafts(self, plans: List[DraftPlan], k: int):
-        """Context drafts (B, k) (0 where none) and where they are (B, k) bool; None if none."""
-        if not any(p.lookup for p in plans):
+    def _drafter_tokens(self, plans: List[DraftPlan], k: int):
+        """Drafter tokens (B, k) (0 where none) and where they are (B, k) bool; None if none."""
+        if not any(p.fixed for p in plans):
             return None, None
-        fixed = [p.lookup + [0] * (k - len(p.lookup)) for p in plans]
-        lengths = mx.array([len(p.lookup) for p in plans])
+        fixed = [p.fixed + [0] * (k - len(p.fixed)) for p in plans]
+        lengths = mx.array([len(p.fixed) for p in plans])
         return mx.array(fixed, mx.uint32), mx.arange(k)[None] < lengths[:, None]
 
     def _draft_head(self, J: int, k: int, groups, transforms, fixed, where):
-        """Chain the head J of the k positions (drafts at position j: the context's where
-        it drafts, else the head's pick). Returns drafts per position (B,), each group's
+        """Chain the head J of the k positions (drafts at position j: the row drafter's
+        token where it drafts, else the head's pick). Returns drafts per position (B,), each group's
         filtered draft log-probs per position, and the noises."""
         model = self.model
         hidden, tokens, lengths = self._owed_chunk()
@@ -441,7 +441,7 @@ class DecodeBatch:
 
     def _draft_logprobs(self, g: _Group, gi: int, draft_lps, where):
         """The group's head draft log q (b, J, V) (None: no head pass) and where its drafts
-        are context drafts (b, k) (None: nowhere); those are deterministic proposals,
+        are drafter tokens (b, k) (None: nowhere); those are deterministic proposals,
         verified in index form (``sampling.verify``)."""
         head = mx.stack([lps[gi] for lps in draft_lps], axis=1) if draft_lps else None
         return head, None if where is None else g.take(where)
@@ -452,9 +452,9 @@ class DecodeBatch:
                 raise ValueError(f"row {r.key!r} cannot draft (no MTP pairs owed)")
 
     def _propose(self, k: int, plans: List[DraftPlan], groups, transforms) -> _Proposal:
-        """1. The drafts (B, k): the head chains J times (its first call also writes every
-        row's owed pairs); past J only context drafts remain."""
-        fixed, where = self._context_drafts(plans, k)
+        """1. The drafts (B, k): a row's drafter token where its plan has one, else the
+        head's, chained J times (its first call also writes every row's owed pairs)."""
+        fixed, where = self._drafter_tokens(plans, k)
         J = max((p.total for p in plans if p.head), default=0)
         drafts, draft_lps, noises = [], [], None
         if J:
