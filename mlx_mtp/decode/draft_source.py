@@ -22,15 +22,12 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from ..drafters.base import HEAD_PASSES, MAX_DRAFTER_TOKENS, DraftPlan, Drafter
+from ..drafters.base import HEAD, HEAD_PASSES, MAX_DRAFTER_TOKENS, Drafter, DraftPlan
 from ..drafters.lookup import LookupSettings
-from ..drafters.mtp_head import MtpHead
 from ..drafters.registry import SOURCES
 from . import MAX_DRAFT_TOKENS, check_draft_source
 from .costs import StepCosts
 from .policy import AcceptanceEstimate
-
-HEAD = MtpHead.name  # the head's key in acceptance estimates
 
 
 class DraftSources:

@@ -9,7 +9,7 @@ drafts row ``b`` asked for (``k = max k_b``):
    previous draft. A row with a ``drafter`` (``draft_source.py``, ``drafters/``)
    may take its first drafts from it instead, extended by the head or not; the
    head chains only as far as some row needs it (``J <= k`` passes, fed the
-   drafter's tokens; why here: ``drafters/mtp_head.py``). A drafter's token is a
+   drafter's tokens, ``drafters/mtp_head.py``). A drafter's token is a
    one-hot proposal ``q``: accepted with probability ``p(d)``, and a rejection
    draws from ``p`` without ``d`` (the residual ``p - q``): step 3 stays exact.
 2. verify: one trunk pass over every row's ``[y, d_1..d_k]`` (``capture=True``).
@@ -40,6 +40,8 @@ from typing import Hashable, List, Optional, Sequence
 import mlx.core as mx
 
 from ..drafters.base import DraftPlan
+from ..drafters.mtp_head import MtpHead
+from ..models.cache import prepare_chunk
 from .costs import StepCosts
 from .logits import PositionTransforms
 from .noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, uniform
@@ -149,14 +151,6 @@ def drop_drafted(model, mtp_cache, k: int):
         c.trim(n)
 
 
-def _prepare(caches, S: int, lengths=None):
-    """Announce the next chunk to caches that mask per row (recurrent ones need nothing)."""
-    for c in caches:
-        prepare = getattr(c, "prepare", None)
-        if prepare is not None:
-            prepare(S, lengths)
-
-
 @dataclass
 class _Group:
     """Rows that filter and verify alike (same sampling parameters but the seed)."""
@@ -207,6 +201,7 @@ class DecodeBatch:
         self.rows = rows
         self.cache = cache
         self.mtp_cache = mtp_cache
+        self.head = MtpHead()  # the head chain, for the rows that draft from it
 
     def step(self, ks: Sequence[int], costs: StepCosts) -> List[StepOutput]:
         return self.finish(self.launch(ks, costs))
@@ -353,7 +348,7 @@ class DecodeBatch:
     def _launch_plain(self) -> _Pending:
         model, rows = self.model, self.rows
         y = mx.stack([r.y for r in rows])  # (B, 1)
-        _prepare(self.cache, 1)
+        prepare_chunk(self.cache, 1)
         h_norm, h_mtp = model.trunk(y, self.cache)
         logits = self._transforms()(model.logits(h_norm[:, -1:]))  # (B, 1, V)
         lp = log_softmax(logits[:, 0])  # (B, V)
@@ -410,34 +405,23 @@ class DecodeBatch:
         return mx.array(fixed, mx.uint32), mx.arange(k)[None] < lengths[:, None]
 
     def _draft_head(self, J: int, k: int, groups, transforms, fixed, where):
-        """Chain the head J of the k positions (drafts at position j: the row drafter's
-        token where it drafts, else the head's pick). Returns drafts per position (B,), each group's
-        filtered draft log-probs per position, and the noises."""
-        model = self.model
-        hidden, tokens, lengths = self._owed_chunk()
-        _prepare(self.mtp_cache, hidden.shape[1], lengths)
-        out = model.mtp_forward(hidden, tokens, self.mtp_cache, last_only=True)
-        drafts, draft_lps, noises = [], [], None  # per step j: (B,), per group (b, V)
-        for j in range(J):
-            if j:
-                _prepare(self.mtp_cache, 1)
-                out = model.mtp_forward(out, drafts[-1][:, None], self.mtp_cache, depth=j)
-            logits = model.draft_logits(out[:, -1:], any_token=transforms.any_token)
+        """Chain the head J of the k positions (``drafters/mtp_head.py``; drafts at position
+        j: the row drafter's token where it drafts, else the head's pick). Returns drafts
+        per position (B,), each group's filtered draft log-probs per position, and the
+        noises."""
+        noises = []  # per group: the target's and the drafts' noise, made at the first draw
+
+        def draw(logits, j, drafts):
             lq = log_softmax(transforms(logits, j, drafts)[:, 0])  # (B, V): as verify row j
-            if j == 0:  # per position: coupled drafts share the target's noise
-                noises = self._noises(groups, k, lq.shape[-1])
+            if not noises:  # per position: coupled drafts share the target's noise
+                noises.append(self._noises(groups, k, lq.shape[-1]))
             qs = self._per_group(groups, lambda g: self._filter(g, lq))
-            picks = [sample(q, None if n is None else n[:, j])
-                     for q, n in zip(qs, noises[1])]
-            pick = self._merge(groups, picks)
-            drafts.append(pick if fixed is None
-                          else mx.where(where[:, j], fixed[:, j], pick.astype(mx.uint32)))
-            draft_lps.append(qs)
-            transforms.advance(drafts[-1])
-            # Start the head's work now: it runs while Python builds the rest of the step
-            # (a GPU would otherwise idle until the step's graph is complete). No sync.
-            mx.async_eval(drafts[-1])
-        return drafts, draft_lps, noises
+            picks = [sample(q, None if n is None else n[:, j]) for q, n in zip(qs, noises[0][1])]
+            return self._merge(groups, picks), qs
+
+        drafts, draft_lps = self.head.propose(self.model, self.mtp_cache, self._owed_chunk(), J,
+                                              draw, transforms, fixed, where)
+        return drafts, draft_lps, noises[0]
 
     def _draft_logprobs(self, g: _Group, gi: int, draft_lps, where):
         """The group's head draft log q (b, J, V) (None: no head pass) and where its drafts
@@ -471,7 +455,7 @@ class DecodeBatch:
         """2. One trunk pass over every row's ``[y, d_1..d_k]``: the target's log-probs
         (B, k+1, V) and the hiddens the accepted positions owe the head."""
         inputs = mx.concatenate([mx.stack([r.y for r in self.rows]), drafts], axis=1)
-        _prepare(self.cache, inputs.shape[1])
+        prepare_chunk(self.cache, inputs.shape[1])
         h_norm, h_mtp = self.model.trunk(inputs, self.cache, capture=True)
         return log_softmax(transforms(self.model.logits(h_norm), 0, drafts)), h_mtp
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, List, Sequence
 
+HEAD = "mtp"  # the MTP head chain's name (``mtp_head.py``): its registry value and estimates
 HEAD_PASSES = "head"  # a head pass per drafted position (``costs.StepCosts.head_pass``)
 NO_PASS = "none"  # nothing beyond the positions the trunk verifies
 # A row drafter's tokens verified per step at most; the head may chain MAX_DRAFT_TOKENS

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Type
 
-from .base import Drafter
+from .base import HEAD, Drafter
 from .lookup import LookupIndex
-from .mtp_head import MtpHead
 
 
 @dataclass(frozen=True)
@@ -31,6 +30,6 @@ def register(name: str, drafter: Optional[Type[Drafter]], head: bool):
     SOURCES[name] = Source(drafter, head)
 
 
-register(MtpHead.name, None, head=True)  # "mtp": the head alone
+register(HEAD, None, head=True)  # "mtp": the head alone
 register(LookupIndex.name, LookupIndex, head=False)  # "lookup": the context alone
 register("both", LookupIndex, head=True)  # per row and step, the chooser picks
