@@ -82,3 +82,15 @@ def test_a_toy_source_drafts_beside_the_head_and_keeps_greedy_output(tiny_model,
     assert all(r.stats.num_draft_tokens > r.stats.lookup_draft_tokens for r in rows)
     observed = rows[0].drafter.drafter.observed
     assert all(d == 3 for d, _ in observed) and {1, 3} <= {a for _, a in observed}
+
+
+def test_a_source_the_step_cannot_feed_is_refused_when_a_row_takes_it(counting):
+    class Tapping(CountingRun):
+        needs_taps = True
+
+    register("tapping", Tapping, head=False)
+    try:
+        with pytest.raises(ValueError, match="no trunk taps"):
+            DraftSources("tapping").drafter()
+    finally:
+        del SOURCES["tapping"]

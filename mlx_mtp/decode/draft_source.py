@@ -85,9 +85,9 @@ class RowDrafter:
         self.sources, self.source = sources, source
         entry = SOURCES[source]
         self.drafter: Drafter = entry.drafter(sources.settings)
-        if not self.drafter.deterministic:
-            raise ValueError(f"draft source {source!r}: the step verifies a row drafter's "
-                             "tokens as deterministic proposals")
+        if not self.drafter.deterministic or self.drafter.needs_taps:
+            raise ValueError(f"draft source {source!r}: the step takes a row drafter's tokens "
+                             "as deterministic proposals and feeds it no trunk taps")
         self.uses_head = entry.head
         # The head may chain after a drafter's run: its depths reach past the run's.
         sizes = {HEAD: MAX_DRAFTER_TOKENS + MAX_DRAFT_TOKENS, self.drafter.name: MAX_DRAFTER_TOKENS}
