@@ -94,3 +94,30 @@ def test_a_source_the_step_cannot_feed_is_refused_when_a_row_takes_it(counting):
             DraftSources("tapping").drafter()
     finally:
         del SOURCES["tapping"]
+
+
+def test_the_head_chain_starts_each_draft_and_the_step_once(tiny_model, monkeypatch):
+    """``mx.async_eval`` per step: one per head pass (its drafts start as drawn) and the
+    step's own; moving the chain into drafters/ added none."""
+    import mlx.core as mx
+
+    import mlx_mtp.decode.step as step_module
+    import mlx_mtp.drafters.mtp_head as head_module
+
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            if name == "async_eval":
+                return lambda *a: (calls.append(1), mx.async_eval(*a))[1]
+            return getattr(mx, name)
+
+    dec = MTPDecoder(tiny_model, 3, adaptive=False)
+    dec.prefill(PROMPTS[0])
+    dec.step()  # the first step after prefill
+    monkeypatch.setattr(step_module, "mx", Counting())
+    monkeypatch.setattr(head_module, "mx", Counting())
+    for _ in range(3):
+        calls.clear()
+        out = dec.step()
+        assert out.num_drafted == 3 and len(calls) == 3 + 1
