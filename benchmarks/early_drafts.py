@@ -1,5 +1,5 @@
 """Decoding speed with each head draft started as soon as it is drawn (``mx.async_eval`` in
-``DecodeBatch._draft_head``, the current code) against the step's graph started only once it
+``drafters/mtp_head.py``, the current code) against the step's graph started only once it
 is complete (the same calls made no-ops), on a family's oracle checkpoint
 (``families_oracle.build``). Plain decoding, then both settings, interleaved in one process
 (order reversed every other round) so machine load shifts them alike; every run's tokens must
@@ -22,6 +22,7 @@ import mlx_mtp  # noqa: F401  (first: it routes MLX's CPU matmuls to OpenBLAS)
 import mlx.core as mx
 
 import mlx_mtp.decode.step as step_module
+import mlx_mtp.drafters.mtp_head as head_module
 from families_oracle import build
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder
@@ -31,7 +32,7 @@ PROMPT = list(range(100, 164))
 
 
 class _LateDrafts:
-    """``mx`` as ``_draft_head`` sees it, with ``async_eval`` a no-op: the head's work waits
+    """``mx`` as the head chain sees it, with ``async_eval`` a no-op: the head's work waits
     for the step's one ``async_eval`` at the end of ``launch`` (the code before this change)."""
 
     def __getattr__(self, name):
@@ -47,11 +48,11 @@ def late_drafts(on: bool):
         def draft_head(self, *a, **k):
             if not cls._late:
                 return cls._early_draft_head(self, *a, **k)
-            step_module.mx = _LateDrafts()
+            head_module.mx = _LateDrafts()
             try:
                 return cls._early_draft_head(self, *a, **k)
             finally:
-                step_module.mx = mx
+                head_module.mx = mx
 
         cls._draft_head = draft_head
     cls._late = on

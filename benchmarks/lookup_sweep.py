@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_mtp.bench.inprocess import Setting, run_once
 from mlx_mtp.bench.prompts import load_prompts
 from mlx_mtp.decode.draft_source import DraftSources
-from mlx_mtp.decode.lookup import LookupSettings
+from mlx_mtp.drafters.lookup import LookupSettings
 from mlx_mtp.decode.policy import DraftPolicy
 from mlx_mtp.decode.prompt import build_prompt, encode_prompt
 from mlx_mtp.decode.sampling import SamplingParams

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .decode import DRAFT_SOURCES, MAX_DRAFT_TOKENS, check_num_draft_tokens
-from .decode.lookup import LookupSettings
+from .drafters.lookup import LookupSettings
+from .drafters.registry import SOURCES
 
 
 class UserError(Exception):
@@ -73,7 +74,7 @@ def add_draft_source_arguments(p):
 
 
 def add_lookup_arguments(p):
-    """How context drafts are found (``decode/lookup.py``); defaults measured (docs/lookup.md)."""
+    """How context drafts are found (``drafters/lookup.py``); defaults measured (docs/lookup.md)."""
     lookup = LookupSettings()
     p.add_argument("--lookup-max-draft", type=int, default=lookup.max_draft, metavar="N",
                    help=f"Context tokens verified per step at most, 1-32 "
@@ -105,7 +106,7 @@ def drafting_from_args(args, distributed: bool = False) -> Drafting:
             raise UserError("--draft-source lookup/both is not available on a model split "
                             "across processes; use --draft-source mtp")
         source = "mtp"
-    if source == "mtp":
+    if SOURCES[source].drafter is None:
         return Drafting(k, adaptive, None)
     from .decode.draft_source import DraftSources
 
@@ -119,7 +120,7 @@ def drafting_from_args(args, distributed: bool = False) -> Drafting:
         raise UserError(str(e).replace("lookup max_draft", "--lookup-max-draft")
                         .replace("lookup min_match", "--lookup-min-match"))
     # Context drafts alone need no head: it is not loaded.
-    return Drafting(0 if source == "lookup" else k, adaptive,
+    return Drafting(k if SOURCES[source].head else 0, adaptive,
                     DraftSources(source, settings, adaptive=adaptive))
 
 
@@ -130,10 +131,10 @@ def _draft_source(args, k: int) -> str:
     if source is None:
         return "both" if k > 0 else "mtp"
     no_head = getattr(args, "no_mtp", False) or getattr(args, "spec_type", None) == "none"
-    if k == 0 and no_head and source != "lookup":
+    if k == 0 and no_head and SOURCES[source].head:
         raise UserError(f"--draft-source {source} needs the MTP head, which --no-mtp leaves "
                         "out; use --draft-source lookup to draft from the context alone")
-    if k == 0 and not no_head and source != "mtp":
+    if k == 0 and not no_head and SOURCES[source].drafter is not None:
         raise UserError(f"--num-draft-tokens 0 turns drafting off, --draft-source {source} "
                         "asks for context drafts: leave out one of the two (--no-mtp "
                         "--draft-source lookup drafts from the context alone)")

@@ -7,7 +7,7 @@ import pytest
 
 from mlx_mtp.decode.costs import StepCosts
 from mlx_mtp.decode.draft_source import DraftSources
-from mlx_mtp.decode.lookup import LookupSettings
+from mlx_mtp.drafters.lookup import LookupSettings
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder
 from mlx_mtp.models.io.loader import load_model

@@ -1,9 +1,9 @@
-"""The lookup proposer (decode/lookup.py) against a brute-force search."""
+"""The lookup proposer (drafters/lookup.py) against a brute-force search."""
 
 import numpy as np
 import pytest
 
-from mlx_mtp.decode.lookup import LookupIndex, LookupSettings
+from mlx_mtp.drafters.lookup import LookupIndex, LookupSettings
 
 
 def brute_force(tokens, s: LookupSettings):

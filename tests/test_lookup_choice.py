@@ -6,7 +6,7 @@ import pytest
 from mlx_mtp.decode import check_draft_source
 from mlx_mtp.decode.costs import StepCosts
 from mlx_mtp.decode.draft_source import DraftPlan, DraftSources
-from mlx_mtp.decode.lookup import LookupSettings
+from mlx_mtp.drafters.lookup import LookupSettings
 
 
 def test_costs_interpolate_between_measured_lengths_and_add_head_passes():
@@ -35,7 +35,7 @@ def _drafter(source="both", max_draft=8, **kw):
     sources = DraftSources(source, LookupSettings(min_match=2, max_match=4,
                                                   max_draft=max_draft), **kw)
     d = sources.drafter()
-    d.index.extend([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2])  # proposal: 3..10
+    d.extend([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2])  # proposal: 3..10
     return sources, d
 
 
@@ -64,7 +64,7 @@ def test_uses_the_head_when_the_context_has_been_wrong_and_probes_it_again():
         d.record(DraftPlan([], 3), 3)
     plans = [d.plan(3, True, 1, costs) for _ in range(12)]
     assert plans[0] == DraftPlan([], 3)
-    probes = [i for i, p in enumerate(plans) if p.lookup]
+    probes = [i for i, p in enumerate(plans) if p.fixed]
     assert probes == [3, 11]  # after 4 steps, then 8 (doubling)
 
 
@@ -83,13 +83,13 @@ def test_a_run_that_ends_with_the_context_is_extended_by_the_head():
     assert d.plan(0, False, 1, costs).head == 0  # the head paused or absent: the context alone
     lookup_only = DraftSources("lookup", LookupSettings(min_match=2, max_draft=16),
                                adaptive=False).drafter()
-    lookup_only.index.extend([1, 2, 3, 1, 2])
+    lookup_only.extend([1, 2, 3, 1, 2])
     assert lookup_only.plan(3, True, 1, costs) == DraftPlan([3, 1, 2])
 
 
 def test_no_match_leaves_the_head_its_k():
     sources, d = _drafter()
-    d.index.extend([99])
+    d.extend([99])
     assert d.plan(3, True, 1, StepCosts()) == DraftPlan([], 3)
     assert DraftSources("mtp").drafter() is None
     with pytest.raises(ValueError, match="draft_source must be one of mtp, lookup, both"):

@@ -15,7 +15,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from distribution_check import assert_follows, sample_outcomes, two_token_joint
 from mlx_mtp.decode.batch import BatchDecoder
 from mlx_mtp.decode.draft_source import DraftSources
-from mlx_mtp.decode.lookup import LookupSettings
+from mlx_mtp.drafters.lookup import LookupSettings
 from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.io.loader import load_model

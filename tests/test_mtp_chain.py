@@ -108,7 +108,7 @@ def test_context_drafts_beside_the_chained_layers_equal_mlx_lm(ckpt, family):
     layers' drafts: the window caches and every layer's cache roll back, output equals
     mlx-lm's."""
     from mlx_mtp.decode.draft_source import DraftSources
-    from mlx_mtp.decode.lookup import LookupSettings
+    from mlx_mtp.drafters.lookup import LookupSettings
 
     cycle = list(range(40, 90))
     prompt = cycle + [7, 8] + cycle[:6]  # the oracle trunk copies on past the cycle's end

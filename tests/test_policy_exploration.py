@@ -11,7 +11,7 @@ import pytest
 
 from mlx_mtp.decode.costs import StepCosts
 from mlx_mtp.decode.draft_source import DraftPlan, DraftSources
-from mlx_mtp.decode.lookup import LookupSettings
+from mlx_mtp.drafters.lookup import LookupSettings
 from mlx_mtp.decode.policy import AcceptanceEstimate, DraftPolicy
 
 # Step costs of the noisy-head oracle fixture (hidden 1024, 8 layers, bf16) as
@@ -107,7 +107,7 @@ def test_head_drafts_after_context_drafts_count_at_their_chain_depth():
 def _drafter(**kw):
     sources = DraftSources("both", LookupSettings(min_match=2, max_match=4, max_draft=8), **kw)
     d = sources.drafter()
-    d.index.extend([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2])  # proposal: 3..10
+    d.extend([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2])  # proposal: 3..10
     return sources, d
 
 
@@ -146,11 +146,11 @@ def test_a_few_context_rejections_do_not_stop_copying():
         costs.observe(1, 3, 3, 1.6)
     for _ in range(2):
         d.record(DraftPlan([0] * 8), 0)
-    assert d.plan(3, True, 1, costs).lookup  # two misses: not yet evidence against copying
+    assert d.plan(3, True, 1, costs).fixed  # two misses: not yet evidence against copying
     for _ in range(12):
         d.record(DraftPlan([0] * 8), 0)
         d.record(DraftPlan([], 3), 3)
-    assert not d.plan(3, True, 1, costs).lookup
+    assert not d.plan(3, True, 1, costs).fixed
 
 
 # -- end to end: one policy across requests, as a server or a benchmark keeps it ----------

@@ -1,5 +1,5 @@
 """The window caches' rollback margin covers the longest draft the engine can verify (a
-lookup proposal of MAX_LOOKUP_DRAFT extended by MAX_DRAFT_TOKENS head drafts): such drafts,
+lookup proposal of MAX_DRAFTER_TOKENS extended by MAX_DRAFT_TOKENS head drafts): such drafts,
 rejected on a window that has long wrapped, roll back to exactly plain decoding's output; a
 margin shorter than the drafts is refused, never silently wrong."""
 
@@ -12,7 +12,8 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from mlx_mtp.decode import MAX_DRAFT_TOKENS
 from mlx_mtp.decode.draft_source import DraftSources
-from mlx_mtp.decode.lookup import MAX_LOOKUP_DRAFT, LookupSettings
+from mlx_mtp.drafters.base import MAX_DRAFTER_TOKENS
+from mlx_mtp.drafters.lookup import LookupSettings
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.cache import window as window_cache
 from mlx_mtp.models.io.loader import load_model
@@ -46,13 +47,13 @@ def mlx_lm_greedy(path, n=N_TOKENS):
 
 
 def run(model, k=MAX_DRAFT_TOKENS):
-    sources = DraftSources("both", LookupSettings(max_draft=MAX_LOOKUP_DRAFT), adaptive=False)
+    sources = DraftSources("both", LookupSettings(max_draft=MAX_DRAFTER_TOKENS), adaptive=False)
     dec = MTPDecoder(model, k, adaptive=False, drafter=sources.drafter())
     return [t for t, _, _ in generate_step(PROMPT, model, decoder=dec, max_tokens=N_TOKENS)], dec
 
 
 def test_margin_is_the_longest_verifiable_draft():
-    assert ROLLBACK_MARGIN == MAX_LOOKUP_DRAFT + MAX_DRAFT_TOKENS
+    assert ROLLBACK_MARGIN == MAX_DRAFTER_TOKENS + MAX_DRAFT_TOKENS
     assert WindowKVCache(8).margin == ROLLBACK_MARGIN
 
 
@@ -63,7 +64,7 @@ def test_longest_drafts_rejected_on_a_wrapped_window_equal_plain_decoding(ckpt, 
     got, dec = run(model)
     assert got == mlx_lm_greedy(path)
     s = dec.stats
-    assert len(s.drafted_per_pos) >= MAX_LOOKUP_DRAFT  # a full-length lookup draft was verified
+    assert len(s.drafted_per_pos) >= MAX_DRAFTER_TOKENS  # a full-length lookup draft was verified
     assert s.lookup_accepted_tokens < s.lookup_draft_tokens  # and some were rolled back
     rejected_deep = [d - a for d, a in zip(s.drafted_per_pos, s.accepted_per_pos)]
     assert sum(rejected_deep[8:]) > 0  # rollbacks much longer than the window (8)

@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from ..models.cache.kv import cache_state_arrays, restore_caches, snapshot_caches
 from ..decode.draft_source import DraftSources
-from ..decode.lookup import LookupSettings
+from ..drafters.lookup import LookupSettings
 from ..decode.policy import DraftPolicy
 from ..decode.sampling import SamplingParams, log_softmax
 from ..decode.speculative import MTPDecoder, SpecStats

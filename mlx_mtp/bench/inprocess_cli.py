@@ -181,7 +181,7 @@ def _json_costs(costs: dict) -> dict:
 def _draft_sources(args):
     """``--draft-source`` as a list, and the lookup settings; bad values are a UserError."""
     from ..decode import DRAFT_SOURCES
-    from ..decode.lookup import LookupSettings
+    from ..drafters.lookup import LookupSettings
     from ..options import UserError
 
     sources = [s.strip() for s in args.draft_source.split(",") if s.strip()]

@@ -4,9 +4,12 @@ This package's ``__init__`` stays free of MLX imports (the CLI reads the limits 
 before the platform is set up).
 """
 
+from ..drafters.registry import SOURCES
+
 MAX_DRAFT_TOKENS = 8  # K range everywhere: 0 (plain decoding) .. 8
-# Where a row's drafts come from (draft_source.py): the MTP head, the context, or both.
-DRAFT_SOURCES = ("mtp", "lookup", "both")
+# Where a row's drafts come from (draft_source.py): the values of the drafters' registry,
+# a live view (a source registered there is accepted here too).
+DRAFT_SOURCES = SOURCES.keys()
 
 
 def check_num_draft_tokens(k, name: str = "num_draft_tokens") -> int:

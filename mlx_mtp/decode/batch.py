@@ -165,7 +165,7 @@ class BatchDecoder:
         with a grammar row: its next mask needs this step's token)."""
         if (not self.overlap or pending.k != 0
                 or any(r.sampler.grammar is not None for r in self.core.rows)
-                or any(r.drafter is not None and r.drafter.has_match() for r in self.core.rows)):
+                or any(r.drafter is not None and r.drafter.has_proposal() for r in self.core.rows)):
             return
         self._next_ks = self.choose_ks(load)
         if not any(self._next_ks):

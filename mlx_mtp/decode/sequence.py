@@ -74,7 +74,7 @@ class Sequence:
         schedule = SeededSchedule(adaptive) if k and needs_schedule(sampling) else None
         self.row = Row(key=None, sampler=self.sampler, max_k=k, y=None,
                        owed=OwedPairs() if k else None, schedule=schedule,
-                       drafter=drafter)  # draft_source.RowDrafter: context drafts too
+                       drafter=drafter)  # draft_source.RowDrafter: drafts beside the head
         self.last_hidden: Optional[mx.array] = None  # hidden of the last prompt token run
         self.n_processed = 0  # prompt tokens already in the trunk cache
         self.snapshot_state: Optional[DecoderState] = None
@@ -120,7 +120,7 @@ class Sequence:
                              f"(0..{vocab - 1}).")
         tokens = mx.array(prompt, mx.uint32)[None]
         if self.row.drafter is not None:
-            self.row.drafter.index.sync(prompt)
+            self.row.drafter.sync(prompt)
         n = len(prompt) - 1
         if self.sampler.history is not None:  # the repetition penalty covers the prompt
             self.sampler.history.set_prompt(prompt)

@@ -20,7 +20,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
     drafted_per_pos: List[int] = field(default_factory=list)
     accepted_per_pos: List[int] = field(default_factory=list)
-    # Of the above, drafts copied from the context (decode/lookup.py); the rest are the head's.
+    # Of the above, drafts copied from the context (drafters/lookup.py); the rest are the head's.
     lookup_drafts: int = 0
     lookup_draft_tokens: int = 0
     lookup_accepted_tokens: int = 0
@@ -100,7 +100,7 @@ class SpecStats:
             "accepted_per_pos": list(self.accepted_per_pos),
             "drafted_per_pos": list(self.drafted_per_pos),
             "acceptance_per_pos": self.acceptance_per_pos,
-            # Of the drafts, those copied from the context (decode/lookup.py); the rest are
+            # Of the drafts, those copied from the context (drafters/lookup.py); the rest are
             # the head's.
             "lookup_drafts": self.lookup_drafts,
             "lookup_draft_tokens": self.lookup_draft_tokens,

@@ -6,12 +6,12 @@ drafts row ``b`` asked for (``k = max k_b``):
 1. draft: chain the MTP head k times for every row. Its first call also writes
    the MTP pairs each row still owes (``OwedPairs``: trunk hidden at ``i`` with
    token ``i+1``); later calls feed the head its own post-norm output and the
-   previous draft. A row with a ``drafter`` (``draft_source.py``) may take its
-   first drafts from the context instead (``lookup.py``), extended by the head or
-   not; the head chains only as far as some row needs it (``J <= k`` passes, fed
-   the context drafts). A context draft is a one-hot proposal ``q``: accepted with
-   probability ``p(d)``, and a rejection draws from ``p`` without ``d`` (the
-   residual ``p - q``), so step 3's rule stays exact.
+   previous draft. A row with a ``drafter`` (``draft_source.py``, ``drafters/``)
+   may take its first drafts from it instead, extended by the head or not; the
+   head chains only as far as some row needs it (``J <= k`` passes, fed the
+   drafter's tokens, ``drafters/mtp_head.py``). A drafter's token is a
+   one-hot proposal ``q``: accepted with probability ``p(d)``, and a rejection
+   draws from ``p`` without ``d`` (the residual ``p - q``): step 3 stays exact.
 2. verify: one trunk pass over every row's ``[y, d_1..d_k]`` (``capture=True``).
 3. accept: ``sampling.verify`` per group of rows sampling alike; a row that asked
    for fewer drafts stops at its own ``k_b`` and takes the target's token there,
@@ -39,8 +39,10 @@ from typing import Hashable, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..drafters.base import DraftPlan
+from ..drafters.mtp_head import MtpHead
+from ..models.cache import prepare_chunk
 from .costs import StepCosts
-from .draft_source import DraftPlan
 from .logits import PositionTransforms
 from .noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, uniform
 from .sampling import Sampler, SamplingParams, log_softmax, sample, verify
@@ -103,7 +105,7 @@ class StepOutput:
     logprobs: mx.array  # (len(tokens), V) target log-probs for each emitted token
     num_drafted: int
     num_accepted: int
-    lookup_drafted: int = 0  # of num_drafted, copied from the context (draft_source.py)
+    lookup_drafted: int = 0  # of num_drafted, the row drafter's (draft_source.py)
     lookup_accepted: int = 0
 
     @property
@@ -124,7 +126,7 @@ class Row:
     stats: SpecStats = field(default_factory=SpecStats)
     n_out: int = 0  # tokens emitted: the output position of the next one
     schedule: Optional[object] = None  # policy.SeededSchedule: K from this row alone
-    drafter: Optional[object] = None  # draft_source.RowDrafter: drafts from the context too
+    drafter: Optional[object] = None  # draft_source.RowDrafter: drafts beside the head
 
     @property
     def params(self) -> SamplingParams:
@@ -147,14 +149,6 @@ def drop_drafted(model, mtp_cache, k: int):
     drafts, not on trunk hiddens): k - 1 with one MTP layer; the model says otherwise."""
     for c, n in zip(mtp_cache, model.drafted_entries(k)):
         c.trim(n)
-
-
-def _prepare(caches, S: int, lengths=None):
-    """Announce the next chunk to caches that mask per row (recurrent ones need nothing)."""
-    for c in caches:
-        prepare = getattr(c, "prepare", None)
-        if prepare is not None:
-            prepare(S, lengths)
 
 
 @dataclass
@@ -180,7 +174,7 @@ class _Pending:
     n_accepted: Optional[mx.array] = None  # (B,)
     drafts: Optional[mx.array] = None  # (B, k)
     h_mtp: Optional[mx.array] = None  # (B, k+1, H)
-    plans: Optional[List[DraftPlan]] = None  # per row: context drafts, then head drafts
+    plans: Optional[List[DraftPlan]] = None  # per row: drafter tokens, then head drafts
     head_steps: int = 0  # head passes chained (positions drafted by the head or after it)
 
 
@@ -190,7 +184,7 @@ class _Proposal:
 
     drafts: mx.array  # (B, k) uint32
     draft_lps: list  # per head position j: each group's filtered log q (b, V)
-    where: Optional[mx.array]  # (B, k) bool: context drafts; None: the head's only
+    where: Optional[mx.array]  # (B, k) bool: drafter tokens; None: the head's only
     head_steps: int  # J, the head passes chained
     noises: Optional[tuple]  # per group: the target's and the drafts' noise; None: J == 0
 
@@ -207,6 +201,7 @@ class DecodeBatch:
         self.rows = rows
         self.cache = cache
         self.mtp_cache = mtp_cache
+        self.head = MtpHead()  # the head chain, for the rows that draft from it
 
     def step(self, ks: Sequence[int], costs: StepCosts) -> List[StepOutput]:
         return self.finish(self.launch(ks, costs))
@@ -267,7 +262,7 @@ class DecodeBatch:
             if r.sampler.grammar is not None:
                 self._on_row(b, lambda: r.sampler.grammar.commit([ids[b]]))
             if r.drafter is not None:
-                r.drafter.index.extend([ids[b]])
+                r.drafter.extend([ids[b]])
         return [StepOutput([ids[b]], p.logprobs[b : b + 1], 0, 0) for b in range(len(self.rows))]
 
     def _commit(self, b: int, p: _Pending, n: int, ids: List[int]) -> StepOutput:
@@ -289,7 +284,7 @@ class DecodeBatch:
         looked, hit = 0, 0
         if r.drafter is not None:
             looked, hit = r.drafter.record(p.plans[b], n)
-            r.drafter.index.extend(ids)
+            r.drafter.extend(ids)
         r.stats.record(p.ks[b], n, looked, hit)
         return StepOutput(ids, p.logprobs[b, : n + 1], p.ks[b], n, looked, hit)
 
@@ -353,7 +348,7 @@ class DecodeBatch:
     def _launch_plain(self) -> _Pending:
         model, rows = self.model, self.rows
         y = mx.stack([r.y for r in rows])  # (B, 1)
-        _prepare(self.cache, 1)
+        prepare_chunk(self.cache, 1)
         h_norm, h_mtp = model.trunk(y, self.cache)
         logits = self._transforms()(model.logits(h_norm[:, -1:]))  # (B, 1, V)
         lp = log_softmax(logits[:, 0])  # (B, V)
@@ -401,47 +396,36 @@ class DecodeBatch:
                  else self._noise(g, k, DRAFT, V) for g, n in zip(groups, target)]
         return target, draft
 
-    def _context_drafts(self, plans: List[DraftPlan], k: int):
-        """Context drafts (B, k) (0 where none) and where they are (B, k) bool; None if none."""
-        if not any(p.lookup for p in plans):
+    def _drafter_tokens(self, plans: List[DraftPlan], k: int):
+        """Drafter tokens (B, k) (0 where none) and where they are (B, k) bool; None if none."""
+        if not any(p.fixed for p in plans):
             return None, None
-        fixed = [p.lookup + [0] * (k - len(p.lookup)) for p in plans]
-        lengths = mx.array([len(p.lookup) for p in plans])
+        fixed = [p.fixed + [0] * (k - len(p.fixed)) for p in plans]
+        lengths = mx.array([len(p.fixed) for p in plans])
         return mx.array(fixed, mx.uint32), mx.arange(k)[None] < lengths[:, None]
 
     def _draft_head(self, J: int, k: int, groups, transforms, fixed, where):
-        """Chain the head J of the k positions (drafts at position j: the context's where
-        it drafts, else the head's pick). Returns drafts per position (B,), each group's
-        filtered draft log-probs per position, and the noises."""
-        model = self.model
-        hidden, tokens, lengths = self._owed_chunk()
-        _prepare(self.mtp_cache, hidden.shape[1], lengths)
-        out = model.mtp_forward(hidden, tokens, self.mtp_cache, last_only=True)
-        drafts, draft_lps, noises = [], [], None  # per step j: (B,), per group (b, V)
-        for j in range(J):
-            if j:
-                _prepare(self.mtp_cache, 1)
-                out = model.mtp_forward(out, drafts[-1][:, None], self.mtp_cache, depth=j)
-            logits = model.draft_logits(out[:, -1:], any_token=transforms.any_token)
+        """Chain the head J of the k positions (``drafters/mtp_head.py``; drafts at position
+        j: the row drafter's token where it drafts, else the head's pick). Returns drafts
+        per position (B,), each group's filtered draft log-probs per position, and the
+        noises."""
+        noises = []  # per group: the target's and the drafts' noise, made at the first draw
+
+        def draw(logits, j, drafts):
             lq = log_softmax(transforms(logits, j, drafts)[:, 0])  # (B, V): as verify row j
-            if j == 0:  # per position: coupled drafts share the target's noise
-                noises = self._noises(groups, k, lq.shape[-1])
+            if not noises:  # per position: coupled drafts share the target's noise
+                noises.append(self._noises(groups, k, lq.shape[-1]))
             qs = self._per_group(groups, lambda g: self._filter(g, lq))
-            picks = [sample(q, None if n is None else n[:, j])
-                     for q, n in zip(qs, noises[1])]
-            pick = self._merge(groups, picks)
-            drafts.append(pick if fixed is None
-                          else mx.where(where[:, j], fixed[:, j], pick.astype(mx.uint32)))
-            draft_lps.append(qs)
-            transforms.advance(drafts[-1])
-            # Start the head's work now: it runs while Python builds the rest of the step
-            # (a GPU would otherwise idle until the step's graph is complete). No sync.
-            mx.async_eval(drafts[-1])
-        return drafts, draft_lps, noises
+            picks = [sample(q, None if n is None else n[:, j]) for q, n in zip(qs, noises[0][1])]
+            return self._merge(groups, picks), qs
+
+        drafts, draft_lps = self.head.propose(self.model, self.mtp_cache, self._owed_chunk(), J,
+                                              draw, transforms, fixed, where)
+        return drafts, draft_lps, noises[0]
 
     def _draft_logprobs(self, g: _Group, gi: int, draft_lps, where):
         """The group's head draft log q (b, J, V) (None: no head pass) and where its drafts
-        are context drafts (b, k) (None: nowhere); those are deterministic proposals,
+        are drafter tokens (b, k) (None: nowhere); those are deterministic proposals,
         verified in index form (``sampling.verify``)."""
         head = mx.stack([lps[gi] for lps in draft_lps], axis=1) if draft_lps else None
         return head, None if where is None else g.take(where)
@@ -452,9 +436,9 @@ class DecodeBatch:
                 raise ValueError(f"row {r.key!r} cannot draft (no MTP pairs owed)")
 
     def _propose(self, k: int, plans: List[DraftPlan], groups, transforms) -> _Proposal:
-        """1. The drafts (B, k): the head chains J times (its first call also writes every
-        row's owed pairs); past J only context drafts remain."""
-        fixed, where = self._context_drafts(plans, k)
+        """1. The drafts (B, k): a row's drafter token where its plan has one, else the
+        head's, chained J times (its first call also writes every row's owed pairs)."""
+        fixed, where = self._drafter_tokens(plans, k)
         J = max((p.total for p in plans if p.head), default=0)
         drafts, draft_lps, noises = [], [], None
         if J:
@@ -471,7 +455,7 @@ class DecodeBatch:
         """2. One trunk pass over every row's ``[y, d_1..d_k]``: the target's log-probs
         (B, k+1, V) and the hiddens the accepted positions owe the head."""
         inputs = mx.concatenate([mx.stack([r.y for r in self.rows]), drafts], axis=1)
-        _prepare(self.cache, inputs.shape[1])
+        prepare_chunk(self.cache, inputs.shape[1])
         h_norm, h_mtp = self.model.trunk(inputs, self.cache, capture=True)
         return log_softmax(transforms(self.model.logits(h_norm), 0, drafts)), h_mtp
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from ..decode import check_num_draft_tokens
+from ..drafters.registry import SOURCES
 from .protocol import APIError, bad_request, check_draft_source
 from .state import ServerState
 
@@ -141,7 +142,7 @@ def drafting(state: ServerState, req) -> dict:
                               "--num-draft-tokens 0); num_draft_tokens must be 0.",
                               param="num_draft_tokens")
     source = check_draft_source(req.draft_source)
-    if k == 0 and source in ("lookup", "both"):
+    if k == 0 and source is not None and SOURCES[source].drafter is not None:
         raise bad_request(f"num_draft_tokens 0 turns drafting off, draft_source {source} asks "
                           "for context drafts: leave out one of the two.",
                           param="num_draft_tokens")

@@ -5,3 +5,12 @@ kind is a module here that registers itself, listed below.
 """
 
 from . import chain, index, kv, recurrent, window  # noqa: F401  (each registers its kinds)
+
+
+def prepare_chunk(caches: list, S: int, lengths=None):
+    """Announce the next chunk of ``S`` positions (``lengths``: each row's, right-aligned)
+    to the caches that mask per row; recurrent ones need nothing."""
+    for c in caches:
+        prepare = getattr(c, "prepare", None)
+        if prepare is not None:
+            prepare(S, lengths)

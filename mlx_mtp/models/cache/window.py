@@ -30,8 +30,8 @@ import mlx.core as mx
 from .kv import CACHE_KINDS, BatchKVCache, KVCache, stack_left_padded
 
 # Positions a rollback may take back beyond the window: every draft of a step, rejected
-# from the first. The longest a step verifies is a lookup proposal extended by the head
-# (decode/draft_source.py): MAX_LOOKUP_DRAFT (32, decode/lookup.py) + MAX_DRAFT_TOKENS
+# from the first. The longest a step verifies is a row drafter's run extended by the head
+# (decode/draft_source.py): MAX_DRAFTER_TOKENS (32, drafters/base.py) + MAX_DRAFT_TOKENS
 # (8, decode/__init__.py); models/ cannot import decode/ (decode imports models), so
 # tests/test_window_margin.py holds the two equal.
 ROLLBACK_MARGIN = 32 + 8

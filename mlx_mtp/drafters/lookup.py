@@ -11,9 +11,10 @@ The longest matching length wins; among equal lengths the most recent occurrence
 A match longer than ``max_match`` counts as ``max_match``.
 
 The proposal is the tokens that followed the match, up to ``max_draft``; it ends
-where the context ends (the head may then extend it, ``step.py``). A proposal is a
-deterministic function of tokens already emitted, so as a draft its distribution is
-one-hot and verification stays exact (``sampling.verify``).
+where the context ends (the head may then extend it, ``decode/step.py``). A proposal is
+a deterministic function of tokens already emitted, so as a draft its distribution is
+one-hot and verification stays exact (``sampling.verify``): a ``Drafter`` of cost
+``NO_PASS`` (``base.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-MAX_LOOKUP_DRAFT = 32  # verify at most this many context tokens per step
+from .base import MAX_DRAFTER_TOKENS, Drafter
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,15 @@ class LookupSettings:
         if not (isinstance(self.min_match, int) and 1 <= self.min_match <= self.max_match):
             raise ValueError(f"lookup min_match must be an integer in 1..max_match "
                              f"(got {self.min_match!r}, max_match {self.max_match!r})")
-        if not (isinstance(self.max_draft, int) and 1 <= self.max_draft <= MAX_LOOKUP_DRAFT):
-            raise ValueError(f"lookup max_draft must be an integer in 1..{MAX_LOOKUP_DRAFT} "
+        if not (isinstance(self.max_draft, int) and 1 <= self.max_draft <= MAX_DRAFTER_TOKENS):
+            raise ValueError(f"lookup max_draft must be an integer in 1..{MAX_DRAFTER_TOKENS} "
                              f"(got {self.max_draft!r})")
 
 
-class LookupIndex:
+class LookupIndex(Drafter):
     """Prompt + output tokens of one sequence, indexed by the n-grams ending at each position."""
+
+    name = "lookup"
 
     def __init__(self, settings: LookupSettings = LookupSettings()):
         self.settings = settings
@@ -55,6 +58,10 @@ class LookupIndex:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def max_draft(self) -> int:
+        return self.settings.max_draft
 
     def extend(self, tokens: Sequence[int]):
         for t in tokens:
@@ -85,6 +92,9 @@ class LookupIndex:
             if self._match[i] is not None:
                 return self.settings.min_match + i, self._match[i]
         return 0, None
+
+    def has_proposal(self) -> bool:
+        return self.match()[1] is not None
 
     def propose(self, max_draft: Optional[int] = None) -> List[int]:
         """The tokens that followed the match (at most ``max_draft``; [] without a match)."""
