@@ -181,12 +181,23 @@ class Sequence:
         )
 
     def restore(self, state: DecoderState):
-        """Continue from a snapshot (copied again, so the snapshot stays reusable)."""
+        """Continue from a snapshot (copied again, so the snapshot stays reusable).
+
+        A state that does not fit this sequence's caches (kinds, settings, layer count: a
+        damaged or forged entry) raises ValueError and changes nothing."""
+        if self.mtp_cache is not None and state.mtp_cache is None:
+            raise ValueError("The prefix state has no MTP cache.")
+        pairs = [(self.cache, state.cache)]
+        if self.mtp_cache is not None:
+            pairs.append((self.mtp_cache, state.mtp_cache))
+        for ours, saved in pairs:
+            if len(saved) != len(ours):
+                raise ValueError(f"The prefix state has {len(saved)} caches, not {len(ours)}.")
+            for c, s in zip(ours, saved):
+                c.check_joins(s)
         self.n_processed = state.n_processed
         self.cache = [c.copy() for c in state.cache]
         if self.mtp_cache is not None:
-            if state.mtp_cache is None:
-                raise ValueError("The prefix state has no MTP cache.")
             self.mtp_cache = [c.copy() for c in state.mtp_cache]
             self.row.owed = state.owed.copy()
             self.last_hidden = state.last_hidden

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..decode.speculative import DecoderState
 from ..decode.step import OwedPairs
-from ..models.cache.kv import CACHE_KINDS
+from ..models.cache.kv import CACHE_KINDS, nonfinite_arrays
 
 log = logging.getLogger("mlx_mtp.server")
 
@@ -332,6 +332,10 @@ class SessionStore:
         self.index[key] = entry
         self.nbytes += entry.nbytes
 
+    def discard(self, key):
+        """Delete an entry found unusable after it was restored."""
+        self._drop(tuple(key), delete=True)
+
     def _drop(self, key, delete: bool):
         with self._lock:
             e = self.index.pop(key, None)
@@ -391,6 +395,8 @@ class SessionStore:
         state = _state_from_tensors(arrays, layout)
         if state.n_processed != len(key) - 1:
             raise ValueError("state length does not match its key")
+        if nonfinite_arrays(state.arrays() + [a for a in [state.last_hidden] if a is not None]):
+            raise ValueError("NaN or infinite values in the state")
         return state
 
     def touch(self, key):

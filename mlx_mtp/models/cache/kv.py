@@ -38,11 +38,34 @@ def _no_window(window_size: Optional[int]):
         raise ValueError("sliding-window attention is not supported by mlx-mtp's KV caches")
 
 
+def _check_array_joins(name: str, ours: Optional[mx.array], theirs: Optional[mx.array],
+                       free_axes: Tuple[int, ...]):
+    if ours is None or theirs is None:  # an empty side takes the other's shape
+        return
+    fixed = [i for i in range(ours.ndim) if i not in free_axes]
+    if (theirs.ndim != ours.ndim or theirs.shape[0] != 1 or theirs.dtype != ours.dtype
+            or any(theirs.shape[i] != ours.shape[i] for i in fixed)):
+        raise ValueError(f"state {name!r} {tuple(theirs.shape)} {theirs.dtype} does not fit "
+                         f"beside {tuple(ours.shape)} {ours.dtype}")
+
+
+def nonfinite_arrays(arrays: List[mx.array]) -> List[int]:
+    """Indices of the floating arrays holding a NaN or an infinity: one reduction per array,
+    evaluated in one sync."""
+    floats = [i for i, a in enumerate(arrays) if mx.issubdtype(a.dtype, mx.floating)]
+    if not floats:
+        return []
+    finite = mx.stack([mx.isfinite(arrays[i]).all() for i in floats]).tolist()
+    return [i for i, ok in zip(floats, finite) if not ok]
+
+
 class _Cache:
     """The protocol's shared part (see the module doc)."""
 
     kind = ""  # the name a saved cache carries
     state_names: Tuple[str, ...] = ()  # the name of each ``state`` array
+    row_kind = ""  # a batch kind: the kind of its rows ("" : this cache's own kind)
+    free_axes: Tuple[int, ...] = (0,)  # state axes rows may differ in: rows (and positions)
 
     @classmethod
     def from_state(cls, state, meta_state):
@@ -77,6 +100,22 @@ class _Cache:
     def arrays(self) -> List[mx.array]:
         return [a for a in self.state if a is not None]
 
+    def settings(self) -> tuple:
+        """What a cache of this kind is built with (a window), equal across a batch."""
+        return ()
+
+    def check_joins(self, row):
+        """Raise ValueError unless ``row``, one sequence's cache, can join this cache's rows
+        (or an empty cache of the model's): same kind and settings, one row, and each state
+        array of our shape (bar ``free_axes``) and dtype (values: ``nonfinite_arrays``)."""
+        if (row.row_kind or row.kind) != (self.row_kind or self.kind):
+            raise ValueError(f"a {row.kind!r} cache cannot join {self.kind!r} rows")
+        if row.size() != 1 or row.settings() != self.settings():
+            raise ValueError(f"a {row.kind!r} cache of {row.size()} rows, settings "
+                             f"{row.settings()}, cannot join rows of settings {self.settings()}")
+        for name, ours, theirs in zip(row.state_names, self.state, row.state):
+            _check_array_joins(name, ours, theirs, self.free_axes)
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
@@ -88,6 +127,7 @@ class KVCache(_Cache):
     step = 256
     kind = "kv"
     state_names = ("k", "v")
+    free_axes = (0, 2)  # rows, positions
     start = 0  # absolute position of stored entry 0 (a window cache drops old entries)
 
     def __init__(self):
@@ -261,7 +301,9 @@ class BatchKVCache(_Cache):
         self._S = 0
 
     kind = "batch_kv"
+    row_kind = "kv"
     state_names = ("k", "v", "valid")
+    free_axes = (0, 2)  # rows, positions
 
     @classmethod
     def empty(cls, B: int = 1) -> "BatchKVCache":
