@@ -27,8 +27,8 @@ from typing import Dict, Hashable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..models.cache.kv import (cache_state_arrays, nonfinite_arrays, restore_caches,
-                                snapshot_caches)
+from ..models.cache.fit import nonfinite_arrays
+from ..models.cache.kv import cache_state_arrays, restore_caches, snapshot_caches
 from .policy import DraftPolicy
 from .sequence import Sequence as DecodeSequence
 from .step import DecodeBatch, Row, RowError, StepOutput

@@ -84,9 +84,8 @@ def add_arguments(p):
     p.add_argument("--prompt-cache-min-tokens", type=int, default=1024, metavar="N",
                    help="Only prefixes of at least N tokens go to disk (default 1024)")
     p.add_argument("--prompt-cache-key", default=None, metavar="FILE",
-                   help="Prove --prompt-cache-dir entries with an HMAC under the secret in FILE "
-                        "(created, mode 0600, if missing; keep it outside that directory): "
-                        "entries written without it are deleted, never restored")
+                   help="Prove --prompt-cache-dir entries by an HMAC under the secret in FILE "
+                        "(made 0600 if missing; outside that directory); others are deleted")
     p.add_argument("--api-key", default=os.environ.get("MLX_MTP_API_KEY"),
                    help="Require 'Authorization: Bearer KEY' (default: $MLX_MTP_API_KEY)")
     p.add_argument("--protect-metrics", action="store_true",

@@ -48,7 +48,8 @@ import numpy as np
 
 from ..decode.speculative import DecoderState
 from ..decode.step import OwedPairs
-from ..models.cache.kv import CACHE_KINDS, nonfinite_arrays
+from ..models.cache.fit import nonfinite_arrays
+from ..models.cache.kv import CACHE_KINDS
 from .session_proof import check_digest, entry_digest
 
 log = logging.getLogger("mlx_mtp.server")

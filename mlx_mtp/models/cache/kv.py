@@ -32,31 +32,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
+from .fit import check_array_joins
+
 
 def _no_window(window_size: Optional[int]):
     if window_size is not None:
         raise ValueError("sliding-window attention is not supported by mlx-mtp's KV caches")
-
-
-def _check_array_joins(name: str, ours: Optional[mx.array], theirs: Optional[mx.array],
-                       free_axes: Tuple[int, ...]):
-    if ours is None or theirs is None:  # an empty side takes the other's shape
-        return
-    fixed = [i for i in range(ours.ndim) if i not in free_axes]
-    if (theirs.ndim != ours.ndim or theirs.shape[0] != 1 or theirs.dtype != ours.dtype
-            or any(theirs.shape[i] != ours.shape[i] for i in fixed)):
-        raise ValueError(f"state {name!r} {tuple(theirs.shape)} {theirs.dtype} does not fit "
-                         f"beside {tuple(ours.shape)} {ours.dtype}")
-
-
-def nonfinite_arrays(arrays: List[mx.array]) -> List[int]:
-    """Indices of the floating arrays holding a NaN or an infinity: one reduction per array,
-    evaluated in one sync."""
-    floats = [i for i, a in enumerate(arrays) if mx.issubdtype(a.dtype, mx.floating)]
-    if not floats:
-        return []
-    finite = mx.stack([mx.isfinite(arrays[i]).all() for i in floats]).tolist()
-    return [i for i, ok in zip(floats, finite) if not ok]
 
 
 class _Cache:
@@ -114,7 +95,7 @@ class _Cache:
             raise ValueError(f"a {row.kind!r} cache of {row.size()} rows, settings "
                              f"{row.settings()}, cannot join rows of settings {self.settings()}")
         for name, ours, theirs in zip(row.state_names, self.state, row.state):
-            _check_array_joins(name, ours, theirs, self.free_axes)
+            check_array_joins(name, ours, theirs, self.free_axes)
 
     @property
     def nbytes(self) -> int:
