@@ -29,10 +29,14 @@ MIN = 16
 
 
 @pytest.fixture(scope="module")
-def model_tok(tmp_path_factory):
-    path = make_tiny(tmp_path_factory.mktemp("forgery") / "m", "qwen3_5", "noisy",
+def ckpt(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("forgery") / "m", "qwen3_5", "noisy",
                      vocab_size=4096, trunk_scale=2.0, fc_noise=1.0)
-    return load(str(path))
+
+
+@pytest.fixture(scope="module")
+def model_tok(ckpt):
+    return load(str(ckpt))
 
 
 def prompt_of(n, seed=0):
@@ -301,3 +305,41 @@ def test_with_a_key_only_entries_proven_by_it_are_restored(model_tok, cold, tmp_
                              key=key)
         assert store.lookup(PROMPT, need_mtp=True) is None  # treated as absent
         assert not path.exists()  # and deleted
+
+
+@pytest.mark.parametrize("name", ["c.1.k", "m.0.k"])
+def test_a_forged_entry_alone_in_the_batch_is_served_cold(model_tok, entry, cold, name):
+    """With no neighbour to check it beside, a state of the wrong width fails its own first
+    step; it is dropped and the request computed cold all the same."""
+    def forge(arrays):
+        for n in (name, name[:-1] + "v"):
+            arrays[n] = widen(arrays[n])
+
+    reencode(entry, forge)
+    engine = make_engine(model_tok, entry.parent)
+    events = submit(engine, PROMPT)
+    drive(engine, events)
+    assert isinstance(outcome(events), Done), outcome(events)
+    assert tokens(events) == cold and cached(events) == 0
+    assert not entry.exists()
+
+
+def test_bad_key_flags_exit_2(ckpt, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a free port: the last case loads the model first
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    sessions, shared = tmp_path / "sessions", tmp_path / "shared.key"
+    shared.write_bytes(b"k" * 32)
+    shared.chmod(0o644)
+    for flags in (["--prompt-cache-key", str(tmp_path / "a.key")],  # without a directory
+                  ["--prompt-cache-dir", str(sessions),
+                   "--prompt-cache-key", str(sessions / "inside.key")],
+                  ["--prompt-cache-dir", str(sessions), "--prompt-cache-key", str(shared)]):
+        p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "serve", "--model", str(ckpt),
+                            "--port", port, *flags], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert "--prompt-cache-key" in p.stderr, p.stderr
