@@ -169,7 +169,7 @@ def _session_store(args, model, metrics):
     from .session_store import SessionStore, model_fingerprint
 
     key = None
-    if args.prompt_cache_key:
+    if getattr(args, "prompt_cache_key", None):
         try:
             key = load_key(args.prompt_cache_key)
         except (OSError, ValueError) as e:

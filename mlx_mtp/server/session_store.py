@@ -198,7 +198,8 @@ def read_entry(path: Path, key: Optional[bytes] = None) -> Tuple[Dict[str, mx.ar
                 raise ValueError("file shrank while read")
             got += n
     meta = dict(header.get("__metadata__") or {})
-    check_digest(dict(header, __metadata__=meta), [data], meta.pop("digest", ""), key)
+    want = meta.pop("digest", "")
+    check_digest(dict(header, __metadata__=meta), [data], want, key)
     header.pop("__metadata__", None)
     arrays = {}
     for name, spec in header.items():

@@ -20,7 +20,8 @@ layer without knowing which kind of layer it is.
 Every cache speaks one protocol (mlx-lm's shape, ``_Cache`` here), so nothing outside the
 cache modules reads a cache field: ``state`` / ``meta_state`` / ``from_state`` (save and load; ``kind``,
 ``state_names`` name them on disk), ``snapshot()`` / ``restore(snap)`` (undo a step,
-by reference), ``merge(caches)`` into a batch, ``extract(row)``, ``filter(rows)``,
+by reference), ``merge(caches)`` into a batch (``check_joins(row)`` first: does a row's
+cache fit beside ours, ``fit.py``), ``extract(row)``, ``filter(rows)``,
 ``empty(B)``, ``lengths()`` (attention caches: tokens per row) and ``nbytes``.
 """
 
