@@ -138,16 +138,27 @@ def prompt_cache_warnings(caplog):
     return [r.getMessage() for r in caplog.records if "Prompt cache" in r.getMessage()]
 
 
-def test_a_forged_mtp_cache_fails_alone_is_dropped_and_served_cold(model_tok, entry, cold,
-                                                                   caplog):
-    """The probe: two neighbours streaming, then a request whose entry holds an MTP cache
-    of the wrong width (digest recomputed)."""
+def _wide_mtp_cache(arrays):
+    for name in ("m.0.k", "m.0.v"):
+        arrays[name] = widen(arrays[name])
+
+
+def _wide_owed_hidden(arrays):
+    arrays["o.h.0"] = widen(arrays["o.h.0"])
+
+
+def _owed_token_past_the_vocabulary(arrays):
+    arrays["o.t.0"] = mx.full(arrays["o.t.0"].shape, 10**6, arrays["o.t.0"].dtype)
+
+
+@pytest.mark.parametrize("forge,why", [(_wide_mtp_cache, "cannot join the batch"),
+                                       (_wide_owed_hidden, "owed MTP pairs"),
+                                       (_owed_token_past_the_vocabulary, "owed MTP pairs")])
+def test_a_forged_entry_fails_alone_is_dropped_and_served_cold(model_tok, entry, cold,
+                                                               forge, why, caplog):
+    """The probe: two neighbours streaming, then a request whose entry was re-encoded with
+    the wrong width (or ids past the vocabulary), its digest recomputed."""
     lone = [solo(model_tok, p, 24) for p in NEIGHBOURS]
-
-    def forge(arrays):
-        for name in ("m.0.k", "m.0.v"):
-            arrays[name] = widen(arrays[name])
-
     reencode(entry, forge)
     engine = make_engine(model_tok, entry.parent)
     neighbours = [submit(engine, p, 24) for p in NEIGHBOURS]
@@ -162,7 +173,7 @@ def test_a_forged_mtp_cache_fails_alone_is_dropped_and_served_cold(model_tok, en
     assert tokens(forged) == cold and cached(forged) == 0
     assert not entry.exists()  # dropped after its one failure
     lines = prompt_cache_warnings(caplog)
-    assert len(lines) == 1 and "cannot join the batch" in lines[0], lines
+    assert len(lines) == 1 and why in lines[0], lines
     # A restart finds nothing to restore: the same prompt is served cold again.
     assert solo(model_tok, PROMPT, directory=entry.parent) == cold
 

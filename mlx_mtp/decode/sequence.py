@@ -195,12 +195,30 @@ class Sequence:
                 raise ValueError(f"The prefix state has {len(saved)} caches, not {len(ours)}.")
             for c, s in zip(ours, saved):
                 c.check_joins(s)
+        if self.mtp_cache is not None:
+            self._check_owed(state.owed, state.last_hidden)
         self.n_processed = state.n_processed
         self.cache = [c.copy() for c in state.cache]
         if self.mtp_cache is not None:
             self.mtp_cache = [c.copy() for c in state.mtp_cache]
             self.row.owed = state.owed.copy()
             self.last_hidden = state.last_hidden
+
+    def _check_owed(self, owed: OwedPairs, last_hidden: Optional[mx.array]):
+        """ValueError unless a state's owed MTP pairs are (1, S, hidden) hiddens beside (1, S)
+        ids of the vocabulary: an id past the embedding table is read out of bounds."""
+        args = self.model.text.args
+        width = getattr(args, "hidden_size", None)
+        hiddens = list(owed.hidden) + ([] if last_hidden is None else [last_hidden])
+        fits = len(owed.hidden) == len(owed.tokens) and all(
+            h.ndim == 3 and h.shape[0] == 1 and width in (None, h.shape[2]) for h in hiddens)
+        fits = fits and all(t.shape == h.shape[:2] and mx.issubdtype(t.dtype, mx.integer)
+                            for h, t in zip(owed.hidden, owed.tokens))
+        if fits and owed.tokens:
+            ids = mx.concatenate([t.reshape(-1) for t in owed.tokens]).astype(mx.int64)
+            fits = 0 <= ids.min().item() and ids.max().item() < args.vocab_size
+        if not fits:
+            raise ValueError("The prefix state's owed MTP pairs do not fit the model.")
 
     def sync_mtp_cache(self):
         """Write every owed pair but the newest into the MTP cache (inspection, tests)."""
