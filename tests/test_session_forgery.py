@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mlx_mtp.decode.batch import BatchDecoder, BatchJoinError
-from mlx_mtp.decode.sequence import Sequence
+from mlx_mtp.decode.sequence import Sequence, reference_state
 from mlx_mtp.models.cache.kv import KVCache
 from mlx_mtp.models.io.loader import load
 from mlx_mtp.server.engine import Engine
@@ -47,11 +47,15 @@ PROMPT = prompt_of(48)
 NEIGHBOURS = [prompt_of(20, seed=2), prompt_of(27, seed=3)]
 
 
-def make_engine(model_tok, directory=None, **store_kw):
+def make_engine(model_tok, directory=None, reference=False, **store_kw):
+    """``reference``: the store checks entries against a state computed here, as ``serve``
+    does (without it, the shapes are checked at the join)."""
     model, tok = model_tok
     pc = None
     if directory is not None:
-        store = SessionStore(directory, model_fingerprint(model), min_tokens=MIN, **store_kw)
+        store = SessionStore(directory, model_fingerprint(model), min_tokens=MIN,
+                             reference=reference_state(model) if reference else None,
+                             **store_kw)
         pc = PrefixCache(8, 1 << 30, disk=store)
     return Engine(model, tok, num_draft_tokens=2, adaptive=False, log_interval=0,
                   prefix_cache=pc, prefill_step_size=64, calibrate=False)
@@ -151,16 +155,18 @@ def _owed_token_past_the_vocabulary(arrays):
     arrays["o.t.0"] = mx.full(arrays["o.t.0"].shape, 10**6, arrays["o.t.0"].dtype)
 
 
-@pytest.mark.parametrize("forge,why", [(_wide_mtp_cache, "cannot join the batch"),
-                                       (_wide_owed_hidden, "owed MTP pairs"),
-                                       (_owed_token_past_the_vocabulary, "owed MTP pairs")])
-def test_a_forged_entry_fails_alone_is_dropped_and_served_cold(model_tok, entry, cold,
-                                                               forge, why, caplog):
+@pytest.mark.parametrize("forge,why,reference", [
+    (_wide_mtp_cache, "cannot join the batch", False),
+    (_wide_mtp_cache, "does not fit beside", True),  # refused on reading, as ``serve`` does
+    (_wide_owed_hidden, "owed MTP pairs", False),
+    (_owed_token_past_the_vocabulary, "owed MTP pairs", True)])
+def test_a_forged_entry_fails_alone_is_dropped_and_served_cold(model_tok, entry, cold, forge,
+                                                               why, reference, caplog):
     """The probe: two neighbours streaming, then a request whose entry was re-encoded with
     the wrong width (or ids past the vocabulary), its digest recomputed."""
     lone = [solo(model_tok, p, 24) for p in NEIGHBOURS]
     reencode(entry, forge)
-    engine = make_engine(model_tok, entry.parent)
+    engine = make_engine(model_tok, entry.parent, reference)
     neighbours = [submit(engine, p, 24) for p in NEIGHBOURS]
     while not all(tokens(s) for s in neighbours):
         engine.step()
@@ -318,16 +324,18 @@ def test_with_a_key_only_entries_proven_by_it_are_restored(model_tok, cold, tmp_
         assert not path.exists()  # and deleted
 
 
+@pytest.mark.parametrize("reference", [False, True])
 @pytest.mark.parametrize("name", ["c.1.k", "m.0.k"])
-def test_a_forged_entry_alone_in_the_batch_is_served_cold(model_tok, entry, cold, name):
+def test_a_forged_entry_alone_in_the_batch_is_served_cold(model_tok, entry, cold, name,
+                                                          reference):
     """With no neighbour to check it beside, a state of the wrong width fails its own first
-    step; it is dropped and the request computed cold all the same."""
+    step (without a reference state); it is dropped and the request computed cold."""
     def forge(arrays):
         for n in (name, name[:-1] + "v"):
             arrays[n] = widen(arrays[n])
 
     reencode(entry, forge)
-    engine = make_engine(model_tok, entry.parent)
+    engine = make_engine(model_tok, entry.parent, reference)
     events = submit(engine, PROMPT)
     drive(engine, events)
     assert isinstance(outcome(events), Done), outcome(events)

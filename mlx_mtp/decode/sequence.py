@@ -47,6 +47,28 @@ class DecoderState:
         return total + sum(h.nbytes for h in self.owed.hidden)
 
 
+def check_state_fits(state: DecoderState, cache: list, mtp_cache: Optional[list]):
+    """ValueError unless every cache of ``state`` fits beside ``cache`` and ``mtp_cache``
+    (None: not checked), a model's: new ones check kinds and settings, those of a state
+    computed here (``reference_state``) shapes and dtypes too."""
+    if mtp_cache is not None and state.mtp_cache is None:
+        raise ValueError("The prefix state has no MTP cache.")
+    pairs = [(cache, state.cache)] + ([] if mtp_cache is None else [(mtp_cache, state.mtp_cache)])
+    for ours, saved in pairs:
+        if len(saved) != len(ours):
+            raise ValueError(f"The prefix state has {len(saved)} caches, not {len(ours)}.")
+        for c, s in zip(ours, saved):
+            c.check_joins(s)
+
+
+def reference_state(model) -> DecoderState:
+    """The state of a short prompt computed here, every cache filled: what a state read from
+    elsewhere must be shaped like (``check_state_fits``)."""
+    seq = Sequence(model, 1 if model.num_mtp_layers else 0, adaptive=False)
+    seq.prefill(list(range(8)))
+    return seq.snapshot()
+
+
 class Sequence:
     """One sequence's caches, row and prompt processing.
 
@@ -183,18 +205,10 @@ class Sequence:
     def restore(self, state: DecoderState):
         """Continue from a snapshot (copied again, so the snapshot stays reusable).
 
-        A state that does not fit this sequence's caches (kinds, settings, layer count: a
-        damaged or forged entry) raises ValueError and changes nothing."""
-        if self.mtp_cache is not None and state.mtp_cache is None:
-            raise ValueError("The prefix state has no MTP cache.")
-        pairs = [(self.cache, state.cache)]
-        if self.mtp_cache is not None:
-            pairs.append((self.mtp_cache, state.mtp_cache))
-        for ours, saved in pairs:
-            if len(saved) != len(ours):
-                raise ValueError(f"The prefix state has {len(saved)} caches, not {len(ours)}.")
-            for c, s in zip(ours, saved):
-                c.check_joins(s)
+        A state that does not fit this sequence's caches (kinds, settings, layer count) or
+        the model (owed MTP pairs): a damaged or forged entry, raises ValueError and
+        changes nothing."""
+        check_state_fits(state, self.cache, self.mtp_cache)
         if self.mtp_cache is not None:
             self._check_owed(state.owed, state.last_hidden)
         self.n_processed = state.n_processed

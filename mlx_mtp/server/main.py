@@ -165,6 +165,7 @@ def _check_port(host: str, port: int):
 def _session_store(args, model, metrics):
     if not getattr(args, "prompt_cache_dir", None):
         return None
+    from ..decode.sequence import reference_state
     from .session_proof import load_key
     from .session_store import SessionStore, model_fingerprint
 
@@ -177,7 +178,8 @@ def _session_store(args, model, metrics):
                             f"{getattr(e, 'strerror', None) or e}")
     try:
         store = SessionStore(args.prompt_cache_dir, model_fingerprint(model),
-                             args.prompt_cache_disk_bytes, args.prompt_cache_min_tokens, key=key)
+                             args.prompt_cache_disk_bytes, args.prompt_cache_min_tokens, key=key,
+                             reference=reference_state(model))
     except OSError as e:
         raise UserError(f"--prompt-cache-dir {args.prompt_cache_dir}: {e.strerror or e}")
     store.on_restore = metrics.prefix_cache_disk_hits.inc

@@ -46,6 +46,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..decode.sequence import check_state_fits
 from ..decode.speculative import DecoderState
 from ..decode.step import OwedPairs
 from ..models.cache.fit import nonfinite_arrays
@@ -248,9 +249,11 @@ def _sweep_tmp(path: Path, now: float):
 
 class SessionStore:
     def __init__(self, directory, model_id: str, max_bytes: int = 10 << 30,
-                 min_tokens: int = 1024, queue_size: int = 4, key: Optional[bytes] = None):
-        """``key``: entries are proven by an HMAC under it (``session_proof.py``)."""
-        self.key = key
+                 min_tokens: int = 1024, queue_size: int = 4, key: Optional[bytes] = None,
+                 reference: Optional[DecoderState] = None):
+        """``key``: entries are proven by an HMAC under it (``session_proof.py``);
+        ``reference``: a state the model computed here, which entries' caches must fit."""
+        self.key, self.reference = key, reference
         self.dir = Path(directory).expanduser()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model_id = model_id
@@ -393,6 +396,9 @@ class SessionStore:
             raise ValueError("state length does not match its key")
         if nonfinite_arrays(state.arrays() + [a for a in [state.last_hidden] if a is not None]):
             raise ValueError("NaN or infinite values in the state")
+        ref = self.reference
+        if ref is not None:  # shapes and dtypes too, not only kinds
+            check_state_fits(state, ref.cache, ref.mtp_cache if state.mtp_cache else None)
         return state
 
     def touch(self, key):
