@@ -2,7 +2,9 @@
 
 Sequences prefill on their own (``sequence.Sequence``) and join with ``add``; they
 leave with ``remove`` at any step. The first row's caches are adopted as they are;
-later rows are merged in (``merge``), leaving rows are filtered out (``filter``).
+later rows are merged in (``merge``), leaving rows are filtered out (``filter``). A
+joining row is checked first (each cache's ``check_joins``, finite values): one that does
+not fit fails alone (``BatchJoinError``) and leaves the batch as it was.
 Each step is ``step.DecodeBatch`` over every row: the MTP head drafts for all rows,
 one trunk pass verifies them, and each row accepts its own number of drafts.
 
@@ -25,7 +27,8 @@ from typing import Dict, Hashable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..models.cache.kv import restore_caches, snapshot_caches
+from ..models.cache.fit import nonfinite_arrays
+from ..models.cache.kv import cache_state_arrays, restore_caches, snapshot_caches
 from .policy import DraftPolicy
 from .sequence import Sequence as DecodeSequence
 from .step import DecodeBatch, Row, RowError, StepOutput
@@ -42,6 +45,15 @@ class BatchStepError(Exception):
 
     def __init__(self, key, cause: Exception):
         super().__init__(str(cause))
+        self.key, self.cause = key, cause
+
+
+class BatchJoinError(ValueError):
+    """Row ``key``'s caches cannot join the batch (``cause`` says why); the batch is as it
+    was before the join."""
+
+    def __init__(self, key, cause: Exception):
+        super().__init__(f"row {key!r} cannot join the batch: {cause}")
         self.key, self.cause = key, cause
 
 
@@ -79,20 +91,25 @@ class BatchDecoder:
     # -- membership --------------------------------------------------------
     def add(self, key: Hashable, seq: DecodeSequence, share: bool = False):
         """Join a sequence whose prompt ``seq`` has prefilled. The batch takes its
-        caches (``share``: the sequence keeps them too; only as the first row)."""
+        caches (``share``: the sequence keeps them too; only as the first row).
+
+        Atomic: the row is checked first (``_check_joins``); a row that does not fit
+        raises ``BatchJoinError`` naming ``key`` and the batch is unchanged."""
         core = self.core
         self._drop_ahead()
+        if share and core.rows:
+            raise ValueError("a sequence shares its caches only as a batch's only row")
         use_mtp = self.mtp and seq.mtp_cache is not None
+        mtp = seq.mtp_cache if use_mtp else self.model.make_mtp_cache()
+        self._check_joins(key, seq.cache, mtp if self.mtp else [],
+                          seq.row.owed.hidden if use_mtp and seq.row.owed else [])
         row = seq.row
         row.key = key
         if not use_mtp:
             row.max_k, row.owed, row.schedule = 0, None, None
-        mtp = seq.mtp_cache if use_mtp else self.model.make_mtp_cache()
         if not core.rows:
             core.cache = seq.cache if share else list(seq.cache)
             core.mtp_cache = (mtp if share else list(mtp)) if self.mtp else None
-        elif share:
-            raise ValueError("a sequence shares its caches only as a batch's only row")
         else:
             core.cache = [type(a).merge([a, c]) for a, c in zip(core.cache, seq.cache)]
             if self.mtp:
@@ -100,6 +117,31 @@ class BatchDecoder:
         core.rows.append(row)
         if not share:
             seq.release()
+
+    def _check_joins(self, key, cache: list, mtp: list, owed: list):
+        """Raise ``BatchJoinError`` naming ``key`` unless the row's caches fit beside the
+        batch's (an empty batch: beside the model's new caches) and every array is finite;
+        run before any cache changes, so a refused row leaves the batch as it was."""
+        core = self.core
+        if core.rows:
+            ours, ours_mtp = core.cache, core.mtp_cache or []
+        else:
+            ours = self.model.make_cache()
+            ours_mtp = self.model.make_mtp_cache() if self.mtp else []
+        try:
+            for name, a, b in (("trunk", ours, cache), ("MTP", ours_mtp, mtp)):
+                if len(b) != len(a):
+                    raise ValueError(f"{len(b)} {name} caches, the model has {len(a)}")
+                for i, (c, r) in enumerate(zip(a, b)):
+                    try:
+                        c.check_joins(r)
+                    except ValueError as e:
+                        raise ValueError(f"{name} cache {i}: {e}") from None
+            arrays = cache_state_arrays(list(cache) + list(mtp)) + list(owed)
+            if nonfinite_arrays(arrays):
+                raise ValueError("its state holds NaN or infinite values")
+        except ValueError as e:
+            raise BatchJoinError(key, e) from e
 
     def remove(self, key: Hashable):
         core = self.core

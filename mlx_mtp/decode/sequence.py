@@ -47,6 +47,28 @@ class DecoderState:
         return total + sum(h.nbytes for h in self.owed.hidden)
 
 
+def check_state_fits(state: DecoderState, cache: list, mtp_cache: Optional[list]):
+    """ValueError unless every cache of ``state`` fits beside ``cache`` and ``mtp_cache``
+    (None: not checked), a model's: new ones check kinds and settings, those of a state
+    computed here (``reference_state``) shapes and dtypes too."""
+    if mtp_cache is not None and state.mtp_cache is None:
+        raise ValueError("The prefix state has no MTP cache.")
+    pairs = [(cache, state.cache)] + ([] if mtp_cache is None else [(mtp_cache, state.mtp_cache)])
+    for ours, saved in pairs:
+        if len(saved) != len(ours):
+            raise ValueError(f"The prefix state has {len(saved)} caches, not {len(ours)}.")
+        for c, s in zip(ours, saved):
+            c.check_joins(s)
+
+
+def reference_state(model) -> DecoderState:
+    """The state of a short prompt computed here, every cache filled: what a state read from
+    elsewhere must be shaped like (``check_state_fits``)."""
+    seq = Sequence(model, 1 if model.num_mtp_layers else 0, adaptive=False)
+    seq.prefill(list(range(8)))
+    return seq.snapshot()
+
+
 class Sequence:
     """One sequence's caches, row and prompt processing.
 
@@ -181,15 +203,36 @@ class Sequence:
         )
 
     def restore(self, state: DecoderState):
-        """Continue from a snapshot (copied again, so the snapshot stays reusable)."""
+        """Continue from a snapshot (copied again, so the snapshot stays reusable).
+
+        A state that does not fit this sequence's caches (kinds, settings, layer count) or
+        the model (owed MTP pairs): a damaged or forged entry, raises ValueError and
+        changes nothing."""
+        check_state_fits(state, self.cache, self.mtp_cache)
+        if self.mtp_cache is not None:
+            self._check_owed(state.owed, state.last_hidden)
         self.n_processed = state.n_processed
         self.cache = [c.copy() for c in state.cache]
         if self.mtp_cache is not None:
-            if state.mtp_cache is None:
-                raise ValueError("The prefix state has no MTP cache.")
             self.mtp_cache = [c.copy() for c in state.mtp_cache]
             self.row.owed = state.owed.copy()
             self.last_hidden = state.last_hidden
+
+    def _check_owed(self, owed: OwedPairs, last_hidden: Optional[mx.array]):
+        """ValueError unless a state's owed MTP pairs are (1, S, hidden) hiddens beside (1, S)
+        ids of the vocabulary: an id past the embedding table is read out of bounds."""
+        args = self.model.text.args
+        width = getattr(args, "hidden_size", None)
+        hiddens = list(owed.hidden) + ([] if last_hidden is None else [last_hidden])
+        fits = len(owed.hidden) == len(owed.tokens) and all(
+            h.ndim == 3 and h.shape[0] == 1 and width in (None, h.shape[2]) for h in hiddens)
+        fits = fits and all(t.shape == h.shape[:2] and mx.issubdtype(t.dtype, mx.integer)
+                            for h, t in zip(owed.hidden, owed.tokens))
+        if fits and owed.tokens:
+            ids = mx.concatenate([t.reshape(-1) for t in owed.tokens]).astype(mx.int64)
+            fits = 0 <= ids.min().item() and ids.max().item() < args.vocab_size
+        if not fits:
+            raise ValueError("The prefix state's owed MTP pairs do not fit the model.")
 
     def sync_mtp_cache(self):
         """Write every owed pair but the newest into the MTP cache (inspection, tests)."""

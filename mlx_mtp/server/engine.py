@@ -59,6 +59,7 @@ class _Seq:
         self.dec = dec
         self.output = output
         self.n_cached = n_cached
+        self.restored = None  # the key of the prompt-cache entry restored, if any
         self.prefilling = True
         self.mtp_enabled = dec.mtp_cache is not None
         self.t_admit = time.perf_counter()
@@ -270,23 +271,21 @@ class Engine:
         """Sequences in the batch soon: running (decoding or in prefill) and queued."""
         return min(len(self.running) + len(self.waiting), self.max_concurrency)
 
-    def _make_seq(self, req: EngineRequest) -> _Seq:
+    def _make_seq(self, req: EngineRequest, use_cache: bool = True) -> _Seq:
         k, drafter = self.draft_sources.for_row(self.num_draft_tokens, req.num_draft_tokens,
                                                 req.draft_source, self.has_mtp)
         dec = Sequence(self.model, k, req.sampling, adaptive=self.adaptive,
                        prefill_step_size=self.prefill_step_size,
                        grammar=None if req.grammar is None else req.grammar.start(),
                        drafter=drafter)
-        n_cached, entry = 0, None
-        pc = self.prefix_cache
-        if req.cache_prompt and pc.enabled:
-            entry = pc.lookup(req.prompt, need_mtp=dec.mtp_cache is not None)
+        entry, pc = None, self.prefix_cache
+        if use_cache and req.cache_prompt and pc.enabled:
+            entry = pc.restore(dec, req.prompt)
             self.metrics.prefix_cache_queries.inc(len(req.prompt))
-            if entry is not None:
-                dec.restore(entry.state)
-                n_cached = entry.state.n_processed
-                self.metrics.prefix_cache_hits.inc(n_cached)
+        n_cached = 0 if entry is None else entry.state.n_processed
+        self.metrics.prefix_cache_hits.inc(n_cached)
         seq = _Seq(req, dec, RowOutput(self.tokenizer, req, self.eos, n_cached), n_cached)
+        seq.restored = None if entry is None else entry.key
         self.sync.admitted(seq, entry)
         return seq
 
@@ -445,8 +444,8 @@ class Engine:
 
     # -- failures -------------------------------------------------------------------
     def _fail(self, seq: _Seq, e: Exception):
-        if self.sync.group_lost(e):
-            return  # every request failed already (503)
+        if self.sync.group_lost(e) or self._retry_cold(seq, e):
+            return  # every request failed already (503); or computed cold now
         log.error("Request %s failed: %s: %s", seq.req.request_id, type(e).__name__, e,
                   exc_info=not isinstance(e, MemoryError))
         self._remove(seq)
@@ -454,6 +453,15 @@ class Engine:
         self._emit(seq.req, failure(e))
         seq.dec = None  # drop its caches before clearing MLX's buffer cache
         mx.clear_cache()
+
+    def _retry_cold(self, seq: _Seq, e: Exception) -> bool:
+        """A restored prefix state failed before any token (a damaged or forged entry)."""
+        if seq.restored is None or seq.output.num_tokens or not isinstance(e, ValueError):
+            return False
+        self.prefix_cache.discard(seq.restored, f"request {seq.req.request_id}: {e}")
+        self._remove(seq)
+        self.running.append(self._make_seq(seq.req, use_cache=False))
+        return True
 
     def _fail_all(self, status: int, message: str, code: Optional[str] = None):
         with self._cv:

@@ -83,6 +83,9 @@ def add_arguments(p):
                    help="Size bound of --prompt-cache-dir, least recently used out (default 10G)")
     p.add_argument("--prompt-cache-min-tokens", type=int, default=1024, metavar="N",
                    help="Only prefixes of at least N tokens go to disk (default 1024)")
+    p.add_argument("--prompt-cache-key", default=None, metavar="FILE",
+                   help="Prove --prompt-cache-dir entries by an HMAC under the secret in FILE "
+                        "(made 0600 if missing; outside that directory); others are deleted")
     p.add_argument("--api-key", default=os.environ.get("MLX_MTP_API_KEY"),
                    help="Require 'Authorization: Bearer KEY' (default: $MLX_MTP_API_KEY)")
     p.add_argument("--protect-metrics", action="store_true",
@@ -162,11 +165,21 @@ def _check_port(host: str, port: int):
 def _session_store(args, model, metrics):
     if not getattr(args, "prompt_cache_dir", None):
         return None
+    from ..decode.sequence import reference_state
+    from .session_proof import load_key
     from .session_store import SessionStore, model_fingerprint
 
+    key = None
+    if getattr(args, "prompt_cache_key", None):
+        try:
+            key = load_key(args.prompt_cache_key)
+        except (OSError, ValueError) as e:
+            raise UserError(f"--prompt-cache-key {args.prompt_cache_key}: "
+                            f"{getattr(e, 'strerror', None) or e}")
     try:
         store = SessionStore(args.prompt_cache_dir, model_fingerprint(model),
-                             args.prompt_cache_disk_bytes, args.prompt_cache_min_tokens)
+                             args.prompt_cache_disk_bytes, args.prompt_cache_min_tokens, key=key,
+                             reference=reference_state(model))
     except OSError as e:
         raise UserError(f"--prompt-cache-dir {args.prompt_cache_dir}: {e.strerror or e}")
     store.on_restore = metrics.prefix_cache_disk_hits.inc
@@ -273,6 +286,12 @@ def _check_args(args):
     if args.prompt_cache_dir and (args.prompt_cache_size == 0 or args.distributed):
         raise UserError("--prompt-cache-dir needs the in-memory prompt cache "
                         "(--prompt-cache-size > 0) and a single process (no --distributed)")
+    if args.prompt_cache_key and not args.prompt_cache_dir:
+        raise UserError("--prompt-cache-key proves --prompt-cache-dir entries: give both")
+    if args.prompt_cache_key and Path(args.prompt_cache_key).expanduser().resolve().is_relative_to(
+            Path(args.prompt_cache_dir).expanduser().resolve()):
+        raise UserError("--prompt-cache-key must live outside --prompt-cache-dir "
+                        "(whoever can write entries there could read it)")
     if args.prompt_cache_disk_bytes < 1 or args.prompt_cache_min_tokens < 1:
         raise UserError("--prompt-cache-disk-bytes and --prompt-cache-min-tokens must be >= 1")
 

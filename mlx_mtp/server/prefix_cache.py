@@ -22,9 +22,12 @@ recomputing it.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
+
+log = logging.getLogger("mlx_mtp.server")
 
 
 @dataclass
@@ -78,6 +81,30 @@ class PrefixCache:
         if best.key in self.entries:  # (a disk entry too large for memory is not)
             self.entries.move_to_end(best.key)
         return best
+
+    def restore(self, seq, tokens: Sequence[int]) -> Optional[Entry]:
+        """Restore into ``seq`` (a new ``decode.sequence.Sequence``) the longest entry whose
+        key is a prefix of ``tokens``. An entry that does not fit the model's caches (a
+        damaged or forged state) is discarded and None returned: the prompt runs cold."""
+        entry = self.lookup(tokens, need_mtp=seq.mtp_cache is not None)
+        if entry is None:
+            return None
+        try:
+            seq.restore(entry.state)
+        except ValueError as e:
+            self.discard(entry.key, e)
+            return None
+        return entry
+
+    def discard(self, key: Sequence[int], why):
+        """Forget an entry found unusable, in memory and on disk (deleted), with a log line."""
+        log.warning("Prompt cache: dropping a %d-token entry that failed (%s); the prompt "
+                    "runs cold", len(key), why)
+        e = self.entries.pop(tuple(key), None)
+        if e is not None:
+            self.nbytes -= e.nbytes
+        if self.disk is not None:
+            self.disk.discard(key)
 
     def _from_disk(self, tokens, need_mtp: bool, best: Optional[Entry]) -> Optional[Entry]:
         """A longer prefix than ``best`` from disk, kept in memory too; else ``best``."""

@@ -11,9 +11,12 @@ fingerprint it carries.
 * Atomic: written to a fresh temp file (``mkstemp``: created exclusively, never through
   a link) then fsync + ``os.replace`` + directory fsync, so a crash leaves a stray temp
   file (swept later, whatever it is) and never a readable half entry.
-* Proven: the metadata carries a SHA-256 of the header and the data section, checked
+* Proven: the metadata carries a SHA-256 of the header and the data section (an HMAC
+  under a key kept outside the directory with ``key``: ``session_proof.py``), checked
   before any array is built (entries are read without following links); a truncated,
   corrupted or unverifiable file is dropped with a log line and the prompt runs cold.
+  A state that proves but does not fit the model (NaN or infinite values here; caches of
+  the wrong kind or shape when restored or joined, ``decode/batch.py``) is deleted too.
 * Size-bounded LRU over this model's entries: a file's mtime is its last use (touched on
   every hit), the oldest go first.
 * Writes never stall the scheduler: the engine hands over arrays it has already evaluated
@@ -43,9 +46,12 @@ from typing import Dict, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..decode.sequence import check_state_fits
 from ..decode.speculative import DecoderState
 from ..decode.step import OwedPairs
+from ..models.cache.fit import nonfinite_arrays
 from ..models.cache.kv import CACHE_KINDS
+from .session_proof import check_digest, entry_digest
 
 log = logging.getLogger("mlx_mtp.server")
 
@@ -144,7 +150,6 @@ def _state_from_tensors(t: Dict[str, mx.array], layout: dict) -> DecoderState:
 # Safetensors dtype codes -> the NumPy dtype their bytes are read as (bf16: its bits).
 _NP = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "U32": "<u4", "I32": "<i4", "U16": "<u2",
        "I64": "<i8", "U8": "u1"}
-DIGEST = "sha256"  # of header and data (``entry_digest``), in the metadata as "sha256:<hex>"
 _READ_CHUNK = 8 << 20
 
 
@@ -180,9 +185,9 @@ def read_header(path: Path) -> Tuple[dict, int]:
         return _parse_header(f, size)
 
 
-def read_entry(path: Path) -> Tuple[Dict[str, mx.array], dict]:
-    """An entry's arrays and metadata, read once and proven against its digest before any
-    array is built; ValueError on any mismatch."""
+def read_entry(path: Path, key: Optional[bytes] = None) -> Tuple[Dict[str, mx.array], dict]:
+    """An entry's arrays and metadata, read once and proven against its digest (keyed with
+    ``key``) before any array is built; ValueError on any mismatch."""
     f, size = _open_entry(path)
     with f:
         header, start = _parse_header(f, size)
@@ -195,10 +200,7 @@ def read_entry(path: Path) -> Tuple[Dict[str, mx.array], dict]:
             got += n
     meta = dict(header.get("__metadata__") or {})
     want = meta.pop("digest", "")
-    if not want.startswith(DIGEST + ":"):
-        raise ValueError("no digest (written by an older version)")
-    if entry_digest(dict(header, __metadata__=meta), [data]) != want:
-        raise ValueError("digest mismatch (corrupted bytes)")
+    check_digest(dict(header, __metadata__=meta), [data], want, key)
     header.pop("__metadata__", None)
     arrays = {}
     for name, spec in header.items():
@@ -210,25 +212,18 @@ def read_entry(path: Path) -> Tuple[Dict[str, mx.array], dict]:
     return arrays, meta
 
 
-def entry_digest(header: dict, chunks) -> str:
-    """Digest of an entry: its header (canonical JSON, without the digest) then its data
-    section, so no bit of the file can change unseen (layout offsets included)."""
-    h = hashlib.new(DIGEST, json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
-    for c in chunks:
-        h.update(c)
-    return f"{DIGEST}:{h.hexdigest()}"
-
-
 def write_safetensors(f, arrays: Dict[str, np.ndarray], codes: Dict[str, str],
-                      metadata: Dict[str, str]):
-    """Write to the open file ``f`` (with the entry's digest in its metadata) and fsync."""
+                      metadata: Dict[str, str], key: Optional[bytes] = None):
+    """Write to the open file ``f`` (with the entry's digest, keyed with ``key``, in its
+    metadata) and fsync."""
     header, offset = {"__metadata__": dict(metadata)}, 0
     for name, a in arrays.items():
         header[name] = {"dtype": codes[name], "shape": list(a.shape),
                         "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     arrays = {k: np.ascontiguousarray(a) for k, a in arrays.items()}
-    header["__metadata__"]["digest"] = entry_digest(header, [a.data for a in arrays.values()])
+    header["__metadata__"]["digest"] = entry_digest(header, [a.data for a in arrays.values()],
+                                                    key)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     f.write(struct.pack("<Q", len(raw)))
@@ -254,7 +249,11 @@ def _sweep_tmp(path: Path, now: float):
 
 class SessionStore:
     def __init__(self, directory, model_id: str, max_bytes: int = 10 << 30,
-                 min_tokens: int = 1024, queue_size: int = 4):
+                 min_tokens: int = 1024, queue_size: int = 4, key: Optional[bytes] = None,
+                 reference: Optional[DecoderState] = None):
+        """``key``: entries are proven by an HMAC under it (``session_proof.py``);
+        ``reference``: a state the model computed here, which entries' caches must fit."""
+        self.key, self.reference = key, reference
         self.dir = Path(directory).expanduser()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model_id = model_id
@@ -332,6 +331,10 @@ class SessionStore:
         self.index[key] = entry
         self.nbytes += entry.nbytes
 
+    def discard(self, key):
+        """Delete an entry found unusable after it was restored."""
+        self._drop(tuple(key), delete=True)
+
     def _drop(self, key, delete: bool):
         with self._lock:
             e = self.index.pop(key, None)
@@ -382,7 +385,7 @@ class SessionStore:
 
     def _load(self, key) -> DecoderState:
         path = self.index[key].path
-        arrays, meta = read_entry(path)  # whole, and its bytes proven
+        arrays, meta = read_entry(path, self.key)  # whole, and its bytes proven
         if meta.get("format") != FORMAT or meta.get("model") != self.model_id:
             raise ValueError("not this model's entry")
         if tuple(np.asarray(arrays["tokens"]).tolist()) != key:
@@ -391,6 +394,11 @@ class SessionStore:
         state = _state_from_tensors(arrays, layout)
         if state.n_processed != len(key) - 1:
             raise ValueError("state length does not match its key")
+        if nonfinite_arrays(state.arrays() + [a for a in [state.last_hidden] if a is not None]):
+            raise ValueError("NaN or infinite values in the state")
+        ref = self.reference
+        if ref is not None:  # shapes and dtypes too, not only kinds
+            check_state_fits(state, ref.cache, ref.mtp_cache if state.mtp_cache else None)
         return state
 
     def touch(self, key):
@@ -454,7 +462,7 @@ class SessionStore:
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=self.dir)
         try:
             with os.fdopen(fd, "wb") as f:
-                write_safetensors(f, arrays, codes, meta)
+                write_safetensors(f, arrays, codes, meta, self.key)
             os.replace(tmp, path)
         finally:
             try:

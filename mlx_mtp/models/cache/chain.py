@@ -146,6 +146,19 @@ class ChainCache(_Cache):
         self.inner.restore(inner)
         self.has_pending = list(has_pending)
 
+    def check_joins(self, row):
+        """The inner caches', then the pending inputs' width and dtype."""
+        if not isinstance(row, ChainCache):
+            raise ValueError(f"a {row.kind!r} cache cannot join {self.kind!r} rows")
+        self.inner.check_joins(row.inner)
+        if len(row.has_pending) != 1 or (row.pending is None and any(row.has_pending)):
+            raise ValueError("a chain cache's pending input does not match its flags")
+        if self.pending is not None and row.pending is not None and (
+                row.pending.shape[:2] != (1, 1) or row.pending.shape[2] != self.pending.shape[2]
+                or row.pending.dtype != self.pending.dtype):
+            raise ValueError(f"pending input {tuple(row.pending.shape)} {row.pending.dtype} "
+                             f"does not fit beside {tuple(self.pending.shape)}")
+
     @classmethod
     def merge(cls, caches: List["ChainCache"]) -> "ChainCache":
         """The caches' rows in order; rows without a pending input take zeros."""

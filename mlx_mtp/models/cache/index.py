@@ -43,6 +43,7 @@ class BatchIndexKeyCache(_IndexKeys, BatchKVCache):
     """Rows of different lengths' indexer keys."""
 
     kind = "batch_index_kv"
+    row_kind = "index_kv"
 
     def _share(self) -> "BatchIndexKeyCache":
         c = BatchIndexKeyCache(self.pos, self.keys, self.values, self.valid)

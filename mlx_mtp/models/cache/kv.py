@@ -20,7 +20,8 @@ layer without knowing which kind of layer it is.
 Every cache speaks one protocol (mlx-lm's shape, ``_Cache`` here), so nothing outside the
 cache modules reads a cache field: ``state`` / ``meta_state`` / ``from_state`` (save and load; ``kind``,
 ``state_names`` name them on disk), ``snapshot()`` / ``restore(snap)`` (undo a step,
-by reference), ``merge(caches)`` into a batch, ``extract(row)``, ``filter(rows)``,
+by reference), ``merge(caches)`` into a batch (``check_joins(row)`` first: does a row's
+cache fit beside ours, ``fit.py``), ``extract(row)``, ``filter(rows)``,
 ``empty(B)``, ``lengths()`` (attention caches: tokens per row) and ``nbytes``.
 """
 
@@ -31,6 +32,8 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_causal_mask
+
+from .fit import check_array_joins
 
 
 def _no_window(window_size: Optional[int]):
@@ -43,6 +46,8 @@ class _Cache:
 
     kind = ""  # the name a saved cache carries
     state_names: Tuple[str, ...] = ()  # the name of each ``state`` array
+    row_kind = ""  # a batch kind: the kind of its rows ("" : this cache's own kind)
+    free_axes: Tuple[int, ...] = (0,)  # state axes rows may differ in: rows (and positions)
 
     @classmethod
     def from_state(cls, state, meta_state):
@@ -77,6 +82,22 @@ class _Cache:
     def arrays(self) -> List[mx.array]:
         return [a for a in self.state if a is not None]
 
+    def settings(self) -> tuple:
+        """What a cache of this kind is built with (a window), equal across a batch."""
+        return ()
+
+    def check_joins(self, row):
+        """Raise ValueError unless ``row``, one sequence's cache, can join this cache's rows
+        (or an empty cache of the model's): same kind and settings, one row, and each state
+        array of our shape (bar ``free_axes``) and dtype (values: ``nonfinite_arrays``)."""
+        if (row.row_kind or row.kind) != (self.row_kind or self.kind):
+            raise ValueError(f"a {row.kind!r} cache cannot join {self.kind!r} rows")
+        if row.size() != 1 or row.settings() != self.settings():
+            raise ValueError(f"a {row.kind!r} cache of {row.size()} rows, settings "
+                             f"{row.settings()}, cannot join rows of settings {self.settings()}")
+        for name, ours, theirs in zip(row.state_names, self.state, row.state):
+            check_array_joins(name, ours, theirs, self.free_axes)
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
@@ -88,6 +109,7 @@ class KVCache(_Cache):
     step = 256
     kind = "kv"
     state_names = ("k", "v")
+    free_axes = (0, 2)  # rows, positions
     start = 0  # absolute position of stored entry 0 (a window cache drops old entries)
 
     def __init__(self):
@@ -261,7 +283,9 @@ class BatchKVCache(_Cache):
         self._S = 0
 
     kind = "batch_kv"
+    row_kind = "kv"
     state_names = ("k", "v", "valid")
+    free_axes = (0, 2)  # rows, positions
 
     @classmethod
     def empty(cls, B: int = 1) -> "BatchKVCache":

@@ -137,6 +137,9 @@ class WindowKVCache(KVCache):
     def _like(self) -> "WindowKVCache":
         return WindowKVCache(self.window, self.margin)
 
+    def settings(self) -> tuple:
+        return (self.window,)
+
 
 class BatchWindowKVCache(BatchKVCache):
     """Rows of different lengths decoding together through a sliding-window layer.
@@ -147,10 +150,14 @@ class BatchWindowKVCache(BatchKVCache):
     """
 
     kind = "batch_window_kv"
+    row_kind = "window_kv"
 
     def __init__(self, window: int, pos: List[int], keys=None, values=None, valid=None):
         super().__init__(pos, keys, values, valid)
         self.window = window
+
+    def settings(self) -> tuple:
+        return (self.window,)
 
     @classmethod
     def empty(cls, B: int = 1, window: Optional[int] = None) -> "BatchWindowKVCache":
