@@ -158,7 +158,8 @@ class Model(_Model):
         return h, tapped
 
     def make_cache(self):
-        dtype = self.model.embed_tokens.weight.dtype
+        emb = self.model.embed_tokens  # a quantized table's weight is packed uint32
+        dtype = (emb.scales if isinstance(emb, nn.QuantizedEmbedding) else emb.weight).dtype
         return [KVCache() if layer.block_type == "*" else mamba_cache(layer.mixer, dtype)
                 for layer in self.layers]
 
