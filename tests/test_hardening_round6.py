@@ -215,7 +215,8 @@ for argv in json.loads(sys.argv[1]):
     err, t = io.StringIO(), time.monotonic()
     with contextlib.redirect_stderr(err):
         code = cli.main(argv)
-    out.append({"code": code, "seconds": time.monotonic() - t, "err": err.getvalue()})
+    out.append({"code": code, "seconds": time.monotonic() - t, "err": err.getvalue(),
+                "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KB on Linux
 print(json.dumps({"runs": out, "max_rss_mb": rss_mb}))
 """
@@ -258,7 +259,9 @@ def test_damaged_counts_and_headers_fail_fast_and_small(good, tmp_path):
         lines = run["err"].strip().splitlines()
         assert run["code"] == 2 and len(lines) == 1 and words in lines[0], (case, verb, run)
         assert run["seconds"] < 10, (case, verb, run["seconds"])
-    assert report["max_rss_mb"] < 400, report["max_rss_mb"]
+    grew = [(case, verb, round(run["max_rss_mb"])) for (case, verb, _), run
+            in zip(expected, report["runs"])]
+    assert report["max_rss_mb"] < 400, grew  # peak after each run: which one allocated
 
 
 def test_a_silent_hub_fails_within_the_stated_timeout(split_pair, tmp_path):
