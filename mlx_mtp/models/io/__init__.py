@@ -1,1 +1,1 @@
-"""io."""
+"""Checkpoint input: loading, HF <-> MLX layout, config and file checks, split drafters, hub ids."""

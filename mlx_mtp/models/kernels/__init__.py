@@ -1,1 +1,1 @@
-"""kernels."""
+"""Kernels written for the CPU backend (the chunked gated delta rule)."""
