@@ -3,8 +3,10 @@
 Sequences prefill on their own (``sequence.Sequence``) and join with ``add``; they
 leave with ``remove`` at any step. The first row's caches are adopted as they are;
 later rows are merged in (``merge``), leaving rows are filtered out (``filter``). A
-joining row is checked first (each cache's ``check_joins``, finite values): one that does
-not fit fails alone (``BatchJoinError``) and leaves the batch as it was.
+joining row is checked first (each cache's ``check_joins``: kinds, shapes, dtypes, no
+sync): one that does not fit fails alone (``BatchJoinError``) and leaves the batch as it
+was. Values are checked where a state comes from outside (``session_store``), not here:
+a join must not read a whole cache and sync for every request.
 Each step is ``step.DecodeBatch`` over every row: the MTP head drafts for all rows,
 one trunk pass verifies them, and each row accepts its own number of drafts.
 
@@ -27,8 +29,7 @@ from typing import Dict, Hashable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..models.cache.fit import nonfinite_arrays
-from ..models.cache.kv import cache_state_arrays, restore_caches, snapshot_caches
+from ..models.cache.kv import restore_caches, snapshot_caches
 from .policy import DraftPolicy
 from .sequence import Sequence as DecodeSequence
 from .step import DecodeBatch, Row, RowError, StepOutput
@@ -101,8 +102,7 @@ class BatchDecoder:
             raise ValueError("a sequence shares its caches only as a batch's only row")
         use_mtp = self.mtp and seq.mtp_cache is not None
         mtp = seq.mtp_cache if use_mtp else self.model.make_mtp_cache()
-        self._check_joins(key, seq.cache, mtp if self.mtp else [],
-                          seq.row.owed.hidden if use_mtp and seq.row.owed else [])
+        self._check_joins(key, seq.cache, mtp if self.mtp else [])
         row = seq.row
         row.key = key
         if not use_mtp:
@@ -118,10 +118,10 @@ class BatchDecoder:
         if not share:
             seq.release()
 
-    def _check_joins(self, key, cache: list, mtp: list, owed: list):
+    def _check_joins(self, key, cache: list, mtp: list):
         """Raise ``BatchJoinError`` naming ``key`` unless the row's caches fit beside the
-        batch's (an empty batch: beside the model's new caches) and every array is finite;
-        run before any cache changes, so a refused row leaves the batch as it was."""
+        batch's (an empty batch: beside the model's new caches); run before any cache
+        changes, so a refused row leaves the batch as it was."""
         core = self.core
         if core.rows:
             ours, ours_mtp = core.cache, core.mtp_cache or []
@@ -137,9 +137,6 @@ class BatchDecoder:
                         c.check_joins(r)
                     except ValueError as e:
                         raise ValueError(f"{name} cache {i}: {e}") from None
-            arrays = cache_state_arrays(list(cache) + list(mtp)) + list(owed)
-            if nonfinite_arrays(arrays):
-                raise ValueError("its state holds NaN or infinite values")
         except ValueError as e:
             raise BatchJoinError(key, e) from e
 

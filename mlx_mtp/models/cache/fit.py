@@ -1,5 +1,6 @@
 """Whether one row's cache state fits beside a batch's (``_Cache.check_joins``): shapes and
-dtypes per array, and finite values, checked before any cache of the batch changes."""
+dtypes per array, checked before any cache of the batch changes; and finite values, checked
+where a state is read from disk (``server/session_store.py``)."""
 
 from __future__ import annotations
 
