@@ -54,11 +54,10 @@ log = logging.getLogger("mlx_mtp.server")
 class _Seq:
     """Engine-side state of one admitted request."""
 
-    def __init__(self, req: EngineRequest, dec: Sequence, output: RowOutput, n_cached: int):
+    def __init__(self, req: EngineRequest, dec: Sequence, output: RowOutput):
         self.req = req
         self.dec = dec
-        self.output = output
-        self.n_cached = n_cached
+        self.output = output  # holds n_cached: the prompt tokens the prefix cache gave
         self.restored = None  # the key of the prompt-cache entry restored, if any
         self.prefilling = True
         self.mtp_enabled = dec.mtp_cache is not None
@@ -67,7 +66,7 @@ class _Seq:
         self.t_first: Optional[float] = None
         self.t_last: Optional[float] = None
         n = len(req.prompt) - 1
-        self.boundaries = sorted({b for b in req.boundaries if n_cached < b <= n})
+        self.boundaries = sorted({b for b in req.boundaries if output.n_cached < b <= n})
 
 
 class Engine:
@@ -262,7 +261,7 @@ class Engine:
             try:
                 seq = self._make_seq(req)
                 self.running.append(seq)
-                self._emit(req, Admitted(seq.n_cached))
+                self._emit(req, Admitted(seq.output.n_cached))
             except Exception as e:
                 log.exception("Could not start request %s", req.request_id)
                 self._emit(req, failure(e))
@@ -284,7 +283,7 @@ class Engine:
             self.metrics.prefix_cache_queries.inc(len(req.prompt))
         n_cached = 0 if entry is None else entry.state.n_processed
         self.metrics.prefix_cache_hits.inc(n_cached)
-        seq = _Seq(req, dec, RowOutput(self.tokenizer, req, self.eos, n_cached), n_cached)
+        seq = _Seq(req, dec, RowOutput(self.tokenizer, req, self.eos, n_cached))
         seq.restored = None if entry is None else entry.key
         self.sync.admitted(seq, entry)
         return seq
@@ -332,7 +331,7 @@ class Engine:
         prompt, dec = seq.req.prompt, seq.dec
         n = len(prompt) - 1
         start = dec.n_processed
-        seg_start = max([seq.n_cached] + [b for b in seq.boundaries if b <= start])
+        seg_start = max([seq.output.n_cached] + [b for b in seq.boundaries if b <= start])
         seg_end = min([n] + [b for b in seq.boundaries if b > start])
         end = self.chunks.end(start, seg_start, seg_end, max_tokens, below_grid)
         # Sequence.prefill continues after n_processed and stops at the last
