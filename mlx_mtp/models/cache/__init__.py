@@ -9,8 +9,6 @@ from . import chain, index, kv, recurrent, window  # noqa: F401  (each registers
 
 def prepare_chunk(caches: list, S: int, lengths=None):
     """Announce the next chunk of ``S`` positions (``lengths``: each row's, right-aligned)
-    to the caches that mask per row; recurrent ones need nothing."""
+    to every cache (``_Cache.prepare``)."""
     for c in caches:
-        prepare = getattr(c, "prepare", None)
-        if prepare is not None:
-            prepare(S, lengths)
+        c.prepare(S, lengths)

@@ -64,6 +64,10 @@ class _Cache:
             raise ValueError(f"a {cls.__name__} holds one row, not {B}")
         return cls()
 
+    def prepare(self, S: int, lengths=None):
+        """The next chunk is ``S`` positions (``lengths``: each row's, right-aligned); a
+        kind that masks per row records it, others need nothing."""
+
     def size(self) -> int:
         """Rows held."""
         return 1
