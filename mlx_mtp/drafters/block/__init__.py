@@ -1,0 +1,8 @@
+"""Block drafters (DFlash, DFlash2, DSpark, EAGLE-3): see ``base.py``."""
+
+from .base import BlockDraftModel, BlockSpec, Draw
+
+# kind name -> its BlockDraftModel class (each kind's module adds its line)
+KINDS: dict = {}
+
+__all__ = ["BlockDraftModel", "BlockSpec", "Draw", "KINDS"]
