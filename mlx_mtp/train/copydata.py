@@ -119,19 +119,42 @@ def make_document(code: str, kind: str, rng: np.random.Generator) -> str:
     raise ValueError(f"unknown copy document kind {kind!r}")
 
 
-def build_documents(texts: Sequence[str], n_docs: int, seed: int = 0) -> List[str]:
-    """``n_docs`` documents from snippets of ``texts`` (seeded: same inputs, same output)."""
+def _draw_kind(rng: np.random.Generator, mix: str) -> str:
+    from .codetasks import MIXES
+
+    if mix == "copy":  # the shipped copy fine-tune's draw, so its record reproduces
+        return KINDS[int(rng.integers(len(KINDS)))]
+    kinds, weights = zip(*MIXES[mix].items())
+    return kinds[int(rng.choice(len(kinds), p=np.asarray(weights) / sum(weights)))]
+
+
+def build_documents(texts: Sequence[str], n_docs: int, seed: int = 0, mix: str = "copy"
+                    ) -> List[str]:
+    """``n_docs`` documents from ``texts`` (seeded: same inputs, same output), their kinds
+    drawn by ``mix`` (``codetasks.MIXES``): copy kinds from snippets, task kinds from whole
+    functions and classes."""
+    from .codetasks import TASK_KINDS, make_task, units
+
     rng = np.random.default_rng(seed)
     docs: List[str] = []
     usable = [t for t in texts if t.strip()]
     if not usable:
         raise ValueError("no text to build copy documents from")
+    unit_cache: dict = {}
     tries = 0
     while len(docs) < n_docs and tries < 20 * n_docs:
         tries += 1
-        code = snippet(usable[int(rng.integers(len(usable)))], rng)
+        i = int(rng.integers(len(usable)))
+        # the copy mix draws its kind after the snippet, as the shipped fine-tune did
+        kind = None if mix == "copy" else _draw_kind(rng, mix)
+        if kind in TASK_KINDS:
+            found = unit_cache.setdefault(i, units(usable[i]))
+            if found:
+                docs.append(make_task(found[int(rng.integers(len(found)))], kind, rng))
+            continue
+        code = snippet(usable[i], rng)
         if code:
-            docs.append(make_document(code, KINDS[int(rng.integers(len(KINDS)))], rng))
+            docs.append(make_document(code, kind or _draw_kind(rng, mix), rng))
     if len(docs) < n_docs:
         raise ValueError(f"only {len(docs)} of {n_docs} copy documents could be built "
                          f"(texts too short: need >= {MIN_LINES} lines)")

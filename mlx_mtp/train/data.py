@@ -75,20 +75,25 @@ def load_or_tokenize(run_dir: Path, name: str, files, tokenizer_dir, chat_fracti
     return ids
 
 
-def load_or_build_copy(run_dir: Path, files, tokenizer_dir, n_docs: int, seed: int = 0):
-    """Copy documents (``copydata``) built from ``files``, tokenized; cached in the run dir."""
+def load_or_build_copy(run_dir: Path, files, tokenizer_dir, n_docs: int, seed: int = 0,
+                       mix: str = "copy"):
+    """Copy and task documents (``copydata``, ``codetasks``) built from ``files`` by
+    ``mix``, tokenized; cached in the run dir."""
     from . import copydata
+    from .codetasks import MIXES
     from .tokenizer_build import read_corpus_file
 
-    cache = run_dir / f"tokens-copy-{n_docs}-{seed}.npz"
-    kinds = np.array(copydata.KINDS)
+    name = f"{n_docs}-{seed}" if mix == "copy" else f"{mix}-{n_docs}-{seed}"
+    cache = run_dir / f"tokens-copy-{name}.npz"
+    kinds = np.array(copydata.KINDS if mix == "copy" else sorted(MIXES[mix]))
     if cache.exists():
         with np.load(cache) as z:
             # caches from before the answer flags, or built with other kinds, are rebuilt
             if "answer" in z and "kinds" in z and np.array_equal(z["kinds"], kinds):
                 return z["ids"], z["starts"], z["answer"]
     try:
-        docs = copydata.build_documents([read_corpus_file(f) for f in files], n_docs, seed)
+        docs = copydata.build_documents([read_corpus_file(f) for f in files], n_docs, seed,
+                                        mix)
     except ValueError as e:
         raise _user_error(f"--copy-fraction: {e}")
     ids, starts, answer = copydata.tokenize_documents(

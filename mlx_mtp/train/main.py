@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 
 from mlx.utils import tree_flatten
 
+from .codetasks import MIXES
 from .data import _user_error, corpus_file_list
 from .export import evaluate_acceptance, format_acceptance_table
 from .model import SIZES, count_params
@@ -82,6 +83,11 @@ def add_arguments(p):
                         "corpus repeated or lightly edited, mlx_mtp.train.copydata)")
     p.add_argument("--copy-docs", type=int, default=4000,
                    help="with --copy-fraction: how many copy documents to build")
+    p.add_argument("--copy-mix", choices=sorted(MIXES), default="copy",
+                   help="with --copy-fraction: the copy rows' document kinds: copy (repeat or "
+                        "edit given code, as the shipped copy fine-tune) or instruct (mostly "
+                        "requests answered with new code: write a function from its summary, "
+                        "complete a pasted signature; mlx_mtp.train.codetasks)")
     p.add_argument("--copy-context-weight", type=float, default=1.0,
                    help="(scratch) with --copy-fraction: loss weight of a copy document's "
                         "tokens before its answer (the code given and the request; 0 trains on "
@@ -113,7 +119,7 @@ def config_from_args(args) -> TrainConfig:
         num_hidden_layers=args.num_hidden_layers, intermediate_size=args.intermediate_size,
         keep_head=args.keep_head, init_from=args.init_from,
         copy_fraction=args.copy_fraction, copy_docs=args.copy_docs,
-        copy_context_weight=args.copy_context_weight,
+        copy_context_weight=args.copy_context_weight, copy_mix=args.copy_mix,
     )
 
 

@@ -75,6 +75,7 @@ class TrainConfig:
     init_from: Optional[str] = None
     copy_fraction: float = 0.0
     copy_docs: int = 4000
+    copy_mix: str = "copy"  # document kinds of the copy rows (train/codetasks.py MIXES)
     copy_context_weight: float = 1.0
 
 
@@ -201,7 +202,7 @@ class Trainer:
         self.copy_tokens = self.copy_starts = self.copy_answer = None
         if cfg.copy_fraction > 0:
             self.copy_tokens, self.copy_starts, self.copy_answer = load_or_build_copy(
-                self.run_dir, files, self.tokenizer_dir, cfg.copy_docs, cfg.seed)
+                self.run_dir, files, self.tokenizer_dir, cfg.copy_docs, cfg.seed, cfg.copy_mix)
         if self.eval_tokens is not None and len(self.eval_tokens) <= cfg.seq_len + 1:
             self.eval_tokens = None
         vocab = self.text_cfg["vocab_size"]
