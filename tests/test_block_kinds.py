@@ -18,6 +18,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_mtp.drafters.block import KINDS, BlockSpec
+from mlx_mtp.models.cache.kv import BatchKVCache
 from mlx_mtp.drafters.block.config import parse_block_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "block_drafters"
@@ -118,6 +119,37 @@ def test_sampled_drafts_come_from_the_q_they_return(name):
     if name == "eagle3":
         model.rollback(cache, 3, [0])
         assert cache[0].lengths() == [10]
+
+
+def _right_aligned(rows, S):
+    """Each row's taps (one list per row) as one right-aligned (B, S, H) chunk per tap."""
+    pad = [[mx.concatenate([mx.zeros((1, S - t.shape[1], t.shape[2])), t], axis=1) for t in r]
+           for r in rows]
+    return [mx.concatenate([r[i] for r in pad]) for i in range(len(pad[0]))]
+
+
+@pytest.mark.parametrize("name", ["dflash2", "dspark_deepspec"])
+def test_a_batch_keeps_each_rows_own_context(name):
+    """Two rows whose contexts differ in length share a ``BatchKVCache``: each drafts what it
+    drafts alone (its block at its own position, the other row's padding unseen)."""
+    model, ref = load(name)
+    n = ref["logits1"].shape[1]
+    rounds = [([taps(ref, 1), [t[:, 3:] for t in taps(ref, 1)]], mx.array([42, 17])),
+              ([taps(ref, 2), [t[:, :1] for t in taps(ref, 2)]], mx.array([199, 88]))]
+    alone = [model.make_cache(), model.make_cache()]
+    batch = [BatchKVCache.empty(2) for _ in model.layers]
+    for rows, anchors in rounds:
+        lengths = [r[0].shape[1] for r in rows]
+        model.add_context(_right_aligned(rows, max(lengths)), batch, lengths=lengths)
+        _, logits = model.block_logits(anchors, batch, n)
+        drafts, _ = model.propose(anchors, batch, n, greedy())
+        for b, (row, cache) in enumerate(zip(rows, alone)):
+            model.add_context(row, cache)
+            _, row_logits = model.block_logits(anchors[b:b + 1], cache, n)
+            assert mx.allclose(logits[b:b + 1], row_logits, atol=ATOL).item(), b
+            row_drafts, _ = model.propose(anchors[b:b + 1], cache, n, greedy())
+            assert drafts[b].tolist() == row_drafts[0].tolist(), b
+    assert batch[0].lengths() == [14, 9]
 
 
 ZLAB_DFLASH = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64,

@@ -133,11 +133,13 @@ class Eagle3DraftModel(BlockDraftModel):
             to_target = mx.arange(self.settings.draft_vocab_size, dtype=mx.int32) + self.d2t
         return widen(logits, to_target, self.spec.vocab_size)
 
-    def add_context(self, taps: Sequence[mx.array], cache: list, tokens=None):
+    def add_context(self, taps: Sequence[mx.array], cache: list, tokens=None, lengths=None):
         """``tokens`` (B, S): the tokens the trunk read at these rows (their first one follows
         the pending row; the prompt's first has no row before it)."""
         if tokens is None:
             raise ValueError("eagle3: add_context needs the rows' tokens")
+        if lengths is not None and set(lengths) != {tokens.shape[1]}:
+            raise ValueError("eagle3: a batch's rows must add the same number of rows")
         x = mx.concatenate(list(taps), axis=-1)
         h = self.fc(self.input_norm(x) if self.settings.norm_before_fc else x)
         pending = cache[-1].get()

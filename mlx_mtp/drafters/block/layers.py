@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ...models.cache import prepare_chunk
 from ...models.cache.kv import KVCache
 from .base import BlockDraftModel
 
@@ -75,19 +75,24 @@ class ContextAttention(nn.Module):
         keys = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=offset)
         return keys, self._heads(self.v_proj(x), self.n_kv_heads)
 
-    def add_context(self, ctx: mx.array, cache: KVCache):
+    def add_context(self, ctx: mx.array, cache):
         cache.update_and_fetch(*self._keys_values(ctx, cache.offset))
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache) -> mx.array:
+        """``cache``: a ``KVCache``, or a ``BatchKVCache`` whose rows hold contexts of
+        different lengths (each row's block then sits at its own position)."""
         B, L, _ = x.shape
+        cache.prepare(L)  # announced for the offsets and the mask; never written
         start = cache.offset  # the block sits right after the context
         queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=start)
         keys, values = self._keys_values(x, start)
-        ctx_keys, ctx_values = cache.state
-        if ctx_keys is not None:
-            keys = mx.concatenate([ctx_keys, keys], axis=2)
-            values = mx.concatenate([ctx_values, values], axis=2)
-        mask = create_causal_mask(L, offset=keys.shape[2] - L) if self.causal else None
+        stored = cache.state
+        if stored[0] is not None:
+            keys = mx.concatenate([stored[0], keys], axis=2)
+            values = mx.concatenate([stored[1], values], axis=2)
+        mask = cache.make_mask(L, return_array=True)  # causal, and a batch's holes
+        if mask is not None and not self.causal:
+            mask = mask | (mx.arange(keys.shape[2]) >= keys.shape[2] - L)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale,
                                                    mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -103,7 +108,7 @@ class ContextLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -133,8 +138,9 @@ class ContextDrafter(BlockDraftModel):
     def make_cache(self) -> list:
         return [KVCache() for _ in self.layers]
 
-    def add_context(self, taps: Sequence[mx.array], cache: list, tokens=None):
+    def add_context(self, taps: Sequence[mx.array], cache: list, tokens=None, lengths=None):
         ctx = self.hidden_norm(self.fc(mx.concatenate(list(taps), axis=-1)))
+        prepare_chunk(cache, ctx.shape[1], lengths)
         for layer, c in zip(self.layers, cache):
             layer.self_attn.add_context(ctx, c)
 
