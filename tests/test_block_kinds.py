@@ -18,7 +18,6 @@ import mlx.core as mx
 import pytest
 
 from mlx_mtp.drafters.block import KINDS, BlockSpec
-from mlx_mtp.models.cache.kv import BatchKVCache
 from mlx_mtp.drafters.block.config import parse_block_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "block_drafters"
@@ -58,7 +57,8 @@ def taps(ref, r):
     return [ref[f"taps{r}"][i] for i in range(ref[f"taps{r}"].shape[0])]
 
 
-@pytest.mark.parametrize("name", ["dflash2", "dspark_deepspec", "dspark_speculators"])
+@pytest.mark.parametrize("name", ["dflash2", "dflash2_sliding", "dspark_deepspec",
+                                  "dspark_causal", "dspark_speculators"])
 def test_block_kinds_match_their_reference_over_two_rounds(name):
     """Round 2 appends 3 rows to the same context cache: RoPE offsets and the append must
     line up with the reference's, and a pass leaves the cache holding the context only."""
@@ -128,16 +128,17 @@ def _right_aligned(rows, S):
     return [mx.concatenate([r[i] for r in pad]) for i in range(len(pad[0]))]
 
 
-@pytest.mark.parametrize("name", ["dflash2", "dspark_deepspec"])
+@pytest.mark.parametrize("name", ["dflash2", "dflash2_sliding", "dspark_deepspec"])
 def test_a_batch_keeps_each_rows_own_context(name):
-    """Two rows whose contexts differ in length share a ``BatchKVCache``: each drafts what it
-    drafts alone (its block at its own position, the other row's padding unseen)."""
+    """Two rows whose contexts differ in length share batch caches (``merge``): each drafts
+    what it drafts alone (its block at its own position, the other row's padding unseen,
+    its own window)."""
     model, ref = load(name)
     n = ref["logits1"].shape[1]
     rounds = [([taps(ref, 1), [t[:, 3:] for t in taps(ref, 1)]], mx.array([42, 17])),
               ([taps(ref, 2), [t[:, :1] for t in taps(ref, 2)]], mx.array([199, 88]))]
     alone = [model.make_cache(), model.make_cache()]
-    batch = [BatchKVCache.empty(2) for _ in model.layers]
+    batch = [a.merge([a, b]) for a, b in zip(model.make_cache(), model.make_cache())]
     for rows, anchors in rounds:
         lengths = [r[0].shape[1] for r in rows]
         model.add_context(_right_aligned(rows, max(lengths)), batch, lengths=lengths)
@@ -186,7 +187,9 @@ def test_every_packaging_parses_to_its_block_spec():
     anchored["sample_from_anchor"] = True
     cases = {
         "dflash2": spec("dflash2", 8, layers=8),
+        "dflash2_sliding": spec("dflash2", 8, layers=8),
         "dspark_deepspec": spec("dspark", 7, anchor=True, layers=8),
+        "dspark_causal": spec("dspark", 7, anchor=True, layers=8),
         "dspark_speculators": spec("dspark", 6),
         "eagle3": spec("eagle3", 5, mask=None),
     }
@@ -228,7 +231,10 @@ def _fixture_config(name):
     (_with(ZLAB_DFLASH, "block_size", None), None, "block_size"),
     (_with(ZLAB_DFLASH, "dflash_config.mask_token_id", 256), None, "mask_token_id 256"),
     (_with(ZLAB_DFLASH, "dflash_config.target_layer_ids", [1, 3, 9]), None, "8 layers"),
-    (_with(ZLAB_DFLASH, "layer_types", ["sliding_attention"] * 2), None, "layer_types"),
+    (_with(ZLAB_DFLASH, "layer_types", ["sliding_attention"] * 2), None,
+     "sliding_window None must be an integer"),
+    (_with(ZLAB_DFLASH, "layer_types", ["full_attention"]), None,
+     "layer_types .* each of the 2 layers"),
     (_with(ZLAB_DFLASH, "architectures", None), None, "--draft-kind"),
     (ZLAB_DFLASH, "dspark", "contradicts"),
     (ZLAB_DFLASH, "medusa", "--draft-kind 'medusa'"),

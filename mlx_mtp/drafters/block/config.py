@@ -39,7 +39,8 @@ class BlockSettings:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: Optional[float] = None
-    causal: bool = False  # block rows see only earlier block rows
+    # block rows see only earlier block rows; None: the sliding layers do (z-lab's default)
+    causal: Optional[bool] = False
     draft_vocab_size: Optional[int] = None  # a reduced head (d2t maps it to target ids)
     # DFlash2
     conv_kernel_size: int = 0
@@ -85,16 +86,17 @@ def _draft_args(c: dict, where: str = "") -> DraftArgs:
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     if scaling.get("rope_type", scaling.get("type")) in (None, "default"):
         scaling = None
+    layers = _int(c, "num_hidden_layers", where)
     return DraftArgs(
         hidden_size=hidden, intermediate_size=_int(c, "intermediate_size", where),
-        num_hidden_layers=_int(c, "num_hidden_layers", where), num_attention_heads=heads,
+        num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=_int(c, "num_key_value_heads", where, heads),
         head_dim=_int(c, "head_dim", where, hidden // heads),
         vocab_size=_int(c, "vocab_size", where),
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
         max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
-        rope_scaling=scaling)
+        rope_scaling=scaling, windows=_layer_windows(c, layers, where))
 
 
 def _taps(ids, field: str, shift: int, num_target_layers: Optional[int]) -> Tuple[int, ...]:
@@ -112,11 +114,19 @@ def _taps(ids, field: str, shift: int, num_target_layers: Optional[int]) -> Tupl
     return taps
 
 
-def _layer_types(c: dict):
-    kinds = set(c.get("layer_types") or ())
-    if kinds - {"full_attention"}:
-        raise ValueError(f"drafter config: layer_types {sorted(kinds)}: only full_attention "
-                         "drafter layers are supported (sliding-window drafters are not yet)")
+def _layer_windows(c: dict, layers: int, where: str) -> Tuple[Optional[int], ...]:
+    """Each layer's sliding window over the context (None: full attention)."""
+    types = c.get("layer_types") or ["full_attention"] * layers
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"drafter config: {where}layer_types {types} must name full_attention "
+                         f"or sliding_attention for each of the {layers} layers")
+    window = c.get("sliding_window")
+    if "sliding_attention" in types and not (isinstance(window, int) and window > 1):
+        raise ValueError(f"drafter config: {where}sliding_window {window!r} must be an integer "
+                         "> 1 for sliding_attention layers")
+    if c.get("attention_sink_bias"):
+        raise ValueError("drafter config: attention_sink_bias (per-head sinks) is not supported")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def _draft_vocab(c: dict, vocab: int) -> Optional[int]:
@@ -146,7 +156,6 @@ def _zlab(c: dict, kind: str) -> DrafterConfig:
     if not isinstance(d, dict):
         raise ValueError("drafter config: dflash_config is missing (expected an object with "
                          "target_layer_ids and mask_token_id)")
-    _layer_types(c)
     args = _draft_args(c)
     n_target = c.get("num_target_layers")
     taps = _taps(_need(d, "target_layer_ids", "dflash_config."), "dflash_config.target_layer_ids",
@@ -159,7 +168,7 @@ def _zlab(c: dict, kind: str) -> DrafterConfig:
         output_multiplier=float(d.get("output_multiplier", 1.0)),
         final_logit_softcapping=d.get("final_logit_softcapping",
                                       c.get("final_logit_softcapping")),
-        causal=bool(c.get("is_causal", d.get("causal", False))))
+        causal=c.get("is_causal", d.get("causal")))
     if kind == "dflash2":
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             settings[key] = _int(d, key, "dflash_config.")
@@ -187,13 +196,13 @@ def _anchor_slot(block: int, spec_tokens, sample_from_anchor, default: bool) -> 
     return default
 
 
-def _dspark_settings(c: dict, d: dict, vocab: int) -> BlockSettings:
+def _dspark_settings(c: dict, d: dict, vocab: int, causal: bool = False) -> BlockSettings:
     def pick(key, default):
         return c.get(key, d.get(key, default))
     return BlockSettings(
         draft_vocab_size=_draft_vocab(c, vocab),
         final_logit_softcapping=pick("final_logit_softcapping", None),
-        causal=bool(c.get("dflash_query_causal", d.get("causal", False))),
+        causal=bool(c.get("dflash_query_causal", d.get("causal", causal))),
         markov_rank=int(pick("markov_rank", 0)),
         confidence_head=bool(pick("enable_confidence_head", False)),
         confidence_with_markov=bool(pick("confidence_head_with_markov", True)),
@@ -205,7 +214,6 @@ def _dspark_native(c: dict) -> DrafterConfig:
     dflash_config) DSpark heads: the ids are 0-based like z-lab's."""
     d = c.get("dflash_config") or {}
     src, where = (c, "") if "target_layer_ids" in c else (d, "dflash_config.")
-    _layer_types(c)
     args = _draft_args(c)
     n_target = c.get("num_target_layers", d.get("num_target_layers"))
     taps = _taps(_need(src, "target_layer_ids", where), f"{where}target_layer_ids", 0, n_target)
@@ -246,7 +254,9 @@ def _speculators(c: dict, kind: str) -> DrafterConfig:
     block = _int(c, "block_size")
     anchor = _anchor_slot(block, spec_tokens, c.get("sample_from_anchor"), False)
     spec = _spec(kind, args, taps, block, _int(c, "mask_token_id"), anchor, None)
-    return DrafterConfig(kind, spec, args, _dspark_settings(c, {}, args.vocab_size))
+    sliding_causal = any(args.windows) and not c.get("sliding_window_non_causal", False)
+    return DrafterConfig(kind, spec, args, _dspark_settings(c, {}, args.vocab_size,
+                                                            sliding_causal))
 
 
 def detect_kind(c: dict) -> Optional[str]:

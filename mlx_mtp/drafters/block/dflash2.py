@@ -50,9 +50,9 @@ class GroupedDynamicCausalConv(nn.Module):
 
 
 class DFlash2Layer(ContextLayer):
-    def __init__(self, args: DraftArgs, config: DrafterConfig):
-        super().__init__(args, config.settings.causal)
-        k, g = config.settings.conv_kernel_size, config.settings.conv_group_size
+    def __init__(self, config: DrafterConfig, i: int):
+        super().__init__(config, i)
+        args, k, g = config.args, config.settings.conv_kernel_size, config.settings.conv_group_size
         self.attention_conv = GroupedDynamicCausalConv(args.hidden_size, k, g)
         self.mlp_conv = GroupedDynamicCausalConv(args.hidden_size, k, g)
 
@@ -94,7 +94,7 @@ class CandidateSelector(nn.Module):
 class DFlash2DraftModel(ContextDrafter):
     def __init__(self, config: DrafterConfig):
         args, s = config.args, config.settings
-        super().__init__(config, [DFlash2Layer(args, config) for _ in range(args.num_hidden_layers)])
+        super().__init__(config, [DFlash2Layer(config, i) for i in range(args.num_hidden_layers)])
         self.candidate_selector = CandidateSelector(args, s.selector_rank, s.selector_top_k)
 
     def block_logits(self, anchor: mx.array, cache: list, n: int) -> Tuple[mx.array, mx.array]:

@@ -44,8 +44,7 @@ class ConfidenceHead(nn.Module):
 class DSparkDraftModel(ContextDrafter):
     def __init__(self, config: DrafterConfig):
         args, s = config.args, config.settings
-        layers = [ContextLayer(args, s.causal) for _ in range(args.num_hidden_layers)]
-        super().__init__(config, layers)
+        super().__init__(config, [ContextLayer(config, i) for i in range(args.num_hidden_layers)])
         out_vocab = s.draft_vocab_size or args.vocab_size
         if s.own_embed:
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)

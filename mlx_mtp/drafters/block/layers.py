@@ -12,7 +12,7 @@ context only and a rejected draft leaves nothing to roll back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,6 +21,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ...models.cache import prepare_chunk
 from ...models.cache.kv import KVCache
+from ...models.cache.window import WindowKVCache
 from .base import BlockDraftModel
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class DraftArgs:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     rope_scaling: Optional[dict] = None
+    windows: Tuple[Optional[int], ...] = ()  # per layer: its sliding window (None: full)
 
     def make_rope(self):
         return initialize_rope(self.head_dim, base=self.rope_theta, traditional=False,
@@ -49,9 +51,18 @@ class DraftArgs:
                                max_position_embeddings=self.max_position_embeddings)
 
 
+def layer_attention(config: "DrafterConfig", i: int) -> Tuple[bool, Optional[int]]:
+    """Layer ``i``'s (causal, window): a sliding layer is causal unless the config says
+    otherwise (z-lab's rule)."""
+    window = config.args.windows[i] if config.args.windows else None
+    causal = config.settings.causal
+    return (window is not None if causal is None else causal), window
+
+
 class ContextAttention(nn.Module):
     """Queries from the block; keys/values from [cached context, block]. ``causal``: a block
-    row sees the whole context and the block rows up to itself (else the whole block)."""
+    row sees the context and the block rows up to itself (else the whole block); the
+    cache's mask limits the context to a sliding window where the layer has one."""
 
     def __init__(self, args: DraftArgs, causal: bool = False):
         super().__init__()
@@ -90,7 +101,7 @@ class ContextAttention(nn.Module):
         if stored[0] is not None:
             keys = mx.concatenate([stored[0], keys], axis=2)
             values = mx.concatenate([stored[1], values], axis=2)
-        mask = cache.make_mask(L, return_array=True)  # causal, and a batch's holes
+        mask = cache.make_mask(L, return_array=True)  # causal, windows, a batch's holes
         if mask is not None and not self.causal:
             mask = mask | (mx.arange(keys.shape[2]) >= keys.shape[2] - L)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale,
@@ -101,8 +112,10 @@ class ContextAttention(nn.Module):
 class ContextLayer(nn.Module):
     """A pre-norm decoder layer over ``ContextAttention``."""
 
-    def __init__(self, args: DraftArgs, causal: bool = False):
+    def __init__(self, config: "DrafterConfig", i: int):
         super().__init__()
+        args = config.args
+        causal, self.window = layer_attention(config, i)
         self.self_attn = ContextAttention(args, causal)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -136,7 +149,8 @@ class ContextDrafter(BlockDraftModel):
         return self
 
     def make_cache(self) -> list:
-        return [KVCache() for _ in self.layers]
+        return [WindowKVCache(layer.window) if layer.window else KVCache()
+                for layer in self.layers]
 
     def add_context(self, taps: Sequence[mx.array], cache: list, tokens=None, lengths=None):
         ctx = self.hidden_norm(self.fc(mx.concatenate(list(taps), axis=-1)))
