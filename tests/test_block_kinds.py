@@ -58,7 +58,7 @@ def taps(ref, r):
 
 
 @pytest.mark.parametrize("name", ["dflash2", "dflash2_sliding", "dspark_deepspec",
-                                  "dspark_causal", "dspark_speculators"])
+                                  "dspark_causal", "dspark_qwen35", "dspark_speculators"])
 def test_block_kinds_match_their_reference_over_two_rounds(name):
     """Round 2 appends 3 rows to the same context cache: RoPE offsets and the append must
     line up with the reference's, and a pass leaves the cache holding the context only."""
@@ -190,6 +190,7 @@ def test_every_packaging_parses_to_its_block_spec():
         "dflash2_sliding": spec("dflash2", 8, layers=8),
         "dspark_deepspec": spec("dspark", 7, anchor=True, layers=8),
         "dspark_causal": spec("dspark", 7, anchor=True, layers=8),
+        "dspark_qwen35": spec("dspark", 7, anchor=True, layers=8),
         "dspark_speculators": spec("dspark", 6),
         "eagle3": spec("eagle3", 5, mask=None),
     }
@@ -252,6 +253,10 @@ def _fixture_config(name):
      "speculators_model_type 'medusa'"),
     (_with(_fixture_config("eagle3"), "eagle_aux_hidden_state_layer_ids", [2, 4]), None,
      "must name 3 layers"),
+    (_with(_fixture_config("dspark_deepspec"), "model_type", "gemma4_text"), None,
+     "model_type 'gemma4_text'"),
+    (_with(_fixture_config("dspark_deepspec"), "enable_qwen35_gated_q_proj", True), None,
+     "enable_qwen35_gated_q_proj"),
     ({"model_type": "deepseek_v4", "dspark_block_size": 2, "dspark_target_layer_ids": [1]},
      None, "DeepSeek-V4"),
 ])

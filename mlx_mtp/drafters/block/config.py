@@ -53,6 +53,7 @@ class BlockSettings:
     confidence_with_markov: bool = True
     own_embed: bool = True
     own_head: bool = True
+    offset_norms: bool = False  # RMSNorm weights stored as w - 1 (Qwen3.5 house style)
     # EAGLE-3
     norm_before_fc: bool = False
     norm_before_residual: bool = False
@@ -196,15 +197,26 @@ def _anchor_slot(block: int, spec_tokens, sample_from_anchor, default: bool) -> 
     return default
 
 
-def _dspark_settings(c: dict, d: dict, vocab: int, causal: bool = False) -> BlockSettings:
+def _dspark_settings(c: dict, d: dict, backbone: dict, vocab: int,
+                     causal: bool = False) -> BlockSettings:
+    """``backbone``: the config holding the drafter's ``model_type`` (a Qwen3 block; a
+    ``qwen3_5`` one stores its norm weights as offsets from one)."""
+    model_type = backbone.get("model_type", "qwen3")
+    if "qwen3" not in model_type and model_type != "llama":
+        raise ValueError(f"drafter config: model_type {model_type!r}: only Qwen3/Llama DSpark "
+                         "backbones are supported (not gemma4-style blocks)")
+    if backbone.get("enable_qwen35_gated_q_proj"):
+        raise ValueError("drafter config: enable_qwen35_gated_q_proj (gated attention) is not "
+                         "supported in a DSpark drafter")
+
     def pick(key, default):
         return c.get(key, d.get(key, default))
     return BlockSettings(
-        draft_vocab_size=_draft_vocab(c, vocab),
+        draft_vocab_size=_draft_vocab(c, vocab), offset_norms=model_type == "qwen3_5",
         final_logit_softcapping=pick("final_logit_softcapping", None),
         causal=bool(c.get("dflash_query_causal", d.get("causal", causal))),
         markov_rank=int(pick("markov_rank", 0)),
-        confidence_head=bool(pick("enable_confidence_head", False)),
+        confidence_head=bool(pick("enable_confidence_head", True)),
         confidence_with_markov=bool(pick("confidence_head_with_markov", True)),
         own_embed=bool(c.get("has_own_embed", True)), own_head=bool(c.get("has_lm_head", True)))
 
@@ -223,7 +235,7 @@ def _dspark_native(c: dict) -> DrafterConfig:
         block, None, c.get("sample_from_anchor", d.get("sample_from_anchor")), True)
     mask = _int(src if "mask_token_id" in src else c, "mask_token_id", where)
     spec = _spec("dspark", args, taps, block, mask, anchor, n_target)
-    return DrafterConfig("dspark", spec, args, _dspark_settings(c, d, args.vocab_size))
+    return DrafterConfig("dspark", spec, args, _dspark_settings(c, d, c, args.vocab_size))
 
 
 def _speculators(c: dict, kind: str) -> DrafterConfig:
@@ -255,7 +267,7 @@ def _speculators(c: dict, kind: str) -> DrafterConfig:
     anchor = _anchor_slot(block, spec_tokens, c.get("sample_from_anchor"), False)
     spec = _spec(kind, args, taps, block, _int(c, "mask_token_id"), anchor, None)
     sliding_causal = any(args.windows) and not c.get("sliding_window_non_causal", False)
-    return DrafterConfig(kind, spec, args, _dspark_settings(c, {}, args.vocab_size,
+    return DrafterConfig(kind, spec, args, _dspark_settings(c, {}, tlc, args.vocab_size,
                                                             sliding_causal))
 
 

@@ -96,8 +96,11 @@ class DSparkDraftModel(ContextDrafter):
         return self.confidence_head.proj(hidden)[..., 0]
 
     def sanitize(self, weights: dict) -> dict:
-        """``t2d`` is implied by ``d2t``; ``d2t`` is an index table (int32)."""
+        """``t2d`` is implied by ``d2t``; ``d2t`` is an index table (int32); offset norm
+        weights (``qwen3_5`` backbones) become plain ones."""
         out = {k: v for k, v in weights.items() if k != "t2d"}
         if "d2t" in out:
             out["d2t"] = out["d2t"].astype(mx.int32)
+        if self.settings.offset_norms:
+            out = {k: v + 1 if k.endswith("norm.weight") else v for k, v in out.items()}
         return out
