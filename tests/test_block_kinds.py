@@ -153,6 +153,25 @@ def test_a_batch_keeps_each_rows_own_context(name):
     assert batch[0].lengths() == [14, 9]
 
 
+def test_a_pass_refuses_more_drafts_than_its_block_holds():
+    model, ref = load("dspark_speculators")
+    cache = model.make_cache()
+    model.add_context(taps(ref, 1), cache)
+    with pytest.raises(ValueError, match="6 drafts asked of a pass that proposes 1..5"):
+        model.propose(ref["anchor1"], cache, 6, greedy())
+
+
+def test_eagle3_reads_taps_of_a_wider_trunk():
+    """``target_hidden_size``: the trunk's width (fc reads three taps of it), not the
+    drafter's; null means the drafter's."""
+    config = _with(_fixture_config("eagle3"), "target_hidden_size", 96)
+    parsed = parse_block_config(config)
+    assert parsed.spec.hidden_size == 96 and parsed.args.hidden_size == 64
+    assert KINDS["eagle3"](parsed).fc.weight.shape == (64, 3 * 96)
+    config["target_hidden_size"] = None
+    assert parse_block_config(config).spec.hidden_size == 64
+
+
 ZLAB_DFLASH = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64,
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,

@@ -23,7 +23,7 @@ what was expected (the loader turns it into exit 2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 from .base import BlockSpec
@@ -260,7 +260,11 @@ def _speculators(c: dict, kind: str) -> DrafterConfig:
             norm_before_fc=bool(c.get("norm_before_fc", False)),
             norm_before_residual=bool(c.get("norm_before_residual", False)))
         spec = _spec(kind, args, taps, int(spec_tokens or 3) + 1, None, False, None)
-        return DrafterConfig(kind, spec, args, settings)
+        trunk_hidden = c.get("target_hidden_size") or args.hidden_size  # fc reads 3 of them
+        if not isinstance(trunk_hidden, int):
+            raise ValueError(f"drafter config: target_hidden_size must be an integer, not "
+                             f"{trunk_hidden!r}")
+        return DrafterConfig(kind, replace(spec, hidden_size=trunk_hidden), args, settings)
     taps = _taps(_need(c, "aux_hidden_state_layer_ids", ""), "aux_hidden_state_layer_ids", 1,
                  None)
     block = _int(c, "block_size")

@@ -100,6 +100,7 @@ class DFlash2DraftModel(ContextDrafter):
     def block_logits(self, anchor: mx.array, cache: list, n: int) -> Tuple[mx.array, mx.array]:
         """The hidden states and logits (B, n, .) of the ``n`` slots after the anchor (the
         block is ``n + 1`` wide, z-lab's runtime block size)."""
+        self.check_draft_count(n)
         hidden = self.block_hidden(anchor, n + 1, cache)[:, 1:]
         logits = self._head(hidden) * self.settings.output_multiplier
         return hidden, softcap(logits, self.settings.final_logit_softcapping)

@@ -69,6 +69,7 @@ class DSparkDraftModel(ContextDrafter):
     def block_logits(self, anchor: mx.array, cache: list, n: int) -> Tuple[mx.array, mx.array]:
         """The hidden states (B, n, H) and head logits (B, n, V_head) of the ``n`` predicting
         slots, before the Markov bias."""
+        self.check_draft_count(n)
         first = 0 if self.spec.anchor_predicts else 1
         hidden = self.block_hidden(anchor, self.spec.block_size, cache)[:, first:first + n]
         head = self.lm_head if self.settings.own_head else self._head

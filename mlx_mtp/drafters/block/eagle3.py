@@ -93,7 +93,7 @@ class Eagle3DraftModel(BlockDraftModel):
         super().__init__()
         args, s = config.args, config.settings
         self.spec, self.settings = config.spec, s
-        taps_width = len(self.spec.target_layer_ids) * args.hidden_size
+        taps_width = len(self.spec.target_layer_ids) * self.spec.hidden_size  # the trunk's
         if s.norm_before_fc:
             self.input_norm = nn.RMSNorm(taps_width, eps=args.rms_norm_eps)
         self.fc = nn.Linear(taps_width, args.hidden_size, bias=False)

@@ -4,8 +4,9 @@ layer around it, and the body every DFlash-lineage kind runs (``ContextDrafter``
 the taps, ``hidden_norm``, the layers, the final ``norm``).
 
 The context is projected once, when rows are emitted (``add_context``): each layer's keys
-(normed, roped at their absolute positions) and values go into its ``KVCache``. A pass over a
-block reads them and adds the block's own keys/values transiently, so the cache keeps the
+(normed, roped at their absolute positions) and values go into its cache (``KVCache``, a
+``WindowKVCache`` for a sliding layer; merged into their batch kinds for a batch). A pass over
+a block reads them and adds the block's own keys/values transiently, so the cache keeps the
 context only and a rejected draft leaves nothing to roll back.
 """
 
@@ -160,6 +161,11 @@ class ContextDrafter(BlockDraftModel):
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self._embed(tokens) * self.settings.input_embedding_scale
+
+    def check_draft_count(self, n: int):
+        if not 0 < n <= self.spec.max_draft:
+            raise ValueError(f"{self.spec.kind}: {n} drafts asked of a pass that proposes "
+                             f"1..{self.spec.max_draft}")
 
     def block_hidden(self, anchor: mx.array, width: int, cache: list) -> mx.array:
         """Final-normed hidden states (B, width, H) of the block ``[anchor, mask x (width-1)]``."""
