@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_mtp.drafters.block import KINDS, BlockSpec
 from mlx_mtp.drafters.block.config import parse_block_config
@@ -170,6 +171,22 @@ def test_eagle3_reads_taps_of_a_wider_trunk():
     assert KINDS["eagle3"](parsed).fc.weight.shape == (64, 3 * 96)
     config["target_hidden_size"] = None
     assert parse_block_config(config).spec.hidden_size == 64
+
+
+def test_the_published_dflash2_layout_loads_by_name_and_shape():
+    """The real Muse-Glimmer DFlash2 (z-lab's test fixture: config and safetensors header):
+    its config parses, and the model it builds (lazily: nothing is evaluated) has exactly
+    the published tensors, by name and shape, once ``sanitize`` names the codebooks."""
+    real = json.loads((FIXTURES / "real_shapes" / "dflash2_muse_glimmer.json").read_text())
+    parsed = parse_block_config(real["config"])
+    assert parsed.spec == BlockSpec(kind="dflash2", hidden_size=6656, vocab_size=202048,
+                                    target_layer_ids=(1, 13, 25, 37, 49), block_size=16,
+                                    mask_token_id=201818, num_target_layers=52)
+    model = KINDS["dflash2"](parsed)
+    params = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    assert params == {k: tuple(s) for k, s in model.sanitize(real["tensors"]).items()}
+    # sliding layers, but is_causal: false keeps their blocks bidirectional
+    assert [(layer.window, layer.self_attn.causal) for layer in model.layers] == [(2048, False)] * 5
 
 
 ZLAB_DFLASH = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64,
