@@ -12,6 +12,7 @@ how to rerun it); the references are not imported here.
 """
 
 import json
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -271,14 +272,16 @@ def _fixture_config(name):
     (_with(ZLAB_DFLASH, "layer_types", ["sliding_attention"] * 2), None,
      "sliding_window None must be an integer"),
     (_with(ZLAB_DFLASH, "layer_types", ["full_attention"]), None,
-     "layer_types .* each of the 2 layers"),
+     "must name full_attention or sliding_attention for each of the 2 layers"),
     (_with(ZLAB_DFLASH, "architectures", None), None, "--draft-kind"),
     (ZLAB_DFLASH, "dspark", "contradicts"),
     (ZLAB_DFLASH, "medusa", "--draft-kind 'medusa'"),
     (_with(_fixture_config("dflash2"), "dflash_config.conv_group_size", 24), None,
      "conv_group_size 24 must divide"),
     (_with(_fixture_config("dspark_speculators"), "aux_hidden_state_layer_ids", [0, 3, 5]),
-     None, "aux_hidden_state_layer_ids [0, 3, 5] counts the embedding output"),
+     None, "aux_hidden_state_layer_ids [0, 3, 5] taps the embedding output (id 0"),
+    (_with(_fixture_config("dspark_deepspec"), "target_layer_ids", [-1, 3, 5]), None,
+     "target_layer_ids [-1, 3, 5] taps the embedding output (id -1"),
     (_with(_fixture_config("dspark_speculators"), "speculators_config.proposal_methods",
            [{"speculative_tokens": 3}]), None, "speculative_tokens 3"),
     (_with(_fixture_config("dspark_speculators"), "draft_vocab_size", 300), None,
@@ -297,5 +300,5 @@ def _fixture_config(name):
      None, "DeepSeek-V4"),
 ])
 def test_bad_configs_say_which_field_and_what_is_expected(config, kind, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         parse_block_config(config, kind=kind)

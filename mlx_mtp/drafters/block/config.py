@@ -107,8 +107,9 @@ def _taps(ids, field: str, shift: int, num_target_layers: Optional[int]) -> Tupl
                          f"not {ids!r}")
     taps = tuple(i - shift for i in ids)
     if min(taps) < 0:
-        raise ValueError(f"drafter config: {field} {list(ids)} counts the embedding output as "
-                         f"layer 0, so every id must be >= {shift}")
+        raise ValueError(f"drafter config: {field} {list(ids)} taps the embedding output "
+                         f"(id {shift - 1} in this packaging), which is not tapped: every id "
+                         f"must be >= {shift}")
     if num_target_layers is not None and max(taps) >= num_target_layers:
         raise ValueError(f"drafter config: {field} {list(ids)} taps past the trunk's "
                          f"{num_target_layers} layers")
