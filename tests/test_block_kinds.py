@@ -20,16 +20,19 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_mtp.drafters.block import KINDS, BlockSpec
-from mlx_mtp.drafters.block.config import parse_block_config
+from mlx_mtp.drafters.block.config import fit_to_tensors, parse_block_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "block_drafters"
 ATOL = 1e-4
 
 
-def load(name):
-    config = parse_block_config(json.loads((FIXTURES / name / "config.json").read_text()))
-    model = KINDS[config.kind](config)
+def load(name, drop=()):
+    """The fixture's drafter as a loader builds it (config, then what the tensors settle),
+    bound to the fixture's target embedding and head; ``drop``: tensors left out."""
     weights = mx.load(str(FIXTURES / name / "model.safetensors"))
+    weights = {k: v for k, v in weights.items() if k not in drop}
+    config = parse_block_config(json.loads((FIXTURES / name / "config.json").read_text()))
+    model = KINDS[config.kind](fit_to_tensors(config, weights))
     model.load_weights(list(model.sanitize(weights).items()))  # strict: every name matches
     ref = mx.load(str(FIXTURES / name / "reference.safetensors"))
     model.bind(lambda t: ref["target_embed"][t], lambda h: h @ ref["target_head"].T)
@@ -82,6 +85,32 @@ def test_block_kinds_match_their_reference_over_two_rounds(name):
             prev = mx.concatenate([ref[f"anchor{r}"][None], drafts[:, :-1]], axis=1)
             conf = model.confidence(hidden, prev)
             assert mx.allclose(conf, ref[f"confidence{r}"], atol=ATOL).item()
+
+
+def test_a_dspark_head_without_its_own_embedding_and_head_uses_the_targets():
+    """A head that ships neither (Muse-Glimmer's DSpark) embeds and scores with the bound
+    target's: bound to the tensors it left out, it drafts what the reference drafted."""
+    own = mx.load(str(FIXTURES / "dspark_deepspec" / "model.safetensors"))
+    model, ref = load("dspark_deepspec", drop=("embed_tokens.weight", "lm_head.weight"))
+    assert "embed_tokens" not in model and "lm_head" not in model
+    model.bind(lambda t: own["embed_tokens.weight"][t], lambda h: h @ own["lm_head.weight"].T)
+    cache = model.make_cache()
+    model.add_context(taps(ref, 1), cache)
+    drafts, _ = model.propose(ref["anchor1"], cache, 7, greedy())
+    assert drafts.tolist() == ref["drafts1"].tolist()
+
+
+def test_what_a_checkpoint_lacks_settles_the_config():
+    config = parse_block_config(_fixture_config("dspark_speculators"))
+    fitted = fit_to_tensors(config, ["lm_head.weight", "d2t", "embed_tokens.weight"])
+    assert fitted.settings.own_embed and not fitted.settings.confidence_head
+    with pytest.raises(ValueError, match="needs the drafter's own lm_head.weight"):
+        fit_to_tensors(config, ["d2t"])
+    with pytest.raises(ValueError, match="needs the d2t table"):
+        fit_to_tensors(config, ["lm_head.weight"])
+    eagle = parse_block_config(_fixture_config("eagle3"))  # a frozen embedding: the target's
+    assert not fit_to_tensors(eagle, ["embed_tokens.weight", "lm_head.weight", "d2t"]
+                              ).settings.own_embed
 
 
 def test_eagle3_matches_mlx_vlm_over_two_rounds():

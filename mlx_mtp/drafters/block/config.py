@@ -317,3 +317,22 @@ def parse_block_config(c: dict, kind: Optional[str] = None) -> DrafterConfig:
         return _dspark_native(c)
     return _zlab(c, kind)
 
+
+def fit_to_tensors(config: DrafterConfig, names) -> DrafterConfig:
+    """The config as the checkpoint's tensor ``names`` settle it: a DSpark or EAGLE-3 head
+    that ships no ``embed_tokens`` / ``lm_head`` / confidence head uses the target's (or none);
+    a frozen EAGLE-3 embedding is the target's even when shipped (no second copy)."""
+    if config.kind not in ("dspark", "eagle3"):
+        return config
+    names, s = set(names), config.settings
+    own_head = "lm_head.weight" in names
+    if s.draft_vocab_size and not own_head:
+        raise ValueError(f"{config.kind}: draft_vocab_size {s.draft_vocab_size} needs the "
+                         "drafter's own lm_head.weight, which the checkpoint lacks")
+    if s.draft_vocab_size and "d2t" not in names:
+        raise ValueError(f"{config.kind}: draft_vocab_size {s.draft_vocab_size} needs the d2t "
+                         "table, which the checkpoint lacks")
+    own_embed = "embed_tokens.weight" in names and (config.kind == "dspark" or s.own_embed)
+    confidence = s.confidence_head and "confidence_head.proj.weight" in names
+    return replace(config, settings=replace(s, own_embed=own_embed, own_head=own_head,
+                                            confidence_head=confidence))
