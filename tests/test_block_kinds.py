@@ -219,6 +219,24 @@ def test_the_published_dflash2_layout_loads_by_name_and_shape():
     assert [(layer.window, layer.self_attn.causal) for layer in model.layers] == [(2048, False)] * 5
 
 
+def test_eagle3_drafts_a_batch_row_by_row_alike():
+    """Two rows with contexts of the same length in one batch draft what each drafts alone."""
+    model, ref = load("eagle3")
+    other = [t[:, ::-1] for t in taps(ref, 1)]
+    tokens = mx.concatenate([ref["tokens1"], ref["tokens1"][:, ::-1]])
+    anchors = mx.array([42, 7])
+    batch = model.make_cache()
+    model.add_context([mx.concatenate([a, b]) for a, b in zip(taps(ref, 1), other)], batch,
+                      tokens)
+    drafts, _ = model.propose(anchors, batch, 4, greedy())
+    for b, row in enumerate((taps(ref, 1), other)):
+        cache = model.make_cache()
+        model.add_context(row, cache, tokens[b:b + 1])
+        alone, _ = model.propose(anchors[b:b + 1], cache, 4, greedy())
+        assert drafts[b].tolist() == alone[0].tolist(), b
+    assert drafts[0].tolist() == ref["drafts1"][0].tolist()
+
+
 ZLAB_DFLASH = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64,
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,

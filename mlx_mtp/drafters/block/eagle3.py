@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.qwen3 import MLP
 
+from ...models.cache import prepare_chunk
 from ...models.cache.kv import KVCache
 from .base import BlockDraftModel, Draw
 from .config import DrafterConfig
@@ -119,6 +120,7 @@ class Eagle3DraftModel(BlockDraftModel):
 
     def _forward(self, tokens: mx.array, hidden: mx.array, cache: list) -> mx.array:
         embeds = self.embed_tokens(tokens) if self.settings.own_embed else self._embed(tokens)
+        prepare_chunk(cache[:-1], tokens.shape[1])
         h = self.layers[0](hidden, cache[0], embeds)
         for layer, c in zip(self.layers[1:], cache[1:]):
             h = layer(h, c)
