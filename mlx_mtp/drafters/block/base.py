@@ -61,9 +61,13 @@ class BlockDraftModel(nn.Module):
         """An empty context cache (one entry per drafter layer)."""
         raise NotImplementedError
 
-    def add_context(self, taps: Sequence[mx.array], cache: list):
+    def add_context(self, taps: Sequence[mx.array], cache: list,
+                    tokens: Optional[mx.array] = None, lengths: Optional[List[int]] = None):
         """Append emitted rows: ``taps`` holds one (B, S, H) array per tapped layer, in
-        ``spec.target_layer_ids`` order; they take the context's next positions."""
+        ``spec.target_layer_ids`` order; they take the context's next positions. ``tokens``
+        (B, S): the tokens the trunk read at those rows (EAGLE-3 pairs each row with the
+        token after it; block kinds ignore them). ``lengths``: each row's real rows of a
+        right-aligned chunk, for a batch cache (``models.cache.prepare_chunk``)."""
         raise NotImplementedError
 
     def propose(self, anchor: mx.array, cache: list, n: int, draw: Draw
