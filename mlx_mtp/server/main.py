@@ -52,6 +52,31 @@ def _memory_budget(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e))
 
 
+def _add_memory_arguments(p):
+    """What the server may hold in memory: the budget, and the prompt cache in memory and on
+    disk."""
+    p.add_argument("--memory-budget", type=_memory_budget, default=None, metavar="GB",
+                   help="KV and state memory the running requests, the prompt cache and its "
+                        "sessions may hold: GB (e.g. 12), a fraction of the RAM (e.g. 0.6) or "
+                        "a size (e.g. 512M). "
+                        "Requests that do not fit wait in the queue; 429 when one never could "
+                        "(default: none)")
+    p.add_argument("--prompt-cache-size", type=int, default=32,
+                   help="Maximum number of prompt-prefix states kept (0 disables; default 32)")
+    p.add_argument("--prompt-cache-bytes", type=_size, default=2 << 30,
+                   help="Maximum memory of the prompt-prefix cache (default 2G)")
+    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="Also keep prompt-prefix states of long prompts in DIR, so a restarted "
+                        "server resumes conversations without recomputing them")
+    p.add_argument("--prompt-cache-disk-bytes", type=_size, default=10 << 30, metavar="N",
+                   help="Size bound of --prompt-cache-dir, least recently used out (default 10G)")
+    p.add_argument("--prompt-cache-min-tokens", type=int, default=1024, metavar="N",
+                   help="Only prefixes of at least N tokens go to disk (default 1024)")
+    p.add_argument("--prompt-cache-key", default=None, metavar="FILE",
+                   help="Prove --prompt-cache-dir entries by an HMAC under the secret in FILE "
+                        "(made 0600 if missing; outside that directory); others are deleted")
+
+
 def add_arguments(p):
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1)")
@@ -80,26 +105,7 @@ def add_arguments(p):
                    help="Maximum number of requests in the running batch (default 16)")
     p.add_argument("--max-queue", type=int, default=1024,
                    help="Maximum number of waiting requests before answering 503 (default 1024)")
-    p.add_argument("--memory-budget", type=_memory_budget, default=None, metavar="GB",
-                   help="KV and state memory the running requests, the prompt cache and its "
-                        "sessions may hold: GB (e.g. 12), a fraction of the RAM (e.g. 0.6) or "
-                        "a size (e.g. 512M). "
-                        "Requests that do not fit wait in the queue; 429 when one never could "
-                        "(default: none)")
-    p.add_argument("--prompt-cache-size", type=int, default=32,
-                   help="Maximum number of prompt-prefix states kept (0 disables; default 32)")
-    p.add_argument("--prompt-cache-bytes", type=_size, default=2 << 30,
-                   help="Maximum memory of the prompt-prefix cache (default 2G)")
-    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
-                   help="Also keep prompt-prefix states of long prompts in DIR, so a restarted "
-                        "server resumes conversations without recomputing them")
-    p.add_argument("--prompt-cache-disk-bytes", type=_size, default=10 << 30, metavar="N",
-                   help="Size bound of --prompt-cache-dir, least recently used out (default 10G)")
-    p.add_argument("--prompt-cache-min-tokens", type=int, default=1024, metavar="N",
-                   help="Only prefixes of at least N tokens go to disk (default 1024)")
-    p.add_argument("--prompt-cache-key", default=None, metavar="FILE",
-                   help="Prove --prompt-cache-dir entries by an HMAC under the secret in FILE "
-                        "(made 0600 if missing; outside that directory); others are deleted")
+    _add_memory_arguments(p)
     p.add_argument("--api-key", default=os.environ.get("MLX_MTP_API_KEY"),
                    help="Require 'Authorization: Bearer KEY' (default: $MLX_MTP_API_KEY)")
     p.add_argument("--protect-metrics", action="store_true",
