@@ -150,6 +150,7 @@ class Engine:
             if len(self._incoming) + len(self.waiting) - free >= self.max_queue:
                 raise OverflowError(
                     f"Too many requests waiting ({self.max_queue}); try again later.")
+            self.memory.check(req, self.num_draft_tokens)  # OverBudget (429): it never fits
             self._incoming.append(req)
             self._cv.notify()
 
@@ -264,7 +265,6 @@ class Engine:
                 self.metrics.request_failure.inc(reason="abort")
                 continue
             try:
-                self.memory.check(req, self.num_draft_tokens)
                 seq = self._make_seq(req)
                 self.running.append(seq)
                 self._emit(req, Admitted(seq.output.n_cached))

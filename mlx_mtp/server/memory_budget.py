@@ -12,9 +12,9 @@ The running batch pads every row to its longest (``BatchKVCache``), so ``n`` row
 the longest request. A request is admitted when that, for the running rows and it, plus
 the prefix cache's entries (in-memory sessions included) fits the budget; the prefix
 cache gives back entries, least recently used first, before a request waits. The queue's
-head waits (nobody overtakes it) until running requests finish; it is refused (429 with
-``Retry-After``) only when it could never fit, alone with an empty prefix cache, or when
-it has waited ``max_wait`` seconds. Running requests are never stopped for it.
+head waits (nobody overtakes it) until running requests finish; a queued request is
+answered 429 with ``Retry-After`` only when it could never fit (alone, with an empty prefix
+cache) or has waited ``max_wait`` seconds. Running requests are never stopped for it.
 
 Not accounted: weights, activations, and the copy a batch holds for an instant while a
 row joins. Sliding-window layers are counted as if they grew (an over-estimate).
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ..decode.sequence import Sequence
+from .events import Failed, emit
 
 GIB = 1 << 30
 SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": GIB, "T": 1 << 40}
@@ -47,6 +48,9 @@ class OverBudget(Exception):
     def __init__(self, message: str, retry_after: int):
         super().__init__(message)
         self.retry_after = retry_after
+
+    def event(self) -> Failed:
+        return Failed(429, str(self), self.code, self.retry_after)
 
 
 def parse_memory_budget(text: str) -> int:
@@ -77,16 +81,17 @@ class Footprint:
     per_sequence: int
 
     @classmethod
-    def measure(cls, model, lengths=(4, 8)) -> "Footprint":
+    def measure(cls, model, mtp: bool = True, lengths=(4, 8)) -> "Footprint":
         """From a sequence's caches after prefilling ``lengths`` tokens, each cache put in
-        its batch form (a batch of one: a batch's row masks count too)."""
-        held = [cls._held(model, n) for n in lengths]
+        its batch form (a batch of one: a batch's row masks count too); ``mtp``: the rows
+        keep MTP caches."""
+        held = [cls._held(model, n, mtp) for n in lengths]
         per_token = math.ceil((held[1] - held[0]) / (lengths[1] - lengths[0]))
         return cls(per_token, max(0, held[0] - per_token * lengths[0]))
 
     @staticmethod
-    def _held(model, n: int) -> int:
-        seq = Sequence(model, 1 if model.num_mtp_layers else 0, adaptive=False)
+    def _held(model, n: int, mtp: bool) -> int:
+        seq = Sequence(model, 1 if mtp and model.num_mtp_layers else 0, adaptive=False)
         seq.prefill(list(range(n + 1)))  # the last token is the first input of decoding
         caches = seq.cache + (seq.mtp_cache or [])
         return (sum(type(c).merge([c]).nbytes for c in caches)
@@ -163,7 +168,8 @@ class MemoryBudget:
 
     def _settle(self, engine):
         if self.footprint is None:
-            self.footprint = Footprint.measure(engine.model)
+            self.footprint = Footprint.measure(engine.model, mtp=engine.batch.mtp)
+        self._refuse(engine)
         self.used_by_sequences = (
             len(engine.batch) * (batch_row_bytes(engine.batch.cache)
                                  + batch_row_bytes(engine.batch.mtp_cache))
@@ -179,14 +185,19 @@ class MemoryBudget:
             pc.evict_oldest()
         return need + pc.nbytes <= self.limit
 
+    def _refuse(self, engine):
+        """Answer 429 to the queued requests that could never fit or waited too long."""
+        for req in [r for r in engine.waiting if not r.cancelled]:
+            try:
+                self.check(req, engine.num_draft_tokens)
+            except OverBudget as e:
+                engine.waiting.remove(req)
+                engine.metrics.request_failure.inc(reason="memory_budget")
+                emit(req, e.event())
+
     def waits(self, engine, req) -> bool:
-        """Whether the queue's head ``req`` waits for memory (False: admit it, or refuse it
-        with ``check``)."""
+        """Whether the queue's head ``req`` waits for memory (False: admit it)."""
         if not self.enabled or req.cancelled:
-            return False
-        try:
-            self.check(req, engine.num_draft_tokens)
-        except OverBudget:
             return False
         need = self._need(engine, [self.worst_tokens(req, engine.num_draft_tokens)])
         if self._make_room(engine.prefix_cache, need):

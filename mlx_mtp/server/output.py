@@ -17,7 +17,6 @@ from ..decode.grammar import first_line
 from ..decode.speculative import SpecStats, StepOutput
 from ..decode.text_stream import TextStream, token_bytes
 from .events import LOGPROB_FLOOR, Delta, Done, EngineRequest, Failed, TokenLogprob
-from .memory_budget import OverBudget
 
 
 def token_logprobs(tokenizer, out: StepOutput, tokens: List[int],
@@ -122,8 +121,6 @@ class RowOutput:
 def failure(e: Exception) -> Failed:
     """The event a client gets when its request fails with ``e`` (the log has the rest)."""
     reason = first_line(e)
-    if isinstance(e, OverBudget):  # refused by the memory budget before it ran
-        return Failed(429, reason, e.code, e.retry_after)
     if isinstance(e, MemoryError) or "out of memory" in reason.lower() \
             or "unable to allocate" in reason.lower():
         return Failed(500, f"Out of memory while generating: {reason}", "out_of_memory")

@@ -72,7 +72,6 @@ class Pipeline:
 
     def submit(self, ereq: EngineRequest):
         try:
-            self.engine.memory.check(ereq, self.engine.num_draft_tokens)  # could it ever fit?
             self.engine.submit(ereq)
         except OverBudget as e:
             raise APIError(429, str(e), code=e.code,
