@@ -249,18 +249,22 @@ def test_the_prefix_cache_gives_back_room_before_a_request_waits(tiny):
 
 def test_a_request_that_can_never_fit_gets_429_at_once(tiny):
     fp = Footprint.measure(tiny[0])
-    budget = MemoryBudget(fp.row_bytes(300), footprint=fp)
-    eng = make_engine(tiny, memory=budget)
+    eng = make_engine(tiny, memory=MemoryBudget(fp.row_bytes(300)))  # footprint: not yet known
     big = Sink()
-    req = EngineRequest(prompt=prompts(1)[0], max_tokens=400, on_event=big)
-    with pytest.raises(OverBudget, match="whole memory budget") as e:  # the HTTP path's check
-        budget.check(req, eng.num_draft_tokens)
-    assert e.value.retry_after > 0
-    eng.submit(req)  # past the HTTP check: the queue refuses it just the same
-    drive(eng, [big])
+    eng.submit(EngineRequest(prompt=prompts(1)[0], max_tokens=400, on_event=big))
+    drive(eng, [big])  # the first iteration measures the footprint and refuses it
+    assert eng.memory.footprint == fp
     assert isinstance(big.done, Failed) and big.done.status == 429
     assert big.done.code == "memory_budget_exceeded" and big.done.retry_after > 0
-    assert not big.tokens and eng.num_running == 0
+    assert not big.tokens and eng.num_running == eng.num_waiting == 0
+    assert eng.metrics.request_failure.get(reason="memory_budget") == 1
+    with pytest.raises(OverBudget, match="whole memory budget") as e:  # now at submit
+        eng.submit(EngineRequest(prompt=prompts(1)[0], max_tokens=400))
+    assert e.value.retry_after > 0 and eng.num_waiting == 0
+    fits = Sink()
+    eng.submit(EngineRequest(prompt=prompts(1)[0], max_tokens=8, on_event=fits))
+    drive(eng, [fits])
+    assert isinstance(fits.done, Done)
 
 
 def test_a_request_that_waits_too_long_gets_429_and_the_running_one_finishes(tiny):
