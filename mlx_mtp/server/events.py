@@ -89,7 +89,6 @@ class EngineUnavailable(RuntimeError):
         self.code = code
 
 
-
 def emit(req: EngineRequest, ev):
     """Send ``ev`` to ``req``'s consumer, which may be gone (a closed event loop)."""
     try:
