@@ -23,12 +23,14 @@ from mlx_mtp.models.cache.index import IndexKeyCache
 from mlx_mtp.models.cache.kv import BatchKVCache, KVCache, cache_state_arrays
 from mlx_mtp.models.cache.recurrent import RecurrentCache
 from mlx_mtp.models.cache.window import BatchWindowKVCache, WindowKVCache
-from mlx_mtp.models.io.loader import load
+from mlx_mtp.models.cache import window as window_cache
+from mlx_mtp.models.io.loader import load, load_model
 from mlx_mtp.server.events import Done, EngineRequest, Failed
 from mlx_mtp.server.memory_budget import (RETRY_AFTER_SECONDS, Footprint, MemoryBudget,
                                           OverBudget, parse_memory_budget)
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.testing.tiny import make_tiny
+from mlx_mtp.testing.tiny_special import WINDOW, make_tiny_mimo_v2_flash
 
 H, D = 2, 4  # heads and head width of the hand-written caches (float32: 4 bytes)
 
@@ -152,17 +154,37 @@ def test_model_caches_nbytes_after_prefill_verify_and_batch_surgery(tiny_model):
         c.filter([1])
     assert all(c.nbytes == padded // 2 for c in batch if c.is_trimmable())
     assert sum(c.nbytes for c in batch) == state_bytes(batch)
-    assert sum(c.nbytes for c in rec) * 1 == sum(c.nbytes for c in batch if not c.is_trimmable())
+    assert sum(c.nbytes for c in rec) == sum(c.nbytes for c in batch if not c.is_trimmable())
 
 
 def test_footprint_predicts_a_longer_sequence(tiny_model):
     """Measured on 4 and 8 tokens, it gives the bytes a 50-token sequence's batch caches hold."""
     fp = Footprint.measure(tiny_model)
-    seq = Sequence(tiny_model, 1, adaptive=False)
-    seq.prefill(list(range(51)))
-    held = sum(type(c).merge([c]).nbytes for c in seq.cache + seq.mtp_cache)
-    held += sum(h.nbytes for h in seq.owed.hidden)
-    assert fp.row_bytes(50) == held
+    assert not fp.bounded and fp.row_bytes(50) == held_after(tiny_model, 50)
+
+
+def held_after(model, n):
+    """Bytes a sequence's caches hold after ``n`` tokens, in their batch form (one row)."""
+    seq = Sequence(model, 1, adaptive=False)
+    seq.prefill(list(range(n + 1)))
+    return (sum(type(c).merge([c]).nbytes for c in seq.cache + seq.mtp_cache)
+            + sum(h.nbytes for h in seq.owed.hidden))
+
+
+def test_footprint_bounds_sliding_window_layers(tmp_path, monkeypatch):
+    """MiMo-V2-Flash's window layers hold at most ``max_positions``: a long sequence is
+    counted at that, not as if every layer grew (buffers of 8 so the test stays short)."""
+    monkeypatch.setattr(WindowKVCache, "step", 8)
+    monkeypatch.setattr(BatchWindowKVCache, "step", 8)
+    monkeypatch.setattr(window_cache, "ROLLBACK_MARGIN", 4)
+    model = load_model(make_tiny_mimo_v2_flash(tmp_path / "mimo", "noisy"))[0]
+    fp = Footprint.measure(model)
+    assert fp.bounded and all(cap == WINDOW + 4 + 2 * 8 for _, cap in fp.bounded)
+    assert fp.row_bytes(6) == held_after(model, 6)  # within the windows: exact
+    n = 12 * WINDOW
+    assert held_after(model, n) <= fp.row_bytes(n)
+    as_if_growing = fp.per_sequence + (fp.per_token + sum(b for b, _ in fp.bounded)) * n
+    assert fp.row_bytes(n) < as_if_growing
 
 
 def test_parse_memory_budget():

@@ -16,8 +16,9 @@ head waits (nobody overtakes it) until running requests finish; a queued request
 answered 429 with ``Retry-After`` only when it could never fit (alone, with an empty prefix
 cache) or has waited ``max_wait`` seconds. Running requests are never stopped for it.
 
-Not accounted: weights, activations, and the copy a batch holds for an instant while a
-row joins. Sliding-window layers are counted as if they grew (an over-estimate).
+Sliding-window layers count up to the positions they keep (``max_positions``). Not
+accounted: weights, activations, and the copy a batch holds for an instant while a row
+joins.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ..decode.sequence import Sequence
 from .events import Failed, emit
@@ -74,31 +75,45 @@ def parse_memory_budget(text: str) -> int:
 
 @dataclass(frozen=True)
 class Footprint:
-    """What one sequence's caches hold in a batch: ``per_token`` bytes for each token it
-    holds and ``per_sequence`` bytes whatever its length (recurrent states, pending inputs)."""
+    """What one sequence's caches hold in a batch: ``per_sequence`` bytes whatever its length
+    (recurrent states, pending inputs), ``per_token`` bytes for each token it holds, and, for
+    caches that hold at most so many positions (sliding windows), ``bounded``: (bytes per
+    token, most positions) each."""
 
     per_token: int
     per_sequence: int
+    bounded: Tuple[Tuple[int, int], ...] = ()
 
     @classmethod
     def measure(cls, model, mtp: bool = True, lengths=(4, 8)) -> "Footprint":
         """From a sequence's caches after prefilling ``lengths`` tokens, each cache put in
         its batch form (a batch of one: a batch's row masks count too); ``mtp``: the rows
         keep MTP caches."""
-        held = [cls._held(model, n, mtp) for n in lengths]
-        per_token = math.ceil((held[1] - held[0]) / (lengths[1] - lengths[0]))
-        return cls(per_token, max(0, held[0] - per_token * lengths[0]))
+        (short, caps), (long, _) = (cls._held(model, n, mtp) for n in lengths)
+        per_token, fixed, bounded = 0, 0, []
+        for a, b, cap in zip(short, long, caps):
+            grows = math.ceil((b - a) / (lengths[1] - lengths[0]))
+            fixed += a - grows * lengths[0]  # < 0 for a cache a position behind (MTP)
+            if cap is None:
+                per_token += grows
+            elif grows:
+                bounded.append((grows, cap))
+        return cls(per_token, max(0, fixed), tuple(bounded))
 
     @staticmethod
-    def _held(model, n: int, mtp: bool) -> int:
+    def _held(model, n: int, mtp: bool):
+        """Bytes each cache (and the owed MTP pairs) holds after ``n`` tokens, and each
+        cache's bound in positions."""
         seq = Sequence(model, 1 if mtp and model.num_mtp_layers else 0, adaptive=False)
         seq.prefill(list(range(n + 1)))  # the last token is the first input of decoding
-        caches = seq.cache + (seq.mtp_cache or [])
-        return (sum(type(c).merge([c]).nbytes for c in caches)
-                + sum(h.nbytes for h in (seq.owed.hidden if seq.owed is not None else [])))
+        batch = [type(c).merge([c]) for c in seq.cache + (seq.mtp_cache or [])]
+        owed = seq.owed.hidden if seq.owed is not None else []
+        return ([c.nbytes for c in batch] + [sum(h.nbytes for h in owed)],
+                [c.max_positions() for c in batch] + [None])
 
     def row_bytes(self, tokens: int) -> int:
-        return self.per_sequence + self.per_token * tokens
+        return (self.per_sequence + self.per_token * tokens
+                + sum(b * min(tokens, cap) for b, cap in self.bounded))
 
 
 def batch_row_bytes(caches: Optional[list]) -> int:

@@ -21,8 +21,8 @@ Every cache speaks one protocol (mlx-lm's shape, ``_Cache`` here), so nothing ou
 cache modules reads a cache field: ``state`` / ``meta_state`` / ``from_state`` (save and load; ``kind``,
 ``state_names`` name them on disk), ``snapshot()`` / ``restore(snap)`` (undo a step,
 by reference), ``merge(caches)`` into a batch (``check_joins(row)`` first: does a row's
-cache fit beside ours, ``fit.py``), ``extract(row)``, ``filter(rows)``,
-``empty(B)``, ``lengths()`` (attention caches: tokens per row) and ``nbytes``.
+cache fit beside ours, ``fit.py``), ``extract(row)``, ``filter(rows)``, ``empty(B)``, ``lengths()``
+(tokens per row), ``nbytes`` / ``row_nbytes`` (what ``state`` holds) and ``max_positions()``.
 """
 
 from __future__ import annotations
@@ -111,6 +111,10 @@ class _Cache:
     def row_nbytes(self) -> int:
         """Bytes per row: a batch's rows are all as long as its longest (holes included)."""
         return self.nbytes // max(1, self.size())
+
+    def max_positions(self) -> Optional[int]:
+        """The most positions a row holds however long its sequence (None: no bound)."""
+        return None
 
 
 class KVCache(_Cache):
