@@ -196,6 +196,33 @@ def test_parse_memory_budget():
             parse_memory_budget(bad)
 
 
+def test_serve_flag_and_its_bad_values(capsys):
+    import argparse
+
+    from mlx_mtp.options import UserError
+    from mlx_mtp.server.main import _check_args, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args(["--memory-budget", "512M"]).memory_budget == 512 << 20
+    assert p.parse_args([]).memory_budget is None  # no budget: today's behaviour
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(["--memory-budget", "lots"])
+    assert e.value.code == 2 and "--memory-budget takes GB" in capsys.readouterr().err
+    with pytest.raises(UserError, match="--memory-budget needs a single process"):
+        _check_args(p.parse_args(["--memory-budget", "8", "--distributed", "pipeline"]))
+
+
+def test_an_engine_429_carries_retry_after_to_the_response():
+    from mlx_mtp.server.choices import failed_error
+
+    err = failed_error(OverBudget("full", retry_after=7).event())
+    assert (err.status, err.code, err.headers) == (429, "memory_budget_exceeded",
+                                                   {"Retry-After": "7"})
+    assert err.body()["error"]["type"] == "rate_limit_error"
+    assert failed_error(Failed(500, "boom")).headers == {}
+
+
 # -- the engine --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
