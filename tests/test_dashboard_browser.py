@@ -117,7 +117,8 @@ class FakeEngine:
 
         self.metrics, self.alive, self.max_concurrency = metrics, True, 4
         self.prefix_cache = PrefixCache(8, 1 << 20)
-        self.memory = MemoryBudget(4 << 20)
+        self.running = []
+        self.memory = MemoryBudget(4 << 20).report_to(self)
         self.num_draft_tokens = 3
         self.batch = type("Batch", (), {"policy": DraftPolicy(), "__len__": lambda self: 2})()
 

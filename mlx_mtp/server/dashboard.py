@@ -142,6 +142,5 @@ class DashboardFeed:
             **totals,  # MTP counters and rates rendered by SpecStats.to_dict
             "prefix_cache": {"enabled": pc.enabled, "entries": len(pc), "bytes": pc.nbytes,
                              "max_bytes": pc.max_bytes, "hits": pc.hits, "misses": pc.misses},
-            "memory": engine.memory.snapshot(pc.nbytes),
             "draft_policy": draft_policy_view(engine),
         }

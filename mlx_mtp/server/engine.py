@@ -131,7 +131,7 @@ class Engine:
         self.fair = FairShare()
         # Context drafts (--draft-source, a request's draft_source): one cost table for all.
         self.draft_sources = draft_sources or DraftSources("mtp", adaptive=adaptive)
-        self.memory = memory or MemoryBudget()  # --memory-budget; default: none
+        self.memory = (memory or MemoryBudget()).report_to(self)  # --memory-budget
 
     # -- interface used by the HTTP layer (any thread) ----------------------------
     def start(self):

@@ -170,18 +170,21 @@ class MemoryBudget:
                   batch_row_bytes(engine.batch.cache) + batch_row_bytes(engine.batch.mtp_cache))
         return len(worst) * row
 
-    def settle(self, engine):
-        """Each scheduler iteration: measure what sequences hold, let the prefix cache give
-        back what the running rows' worst case leaves no room for, and publish the figures."""
-        if self.enabled:
-            self._settle(engine)
+    def report_to(self, engine) -> "MemoryBudget":
+        """Publish the account on ``engine.metrics``, read when scraped (the sequences' figures
+        are the last iteration's, 0 once none runs)."""
         m = engine.metrics
-        m.memory_budget.set(self.limit or 0)
-        m.memory_sequences.set(self.used_by_sequences)
-        m.memory_reserved.set(self.reserved)
-        m.memory_prefix_cache.set(engine.prefix_cache.nbytes)
+        m.memory_budget.fn = lambda: self.limit or 0
+        m.memory_sequences.fn = lambda: self.used_by_sequences if engine.running else 0
+        m.memory_reserved.fn = lambda: self.reserved if engine.running else 0
+        m.memory_prefixes.fn = lambda: engine.prefix_cache.nbytes
+        return self
 
-    def _settle(self, engine):
+    def settle(self, engine):
+        """Each scheduler iteration: measure what sequences hold, and let the prefix cache
+        give back what the running rows' worst case leaves no room for."""
+        if not self.enabled:
+            return
         if self.footprint is None:
             self.footprint = Footprint.measure(engine.model, mtp=engine.batch.mtp)
         self._refuse(engine)
@@ -219,8 +222,3 @@ class MemoryBudget:
             self.reserved = need
             return False
         return True
-
-    def snapshot(self, prefix_cache_bytes: int) -> dict:
-        """The live page's view."""
-        return {"budget_bytes": self.limit, "sequences_bytes": self.used_by_sequences,
-                "reserved_bytes": self.reserved, "prefix_cache_bytes": prefix_cache_bytes}

@@ -193,7 +193,7 @@ class ServerMetrics:
                                         "Bytes the running sequences' caches hold.")
         self.memory_reserved = r.gauge(p + "memory_reserved_bytes",
                                        "Bytes admission reserved for the running sequences.")
-        self.memory_prefix_cache = r.gauge(p + "memory_prefix_cache_bytes",
+        self.memory_prefixes = r.gauge(p + "memory_prefix_cache_bytes",
                                            "Bytes the prefix cache's entries hold.")
         self.ttft = r.histogram(p + "time_to_first_token_seconds",
                                 "Histogram of time to first token in seconds.", TTFT_BUCKETS)
@@ -241,6 +241,10 @@ class ServerMetrics:
             "per_position": [{"position": j, "drafted": d, "accepted": a, "rate": a / d if d else None}
                              for j, (d, a) in enumerate(zip(spec["drafted_per_pos"],
                                                             spec["accepted_per_pos"]))],
+            "memory": {"budget_bytes": self.memory_budget.get() or None,
+                       "sequences_bytes": self.memory_sequences.get(),
+                       "reserved_bytes": self.memory_reserved.get(),
+                       "prefix_cache_bytes": self.memory_prefixes.get()},
             "mean_ttft_seconds": self.ttft.mean(),
             "mean_itl_seconds": self.itl.mean(),
         }
