@@ -112,10 +112,13 @@ def api_chat(url: str, thinking: bool, max_tokens: int = MAX_TOKENS) -> dict:
 class FakeEngine:
     def __init__(self, metrics):
         from mlx_mtp.decode.policy import DraftPolicy
+        from mlx_mtp.server.memory_budget import MemoryBudget
         from mlx_mtp.server.prefix_cache import PrefixCache
 
         self.metrics, self.alive, self.max_concurrency = metrics, True, 4
         self.prefix_cache = PrefixCache(8, 1 << 20)
+        self.running = []
+        self.memory = MemoryBudget(4 << 20).report_to(self)
         self.num_draft_tokens = 3
         self.batch = type("Batch", (), {"policy": DraftPolicy(), "__len__": lambda self: 2})()
 
@@ -148,6 +151,8 @@ def test_snapshot_rates_acceptance_and_policy():
     assert [r["batch_size"] for r in policy["by_batch_size"]] == [1, 2, 4]
     assert all(r["k"] is not None and 0 <= r["k"] <= 3 for r in policy["by_batch_size"])
     assert policy["batch_size"] == 2 and policy["max_k"] == 3
+    assert s["memory"] == {"budget_bytes": 4 << 20, "sequences_bytes": 0, "reserved_bytes": 0,
+                           "prefix_cache_bytes": 0}
     # Older samples leave the rate window: seconds later with no new tokens, the rate is 0.
     now[0] += 4.0
     assert feed.snapshot()["generation_tokens_per_second"] == 0

@@ -151,4 +151,5 @@ async def _interleaved(queue: asyncio.Queue, fmts: list, early: list, include_us
 
 
 def failed_error(ev: Failed) -> APIError:
-    return APIError(ev.status, ev.message, code=ev.code)
+    headers = None if ev.retry_after is None else {"Retry-After": str(ev.retry_after)}
+    return APIError(ev.status, ev.message, code=ev.code, headers=headers)

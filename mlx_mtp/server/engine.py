@@ -5,7 +5,7 @@ thread-safe ``on_event`` callback) and ``cancel`` it when the client goes away. 
 scheduler iteration (``Engine.step``):
 
 1. takes new submissions and drops cancelled requests;
-2. admits waiting requests into the running batch, up to ``max_concurrency``,
+2. admits waiting requests, up to ``max_concurrency`` and the memory budget (``memory_budget``),
    restoring the longest cached prompt prefix into the new sequence's decoder;
 3. runs prompt chunks, shortest remaining prompt first: while streams decode, prompts and
    streams each keep half of the time (``fair_share.py``); otherwise chunks of
@@ -42,8 +42,9 @@ from ..decode.speculative import SpecStats, StepOutput
 from ..models.io.layout import check_acceptance
 from .metrics import PeriodicLog, ServerMetrics
 from .distributed import StepSync
-from .events import Admitted, EngineRequest, EngineUnavailable, Failed
+from .events import Admitted, EngineRequest, EngineUnavailable, Failed, emit
 from .fair_share import FairShare
+from .memory_budget import MemoryBudget
 from .output import RowOutput, failure
 from .prefix_cache import PrefixCache
 from .prompt_chunks import ChunkGrid
@@ -88,6 +89,7 @@ class Engine:
         calibrate: bool = True,
         sync: Optional[StepSync] = None,
         draft_sources: Optional[DraftSources] = None,
+        memory: Optional[MemoryBudget] = None,
     ):
         for name, value in (("prefill_step_size", prefill_step_size),
                             ("max_batched_tokens", max_batched_tokens),
@@ -129,6 +131,7 @@ class Engine:
         self.fair = FairShare()
         # Context drafts (--draft-source, a request's draft_source): one cost table for all.
         self.draft_sources = draft_sources or DraftSources("mtp", adaptive=adaptive)
+        self.memory = (memory or MemoryBudget()).report_to(self)  # --memory-budget
 
     # -- interface used by the HTTP layer (any thread) ----------------------------
     def start(self):
@@ -147,6 +150,7 @@ class Engine:
             if len(self._incoming) + len(self.waiting) - free >= self.max_queue:
                 raise OverflowError(
                     f"Too many requests waiting ({self.max_queue}); try again later.")
+            self.memory.check(req, self.num_draft_tokens)  # OverBudget (429): it never fits
             self._incoming.append(req)
             self._cv.notify()
 
@@ -253,7 +257,9 @@ class Engine:
             self.metrics.request_failure.inc(reason="abort")
 
     def _admit(self):
-        while self.waiting and len(self.running) < self.max_concurrency:
+        self.memory.settle(self)
+        while (self.waiting and len(self.running) < self.max_concurrency
+               and not self.memory.waits(self, self.waiting[0])):  # the head waits: FIFO
             req = self.waiting.popleft()
             if req.cancelled:
                 self.metrics.request_failure.inc(reason="abort")
@@ -491,9 +497,4 @@ class Engine:
         self.batch.remove(seq.req.request_id)
         self.sync.removed(seq)
 
-    @staticmethod
-    def _emit(req: EngineRequest, ev):
-        try:
-            req.on_event(ev)
-        except Exception:  # the consumer is gone (closed event loop): nothing to do
-            log.debug("Dropped an event for %s", req.request_id, exc_info=True)
+    _emit = staticmethod(emit)

@@ -9,6 +9,7 @@ gets no ``Admitted``).
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class Failed:
     status: int
     message: str
     code: Optional[str] = None
+    retry_after: Optional[int] = None  # seconds, a 429's Retry-After
 
 
 @dataclass
@@ -86,3 +88,11 @@ class EngineUnavailable(RuntimeError):
         super().__init__(message)
         self.code = code
 
+
+def emit(req: EngineRequest, ev):
+    """Send ``ev`` to ``req``'s consumer, which may be gone (a closed event loop)."""
+    try:
+        req.on_event(ev)
+    except Exception:
+        logging.getLogger("mlx_mtp.server").debug("Dropped an event for %s", req.request_id,
+                                                  exc_info=True)

@@ -25,6 +25,7 @@ from .distributed import LeaderSync, run_follower
 from .engine import Engine
 from .http_guard import (LOCAL_HOST_NAMES, GuardConfig, add_cors, host_name as host_name_of,
                          is_loopback, split_list, timed_http_protocol)
+from .memory_budget import MemoryBudget, parse_memory_budget
 from .metrics import ServerMetrics
 from .prefix_cache import PrefixCache
 from .state import ServerState, max_token_chars
@@ -42,6 +43,38 @@ def _size(text: str) -> int:
         return int(t)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512M, 2G, 1000000)")
+
+
+def _memory_budget(text: str) -> int:
+    try:
+        return parse_memory_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+def _add_memory_arguments(p):
+    """What the server may hold in memory: the budget, and the prompt cache in memory and on
+    disk."""
+    p.add_argument("--memory-budget", type=_memory_budget, default=None, metavar="GB",
+                   help="KV and state memory the running requests, the prompt cache and its "
+                        "sessions may hold: GB (e.g. 12), a fraction of the RAM (e.g. 0.6) or "
+                        "a size (e.g. 512M). "
+                        "Requests that do not fit wait in the queue; 429 when one never could "
+                        "(default: none)")
+    p.add_argument("--prompt-cache-size", type=int, default=32,
+                   help="Maximum number of prompt-prefix states kept (0 disables; default 32)")
+    p.add_argument("--prompt-cache-bytes", type=_size, default=2 << 30,
+                   help="Maximum memory of the prompt-prefix cache (default 2G)")
+    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="Also keep prompt-prefix states of long prompts in DIR, so a restarted "
+                        "server resumes conversations without recomputing them")
+    p.add_argument("--prompt-cache-disk-bytes", type=_size, default=10 << 30, metavar="N",
+                   help="Size bound of --prompt-cache-dir, least recently used out (default 10G)")
+    p.add_argument("--prompt-cache-min-tokens", type=int, default=1024, metavar="N",
+                   help="Only prefixes of at least N tokens go to disk (default 1024)")
+    p.add_argument("--prompt-cache-key", default=None, metavar="FILE",
+                   help="Prove --prompt-cache-dir entries by an HMAC under the secret in FILE "
+                        "(made 0600 if missing; outside that directory); others are deleted")
 
 
 def add_arguments(p):
@@ -72,20 +105,7 @@ def add_arguments(p):
                    help="Maximum number of requests in the running batch (default 16)")
     p.add_argument("--max-queue", type=int, default=1024,
                    help="Maximum number of waiting requests before answering 503 (default 1024)")
-    p.add_argument("--prompt-cache-size", type=int, default=32,
-                   help="Maximum number of prompt-prefix states kept (0 disables; default 32)")
-    p.add_argument("--prompt-cache-bytes", type=_size, default=2 << 30,
-                   help="Maximum memory of the prompt-prefix cache (default 2G)")
-    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
-                   help="Also keep prompt-prefix states of long prompts in DIR, so a restarted "
-                        "server resumes conversations without recomputing them")
-    p.add_argument("--prompt-cache-disk-bytes", type=_size, default=10 << 30, metavar="N",
-                   help="Size bound of --prompt-cache-dir, least recently used out (default 10G)")
-    p.add_argument("--prompt-cache-min-tokens", type=int, default=1024, metavar="N",
-                   help="Only prefixes of at least N tokens go to disk (default 1024)")
-    p.add_argument("--prompt-cache-key", default=None, metavar="FILE",
-                   help="Prove --prompt-cache-dir entries by an HMAC under the secret in FILE "
-                        "(made 0600 if missing; outside that directory); others are deleted")
+    _add_memory_arguments(p)
     p.add_argument("--api-key", default=os.environ.get("MLX_MTP_API_KEY"),
                    help="Require 'Authorization: Bearer KEY' (default: $MLX_MTP_API_KEY)")
     p.add_argument("--protect-metrics", action="store_true",
@@ -209,6 +229,7 @@ def build_state(args, model, tokenizer, config: dict, drafting, sampling_default
                                  disk=_session_store(args, model, metrics)),
         metrics=metrics, max_queue=args.max_queue, model_name=names[0],
         log_interval=args.log_interval, sync=sync, draft_sources=drafting.sources,
+        memory=MemoryBudget(args.memory_budget),
     )
     return ServerState(
         engine=engine, tokenizer=tokenizer, model_name=names[0], aliases=aliases,
@@ -286,6 +307,8 @@ def _check_args(args):
     if args.prompt_cache_dir and (args.prompt_cache_size == 0 or args.distributed):
         raise UserError("--prompt-cache-dir needs the in-memory prompt cache "
                         "(--prompt-cache-size > 0) and a single process (no --distributed)")
+    if args.memory_budget is not None and args.distributed:
+        raise UserError("--memory-budget needs a single process (no --distributed)")
     if args.prompt_cache_key and not args.prompt_cache_dir:
         raise UserError("--prompt-cache-key proves --prompt-cache-dir entries: give both")
     if args.prompt_cache_key and Path(args.prompt_cache_key).expanduser().resolve().is_relative_to(

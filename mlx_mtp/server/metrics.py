@@ -185,6 +185,16 @@ class ServerMetrics:
         self.spec_accepted_by_source = r.counter(
             p + "spec_decode_num_accepted_tokens_by_source_total",
             "Accepted tokens by source (mtp, lookup).", ("source",))
+        # Not in vLLM: the memory budget (serve --memory-budget; 0: none), the bytes the
+        # running sequences' caches hold, what admission reserved for their worst case, and
+        # the prefix cache's entries (memory_budget.py).
+        self.memory_budget = r.gauge(p + "memory_budget_bytes", "The memory budget (0: none).")
+        self.memory_sequences = r.gauge(p + "memory_sequences_bytes",
+                                        "Bytes the running sequences' caches hold.")
+        self.memory_reserved = r.gauge(p + "memory_reserved_bytes",
+                                       "Bytes admission reserved for the running sequences.")
+        self.memory_prefixes = r.gauge(p + "memory_prefix_cache_bytes",
+                                           "Bytes the prefix cache's entries hold.")
         self.ttft = r.histogram(p + "time_to_first_token_seconds",
                                 "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = r.histogram(p + "inter_token_latency_seconds",
@@ -231,6 +241,10 @@ class ServerMetrics:
             "per_position": [{"position": j, "drafted": d, "accepted": a, "rate": a / d if d else None}
                              for j, (d, a) in enumerate(zip(spec["drafted_per_pos"],
                                                             spec["accepted_per_pos"]))],
+            "memory": {"budget_bytes": self.memory_budget.get() or None,
+                       "sequences_bytes": self.memory_sequences.get(),
+                       "reserved_bytes": self.memory_reserved.get(),
+                       "prefix_cache_bytes": self.memory_prefixes.get()},
             "mean_ttft_seconds": self.ttft.mean(),
             "mean_itl_seconds": self.itl.mean(),
         }

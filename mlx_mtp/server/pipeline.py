@@ -16,6 +16,7 @@ from .choices import (KEEPALIVE_SECONDS, choice_kwargs, early_events, failed_err
                       merge_choices, sse, stream_choices)
 from .events import Admitted, Delta, Done, EngineRequest, EngineUnavailable, Failed
 from .http_guard import BODY_BYTES
+from .memory_budget import OverBudget
 from .protocol import APIError, parse_request
 from .state import ServerState
 
@@ -72,6 +73,9 @@ class Pipeline:
     def submit(self, ereq: EngineRequest):
         try:
             self.engine.submit(ereq)
+        except OverBudget as e:
+            raise APIError(429, str(e), code=e.code,
+                           headers={"Retry-After": str(e.retry_after)})
         except OverflowError as e:
             raise APIError(503, str(e), code="server_overloaded",
                            type="service_unavailable_error")

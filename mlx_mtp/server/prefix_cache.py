@@ -158,8 +158,12 @@ class PrefixCache:
     def _evict(self):
         while self.entries and (len(self.entries) > self.max_entries
                                 or self.nbytes > self.max_bytes):
-            _, e = self.entries.popitem(last=False)
-            self.nbytes -= e.nbytes
+            self.evict_oldest()
+
+    def evict_oldest(self):
+        """Drop the least recently used entry (also when the memory budget needs room)."""
+        _, e = self.entries.popitem(last=False)
+        self.nbytes -= e.nbytes
 
     def clear(self):
         self.entries.clear()

@@ -106,6 +106,9 @@ class ChainCache(_Cache):
     def is_trimmable(self) -> bool:
         return self.inner.is_trimmable()
 
+    def max_positions(self):
+        return self.inner.max_positions()
+
     @property
     def nbytes(self) -> int:
         return self.inner.nbytes + (0 if self.pending is None else self.pending.nbytes)

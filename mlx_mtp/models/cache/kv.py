@@ -21,8 +21,8 @@ Every cache speaks one protocol (mlx-lm's shape, ``_Cache`` here), so nothing ou
 cache modules reads a cache field: ``state`` / ``meta_state`` / ``from_state`` (save and load; ``kind``,
 ``state_names`` name them on disk), ``snapshot()`` / ``restore(snap)`` (undo a step,
 by reference), ``merge(caches)`` into a batch (``check_joins(row)`` first: does a row's
-cache fit beside ours, ``fit.py``), ``extract(row)``, ``filter(rows)``,
-``empty(B)``, ``lengths()`` (attention caches: tokens per row) and ``nbytes``.
+cache fit beside ours, ``fit.py``), ``extract(row)``, ``filter(rows)``, ``empty(B)``, ``lengths()``
+(tokens per row), ``nbytes`` / ``row_nbytes`` (what ``state`` holds) and ``max_positions()``.
 """
 
 from __future__ import annotations
@@ -104,7 +104,17 @@ class _Cache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of what ``state`` holds now (the server's memory budget reads it)."""
         return sum(a.nbytes for a in self.arrays())
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes per row: a batch's rows are all as long as its longest (holes included)."""
+        return self.nbytes // max(1, self.size())
+
+    def max_positions(self) -> Optional[int]:
+        """The most positions a row holds however long its sequence (None: no bound)."""
+        return None
 
 
 class KVCache(_Cache):
@@ -209,10 +219,6 @@ class KVCache(_Cache):
         if return_array and n > 1:
             return create_causal_mask(n, self.offset)
         return "causal" if n > 1 else None
-
-    @property
-    def nbytes(self) -> int:  # the whole buffer
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     def _like(self) -> "KVCache":
         """An empty cache of this kind and settings."""
@@ -486,10 +492,6 @@ class BatchKVCache(_Cache):
         m = np.array(self.valid[b, : self.idx])
         ix = mx.array(np.nonzero(m)[0].astype(np.int32))
         return self.keys[b : b + 1][:, :, ix], self.values[b : b + 1][:, :, ix]
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     def copy(self) -> "BatchKVCache":
         c = self._share()

@@ -137,6 +137,9 @@ class WindowKVCache(KVCache):
     def _like(self) -> "WindowKVCache":
         return WindowKVCache(self.window, self.margin)
 
+    def max_positions(self) -> int:
+        return self.window + self.margin + self.step  # old entries go a step at a time
+
     def settings(self) -> tuple:
         return (self.window,)
 
@@ -189,6 +192,10 @@ class BatchWindowKVCache(BatchKVCache):
         if len(windows) != 1 or None in windows:
             raise ValueError("window caches batch only with window caches of the same window")
         return super().merge(caches)
+
+    def max_positions(self) -> int:
+        # window + margin after a growth, then the room it adds (a step, or a joining row's)
+        return self.window + ROLLBACK_MARGIN + 2 * self.step
 
     def _share(self) -> "BatchWindowKVCache":
         c = BatchWindowKVCache(self.window, self.pos, self.keys, self.values, self.valid)

@@ -264,6 +264,12 @@ function update(s) {
   $("cache-entries").textContent = count(pc.entries);
   $("cache-bytes").textContent = `${bytes(pc.bytes)} of ${bytes(pc.max_bytes)}`;
 
+  const mem = s.memory;  // serve --memory-budget: what admission accounts
+  $("memory-budget").textContent = mem.budget_bytes === null ? "none" : bytes(mem.budget_bytes);
+  $("memory-sequences").textContent = bytes(mem.sequences_bytes);
+  $("memory-reserved").textContent = bytes(mem.reserved_bytes);
+  $("memory-prefix-cache").textContent = bytes(mem.prefix_cache_bytes);
+
   tpsHistory.push(s.generation_tokens_per_second || 0);
   if (tpsHistory.length > 60) tpsHistory.shift();
   drawChart();

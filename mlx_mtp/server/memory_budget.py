@@ -1,0 +1,224 @@
+"""The server's memory budget (``serve --memory-budget``): admission by cache bytes.
+
+Memory is accounted from the cache protocol (``_Cache.nbytes``: the bytes a cache's
+``state`` holds). A model's ``Footprint`` (bytes per token and per sequence, in the batch
+form the engine decodes in) is measured once, on two short prompts; a request's worst case
+is its prompt plus ``max_tokens`` (the API already caps both by ``--max-kv-size``), plus
+the positions a verify pass writes and the holes rejected drafts leave in a batch cache
+until it next grows.
+
+The running batch pads every row to its longest (``BatchKVCache``), so ``n`` rows need
+``n`` times the longest row: the larger of what a row holds now and the worst case of
+the longest request. A request is admitted when that, for the running rows and it, plus
+the prefix cache's entries (in-memory sessions included) fits the budget; the prefix
+cache gives back entries, least recently used first, before a request waits. The queue's
+head waits (nobody overtakes it) until running requests finish; a queued request is
+answered 429 with ``Retry-After`` only when it could never fit (alone, with an empty prefix
+cache) or has waited ``max_wait`` seconds. Running requests are never stopped for it.
+
+Sliding-window layers count up to the positions they keep (``max_positions``). Not
+accounted: weights, activations, and the copy a batch holds for an instant while a row
+joins.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from ..decode.sequence import Sequence
+from .events import Failed, emit
+
+GIB = 1 << 30
+SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": GIB, "T": 1 << 40}
+# Holes rejected drafts leave in a batch cache until it grows again (a growth adds room
+# for this many positions and squeezes the holes out: BatchKVCache.step).
+GROWTH_SLACK = 256
+MAX_WAIT_SECONDS = 300.0  # a request waiting longer for memory is answered 429
+RETRY_AFTER_SECONDS = 10  # what a 429 for a long wait suggests
+
+
+class OverBudget(Exception):
+    """A request the memory budget refuses (429, ``retry_after`` seconds)."""
+
+    code = "memory_budget_exceeded"
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def event(self) -> Failed:
+        return Failed(429, str(self), self.code, self.retry_after)
+
+
+def parse_memory_budget(text: str) -> int:
+    """``--memory-budget`` in bytes: GB (``12``), up to 1 a fraction of the RAM (``0.6``),
+    or a size with its unit (``512M``, ``2G``)."""
+    t = str(text).strip().upper()
+    unit = SIZE_UNITS.get(t[-1:], None)
+    try:
+        value = float(t[:-1] if unit else t)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise ValueError(f"--memory-budget takes GB (e.g. 12), a fraction of the RAM "
+                         f"(e.g. 0.6) or a size (e.g. 512M), not {text!r}")
+    if unit:
+        return int(value * unit)
+    if value <= 1:
+        return int(value * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return int(value * GIB)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one sequence's caches hold in a batch: ``per_sequence`` bytes whatever its length
+    (recurrent states, pending inputs), ``per_token`` bytes for each token it holds, and, for
+    caches that hold at most so many positions (sliding windows), ``bounded``: (bytes per
+    token, most positions) each."""
+
+    per_token: int
+    per_sequence: int
+    bounded: Tuple[Tuple[int, int], ...] = ()
+
+    @classmethod
+    def measure(cls, model, mtp: bool = True, lengths=(4, 8)) -> "Footprint":
+        """From a sequence's caches after prefilling ``lengths`` tokens, each cache put in
+        its batch form (a batch of one: a batch's row masks count too); ``mtp``: the rows
+        keep MTP caches."""
+        (short, caps), (long, _) = (cls._held(model, n, mtp) for n in lengths)
+        per_token, fixed, bounded = 0, 0, []
+        for a, b, cap in zip(short, long, caps):
+            grows = math.ceil((b - a) / (lengths[1] - lengths[0]))
+            fixed += a - grows * lengths[0]  # < 0 for a cache a position behind (MTP)
+            if cap is None:
+                per_token += grows
+            elif grows:
+                bounded.append((grows, cap))
+        return cls(per_token, max(0, fixed), tuple(bounded))
+
+    @staticmethod
+    def _held(model, n: int, mtp: bool):
+        """Bytes each cache (and the owed MTP pairs) holds after ``n`` tokens, and each
+        cache's bound in positions."""
+        seq = Sequence(model, 1 if mtp and model.num_mtp_layers else 0, adaptive=False)
+        seq.prefill(list(range(n + 1)))  # the last token is the first input of decoding
+        batch = [type(c).merge([c]) for c in seq.cache + (seq.mtp_cache or [])]
+        owed = seq.owed.hidden if seq.owed is not None else []
+        return ([c.nbytes for c in batch] + [sum(h.nbytes for h in owed)],
+                [c.max_positions() for c in batch] + [None])
+
+    def row_bytes(self, tokens: int) -> int:
+        return (self.per_sequence + self.per_token * tokens
+                + sum(b * min(tokens, cap) for b, cap in self.bounded))
+
+
+def batch_row_bytes(caches: Optional[list]) -> int:
+    """Bytes each row of a batch's caches holds now (rows are as long as the longest)."""
+    return sum(c.row_nbytes for c in caches or [])
+
+
+class MemoryBudget:
+    """Admission by memory (see the module doc); ``limit`` None: no budget (no checks)."""
+
+    def __init__(self, limit: Optional[int] = None, max_wait: float = MAX_WAIT_SECONDS,
+                 footprint: Optional[Footprint] = None):
+        self.limit = limit
+        self.max_wait = max_wait
+        self.footprint = footprint  # measured on first use (on the engine's thread)
+        # What the engine thread saw last (read by /metrics and the live page).
+        self.used_by_sequences = 0
+        self.reserved = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.limit is not None
+
+    def worst_tokens(self, req, default_k: int) -> int:
+        k = default_k if req.num_draft_tokens is None else req.num_draft_tokens
+        return len(req.prompt) + req.max_tokens + k + 1 + GROWTH_SLACK
+
+    def _gib(self, n: int) -> str:
+        return f"{n / GIB:.2f} GiB"
+
+    def check(self, req, default_k: int):
+        """Raise ``OverBudget`` for a request that could never fit or waited too long
+        (nothing is checked before the model's footprint is known)."""
+        if not self.enabled or self.footprint is None:
+            return
+        need = self.footprint.row_bytes(self.worst_tokens(req, default_k))
+        if need > self.limit:
+            raise OverBudget(f"This request needs up to {self._gib(need)} of KV and state "
+                             f"memory, more than the server's whole memory budget "
+                             f"({self._gib(self.limit)}); shorten the prompt or max_tokens.",
+                             retry_after=int(self.max_wait))
+        if time.perf_counter() - req.arrival > self.max_wait:
+            raise OverBudget(f"The server's memory budget stayed full for {self.max_wait:.0f} "
+                             "seconds while this request waited; try again later.",
+                             retry_after=RETRY_AFTER_SECONDS)
+
+    def _need(self, engine, extra: List[int]) -> int:
+        """Bytes the running rows (and rows of ``extra`` worst-case tokens) need at most."""
+        k = engine.num_draft_tokens
+        worst = [self.worst_tokens(s.req, k) for s in engine.running] + extra
+        if not worst:
+            return 0
+        row = max(self.footprint.row_bytes(max(worst)),
+                  batch_row_bytes(engine.batch.cache) + batch_row_bytes(engine.batch.mtp_cache))
+        return len(worst) * row
+
+    def report_to(self, engine) -> "MemoryBudget":
+        """Publish the account on ``engine.metrics``, read when scraped (the sequences' figures
+        are the last iteration's, 0 once none runs)."""
+        m = engine.metrics
+        m.memory_budget.fn = lambda: self.limit or 0
+        m.memory_sequences.fn = lambda: self.used_by_sequences if engine.running else 0
+        m.memory_reserved.fn = lambda: self.reserved if engine.running else 0
+        m.memory_prefixes.fn = lambda: engine.prefix_cache.nbytes
+        return self
+
+    def settle(self, engine):
+        """Each scheduler iteration: measure what sequences hold, and let the prefix cache
+        give back what the running rows' worst case leaves no room for."""
+        if not self.enabled:
+            return
+        if self.footprint is None:
+            self.footprint = Footprint.measure(engine.model, mtp=engine.batch.mtp)
+        self._refuse(engine)
+        self.used_by_sequences = (
+            len(engine.batch) * (batch_row_bytes(engine.batch.cache)
+                                 + batch_row_bytes(engine.batch.mtp_cache))
+            + sum(sum(c.nbytes for c in s.dec.cache + (s.dec.mtp_cache or []))
+                  for s in engine.running if s.prefilling and s.dec.cache is not None))
+        self.reserved = self._need(engine, [])
+        self._make_room(engine.prefix_cache, self.reserved)
+
+    def _make_room(self, pc, need: int) -> bool:
+        """Evict prefix-cache entries, least recently used first, until ``need`` bytes and
+        the cache fit; whether they do."""
+        while pc.nbytes and need + pc.nbytes > self.limit:
+            pc.evict_oldest()
+        return need + pc.nbytes <= self.limit
+
+    def _refuse(self, engine):
+        """Answer 429 to the queued requests that could never fit or waited too long."""
+        for req in [r for r in engine.waiting if not r.cancelled]:
+            try:
+                self.check(req, engine.num_draft_tokens)
+            except OverBudget as e:
+                engine.waiting.remove(req)
+                engine.metrics.request_failure.inc(reason="memory_budget")
+                emit(req, e.event())
+
+    def waits(self, engine, req) -> bool:
+        """Whether the queue's head ``req`` waits for memory (False: admit it)."""
+        if not self.enabled or req.cancelled:
+            return False
+        need = self._need(engine, [self.worst_tokens(req, engine.num_draft_tokens)])
+        if self._make_room(engine.prefix_cache, need):
+            self.reserved = need
+            return False
+        return True
