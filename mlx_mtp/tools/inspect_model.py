@@ -8,8 +8,9 @@ grafts one back, the draft-vocabulary file, and the memory the model needs to ru
 
 A checkpoint the loader would refuse (a damaged config or header, counts the weight files
 cannot hold, a config no model can be built from) is refused here too, with the loader's
-message and exit 2; a model_type mlx-mtp does not run is reported (exit 0) with advice,
-its config's JSON types checked only.
+message and exit 2, as is a model type whose MTP head mlx-mtp cannot run yet
+(``models.NOT_YET``: the message says what it lacks); any other model_type mlx-mtp does not
+run is reported (exit 0) with advice, its config's JSON types checked only.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ..models import MODEL_TYPES
+from ..models import MODEL_TYPES, refuse_not_yet
 from ..models.draft import vocab as draft_vocab
 from ..models.blocks.hybrid import HybridArgs
 from ..models.io.layout import (CheckpointError, args_dict, config_mtp_layers, config_quantization,
@@ -198,7 +199,9 @@ def _advice(path: Path, layout_name: str, mtp: dict, supported: bool = True) -> 
 
 def check_loadable(where: Path, config: dict, layout_name: str) -> None:
     """The loader's refusals of a model_type it runs, from the config, the file sizes and
-    the tokenizer files (the model is built lazily: nothing is allocated)."""
+    the tokenizer files (the model is built lazily: nothing is allocated); a model type
+    whose head mlx-mtp cannot run yet (``NOT_YET``) is refused with what it lacks."""
+    refuse_not_yet(config.get("model_type"))
     if config.get("model_type") not in MODEL_TYPES:
         return  # the report says mlx-mtp cannot run it, and what can
     split = layout_name == LAYOUT_SPLIT  # a drafter borrows its trunk's tokenizer...
