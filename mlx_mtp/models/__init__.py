@@ -25,6 +25,7 @@ MODEL_TYPES = {
     "longcat_flash": "longcat_flash",
     "deepseek_v32": "deepseek_v32",
     "glm_moe_dsa": "glm_moe_dsa",
+    "bailing_hybrid": "bailing_hybrid",
 }
 
 

@@ -1,0 +1,74 @@
+"""Ling-3.0 (``bailing_hybrid``: KDA + MLA): the KDA conv windows and delta-rule state rolled
+back by replaying the kept prefix from the pre-verify state; greedy output equals mlx-lm's
+plain decoding at every K; the trunk's logits equal transformers 5.24's
+``BailingHybridForCausalLM`` on a recorded fixture (``fixtures/bailing_hybrid_reference.py``)."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import family_checks as fc
+from family_checks import HEADS, mlx_lm_model, raw_tensors, rms
+from mlx_mtp.models.cache.kv import cache_state_arrays
+from mlx_mtp.models.cache.recurrent import RecurrentCache
+from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.testing.tiny_bailing import make_tiny_bailing_hybrid
+
+RNG = np.random.default_rng(0)
+PROMPT = [int(x) for x in RNG.integers(0, 128, 14)]
+PROMPTS = [[int(x) for x in RNG.integers(0, 128, n)] for n in (5, 12, 2, 9)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return fc.one_family(tmp_path_factory, "bailing", make_tiny_bailing_hybrid)
+
+
+def test_trunk_logits_follow_mlx_lm(ckpt):
+    path = ckpt()
+    fc.assert_trunk_follows_mlx_lm(load_model(path)[0], mlx_lm_model(path),
+                                   [PROMPT, [4], [77], [2, 9, 11]], atol=2e-5)
+
+
+def test_replay_after_partial_acceptance_equals_plain_decoding(ckpt):
+    """Verify four tokens, keep two: the KDA conv windows and states (and the MLA caches) are
+    those of decoding the two one by one, and so are the logits that follow."""
+    model = load_model(ckpt("noisy"))[0]
+    plain = model.make_cache()
+    model.trunk(mx.array([PROMPT]), plain)
+    for t in (4, 77):
+        model.trunk(mx.array([[t]]), plain)
+    plain_state = [np.array(a) for a in cache_state_arrays(plain)]
+    want = model.logits(model.trunk(mx.array([[5]]), plain)[0])
+    spec = model.make_cache()
+    model.trunk(mx.array([PROMPT]), spec)
+    model.trunk(mx.array([[4, 77, 2, 9]]), spec, capture=True)
+    for c in spec:
+        c.accept([2])
+    assert sum(isinstance(c, RecurrentCache) for c in spec) == 2
+    replayed = [np.array(a) for a in cache_state_arrays(spec)]
+    assert [a.shape for a in replayed] == [a.shape for a in plain_state]
+    for a, b in zip(replayed, plain_state):  # one replayed call vs two steps: rounding only
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    got = model.logits(model.trunk(mx.array([[5]]), spec)[0])
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+    assert int(got.argmax()) == int(want.argmax())
+
+
+def test_kda_state_stays_float32_in_a_bfloat16_model(ckpt):
+    model = load_model(ckpt("noisy", dtype=mx.bfloat16), dtype="bfloat16")[0]
+    cache = model.make_cache()
+    model.trunk(mx.array([PROMPT]), cache)
+    conv, state = cache[0].state
+    assert conv.dtype == mx.bfloat16 and state.dtype == mx.float32
+    assert model.model.layers[0].attention.A_log.dtype == mx.float32
+
+
+@pytest.mark.parametrize("agree", list(HEADS))
+def test_greedy_identical_to_mlx_lm(ckpt, agree):
+    """At partial acceptance the KDA replay runs on kept prefixes shorter than K+1."""
+    fc.assert_greedy_identical(ckpt(HEADS[agree]), PROMPT, agree)
