@@ -72,3 +72,69 @@ def test_kda_state_stays_float32_in_a_bfloat16_model(ckpt):
 def test_greedy_identical_to_mlx_lm(ckpt, agree):
     """At partial acceptance the KDA replay runs on kept prefixes shorter than K+1."""
     fc.assert_greedy_identical(ckpt(HEADS[agree]), PROMPT, agree)
+
+
+def test_mtp_layer_equals_reference(ckpt):
+    """[enorm(e) || hnorm(h)] @ eh_proj, mlx-lm's MLA + MoE decoder layer, final_layernorm;
+    tensors read from the checkpoint's own names."""
+    from mlx_lm.models.base import create_causal_mask
+
+    path = ckpt("noisy")
+    raw = raw_tensors(path)
+    model = load_model(path)[0]
+    eps, p = model.args.rms_norm_eps, "model.layers.4."
+    hidden, tokens = fc.reference_inputs(model.args.hidden_size)
+    x = mx.array(fc.fused_input(raw["model.word_embeddings.weight"][tokens], hidden,
+                                raw[p + "enorm.weight"], raw[p + "hnorm.weight"],
+                                raw[p + "eh_proj.weight"], eps))
+    block = model.mtp.layers[0].block
+    assert not block.is_linear and type(block.mlp).__name__ == "BailingSparseMoE"
+    np.testing.assert_array_equal(np.array(block.attention.dense.weight),
+                                  raw[p + "attention.dense.weight"])
+    x = np.array(block(x, create_causal_mask(x.shape[1]), None))
+    fc.assert_mtp_forward_equals(model, hidden, tokens,
+                                 rms(x, raw[p + "final_layernorm.weight"], eps))
+
+
+def test_batched_rows_equal_mlx_lm(ckpt):
+    """Rows keep different numbers of drafts: one replay call with per-row lengths."""
+    path = ckpt("noisy")
+    fc.assert_batched_rows_equal_mlx_lm(load_model(path)[0], mlx_lm_model(path), PROMPTS)
+
+
+def test_checkpoint_without_its_mtp_layer(ckpt):
+    path = ckpt(drop_mtp=True)
+    fc.assert_missing_head_explained(path, "model.layers.4.eh_proj.weight",
+                                     "model.layers.4.final_layernorm.weight")
+    fc.assert_decodes_without_head(path, PROMPT)
+
+
+def test_convert_keeps_the_released_names_and_mlx_lm_still_loads(ckpt, tmp_path):
+    out = tmp_path / "out"
+    ours = fc.assert_convert_round_trip(ckpt("noisy"), out, PROMPT, atol=1e-5)
+    names = {k for k, _ in tree_flatten(ours.parameters())}
+    assert "mtp.layers.0.block.mlp.switch_mlp.gate_proj.weight" in names
+    stored = raw_tensors(out, "mtp*.safetensors")
+    assert "model.layers.4.final_layernorm.weight" in stored and not any(
+        k.startswith("mtp.") for k in stored)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_add_mtp_onto_an_mlx_lm_conversion(ckpt, tmp_path, quantize):
+    fc.assert_add_mtp_onto_mlx_lm_conversion(ckpt("noisy"), tmp_path / "mlx-community", PROMPT,
+                                             quantize)
+
+
+def test_distributed_split_is_refused_clearly(ckpt):
+    from mlx_mtp.models.distributed import DistributedError, load_distributed
+
+    with pytest.raises(DistributedError, match="cannot split bailing_hybrid models yet"):
+        load_distributed(str(ckpt()))
+
+
+def test_sampling_follows_the_target_distribution(ckpt):
+    """Sampled drafts accepted in part: the replayed KDA state keeps the joint of the next
+    two tokens exactly the target's."""
+    path = ckpt("random", vocab_size=8)
+    fc.assert_sampling_follows_target(load_model(path)[0], mlx_lm_model(path),
+                                      [1, 2, 3, 4, 5, 6, 7])
