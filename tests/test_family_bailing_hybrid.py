@@ -28,6 +28,27 @@ def ckpt(tmp_path_factory):
     return fc.one_family(tmp_path_factory, "bailing", make_tiny_bailing_hybrid)
 
 
+REFERENCE = Path(__file__).parent / "fixtures" / "bailing_hybrid_reference.npz"
+
+
+def test_trunk_equals_transformers(ckpt):
+    """transformers 5.24's ``BailingHybridForCausalLM`` (recorded by
+    ``fixtures/bailing_hybrid_reference.py``) on the same released-layout checkpoint: our
+    logits over the prompt and its continuation match its forward (KDA's chunked kernel),
+    and our greedy continuation at K = 0..3 is its cached one-token decoding's."""
+    ref = np.load(REFERENCE)
+    path = ckpt()
+    weights = raw_tensors(path)
+    np.testing.assert_allclose([weights[k].astype(np.float64).sum() for k in sorted(weights)],
+                               ref["fingerprint"], rtol=1e-6, err_msg="rerun the generator")
+    prompt, tokens = ref["prompt"].tolist(), ref["tokens"].tolist()
+    model = load_model(path)[0]
+    logits = model.logits(model.trunk(mx.array([prompt + tokens]))[0])[0]
+    np.testing.assert_allclose(np.array(logits), ref["forward_logits"], atol=2e-5)
+    for k in range(4):
+        assert fc.mtp_tokens(model, prompt, k, n=len(tokens))[0] == tokens, f"K={k}"
+
+
 def test_trunk_logits_follow_mlx_lm(ckpt):
     path = ckpt()
     fc.assert_trunk_follows_mlx_lm(load_model(path)[0], mlx_lm_model(path),

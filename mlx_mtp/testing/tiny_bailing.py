@@ -33,7 +33,9 @@ def bailing_hybrid_config(vocab_size: int = 128, hidden: int = 64, num_layers: i
             "kda_lower_bound": -5.0, "kda_safe_gate": True, "no_kda_lora": True,
             "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_interleave": True,
             "max_position_embeddings": 4096, "hidden_act": "silu", "tie_word_embeddings": False,
-            "num_nextn_predict_layers": mtp_layers}
+            "num_nextn_predict_layers": mtp_layers,
+            # transformers' defaults are the released vocabulary's ids.
+            "pad_token_id": 0, "eos_token_id": 1}
 
 
 def _released(weights: dict, prefix: str) -> None:
