@@ -159,3 +159,26 @@ def test_sampling_follows_the_target_distribution(ckpt):
     path = ckpt("random", vocab_size=8)
     fc.assert_sampling_follows_target(load_model(path)[0], mlx_lm_model(path),
                                       [1, 2, 3, 4, 5, 6, 7])
+
+
+def test_inspect_finds_the_head_and_sizes_the_caches(ckpt, capsys):
+    """The head under ``model.layers.4.``; the recurrent state per sequence is what a
+    bfloat16 model's KDA caches hold (float32 state, 16-bit conv windows), and the cache per
+    token what its MLA caches (the MTP layer's too) grow by."""
+    from mlx_mtp.tools.inspect_model import inspect_model, render
+
+    path = ckpt("noisy", dtype=mx.bfloat16)
+    report = inspect_model(str(path))
+    assert report["mtp"]["present_layers"] == 1 and report["head_stripped"] is False
+    assert report["mtp"]["key_prefix"] == "model.layers.4."
+    model = load_model(path, dtype="bfloat16")[0]
+    cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
+    h = model.trunk(mx.array([PROMPT[:8]]), cache)[1]
+    model.mtp_forward(h, mx.array([PROMPT[1:9]]), mtp_cache)
+    kda = [c for c in cache if isinstance(c, RecurrentCache)]
+    mx.eval([c.state for c in cache + mtp_cache])
+    assert report["memory"]["state_bytes_per_sequence"] == sum(
+        a.nbytes for c in kda for a in c.state)
+    per_token = sum(a.nbytes for c in cache + mtp_cache if c not in kda for a in c.state) // 8
+    assert report["memory"]["kv_bytes_per_1k_tokens"] == 1024 * per_token
+    assert "float32 at any weight precision" in render(report)
