@@ -125,6 +125,9 @@ class Model(_Model):
             r = gated_mla(layer.attention, normed, mask, cache, absorbed)
         return mlp_after(layer, x, r, last_only)
 
+    def splits_mtp_block(self) -> bool:
+        return True  # ``decoder_layer`` runs the MoE on the last row alone when asked
+
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
         """``capture``: a verify pass, whose rows are computed as one-token decoding
         computes them (MLA absorbed; KDA records its replay)."""
