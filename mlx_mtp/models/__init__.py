@@ -26,6 +26,7 @@ MODEL_TYPES = {
     "deepseek_v32": "deepseek_v32",
     "glm_moe_dsa": "glm_moe_dsa",
     "bailing_hybrid": "bailing_hybrid",
+    "minimax_m3_vl": "minimax_m3_vl",
 }
 
 

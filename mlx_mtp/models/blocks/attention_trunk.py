@@ -374,8 +374,9 @@ def is_mtp_checkpoint_key(key: str, num_hidden_layers: int) -> bool:
 
 
 def trunk_layer_count(config: dict) -> int:
-    """``num_hidden_layers`` (LongCat names it ``num_layers``)."""
-    return int(config.get("num_hidden_layers", config.get("num_layers", 0)))
+    """``num_hidden_layers`` (LongCat names it ``num_layers``), of the text model."""
+    text = layout.text_config(config)
+    return int(text.get("num_hidden_layers", text.get("num_layers", 0)))
 
 
 def mtp_key_predicate(config: dict) -> Callable[[str], bool]:
