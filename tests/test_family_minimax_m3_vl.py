@@ -95,3 +95,35 @@ def test_convert_drops_nothing_it_runs_and_mlx_lm_loads_the_result(ckpt, tmp_pat
     assert mx.array_equal(ours(x), load_model(src, mtp=False)[0](x))
     np.testing.assert_allclose(np.array(fc.mlx_lm_model(tmp_path / "out")(x)), np.array(ours(x)),
                                atol=1e-5)
+
+
+def test_engine_rows_and_a_restored_turn_equal_mlx_lm(ckpt, tmp_path):
+    """The server engine without a head: concurrent rows (one with context drafts, verified
+    several rows at a time), and a prompt prefix saved to disk and restored, decode as
+    mlx-lm does."""
+    from engine_events import make_engine, run
+    from mlx_mtp.decode.draft_source import DraftSources
+    from mlx_mtp.models.io.loader import load
+    from mlx_mtp.server.prefix_cache import PrefixCache
+    from mlx_mtp.server.session_store import SessionStore, model_fingerprint
+
+    path = ckpt(vocab_size=4096)
+    model_tok = load(str(path), mtp=False)
+    ref = fc.mlx_lm_model(path, strict=False)
+    prompt = [int(x) for x in RNG.integers(0, 4096, 40)]
+    longer = prompt + prompt[:9]  # repeats: the lookup drafter finds them
+    prompts = [prompt, longer[5:], prompt[:3], longer]
+    sinks = run(make_engine(model_tok, num_draft_tokens=0, prefill_step_size=16,
+                            draft_sources=DraftSources("lookup")), prompts)
+    assert [s.tokens for s in sinks] == [fc.mlx_lm_greedy(ref, p, 12) for p in prompts]
+    assert sum(s.done.usage["draft_tokens_by_source"]["lookup"]["drafted"] for s in sinks) > 0
+    fp = model_fingerprint(model_tok[0])
+    pc = PrefixCache(8, 1 << 30, disk=SessionStore(tmp_path, fp, min_tokens=16))
+    run(make_engine(model_tok, num_draft_tokens=0, prefix_cache=pc, prefill_step_size=16),
+        [prompt], boundaries=[24, 39])
+    pc.disk.flush()
+    pc2 = PrefixCache(8, 1 << 30, disk=SessionStore(tmp_path, fp, min_tokens=16))
+    warm = run(make_engine(model_tok, num_draft_tokens=0, prefix_cache=pc2,
+                           prefill_step_size=16), [longer])[0]
+    assert pc2.disk.hits == 1
+    assert warm.tokens == fc.mlx_lm_greedy(ref, longer, 12)
