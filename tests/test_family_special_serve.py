@@ -1,6 +1,6 @@
 """The families with special caches in the server engine: concurrent requests batch
 (window caches per row, Mamba-2 replay per row, chained MTP layers, LongCat's two caches
-per layer, DSA's latent and indexer caches past index_topk), prompt-prefix states
+per layer, DSA's latent and indexer caches past index_topk, Ling's KDA replay per row), prompt-prefix states
 go to memory and disk and a restored turn decodes as a cold one and as plain decoding."""
 
 import numpy as np
@@ -13,6 +13,7 @@ from mlx_mtp.models.io.loader import load
 from mlx_mtp.models.cache.window import WindowKVCache
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.server.session_store import SessionStore, model_fingerprint
+from mlx_mtp.testing.tiny_bailing import make_tiny_bailing_hybrid
 from mlx_mtp.testing.tiny_special import (make_tiny_dsa, make_tiny_longcat_flash,
                                           make_tiny_mimo_v2_flash, make_tiny_nemotron_h,
                                           make_tiny_step3p5)
@@ -20,7 +21,8 @@ from mlx_mtp.testing.tiny_special import (make_tiny_dsa, make_tiny_longcat_flash
 BUILDERS = {"step3p5": make_tiny_step3p5, "mimo_v2_flash": make_tiny_mimo_v2_flash,
             "nemotron_h": make_tiny_nemotron_h, "longcat_flash": make_tiny_longcat_flash,
             "glm_moe_dsa": lambda path, head, **kw: make_tiny_dsa(path, "glm_moe_dsa", head,
-                                                                  **kw)}
+                                                                  **kw),
+            "bailing_hybrid": make_tiny_bailing_hybrid}
 RNG = np.random.default_rng(7)
 PROMPT = [int(x) for x in RNG.integers(0, 128, 40)]  # five windows of 8
 LONGER = PROMPT + [int(x) for x in RNG.integers(0, 128, 9)]

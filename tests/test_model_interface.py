@@ -13,7 +13,7 @@ from mlx_mtp.models.distributed import DistributedModel
 from mlx_mtp.models.interface import ModelInterface, MTPModel
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.options import UserError, apply_model_options
-from mlx_mtp.testing import tiny, tiny_attention, tiny_special
+from mlx_mtp.testing import tiny, tiny_attention, tiny_bailing, tiny_special
 
 PROMPT = [3, 17, 5, 90, 41, 8, 66]
 DRAFTS = [12, 7, 30]
@@ -27,6 +27,7 @@ MAKERS = {
     "nemotron_h": tiny_special.make_tiny_nemotron_h,
     "longcat_flash": tiny_special.make_tiny_longcat_flash,
     "deepseek_v32": tiny_special.make_tiny_dsa,
+    "bailing_hybrid": tiny_bailing.make_tiny_bailing_hybrid,  # KDA + MLA
 }
 
 

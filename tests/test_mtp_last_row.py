@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_mtp.testing import tiny, tiny_attention, tiny_special
+from mlx_mtp.testing import tiny, tiny_attention, tiny_bailing, tiny_special
 
 FULL, PREFIX = 4, 5  # rows in the pass, positions already in the MTP cache
 HYBRID = ("qwen3_5_moe", "qwen3_next")
@@ -33,6 +33,7 @@ BUILDERS = {
     "deepseek_v32": lambda: _attention(tiny_special.dsa_config("deepseek_v32")),
     "glm_moe_dsa": lambda: _attention(tiny_special.dsa_config("glm_moe_dsa")),
     "nemotron_h": lambda: _nemotron(),  # pattern "*E": attention, then an MoE block
+    "bailing_hybrid": lambda: _attention(tiny_bailing.bailing_hybrid_config()),  # gated MLA
 }
 
 

@@ -41,7 +41,7 @@ from .common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast
                      _incomplete_head, _param_bytes, _print_summary, _summarize, _warn)
 from . import split_mtp as split_mtp_io
 from ..models.io import hub
-from ..models import UnsupportedModelError
+from ..models import UnsupportedModelError, refuse_not_yet
 from ..models.blocks.attention_trunk import count_checkpoint_mtp_layers, family_of
 from ..models.io.layout import (QWEN_FAMILIES, CheckpointError, MissingMTPWeightsError,
                              config_mtp_layers, config_quantization, count_mtp_layers, family,
@@ -81,6 +81,7 @@ def _refuse_split_drafter(src: Path, config: dict, weights: dict) -> None:
 
 def _load_source(src: Path, verbose: bool) -> _Source:
     config = load_config(src)
+    refuse_not_yet(config.get("model_type"))  # before reading any weights
     files = weight_files(src)
     weights = read_tensors(files, verbose=verbose)
     _refuse_split_drafter(src, config, weights)

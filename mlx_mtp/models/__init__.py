@@ -25,6 +25,28 @@ MODEL_TYPES = {
     "longcat_flash": "longcat_flash",
     "deepseek_v32": "deepseek_v32",
     "glm_moe_dsa": "glm_moe_dsa",
+    "bailing_hybrid": "bailing_hybrid",
+    "minimax_m3_vl": "minimax_m3_vl",
+}
+
+
+# Model types whose checkpoints ship an MTP head that mlx-mtp cannot run yet, and what is
+# missing (docs/model-families.md, "Not yet supported").
+_NO_TRUNK = "needs a trunk mlx-lm 0.32 lacks"
+NOT_YET = {
+    "qwen4_exp": f"{_NO_TRUNK} (hyper-connection streams, hashed n-gram embeddings, "
+                 "block-sparse attention)",
+    "deepseek_v4": f"{_NO_TRUNK} (hyper-connection streams, compressed attention windows)",
+    "glm5_next": f"{_NO_TRUNK} (KDA with NoPE MLA, its indexer and hyper-connection streams)",
+    "inkling": f"{_NO_TRUNK} (relative-bias attention with short convolutions)",
+    "mistral_large4": f"{_NO_TRUNK}, and its mtp_dspark head has no reference implementation",
+    "hy_v3": _NO_TRUNK,
+    "hy_v4": _NO_TRUNK,
+    "exaone4_5": _NO_TRUNK,
+    "dots3_note": _NO_TRUNK,
+    "ernie4_5_moe": "no reference defines its MTP head (transformers ignores the keys)",
+    "exaone_moe": "no reference defines its MTP head (transformers ignores the keys)",
+    "olmo_hybrid": "no reference defines its MTP head (transformers ignores the keys)",
 }
 
 
@@ -32,7 +54,17 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+def refuse_not_yet(model_type: str) -> None:
+    """Refuse, in one line, a model type in ``NOT_YET`` (or its ``*_text`` config)."""
+    reason = NOT_YET.get(str(model_type).removesuffix("_text"))
+    if reason is not None and model_type not in MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported by mlx-mtp yet: it {reason}. "
+            "See docs/model-families.md.")
+
+
 def get_model_module(model_type: str):
+    refuse_not_yet(model_type)
     name = MODEL_TYPES.get(model_type)
     if name is None:
         supported = ", ".join(sorted(MODEL_TYPES))

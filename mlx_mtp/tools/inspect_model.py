@@ -8,8 +8,9 @@ grafts one back, the draft-vocabulary file, and the memory the model needs to ru
 
 A checkpoint the loader would refuse (a damaged config or header, counts the weight files
 cannot hold, a config no model can be built from) is refused here too, with the loader's
-message and exit 2; a model_type mlx-mtp does not run is reported (exit 0) with advice,
-its config's JSON types checked only.
+message and exit 2, as is a model type whose MTP head mlx-mtp cannot run yet
+(``models.NOT_YET``: the message says what it lacks); any other model_type mlx-mtp does not
+run is reported (exit 0) with advice, its config's JSON types checked only.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ..models import MODEL_TYPES
+from ..models import MODEL_TYPES, refuse_not_yet
 from ..models.draft import vocab as draft_vocab
+from ..models.blocks.attention_trunk import count_checkpoint_mtp_layers, mtp_key_predicate
 from ..models.blocks.hybrid import HybridArgs
+from ..models.families import bailing_hybrid
 from ..models.io.layout import (CheckpointError, args_dict, config_mtp_layers, config_quantization,
-                             count_mtp_layers, family, is_mtp_key, text_config)
+                             count_mtp_layers, family, text_config)
 from ..models.io.config_checks import check_fits_weights
 from ..models.io.files import read_safetensors_header
 from ..models.io.loader import (build_model, check_tokenizer_files, load_config,
@@ -41,6 +44,9 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16
                "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
                "F8_E4M3": "fp8 (e4m3)", "F8_E5M2": "fp8 (e5m2)"}
+# Families whose caches the Qwen-hybrid estimate does not describe: config -> (16-bit
+# cache bytes per token, recurrent state bytes per sequence).
+FAMILY_CACHE_BYTES = {"bailing_hybrid": bailing_hybrid.cache_bytes}
 _VISION_PREFIXES = ("model.visual", "visual.", "vision_tower", "model.vision")
 # A split drafter's tensors are the head's own, with the ``mtp.`` prefix stripped.
 _SPLIT_KEYS = ("fc.weight", "pre_fc_norm_hidden.weight", "pre_fc_norm_embedding.weight")
@@ -108,8 +114,10 @@ def precision_counts(config: dict, tensors: Dict[str, Tensor], keys: List[str]) 
 
 def mtp_summary(config: dict, tensors: Dict[str, Tensor], layout_name: str) -> dict:
     """Declared and present MTP layers, the files holding them, precision and bytes."""
-    keys = list(tensors) if layout_name == LAYOUT_SPLIT else [k for k in tensors if is_mtp_key(k)]
-    present = count_mtp_layers(keys if layout_name != LAYOUT_SPLIT else ["mtp." + k for k in keys])
+    is_mtp = mtp_key_predicate(config)  # a family's own prefixes too (``model.layers.{>=N}``)
+    keys = list(tensors) if layout_name == LAYOUT_SPLIT else [k for k in tensors if is_mtp(k)]
+    present = (count_mtp_layers(keys if layout_name != LAYOUT_SPLIT else ["mtp." + k for k in keys])
+               or count_checkpoint_mtp_layers(config, keys))
     return {
         "declared_layers": config_mtp_layers(config),
         "present_layers": present,
@@ -139,6 +147,9 @@ def memory_estimate(config: dict, tensors: Dict[str, Tensor]) -> dict:
     weights = sum(t.nbytes for k, t in tensors.items() if not k.startswith(_VISION_PREFIXES))
     out = {"weights_bytes": weights, "kv_bytes_per_1k_tokens": None,
            "state_bytes_per_sequence": None}
+    if config.get("model_type") in FAMILY_CACHE_BYTES:
+        per_token, state = FAMILY_CACHE_BYTES[config["model_type"]](text_config(config))
+        return dict(out, kv_bytes_per_1k_tokens=1024 * per_token, state_bytes_per_sequence=state)
     try:
         args = HybridArgs.from_dict(args_dict(config))
     except (CheckpointError, ValueError, TypeError, KeyError, ZeroDivisionError):
@@ -198,7 +209,9 @@ def _advice(path: Path, layout_name: str, mtp: dict, supported: bool = True) -> 
 
 def check_loadable(where: Path, config: dict, layout_name: str) -> None:
     """The loader's refusals of a model_type it runs, from the config, the file sizes and
-    the tokenizer files (the model is built lazily: nothing is allocated)."""
+    the tokenizer files (the model is built lazily: nothing is allocated); a model type
+    whose head mlx-mtp cannot run yet (``NOT_YET``) is refused with what it lacks."""
+    refuse_not_yet(config.get("model_type"))
     if config.get("model_type") not in MODEL_TYPES:
         return  # the report says mlx-mtp cannot run it, and what can
     split = layout_name == LAYOUT_SPLIT  # a drafter borrows its trunk's tokenizer...
@@ -216,7 +229,8 @@ def inspect_model(path: Optional[str]) -> dict:
     layout_name = detect_layout(config, tensors)
     check_loadable(where, config, layout_name)
     mtp = mtp_summary(config, tensors, layout_name)
-    trunk = [k for k in tensors if not is_mtp_key(k) and not k.startswith(_VISION_PREFIXES)]
+    is_mtp = mtp_key_predicate(config)
+    trunk = [k for k in tensors if not is_mtp(k) and not k.startswith(_VISION_PREFIXES)]
     model_type = config.get("model_type")
     return {
         "path": str(where),
@@ -273,7 +287,8 @@ def render(report: dict) -> str:
     if mem["kv_bytes_per_1k_tokens"] is not None:
         memory += f"; KV cache {_size(mem['kv_bytes_per_1k_tokens'])} per 1k tokens"
     if mem["state_bytes_per_sequence"]:
-        memory += f"; recurrent state {_size(mem['state_bytes_per_sequence'])} per sequence"
+        memory += (f"; recurrent state {_size(mem['state_bytes_per_sequence'])} per sequence "
+                   "(float32 at any weight precision)")
     rows.append(("memory", memory))
     if report["advice"]:
         rows.append(("next", report["advice"]))

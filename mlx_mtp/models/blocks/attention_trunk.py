@@ -109,6 +109,12 @@ def mla_attention(attn, x, mask, cache, absorbed: bool):
     ``absorbed`` is what mlx-lm runs for one token (q W_k^T against the cached latent,
     W_v after), otherwise keys and values are expanded from the latent."""
     B, L, _ = x.shape
+    return attn.o_proj(mla_heads(attn, x, mask, cache, absorbed).reshape(B, L, -1))
+
+
+def mla_heads(attn, x, mask, cache, absorbed: bool):
+    """``mla_attention`` before its output projection: each head's output (B, L, heads, Dv)."""
+    B, L, _ = x.shape
     if attn.q_lora_rank is None:
         q = attn.q_proj(x)
     else:
@@ -142,7 +148,7 @@ def mla_attention(attn, x, mask, cache, absorbed: bool):
         k = attn.embed_q(latent, transpose=False)
         v = attn.unembed_out(latent)
         out = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=attn.scale, mask=scores)
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    return out.transpose(0, 2, 1, 3)
 
 
 def mlp_after(layer, x, r, last_only: bool = False):
@@ -368,8 +374,9 @@ def is_mtp_checkpoint_key(key: str, num_hidden_layers: int) -> bool:
 
 
 def trunk_layer_count(config: dict) -> int:
-    """``num_hidden_layers`` (LongCat names it ``num_layers``)."""
-    return int(config.get("num_hidden_layers", config.get("num_layers", 0)))
+    """``num_hidden_layers`` (LongCat names it ``num_layers``), of the text model."""
+    text = layout.text_config(config)
+    return int(text.get("num_hidden_layers", text.get("num_layers", 0)))
 
 
 def mtp_key_predicate(config: dict) -> Callable[[str], bool]:
