@@ -25,6 +25,8 @@ MODEL_TYPES = {
     "longcat_flash": "longcat_flash",
     "deepseek_v32": "deepseek_v32",
     "glm_moe_dsa": "glm_moe_dsa",
+    "step3p7": "step3p7",
+    "mellum": "mellum",
 }
 
 
