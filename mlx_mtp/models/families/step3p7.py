@@ -9,8 +9,9 @@ top level (``model.*``, ``lm_head.*``); the three MTP layers sit flat at
 ``model.layers.{N..N+2}.*`` (no ``transformer.`` level), one per drafting depth, chained.
 Sliding layers, the MTP layers included, take their head counts from
 ``attention_other_setting`` (mlx-lm's ``Step3p5Attention`` reads it). The vision tower
-(``vision_model.*``) and its projector (``vit_large_projector.*``) are dropped before
-anything reads them, so they cost neither time nor memory.
+(``vision_model.*``) and its projector (``vit_large_projector.*``) are dropped with the
+other vision-language wrappers' (``layout.VISION_PREFIXES``) before anything reads them, so
+they cost neither time nor memory.
 """
 
 from __future__ import annotations
@@ -18,10 +19,6 @@ from __future__ import annotations
 from ..blocks.attention_trunk import ModelArgs
 from ..io import layout
 from . import step3p5
-
-# The vision side, as released (StepFun's names) and as transformers' own exports name it.
-VISION_PREFIXES = ("vision_model.", "vit_large_projector.", "model.vision_model.",
-                   "model.multi_modal_projector.")
 
 
 def text_args(args: ModelArgs) -> ModelArgs:
@@ -40,6 +37,8 @@ class Model(step3p5.Model):
     def __init__(self, args: ModelArgs):
         super().__init__(text_args(args))
 
-    def sanitize(self, weights: dict) -> dict:
-        return super().sanitize({k: v for k, v in weights.items()
-                                 if not k.startswith(VISION_PREFIXES)})
+    def checkpoint_name(self, key: str) -> str:
+        """Step-3.5's name without its ``transformer.`` level: Step-3.7 stores the block flat."""
+        name = super().checkpoint_name(key)
+        nested = self.family.mtp_prefix(self.args, 0) + step3p5.BLOCK_LEVEL
+        return name.replace(step3p5.BLOCK_LEVEL, "", 1) if name.startswith(nested) else name
