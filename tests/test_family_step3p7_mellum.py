@@ -225,3 +225,29 @@ def test_inspect_finds_the_head_under_its_released_prefix(ckpt, family):
     assert r["vision_tensors"] == (3 if family == "step3p7" else 0)
     stripped = inspect_model(str(ckpt(family, drop_mtp=True)))
     assert stripped["head_stripped"] and stripped["mtp"]["present_layers"] == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_state_survives_the_disk_store(ckpt, family):
+    """A prefilled state (windows wrapped; Step-3.7: a chain of three layer caches) written as
+    the session store writes it and read back: decoding continues exactly."""
+    from mlx_mtp.decode.speculative import MTPDecoder
+    from mlx_mtp.server.session_store import _state_from_tensors, _state_tensors
+
+    model = load_model(ckpt(family, "noisy"))[0]
+
+    def decode(dec, n=12):
+        out = []
+        while len(out) < n:
+            out += dec.step().tokens
+        return out[:n]
+
+    dec = MTPDecoder(model, 3, adaptive=False)
+    dec.prefill(PROMPT, snapshot_at=len(PROMPT) - 2)
+    state, want = dec.snapshot_state, decode(dec)
+    tensors, saved = _state_tensors(state)
+    loaded = _state_from_tensors({k: mx.array(np.array(v)) for k, v in tensors.items()}, saved)
+    fresh = MTPDecoder(model, 3, adaptive=False)
+    fresh.restore(loaded)
+    fresh.prefill(PROMPT)
+    assert decode(fresh) == want == fc.mtp_tokens(model, PROMPT, 0, n=12)[0]
