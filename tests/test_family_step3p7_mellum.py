@@ -251,3 +251,26 @@ def test_prompt_state_survives_the_disk_store(ckpt, family):
     fresh.restore(loaded)
     fresh.prefill(PROMPT)
     assert decode(fresh) == want == fc.mtp_tokens(model, PROMPT, 0, n=12)[0]
+
+
+def test_step3p7_add_mtp_onto_an_mlx_vlm_conversion(tmp_path):
+    """mlx-community's Step-3.7 repos are mlx-vlm conversions (``language_model.model.*``, the
+    vision tower kept, the MTP layers dropped; ``fixtures/mtp_next/step3p7_mlx_vlm``, recorded
+    by ``make_mlx_vlm_conversion.py``). It decodes plainly as transformers does; loading it
+    with its head names the missing layers and add-mtp; grafted from the original, every K
+    gives transformers' greedy output and transformers' drafts."""
+    import shutil
+
+    from mlx_mtp.convert.add_mtp import add_mtp
+
+    ref, dst = reference("step3p7"), tmp_path / "mlx-community"
+    shutil.copytree(FIXTURES / "step3p7_mlx_vlm", dst)
+    plain = load_model(dst, mtp=False)[0]
+    assert fc.mtp_tokens(plain, ref["prompt"], 0, n=len(ref["greedy"]))[0] == ref["greedy"]
+    with pytest.raises(fc.MissingMTPWeightsError, match="add-mtp"):
+        load_model(dst)
+    add_mtp(dst, FIXTURES / "step3p7", verbose=False)
+    model = load_model(dst)[0]
+    assert chained_drafts(model, ref["prompt"])[0] == ref["drafts"]
+    for k in (1, 3):
+        assert fc.mtp_tokens(model, ref["prompt"], k, n=len(ref["greedy"]))[0] == ref["greedy"]
