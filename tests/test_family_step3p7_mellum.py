@@ -278,3 +278,38 @@ def test_step3p7_add_mtp_onto_an_mlx_vlm_conversion(tmp_path):
     assert chained_drafts(model, ref["prompt"])[0] == ref["drafts"]
     for k in (1, 3):
         assert fc.mtp_tokens(model, ref["prompt"], k, n=len(ref["greedy"]))[0] == ref["greedy"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_server_engine_batches_and_restores_a_turn_from_disk(family, tmp_path):
+    """Concurrent requests in the server's engine equal each prompt's plain decoding; a
+    prompt's state saved to disk (windows wrapped) and restored decodes a longer turn as a
+    cold start and as plain decoding do."""
+    from engine_events import make_engine, run
+    from mlx_mtp.models.io.loader import load
+    from mlx_mtp.server.prefix_cache import PrefixCache
+    from mlx_mtp.server.session_store import SessionStore, model_fingerprint
+
+    # The test tokenizer has 4096 ids: the embedding table must cover them.
+    model_tok = load(str(BUILDERS[family](tmp_path / "ckpt", "noisy", vocab_size=4096)))
+    prompt = [int(x) for x in RNG.integers(0, 128, 40)]  # five windows of 8
+    longer = prompt + [int(x) for x in RNG.integers(0, 128, 9)]
+
+    def engine(k=3, prefix_cache=None):
+        return make_engine(model_tok, num_draft_tokens=k, adaptive=False,
+                           prefix_cache=prefix_cache, prefill_step_size=16)
+
+    prompts = [prompt, longer[5:], prompt[:3], longer[20:]]
+    plain = [fc.mtp_tokens(model_tok[0], p, 0, n=12)[0] for p in prompts]
+    assert [s.tokens for s in run(engine(), prompts)] == plain
+    fp = model_fingerprint(model_tok[0])
+    pc = PrefixCache(8, 1 << 30, disk=SessionStore(tmp_path / "s", fp, min_tokens=16))
+    run(engine(prefix_cache=pc), [prompt], boundaries=[24, 39])
+    pc.disk.flush()
+    windows = [c for c in pc.entries[tuple(prompt)].state.cache if isinstance(c, WindowKVCache)]
+    assert windows and all(c.start > 0 for c in windows)
+    pc2 = PrefixCache(8, 1 << 30, disk=SessionStore(tmp_path / "s", fp, min_tokens=16))
+    warm = run(engine(prefix_cache=pc2), [longer])[0]
+    assert warm.done.usage["prompt_tokens_details"]["cached_tokens"] == 39 and pc2.disk.hits == 1
+    cold, plain = run(engine(), [longer])[0], run(engine(k=0), [longer])[0]
+    assert warm.tokens == cold.tokens == plain.tokens
