@@ -34,6 +34,7 @@ BUILDERS = {"step3p7": make_tiny_step3p7, "mellum": make_tiny_mellum}
 RNG = np.random.default_rng(11)
 PROMPT = [int(x) for x in RNG.integers(0, 128, 20)]  # wraps the window of 8
 PROMPTS = [[int(x) for x in RNG.integers(0, 128, n)] for n in (5, 17, 1, 11)]
+MARGIN = window_cache.ROLLBACK_MARGIN  # what a full-length context draft needs
 # Where the first MTP layer's fused projection sits in each release (trunk: 3 layers).
 EH_PROJ = {"step3p7": "model.layers.3.eh_proj.weight", "mellum": "mtp.fc.weight"}
 
@@ -313,3 +314,24 @@ def test_server_engine_batches_and_restores_a_turn_from_disk(family, tmp_path):
     assert warm.done.usage["prompt_tokens_details"]["cached_tokens"] == 39 and pc2.disk.hits == 1
     cold, plain = run(engine(), [longer])[0], run(engine(k=0), [longer])[0]
     assert warm.tokens == cold.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_context_drafts_beside_the_head(ckpt, family, monkeypatch):
+    """Drafts copied from the context (up to 32 a step, some rejected) before the head's:
+    the window caches and every MTP layer's cache roll back, output equals plain decoding."""
+    monkeypatch.setattr(window_cache, "ROLLBACK_MARGIN", MARGIN)
+    from mlx_mtp.decode.draft_source import DraftSources
+    from mlx_mtp.decode.speculative import MTPDecoder, generate_step
+    from mlx_mtp.drafters.lookup import LookupSettings
+
+    cycle = list(range(40, 90))
+    prompt = cycle + [7, 8] + cycle[:6]  # the oracle trunk copies on past the cycle's end
+    model = load_model(ckpt(family, "oracle"))[0]
+    want = fc.mtp_tokens(model, prompt, 0, n=60)[0]
+    for source, k in (("lookup", 0), ("both", 3)):
+        sources = DraftSources(source, LookupSettings(max_draft=32), adaptive=False)
+        dec = MTPDecoder(model, k, adaptive=False, drafter=sources.drafter())
+        got = [t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=60)]
+        assert got == want, source
+        assert 0 < dec.stats.lookup_accepted_tokens < dec.stats.lookup_draft_tokens
