@@ -6,9 +6,12 @@ with transformers' own classes and written in the released layout, with transfor
 continuation (plain and ``generate(use_mtp=True)``) and its MTP path's chained drafts after the
 prompt (``fixtures/mtp_next/make_reference.py`` records them; CI has no torch). Our plain
 greedy equals transformers', our drafts and their logits equal its MTP drafts, and our greedy
-output at K = 1..3 equals plain decoding. On our own tiny builds (``testing/tiny_next``): an
-oracle head accepts 100 % at every depth, batch rows equal single rows, sampling follows the
-target distribution, convert / add-mtp / inspect keep the head under its released names.
+output at K = 1..3 equals plain decoding; add-mtp onto mlx-vlm's conversion of the Step-3.7
+fixture (mlx-community's layout, ``fixtures/mtp_next/step3p7_mlx_vlm``) restores those drafts.
+On our own tiny builds (``testing/tiny_next``): an oracle head accepts 100 % at every depth,
+batch rows equal single rows, sampling follows the target distribution (chi-square), context
+drafts beside the head, disk sessions and the server engine decode as plain decoding does,
+convert / add-mtp / inspect keep the head under its released names.
 """
 
 import json

@@ -57,6 +57,7 @@ class Trunk(lm.MellumModel):
 
 
 def mtp_block(args: LmArgs, index: int):
+    """The MTP layer's block: attention of its own kind (window, RoPE base), MoE."""
     kind = (args.mtp_layer_types or ["sliding_attention"])[0]
     layer = lm.MellumDecoderLayer(replace(args, layer_types=list(args.layer_types[:index])
                                           + [kind]), index)
