@@ -34,6 +34,7 @@ from pathlib import Path
 import mlx_mtp  # noqa: F401  (before MLX: it routes CPU matmuls to OpenBLAS)
 import mlx.core as mx
 
+from mlx_mtp.testing import tiny_next
 from mlx_mtp.testing import tiny_special as special
 from mlx_mtp.testing.tiny_attention import FAMILIES as ATTENTION_FAMILIES
 from mlx_mtp.testing.tiny_attention import make_tiny
@@ -58,6 +59,9 @@ SPECIAL = {  # issue 27's families: builder, config keywords
     "glm_moe_dsa": (lambda path, head, **kw: special.make_tiny_dsa(path, "glm_moe_dsa", head,
                                                                     **kw),
                     lambda a: dict(num_layers=a.layers, index_topk=INDEX_TOPK)),
+    # Issue 37's families whose trunk mlx-lm has (Step-3.7: three MTP layers).
+    "step3p7": (tiny_next.make_tiny_step3p7, lambda a: dict(num_layers=a.layers, window=WINDOW)),
+    "mellum": (tiny_next.make_tiny_mellum, lambda a: dict(num_layers=a.layers, window=WINDOW)),
 }
 FAMILIES = ATTENTION_FAMILIES + tuple(SPECIAL)
 

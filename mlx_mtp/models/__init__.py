@@ -27,6 +27,8 @@ MODEL_TYPES = {
     "glm_moe_dsa": "glm_moe_dsa",
     "bailing_hybrid": "bailing_hybrid",
     "minimax_m3_vl": "minimax_m3_vl",
+    "step3p7": "step3p7",
+    "mellum": "mellum",
 }
 
 

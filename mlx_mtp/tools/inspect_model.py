@@ -27,8 +27,8 @@ from ..models.draft import vocab as draft_vocab
 from ..models.blocks.attention_trunk import count_checkpoint_mtp_layers, mtp_key_predicate
 from ..models.blocks.hybrid import HybridArgs
 from ..models.families import bailing_hybrid
-from ..models.io.layout import (CheckpointError, args_dict, config_mtp_layers, config_quantization,
-                             count_mtp_layers, family, text_config)
+from ..models.io.layout import (VISION_PREFIXES, CheckpointError, args_dict, config_mtp_layers,
+                                config_quantization, count_mtp_layers, family, text_config)
 from ..models.io.config_checks import check_fits_weights
 from ..models.io.files import read_safetensors_header
 from ..models.io.loader import (build_model, check_tokenizer_files, load_config,
@@ -47,7 +47,6 @@ DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "f
 # Families whose caches the Qwen-hybrid estimate does not describe: config -> (16-bit
 # cache bytes per token, recurrent state bytes per sequence).
 FAMILY_CACHE_BYTES = {"bailing_hybrid": bailing_hybrid.cache_bytes}
-_VISION_PREFIXES = ("model.visual", "visual.", "vision_tower", "model.vision")
 # A split drafter's tensors are the head's own, with the ``mtp.`` prefix stripped.
 _SPLIT_KEYS = ("fc.weight", "pre_fc_norm_hidden.weight", "pre_fc_norm_embedding.weight")
 
@@ -114,10 +113,13 @@ def precision_counts(config: dict, tensors: Dict[str, Tensor], keys: List[str]) 
 
 def mtp_summary(config: dict, tensors: Dict[str, Tensor], layout_name: str) -> dict:
     """Declared and present MTP layers, the files holding them, precision and bytes."""
-    is_mtp = mtp_key_predicate(config)  # a family's own prefixes too (``model.layers.{>=N}``)
-    keys = list(tensors) if layout_name == LAYOUT_SPLIT else [k for k in tensors if is_mtp(k)]
-    present = (count_mtp_layers(keys if layout_name != LAYOUT_SPLIT else ["mtp." + k for k in keys])
-               or count_checkpoint_mtp_layers(config, keys))
+    if layout_name == LAYOUT_SPLIT:
+        keys = list(tensors)
+        present = count_mtp_layers(["mtp." + k for k in keys])
+    else:  # ``mtp.*``, or a family's own prefix (``model.layers.{N+i}.*``, ...)
+        is_head = mtp_key_predicate(config)
+        keys = [k for k in tensors if is_head(k)]
+        present = count_mtp_layers(keys) or count_checkpoint_mtp_layers(config, keys)
     return {
         "declared_layers": config_mtp_layers(config),
         "present_layers": present,
@@ -144,7 +146,7 @@ def _common_prefix(keys: List[str]) -> str:
 
 def memory_estimate(config: dict, tensors: Dict[str, Tensor]) -> dict:
     """Bytes the text weights take once loaded, plus the cache per sequence (K/V in 16-bit)."""
-    weights = sum(t.nbytes for k, t in tensors.items() if not k.startswith(_VISION_PREFIXES))
+    weights = sum(t.nbytes for k, t in tensors.items() if not k.startswith(VISION_PREFIXES))
     out = {"weights_bytes": weights, "kv_bytes_per_1k_tokens": None,
            "state_bytes_per_sequence": None}
     if config.get("model_type") in FAMILY_CACHE_BYTES:
@@ -229,8 +231,8 @@ def inspect_model(path: Optional[str]) -> dict:
     layout_name = detect_layout(config, tensors)
     check_loadable(where, config, layout_name)
     mtp = mtp_summary(config, tensors, layout_name)
-    is_mtp = mtp_key_predicate(config)
-    trunk = [k for k in tensors if not is_mtp(k) and not k.startswith(_VISION_PREFIXES)]
+    is_head = mtp_key_predicate(config)
+    trunk = [k for k in tensors if not is_head(k) and not k.startswith(VISION_PREFIXES)]
     model_type = config.get("model_type")
     return {
         "path": str(where),
@@ -240,7 +242,7 @@ def inspect_model(path: Optional[str]) -> dict:
         "layout": layout_name,
         "trunk_precision": None if layout_name == LAYOUT_SPLIT
         else precision_counts(config, tensors, trunk),
-        "vision_tensors": sum(1 for k in tensors if k.startswith(_VISION_PREFIXES)),
+        "vision_tensors": sum(1 for k in tensors if k.startswith(VISION_PREFIXES)),
         "mtp": mtp,
         "head_stripped": (layout_name != LAYOUT_SPLIT and mtp["declared_layers"] > 0
                           and mtp["present_layers"] == 0),

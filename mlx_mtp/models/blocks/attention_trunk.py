@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import glm4_moe, mimo, mimo_v2_flash, step3p5
+from mlx_lm.models import glm4_moe, mellum, mimo, mimo_v2_flash, step3p5
 from mlx_lm.models.base import create_causal_mask
 
 from ..io import layout
@@ -66,7 +66,7 @@ class Family:
 # mlx-lm blocks computing ``h = x + self_attn(input_layernorm(x))`` then
 # ``h + mlp(post_attention_layernorm(h))``: an MTP pass can cut them after attention.
 SPLIT_BLOCKS = (glm4_moe.DecoderLayer, mimo.TransformerBlock, mimo_v2_flash.DecoderLayer,
-                step3p5.Step3p5DecoderLayer)
+                step3p5.Step3p5DecoderLayer, mellum.MellumDecoderLayer)
 
 
 def nextn_prefix(args, i: int) -> str:
@@ -374,7 +374,7 @@ def is_mtp_checkpoint_key(key: str, num_hidden_layers: int) -> bool:
 
 
 def trunk_layer_count(config: dict) -> int:
-    """``num_hidden_layers`` (LongCat names it ``num_layers``), of the text model."""
+    """``num_hidden_layers`` (LongCat names it ``num_layers``) of the text model."""
     text = layout.text_config(config)
     return int(text.get("num_hidden_layers", text.get("num_layers", 0)))
 

@@ -209,12 +209,17 @@ def count_mtp_layers(keys: Iterable[str]) -> int:
     return max(found) + 1 if found else 0
 
 
+# The vision side of multimodal checkpoints (Qwen3.5/3.6; Step-3.7's tower and projector).
+VISION_PREFIXES = ("model.visual", "visual.", "vision_tower", "model.vision", "vision_model.",
+                   "vit_large_projector.", "model.multi_modal_projector.")
+
+
 def text_weight_names(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
     """Keys relative to the language model (``model.*``, ``lm_head.*``, ``mtp.*``);
     vision tensors dropped."""
     out = {}
     for k, v in weights.items():
-        if k.startswith(("model.visual", "visual.", "vision_tower", "model.vision")):
+        if k.startswith(VISION_PREFIXES):
             continue
         if k.startswith("model.language_model."):
             k = "model." + k[len("model.language_model."):]
