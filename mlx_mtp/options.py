@@ -230,6 +230,11 @@ def load_from_args(args, mtp: bool, group=None):
         mtp_model_from_args(args, distributed=True)
         model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=mtp,
                                             mtp_hidden=args.mtp_hidden, dtype=args.dtype)
+    if mtp and model.num_mtp_layers == 0:
+        raise UserError(f"{args.model or 'the model'}: its config declares no MTP layers, so "
+                        "there is no head to draft with; run it with --no-mtp (--draft-source "
+                        "lookup drafts from the context without a head), or graft one with "
+                        "`mlx-mtp add-mtp`")
     apply_model_options(model, args)
     return model, tokenizer
 

@@ -61,6 +61,25 @@ def test_missing_mtp_weights_message_and_no_mtp_escape(tiny_ckpt):
     assert code == 0, err
 
 
+def test_config_without_a_head_says_how_to_run_it(tiny_ckpt, tmp_path):
+    """A config declaring no MTP layers: one line naming the ways to run it (before, the
+    decoder's own ValueError escaped as a traceback); with them it decodes."""
+    import json
+    import shutil
+
+    path = tmp_path / "nohead"
+    shutil.copytree(tiny_ckpt("qwen3_5", "random", vocab_size=4096, drop_mtp=True), path)
+    config = json.loads((path / "config.json").read_text())
+    config.get("text_config", config)["mtp_num_hidden_layers"] = 0
+    (path / "config.json").write_text(json.dumps(config))
+    code, _, err = run("generate", "--model", str(path), "--prompt", "hi", "-m", "2")
+    assert code == 2 and "Traceback" not in err and "no MTP layers" in err
+    assert "--no-mtp" in err and "add-mtp" in err and err.count("\n") == 1
+    for extra in (["--no-mtp"], ["--draft-source", "lookup"]):
+        code, _, err = run("generate", "--model", str(path), "--prompt", "hi", "-m", "2", *extra)
+        assert code == 0, err
+
+
 def test_unknown_model_type(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     code, _, err = run("generate", "--model", str(tmp_path), "--prompt", "hi")
