@@ -2,7 +2,8 @@
 
 Trunk: mlx-lm's (sliding-window layers with an attention-sink bias interleaved with
 full-attention ones, sigmoid-routed MoE). Window layers keep their keys in
-``WindowKVCache`` (mlx-lm's rotating cache cannot roll back once wrapped).
+``WindowKVCache`` (mlx-lm's rotating cache cannot roll back once wrapped) and attend to
+``sliding_window_size + 1`` keys, as the reference does (mlx-lm: ``sliding_window_size``).
 
 The release ships three MTP layers at ``model.mtp.layers.{0,1,2}.*`` and no count key:
 ``eh_proj([enorm(e) || hnorm(h)])`` -> a sliding-window decoder block with sink bias and
@@ -58,7 +59,10 @@ class Model(ChainedMTP, WindowedTrunk, _Model):
 
     @property
     def window(self) -> int:
-        return self.args.sliding_window_size
+        # Keys a window layer attends to: the W before the query and the query itself, as
+        # the reference (SGLang; transformers' ``sliding_window = sliding_window_size + 1``)
+        # does. mlx-lm attends to W.
+        return self.args.sliding_window_size + 1
 
     @staticmethod
     def is_sliding(layer) -> bool:
