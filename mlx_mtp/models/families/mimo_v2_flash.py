@@ -24,6 +24,7 @@ from mlx_lm.models import mimo_v2_flash as _lm
 from ..blocks.attention_trunk import Family, ModelArgs  # noqa: F401
 from ..blocks.attention_trunk import Model as _Model
 from ..blocks.mtp_chain import ChainedMTP
+from ..blocks.reference import route_as_reference
 from ..blocks.windowed import WindowedTrunk
 
 RELEASED_LAYERS = 3  # MTP layers the release ships (its config has no count key)
@@ -56,6 +57,7 @@ class Model(ChainedMTP, WindowedTrunk, _Model):
                                                         "mtp_num_hidden_layers")):
             config["num_nextn_predict_layers"] = RELEASED_LAYERS
         super().__init__(ModelArgs(args.model_type, config))
+        route_as_reference(self, _lm.MoEGate)  # groups left out: -inf, as the reference
 
     @property
     def window(self) -> int:
