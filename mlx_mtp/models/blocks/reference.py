@@ -4,10 +4,11 @@ weights load into them under the same names). docs/model-families.md lists each 
 
 * ``GroupLimitedGate``: DeepSeek-V3's group-limited router (``noaux_tc``: sigmoid scores plus
   a correction bias, the best ``topk_group`` of ``n_group`` groups kept by the sum of their
-  top-2 scores, top-k experts among those). DeepSeek's reference (``inference/model.py``
-  ``Gate``), transformers and vLLM/SGLang mask the other groups' scores with -inf; mlx-lm
-  fills them with 0.0, which outranks a kept expert whose biased score is negative, so it
-  can route to a group the reference ruled out. Families sharing mlx-lm's ``MoEGate`` use it
+  top-2 scores, top-k experts among those). DeepSeek's own inference code
+  (``inference/model.py``, ``Gate``), SGLang, vLLM and transformers mask the other groups'
+  scores with -inf; mlx-lm, following the hub's remote-code ``modeling_deepseek.py``, fills
+  them with 0.0, which outranks a kept expert whose biased score is negative: it can route
+  to a group the reference ruled out. Families sharing mlx-lm's ``MoEGate`` use it
   where ``n_group > 1`` (with one group the two agree).
 """
 
