@@ -55,8 +55,8 @@ def reference_config(path) -> dict:
     """Config overrides under which mlx-lm's class computes what the released model does,
     where mlx-lm 0.32.2 departs from it (docs/model-families.md, "Where we differ from
     mlx-lm"): MiMo-V2-Flash's window layers attend to ``sliding_window_size + 1`` keys (the
-    reference's and transformers' semantics; tests/test_trunk_fidelity.py checks both
-    against transformers), mlx-lm's to ``sliding_window_size``."""
+    reference's semantics, which tests/test_trunk_fidelity.py checks against
+    transformers), mlx-lm's to ``sliding_window_size``."""
     config = json.loads((Path(path) / "config.json").read_text())
     if config.get("model_type") == "mimo_v2_flash":
         return {"sliding_window_size": config["sliding_window_size"] + 1}
