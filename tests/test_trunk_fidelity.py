@@ -1,8 +1,8 @@
 """Trunks that compute what the released models compute, where mlx-lm 0.32.2 departs from the
 reference (docs/model-families.md, "Where we differ from mlx-lm"): MiMo-V2-Flash's window
 layers attend to ``sliding_window_size + 1`` keys, Step-3.5's zero-centred norms are
-``1 + w`` formed in float32, DeepSeek-V3's router (GLM-4.x's too) masks the groups it leaves
-out with -inf.
+``1 + w`` formed in float32, DeepSeek-V3's router (and V3.2's, GLM-4.x's, GLM-5's) masks the
+groups it leaves out with -inf.
 
 The reference is transformers 5.24.0's own classes, recorded once on tiny checkpoints in the
 released layouts (bfloat16 weights, run in float32) by tests/fixtures/trunk_fidelity/
@@ -44,7 +44,8 @@ def model_of():
 
 
 def test_every_family_has_its_fixture():
-    assert FAMILIES == ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo_v2_flash", "step3p5"]
+    assert FAMILIES == ["deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
+                        "mimo_v2_flash", "step3p5"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
