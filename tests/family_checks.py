@@ -4,6 +4,7 @@ trunk logits follow mlx-lm's, verify rows equal one-token decoding, a checkpoint
 MTP layer is explained and still decodes without it, sampling follows the target
 distribution, and convert / add-mtp results still load in plain mlx-lm."""
 
+import json
 from functools import partial
 from pathlib import Path
 
@@ -50,8 +51,21 @@ def one_family(tmp_path_factory, family: str, build):
     return partial(checkpoints(tmp_path_factory, by_family({family: build})), family)
 
 
+def reference_config(path) -> dict:
+    """Config overrides under which mlx-lm's class computes what the released model does,
+    where mlx-lm 0.32.2 departs from it (docs/model-families.md, "Where we differ from
+    mlx-lm"): MiMo-V2-Flash's window layers attend to ``sliding_window_size + 1`` keys (the
+    reference's semantics, which tests/test_trunk_fidelity.py checks against
+    transformers), mlx-lm's to ``sliding_window_size``."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    if config.get("model_type") == "mimo_v2_flash":
+        return {"sliding_window_size": config["sliding_window_size"] + 1}
+    return {}
+
+
 def mlx_lm_model(path, strict: bool = True):
-    return mlx_lm_load_model(Path(path), strict=strict)[0]
+    """mlx-lm's model of ``path``, run as the released model runs (``reference_config``)."""
+    return mlx_lm_load_model(Path(path), strict=strict, model_config=reference_config(path))[0]
 
 
 def mlx_lm_greedy(model, prompt, n: int = N_TOKENS):

@@ -1,6 +1,9 @@
 """Families with sliding-window layers (Step-3.5/3.7-Flash, MiMo-V2-Flash): window caches
 that roll back after wrapping, each family's MTP layer (Step: zero-centred norms; MiMo-V2:
-sink bias, released at model.mtp.layers.*); greedy output equals mlx-lm's plain decoding."""
+sink bias, released at model.mtp.layers.*); greedy output equals mlx-lm's plain decoding.
+MiMo-V2-Flash's mlx-lm reference runs at the released window (W + 1 keys, not mlx-lm's W:
+``family_checks.reference_config``; tests/test_trunk_fidelity.py checks it against
+transformers)."""
 
 import mlx.core as mx
 import numpy as np
@@ -184,7 +187,8 @@ def test_prompt_state_survives_the_disk_store(ckpt, family):
         return out[:n]
 
     dec = MTPDecoder(model, 2, adaptive=False)
-    dec.prefill(PROMPT, snapshot_at=len(PROMPT) - 2)
+    prompt = PROMPT + PROMPT[:WINDOW]  # long enough to drop entries of MiMo's W + 1 window too
+    dec.prefill(prompt, snapshot_at=len(prompt) - 2)
     state = dec.snapshot_state
     want = decode(dec)
     windows = [c for c in state.cache + [attention(state.mtp_cache[0])]
@@ -194,5 +198,5 @@ def test_prompt_state_survives_the_disk_store(ckpt, family):
     loaded = _state_from_tensors({k: mx.array(np.array(v)) for k, v in tensors.items()}, layout)
     fresh = MTPDecoder(model, 2, adaptive=False)
     fresh.restore(loaded)
-    fresh.prefill(PROMPT)
+    fresh.prefill(prompt)
     assert decode(fresh) == want

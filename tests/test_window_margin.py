@@ -3,13 +3,11 @@ lookup proposal of MAX_DRAFTER_TOKENS extended by MAX_DRAFT_TOKENS head drafts):
 rejected on a window that has long wrapped, roll back to exactly plain decoding's output; a
 margin shorter than the drafts is refused, never silently wrong."""
 
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step as mlx_lm_generate_step
-from mlx_lm.utils import load_model as mlx_lm_load_model
 
+import family_checks as fc
 from mlx_mtp.decode import MAX_DRAFT_TOKENS
 from mlx_mtp.decode.draft_source import DraftSources
 from mlx_mtp.drafters.base import MAX_DRAFTER_TOKENS
@@ -42,7 +40,7 @@ def ckpt(tmp_path_factory):
 
 
 def mlx_lm_greedy(path, n=N_TOKENS):
-    model = mlx_lm_load_model(Path(path))[0]
+    model = fc.mlx_lm_model(path)  # run at the released window
     return [int(t) for t, _ in mlx_lm_generate_step(mx.array(PROMPT), model, max_tokens=n)]
 
 

@@ -62,7 +62,10 @@ def build_model(config: dict, seed: int = 0):
         elif "embed_tokens" in k or k.endswith("mlp.gate.weight"):
             updates.append((k, rng.standard_normal(v.shape)))
         elif k.endswith("e_score_correction_bias"):
-            updates.append((k, 0.1 * rng.standard_normal(v.shape)))
+            # Non-negative: every expert's score plus bias stays above mlx-lm's 0.0 for the
+            # groups it leaves out, where it routes as the reference does
+            # (docs/model-families.md, "Where we differ from mlx-lm").
+            updates.append((k, 0.1 * np.abs(rng.standard_normal(v.shape))))
     model.load_weights([(k, mx.array(v, mx.float32)) for k, v in updates], strict=False)
     mx.eval(model.parameters())
     return model

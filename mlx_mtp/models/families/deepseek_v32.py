@@ -12,6 +12,7 @@ from mlx_lm.models import deepseek_v32 as lm
 from ..blocks.attention_trunk import (  # noqa: F401
     Family, ModelArgs, attention_mask, mlp_after, nextn_prefix)
 from ..blocks.attention_trunk import Model as _Model
+from ..blocks.reference import route_as_reference
 from ..cache.index import IndexKeyCache
 from ..cache.kv import KVCache
 from ..blocks.dsa import verify_attention
@@ -23,7 +24,12 @@ def dsa_caches():
 
 
 class DSAModel(_Model):
-    """The DSA families' forward and caches (``family`` names mlx-lm's classes)."""
+    """The DSA families' forward and caches (``family`` names mlx-lm's classes; GLM-5 builds
+    DeepSeek-V3.2's modules, so its gates too are ``lm.MoEGate``)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        route_as_reference(self, lm.MoEGate)  # groups left out: -inf, as the reference
 
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
         h = self.model.embed_tokens(inputs)

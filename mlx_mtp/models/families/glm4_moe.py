@@ -10,8 +10,13 @@ from mlx_lm.models import glm4_moe as lm
 
 from ..blocks.attention_trunk import Family, ModelArgs, nextn_prefix  # noqa: F401
 from ..blocks.attention_trunk import Model as _Model
+from ..blocks.reference import route_as_reference
 
 
 class Model(_Model):
     family = Family(lm=lm, trunk_cls=lm.LanguageModel, block=lm.DecoderLayer,
                     mtp_prefix=nextn_prefix)
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        route_as_reference(self, lm.MoEGate)  # groups left out: -inf, as the reference

@@ -2,7 +2,8 @@
 
 Trunk: mlx-lm's (sliding-window layers with an attention-sink bias interleaved with
 full-attention ones, sigmoid-routed MoE). Window layers keep their keys in
-``WindowKVCache`` (mlx-lm's rotating cache cannot roll back once wrapped).
+``WindowKVCache`` (mlx-lm's rotating cache cannot roll back once wrapped) and attend to
+``sliding_window_size + 1`` keys, as the reference does (mlx-lm: ``sliding_window_size``).
 
 The release ships three MTP layers at ``model.mtp.layers.{0,1,2}.*`` and no count key:
 ``eh_proj([enorm(e) || hnorm(h)])`` -> a sliding-window decoder block with sink bias and
@@ -23,6 +24,7 @@ from mlx_lm.models import mimo_v2_flash as _lm
 from ..blocks.attention_trunk import Family, ModelArgs  # noqa: F401
 from ..blocks.attention_trunk import Model as _Model
 from ..blocks.mtp_chain import ChainedMTP
+from ..blocks.reference import route_as_reference
 from ..blocks.windowed import WindowedTrunk
 
 RELEASED_LAYERS = 3  # MTP layers the release ships (its config has no count key)
@@ -55,10 +57,14 @@ class Model(ChainedMTP, WindowedTrunk, _Model):
                                                         "mtp_num_hidden_layers")):
             config["num_nextn_predict_layers"] = RELEASED_LAYERS
         super().__init__(ModelArgs(args.model_type, config))
+        route_as_reference(self, _lm.MoEGate)  # groups left out: -inf, as the reference
 
     @property
     def window(self) -> int:
-        return self.args.sliding_window_size
+        # Keys a window layer attends to: the W before the query and the query itself, as
+        # the reference (SGLang; transformers' ``sliding_window = sliding_window_size + 1``)
+        # does. mlx-lm attends to W.
+        return self.args.sliding_window_size + 1
 
     @staticmethod
     def is_sliding(layer) -> bool:

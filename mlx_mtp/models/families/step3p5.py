@@ -10,9 +10,12 @@ The MTP layers follow the trunk at ``model.layers.{N+i}.*`` (45-47 on Step-3.5-F
 block stored under ``transformer.`` (some exports leave that level out). Every norm in the
 released checkpoint is zero-centred (applied as ``1 + w``, Gemma-style); mlx-lm adds the 1
 to the trunk's norms in its sanitize, we add it to the MTP layer's, and take it off again
-when writing the layer back under its checkpoint names. ``shared_head.output`` is the
-output layer's copy (the trunk's ``lm_head`` is used, as for DeepSeek's ``shared_head.head``).
-Drafting depth j runs MTP layer j (``mtp_chain.ChainedMTP``), as vLLM does for Step.
+when writing the layer back under its checkpoint names. As the reference does, ``1 + w`` is
+formed and kept in float32 (``ExactNorm``, output in the input's dtype): mlx-lm adds the 1
+in the stored bfloat16, rounding every norm weight (logits ~5e-3 off, greedy text apart
+within a few dozen tokens). ``shared_head.output`` is the output layer's copy (the trunk's
+``lm_head`` is used, as for DeepSeek's ``shared_head.head``). Drafting depth j runs MTP
+layer j (``mtp_chain.ChainedMTP``), as vLLM does for Step.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from dataclasses import replace
 from typing import Dict
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models import step3p5 as lm
 
 from ..blocks.attention_trunk import NEXTN_DUPLICATES, NEXTN_KEYS, Family, ModelArgs  # noqa: F401
 from ..blocks.attention_trunk import Model as _Model
 from ..blocks.attention_trunk import nextn_prefix
 from ..blocks.mtp_chain import ChainedMTP
+from ..blocks.reference import replace_modules
 from ..blocks.windowed import WindowedTrunk
 
 BLOCK_LEVEL = "transformer."  # the released layout's extra level around the MTP block
@@ -48,10 +53,24 @@ def zero_centred(key: str) -> bool:
     return key.endswith("norm.weight")
 
 
+class ExactNorm(lm.ZeroCenteredRMSNorm):
+    """The reference's norm (transformers' ``Step3p7RMSNorm``): the weight ``1 + w`` held in
+    float32, the output in the input's dtype."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.weight, self.eps).astype(x.dtype)
+
+
 class Model(ChainedMTP, WindowedTrunk, _Model):
     family = Family(lm=lm, trunk_cls=lm.Step3p5Model, block=mtp_block, mtp_prefix=nextn_prefix,
                     key_map=dict(NEXTN_KEYS),
                     duplicates=NEXTN_DUPLICATES + ("shared_head.output.",))
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        # Every norm, the trunk's and the MTP layers'.
+        replace_modules(self, (lm.ZeroCenteredRMSNorm, nn.RMSNorm),
+                        lambda m: ExactNorm(m.weight.shape[0], m.eps))
 
     @property
     def window(self) -> int:
@@ -66,6 +85,11 @@ class Model(ChainedMTP, WindowedTrunk, _Model):
         return "router_bias" not in path  # mlx-lm keeps it in float32
 
     # --- weights ----------------------------------------------------------
+    def lm_sanitize(self, weights: dict) -> dict:
+        """mlx-lm's sanitize, adding the 1 to released zero-centred norms in float32."""
+        return super().lm_sanitize({k: v.astype(mx.float32) if zero_centred(k) else v
+                                    for k, v in weights.items()})
+
     def mtp_weights(self, raw: Dict[str, mx.array]) -> Dict[str, mx.array]:
         """Released MTP tensors (zero-centred norms, block under ``transformer.``) -> ours."""
         block_moe = any(".moe." in k or "share_expert." in k for k in raw)
@@ -75,8 +99,9 @@ class Model(ChainedMTP, WindowedTrunk, _Model):
                 tuple(self.family.key_map) + self.family.duplicates)
             k = k[len(BLOCK_LEVEL):] if k.startswith(BLOCK_LEVEL) else k
             # mlx-lm's sanitize adds the 1 itself to an MoE block in released form.
-            if zero_centred(k) and not (is_block and block_moe):
-                v = v + 1
+            if zero_centred(k):
+                v = v.astype(mx.float32)
+                v = v if is_block and block_moe else v + 1
             plain[k] = v
         return super().mtp_weights(plain)
 
