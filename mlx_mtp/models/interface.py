@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache.kv import KVCache
+from .cache.quantized import KVQuantization, QuantizedKVCache
 from .draft.head import DraftHead
 from .io import layout
 
@@ -50,6 +51,7 @@ class ModelInterface:
     load_dtype: Optional[mx.Dtype] = None  # the dtype weights were cast to (None: as stored)
     dtype_choice: Optional[str] = None  # how that dtype was chosen, for the stats line
     draft_vocab_tuner = None  # re-sizes the draft vocabulary from emitted text (vocab_auto)
+    kv_quantization: Optional[KVQuantization] = None  # trunk attention caches (--kv-bits)
 
     @property
     def text(self) -> "MTPModel":
@@ -150,6 +152,13 @@ class ModelInterface:
     def use_draft_vocab_tuner(self, tuner):
         self.draft_vocab_tuner = tuner
 
+    def use_kv_quantization(self, quant: Optional[KVQuantization]):
+        """Quantize the trunk's attention caches from now on (``make_cache``); None: full
+        precision. ValueError (one line) for a model whose caches cannot be."""
+        if quant is not None:
+            raise ValueError(f"--kv-bits is not available for {self.model_type}: "
+                             "its attention caches have no quantized kind yet")
+
 
 INTERFACE_NAMES = tuple(n for n in vars(ModelInterface) if not n.startswith("_"))
 
@@ -237,6 +246,19 @@ class MTPModel(ModelInterface, nn.Module):
     def make_mtp_cache(self):
         return [KVCache() for _ in range(self.num_mtp_layers)]
 
+    def attention_cache(self) -> KVCache:
+        """A full-attention trunk layer's cache: quantized after ``use_kv_quantization``
+        (the MTP head's caches stay in full precision: they hold one layer, and only
+        acceptance depends on them)."""
+        q = self.kv_quantization
+        return KVCache() if q is None else QuantizedKVCache(q)
+
+    def quantize_attention_caches(self, quant: Optional[KVQuantization], head_dim: int):
+        """``use_kv_quantization`` for a family whose ``make_cache`` uses
+        ``attention_cache`` (attention heads of ``head_dim``)."""
+        if quant is not None:
+            quant.check_head_dim(head_dim)
+        self.kv_quantization = quant
 
 
 @forwards_interface("language_model")

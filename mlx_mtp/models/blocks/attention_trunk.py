@@ -33,7 +33,6 @@ from mlx_lm.models import glm4_moe, mimo, mimo_v2_flash, step3p5
 from mlx_lm.models.base import create_causal_mask
 
 from ..io import layout
-from ..cache.kv import KVCache
 from ..interface import MTPModel
 
 log = logging.getLogger("mlx_mtp")
@@ -243,7 +242,18 @@ class TextModel(MTPModel):
         return layer.norm(x[:, -1:] if last_only else x)
 
     def make_cache(self):
-        return [KVCache() for _ in self.model.layers]
+        return [self.attention_cache() for _ in self.model.layers]
+
+    def use_kv_quantization(self, quant):
+        """Full-attention trunks only: MLA latents and the windowed, DSA and hybrid caches
+        of the families that make their own have no quantized kind yet."""
+        if quant is not None and (self.family.mla or type(self).make_cache is not TextModel.make_cache):
+            what = "MLA latent" if self.family.mla else "windowed, indexer or state"
+            raise ValueError(f"--kv-bits is not available for {self.model_type}: its {what} "
+                             "caches have no quantized kind yet")
+        args = self.args
+        head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+        self.quantize_attention_caches(quant, head_dim)
 
     @staticmethod
     def cast_predicate(path: str) -> bool:
