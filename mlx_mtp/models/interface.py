@@ -244,18 +244,17 @@ class MTPModel(ModelInterface, nn.Module):
         self.draft_head = DraftHead(out, bits, vocab, group_size)
 
     def make_mtp_cache(self):
-        return [KVCache() for _ in range(self.num_mtp_layers)]
+        return [self.full_attention_cache() for _ in range(self.num_mtp_layers)]
 
-    def attention_cache(self) -> KVCache:
-        """A full-attention trunk layer's cache: quantized after ``use_kv_quantization``
-        (the MTP head's caches stay in full precision: they hold one layer, and only
-        acceptance depends on them)."""
+    def full_attention_cache(self) -> KVCache:
+        """A full-attention layer's cache (trunk or MTP head): quantized after
+        ``use_kv_quantization`` (the head's only change acceptance, never output)."""
         q = self.kv_quantization
         return KVCache() if q is None else QuantizedKVCache(q)
 
     def quantize_attention_caches(self, quant: Optional[KVQuantization], head_dim: int):
         """``use_kv_quantization`` for a family whose ``make_cache`` uses
-        ``attention_cache`` (attention heads of ``head_dim``)."""
+        ``full_attention_cache`` (attention heads of ``head_dim``)."""
         if quant is not None:
             quant.check_head_dim(head_dim)
         self.kv_quantization = quant

@@ -242,7 +242,7 @@ class TextModel(MTPModel):
         return layer.norm(x[:, -1:] if last_only else x)
 
     def make_cache(self):
-        return [self.attention_cache() for _ in self.model.layers]
+        return [self.full_attention_cache() for _ in self.model.layers]
 
     def use_kv_quantization(self, quant):
         """Full-attention trunks only: MLA latents and the windowed, DSA and hybrid caches

@@ -72,7 +72,7 @@ class HybridModel(MTPModel):
         return self.mtp(hidden, self.model.embed_tokens(next_tokens), mtp_cache, last_only)
 
     def make_cache(self):
-        return [RecurrentCache() if l.is_linear else self.attention_cache()
+        return [RecurrentCache() if l.is_linear else self.full_attention_cache()
                 for l in self.model.layers]
 
     def use_kv_quantization(self, quant):
