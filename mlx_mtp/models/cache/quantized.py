@@ -140,24 +140,24 @@ class QuantizedKVCache(KVCache):
         self.last_write = n
         return _cut(self.keys, 0, self.offset), _cut(self.values, 0, self.offset)
 
-    def arrays(self) -> List[mx.array]:
-        if not self.quantized:
-            return super().arrays()
-        return [a for q in (self.keys, self.values) for a in q]
-
     @property
     def state(self):
-        if not self.quantized or not self.keys:
-            if self.keys is not None:
-                raise ValueError("a cache still in full precision (--quantized-kv-start) "
-                                 "has no quantized state to save")
+        """The six arrays of ``state_names``; before the switch, the full-precision keys and
+        values in the ``k`` and ``v`` places (and no scales or biases)."""
+        if self.keys is None or (self.quantized and not self.keys):  # (): switched, empty
             return (None,) * 6
+        if not self.quantized:
+            k, v = self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+            return k, None, None, v, None, None
         return (*_cut(self.keys, 0, self.offset), *_cut(self.values, 0, self.offset))
 
     @state.setter
     def state(self, v):
-        self.keys, self.values = tuple(v[:3]), tuple(v[3:])
-        self.offset = self.keys[0].shape[2]
+        if v[1] is None:
+            self.keys, self.values = v[0], v[3]
+        else:
+            self.keys, self.values = tuple(v[:3]), tuple(v[3:])
+        self.offset = v[0].shape[2]
 
     @property
     def meta_state(self):
@@ -167,10 +167,10 @@ class QuantizedKVCache(KVCache):
     def meta_state(self, v):
         self.quant = KVQuantization.from_meta(v[1:])
         offset = int(v[0])
-        held = self.keys[0].shape[2] if self.quantized and self.keys else 0
-        if held != offset or (held and self.values[0].shape[2] != offset):
+        k, _, _, values, _, _ = self.state
+        held = 0 if k is None else k.shape[2]
+        if held != offset or (k is not None and values.shape[2] != offset):
             raise ValueError(f"KV length {held} != offset {offset}")
-        self.offset = offset
 
     def settings(self) -> tuple:
         return self.quant.meta()
@@ -188,7 +188,10 @@ class QuantizedKVCache(KVCache):
 
     @property
     def nbytes(self) -> int:  # the whole buffer
-        return sum(a.nbytes for a in self.arrays())
+        if self.keys is None:
+            return 0
+        held = (self.keys, self.values) if self.quantized else ((self.keys,), (self.values,))
+        return sum(a.nbytes for q in held for a in q)
 
     def _like(self) -> "QuantizedKVCache":
         return QuantizedKVCache(self.quant)
@@ -254,9 +257,7 @@ class BatchQuantizedKVCache(BatchKVCache):
         return self.quant.meta()
 
     def arrays(self) -> List[mx.array]:
-        if self.keys is None:
-            return []
-        return [*self.keys, *self.values, self.valid]
+        return [a for a in self.state if a is not None]
 
     @classmethod
     def merge(cls, caches) -> "BatchQuantizedKVCache":
@@ -373,8 +374,10 @@ class BatchQuantizedKVCache(BatchKVCache):
         self.pos = self.pos + other.pos
 
     @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
+    def nbytes(self) -> int:  # the whole buffer
+        if self.keys is None:
+            return 0
+        return sum(a.nbytes for q in (self.keys, self.values) for a in q) + self.valid.nbytes
 
     def copy(self) -> "BatchQuantizedKVCache":
         c = self._share()

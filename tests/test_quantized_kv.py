@@ -1,0 +1,257 @@
+"""Quantized KV caches (``--kv-bits``): exact under MTP, lookup drafts and batching, equal
+to mlx-lm's own quantized generation, rolled back exactly, saved in quantized form.
+
+Tiny models with 32-wide attention heads (``mx.quantize``'s smallest group is 32), 4-bit
+caches in groups of 32, so quantization is coarse enough to change logits.
+"""
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step as mlx_lm_generate_step
+from mlx_lm.models.cache import QuantizedKVCache as MlxLmQuantizedKVCache
+from mlx_lm.utils import load_model as mlx_lm_load_model
+
+from cache_checks import assert_filter_keeps_rows, assert_rows_are, same
+from distribution_check import assert_follows, sample_outcomes, two_token_joint
+from mlx_mtp.decode.batch import BatchDecoder
+from mlx_mtp.decode.draft_source import DraftSources
+from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
+from mlx_mtp.decode.speculative import MTPDecoder
+from mlx_mtp.drafters.lookup import LookupSettings
+from mlx_mtp.models.cache.kv import CACHE_KINDS, cache_state_arrays
+from mlx_mtp.models.cache.quantized import BatchQuantizedKVCache, KVQuantization, QuantizedKVCache
+from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.testing import tiny, tiny_attention
+
+Q4 = KVQuantization(bits=4, group_size=32)
+RNG = np.random.default_rng(0)
+PROMPTS = [[int(x) for x in RNG.integers(0, 128, n)] for n in (5, 11, 3, 20, 1, 8)]
+N = 14
+
+
+def hybrid_model():
+    text = dict(tiny.tiny_text_config("qwen3_5"), head_dim=32)
+    return tiny.make_oracle(tiny.build_model("qwen3_5", text, seed=0), trunk_scale=0.5,
+                            fc_noise=1.5), text
+
+
+def glm_model():
+    config = dict(tiny_attention.tiny_config("glm4_moe"), head_dim=32)
+    model = tiny_attention.build_model(config, seed=0)
+    return tiny_attention.make_oracle(model, 0.5, 2.5, 0)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "glm4_moe"])
+def model(request):
+    m = hybrid_model()[0] if request.param == "qwen3_5" else glm_model()
+    m.use_kv_quantization(Q4)
+    yield m
+    m.use_kv_quantization(None)
+
+
+def solo(model, k, prompt, n=N, drafter=None):
+    dec = MTPDecoder(model, k, SamplingParams(), adaptive=False, drafter=drafter)
+    dec.prefill(prompt)
+    out = []
+    while len(out) < n:
+        out += dec.step().tokens
+    return out[:n], dec
+
+
+def run_batch(model, k, prompts, n=N):
+    """Staggered joins (one per step), removal when done: tokens per row."""
+    bd = BatchDecoder(model, k > 0, adaptive=False)
+    outs, done = {}, set()
+    for i, pr in enumerate(prompts):
+        dec = MTPDecoder(model, k, SamplingParams(), adaptive=False)
+        dec.prefill(pr)
+        bd.add(i, dec)
+        outs[i] = []
+        for key, o in bd.step().items():
+            outs[key] += o.tokens
+    while len(done) < len(prompts):
+        for key, o in bd.step().items():
+            outs[key] += o.tokens
+        for key, toks in outs.items():
+            if len(toks) >= n and key not in done:
+                bd.remove(key)
+                done.add(key)
+    return [outs[i][:n] for i in range(len(prompts))]
+
+
+def test_the_caches_are_quantized_and_change_the_logits(model):
+    cache = model.make_cache()
+    assert any(isinstance(c, QuantizedKVCache) for c in cache)
+    assert all(isinstance(c, QuantizedKVCache) for c in model.make_mtp_cache())
+    x = mx.array([PROMPTS[3]], mx.uint32)
+    quantized = model.logits(model.trunk(x, cache)[0])
+    model.use_kv_quantization(None)
+    try:
+        full = model.logits(model.trunk(x, model.make_cache())[0])
+    finally:
+        model.use_kv_quantization(Q4)
+    assert not mx.allclose(quantized, full, atol=1e-3).item()
+
+
+def test_greedy_mtp_and_lookup_equal_plain_decoding_with_the_same_cache(model):
+    for prompt in PROMPTS[:4]:
+        ref, _ = solo(model, 0, prompt)
+        accepted = 0
+        for k in (1, 2, 3):
+            out, dec = solo(model, k, prompt)
+            assert out == ref, (prompt, k)
+            accepted += dec.stats.num_accepted_tokens
+        assert accepted > 0  # drafts were accepted and rejected: rollback ran
+        copy_prompt = prompt + ref[:6] + prompt
+        ref_copy, _ = solo(model, 0, copy_prompt)
+        for source in ("lookup", "both"):
+            sources = DraftSources(source, LookupSettings(max_draft=4), adaptive=False)
+            out, _ = solo(model, 3, copy_prompt, drafter=sources.drafter())
+            assert out == ref_copy, (prompt, source)
+
+
+def test_batched_greedy_equals_solo_plain_decoding(model):
+    refs = [solo(model, 0, p)[0] for p in PROMPTS]
+    for k in (0, 1, 3):
+        assert run_batch(model, k, PROMPTS) == refs, f"K={k}"
+
+
+def test_a_verify_then_rollback_leaves_the_cache_a_plain_decode_writes(model):
+    """Rows past the buffer's 256-position step, and partial quantization groups: a pass of
+    4 rows keeping 2 equals feeding those 2 one at a time."""
+    prompt = [int(x) for x in RNG.integers(0, 128, 254)]
+    x = mx.array([prompt], mx.uint32)
+    drafts = [5, 9, 17, 33]
+    spec, plain = model.make_cache(), model.make_cache()
+    model.trunk(x, spec)
+    model.trunk(x, plain)
+    model.trunk(mx.array([drafts], mx.uint32), spec, capture=True)
+    for c in spec:
+        c.accept([2])
+    for t in drafts[:2]:
+        model.trunk(mx.array([[t]], mx.uint32), plain)
+    attention = [i for i, c in enumerate(spec) if isinstance(c, QuantizedKVCache)]
+    same(cache_state_arrays([spec[i] for i in attention]),
+         cache_state_arrays([plain[i] for i in attention]))
+    assert all(spec[i].state[0].dtype == mx.uint32 for i in attention)
+
+
+def test_batch_rows_merge_filter_extract_and_roll_back_per_row(model):
+    attention = [i for i, c in enumerate(model.make_cache()) if isinstance(c, QuantizedKVCache)]
+    solos = []
+    for p in PROMPTS[:3]:
+        cache = model.make_cache()
+        model.trunk(mx.array([p], mx.uint32), cache)
+        solos.append([cache[i] for i in attention])
+    merged = [QuantizedKVCache.merge([s[j] for s in solos]) for j in range(len(attention))]
+    assert all(isinstance(c, BatchQuantizedKVCache) for c in merged)
+    assert_rows_are(merged, solos)
+    for c in merged:  # a 3-position write; rows keep 1, 3, 1 of it
+        c.prepare(3)
+        z = mx.zeros((3, 2, 3, 32))
+        c.update_and_fetch(z, z)
+        c.accept([1, 3, 1])
+    assert [c.lengths() for c in merged][0] == [len(p) + n for p, n in zip(PROMPTS, (1, 3, 1))]
+    for c in merged:
+        c.trim(1)  # rows 0 and 2 back as they were, row 1 two positions longer
+    for b, s in enumerate(solos):
+        if b != 1:
+            same(cache_state_arrays([c.extract(b) for c in merged]), cache_state_arrays(s))
+    assert_filter_keeps_rows(merged, solos, rows=(2, 0))
+
+
+def test_state_round_trip_keeps_the_quantized_form(model, tmp_path):
+    """What disk sessions and the prefix cache store: ``state``/``meta_state`` through a
+    safetensors file and ``CACHE_KINDS``; decoding on from the restored caches is equal."""
+    prompt = PROMPTS[3]
+    ref, _ = solo(model, 0, prompt)
+    dec = MTPDecoder(model, 0, SamplingParams(), adaptive=False)
+    dec.prefill(prompt)
+    arrays, layout = {}, []
+    for i, c in enumerate(dec.cache):
+        if isinstance(c, QuantizedKVCache):
+            arrays.update({f"{i}.{n}": a for n, a in zip(c.state_names, c.state)})
+            layout.append((i, c.kind, c.meta_state))
+    mx.save_safetensors(str(tmp_path / "s.safetensors"), arrays)
+    loaded = mx.load(str(tmp_path / "s.safetensors"))
+    for i, kind, meta in layout:
+        cls = CACHE_KINDS[kind]
+        c = cls.from_state(tuple(loaded[f"{i}.{n}"] for n in cls.state_names), meta)
+        assert c.state[0].dtype == mx.uint32 and c.settings() == Q4.meta()
+        dec.cache[i] = c
+    out = []
+    while len(out) < N:
+        out += dec.step().tokens
+    assert out[:N] == ref
+
+
+def test_sampling_still_follows_the_target():
+    """Two tokens from 2-draft steps with the quantized cache against the exact two-token
+    joint of the same model and cache (Pearson's chi-square)."""
+    model, _ = hybrid_model()
+    model.use_kv_quantization(Q4)
+    params = SamplingParams(temperature=40.0, top_k=3)
+    prompt = PROMPTS[1]
+
+    def target(prefix):
+        h, _ = model.trunk(mx.array([prompt + prefix], mx.uint32), model.make_cache())
+        logits = model.logits(h)[0, -1:].astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return np.exp(np.array(filtered_logprobs(lp, params)[0]))
+
+    joint = two_token_joint(target)
+
+    def draw(seed):
+        mx.random.seed(seed)
+        dec = MTPDecoder(model, 2, params, adaptive=False)
+        dec.prefill(prompt)
+        out = dec.step().tokens
+        while len(out) < 2:
+            out += dec.step().tokens
+        return out[:2], dec
+
+    n_samples = 300
+    seen, accepted = sample_outcomes(draw, n_samples)
+    assert accepted > 0 and len(seen) > 4  # drafts accepted, and outcomes spread
+    assert_follows(seen, joint, n_samples)
+
+
+@pytest.mark.parametrize("start", [0, 6])
+def test_plain_decoding_equals_mlx_lm_generation_with_its_kv_bits(tmp_path, start):
+    """mlx-lm's own generation on the same checkpoint: ``kv_bits`` with
+    ``quantized_kv_start`` (it switches after the forward that reaches it, as we do); at
+    start 0 mlx-lm runs its first chunk in full precision, so its caches are made quantized
+    from the start (its ``QuantizedKVCache``)."""
+    model, text = hybrid_model()
+    path = tiny.save_hf_checkpoint(model, "qwen3_5", text, tmp_path / "ckpt")
+    ours, _ = load_model(Path(path))
+    ours.use_kv_quantization(KVQuantization(4, 32, start))
+    ref_model, _ = mlx_lm_load_model(Path(path))
+    for prompt in PROMPTS[1:4]:
+        kw = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=start)
+        if start == 0:
+            cache = ref_model.make_cache()
+            kw = {"prompt_cache": [MlxLmQuantizedKVCache(32, 4) if type(c).__name__ == "KVCache"
+                                   else c for c in cache]}
+        ref = [int(t) for t, _ in mlx_lm_generate_step(mx.array(prompt), ref_model,
+                                                       max_tokens=N, **kw)]
+        assert solo(ours, 0, prompt)[0] == ref, prompt
+        if start == 0:
+            assert solo(ours, 3, prompt)[0] == ref, prompt
+
+
+def test_families_without_a_quantized_kind_refuse_clearly():
+    for family in tiny_attention.MLA_FAMILIES:
+        m = tiny_attention.build_model(tiny_attention.tiny_config(family), seed=0)
+        with pytest.raises(ValueError, match="--kv-bits is not available .* MLA latent"):
+            m.use_kv_quantization(Q4)
+    m = glm_model()
+    with pytest.raises(ValueError, match="--kv-group-size 64 does not divide"):
+        m.use_kv_quantization(KVQuantization(4, 64))
+    with pytest.raises(ValueError, match="--kv-bits must be 4 or 8"):
+        KVQuantization(3)
+    with pytest.raises(ValueError, match="one sequence"):
+        Q4.__class__(4, 32, 8).check_batchable()
