@@ -24,7 +24,7 @@ from mlx_mtp.drafters.lookup import LookupSettings
 from mlx_mtp.models.cache.kv import CACHE_KINDS, cache_state_arrays
 from mlx_mtp.models.cache.quantized import BatchQuantizedKVCache, KVQuantization, QuantizedKVCache
 from mlx_mtp.models.io.loader import load_model
-from mlx_mtp.testing import tiny, tiny_attention
+from mlx_mtp.testing import tiny, tiny_attention, tiny_special
 
 Q4 = KVQuantization(bits=4, group_size=32)
 RNG = np.random.default_rng(0)
@@ -59,6 +59,18 @@ def solo(model, k, prompt, n=N, drafter=None):
     while len(out) < n:
         out += dec.step().tokens
     return out[:n], dec
+
+
+def solo_logprobs(model, k, prompt, n=N):
+    """Tokens and the target's log-probabilities of each (verify rows: bit for bit a plain
+    step's, when the cache is the same)."""
+    dec = MTPDecoder(model, k, SamplingParams(), adaptive=False)
+    dec.prefill(prompt)
+    out, lps = [], []
+    while len(out) < n:
+        o = dec.step()
+        out, lps = out + o.tokens, lps + [o.logprobs]
+    return out[:n], mx.concatenate(lps)[:n], dec
 
 
 def run_batch(model, k, prompts, n=N):
@@ -98,11 +110,11 @@ def test_the_caches_are_quantized_and_change_the_logits(model):
 
 def test_greedy_mtp_and_lookup_equal_plain_decoding_with_the_same_cache(model):
     for prompt in PROMPTS[:4]:
-        ref, _ = solo(model, 0, prompt)
+        ref, ref_lps, _ = solo_logprobs(model, 0, prompt)
         accepted = 0
         for k in (1, 2, 3):
-            out, dec = solo(model, k, prompt)
-            assert out == ref, (prompt, k)
+            out, lps, dec = solo_logprobs(model, k, prompt)
+            assert out == ref and mx.array_equal(lps, ref_lps).item(), (prompt, k)
             accepted += dec.stats.num_accepted_tokens
         assert accepted > 0  # drafts were accepted and rejected: rollback ran
         copy_prompt = prompt + ref[:6] + prompt
@@ -111,6 +123,24 @@ def test_greedy_mtp_and_lookup_equal_plain_decoding_with_the_same_cache(model):
             sources = DraftSources(source, LookupSettings(max_draft=4), adaptive=False)
             out, _ = solo(model, 3, copy_prompt, drafter=sources.drafter())
             assert out == ref_copy, (prompt, source)
+
+
+@pytest.mark.parametrize("start", [9, 10, 12])
+def test_the_switch_after_quantized_kv_start_is_exact_under_mtp(start):
+    """Full precision until the cache holds ``start`` tokens (prompt 8): a verify pass never
+    crosses the switch (K is capped before it), so every row's log-probabilities are a plain
+    step's."""
+    model, _ = hybrid_model()
+    model.use_kv_quantization(KVQuantization(4, 32, start))
+    prompt = PROMPTS[5]
+    ref, ref_lps, _ = solo_logprobs(model, 0, prompt, n=20)
+    model.use_kv_quantization(KVQuantization(4, 32, 0))
+    assert not mx.array_equal(solo_logprobs(model, 0, prompt, n=20)[1], ref_lps).item()
+    model.use_kv_quantization(KVQuantization(4, 32, start))
+    for k in (1, 3):
+        out, lps, dec = solo_logprobs(model, k, prompt, n=20)
+        assert out == ref and mx.array_equal(lps, ref_lps).item(), k
+        assert dec.stats.num_accepted_tokens > 0
 
 
 def test_batched_greedy_equals_solo_plain_decoding(model):
@@ -248,6 +278,12 @@ def test_families_without_a_quantized_kind_refuse_clearly():
         m = tiny_attention.build_model(tiny_attention.tiny_config(family), seed=0)
         with pytest.raises(ValueError, match="--kv-bits is not available .* MLA latent"):
             m.use_kv_quantization(Q4)
+    for config in (tiny_special.step3p5_config(), tiny_special.mimo_v2_flash_config(),
+                   tiny_special.nemotron_h_config(), tiny_special.dsa_config()):
+        m = tiny_attention.build_model(config, seed=0)
+        with pytest.raises(ValueError, match="--kv-bits is not available for"):
+            m.use_kv_quantization(Q4)
+        assert m.kv_quantization is None
     m = glm_model()
     with pytest.raises(ValueError, match="--kv-group-size 64 does not divide"):
         m.use_kv_quantization(KVQuantization(4, 64))
@@ -255,3 +291,46 @@ def test_families_without_a_quantized_kind_refuse_clearly():
         KVQuantization(3)
     with pytest.raises(ValueError, match="one sequence"):
         Q4.__class__(4, 32, 8).check_batchable()
+
+
+def test_the_flags_reach_the_model_and_bad_ones_are_one_line_user_errors():
+    import argparse
+
+    from mlx_mtp.options import UserError, add_kv_cache_arguments, apply_kv_cache_options
+    from mlx_mtp.server import main as server_main
+
+    p = argparse.ArgumentParser()
+    add_kv_cache_arguments(p)
+    model = glm_model()
+    apply_kv_cache_options(model, p.parse_args(["--kv-bits", "8", "--kv-group-size", "32"]))
+    assert model.kv_quantization == KVQuantization(8, 32, 0)
+    with pytest.raises(UserError, match="^--kv-group-size 64 does not divide the attention "
+                                        "head size 32$"):
+        apply_kv_cache_options(model, p.parse_args(["--kv-bits", "4"]))
+    mla = tiny_attention.build_model(tiny_attention.tiny_config("deepseek_v3"), seed=0)
+    with pytest.raises(UserError, match="MLA latent"):
+        apply_kv_cache_options(mla, p.parse_args(["--kv-bits", "4", "--kv-group-size", "32"]))
+    with pytest.raises(UserError, match="--quantized-kv-start must be >= 0"):
+        apply_kv_cache_options(model, p.parse_args(["--kv-bits", "4", "--kv-group-size", "32",
+                                                    "--quantized-kv-start", "-1"]))
+    serve = argparse.ArgumentParser()
+    server_main.add_arguments(serve)
+    with pytest.raises(UserError, match="--quantized-kv-start applies to one sequence"):
+        server_main._check_args(serve.parse_args(["--kv-bits", "4", "--quantized-kv-start", "9"]))
+
+
+def test_bytes_held_at_4_bits_are_under_0_3_of_bf16_and_inspect_reports_them():
+    from mlx_mtp.models.cache.kv import KVCache
+    from mlx_mtp.tools.inspect_model import inspect_model, render
+
+    k = mx.random.normal((1, 2, 512, 64)).astype(mx.bfloat16)
+    full, quantized = KVCache(), QuantizedKVCache(KVQuantization(4, 64))
+    for c in (full, quantized):
+        c.update_and_fetch(k, k)
+    assert quantized.nbytes / full.nbytes <= 0.3
+    report = inspect_model(None, 4, 64)  # the embedded demo model (Qwen3.5 hybrid)
+    mem = report["memory"]
+    assert report["kv_quantization"]["refused"] is None
+    assert mem["kv_bytes_per_1k_tokens_quantized"] / mem["kv_bytes_per_1k_tokens"] <= 0.3
+    assert "recurrent states kept in their own precision" in render(report)
+    assert "refused" in render(inspect_model(None, 8, 128))

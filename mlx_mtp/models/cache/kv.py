@@ -427,9 +427,8 @@ class BatchKVCache(_Cache):
         self.drop_last([n] * len(self.pos))
         return n
 
-    def _squeezed(self):
-        """(gather (B, 1, L, 1), new valid (B, L), L): each row's valid slots, in order,
-        left-padded to the longest row."""
+    def _grow(self, S: int):
+        """Squeeze out holes (left-pad to the longest row), then add room."""
         valid = np.array(self.valid[:, : self.idx])
         counts = valid.sum(axis=1)
         L = int(counts.max()) if counts.size else 0
@@ -437,14 +436,10 @@ class BatchKVCache(_Cache):
         idx = np.zeros((len(counts), L), np.int32)
         for b, n in enumerate(counts):
             idx[b, L - n :] = order[b, :n]
-        new_valid = mx.arange(L)[None] >= mx.array(L - counts)[:, None]
-        return mx.array(idx)[:, None, :, None], new_valid, L
-
-    def _grow(self, S: int):
-        """Squeeze out holes (left-pad to the longest row), then add room."""
-        gather, new_valid, L = self._squeezed()
+        gather = mx.array(idx)[:, None, :, None]
         k = mx.take_along_axis(self.keys[..., : self.idx, :], gather, axis=2)
         v = mx.take_along_axis(self.values[..., : self.idx, :], gather, axis=2)
+        new_valid = mx.arange(L)[None] >= mx.array(L - counts)[:, None]
         room = ((S + self.step - 1) // self.step) * self.step
         B, H, _, D = k.shape
         self.keys = mx.concatenate([k, mx.zeros((B, H, room, D), k.dtype)], axis=2)

@@ -79,6 +79,21 @@ def _cat(parts, axis: int = 2):
     return tuple(mx.concatenate(list(xs), axis=axis) for xs in zip(*parts))
 
 
+def _squeeze_index(valid: mx.array, idx: int):
+    """(gather (B, 1, L, 1), valid (B, L), L): each row's valid slots below ``idx``, in
+    order, left-padded to the longest row (``BatchKVCache._grow``'s squeeze; kv.py is at its
+    size limit)."""
+    valid = np.array(valid[:, :idx])
+    counts = valid.sum(axis=1)
+    L = int(counts.max()) if counts.size else 0
+    order = np.argsort(~valid, axis=1, kind="stable")  # valid slots first, in order
+    index = np.zeros((len(counts), L), np.int32)
+    for b, n in enumerate(counts):
+        index[b, L - n :] = order[b, :n]
+    new_valid = mx.arange(L)[None] >= mx.array(L - counts)[:, None]
+    return mx.array(index)[:, None, :, None], new_valid, L
+
+
 def _head_dim(q) -> int:
     """The unpacked head size of a quantized triple (``group_size`` per scale)."""
     return q[1].shape[-1]
@@ -206,6 +221,15 @@ class QuantizedKVCache(KVCache):
         return c
 
 
+def draft_room(caches) -> Optional[int]:
+    """Positions one row may draft now without its verify pass crossing a cache's switch to
+    quantized form (plain decoding attends over the quantized form from position ``start``
+    on, a pass's rows all in one form); None: no limit."""
+    rooms = [c.quant.start - 1 - c.offset for c in caches
+             if isinstance(c, QuantizedKVCache) and not c.quantized]
+    return max(0, min(rooms)) if rooms else None
+
+
 class BatchQuantizedKVCache(BatchKVCache):
     """``BatchKVCache`` (rows of different lengths, per-row holes) over quantized triples;
     quantized from the first token (``KVQuantization.check_batchable``)."""
@@ -324,7 +348,7 @@ class BatchQuantizedKVCache(BatchKVCache):
 
     def _grow(self, S: int):
         """Squeeze out holes (left-pad to the longest row), then add room."""
-        gather, new_valid, L = self._squeezed()
+        gather, new_valid, L = _squeeze_index(self.valid, self.idx)
         room = ((S + self.step - 1) // self.step) * self.step
         B, H = len(self.pos), self.keys[0].shape[1]
 
