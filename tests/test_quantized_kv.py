@@ -32,8 +32,8 @@ PROMPTS = [[int(x) for x in RNG.integers(0, 128, n)] for n in (5, 11, 3, 20, 1, 
 N = 14
 
 
-def hybrid_model():
-    text = dict(tiny.tiny_text_config("qwen3_5"), head_dim=32)
+def hybrid_model(vocab_size: int = 512):
+    text = dict(tiny.tiny_text_config("qwen3_5", vocab_size=vocab_size), head_dim=32)
     return tiny.make_oracle(tiny.build_model("qwen3_5", text, seed=0), trunk_scale=0.5,
                             fc_noise=1.5), text
 
@@ -218,6 +218,45 @@ def test_state_round_trip_keeps_the_quantized_form(model, tmp_path):
     assert out[:N] == ref
 
 
+def test_a_disk_session_keeps_the_quantized_form_and_decodes_as_a_cold_turn(tmp_path):
+    """The server's ``SessionStore`` (safetensors on disk, checked on load against the
+    model's reference state): the restored caches are quantized, equal to the stored ones,
+    and decode on as the sequence that never left memory; a store of the same weights
+    without ``--kv-bits`` does not take the entry."""
+    from mlx_mtp.decode.sequence import reference_state
+    from mlx_mtp.server.session_store import SessionStore, model_fingerprint
+
+    model, _ = hybrid_model()
+    model.use_kv_quantization(Q4)
+    prompt = [int(x) for x in RNG.integers(0, 128, 40)]
+    store = SessionStore(tmp_path, model_fingerprint(model), min_tokens=16,
+                         reference=reference_state(model))
+    dec = MTPDecoder(model, 2, SamplingParams(), adaptive=False)
+    dec.prefill(prompt)
+    fresh = dec.snapshot()
+    assert store.put(prompt, fresh, has_mtp=True)
+    store.flush()
+    key, restored = SessionStore(tmp_path, model_fingerprint(model), min_tokens=16,
+                                 reference=reference_state(model)).lookup(prompt, need_mtp=True)
+    assert key == tuple(prompt)
+    kinds = {type(c) for c in restored.cache + restored.mtp_cache}
+    assert QuantizedKVCache in kinds and all(c.state[0].dtype == mx.uint32 for c in
+                                             restored.cache + restored.mtp_cache
+                                             if isinstance(c, QuantizedKVCache))
+    same(cache_state_arrays(restored.cache + restored.mtp_cache),
+         cache_state_arrays(fresh.cache + fresh.mtp_cache))
+    warm = MTPDecoder(model, 2, SamplingParams(), adaptive=False)
+    warm.restore(restored)
+    warm.prefill(prompt)
+    out = []
+    while len(out) < N:
+        out += warm.step().tokens
+    assert out[:N] == solo(model, 0, prompt)[0]
+    model.use_kv_quantization(None)
+    assert SessionStore(tmp_path, model_fingerprint(model), min_tokens=16).lookup(
+        prompt, need_mtp=True) is None
+
+
 def test_sampling_still_follows_the_target():
     """Two tokens from 2-draft steps with the quantized cache against the exact two-token
     joint of the same model and cache (Pearson's chi-square)."""
@@ -249,17 +288,44 @@ def test_sampling_still_follows_the_target():
     assert_follows(seen, joint, n_samples)
 
 
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    model, text = hybrid_model(vocab_size=4096)  # the test tokenizer's ids
+    return tiny.save_hf_checkpoint(model, "qwen3_5", text, tmp_path_factory.mktemp("q") / "c")
+
+
+def test_the_server_engine_batches_quantized_rows_and_reuses_their_prefixes(ckpt):
+    """Six concurrent requests (a batch whose rows join and leave), drafting or not, then a
+    turn that extends one of them from the prefix cache: every output is the request's
+    plain single-sequence decode with the same quantized cache."""
+    from engine_events import make_engine, run as run_all
+    from mlx_mtp.models.io.loader import load
+    from mlx_mtp.server.prefix_cache import PrefixCache
+
+    model, tok = load(str(ckpt))
+    model.use_kv_quantization(Q4)
+    refs = [solo(model, 0, p, n=12)[0] for p in PROMPTS]
+    for k in (0, 2):
+        engine = make_engine((model, tok), num_draft_tokens=k, adaptive=False,
+                             prefix_cache=PrefixCache(8, 1 << 30), prefill_step_size=8)
+        sinks = run_all(engine, PROMPTS, max_tokens=12)
+        assert [s.tokens for s in sinks] == refs, k
+        run_all(engine, [PROMPTS[3]], max_tokens=12, boundaries=[16])
+        longer = PROMPTS[3] + refs[3] + [7, 8, 9]
+        warm = run_all(engine, [longer], max_tokens=12)[0]
+        assert warm.done.usage["prompt_tokens_details"]["cached_tokens"] == 16
+        assert warm.tokens == solo(model, 0, longer, n=12)[0], k
+
+
 @pytest.mark.parametrize("start", [0, 6])
-def test_plain_decoding_equals_mlx_lm_generation_with_its_kv_bits(tmp_path, start):
+def test_plain_decoding_equals_mlx_lm_generation_with_its_kv_bits(ckpt, start):
     """mlx-lm's own generation on the same checkpoint: ``kv_bits`` with
     ``quantized_kv_start`` (it switches after the forward that reaches it, as we do); at
     start 0 mlx-lm runs its first chunk in full precision, so its caches are made quantized
     from the start (its ``QuantizedKVCache``)."""
-    model, text = hybrid_model()
-    path = tiny.save_hf_checkpoint(model, "qwen3_5", text, tmp_path / "ckpt")
-    ours, _ = load_model(Path(path))
+    ours, _ = load_model(Path(ckpt))
     ours.use_kv_quantization(KVQuantization(4, 32, start))
-    ref_model, _ = mlx_lm_load_model(Path(path))
+    ref_model, _ = mlx_lm_load_model(Path(ckpt))
     for prompt in PROMPTS[1:4]:
         kw = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=start)
         if start == 0:
