@@ -252,11 +252,12 @@ class MTPModel(ModelInterface, nn.Module):
         q = self.kv_quantization
         return KVCache() if q is None else QuantizedKVCache(q)
 
-    def quantize_attention_caches(self, quant: Optional[KVQuantization], head_dim: int):
+    def quantize_attention_caches(self, quant: Optional[KVQuantization], *head_dims: int):
         """``use_kv_quantization`` for a family whose ``make_cache`` uses
-        ``full_attention_cache`` (attention heads of ``head_dim``)."""
+        ``full_attention_cache`` (cached arrays' last dimensions ``head_dims``)."""
         if quant is not None:
-            quant.check_head_dim(head_dim)
+            for d in head_dims:
+                quant.check_head_dim(d)
         self.kv_quantization = quant
 
 
