@@ -53,9 +53,19 @@ def mla_model(family: str):
     return tiny_attention.make_oracle(tiny_attention.build_model(config, seed=0), 0.5, 2.5, 0)
 
 
+def nemotron_model():
+    """Mamba-2 states (kept in their precision) beside quantized attention."""
+    model = tiny_attention.build_model(dict(tiny_special.nemotron_h_config(), head_dim=32), 0)
+    tiny_special.nemotron_oracle(model, 0.5, 2.5, 0)
+    return model
+
+
 MODELS = {"qwen3_5": lambda: hybrid_model()[0], "glm4_moe": glm_model,
           "deepseek_v3": lambda: mla_model("deepseek_v3"),
-          "longcat_flash": lambda: mla_model("longcat_flash")}
+          "longcat_flash": lambda: mla_model("longcat_flash"), "nemotron_h": nemotron_model}
+# Nemotron-H's Mamba-2 verify rows differ from one-token steps by float rounding (~1e-5 in
+# log-probabilities), with or without --kv-bits: its tokens are compared, not its logits.
+BITWISE_VERIFY = {"qwen3_5", "glm4_moe", "deepseek_v3", "longcat_flash"}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -128,7 +138,9 @@ def test_greedy_mtp_and_lookup_equal_plain_decoding_with_the_same_cache(model):
         accepted = 0
         for k in (1, 2, 3):
             out, lps, dec = solo_logprobs(model, k, prompt)
-            assert out == ref and mx.array_equal(lps, ref_lps).item(), (prompt, k)
+            assert out == ref, (prompt, k)
+            if model.model_type in BITWISE_VERIFY:
+                assert mx.array_equal(lps, ref_lps).item(), (prompt, k)
             accepted += dec.stats.num_accepted_tokens
         assert accepted > 0 or model.model_type == "longcat_flash"  # its head is random
         copy_prompt = prompt + ref[:6] + prompt
@@ -360,7 +372,7 @@ def test_families_without_a_quantized_kind_refuse_clearly():
                                          "head size 8"):  # the tiny RoPE part
         m.use_kv_quantization(Q4)
     for config in (tiny_special.step3p5_config(), tiny_special.mimo_v2_flash_config(),
-                   tiny_special.nemotron_h_config(), tiny_special.dsa_config()):
+                   tiny_special.dsa_config()):
         m = tiny_attention.build_model(config, seed=0)
         with pytest.raises(ValueError, match="--kv-bits is not available for"):
             m.use_kv_quantization(Q4)

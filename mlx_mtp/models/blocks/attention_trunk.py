@@ -267,8 +267,8 @@ class TextModel(MTPModel):
 
     def use_kv_quantization(self, quant):
         """Full attention and MLA latents (the latent and its RoPE part, both quantized);
-        the windowed, DSA indexer and Mamba caches of the families that make their own
-        caches have no quantized kind yet."""
+        a family that makes its own caches says what it quantizes (the windowed and DSA
+        indexer caches have no quantized kind yet)."""
         if quant is not None and type(self).make_cache is not TextModel.make_cache:
             raise ValueError(f"--kv-bits is not available for {self.model_type}: its windowed, "
                              "indexer or state caches have no quantized kind yet")
