@@ -133,22 +133,23 @@ def test_the_caches_are_quantized_and_change_the_logits(model):
 
 
 def test_greedy_mtp_and_lookup_equal_plain_decoding_with_the_same_cache(model):
+    accepted = 0
     for prompt in PROMPTS[:4]:
         ref, ref_lps, _ = solo_logprobs(model, 0, prompt)
-        accepted = 0
         for k in (1, 2, 3):
             out, lps, dec = solo_logprobs(model, k, prompt)
             assert out == ref, (prompt, k)
             if model.model_type in BITWISE_VERIFY:
                 assert mx.array_equal(lps, ref_lps).item(), (prompt, k)
             accepted += dec.stats.num_accepted_tokens
-        assert accepted > 0 or model.model_type == "longcat_flash"  # its head is random
         copy_prompt = prompt + ref[:6] + prompt
         ref_copy, _ = solo(model, 0, copy_prompt)
         for source in ("lookup", "both"):
             sources = DraftSources(source, LookupSettings(max_draft=4), adaptive=False)
             out, _ = solo(model, 3, copy_prompt, drafter=sources.drafter())
             assert out == ref_copy, (prompt, source)
+    assert accepted > 0 or model.model_type == "longcat_flash"  # rollback ran; LongCat's
+    # head is random (its rejections roll back too)
 
 
 @pytest.mark.parametrize("start", [9, 10, 12])
@@ -190,6 +191,11 @@ def test_a_verify_then_rollback_leaves_the_cache_a_plain_decode_writes(model):
     for t in drafts[:2]:
         model.trunk(mx.array([[t]], mx.uint32), plain)
     attention = [i for i, c in enumerate(spec) if isinstance(c, QuantizedKVCache)]
+    assert [spec[i].offset for i in attention] == [plain[i].offset for i in attention] != []
+    if model.model_type not in BITWISE_VERIFY:  # the kept rows' inputs differ by rounding:
+        spec, plain = ({i: cs[i].copy() for i in attention} for cs in (spec, plain))
+        for c in [*spec.values(), *plain.values()]:
+            c.trim(2)  # the prompt's rows
     same(cache_state_arrays([spec[i] for i in attention]),
          cache_state_arrays([plain[i] for i in attention]))
     assert all(spec[i].state[0].dtype == mx.uint32 for i in attention)
