@@ -278,7 +278,10 @@ def describe_choices(model) -> str:
         vocab = f"{head.size} tokens (draft_vocab.json)"
     else:
         vocab = "whole vocabulary"
-    return f"Weights: {dtype}; draft vocabulary: {vocab}"
+    kv = model.kv_quantization
+    kv = "" if kv is None else (f"; KV cache: {kv.bits}-bit, groups of {kv.group_size}"
+                                + (f", from token {kv.start}" if kv.start else ""))
+    return f"Weights: {dtype}; draft vocabulary: {vocab}{kv}"
 
 
 def _shipped_vocab_applies(model, args) -> bool:

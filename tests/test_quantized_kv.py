@@ -434,3 +434,22 @@ def test_bytes_held_at_4_bits_are_under_0_3_of_bf16_and_inspect_reports_them():
     assert mem["kv_bytes_per_1k_tokens_quantized"] / mem["kv_bytes_per_1k_tokens"] <= 0.3
     assert "recurrent states kept in their own precision" in render(report)
     assert "refused" in render(inspect_model(None, 8, 128))
+
+
+@pytest.mark.slow
+def test_generate_with_kv_bits_runs_and_a_bad_group_exits_2_with_one_line():
+    import subprocess
+    import sys
+
+    def run(*args):
+        p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "generate", "-p", "def f():",
+                            "-m", "8", *args], capture_output=True, text=True, timeout=300)
+        return p.returncode, p.stdout, p.stderr
+
+    code, out, err = run("--kv-bits", "4")  # the embedded demo model (heads of 64)
+    assert code == 0, err
+    assert "KV cache: 4-bit, groups of 64" in out + err
+    code, out, err = run("--kv-bits", "4", "--kv-group-size", "128")
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [
+        "mlx-mtp: error: --kv-group-size 128 does not divide the attention head size 64"]
