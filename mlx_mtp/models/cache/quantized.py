@@ -13,7 +13,8 @@ what stays is bit for bit what a plain decode writes.
 ``KVQuantization.start`` is mlx-lm's ``quantized_kv_start``: a single-row cache holds
 full precision until it holds ``start`` tokens, then every later forward attends over
 the quantized form (mlx-lm converts after the forward that reaches ``start``; so do
-we, at the next write). A batch is always quantized: its rows switch together, so
+we, at the next write; at ``start`` 0 every write is quantized, where mlx-lm runs its
+first forward in full precision). A batch is always quantized: its rows switch together, so
 ``start`` > 0 is single-row only (``check_batchable``).
 """
 
@@ -94,8 +95,8 @@ def _squeeze_index(valid: mx.array, idx: int):
     return mx.array(index)[:, None, :, None], new_valid, L
 
 
-def _head_dim(q) -> int:
-    """The unpacked head size of a quantized triple (``group_size`` per scale)."""
+def _groups(q) -> int:
+    """Quantization groups per position of a triple (head size / ``group_size``)."""
     return q[1].shape[-1]
 
 
@@ -354,7 +355,7 @@ class BatchQuantizedKVCache(BatchKVCache):
 
         def regrown(q, dtype):
             kept = tree_map(lambda a: mx.take_along_axis(a[..., : self.idx, :], gather, axis=2), q)
-            D = _head_dim(q) * self.quant.group_size
+            D = _groups(q) * self.quant.group_size
             return _cat([kept, self.quant.zeros(B, H, room, D, dtype)])
 
         self.keys = regrown(self.keys, self.keys[1].dtype)
@@ -375,7 +376,7 @@ class BatchQuantizedKVCache(BatchKVCache):
         H, p = src.keys[0].shape[1], L - self.idx
 
         def pad(q):
-            return self.quant.zeros(B, H, p, _head_dim(q) * self.quant.group_size, q[1].dtype)
+            return self.quant.zeros(B, H, p, _groups(q) * self.quant.group_size, q[1].dtype)
 
         k, v, m = pad(src.keys), pad(src.values), mx.zeros((B, p), mx.bool_)
         if self.keys is not None:
