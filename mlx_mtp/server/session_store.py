@@ -72,8 +72,9 @@ def model_fingerprint(model) -> str:
     """
     from mlx.utils import tree_flatten
 
-    h = hashlib.sha256(f"{FORMAT}|mlx {mx.__version__}|blas {os.environ.get('MLX_MTP_BLAS', '')}"
-                       f"|kv {model.kv_quantization}".encode())
+    kv = "" if model.kv_quantization is None else f"|kv {model.kv_quantization}"
+    h = hashlib.sha256(f"{FORMAT}|mlx {mx.__version__}|blas "
+                       f"{os.environ.get('MLX_MTP_BLAS', '')}{kv}".encode())
     params = tree_flatten(model.parameters())
     heads = [p.reshape(-1)[:16] for _, p in params]
     heads = [p.view(mx.uint16) if p.dtype == mx.bfloat16 else p for p in heads]
