@@ -55,6 +55,7 @@ def add_model_arguments(p: argparse.ArgumentParser):
                    help="Trunk hidden state fed to the MTP head (default post_norm)")
     add_dtype_argument(p)
     add_speed_arguments(p)
+    add_kv_cache_arguments(p)
     p.add_argument("--distributed", choices=["pipeline", "tensor"], default=None,
                    help="Split the model over the ranks of `mlx.launch` (on by itself when "
                         "launched with more than one rank): pipeline (layers) or tensor "
@@ -193,6 +194,37 @@ def add_speed_arguments(p):
                         "fixed K=3 but slower with adaptive K (docs/verify-cost.md)")
 
 
+def add_kv_cache_arguments(p):
+    """Quantized attention caches, as mlx-lm's flags (``apply_kv_cache_options`` applies them)."""
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
+                   help="Store the trunk's attention keys and values quantized to 4 or 8 bits "
+                        "(mlx-lm's --kv-bits; ~0.28x / 0.53x of 16-bit at group size 64). "
+                        "Decoding stays exact against plain decoding with the same cache; "
+                        "recurrent states (DeltaNet, Mamba-2) and sliding windows keep their "
+                        "precision; DSA models refuse it (docs/quantized-kv.md). Off by "
+                        "default")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+                   help="Values per quantization scale of --kv-bits (default 64)")
+    p.add_argument("--quantized-kv-start", type=int, default=0, metavar="N",
+                   help="With --kv-bits: keep a sequence's cache in full precision until it "
+                        "holds N tokens (mlx-lm's flag; one sequence only: the server's batches "
+                        "are quantized from the first token). Default 0")
+
+
+def apply_kv_cache_options(model, args):
+    """``--kv-bits`` & co. on a loaded model (its ``use_kv_quantization``)."""
+    bits = getattr(args, "kv_bits", None)
+    if bits is None:
+        return
+    from .models.cache.quantized import KVQuantization
+
+    try:
+        model.use_kv_quantization(KVQuantization(bits, args.kv_group_size,
+                                                 args.quantized_kv_start))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
 def apply_model_options(model, args):
     """Settings applied to a loaded model: ``--draft-head-bits`` and ``--draft-vocab`` (MTP
     models only), ``--compile-steps``."""
@@ -236,6 +268,7 @@ def load_from_args(args, mtp: bool, group=None):
                         "lookup drafts from the context without a head), or graft one with "
                         "`mlx-mtp add-mtp`")
     apply_model_options(model, args)
+    apply_kv_cache_options(model, args)
     return model, tokenizer
 
 
@@ -250,7 +283,10 @@ def describe_choices(model) -> str:
         vocab = f"{head.size} tokens (draft_vocab.json)"
     else:
         vocab = "whole vocabulary"
-    return f"Weights: {dtype}; draft vocabulary: {vocab}"
+    kv = model.kv_quantization
+    kv = "" if kv is None else (f"; KV cache: {kv.bits}-bit, groups of {kv.group_size}"
+                                + (f", from token {kv.start}" if kv.start else ""))
+    return f"Weights: {dtype}; draft vocabulary: {vocab}{kv}"
 
 
 def _shipped_vocab_applies(model, args) -> bool:

@@ -60,7 +60,8 @@ def _add_common(p: argparse.ArgumentParser):
 
 
 def _add_inprocess(p: argparse.ArgumentParser):
-    from ..options import add_dtype_argument, add_lookup_arguments, add_speed_arguments
+    from ..options import (add_dtype_argument, add_kv_cache_arguments, add_lookup_arguments,
+                           add_speed_arguments)
 
     g = p.add_argument_group("in-process")
     g.add_argument("--num-draft-tokens", "--spec-draft-n-max", default="0,1,2,3",
@@ -85,6 +86,7 @@ def _add_inprocess(p: argparse.ArgumentParser):
     g.add_argument("--mtp-hidden", choices=["post_norm", "pre_norm"], default=None)
     add_dtype_argument(g)
     add_speed_arguments(g)
+    add_kv_cache_arguments(g)
     g.add_argument("--prefill-step-size", type=int, default=2048)
 
 

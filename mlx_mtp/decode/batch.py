@@ -30,6 +30,7 @@ from typing import Dict, Hashable, List, Optional, Sequence
 import mlx.core as mx
 
 from ..models.cache.kv import restore_caches, snapshot_caches
+from ..models.cache.quantized import draft_room
 from .policy import DraftPolicy
 from .sequence import Sequence as DecodeSequence
 from .step import DecodeBatch, Row, RowError, StepOutput
@@ -163,7 +164,9 @@ class BatchDecoder:
             return ks
         rows = self.core.rows
         B = len(rows)
-        return self.policy.row_ks(rows, max(B, load), load > B) if self.mtp else [0] * B
+        ks = self.policy.row_ks(rows, max(B, load), load > B) if self.mtp else [0] * B
+        room = draft_room(self.core.cache or [])  # a verify must not cross --quantized-kv-start
+        return ks if room is None else [min(k, room) for k in ks]
 
     def step(self, load: int = 0, ks: Optional[Sequence[int]] = None,
              interleaved: bool = False) -> Dict[Hashable, StepOutput]:

@@ -367,6 +367,10 @@ class DistributedModel(ModelInterface):
         return [RecurrentCache() if l.is_linear else KVCache()
                 for l in self.text.model.layers[start:end]]
 
+    def use_kv_quantization(self, quant):
+        if quant is not None:
+            raise ValueError("--kv-bits is not available with --distributed yet")
+
     def make_mtp_cache(self):
         if self.is_head:
             return self.inner.make_mtp_cache()

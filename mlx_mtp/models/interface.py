@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache.kv import KVCache
+from .cache.quantized import KVQuantization, QuantizedKVCache
 from .draft.head import DraftHead
 from .io import layout
 
@@ -50,6 +51,7 @@ class ModelInterface:
     load_dtype: Optional[mx.Dtype] = None  # the dtype weights were cast to (None: as stored)
     dtype_choice: Optional[str] = None  # how that dtype was chosen, for the stats line
     draft_vocab_tuner = None  # re-sizes the draft vocabulary from emitted text (vocab_auto)
+    kv_quantization: Optional[KVQuantization] = None  # trunk attention caches (--kv-bits)
 
     @property
     def text(self) -> "MTPModel":
@@ -150,6 +152,13 @@ class ModelInterface:
     def use_draft_vocab_tuner(self, tuner):
         self.draft_vocab_tuner = tuner
 
+    def use_kv_quantization(self, quant: Optional[KVQuantization]):
+        """Quantize the trunk's attention caches from now on (``make_cache``); None: full
+        precision. ValueError (one line) for a model whose caches cannot be."""
+        if quant is not None:
+            raise ValueError(f"--kv-bits is not available for {self.model_type}: "
+                             "its attention caches have no quantized kind yet")
+
 
 INTERFACE_NAMES = tuple(n for n in vars(ModelInterface) if not n.startswith("_"))
 
@@ -235,8 +244,21 @@ class MTPModel(ModelInterface, nn.Module):
         self.draft_head = DraftHead(out, bits, vocab, group_size)
 
     def make_mtp_cache(self):
-        return [KVCache() for _ in range(self.num_mtp_layers)]
+        return [self.full_attention_cache() for _ in range(self.num_mtp_layers)]
 
+    def full_attention_cache(self) -> KVCache:
+        """A full-attention layer's cache (trunk or MTP head): quantized after
+        ``use_kv_quantization`` (the head's only change acceptance, never output)."""
+        q = self.kv_quantization
+        return KVCache() if q is None else QuantizedKVCache(q)
+
+    def quantize_attention_caches(self, quant: Optional[KVQuantization], *head_dims: int):
+        """``use_kv_quantization`` for a family whose ``make_cache`` uses
+        ``full_attention_cache`` (cached arrays' last dimensions ``head_dims``)."""
+        if quant is not None:
+            for d in head_dims:
+                quant.check_head_dim(d)
+        self.kv_quantization = quant
 
 
 @forwards_interface("language_model")

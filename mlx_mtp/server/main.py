@@ -292,6 +292,9 @@ def _check_args(args):
                         ("--prompt-cache-size", args.prompt_cache_size, 0)):
         if v < lo:
             raise UserError(f"{flag} must be >= {lo} (got {v})")
+    if args.quantized_kv_start:
+        raise UserError("--quantized-kv-start applies to one sequence (generate, bench): the "
+                        "server's batched caches are quantized from the first token")
     if args.max_kv_size is not None and args.max_kv_size < 2:
         raise UserError(f"--max-kv-size must be >= 2 (got {args.max_kv_size})")
     if args.max_request_bytes < 1024:

@@ -67,13 +67,14 @@ def model_fingerprint(model) -> str:
     """Identity of the weights a state was computed with (and of how they are run).
 
     Parameter names, shapes, dtypes and the first values of each (cheap: no full pass
-    over the weights), plus the MLX version and BLAS routing, which decide the bits of
-    a recomputed state.
+    over the weights), plus the MLX version, BLAS routing and KV-cache quantization
+    (``--kv-bits``), which decide the bits and kinds of a recomputed state.
     """
     from mlx.utils import tree_flatten
 
+    kv = "" if model.kv_quantization is None else f"|kv {model.kv_quantization}"
     h = hashlib.sha256(f"{FORMAT}|mlx {mx.__version__}|blas "
-                       f"{os.environ.get('MLX_MTP_BLAS', '')}".encode())
+                       f"{os.environ.get('MLX_MTP_BLAS', '')}{kv}".encode())
     params = tree_flatten(model.parameters())
     heads = [p.reshape(-1)[:16] for _, p in params]
     heads = [p.view(mx.uint16) if p.dtype == mx.bfloat16 else p for p in heads]

@@ -144,11 +144,13 @@ def _common_prefix(keys: List[str]) -> str:
     return ".".join(common) + "." if common else ""
 
 
-def memory_estimate(config: dict, tensors: Dict[str, Tensor]) -> dict:
-    """Bytes the text weights take once loaded, plus the cache per sequence (K/V in 16-bit)."""
+def memory_estimate(config: dict, tensors: Dict[str, Tensor], kv_bits: Optional[int] = None,
+                    kv_group_size: int = 64) -> dict:
+    """Bytes the text weights take once loaded, plus the cache per sequence (K/V in 16-bit;
+    ``kv_bits``: also quantized, with 16-bit scales and biases per group)."""
     weights = sum(t.nbytes for k, t in tensors.items() if not k.startswith(VISION_PREFIXES))
     out = {"weights_bytes": weights, "kv_bytes_per_1k_tokens": None,
-           "state_bytes_per_sequence": None}
+           "kv_bytes_per_1k_tokens_quantized": None, "state_bytes_per_sequence": None}
     if config.get("model_type") in FAMILY_CACHE_BYTES:
         per_token, state = FAMILY_CACHE_BYTES[config["model_type"]](text_config(config))
         return dict(out, kv_bytes_per_1k_tokens=1024 * per_token, state_bytes_per_sequence=state)
@@ -162,8 +164,11 @@ def memory_estimate(config: dict, tensors: Dict[str, Tensor]) -> dict:
     layers = range(args.num_hidden_layers)
     n_linear = sum(1 for i in layers if args.is_linear(i)) if hybrid else 0
     n_attention = args.num_hidden_layers - n_linear + config_mtp_layers(config)
-    out["kv_bytes_per_1k_tokens"] = 1024 * n_attention * 2 * args.num_key_value_heads \
-        * args.head_dim * 2
+    per_layer = 1024 * 2 * args.num_key_value_heads * args.head_dim  # K/V values per 1k tokens
+    out["kv_bytes_per_1k_tokens"] = n_attention * per_layer * 2
+    if kv_bits is not None:
+        out["kv_bytes_per_1k_tokens_quantized"] = int(
+            n_attention * per_layer * (kv_bits / 8 + 2 * 2 / kv_group_size))
     if n_linear:
         conv_dim = (2 * args.linear_num_key_heads * args.linear_key_head_dim
                     + args.linear_num_value_heads * args.linear_value_head_dim)
@@ -215,21 +220,36 @@ def check_loadable(where: Path, config: dict, layout_name: str) -> None:
     whose head mlx-mtp cannot run yet (``NOT_YET``) is refused with what it lacks."""
     refuse_not_yet(config.get("model_type"))
     if config.get("model_type") not in MODEL_TYPES:
-        return  # the report says mlx-mtp cannot run it, and what can
+        return None  # the report says mlx-mtp cannot run it, and what can
     split = layout_name == LAYOUT_SPLIT  # a drafter borrows its trunk's tokenizer...
     if not split:  # ...and its config describes its trunk's weights too
         check_fits_weights(config, weight_files(where), where / "config.json")
     check_tokenizer_files(where, required=not split)
-    build_model(copy.deepcopy(config), where / "config.json")
+    return build_model(copy.deepcopy(config), where / "config.json")
 
 
-def inspect_model(path: Optional[str]) -> dict:
-    """The report for the checkpoint at ``path`` (None: the embedded demo model)."""
+def kv_quantization_refusal(model, bits: Optional[int], group_size: int) -> Optional[str]:
+    """Why the model refuses ``--kv-bits`` (None: it takes it, or no bits asked)."""
+    if bits is None or model is None:
+        return None
+    from ..models.cache.quantized import KVQuantization
+
+    try:
+        model.use_kv_quantization(KVQuantization(bits, group_size))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def inspect_model(path: Optional[str], kv_bits: Optional[int] = None,
+                  kv_group_size: int = 64) -> dict:
+    """The report for the checkpoint at ``path`` (None: the embedded demo model);
+    ``kv_bits``: the KV cache figures at that quantization too."""
     where = resolve_model_path(path)
     config = load_config(where)
     tensors = read_tensors(where)
     layout_name = detect_layout(config, tensors)
-    check_loadable(where, config, layout_name)
+    model = check_loadable(where, config, layout_name)
     mtp = mtp_summary(config, tensors, layout_name)
     is_head = mtp_key_predicate(config)
     trunk = [k for k in tensors if not is_head(k) and not k.startswith(VISION_PREFIXES)]
@@ -248,7 +268,11 @@ def inspect_model(path: Optional[str]) -> dict:
                           and mtp["present_layers"] == 0),
         "advice": _advice(where, layout_name, mtp, model_type in MODEL_TYPES),
         "draft_vocab": _draft_vocab_info(where),
-        "memory": memory_estimate(config, tensors),
+        "memory": memory_estimate(config, tensors, kv_bits, kv_group_size),
+        "kv_quantization": None if kv_bits is None else {
+            "bits": kv_bits, "group_size": kv_group_size,
+            "refused": kv_quantization_refusal(model, kv_bits, kv_group_size),
+            "recurrent_states": "kept in their own precision (DeltaNet, Mamba-2)"},
     }
 
 
@@ -292,20 +316,39 @@ def render(report: dict) -> str:
         memory += (f"; recurrent state {_size(mem['state_bytes_per_sequence'])} per sequence "
                    "(float32 at any weight precision)")
     rows.append(("memory", memory))
+    kvq = report["kv_quantization"]
+    if kvq is not None:
+        rows.append(("kv cache", _kv_quantization(kvq, mem)))
     if report["advice"]:
         rows.append(("next", report["advice"]))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def _kv_quantization(kvq: dict, mem: dict) -> str:
+    if kvq["refused"]:
+        return f"--kv-bits {kvq['bits']} refused: {kvq['refused']}"
+    line = f"--kv-bits {kvq['bits']} (group {kvq['group_size']}): attention K/V quantized"
+    q, full = mem["kv_bytes_per_1k_tokens_quantized"], mem["kv_bytes_per_1k_tokens"]
+    if q is not None:
+        line += f", {_size(q)} per 1k tokens ({q / full:.2f}x of 16-bit)"
+    if mem["state_bytes_per_sequence"]:
+        line += f"; recurrent states {kvq['recurrent_states']}"
+    return line
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None,
                         help="Checkpoint directory (default: the embedded demo model)")
     parser.add_argument("--json", action="store_true", help="Print the report as JSON")
+    parser.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
+                        help="Also report the KV cache quantized to these bits (--kv-bits of "
+                             "generate and serve), or why this model refuses it")
+    parser.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
     return parser
 
 
 def run(args) -> int:
-    report = inspect_model(args.model)
+    report = inspect_model(args.model, args.kv_bits, args.kv_group_size)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0

@@ -33,7 +33,6 @@ from mlx_lm.models import glm4_moe, mellum, mimo, mimo_v2_flash, step3p5
 from mlx_lm.models.base import create_causal_mask
 
 from ..io import layout
-from ..cache.kv import KVCache
 from ..interface import MTPModel
 
 log = logging.getLogger("mlx_mtp")
@@ -104,6 +103,15 @@ def attention_mask(cache, L: int, array: bool):
     return create_causal_mask(L) if array else "causal"
 
 
+def quantized_latent_attention(q_abs, latent: tuple, pe_scores, scale: float, quant: dict):
+    """MLA's absorbed attention over a quantized latent (B, 1, T, r): what
+    ``mx.fast.scaled_dot_product_attention(q_abs, latent, latent, mask=pe_scores)`` computes
+    (the one latent head shared by every query head by broadcasting)."""
+    scores = mx.quantized_matmul(q_abs * scale, *latent, transpose=True, **quant) + pe_scores
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return mx.quantized_matmul(probs, *latent, transpose=False, **quant)
+
+
 def mla_attention(attn, x, mask, cache, absorbed: bool):
     """mlx-lm's MLA attention (``attn``'s weights), with the formula chosen by the caller:
     ``absorbed`` is what mlx-lm runs for one token (q W_k^T against the cached latent,
@@ -137,14 +145,26 @@ def mla_heads(attn, x, mask, cache, absorbed: bool):
     latent = mx.expand_dims(latent, axis=1)
     if cache is not None:
         latent, k_pe = cache.update_and_fetch(latent, k_pe)
-    scores = (q_pe * attn.scale) @ k_pe.swapaxes(-1, -2)
+    # A quantized cache (--kv-bits) returns (packed, scales, biases) triples.
+    quant = None
+    if isinstance(latent, tuple):
+        quant = dict(group_size=cache.group_size, bits=cache.bits)
+    if quant is None:
+        scores = (q_pe * attn.scale) @ k_pe.swapaxes(-1, -2)
+    else:
+        scores = mx.quantized_matmul(q_pe * attn.scale, *k_pe, transpose=True, **quant)
     if mask is not None:
         scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    if absorbed:
+    if absorbed and quant is not None:
+        out = attn.unembed_out(quantized_latent_attention(attn.embed_q(q_nope), latent, scores,
+                                                          attn.scale, quant))
+    elif absorbed:
         out = mx.fast.scaled_dot_product_attention(
             attn.embed_q(q_nope), latent, latent, scale=attn.scale, mask=scores)
         out = attn.unembed_out(out)
     else:
+        if quant is not None:  # the expanded formula reads the latent the cache holds
+            latent = mx.dequantize(*latent, **quant)
         k = attn.embed_q(latent, transpose=False)
         v = attn.unembed_out(latent)
         out = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=attn.scale, mask=scores)
@@ -249,7 +269,23 @@ class TextModel(MTPModel):
         return layer.norm(x[:, -1:] if last_only else x)
 
     def make_cache(self):
-        return [KVCache() for _ in self.model.layers]
+        return [self.full_attention_cache() for _ in self.model.layers]
+
+    def use_kv_quantization(self, quant):
+        """Full attention and MLA latents (the latent and its RoPE part, both quantized);
+        a family that makes its own caches says what it quantizes (DeepSeek-V3.2's and
+        GLM-5's DSA indexer caches have no quantized kind yet)."""
+        if quant is not None and type(self).make_cache is not TextModel.make_cache:
+            raise ValueError(f"--kv-bits is not available for {self.model_type}: its DSA "
+                             "indexer caches have no quantized kind yet")
+        self.quantize_attention_caches(quant, *self.cached_head_dims())
+
+    def cached_head_dims(self) -> tuple:
+        """The last dimension of each array the attention caches hold."""
+        args = self.args
+        if self.family.mla:
+            return args.kv_lora_rank, args.qk_rope_head_dim
+        return (getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads,)
 
     @staticmethod
     def cast_predicate(path: str) -> bool:

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
+from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated as RMSNormGated
 from mlx_lm.models.rope_utils import initialize_rope
@@ -146,7 +147,7 @@ class GatedAttention(nn.Module):
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = scaled_dot_product_attention(q, k, v, cache, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out * mx.sigmoid(gate.reshape(B, L, -1)))
 

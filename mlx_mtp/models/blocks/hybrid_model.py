@@ -8,7 +8,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.kv import KVCache, cache_state_arrays
+from ..cache.kv import cache_state_arrays
 from ..cache.recurrent import RecurrentCache
 from ..interface import Capabilities, MTPModel
 from .hybrid import MAX_COMPILED_TOKENS, HybridArgs, MTPHead, Trunk
@@ -72,4 +72,8 @@ class HybridModel(MTPModel):
         return self.mtp(hidden, self.model.embed_tokens(next_tokens), mtp_cache, last_only)
 
     def make_cache(self):
-        return [RecurrentCache() if l.is_linear else KVCache() for l in self.model.layers]
+        return [RecurrentCache() if l.is_linear else self.full_attention_cache()
+                for l in self.model.layers]
+
+    def use_kv_quantization(self, quant):
+        self.quantize_attention_caches(quant, self.args.head_dim)

@@ -36,11 +36,25 @@ class WindowedTrunk:
                 tapped[i] = h
         return h, tapped
 
-    def attention_cache(self, layer):
-        return WindowKVCache(self.window) if self.is_sliding(layer) else KVCache()
+    def attention_cache(self, layer, quantized: bool = False):
+        """``quantized``: a full-attention layer's cache follows ``--kv-bits``."""
+        if self.is_sliding(layer):
+            return WindowKVCache(self.window)
+        return self.full_attention_cache() if quantized else KVCache()
 
     def make_cache(self):
-        return [self.attention_cache(layer) for layer in self.model.layers]
+        return [self.attention_cache(layer, quantized=True) for layer in self.model.layers]
+
+    def use_kv_quantization(self, quant):
+        """The full-attention layers only: a window layer holds at most window + rollback
+        margin positions and stays in full precision, as do the chained MTP layers' caches
+        (``make_mtp_cache``); attention sinks have no quantized attention in mlx-lm."""
+        args = self.args
+        if quant is not None and getattr(args, "add_full_attention_sink_bias", False):
+            raise ValueError(f"--kv-bits is not available for {self.model_type}: its "
+                             "full-attention layers have attention sinks")
+        dims = (args.head_dim, getattr(args, "v_head_dim", args.head_dim))
+        self.quantize_attention_caches(quant, *dims)
 
     def make_mtp_cache(self):
         if not self.num_mtp_layers:

@@ -24,7 +24,6 @@ from mlx_lm.models import longcat_flash as _lm
 
 from ..blocks.attention_trunk import Family, ModelArgs, attention_mask, mla_attention
 from ..blocks.attention_trunk import Model as _Model
-from ..cache.kv import KVCache
 
 PUBLIC = "model.mtp."
 RAW_PREFIX = "model.mtp_layers.0."  # internal, while loading (``model.mtp.*`` reads as ``mtp.*``)
@@ -90,7 +89,10 @@ class Model(_Model):
         return h, tapped
 
     def make_cache(self):
-        return [KVCache() for _ in range(2 * len(self.model.layers))]
+        return [self.full_attention_cache() for _ in range(2 * len(self.model.layers))]
+
+    def use_kv_quantization(self, quant):
+        self.quantize_attention_caches(quant, *self.cached_head_dims())
 
     # --- weights ----------------------------------------------------------
     def sanitize(self, weights: dict) -> dict:

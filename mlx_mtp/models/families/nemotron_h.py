@@ -29,7 +29,6 @@ from mlx_lm.models.ssm import ssm_update
 from ..io import layout
 from ..blocks.attention_trunk import Family, ModelArgs, mlx_lm_sanitize
 from ..blocks.attention_trunk import Model as _Model
-from ..cache.kv import KVCache
 from ..cache.recurrent import RecurrentCache, VerifyRecord
 
 CACHED = ("M", "*")  # block types that keep state across calls
@@ -160,8 +159,14 @@ class Model(_Model):
     def make_cache(self):
         emb = self.model.embed_tokens  # a quantized table's weight is packed uint32
         dtype = (emb.scales if isinstance(emb, nn.QuantizedEmbedding) else emb.weight).dtype
-        return [KVCache() if layer.block_type == "*" else mamba_cache(layer.mixer, dtype)
-                for layer in self.layers]
+        return [self.full_attention_cache() if layer.block_type == "*"
+                else mamba_cache(layer.mixer, dtype) for layer in self.layers]
+
+    def use_kv_quantization(self, quant):
+        """Attention layers only: the Mamba-2 states keep their precision."""
+        args = self.args
+        self.quantize_attention_caches(
+            quant, args.head_dim or args.hidden_size // args.num_attention_heads)
 
     @staticmethod
     def cast_predicate(path: str) -> bool:
