@@ -1,0 +1,102 @@
+"""A loaded vision tower with its image processor (``ImageEncoder``), and loading one
+from a checkpoint (``load_image_encoder``): the released layout (``model.visual.*``,
+Conv3d patch embedding) or an mlx-vlm conversion (``vision_tower.*``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from ..io.files import load_safetensors, read_json_object, read_safetensors_header
+from ..io.layout import CheckpointError
+from .images import ImageBatch, ImageError, ImageLimits, ImageProcessor, PromptImages, \
+    check_count, expand_image_pads
+from .qwen3_5 import VISION_PREFIXES, VisionArgs, VisionModel
+
+VISION_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # families whose trunk takes image embeddings
+
+
+class ImageEncoder:
+    """Images -> the tower's embeddings at a prompt's image-pad tokens. Made at load for
+    any checkpoint with a tower (``encoder_for``), reading nothing: the tower's weights
+    and the image processor are read on first use, or by ``load()`` (``--vision``)."""
+
+    def __init__(self, path: Path, config: dict, dtype: Optional[mx.Dtype] = None,
+                 limits: ImageLimits = ImageLimits()):
+        self.path, self.config, self.dtype = path, config, dtype
+        self.pad_id: int = config["image_token_id"]
+        self.limits = limits
+        self.tower: Optional[VisionModel] = None
+        self.processor: Optional[ImageProcessor] = None
+
+    def load(self) -> "ImageEncoder":
+        if self.tower is None:
+            self.tower, self.processor = load_tower(self.path, self.config, self.dtype)
+        return self
+
+    @property
+    def loaded(self) -> bool:
+        return self.tower is not None
+
+    def preprocess(self, images: Sequence) -> ImageBatch:
+        check_count(len(images), self.limits)
+        return self.load().processor(images)
+
+    def encode(self, ids: Sequence[int], batch: ImageBatch) -> Tuple[List[int], PromptImages]:
+        """(the prompt ids with each image's pad repeated once per image token, what prefill
+        needs). ``ids`` hold one pad per image (as chat templates write them) or the
+        expanded runs already."""
+        if sum(1 for t in ids if t == self.pad_id) != sum(batch.token_counts):
+            ids = expand_image_pads(ids, batch.token_counts, self.pad_id)
+        if ids and ids[-1] == self.pad_id:
+            raise ImageError("the prompt ends inside an image: add text after it")
+        tower = self.load().tower
+        embeddings = tower(mx.array(batch.pixels), batch.grids)
+        merge = tower.args.spatial_merge_size
+        return list(ids), PromptImages.build(ids, batch, embeddings, self.pad_id, merge)
+
+
+def encoder_for(path: Path, config: dict, dtype: Optional[mx.Dtype] = None
+                ) -> Optional[ImageEncoder]:
+    """An (unloaded) encoder when the checkpoint's config describes a vision tower."""
+    if isinstance(config.get("vision_config"), dict) and isinstance(
+            config.get("image_token_id"), int):
+        return ImageEncoder(path, config, dtype)
+    return None
+
+
+def vision_weights(path: Path) -> dict:
+    """The tower's tensors of the checkpoint at ``path`` (only files holding some are read)."""
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        if any(k.startswith(VISION_PREFIXES) for k in read_safetensors_header(f)):
+            out.update({k: v for k, v in load_safetensors(f).items()
+                        if k.startswith(VISION_PREFIXES)})
+    return out
+
+
+def load_tower(path: Path, config: dict, dtype: Optional[mx.Dtype] = None
+               ) -> Tuple[VisionModel, ImageProcessor]:
+    """The vision tower and image processor of the checkpoint at ``path`` (``config``: its
+    config.json); CheckpointError when they cannot be read."""
+    proc_file = path / "preprocessor_config.json"
+    if not proc_file.is_file():
+        raise CheckpointError(f"{path} has no preprocessor_config.json: the image processor's "
+                              "settings are missing")
+    tower = VisionModel(VisionArgs.from_dict(config["vision_config"]))
+    weights = tower.sanitize(vision_weights(path))
+    if not weights:
+        raise CheckpointError(f"{path} has no vision tower weights (model.visual.*): it was "
+                              "saved text-only")
+    if dtype is not None:
+        weights = {k: v.astype(dtype) for k, v in weights.items()}
+    try:
+        tower.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise CheckpointError(f"vision tower weights in {path} do not match "
+                              f"vision_config: {e}") from e
+    mx.eval(tower.parameters())
+    processor = ImageProcessor(read_json_object(proc_file), tower.args.spatial_merge_size)
+    return tower, processor
