@@ -65,8 +65,10 @@ def decode_image(data: bytes, limits: ImageLimits, where: str = "image"):
             return im.convert("RGB")
     except ImageError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError,
-            Image.DecompressionBombError) as e:
+    except Image.DecompressionBombError as e:  # Pillow's own bound, above ours by default
+        raise ImageError(f"{where} has too many pixels (at most {limits.max_pixels} "
+                         "pixels)") from e
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
         raise ImageError(f"{where} cannot be decoded as an image ({type(e).__name__})") from e
 
 
