@@ -55,11 +55,19 @@ def add_model_arguments(p: argparse.ArgumentParser):
                    help="Trunk hidden state fed to the MTP head (default post_norm)")
     add_dtype_argument(p)
     add_speed_arguments(p)
+    add_vision_arguments(p)
     p.add_argument("--distributed", choices=["pipeline", "tensor"], default=None,
                    help="Split the model over the ranks of `mlx.launch` (on by itself when "
                         "launched with more than one rank): pipeline (layers) or tensor "
                         "(heads). Default: tensor when the heads divide evenly and all ranks "
                         "are on this machine, else pipeline")
+
+
+def add_vision_arguments(p):
+    # Images (issue 42): the tower of a checkpoint that has one is read at its first image.
+    p.add_argument("--vision", action="store_true",
+                   help="Load the vision tower at start (default: at the first image); "
+                        "refused for checkpoints without one")
 
 
 def add_draft_source_arguments(p):
@@ -223,7 +231,8 @@ def load_from_args(args, mtp: bool, group=None):
         from .models.io.loader import load
 
         model, tokenizer = load(args.model, mtp=mtp, mtp_hidden=args.mtp_hidden,
-                                dtype=args.dtype, mtp_model=mtp_model_from_args(args))
+                                dtype=args.dtype, mtp_model=mtp_model_from_args(args),
+                                vision=getattr(args, "vision", False))
     else:
         from .models.distributed import load_distributed
 

@@ -177,3 +177,46 @@ def test_a_truncated_png_with_a_good_header_is_refused():
     Image.fromarray(pixels).save(out, format="PNG")
     with pytest.raises(ImageError, match="cannot be decoded"):
         decode_image(out.getvalue()[: len(out.getvalue()) // 2], ImageLimits())
+
+
+def run_cli(capsys, *argv):
+    from mlx_mtp import cli
+
+    code = cli.main(["generate", "--model", str(CKPT), "--max-tokens", str(N), "--temp", "0",
+                     "--verbose", "False", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_with_images_prints_transformers_text(capsys):
+    """`generate --image` (repeatable): the chat template writes the placeholders, the CLI
+    expands and fills them; the text equals transformers' greedy output, decoded."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(CKPT)
+    for case in REFERENCE:
+        images = [a for name in case["images"] for a in ("--image", str(FIXTURE / name))]
+        for k in ("0", "3"):
+            code, out, _ = run_cli(capsys, "--prompt", case["user_text"], "--num-draft-tokens",
+                                   k, "--fixed-k", *images)
+            assert code == 0 and out.rstrip("\n") == tokenizer.decode(case["output"]), k
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--image", str(FIXTURE / "missing.png")], "does not exist"),
+    (["--image", str(FIXTURE / "reference.json")], "cannot be decoded"),
+    (["--image", str(FIXTURE / "image_a.png")] * 17, "too many images"),
+    (["--image", str(FIXTURE / "image_a.png"), "--ignore-chat-template"], "placeholders"),
+])
+def test_generate_refuses_bad_images_with_exit_2(capsys, argv, message):
+    code, _, err = run_cli(capsys, "--prompt", "hi", *argv)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_vision_flag_on_a_text_only_checkpoint_exits_2(tiny_ckpt, capsys):
+    from mlx_mtp import cli
+
+    path = tiny_ckpt("qwen3_5", "random", vocab_size=4096)
+    code = cli.main(["generate", "--model", str(path), "--vision", "--prompt", "hi",
+                     "--max-tokens", "2", "--verbose", "False"])
+    assert code == 2 and "has no vision tower" in capsys.readouterr().err

@@ -114,9 +114,11 @@ def with_images(model, ids, images: Sequence):
     prefill); no images: (ids, None)."""
     if not images:
         return ids, None
+    from ..models.vision.images import ImageError
+
     encoder = model.image_encoder
     if encoder is None:
-        raise ValueError(f"this model ({model.model_type}) takes no images: its checkpoint "
+        raise ImageError(f"this model ({model.model_type}) takes no images: its checkpoint "
                          "has no vision tower")
     return encoder.encode(ids, encoder.preprocess(images))
 
