@@ -276,7 +276,7 @@ class Engine:
         dec = Sequence(self.model, k, req.sampling, adaptive=self.adaptive,
                        prefill_step_size=self.prefill_step_size,
                        grammar=None if req.grammar is None else req.grammar.start(),
-                       drafter=drafter)
+                       drafter=drafter, images=req.encoded_images(self.model))
         entry, pc = None, self.prefix_cache
         if use_cache and req.cache_prompt and pc.enabled:
             entry = pc.restore(dec, req.prompt)

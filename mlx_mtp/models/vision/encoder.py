@@ -44,14 +44,18 @@ class ImageEncoder:
         check_count(len(images), self.limits)
         return self.load().processor(images)
 
-    def encode(self, ids: Sequence[int], batch: ImageBatch) -> Tuple[List[int], PromptImages]:
-        """(the prompt ids with each image's pad repeated once per image token, what prefill
-        needs). ``ids`` hold one pad per image (as chat templates write them) or the
-        expanded runs already."""
+    def expand(self, ids: Sequence[int], batch: ImageBatch) -> List[int]:
+        """The prompt ids with each image's pad repeated once per image token: ``ids`` hold
+        one pad per image (as chat templates write them) or the expanded runs already."""
         if sum(1 for t in ids if t == self.pad_id) != sum(batch.token_counts):
             ids = expand_image_pads(ids, batch.token_counts, self.pad_id)
         if ids and ids[-1] == self.pad_id:
             raise ImageError("the prompt ends inside an image: add text after it")
+        return list(ids)
+
+    def encode(self, ids: Sequence[int], batch: ImageBatch) -> Tuple[List[int], PromptImages]:
+        """(``expand(ids, batch)``, what prefill needs: the tower's embeddings, positions)."""
+        ids = self.expand(ids, batch)
         tower = self.load().tower
         embeddings = tower(mx.array(batch.pixels), batch.grids)
         merge = tower.args.spatial_merge_size

@@ -46,9 +46,18 @@ def check_mime(mime: str):
                          f"{', '.join(IMAGE_MIME_TYPES)})")
 
 
+def _pillow():
+    try:
+        import PIL.Image
+    except ImportError as e:
+        raise ImageError("images need Pillow: pip install 'mlx-mtp[vision]'") from e
+    return PIL.Image
+
+
 def decode_image(data: bytes, limits: ImageLimits, where: str = "image"):
     """An RGB ``PIL.Image`` from encoded bytes, within ``limits``."""
-    from PIL import Image, UnidentifiedImageError
+    Image = _pillow()
+    UnidentifiedImageError = Image.UnidentifiedImageError
 
     if len(data) == 0:
         raise ImageError(f"{where} is empty")
