@@ -88,6 +88,25 @@ def test_greedy_equals_transformers_and_mtp_equals_plain(vl_model, case):
             assert got == ref["output"], f"K={k} lookup={lookup}"
 
 
+def test_a_repeated_image_is_not_encoded_again():
+    """The tower's output is kept by content hash: the second prompt with image A (here
+    beside image B) runs the tower on B alone, and its output is still transformers'."""
+    model, config = load_model(CKPT)
+    encoder = vision_encoder.encoder_for(CKPT, config)
+    model.use_image_encoder(encoder)
+    assert decode(decoder(model, REFERENCE[0], 2, False)) == REFERENCE[0]["output"]
+    assert encoder.tower_passes == 1
+    assert decode(decoder(model, REFERENCE[1], 2, False)) == REFERENCE[1]["output"]
+    assert encoder.tower_passes == 2  # image B only
+    assert decode(decoder(model, REFERENCE[1], 0, False)) == REFERENCE[1]["output"]
+    assert encoder.tower_passes == 2
+    keep_none = vision_encoder.ImageEncoder(CKPT, config, cache_bytes=0)
+    model.use_image_encoder(keep_none)  # nothing kept: every image is encoded each time
+    for _ in range(2):
+        decoder(model, REFERENCE[0], 0, False)
+    assert keep_none.tower_passes == 2 and not keep_none.cached
+
+
 def test_a_batch_of_image_and_text_rows_equals_each_alone(vl_model):
     rows = [REFERENCE[0], None, REFERENCE[1], None]  # None: the text-only prompt
     for k in (0, 2, 3):

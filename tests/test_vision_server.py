@@ -77,6 +77,17 @@ def test_openai_chat_with_images_answers_transformers_text(served, case):
     assert body["usage"]["prompt_tokens"] == len(ref["prompt"])  # image tokens counted
 
 
+def test_a_repeated_image_request_runs_no_second_tower_pass(served):
+    client, _, tok = served
+    encoder = client.app.state.server.images.encoder
+    ref = REFERENCE[0]
+    client.post("/v1/chat/completions", json=openai_body(openai_parts(ref)))
+    passes = encoder.tower_passes
+    r = client.post("/v1/chat/completions", json=openai_body(openai_parts(ref)))
+    assert r.json()["choices"][0]["message"]["content"] == tok.decode(ref["output"])
+    assert encoder.tower_passes == passes
+
+
 def test_anthropic_image_block_answers_transformers_text(served):
     client, _, tok = served
     ref = REFERENCE[1]

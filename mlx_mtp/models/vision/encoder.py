@@ -1,9 +1,10 @@
-"""A loaded vision tower with its image processor (``ImageEncoder``), and loading one
-from a checkpoint (``load_image_encoder``): the released layout (``model.visual.*``,
+"""A vision tower with its image processor (``ImageEncoder``), and loading them from a
+checkpoint (``load_tower``): the released layout (``model.visual.*``,
 Conv3d patch embedding) or an mlx-vlm conversion (``vision_tower.*``)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -21,15 +22,21 @@ VISION_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # families whose trunk takes image
 class ImageEncoder:
     """Images -> the tower's embeddings at a prompt's image-pad tokens. Made at load for
     any checkpoint with a tower (``encoder_for``), reading nothing: the tower's weights
-    and the image processor are read on first use, or by ``load()`` (``--vision``)."""
+    and the image processor are read on first use, or by ``load()`` (``--vision``).
+
+    The tower runs once per image: its output is kept by the image's content hash (least
+    recently used out past ``cache_bytes``), so a repeated image is not encoded again."""
 
     def __init__(self, path: Path, config: dict, dtype: Optional[mx.Dtype] = None,
-                 limits: ImageLimits = ImageLimits()):
+                 limits: ImageLimits = ImageLimits(), cache_bytes: int = 256 << 20):
         self.path, self.config, self.dtype = path, config, dtype
         self.pad_id: int = config["image_token_id"]
         self.limits = limits
         self.tower: Optional[VisionModel] = None
         self.processor: Optional[ImageProcessor] = None
+        self.cache_bytes = cache_bytes
+        self.cached: "OrderedDict[tuple, mx.array]" = OrderedDict()  # (hash, grid) -> output
+        self.tower_passes = 0  # images the tower has encoded
 
     def load(self) -> "ImageEncoder":
         if self.tower is None:
@@ -56,10 +63,29 @@ class ImageEncoder:
     def encode(self, ids: Sequence[int], batch: ImageBatch) -> Tuple[List[int], PromptImages]:
         """(``expand(ids, batch)``, what prefill needs: the tower's embeddings, positions)."""
         ids = self.expand(ids, batch)
-        tower = self.load().tower
-        embeddings = tower(mx.array(batch.pixels), batch.grids)
-        merge = tower.args.spatial_merge_size
+        merge = self.load().tower.args.spatial_merge_size
+        embeddings = mx.concatenate(self._embed_each(batch))
         return list(ids), PromptImages.build(ids, batch, embeddings, self.pad_id, merge)
+
+    def _embed_each(self, batch: ImageBatch) -> List[mx.array]:
+        """The tower's output per image: kept from before, or computed (and kept)."""
+        out, start = [], 0
+        for grid, digest in zip(batch.grids, batch.hashes):
+            n = grid[0] * grid[1] * grid[2]
+            key = (digest, grid)
+            e = self.cached.get(key)
+            if e is None:
+                e = self.tower(mx.array(batch.pixels[start:start + n]), [grid])
+                mx.eval(e)
+                self.tower_passes += 1
+                self.cached[key] = e
+                while sum(v.nbytes for v in self.cached.values()) > self.cache_bytes:
+                    self.cached.popitem(last=False)
+            else:
+                self.cached.move_to_end(key)
+            out.append(e)
+            start += n
+        return out
 
 
 def encoder_for(path: Path, config: dict, dtype: Optional[mx.Dtype] = None
