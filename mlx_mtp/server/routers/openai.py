@@ -39,6 +39,7 @@ def model_card(state) -> dict:
             "speculative_decoding": "mtp" if state.num_draft_tokens > 0 else None,
             "continuous_batching": True,
             "prefix_cache": state.engine.prefix_cache.enabled,
+            "images": state.images is not None,
         },
     }
 
