@@ -143,6 +143,17 @@ def test_mlx_vlm_conversion_layout_reads_alike(vl_model):
     assert a.shape == (sum(batch.token_counts), 64) and mx.array_equal(a, b)
 
 
+def test_query_blocks_leave_the_tower_output_unchanged(vl_model, monkeypatch):
+    """Large images attend in blocks of queries: the same output as all at once."""
+    from mlx_mtp.models.vision import qwen3_5
+
+    tower = vl_model.image_encoder.load().tower
+    batch = vl_model.image_encoder.preprocess(images_of(REFERENCE[1]))
+    whole = tower(mx.array(batch.pixels), batch.grids)
+    monkeypatch.setattr(qwen3_5, "QUERY_BLOCK", 5)  # blocks that cut both images
+    assert mx.array_equal(tower(mx.array(batch.pixels), batch.grids), whole)
+
+
 def test_text_only_checkpoints_take_no_images(tiny_ckpt):
     model, config = load_model(Path(tiny_ckpt("qwen3_5", "random")))
     assert vision_encoder.encoder_for(CKPT, {"model_type": "qwen3_5"}) is None

@@ -25,6 +25,7 @@ import numpy as np
 from ..io.layout import CheckpointError
 
 VISION_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
+QUERY_BLOCK = 1024  # patches whose attention scores are computed together
 
 
 @dataclass
@@ -85,8 +86,11 @@ class Attention(nn.Module):
         outs, start = [], 0
         for n in lengths:  # attention stays within each image
             qi, ki, vi = (t[start:start + n].transpose(1, 0, 2)[None] for t in (q, k, v))
-            o = mx.fast.scaled_dot_product_attention(qi, ki, vi, scale=scale)
-            outs.append(o[0].transpose(1, 0, 2).reshape(n, -1))
+            # Query blocks bound the score matrix a large image would need at once (CPU).
+            for b in range(0, n, QUERY_BLOCK):
+                o = mx.fast.scaled_dot_product_attention(qi[:, :, b:b + QUERY_BLOCK], ki, vi,
+                                                         scale=scale)
+                outs.append(o[0].transpose(1, 0, 2).reshape(o.shape[2], -1))
             start += n
         return self.proj(mx.concatenate(outs, axis=0))
 
