@@ -13,7 +13,7 @@ import hashlib
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -171,6 +171,3 @@ class PromptImages:
     def chunk_positions(self, start: int, length: int) -> mx.array:
         return self.positions[:, start:start + length]
 
-
-def last_is_text(ids: Sequence[int], pad_id: Optional[int]) -> bool:
-    return pad_id is None or len(ids) == 0 or ids[-1] != pad_id
