@@ -160,9 +160,14 @@ def test_text_only_checkpoints_take_no_images(tiny_ckpt):
     assert not model.capabilities.images and model.image_encoder is None
     with pytest.raises(ValueError, match="takes no images"):
         with_images(model, [1, 2, 3], [Image.new("RGB", (32, 32))])
+    vl_config = json.loads((CKPT / "config.json").read_text())
+    text_path = Path(tiny_ckpt("qwen3_5", "random"))
+    # A text-only conversion that kept the multimodal config: no tower to read.
+    assert vision_encoder.encoder_for(text_path, vl_config) is None
     with pytest.raises(CheckpointError, match="no preprocessor_config"):
-        vision_encoder.load_tower(Path(tiny_ckpt("qwen3_5", "random")),
-                                  json.loads((CKPT / "config.json").read_text()))
+        vision_encoder.load_processor(text_path, vl_config)
+    with pytest.raises(CheckpointError, match="no vision tower weights"):
+        vision_encoder.load_tower(text_path, vl_config)
 
 
 def png_header(width, height) -> bytes:

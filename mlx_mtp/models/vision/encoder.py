@@ -4,6 +4,7 @@ Conv3d patch embedding) or an mlx-vlm conversion (``vision_tower.*``)."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
@@ -21,8 +22,10 @@ VISION_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # families whose trunk takes image
 
 class ImageEncoder:
     """Images -> the tower's embeddings at a prompt's image-pad tokens. Made at load for
-    any checkpoint with a tower (``encoder_for``), reading nothing: the tower's weights
-    and the image processor are read on first use, or by ``load()`` (``--vision``).
+    any checkpoint with a tower (``encoder_for``), reading nothing: the image processor is
+    read at the first image (``preprocess``, on any thread: no MLX), the tower's weights at
+    the first ``encode`` (on the thread that runs the model), or both by ``load()``
+    (``--vision``).
 
     The tower runs once per image: its output is kept by the image's content hash (least
     recently used out past ``cache_bytes``), so a repeated image is not encoded again."""
@@ -34,14 +37,22 @@ class ImageEncoder:
         self.limits = limits
         self.tower: Optional[VisionModel] = None
         self.processor: Optional[ImageProcessor] = None
+        self._processor_lock = threading.Lock()  # prompt workers preprocess concurrently
         self.cache_bytes = cache_bytes
         self.cached: "OrderedDict[tuple, mx.array]" = OrderedDict()  # (hash, grid) -> output
         self.tower_passes = 0  # images the tower has encoded
 
     def load(self) -> "ImageEncoder":
+        self._load_processor()
         if self.tower is None:
-            self.tower, self.processor = load_tower(self.path, self.config, self.dtype)
+            self.tower = load_tower(self.path, self.config, self.dtype)
         return self
+
+    def _load_processor(self) -> ImageProcessor:
+        with self._processor_lock:
+            if self.processor is None:
+                self.processor = load_processor(self.path, self.config)
+            return self.processor
 
     @property
     def loaded(self) -> bool:
@@ -49,7 +60,7 @@ class ImageEncoder:
 
     def preprocess(self, images: Sequence) -> ImageBatch:
         check_count(len(images), self.limits)
-        return self.load().processor(images)
+        return self._load_processor()(images)
 
     def expand(self, ids: Sequence[int], batch: ImageBatch) -> List[int]:
         """The prompt ids with each image's pad repeated once per image token: ``ids`` hold
@@ -90,11 +101,15 @@ class ImageEncoder:
 
 def encoder_for(path: Path, config: dict, dtype: Optional[mx.Dtype] = None
                 ) -> Optional[ImageEncoder]:
-    """An (unloaded) encoder when the checkpoint's config describes a vision tower."""
-    if isinstance(config.get("vision_config"), dict) and isinstance(
-            config.get("image_token_id"), int):
-        return ImageEncoder(path, config, dtype)
-    return None
+    """An (unloaded) encoder when the checkpoint has a vision tower: its config describes
+    one and its files hold its weights (text-only conversions keep the config alone)."""
+    if not (isinstance(config.get("vision_config"), dict)
+            and isinstance(config.get("image_token_id"), int)):
+        return None
+    headers = (read_safetensors_header(f) for f in sorted(path.glob("*.safetensors")))
+    if not any(k.startswith(VISION_PREFIXES) for h in headers for k in h):
+        return None
+    return ImageEncoder(path, config, dtype)
 
 
 def vision_weights(path: Path) -> dict:
@@ -107,14 +122,19 @@ def vision_weights(path: Path) -> dict:
     return out
 
 
-def load_tower(path: Path, config: dict, dtype: Optional[mx.Dtype] = None
-               ) -> Tuple[VisionModel, ImageProcessor]:
-    """The vision tower and image processor of the checkpoint at ``path`` (``config``: its
-    config.json); CheckpointError when they cannot be read."""
+def load_processor(path: Path, config: dict) -> ImageProcessor:
+    """The image processor of the checkpoint at ``path`` (``config``: its config.json)."""
     proc_file = path / "preprocessor_config.json"
     if not proc_file.is_file():
         raise CheckpointError(f"{path} has no preprocessor_config.json: the image processor's "
                               "settings are missing")
+    merge = VisionArgs.from_dict(config["vision_config"]).spatial_merge_size
+    return ImageProcessor(read_json_object(proc_file), merge)
+
+
+def load_tower(path: Path, config: dict, dtype: Optional[mx.Dtype] = None) -> VisionModel:
+    """The vision tower of the checkpoint at ``path`` (``config``: its config.json);
+    CheckpointError when it cannot be read."""
     tower = VisionModel(VisionArgs.from_dict(config["vision_config"]))
     weights = tower.sanitize(vision_weights(path))
     if not weights:
@@ -128,5 +148,4 @@ def load_tower(path: Path, config: dict, dtype: Optional[mx.Dtype] = None
         raise CheckpointError(f"vision tower weights in {path} do not match "
                               f"vision_config: {e}") from e
     mx.eval(tower.parameters())
-    processor = ImageProcessor(read_json_object(proc_file), tower.args.spatial_merge_size)
-    return tower, processor
+    return tower
