@@ -61,6 +61,15 @@ def decode(dec, n=N):
     return out[:n]
 
 
+def test_load_with_vision_reads_the_tower_at_start():
+    from mlx_mtp.models.io.loader import load
+
+    model, _ = load(str(CKPT), vision=True)
+    assert model.capabilities.images and model.image_encoder.loaded
+    model, _ = load(str(CKPT))
+    assert model.capabilities.images and not model.image_encoder.loaded
+
+
 def test_the_tower_is_read_at_the_first_image_only():
     model, config = load_model(CKPT)
     encoder = vision_encoder.encoder_for(CKPT, config)

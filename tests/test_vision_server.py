@@ -101,6 +101,19 @@ def test_anthropic_image_block_answers_transformers_text(served):
     assert r.json()["usage"]["input_tokens"] == len(ref["prompt"])
 
 
+def test_count_tokens_and_the_model_card_know_images(served):
+    client, text_only, _ = served
+    ref = REFERENCE[1]
+    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": data_url(n).split(",", 1)[1]}}
+              for n in ref["images"]] + [{"type": "text", "text": ref["user_text"]}]
+    r = client.post("/v1/messages/count_tokens", json={
+        "model": "vl", "messages": [{"role": "user", "content": blocks}]})
+    assert r.status_code == 200 and r.json()["input_tokens"] == len(ref["prompt"])
+    assert client.get("/v1/models").json()["data"][0]["capabilities"]["images"] is True
+    assert text_only.get("/v1/models").json()["data"][0]["capabilities"]["images"] is False
+
+
 def test_responses_input_image_answers_transformers_text(served):
     client, _, tok = served
     ref = REFERENCE[0]
