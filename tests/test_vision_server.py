@@ -6,6 +6,7 @@ get a 400 in each API's own error shape and leave the server serving; nothing is
 """
 
 import base64
+import io
 import json
 import re
 import struct
@@ -19,6 +20,7 @@ from mlx_mtp.models.io.loader import load
 from mlx_mtp.server.app import create_app
 from mlx_mtp.server.engine import Engine
 from mlx_mtp.server.images import ImageInputs
+from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.server.state import ServerState
 
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen3_5_vl"
@@ -43,7 +45,8 @@ def png_claiming(width, height) -> bytes:
 @pytest.fixture(scope="module")
 def served():
     model, tokenizer = load(str(CKPT))
-    engine = Engine(model, tokenizer, num_draft_tokens=2, adaptive=False, calibrate=False)
+    engine = Engine(model, tokenizer, num_draft_tokens=2, adaptive=False, calibrate=False,
+                    prefix_cache=PrefixCache(8, 1 << 30))
     engine.start()
     state = ServerState(engine=engine, tokenizer=tokenizer, model_name="vl", aliases={"vl"},
                         context_length=4096, vocab_size=263,
@@ -77,15 +80,49 @@ def test_openai_chat_with_images_answers_transformers_text(served, case):
     assert body["usage"]["prompt_tokens"] == len(ref["prompt"])  # image tokens counted
 
 
-def test_a_repeated_image_request_runs_no_second_tower_pass(served):
+def test_a_repeated_image_request_hits_the_prefix_cache(served):
+    """The second identical request reuses the prompt's state (cached tokens in the usage)
+    and the tower's output (no second pass); its text is still transformers'."""
     client, _, tok = served
     encoder = client.app.state.server.images.encoder
     ref = REFERENCE[0]
     client.post("/v1/chat/completions", json=openai_body(openai_parts(ref)))
     passes = encoder.tower_passes
-    r = client.post("/v1/chat/completions", json=openai_body(openai_parts(ref)))
-    assert r.json()["choices"][0]["message"]["content"] == tok.decode(ref["output"])
+    r = client.post("/v1/chat/completions", json=openai_body(openai_parts(ref))).json()
+    assert r["choices"][0]["message"]["content"] == tok.decode(ref["output"])
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ref["prompt"]) - 1
     assert encoder.tower_passes == passes
+
+
+def test_another_image_of_the_same_size_is_not_served_from_the_cache(served):
+    """Image pads are the same token for every image: the cache must tell images apart.
+    A mirrored image A (same grid, so the same positions) after image A answers what the
+    model answers for it alone, and reuses only the text before the image."""
+    from PIL import Image
+
+    from mlx_mtp.decode.generation import with_images
+    from mlx_mtp.decode.speculative import MTPDecoder
+
+    client, _, tok = served
+    ref = REFERENCE[0]
+    mirrored = Image.open(FIXTURE / "image_a.png").convert("RGB").transpose(
+        Image.Transpose.FLIP_LEFT_RIGHT)
+    buf = io.BytesIO()
+    mirrored.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    model = client.app.state.server.engine.model
+    ids, images = with_images(model, ref["prompt"], [mirrored])
+    dec = MTPDecoder(model, 0, images=images)
+    dec.prefill(ids)
+    want = []
+    while len(want) < N:
+        want += dec.step().tokens
+    assert want[:N] != ref["output"]  # the image matters
+    client.post("/v1/chat/completions", json=openai_body(openai_parts(ref)))
+    r = client.post("/v1/chat/completions", json=openai_body(openai_parts(ref, url))).json()
+    assert r["choices"][0]["message"]["content"] == tok.decode(want[:N])
+    first_pad = ref["prompt"].index(model.image_encoder.pad_id)
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] <= first_pad
 
 
 def test_anthropic_image_block_answers_transformers_text(served):
@@ -98,7 +135,8 @@ def test_anthropic_image_block_answers_transformers_text(served):
                                           "messages": [{"role": "user", "content": blocks}]})
     assert r.status_code == 200, r.text
     assert r.json()["content"][0]["text"] == tok.decode(ref["output"])
-    assert r.json()["usage"]["input_tokens"] == len(ref["prompt"])
+    usage = r.json()["usage"]  # Anthropic's input_tokens leave out what the cache read
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(ref["prompt"])
 
 
 def test_count_tokens_and_the_model_card_know_images(served):
@@ -173,3 +211,30 @@ def test_a_model_without_a_tower_refuses_images_with_400(served):
     _, text_only, _ = served
     r = text_only.post("/v1/chat/completions", json=openai_body(openai_parts(REFERENCE[0])))
     assert r.status_code == 400 and "takes no images" in r.json()["error"]["message"]
+
+
+def test_prefix_keys_name_images_and_disk_sessions_skip_them():
+    """Keys tell images apart (pads carry the content hash), carry the prompt's position
+    shift in their first element, and are not token ids: with disk sessions
+    (``cache_prompts`` off) image prompts skip the prefix cache."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from mlx_mtp.models.vision.images import ImageBatch
+    from mlx_mtp.server.images import engine_kwargs
+
+    def batch(*hashes):
+        return ImageBatch(np.zeros((0, 1)), [(1, 4, 12)] * len(hashes), [12] * len(hashes),
+                          list(hashes), merge=2)
+
+    ids = [7, 8] + [99] * 12 + [9]
+    a, b = batch("a").prefix_key(ids, 99), batch("b").prefix_key(ids, 99)
+    assert a != b and a[1:2] == b[1:2] == (8,) and a[2:14] == ("a",) * 12
+    assert a[0] == ("images", 6 - 12, 7)  # max(2, 6) positions for 12 tokens
+    encoder = SimpleNamespace(pad_id=99)
+    prepared = SimpleNamespace(images=batch("a"), ids=ids)
+    state = SimpleNamespace(images=SimpleNamespace(encoder=encoder, cache_prompts=False))
+    assert engine_kwargs(state, prepared) == {"images": prepared.images, "cache_prompt": False}
+    state.images.cache_prompts = True
+    assert engine_kwargs(state, prepared)["cache_tokens"] == a

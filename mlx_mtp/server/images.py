@@ -5,8 +5,11 @@ remote ``http(s)`` URLs only when the server allows them. Images are read, bound
 preprocessed on a prompt worker; the tower runs on the engine thread when the request is
 admitted. Anything unusable is a 400 in the API's own shape (``bad_request``).
 
-Prompts with images skip the prefix cache: their rows' positions depend on every image of
-the prompt (``models/vision/positions.py``), which token ids alone do not name.
+The prefix cache keys a prompt with images by its ids with each image's pads named by
+the image's content hash and the shift of its positions (``ImageBatch.prefix_key``): a
+repeated image prompt, or the next turn of a conversation about an image, reuses the state
+computed before. Those keys are not token ids, so such prompts stay out of disk sessions
+(``--prompt-cache-dir``): there they skip the prefix cache.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class ImageInputs:
     allow_files: bool = False
     allow_urls: bool = False
     url_timeout: float = 10.0
+    cache_prompts: bool = True  # False with disk sessions (see the module doc)
 
     @property
     def limits(self) -> ImageLimits:
@@ -104,7 +108,12 @@ def no_images(where: str):
                        "tower)", param="messages", code="invalid_image")
 
 
-def engine_kwargs(prepared) -> dict:
+def engine_kwargs(state, prepared) -> dict:
     """What a prepared chat with images adds to its ``EngineRequest``."""
-    return {} if prepared.images is None else {"images": prepared.images,
-                                               "cache_prompt": False}
+    if prepared.images is None:
+        return {}
+    if not state.images.cache_prompts:
+        return {"images": prepared.images, "cache_prompt": False}
+    pad = state.images.encoder.pad_id
+    return {"images": prepared.images,
+            "cache_tokens": prepared.images.prefix_key(prepared.ids, pad)}

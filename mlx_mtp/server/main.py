@@ -231,7 +231,8 @@ def _image_inputs(args, model):
 
     return ImageInputs(model.image_encoder,
                        allow_files=getattr(args, "allow_image_files", False),
-                       allow_urls=getattr(args, "allow_image_urls", False))
+                       allow_urls=getattr(args, "allow_image_urls", False),
+                       cache_prompts=not getattr(args, "prompt_cache_dir", None))
 
 
 def run(args) -> int:

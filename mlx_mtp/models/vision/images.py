@@ -106,6 +106,19 @@ class ImageBatch:
     grids: List[Tuple[int, int, int]]  # (t, h, w) in patches, per image
     token_counts: List[int]  # image-pad tokens per image (merged patches)
     hashes: List[str]  # content_hash per image
+    merge: int  # patches merged per side into one image token
+
+    def prefix_key(self, ids: Sequence[int], pad_id: int) -> tuple:
+        """The prompt-prefix cache key of the prompt ``ids`` (pads expanded) with these
+        images: its ids, each image's pads named by the image's content hash, and its
+        first element by the shift of the prompt's positions (``positions``), which every
+        row's position depends on. Prompts share a prefix state only when both match."""
+        shift = sum(max(h, w) // self.merge - n
+                    for (_, h, w), n in zip(self.grids, self.token_counts))
+        names = iter(d for d, n in zip(self.hashes, self.token_counts) for _ in range(n))
+        key = [next(names) if t == pad_id else t for t in ids]
+        key[0] = ("images", shift, key[0])
+        return tuple(key)
 
 
 class ImageProcessor:
@@ -125,7 +138,7 @@ class ImageProcessor:
         grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"]]
         return ImageBatch(pixels=np.asarray(out["pixel_values"], np.float32), grids=grids,
                           token_counts=[t * h * w // self.merge ** 2 for t, h, w in grids],
-                          hashes=[content_hash(im) for im in images])
+                          hashes=[content_hash(im) for im in images], merge=self.merge)
 
 
 def expand_image_pads(ids: Sequence[int], counts: Sequence[int], pad_id: int) -> List[int]:

@@ -38,7 +38,7 @@ def router(pipe: Pipeline) -> APIRouter:
         try:
             req, chat, prepared = await prepare(request, MessagesRequest)
             kw = resolve_common(state, chat, len(prepared.ids), req.max_tokens)
-            kw.update(engine_kwargs(prepared))
+            kw.update(engine_kwargs(state, prepared))
             kw["grammar"] = await pipe.tokenize(compile_constraint, state, None, prepared,
                                                 forced_tool(chat))
             fmt = MessageFormatter(state, req.model or state.model_name, prepared, kw["stop"])

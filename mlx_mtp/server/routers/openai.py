@@ -96,7 +96,7 @@ def router(pipe: Pipeline) -> APIRouter:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         kw = resolve_common(state, req, len(prepared.ids), max_tokens)
-        kw.update(engine_kwargs(prepared))
+        kw.update(engine_kwargs(state, prepared))
         kw["grammar"] = await pipe.tokenize(compile_constraint, state,
                                             (req.model_extra or {}).get("response_format"),
                                             prepared, forced_tool(req))

@@ -25,7 +25,7 @@ def router(pipe: Pipeline) -> APIRouter:
         chat = to_chat_request(req)
         prepared = await pipe.tokenize(prepare_chat, state, chat)
         kw = resolve_common(state, chat, len(prepared.ids), req.max_output_tokens)
-        kw.update(engine_kwargs(prepared))
+        kw.update(engine_kwargs(state, prepared))
         kw["grammar"] = await pipe.tokenize(compile_constraint, state,
                                             (chat.model_extra or {}).get("response_format"),
                                             prepared, forced_tool(chat))
