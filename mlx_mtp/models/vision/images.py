@@ -32,7 +32,7 @@ class ImageLimits:
     max_pixels: int = 40_000_000  # per decoded image (width x height), before resizing
 
 
-IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif", "image/bmp")
+IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp")
 
 
 def check_count(n: int, limits: ImageLimits):
