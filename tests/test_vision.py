@@ -182,7 +182,8 @@ def test_text_only_checkpoints_take_no_images(tiny_ckpt):
 def png_header(width, height) -> bytes:
     """A small PNG whose header claims ``width`` x ``height`` (its pixel data is short)."""
     def chunk(kind, body):
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        crc = struct.pack(">I", zlib.crc32(kind + body))
+        return struct.pack(">I", len(body)) + kind + body + crc
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
