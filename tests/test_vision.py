@@ -1,8 +1,9 @@
-"""Images in, MTP on: a tiny Qwen3.5-VL checkpoint built with transformers 5.24's own
-``Qwen3_5ForConditionalGeneration`` (``tests/fixtures/qwen3_5_vl``, recorded by its
-``make_reference.py``: CI has no torch). Our greedy output with one and with two images
-equals transformers' ``generate``; MTP drafting (K = 0..3, context lookup on) equals it too,
-alone and in a batch of 4 mixing image and text rows; bad images are refused with one line.
+"""Images in, MTP on: tiny Qwen3.5-VL checkpoints built with transformers 5.24's own
+``Qwen3_5ForConditionalGeneration`` and its MoE form (``tests/fixtures/qwen3_5_vl``,
+recorded by its ``make_reference.py``: CI has no torch). Our greedy output with one and
+with two images equals transformers' ``generate``; MTP drafting (K = 0..3, context lookup
+on) equals it too, alone and in a batch of 4 mixing image and text rows; bad images are
+refused with one line.
 """
 
 import io
@@ -95,6 +96,19 @@ def test_greedy_equals_transformers_and_mtp_equals_plain(vl_model, case):
         for lookup in (False, True):
             got = decode(decoder(vl_model, ref, k, lookup))
             assert got == ref["output"], f"K={k} lookup={lookup}"
+
+
+def test_moe_checkpoint_equals_transformers_too():
+    """The MoE form (``Qwen3_5MoeForConditionalGeneration``), same tower and positions."""
+    path = FIXTURE / "checkpoint_moe"
+    reference = json.loads((FIXTURE / "reference_moe.json").read_text())["cases"]
+    model, config = load_model(path)
+    model.use_image_encoder(vision_encoder.encoder_for(path, config))
+    assert model.model_type == "qwen3_5_moe" and model.capabilities.images
+    for ref in reference:
+        for k in range(4):
+            got = decode(decoder(model, ref, k, lookup=k == 3))
+            assert got == ref["output"], (ref["images"], k)
 
 
 def test_a_repeated_image_is_not_encoded_again():
