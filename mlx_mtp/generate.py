@@ -18,6 +18,9 @@ def str_to_bool(value: str) -> bool:
 def add_arguments(p):
     add_model_arguments(p)
     p.add_argument("--prompt", "-p", required=True, help="Prompt text, or '-' to read stdin")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="An image before the prompt text (repeatable; a checkpoint with a "
+                        "vision tower)")
     p.add_argument("--max-tokens", "-m", type=int, default=256,
                    help="Tokens to generate at most (default: 256)")
     add_sampling_arguments(p)
@@ -52,6 +55,7 @@ def run(args) -> int:
     drafting = drafting_from_args(args, distributed=group is not None)
     k, sources = drafting.k, drafting.sources
     template_args = parse_json_arg(args.chat_template_args, "--chat-template-args")
+    images = _read_images(args.image)
     sampling = sampling_from_args(args, generation_defaults(args.model))
     adaptive = drafting.adaptive
     model, tokenizer = load_from_args(args, mtp=k > 0, group=group)
@@ -65,7 +69,7 @@ def run(args) -> int:
         if group.rank() != 0:  # rank 0 prints; the others only compute
             args.verbose, sys.stdout = False, open(os.devnull, "w")
     text = build_prompt(tokenizer, prompt, args.system_prompt, template_args,
-                        args.ignore_chat_template)
+                        args.ignore_chat_template, images=len(images))
     last = None
     # Step costs measured on this machine before (or in a short calibration now): K and
     # the draft source are right from the first steps. Not for a split model (ranks
@@ -74,10 +78,11 @@ def run(args) -> int:
     policy = step_costs.policy_for(model, k, adaptive) if stored else None
     if args.verbose:
         print("==========")
-    for r in stream_generate(model, tokenizer, text, max_tokens=args.max_tokens,
+    stream = stream_generate(model, tokenizer, text, max_tokens=args.max_tokens,
                              sampling=sampling, num_draft_tokens=k, adaptive=adaptive,
                              prefill_step_size=args.prefill_step_size, policy=policy,
-                             draft_sources=sources):
+                             draft_sources=sources, images=images)
+    for r in _image_errors_as_user_errors(stream):
         print(r.text, end="", flush=True)
         last = r
     print()
@@ -96,6 +101,30 @@ def run(args) -> int:
 
         mx.synchronize()  # a step launched ahead still talks to the other ranks
     return 0
+
+
+def _read_images(paths):
+    """The decoded images of ``--image`` (read before the model loads: a bad file fails fast)."""
+    if not paths:
+        return []
+    from .models.vision.images import ImageError, ImageLimits, check_count, read_image_file
+
+    limits = ImageLimits()
+    try:
+        check_count(len(paths), limits)
+        return [read_image_file(p, limits) for p in paths]
+    except ImageError as e:
+        raise UserError(f"--image: {e}") from e
+
+
+def _image_errors_as_user_errors(stream):
+    """A prompt the images do not fit (placeholders, a model without a tower): exit 2."""
+    from .models.vision.images import ImageError
+
+    try:
+        yield from stream
+    except ImageError as e:
+        raise UserError(str(e)) from e
 
 
 def _distributed_group(args):

@@ -20,7 +20,7 @@ class UserError(Exception):
     """A problem with the user's input: the CLI prints the message and exits with code 2."""
 
 
-def add_model_arguments(p: argparse.ArgumentParser):
+def add_model_arguments(p: argparse.ArgumentParser, server: bool = False):
     p.add_argument("--model", default=None,
                    help="Local model directory or Hugging Face id org/name[@revision], "
                         "downloaded to the Hugging Face cache (default: the embedded demo "
@@ -56,11 +56,26 @@ def add_model_arguments(p: argparse.ArgumentParser):
     add_dtype_argument(p)
     add_speed_arguments(p)
     add_kv_cache_arguments(p)
+    add_vision_arguments(p, server)
     p.add_argument("--distributed", choices=["pipeline", "tensor"], default=None,
                    help="Split the model over the ranks of `mlx.launch` (on by itself when "
                         "launched with more than one rank): pipeline (layers) or tensor "
                         "(heads). Default: tensor when the heads divide evenly and all ranks "
                         "are on this machine, else pipeline")
+
+
+def add_vision_arguments(p, server: bool):
+    # Images (issue 42): the tower of a checkpoint that has one is read at its first image.
+    p.add_argument("--vision", action="store_true",
+                   help="Load the vision tower at start (default: at the first image); "
+                        "refused for checkpoints without one")
+    if server:  # where a request's image may come from besides a data URL
+        p.add_argument("--allow-image-files", action="store_true",
+                       help="Let requests name local image files (file:// URLs or paths); "
+                            "off by default: a request could read any image this process can")
+        p.add_argument("--allow-image-urls", action="store_true",
+                       help="Let requests name remote image URLs, fetched by the server; off "
+                            "by default (send data URLs)")
 
 
 def add_draft_source_arguments(p):
@@ -255,7 +270,8 @@ def load_from_args(args, mtp: bool, group=None):
         from .models.io.loader import load
 
         model, tokenizer = load(args.model, mtp=mtp, mtp_hidden=args.mtp_hidden,
-                                dtype=args.dtype, mtp_model=mtp_model_from_args(args))
+                                dtype=args.dtype, mtp_model=mtp_model_from_args(args),
+                                vision=getattr(args, "vision", False))
     else:
         from .models.distributed import load_distributed
 

@@ -46,6 +46,7 @@ def stream_generate(
     grammar: Optional[str] = None,
     draft_sources=None,
     policy: Optional[DraftPolicy] = None,
+    images: Sequence = (),
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text, with MTP speculative decoding when ``num_draft_tokens`` > 0.
 
@@ -57,15 +58,19 @@ def stream_generate(
     ``draft_sources``: a ``draft_source.DraftSources`` to draft from the context too (None:
     the head only).
     ``policy``: the ``DraftPolicy`` choosing K (e.g. ``step_costs.policy_for``).
+    ``images``: decoded images (PIL) for the prompt's image placeholders, in order (a model
+    with ``capabilities.images``); the prompt counts their tokens.
     """
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0 (got {max_tokens})")
     ids = encode_prompt(tokenizer, prompt)
+    ids, prompt_images = with_images(model, ids, images)
     text = TextStream(tokenizer, stop=stop, max_tokens=max_tokens)
     state = None if grammar is None else Grammar(
         tokenizer, grammar, model.text.args.vocab_size, sorted(text.eos)).start()
     dec = _decoder(model, num_draft_tokens, draft_sources, sampling, adaptive=adaptive,
-                   prefill_step_size=prefill_step_size, grammar=state, policy=policy)
+                   prefill_step_size=prefill_step_size, grammar=state, policy=policy,
+                   images=prompt_images)
     mx.reset_peak_memory()
 
     tic = time.perf_counter()
@@ -102,6 +107,20 @@ def _responses(out, text: TextStream, spec: SpecStats, n_prompt: int, prompt_tim
         )
         if text.finish_reason is not None:
             return
+
+
+def with_images(model, ids, images: Sequence):
+    """(the prompt ids with each image's placeholder expanded, the prompt's images for
+    prefill); no images: (ids, None)."""
+    if not images:
+        return ids, None
+    from ..models.vision.images import ImageError
+
+    encoder = model.image_encoder
+    if encoder is None:
+        raise ImageError(f"this model ({model.model_type}) takes no images: its checkpoint "
+                         "has no vision tower")
+    return encoder.encode(ids, encoder.preprocess(images))
 
 
 def _decoder(model, num_draft_tokens: int, draft_sources, sampling, **kwargs) -> MTPDecoder:

@@ -22,12 +22,17 @@ def chat_template_args(*layers: Optional[dict]) -> dict:
 
 
 def build_prompt(tokenizer, text: str, system: Optional[str] = None,
-                 template_args: Optional[dict] = None, ignore_template: bool = False) -> str:
-    """The text to tokenize: ``text`` as one user turn in the chat template, or raw."""
+                 template_args: Optional[dict] = None, ignore_template: bool = False,
+                 images: int = 0) -> str:
+    """The text to tokenize: ``text`` as one user turn in the chat template, or raw.
+    ``images``: that many images lead the turn (the template writes their placeholders;
+    raw text must hold them itself)."""
     if ignore_template or not getattr(tokenizer, "chat_template", None):
         return text
+    content = ([{"type": "image"}] * images + [{"type": "text", "text": text}]
+               if images else text)
     messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": text}]
+        {"role": "user", "content": content}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          **chat_template_args(template_args))
 

@@ -79,7 +79,8 @@ class Sequence:
 
     def __init__(self, model, num_draft_tokens: int = 3,
                  sampling: SamplingParams = SamplingParams(), adaptive: bool = True,
-                 prefill_step_size: int = 2048, cache=None, grammar=None, drafter=None):
+                 prefill_step_size: int = 2048, cache=None, grammar=None, drafter=None,
+                 images=None):
         check_num_draft_tokens(num_draft_tokens)
         if num_draft_tokens > 0 and model.num_mtp_layers == 0:
             raise ValueError(
@@ -100,6 +101,7 @@ class Sequence:
         self.last_hidden: Optional[mx.array] = None  # hidden of the last prompt token run
         self.n_processed = 0  # prompt tokens already in the trunk cache
         self.snapshot_state: Optional[DecoderState] = None
+        self.images = images  # vision.images.PromptImages of the prompt, or None
 
     @property
     def stats(self) -> SpecStats:
@@ -152,7 +154,11 @@ class Sequence:
             end = min(start + self.prefill_step_size, n)
             if snapshot_at is not None and start < snapshot_at < end:
                 end = snapshot_at
-            _, h_mtp = self.model.trunk(tokens[:, start:end], self.cache)
+            if self.images is None:
+                _, h_mtp = self.model.trunk(tokens[:, start:end], self.cache)
+            else:
+                _, h_mtp = self.model.trunk_with_images(tokens[:, start:end], self.images,
+                                                        start, self.cache)
             if self.row.owed is not None:
                 self._head_prompt(h_mtp, tokens[:, start:end], run_head)
             owed = self.row.owed

@@ -38,9 +38,9 @@ class MTPDecoder(Sequence):
                  sampling: SamplingParams = SamplingParams(), adaptive: bool = True,
                  prefill_step_size: int = 2048, cache=None,
                  policy: Optional[DraftPolicy] = None, overlap: bool = True, grammar=None,
-                 drafter=None):
+                 drafter=None, images=None):
         super().__init__(model, num_draft_tokens, sampling, adaptive, prefill_step_size,
-                         cache, grammar, drafter)
+                         cache, grammar, drafter, images)
         # K per step: the policy's choice up to the row's cap (not adaptive: the cap).
         self.policy = policy if policy is not None else DraftPolicy(adaptive)
         self.overlap = overlap

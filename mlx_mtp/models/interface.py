@@ -3,6 +3,7 @@ the optional parts), ``MTPModel`` implements the parts every family shares.
 
     trunk(inputs, cache, capture)          -> (post-norm hidden, hidden fed to the MTP head)
     trunk_with_taps(inputs, taps, ...)     -> the same, plus the residual after each tapped layer
+    trunk_with_images(inputs, images, start, cache) -> the same over a prompt chunk with images
     logits(hidden) / draft_logits(hidden)  -> the output layer / the one drafts sample from
     mtp_forward(hidden, next_tokens, mtp_cache, depth, last_only) -> the head's post-norm hidden
     make_cache(), make_mtp_cache(), layers, num_mtp_layers
@@ -10,9 +11,9 @@ the optional parts), ``MTPModel`` implements the parts every family shares.
     capabilities                           -> what a caller may rely on (``Capabilities``)
 
 State set after construction lives in declared slots, set through declared methods
-(``record_load_dtype``, ``use_draft_vocab_tuner``). A model wrapping another (a
-``language_model.*`` checkpoint, a model split across processes) reads every name it does
-not define from the wrapped one (``forwards_interface``).
+(``record_load_dtype``, ``use_draft_vocab_tuner``, ``use_image_encoder``). A model
+wrapping another (a ``language_model.*`` checkpoint, a model split across processes) reads
+every name it does not define from the wrapped one (``forwards_interface``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class ModelInterface:
     dtype_choice: Optional[str] = None  # how that dtype was chosen, for the stats line
     draft_vocab_tuner = None  # re-sizes the draft vocabulary from emitted text (vocab_auto)
     kv_quantization: Optional[KVQuantization] = None  # trunk attention caches (--kv-bits)
+    image_encoder = None  # vision.encoder.ImageEncoder, when images are taken (use_image_encoder)
 
     @property
     def text(self) -> "MTPModel":
@@ -82,6 +84,13 @@ class ModelInterface:
         """``trunk``'s outputs and the residual stream after each trunk layer in ``taps``
         (ids into the trunk's layers, in the order given)."""
         raise NotImplementedError("this model offers no hidden-state taps")
+
+    def trunk_with_images(self, inputs, images, start: int, cache=None
+                          ) -> Tuple[mx.array, mx.array]:
+        """``trunk`` over rows ``start..start+S`` of a prompt with images
+        (``vision.images.PromptImages``): their embeddings and multimodal positions
+        (``capabilities.images``)."""
+        raise NotImplementedError("this model takes no images")
 
     def logits(self, hidden) -> mx.array:
         raise NotImplementedError
@@ -158,6 +167,9 @@ class ModelInterface:
         if quant is not None:
             raise ValueError(f"--kv-bits is not available for {self.model_type}: "
                              "its attention caches have no quantized kind yet")
+
+    def use_image_encoder(self, encoder):
+        self.image_encoder = encoder
 
 
 INTERFACE_NAMES = tuple(n for n in vars(ModelInterface) if not n.startswith("_"))

@@ -171,16 +171,41 @@ def _user(m: InputMessage, i: int) -> List[dict]:
             content = _text(b.get("content", ""), f"messages[{i}].content[{j}].content")
             out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": content})
         elif kind == "text":
-            text = _text([b], f"messages[{i}].content")
-            if out and out[-1]["role"] == "user":
-                out[-1]["content"] += text
-            else:
-                out.append({"role": "user", "content": text})
+            _add_user_part(out, {"type": "text", "text": _text([b], f"messages[{i}].content")})
+        elif kind == "image":
+            _add_user_part(out, _image_part(b.get("source"), f"messages[{i}].content[{j}]"))
         else:
             raise bad_request(f"messages[{i}].content[{j}]: block type {kind!r} is not "
-                              "supported (this server reads text, tool_use and tool_result).",
-                              param="messages")
+                              "supported (this server reads text, image, tool_use and "
+                              "tool_result).", param="messages")
     return out or [{"role": "user", "content": ""}]
+
+
+def _add_user_part(out: List[dict], part: dict):
+    """Text joins the user turn's text; an image turns its content into OpenAI parts."""
+    if not (out and out[-1]["role"] == "user"):
+        out.append({"role": "user", "content": ""})
+    last = out[-1]
+    if part["type"] == "text" and isinstance(last["content"], str):
+        last["content"] += part["text"]
+        return
+    if isinstance(last["content"], str):
+        last["content"] = [{"type": "text", "text": last["content"]}] if last["content"] else []
+    last["content"].append(part)
+
+
+def _image_part(source, where: str) -> dict:
+    """An ``image`` block's source (base64, or a URL) -> an OpenAI ``image_url`` part."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("media_type"), str) \
+            and isinstance(source.get("data"), str):
+        url = f"data:{source['media_type']};base64,{source['data']}"
+    elif kind == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise bad_request(f"{where}.source must be {{'type': 'base64', 'media_type': ..., "
+                          "'data': ...}} or {'type': 'url', 'url': ...}", param="messages")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _tools(req: CountTokensRequest) -> Optional[list]:

@@ -282,10 +282,10 @@ class Engine:
         dec = Sequence(self.model, k, req.sampling, adaptive=self.adaptive,
                        prefill_step_size=self.prefill_step_size,
                        grammar=None if req.grammar is None else req.grammar.start(),
-                       drafter=drafter)
+                       drafter=drafter, images=req.encoded_images(self.model))
         entry, pc = None, self.prefix_cache
         if use_cache and req.cache_prompt and pc.enabled:
-            entry = pc.restore(dec, req.prompt)
+            entry = pc.restore(dec, req.prefix_key)
             self.metrics.prefix_cache_queries.inc(len(req.prompt))
         n_cached = 0 if entry is None else entry.state.n_processed
         self.metrics.prefix_cache_hits.inc(n_cached)
@@ -360,7 +360,7 @@ class Engine:
         return end - start
 
     def _store_prefix(self, seq: _Seq, end: int):
-        pc, key = self.prefix_cache, seq.req.prompt[: end + 1]
+        pc, key = self.prefix_cache, seq.req.prefix_key[: end + 1]
         has_mtp = seq.dec.mtp_cache is not None
         if not (seq.req.cache_prompt and pc.enabled and pc.adds(key, has_mtp)):
             return

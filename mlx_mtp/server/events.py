@@ -75,9 +75,23 @@ class EngineRequest:
     grammar: Optional[object] = None  # decode.grammar.Grammar: structured output
     # Prompt positions worth a prefix-cache snapshot (number of tokens processed).
     boundaries: Sequence[int] = ()
+    images: Optional[object] = None  # models.vision.images.ImageBatch of the prompt's images
+    # The prompt as the prefix cache keys it (None: ``prompt``; images name their pads).
+    cache_tokens: Optional[tuple] = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
+
+    @property
+    def prefix_key(self) -> Sequence:
+        return self.prompt if self.cache_tokens is None else self.cache_tokens
+
+    def encoded_images(self, model):
+        """What prefill needs of ``images``: the tower's pass over them (called on the
+        engine thread, where MLX runs); None without images."""
+        if self.images is None:
+            return None
+        return model.image_encoder.encode(self.prompt, self.images)[1]
 
 
 class EngineUnavailable(RuntimeError):

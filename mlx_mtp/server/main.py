@@ -78,7 +78,7 @@ def _add_memory_arguments(p):
 
 
 def add_arguments(p):
-    add_model_arguments(p)
+    add_model_arguments(p, server=True)
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="Port (default 8080)")
     add_sampling_arguments(p)
@@ -240,8 +240,20 @@ def build_state(args, model, tokenizer, config: dict, drafting, sampling_default
         protect_metrics=args.protect_metrics, max_chars_per_token=max_token_chars(tokenizer),
         model_path=str(model_path) if model_path else str(args.model or ""),
         num_mtp_layers=num_layers, num_draft_tokens=k, adaptive=drafting.adaptive,
-        max_draft_tokens=MAX_DRAFT_TOKENS,
+        max_draft_tokens=MAX_DRAFT_TOKENS, images=_image_inputs(args, model),
     )
+
+
+def _image_inputs(args, model):
+    """The server's image settings, for a model that takes images (else None)."""
+    if model.image_encoder is None:
+        return None
+    from .images import ImageInputs
+
+    return ImageInputs(model.image_encoder,
+                       allow_files=getattr(args, "allow_image_files", False),
+                       allow_urls=getattr(args, "allow_image_urls", False),
+                       cache_prompts=not getattr(args, "prompt_cache_dir", None))
 
 
 def run(args) -> int:

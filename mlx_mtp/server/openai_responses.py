@@ -71,6 +71,23 @@ def _text(content, where: str) -> str:
     return "".join(out)
 
 
+def _user_content(content, where: str):
+    """A user message's text, or OpenAI chat parts when it holds ``input_image`` parts."""
+    if not (isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") == "input_image" for p in content)):
+        return _text(content, where)
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise bad_request(f"{where}[{j}]: an input_image needs image_url, a string "
+                                  "(file_id is not supported)", param="input")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            parts.append({"type": "text", "text": _text([part], f"{where}[{j}]")})
+    return parts
+
+
 def _reasoning_text(item: dict, where: str) -> str:
     """A reasoning item's text: its ``content`` parts, else its ``summary`` parts."""
     for field in ("content", "summary"):
@@ -113,12 +130,15 @@ def _messages(req: ResponsesRequest) -> List[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad_request(f"{where}.role must be user, system, developer or assistant "
                                   f"(got {role!r}).", param="input")
-            text = _text(item.get("content", ""), f"{where}.content")
             if role == "assistant":
                 msg = assistant()
-                msg["content"] += text
+                msg["content"] += _text(item.get("content", ""), f"{where}.content")
+            elif role == "user":
+                out.append({"role": "user",
+                            "content": _user_content(item.get("content", ""), f"{where}.content")})
             else:
-                out.append({"role": "system" if role == "developer" else role, "content": text})
+                out.append({"role": "system",
+                            "content": _text(item.get("content", ""), f"{where}.content")})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
                 raise bad_request(f"{where}: a function_call needs a string name and call_id.",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ..decode.prompt import chat_template_args
+from .images import image_url, no_images
 from .parsers import OutputParser
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 
@@ -84,26 +85,37 @@ def _decode_arguments(args, i: int, j: int):
     return out
 
 
+def _content_parts(content: list, i: int) -> list:
+    """A message's parts for the template: text parts, and ``{"type": "image"}`` items (the
+    template writes their placeholders) that keep their URL and place in the request."""
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            parts.append({"type": "text", "text": part})
+        elif part.get("type") == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif part.get("type") == "text":
+            raise bad_request(f"messages[{i}].content: a text part's text must be a "
+                              "string", param="messages")
+        elif part.get("type") == "image_url":
+            where = f"messages[{i}].content[{j}]"
+            parts.append({"type": "image", "url": image_url(part, where), "where": where})
+        else:
+            raise bad_request(
+                f"messages[{i}].content: only text and image_url parts are supported "
+                f"(got type {part.get('type')!r})", param="messages")
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
 def _template_messages(req: ChatCompletionRequest) -> List[dict]:
     out = []
     for i, m in enumerate(req.messages):
         d: Dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
         content = m.content
         if isinstance(content, list):
-            parts = []
-            for part in content:
-                if isinstance(part, str):
-                    parts.append({"type": "text", "text": part})
-                elif part.get("type") == "text" and isinstance(part.get("text"), str):
-                    parts.append({"type": "text", "text": part["text"]})
-                elif part.get("type") == "text":
-                    raise bad_request(f"messages[{i}].content: a text part's text must be a "
-                                      "string", param="messages")
-                else:
-                    raise bad_request(
-                        f"messages[{i}].content: only text parts are supported "
-                        f"(got type {part.get('type')!r})", param="messages")
-            content = "".join(p["text"] for p in parts)
+            content = _content_parts(content, i)
         if content is None and m.role in ("system", "developer", "user", "tool"):
             raise bad_request(f"messages[{i}].content is required for role {m.role!r}",
                               param="messages")
@@ -134,6 +146,7 @@ class PreparedChat:
     # Text appended to the prompt to force a tool call (tool_choice); the output parser
     # reads it first, as if the model had written it.
     forced_prefix: str = ""
+    images: Optional[Any] = None  # models.vision.images.ImageBatch: the prompt's images
 
 
 def output_parser(state: ServerState, prepared: PreparedChat) -> OutputParser:
@@ -232,6 +245,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, tok=None) -> Pr
     if not ids:
         raise bad_request("The prompt is empty after applying the chat template.",
                           param="messages")
+    ids, images = _with_images(state, ids, messages)
     # Reusable prefix boundaries: after the first turn (shared system prompts),
     # before the final generation header (the history, reused by the next
     # turn), and the whole prompt (repeats).
@@ -242,7 +256,18 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, tok=None) -> Pr
         if len(starts) >= 2:
             bounds.update((starts[1], starts[-1]))
     return PreparedChat(ids, sorted(b for b in bounds if b > 0), start_in_reasoning, tools,
-                        prefix)
+                        prefix, images)
+
+
+def _with_images(state: ServerState, ids: List[int], messages: List[dict]):
+    """(ids with the images' placeholders expanded, the images), or (ids, None)."""
+    urls = [(p["url"], p["where"]) for m in messages if isinstance(m["content"], list)
+            for p in m["content"] if p["type"] == "image"]
+    if not urls:
+        return ids, None
+    if state.images is None:
+        raise no_images(urls[0][1])
+    return state.images.prepare(ids, urls)
 
 
 def prepare_completion(state: ServerState, req: CompletionRequest, tok=None) -> List[int]:

@@ -114,6 +114,7 @@ class ServerState:
     max_chars_per_token: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_workers: Optional[PromptWorkers] = None
+    images: Optional[Any] = None  # images.ImageInputs when the model takes images
 
     def __post_init__(self):
         if self.prompt_workers is None:

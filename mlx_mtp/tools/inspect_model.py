@@ -33,6 +33,7 @@ from ..models.io.config_checks import check_fits_weights
 from ..models.io.files import read_safetensors_header
 from ..models.io.loader import (build_model, check_tokenizer_files, load_config,
                                 resolve_model_path, weight_files)
+from ..models.vision.encoder import VISION_FAMILIES
 
 LAYOUT_HF, LAYOUT_MLX, LAYOUT_SPLIT = "hf", "mlx", "split"
 LAYOUT_NAMES = {
@@ -298,7 +299,9 @@ def render(report: dict) -> str:
     if report["trunk_precision"]:
         rows.append(("trunk", _precision(report["trunk_precision"])))
     if report["vision_tensors"]:
-        rows.append(("vision", f"{report['vision_tensors']} tensors (not loaded)"))
+        use = ("read at the first image, or at start with --vision"
+               if report["family"] in VISION_FAMILIES else "not used by mlx-mtp")
+        rows.append(("vision", f"{report['vision_tensors']} tensors ({use})"))
     head = f"{mtp['declared_layers']} layer(s) declared, {mtp['present_layers']} present"
     if mtp["tensors"]:
         head += (f": {mtp['tensors']} tensors, {_size(mtp['bytes'])} in "

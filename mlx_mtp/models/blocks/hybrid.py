@@ -25,6 +25,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..cache.kv import KVCache
 from ..cache.recurrent import RecurrentCache, VerifyRecord
+from .mrope import MultimodalRoPE
 
 # Longer GDN inputs go through the chunked (matmul-form) recurrence when available.
 CHUNKED_MIN_TOKENS = 64
@@ -134,8 +135,13 @@ class GatedAttention(nn.Module):
             scaling_config=args.rope_scaling,
             max_position_embeddings=args.max_position_embeddings,
         )
+        sections = (args.rope_scaling or {}).get("mrope_section")
+        self.mrope = None if not sections else MultimodalRoPE(
+            int(hd * args.partial_rotary_factor), args.rope_theta, sections)
 
-    def __call__(self, x: mx.array, mask=None, cache: Optional[KVCache] = None):
+    def __call__(self, x: mx.array, mask=None, cache: Optional[KVCache] = None, positions=None):
+        """``positions``: (3, L) multimodal positions of the rows (a prompt chunk with
+        images, see ``mrope``); None: text positions from the cache offset."""
         B, L, _ = x.shape
         q, gate = mx.split(self.q_proj(x).reshape(B, L, self.n_heads, -1), 2, axis=-1)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
@@ -143,8 +149,11 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(k).transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if positions is not None:
+            q, k = self.mrope(q, positions), self.mrope(k, positions)
+        else:
+            offset = cache.offset if cache is not None else 0
+            q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = scaled_dot_product_attention(q, k, v, cache, scale=self.scale, mask=mask)
@@ -335,7 +344,7 @@ class DecoderLayer(nn.Module):
         h = x + mix.output(out, z)
         return h + self.mlp(self.post_attention_layernorm(h)), conv_input, new_state, *inputs
 
-    def __call__(self, x, mask=None, cache=None, capture=False):
+    def __call__(self, x, mask=None, cache=None, capture=False, positions=None):
         conv_state, state = cache.state if self.is_linear and cache is not None else (None, None)
         if (self.compiled_steps is not None and state is not None
                 and x.shape[1] <= MAX_COMPILED_TOKENS):
@@ -346,7 +355,7 @@ class DecoderLayer(nn.Module):
         if self.is_linear:
             r = self.linear_attn(self.input_layernorm(x), mask, cache, capture)
         else:
-            r = self.self_attn(self.input_layernorm(x), mask, cache)
+            r = self.self_attn(self.input_layernorm(x), mask, cache, positions)
         h = x + r
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -368,8 +377,10 @@ class Trunk(nn.Module):
         ]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, inputs, cache=None, capture=False, input_embeddings=None, taps=()):
-        """(the last layer's residual, {layer id in ``taps``: the residual after it})."""
+    def __call__(self, inputs, cache=None, capture=False, input_embeddings=None, taps=(),
+                 positions=None):
+        """(the last layer's residual, {layer id in ``taps``: the residual after it}).
+        ``positions``: the rows' multimodal positions (3, L), for attention layers."""
         h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
         if cache is None:
             cache = [None] * len(self.layers)
@@ -380,7 +391,7 @@ class Trunk(nn.Module):
         fa_mask = kv.make_mask(L) if kv is not None else ("causal" if L > 1 else None)
         tapped = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            h = layer(h, None if layer.is_linear else fa_mask, c, capture)
+            h = layer(h, None if layer.is_linear else fa_mask, c, capture, positions)
             if i in taps:
                 tapped[i] = h
         return h, tapped

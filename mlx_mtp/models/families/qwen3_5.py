@@ -1,14 +1,15 @@
 """Qwen3.5 / Qwen3.6 dense (``model_type: qwen3_5``), with the MTP head.
 
 Hugging Face layout: trunk under ``model.language_model.*`` (vision under
-``model.visual.*``, dropped), head ``lm_head.*``, MTP at top-level ``mtp.*``;
-config nested under ``text_config`` or flat. MLX conversions (mlx-lm's
-layout) use ``language_model.{model,lm_head,mtp}.*``, which is also our tree.
+``model.visual.*``: loaded apart, by ``vision.encoder``, only when images are asked for),
+head ``lm_head.*``, MTP at top-level ``mtp.*``; config nested under ``text_config`` or
+flat. MLX conversions (mlx-lm's layout) use ``language_model.{model,lm_head,mtp}.*``,
+which is also our tree.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.nn as nn
 
@@ -50,6 +51,17 @@ class TextModel(HybridModel):
 class Model(LanguageModelWrapper):
     def __init__(self, args: ModelArgs):
         super().__init__(args, TextModel(hybrid.HybridArgs.from_dict(args.text_config)))
+
+    @property
+    def capabilities(self):
+        return replace(self.language_model.capabilities, images=self.image_encoder is not None)
+
+    def trunk_with_images(self, inputs, images, start, cache=None):
+        text = self.language_model
+        h = images.embed(text.model.embed_tokens(inputs), start)
+        positions = images.chunk_positions(start, inputs.shape[1])
+        return text.trunk_outputs(text.model(inputs, cache, input_embeddings=h,
+                                             positions=positions)[0])
 
     def sanitize(self, weights: dict):
         text = layout.sanitize_text_weights(self.language_model, layout.text_weight_names(weights))

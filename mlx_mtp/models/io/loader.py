@@ -370,10 +370,12 @@ def check_tokenizer_fits(model, tokenizer, where) -> None:
 
 
 def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str] = None,
-         dtype=None, lazy: bool = False, mtp_model=None):
+         dtype=None, lazy: bool = False, mtp_model=None, vision: bool = False):
     """Load model and tokenizer. ``path=None`` loads the embedded demo model. ``dtype``:
     None (weights as stored), ``"auto"`` (the CLI's default: float32 on the CPU for small
-    half-precision checkpoints), ``"float32"``/``"bfloat16"``/``"float16"`` or an mx.Dtype."""
+    half-precision checkpoints), ``"float32"``/``"bfloat16"``/``"float16"`` or an mx.Dtype.
+    A checkpoint with a vision tower gets an image encoder that reads the tower at its
+    first image; ``vision``: read it now (and refuse a checkpoint without one)."""
     from ...platform import blas
 
     blas.ensure_configured()  # Linux CPU: OpenBLAS for multi-row matmuls, checked once
@@ -382,9 +384,24 @@ def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str]
                                mtp_model=mtp_model)
     tokenizer = load_tokenizer(p, config)  # a bad tokenizer fails before the weights are read
     check_tokenizer_fits(model, tokenizer, p)
+    _attach_vision(model, p, config, vision)
     if not lazy:
         mx.eval(model.parameters())
     return model, tokenizer
+
+
+def _attach_vision(model, path: Path, config: dict, load_now: bool):
+    from ..vision.encoder import VISION_FAMILIES, encoder_for
+
+    encoder = encoder_for(path, config, model.load_dtype) \
+        if layout.family(config) in VISION_FAMILIES else None
+    if encoder is not None:
+        model.use_image_encoder(encoder)
+    if load_now:
+        if encoder is None:
+            raise CheckpointError(f"--vision: {path} has no vision tower this package can "
+                                  "load (Qwen3.5 / 3.6 checkpoints with vision_config)")
+        encoder.load()
 
 
 def generation_defaults(path: Optional[str]) -> dict:

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 
 from ...decode.grammar import first_line
 from ..anthropic import CountTokensRequest, MessageFormatter, MessagesRequest, to_chat_request
+from ..images import engine_kwargs
 from ..params import resolve_common
 from ..pipeline import Pipeline
 from ..prompts import forced_tool, prepare_chat
@@ -37,6 +38,7 @@ def router(pipe: Pipeline) -> APIRouter:
         try:
             req, chat, prepared = await prepare(request, MessagesRequest)
             kw = resolve_common(state, chat, len(prepared.ids), req.max_tokens)
+            kw.update(engine_kwargs(state, prepared))
             kw["grammar"] = await pipe.tokenize(compile_constraint, state, None, prepared,
                                                 forced_tool(chat))
             fmt = MessageFormatter(state, req.model or state.model_name, prepared, kw["stop"])

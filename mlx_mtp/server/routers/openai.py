@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from ..images import engine_kwargs
 from ..params import MAX_TOP_LOGPROBS, check_model, resolve_common
 from ..pipeline import Pipeline
 from ..prompts import forced_tool, prepare_chat, prepare_completion
@@ -38,6 +39,7 @@ def model_card(state) -> dict:
             "speculative_decoding": "mtp" if state.num_draft_tokens > 0 else None,
             "continuous_batching": True,
             "prefix_cache": state.engine.prefix_cache.enabled,
+            "images": state.images is not None,
         },
     }
 
@@ -94,6 +96,7 @@ def router(pipe: Pipeline) -> APIRouter:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         kw = resolve_common(state, req, len(prepared.ids), max_tokens)
+        kw.update(engine_kwargs(state, prepared))
         kw["grammar"] = await pipe.tokenize(compile_constraint, state,
                                             (req.model_extra or {}).get("response_format"),
                                             prepared, forced_tool(req))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from ..openai_responses import ResponseFormatter, ResponsesRequest, to_chat_request
+from ..images import engine_kwargs
 from ..params import resolve_common
 from ..pipeline import Pipeline
 from ..prompts import forced_tool, prepare_chat
@@ -24,6 +25,7 @@ def router(pipe: Pipeline) -> APIRouter:
         chat = to_chat_request(req)
         prepared = await pipe.tokenize(prepare_chat, state, chat)
         kw = resolve_common(state, chat, len(prepared.ids), req.max_output_tokens)
+        kw.update(engine_kwargs(state, prepared))
         kw["grammar"] = await pipe.tokenize(compile_constraint, state,
                                             (chat.model_extra or {}).get("response_format"),
                                             prepared, forced_tool(chat))
