@@ -337,14 +337,21 @@ def _prune_pipeline(text, start: int, end: int, rank: int, size: int, hidden_dty
     """Keep only what this pipeline rank runs: its trunk layers (the trunk's list cut to
     them, so the family's own loop, masks and caches cover just these), and on rank 0 the
     head. Parameters are still lazy: nothing dropped is ever read."""
-    text.model.layers = text.model.layers[start:end]
+    trunk = text.model
+    trunk.layers = trunk.layers[start:end]
     if rank != 0:
         for name in ("lm_head", "mtp"):
             _drop(text, name)
-        _drop(text.model, "norm")
+        trunk.pop(_child_name(trunk, trunk.norm))
         if rank != size - 1:  # the batch reads the model's dtype from the embedding
-            text.model.embed_tokens = nn.Embedding(1, 1)
-            text.model.embed_tokens.set_dtype(hidden_dtype)
+            stand_in = nn.Embedding(1, 1)
+            stand_in.set_dtype(hidden_dtype)
+            trunk[_child_name(trunk, trunk.embed_tokens)] = stand_in
+
+
+def _child_name(module: nn.Module, child: nn.Module) -> str:
+    """The name ``module`` holds ``child`` under (Nemotron-H: ``embeddings``, ``norm_f``)."""
+    return next(k for k, v in module.children().items() if v is child)
 
 
 def _hidden_dtype(text) -> mx.Dtype:
