@@ -40,15 +40,15 @@ def step3p5_two_kv_groups(**kw):
 
 
 BUILDERS = {
-    "glm4_moe": lambda p, head: make_tiny(p, "glm4_moe", head),
-    "glm4_moe_lite": lambda p, head: make_tiny(p, "glm4_moe_lite", head),
-    "deepseek_v3": lambda p, head: make_tiny(p, "deepseek_v3", head),
-    "mimo": lambda p, head: make_tiny(p, "mimo", head),
-    "deepseek_v32": lambda p, head: make_tiny_dsa(p, "deepseek_v32", head),
-    "glm_moe_dsa": lambda p, head: make_tiny_dsa(p, "glm_moe_dsa", head),
+    "glm4_moe": lambda p, head, **kw: make_tiny(p, "glm4_moe", head, **kw),
+    "glm4_moe_lite": lambda p, head, **kw: make_tiny(p, "glm4_moe_lite", head, **kw),
+    "deepseek_v3": lambda p, head, **kw: make_tiny(p, "deepseek_v3", head, **kw),
+    "mimo": lambda p, head, **kw: make_tiny(p, "mimo", head, **kw),
+    "deepseek_v32": lambda p, head, **kw: make_tiny_dsa(p, "deepseek_v32", head, **kw),
+    "glm_moe_dsa": lambda p, head, **kw: make_tiny_dsa(p, "glm_moe_dsa", head, **kw),
     "longcat_flash": make_tiny_longcat_flash,
-    "step3p5": lambda p, head: write_tiny(p, step3p5_two_kv_groups, step3p5_to_hf, head,
-                                          oracle=chained_oracle()),
+    "step3p5": lambda p, head, **kw: write_tiny(p, step3p5_two_kv_groups, step3p5_to_hf, head,
+                                                oracle=chained_oracle(), **kw),
     "mimo_v2_flash": make_tiny_mimo_v2_flash,
     "nemotron_h": make_tiny_nemotron_h,
 }
@@ -126,3 +126,45 @@ def test_tensor_refused_when_a_layer_kind_has_too_few_heads(tmp_path):
     with pytest.raises(DistributedError, match="num_attention_groups=1 not divisible by 2"):
         choose_mode("tensor", model.text.args, 2, model.capabilities.splits)
     assert choose_mode(None, model.text.args, 2, model.capabilities.splits) == "pipeline"
+
+
+# serve over two ranks: a batch of 4 concurrent requests (rows joining at different steps),
+# K = 2 fixed so every step drafts and rolls back.
+SERVE = [("deepseek_v32", "pipeline"), ("glm4_moe_lite", "tensor")]
+SERVE_PROMPTS = ["hello there", "def fibonacci(n):", "import os\nimport sys\n", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module")
+def text_models(tmp_path_factory):
+    """The tokenizer's whole vocabulary, so text prompts stay in range."""
+    root = tmp_path_factory.mktemp("dist_serve")
+    return {fam: BUILDERS[fam](root / fam, "noisy", vocab_size=4096)
+            for fam in {f for f, _ in SERVE}}
+
+
+@pytest.mark.parametrize("family,mode", SERVE)
+def test_serve_batch_of_4_equals_single_process(text_models, tmp_path, family, mode):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_process import ServerProcess
+    from test_distributed_serve import Cluster, chat
+
+    flags = ("--num-draft-tokens", "2", "--fixed-k")
+    server = ServerProcess(text_models[family], tmp_path, "--temp", "0", *flags)
+    try:
+        expected = {p: chat(server.url, p).json()["choices"][0]["message"]["content"]
+                    for p in SERVE_PROMPTS}
+    finally:
+        server.stop()
+    assert len(set(expected.values())) > 1  # answers tell prompts apart
+    cluster = Cluster(text_models[family], tmp_path, mode, *flags)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            jobs = [(p, pool.submit(chat, cluster.url, p)) for p in SERVE_PROMPTS]
+            for p, job in jobs:
+                r = job.result()
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["content"] == expected[p]
+                assert r.json()["mtp"]["num_draft_tokens"] > 0  # MTP ran in the batch
+    finally:
+        cluster.kill()
