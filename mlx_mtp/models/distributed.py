@@ -151,9 +151,9 @@ class DistributedModel(ModelInterface):
     capabilities = Capabilities(shares=True, distributed=True, draft_vocab=False, taps=False)
 
     def __init__(self, model, mode: str, group, layer_range: Optional[Tuple[int, int]] = None,
-                 hidden_dtype=mx.float32, mtp_caches: Tuple[int, int] = (0, 0)):
+                 hidden_dtype=mx.float32, mtp_counts: Tuple[int, int] = (0, 0)):
         """``layer_range``: the pipeline stage's trunk layers (``inner`` holds only them);
-        ``hidden_dtype``: the dtype hiddens travel in; ``mtp_caches``: the head's MTP layers
+        ``hidden_dtype``: the dtype hiddens travel in; ``mtp_counts``: the head's MTP layers
         and caches (counted before a pipeline rank dropped its head)."""
         self.inner = model
         self.mode = mode
@@ -161,7 +161,7 @@ class DistributedModel(ModelInterface):
         self.rank, self.size = group.rank(), group.size()
         self.layer_range = layer_range
         self.hidden_dtype = hidden_dtype
-        self.mtp_counts = mtp_caches
+        self.mtp_counts = mtp_counts
         self._last_comm: Optional[mx.array] = None
         self.bytes_sent = 0  # this rank's payload bytes over the group (benchmarks)
         self.messages = 0
@@ -387,7 +387,7 @@ def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None
     model.load_weights([(k, v) for k, v in weights.items() if k in wanted], strict=True)
     del weights
     hidden_dtype = _hidden_dtype(text)
-    mtp_caches = (text.num_mtp_layers, len(text.make_mtp_cache()))
+    mtp_counts = (text.num_mtp_layers, len(text.make_mtp_cache()))
     layer_range = None
     if mode == "pipeline":
         head = sum(_nbytes(text[n]) for n in ("lm_head", "mtp") if n in text)
@@ -400,7 +400,7 @@ def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None
     if mode == "tensor":
         text.shard(group)
     mx.eval(model.parameters())
-    return (DistributedModel(model, mode, group, layer_range, hidden_dtype, mtp_caches),
+    return (DistributedModel(model, mode, group, layer_range, hidden_dtype, mtp_counts),
             load_tokenizer(p, config))
 
 
