@@ -136,9 +136,10 @@ SERVE_PROMPTS = ["hello there", "def fibonacci(n):", "import os\nimport sys\n", 
 
 @pytest.fixture(scope="module")
 def text_models(tmp_path_factory):
-    """The tokenizer's whole vocabulary, so text prompts stay in range."""
+    """The tokenizer's whole vocabulary, so text prompts stay in range; a trunk whose
+    answers depend on the prompt, not only on the chat template's last tokens."""
     root = tmp_path_factory.mktemp("dist_serve")
-    return {fam: BUILDERS[fam](root / fam, "noisy", vocab_size=4096)
+    return {fam: BUILDERS[fam](root / fam, "noisy", vocab_size=4096, trunk_scale=4.0)
             for fam in {f for f, _ in SERVE}}
 
 
