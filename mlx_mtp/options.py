@@ -60,8 +60,9 @@ def add_model_arguments(p: argparse.ArgumentParser, server: bool = False):
     p.add_argument("--distributed", choices=["pipeline", "tensor"], default=None,
                    help="Split the model over the ranks of `mlx.launch` (on by itself when "
                         "launched with more than one rank): pipeline (layers) or tensor "
-                        "(heads). Default: tensor when the heads divide evenly and all ranks "
-                        "are on this machine, else pipeline")
+                        "(heads; the families mlx-lm can shard). Default: tensor when the model has "
+                        "it, the heads divide evenly and all ranks are on this machine, else "
+                        "pipeline")
 
 
 def add_vision_arguments(p, server: bool):

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 

@@ -121,11 +121,13 @@ def test_fp8_block_weights_are_dequantized():
     np.testing.assert_allclose(np.array(got["a.weight"].astype(mx.float32)), want, rtol=1e-2)
 
 
-def test_distributed_split_is_refused_clearly(ckpt):
+def test_distributed_tensor_split_is_refused_clearly_without_mlx_lm_shard(ckpt):
+    """Every family splits by layers (tests/test_distributed_families.py); by tensors only
+    those mlx-lm can shard(): MiMo-7B cannot."""
     from mlx_mtp.models.distributed import DistributedError, load_distributed
 
-    with pytest.raises(DistributedError, match="cannot split glm4_moe models yet"):
-        load_distributed(str(ckpt("glm4_moe")))
+    with pytest.raises(DistributedError, match="mimo has no tensor split"):
+        load_distributed(str(ckpt("mimo")), "tensor")
 
 
 def test_caches_answer_mlx_lm_mask_calls():

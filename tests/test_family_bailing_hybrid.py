@@ -3,7 +3,6 @@ back by replaying the kept prefix from the pre-verify state; greedy output equal
 plain decoding at every K; the trunk's logits equal transformers 5.24's
 ``BailingHybridForCausalLM`` on a recorded fixture (``fixtures/bailing_hybrid_reference.py``)."""
 
-import json
 from pathlib import Path
 
 import mlx.core as mx

@@ -112,11 +112,13 @@ def test_add_mtp_onto_an_mlx_lm_conversion(ckpt, tmp_path, quantize):
                                              quantize)
 
 
-def test_distributed_split_is_refused_clearly(ckpt):
+def test_distributed_tensor_split_is_refused_clearly(ckpt):
+    """Nemotron-H splits by layers (tests/test_distributed_families.py), not by tensors:
+    mlx-lm has no shard() for it."""
     from mlx_mtp.models.distributed import DistributedError, load_distributed
 
-    with pytest.raises(DistributedError, match="cannot split nemotron_h models yet"):
-        load_distributed(str(ckpt()))
+    with pytest.raises(DistributedError, match="nemotron_h has no tensor split"):
+        load_distributed(str(ckpt()), "tensor")
 
 
 def test_sampling_follows_the_target_distribution(ckpt):

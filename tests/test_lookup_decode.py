@@ -3,7 +3,6 @@ greedy output equals mlx-lm's at up to 32 drafts per step, with and without a he
 alone and batched; sampled output keeps the target distribution, rejected context
 drafts included."""
 
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx

@@ -21,7 +21,6 @@ from mlx_mtp.decode.sequence import Sequence
 from mlx_mtp.models.cache.chain import ChainCache
 from mlx_mtp.models.cache.index import IndexKeyCache
 from mlx_mtp.models.cache.kv import BatchKVCache, KVCache, cache_state_arrays
-from mlx_mtp.models.cache.recurrent import RecurrentCache
 from mlx_mtp.models.cache.window import BatchWindowKVCache, WindowKVCache
 from mlx_mtp.models.cache import window as window_cache
 from mlx_mtp.models.io.loader import load, load_model

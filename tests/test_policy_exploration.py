@@ -4,7 +4,6 @@ within a cost bound, and every step teaches the estimate of the source that draf
 
 Policy tests run on deterministic acceptance streams (no timings, no randomness)."""
 
-import itertools
 from pathlib import Path
 
 import pytest

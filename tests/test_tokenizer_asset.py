@@ -8,7 +8,6 @@ import json
 import random
 import shutil
 import unicodedata
-from pathlib import Path
 
 import pytest
 

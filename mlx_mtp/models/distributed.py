@@ -3,15 +3,20 @@
 Every rank runs the same decode code (``step.DecodeBatch``); the model it gets is a
 ``DistributedModel`` whose engine interface hides the split:
 
-* **pipeline**: rank ``size-1`` holds the first layers (and the embedding), rank 0
-  the last ones plus the final norm, the output projection, the MTP head and the
-  embedding table the head needs. Hidden states travel rank ``r+1 -> r`` with
-  send/recv, so rank 0 (which also prints and serves HTTP) samples and drafts. On the
-  other ranks ``logits`` / ``mtp_forward`` are shape-only stand-ins: their results
-  are never read, because everything the step reads goes through ``share``.
-* **tensor**: every rank holds every layer with attention / DeltaNet / MLP / expert
-  projections split by heads or intermediate columns (an ``all_sum`` after each
-  mixer and MLP), the MTP layers split the same way; every rank runs the whole step.
+* **pipeline** (every family): rank ``size-1`` holds the first layers (and the
+  embedding), rank 0 the last ones plus the final norm, the output projection, the MTP
+  head(s) and the embedding table the head needs. Each rank's trunk is the model's own
+  cut to its layers, so the family's loop, masks and caches (KV, MLA latents, windows,
+  DSA indexer keys, recurrent states) serve it unchanged; hidden states travel rank
+  ``r+1 -> r`` with send/recv (``trunk_layers`` takes a hidden in place of ids), so
+  rank 0 (which also prints and serves HTTP) samples and drafts. On the other ranks
+  ``logits`` / ``mtp_forward`` are shape-only stand-ins: their results are never read,
+  because everything the step reads goes through ``share``.
+* **tensor** (models whose ``capabilities.splits`` has it): every rank holds every
+  layer with attention / DeltaNet / MLP / expert projections split by heads or
+  intermediate columns (an ``all_sum`` after each mixer and MLP), the MTP layers split
+  the same way (``shard``: ours for the Qwen layers, mlx-lm's for the others); every
+  rank runs the whole step.
 
 ``share(*arrays)`` is the step's one message per result: rank 0's values reach every
 rank in one ``all_sum`` of a small int32 array (the others add zeros), so all ranks
@@ -31,13 +36,10 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 import mlx.nn as nn
-from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx.utils import tree_flatten
 
 from .io import layout
 from .cache.kv import KVCache
-from .cache.recurrent import RecurrentCache
-from .blocks.hybrid import GatedAttention, GatedDeltaNetBase, SparseMoeBlock
 from .interface import Capabilities, ModelInterface, forwards_interface
 from .io.loader import (ModelLoadError, _upcast_cpu_experts, build_model, load_tokenizer,
                      model_config, quantize_and_cast, read_weights, resolve_model_path)
@@ -72,32 +74,43 @@ def ranks_are_local() -> bool:
     return all(a.split(":")[0] in ("127.0.0.1", "localhost", "::1", "") for a in addrs)
 
 
+# Sizes a tensor split divides, among those a family's args name: heads, MLP and expert columns.
+SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "num_attention_groups",
+               "linear_num_key_heads", "linear_num_value_heads", "intermediate_size",
+               "ffn_hidden_size")
+MOE_SPLIT_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size",
+                   "expert_ffn_hidden_size", "share_expert_dim")
+
+
 def tensor_split_problem(args, size: int) -> Optional[str]:
     """Why ``args`` cannot be split ``size`` ways by heads (None: it can)."""
-    checks = [("num_attention_heads", args.num_attention_heads),
-              ("num_key_value_heads", args.num_key_value_heads),
-              ("linear_num_key_heads", args.linear_num_key_heads),
-              ("linear_num_value_heads", args.linear_num_value_heads),
-              ("intermediate_size", args.intermediate_size)]
-    if args.num_experts:
-        checks += [("moe_intermediate_size", args.moe_intermediate_size),
-                   ("shared_expert_intermediate_size", args.shared_expert_intermediate_size)]
-    bad = [f"{name}={value}" for name, value in checks if value % size]
+    names = SPLIT_SIZES + (MOE_SPLIT_SIZES if getattr(args, "num_experts", 1) else ())
+    fields = vars(args)  # and the sizes of another kind of layer (Step-3.5's sliding ones)
+    settings = [fields] + [v for v in fields.values() if isinstance(v, dict)]
+    checks = [(name, s[name]) for s in settings for name in names if name in s]
+    bad = [f"{name}={value}" for name, value in checks
+           if isinstance(value, int) and value % size]
     return None if not bad else f"{', '.join(bad)} not divisible by {size} ranks"
 
 
-def choose_mode(requested: Optional[str], args, size: int) -> str:
-    """``requested``, or the default: tensor when the heads split evenly over ranks on
-    this machine (its all_sums per layer need a fast link), else pipeline (one hidden
-    per stage boundary per step, fine over Ethernet or Thunderbolt)."""
+def choose_mode(requested: Optional[str], args, size: int, kinds: Sequence[str] = MODES,
+                model_type: str = "this model") -> str:
+    """``requested``, or the default: tensor when the model has a tensor split
+    (``kinds``) and its heads split evenly over ranks on this machine (its all_sums per
+    layer need a fast link), else pipeline (one hidden per stage boundary per step, fine
+    over Ethernet or Thunderbolt)."""
     if requested is not None:
         if requested not in MODES:
             raise DistributedError(f"--distributed must be one of {', '.join(MODES)}")
+        if requested == "tensor" and "tensor" not in kinds:
+            raise DistributedError(f"--distributed tensor: {model_type} has no tensor split "
+                                   "(mlx-lm has no shard() for it); use --distributed pipeline")
         if requested == "tensor" and (why := tensor_split_problem(args, size)):
             raise DistributedError(f"cannot split this model by tensors: {why}; "
                                    "use --distributed pipeline")
         return requested
-    if size > 1 and ranks_are_local() and tensor_split_problem(args, size) is None:
+    if ("tensor" in kinds and size > 1 and ranks_are_local()
+            and tensor_split_problem(args, size) is None):
         return "tensor"
     return "pipeline"
 
@@ -127,77 +140,6 @@ def split_layers(layer_bytes: Sequence[int], head_bytes: int, size: int) -> List
     return ranges
 
 
-# -- tensor split ---------------------------------------------------------------------
-
-class _AllSumMoe(SparseMoeBlock):
-    """A MoE block whose experts and shared expert hold a slice of the intermediate
-    columns: their partial outputs add up, so one all_sum finishes the block."""
-
-    def __call__(self, x):
-        return mx.distributed.all_sum(super().__call__(x), group=self._group)
-
-
-def _shard_by_rows(module, group, segments=1):
-    shard_inplace(module, "all-to-sharded", segments=segments, group=group)
-
-
-def _shard_mlp(mlp, group, reduce: bool):
-    for proj in ("gate_proj", "up_proj"):
-        _shard_by_rows(getattr(mlp, proj), group)
-    if reduce:
-        mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
-    else:
-        shard_inplace(mlp.down_proj, "sharded-to-all", group=group)
-
-
-def _shard_attention(attn: GatedAttention, group):
-    N = group.size()
-    for proj in ("q_proj", "k_proj", "v_proj"):  # q_proj rows: [q | gate] per head
-        _shard_by_rows(getattr(attn, proj), group)
-    attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
-    attn.n_heads //= N
-    attn.n_kv_heads //= N
-
-
-def _shard_delta_net(gdn: GatedDeltaNetBase, group):
-    N = group.size()
-    qkv_split = [gdn.key_dim, 2 * gdn.key_dim]  # conv channels: q | k | v, each by heads
-    if "in_proj_qkvz" in gdn:  # Qwen3-Next: grouped per key head, contiguous by rows
-        _shard_by_rows(gdn.in_proj_qkvz, group)
-        _shard_by_rows(gdn.in_proj_ba, group)
-    else:
-        _shard_by_rows(gdn.in_proj_qkv, group, segments=qkv_split)
-        for proj in ("in_proj_z", "in_proj_b", "in_proj_a"):
-            _shard_by_rows(getattr(gdn, proj), group)
-    shard_inplace(gdn.conv1d, lambda path, w: (0, qkv_split), group=group)
-    shard_inplace(gdn, lambda path, w: 0 if path in ("dt_bias", "A_log") else None, group=group)
-    gdn.out_proj = shard_linear(gdn.out_proj, "sharded-to-all", group=group)
-    gdn.num_k_heads //= N
-    gdn.num_v_heads //= N
-    gdn.key_dim //= N
-    gdn.value_dim //= N
-    gdn.conv_dim //= N
-    gdn.conv1d.groups = gdn.conv_dim
-
-
-def shard_layer(layer, group):
-    """Split one decoder layer (trunk or MTP) across ``group`` by heads / columns."""
-    if getattr(layer, "is_linear", False):
-        _shard_delta_net(layer.linear_attn, group)
-    else:
-        _shard_attention(layer.self_attn, group)
-    mlp = layer.mlp
-    if isinstance(mlp, SparseMoeBlock):
-        for proj in ("gate_proj", "up_proj"):
-            _shard_by_rows(getattr(mlp.switch_mlp, proj), group)
-        shard_inplace(mlp.switch_mlp.down_proj, "sharded-to-all", group=group)
-        _shard_mlp(mlp.shared_expert, group, reduce=False)
-        mlp.__class__ = _AllSumMoe
-        mlp._group = group
-    else:
-        _shard_mlp(mlp, group, reduce=True)
-
-
 # -- the model every rank decodes with ------------------------------------------------
 
 @forwards_interface("inner")
@@ -208,12 +150,18 @@ class DistributedModel(ModelInterface):
     # Ranks hold different parts of the model: nothing is compiled or sized per rank.
     capabilities = Capabilities(shares=True, distributed=True, draft_vocab=False, taps=False)
 
-    def __init__(self, model, mode: str, group, layer_range: Optional[Tuple[int, int]] = None):
+    def __init__(self, model, mode: str, group, layer_range: Optional[Tuple[int, int]] = None,
+                 hidden_dtype=mx.float32, mtp_counts: Tuple[int, int] = (0, 0)):
+        """``layer_range``: the pipeline stage's trunk layers (``inner`` holds only them);
+        ``hidden_dtype``: the dtype hiddens travel in; ``mtp_counts``: the head's MTP layers
+        and caches (counted before a pipeline rank dropped its head)."""
         self.inner = model
         self.mode = mode
         self.group = group
         self.rank, self.size = group.rank(), group.size()
         self.layer_range = layer_range
+        self.hidden_dtype = hidden_dtype
+        self.mtp_counts = mtp_counts
         self._last_comm: Optional[mx.array] = None
         self.bytes_sent = 0  # this rank's payload bytes over the group (benchmarks)
         self.messages = 0
@@ -304,39 +252,24 @@ class DistributedModel(ModelInterface):
         return np.array(total)  # the host sync: the message is read now
 
     # engine interface
-    @property
-    def layers(self):
-        """The trunk layers this rank runs (its caches' order)."""
-        if self.mode == "tensor":
-            return self.inner.layers
-        start, end = self.layer_range
-        return self.text.model.layers[start:end]
-
     def trunk(self, inputs, cache=None, capture=False):
+        """Pipeline: this stage's layers (the model's trunk cut to them) from the tokens
+        (the first stage) or the hidden the previous stage sends."""
         if self.mode == "tensor":
             return self.inner.trunk(inputs, cache, capture)
         text = self.text
-        start, end = self.layer_range
-        layers = text.model.layers[start:end]
-        B, L = inputs.shape
-        dtype = layers[0].input_layernorm.weight.dtype
-        if self.rank == self.size - 1:
-            h = text.model.embed_tokens(inputs)
-        else:
-            template = mx.zeros((B, L, text.args.hidden_size), dtype)
-            h = self._issue(mx.distributed.recv_like(template, self.rank + 1, group=self.group))
-        cache = cache if cache is not None else [None] * len(layers)
-        kv = next((c for c in cache if c is not None and c.is_trimmable()), None)
-        fa_mask = kv.make_mask(L) if kv is not None else ("causal" if L > 1 else None)
-        for layer, c in zip(layers, cache):
-            h = layer(h, None if layer.is_linear else fa_mask, c, capture)
+        if self.rank < self.size - 1:
+            B, L = inputs.shape
+            template = mx.zeros((B, L, text.args.hidden_size), self.hidden_dtype)
+            inputs = self._issue(mx.distributed.recv_like(template, self.rank + 1,
+                                                          group=self.group))
+        h, _ = text.trunk_layers(inputs, cache, capture)
         if self.rank > 0:
-            h = self._issue(mx.distributed.send(self._after_last(h.astype(dtype)),
+            h = self._issue(mx.distributed.send(self._after_last(h.astype(self.hidden_dtype)),
                                                 self.rank - 1, group=self.group))
             self._count(h)
             return h, h
-        normed = text.model.norm(h)
-        return normed, (normed if text.args.mtp_hidden == "post_norm" else h)
+        return text.trunk_outputs(h)
 
     def logits(self, hidden):
         if self.is_head:
@@ -360,13 +293,6 @@ class DistributedModel(ModelInterface):
             c.update_and_fetch(z, z)
         return mx.zeros((B, 1 if last_only else S, hidden.shape[-1]), hidden.dtype)
 
-    def make_cache(self):
-        if self.mode == "tensor":
-            return self.inner.make_cache()
-        start, end = self.layer_range
-        return [RecurrentCache() if l.is_linear else KVCache()
-                for l in self.text.model.layers[start:end]]
-
     def use_kv_quantization(self, quant):
         if quant is not None:
             raise ValueError("--kv-bits is not available with --distributed yet")
@@ -374,17 +300,19 @@ class DistributedModel(ModelInterface):
     def make_mtp_cache(self):
         if self.is_head:
             return self.inner.make_mtp_cache()
-        return [KVCache() for _ in range(self.num_mtp_layers)]  # positions only
+        return [KVCache() for _ in range(self.num_mtp_caches)]  # positions only
 
     @property
     def num_mtp_layers(self) -> int:
-        return self.text.args.mtp_num_hidden_layers
+        return self.mtp_counts[0]  # on every rank, the head's pruned or not
 
     @property
     def num_mtp_caches(self) -> int:
-        return self.num_mtp_layers  # on every rank, the head's pruned or not
+        return self.mtp_counts[1]
 
     def drafted_entries(self, k: int) -> List[int]:
+        if self.is_head:
+            return self.inner.drafted_entries(k)
         return [k - 1] * self.num_mtp_caches
 
     def set_draft_head(self, bits=None, group_size: int = 64, vocab=None):
@@ -409,17 +337,31 @@ def _drop(module: nn.Module, name: str):
         module.pop(name)
 
 
-def _prune_pipeline(text, start: int, end: int, rank: int, size: int):
-    """Keep only what this pipeline rank runs (lazy parameters: nothing read yet)."""
-    for i, layer in enumerate(text.model.layers):
-        if not start <= i < end:
-            text.model.layers[i] = nn.Module()  # keeps the indices of the weight names
+def _prune_pipeline(text, start: int, end: int, rank: int, size: int, hidden_dtype):
+    """Keep only what this pipeline rank runs: its trunk layers (the trunk's list cut to
+    them, so the family's own loop, masks and caches cover just these), and on rank 0 the
+    head. Parameters are still lazy: nothing dropped is ever read."""
+    trunk = text.model
+    trunk.layers = trunk.layers[start:end]
     if rank != 0:
         for name in ("lm_head", "mtp"):
             _drop(text, name)
-        _drop(text.model, "norm")
-        if rank != size - 1:
-            _drop(text.model, "embed_tokens")
+        trunk.pop(_child_name(trunk, trunk.norm))
+        if rank != size - 1:  # the batch reads the model's dtype from the embedding
+            stand_in = nn.Embedding(1, 1)
+            stand_in.set_dtype(hidden_dtype)
+            trunk[_child_name(trunk, trunk.embed_tokens)] = stand_in
+
+
+def _child_name(module: nn.Module, child: nn.Module) -> str:
+    """The name ``module`` holds ``child`` under (Nemotron-H: ``embeddings``, ``norm_f``)."""
+    return next(k for k, v in module.children().items() if v is child)
+
+
+def _hidden_dtype(text) -> mx.Dtype:
+    """The dtype of the trunk's hiddens: the embedding's output's."""
+    emb = text.model.embed_tokens  # a quantized table's weight is packed uint32
+    return (emb.scales if isinstance(emb, nn.QuantizedEmbedding) else emb.weight).dtype
 
 
 def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None,
@@ -433,40 +375,37 @@ def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None
     p = resolve_model_path(path)
     config = model_config(p, mtp, mtp_hidden)
     model = build_model(config, p / "config.json")
-    if not model.capabilities.splits:
+    text = model.text
+    kinds = model.capabilities.splits
+    if not kinds:
         raise DistributedError(f"--distributed cannot split {model.model_type} models yet; "
                                "run this model on one machine (without --distributed).")
+    mode = choose_mode(mode, text.args, group.size(), kinds, model.model_type)
     weights = model.sanitize(read_weights(p))
     # Every rank decides the dtype from the whole checkpoint, so all pick the same one.
     weights = quantize_and_cast(model, weights, layout.config_quantization(config), dtype)
-    text = model.text
-    mode = choose_mode(mode, text.args, group.size())
-    layer_range = None
-    if mode == "pipeline":
-        head = sum(_nbytes(text[n]) for n in ("lm_head", "mtp") if n in text)
-        head += _nbytes(text.model.embed_tokens) + _nbytes(text.model.norm)
-        layer_range = split_layers([_nbytes(l) for l in text.model.layers], head, group.size())
-        _prune_pipeline(text, *layer_range[group.rank()], group.rank(), group.size())
-        layer_range = layer_range[group.rank()]
     wanted = {k for k, _ in tree_flatten(model.parameters())}
     missing = sorted(wanted - weights.keys())
     if missing:
         raise ModelLoadError(f"Weights in {p} do not match the model: missing {missing[:3]}")
     model.load_weights([(k, v) for k, v in weights.items() if k in wanted], strict=True)
     del weights
+    hidden_dtype = _hidden_dtype(text)
+    mtp_counts = (text.num_mtp_layers, len(text.make_mtp_cache()))
+    layer_range = None
+    if mode == "pipeline":
+        head = sum(_nbytes(text[n]) for n in ("lm_head", "mtp") if n in text)
+        head += _nbytes(text.model.embed_tokens) + _nbytes(text.model.norm)
+        ranges = split_layers([_nbytes(l) for l in text.model.layers], head, group.size())
+        layer_range = ranges[group.rank()]
+        _prune_pipeline(text, *layer_range, group.rank(), group.size(), hidden_dtype)
     _upcast_cpu_experts(model)
     model.eval()
     if mode == "tensor":
-        for layer in list(text.model.layers) + (list(text.mtp.layers) if "mtp" in text else []):
-            shard_layer(layer, group)
-            mx.eval(layer.parameters())  # read and slice one layer at a time
-    if mode == "pipeline" and "embed_tokens" not in text.model:  # a middle rank
-        # The batch reads the model's dtype from the embedding: a one-element stand-in.
-        dtype = text.model.layers[layer_range[0]].input_layernorm.weight.dtype
-        text.model.embed_tokens = nn.Embedding(1, 1)
-        text.model.embed_tokens.set_dtype(dtype)
+        text.shard(group)
     mx.eval(model.parameters())
-    return DistributedModel(model, mode, group, layer_range), load_tokenizer(p, config)
+    return (DistributedModel(model, mode, group, layer_range, hidden_dtype, mtp_counts),
+            load_tokenizer(p, config))
 
 
 def distributed_group(requested: Optional[str]):

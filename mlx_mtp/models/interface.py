@@ -38,7 +38,7 @@ class Capabilities:
     distributed: bool = False  # runs split over a group of processes
     compilable: bool = False  # set_compiled() compiles its decode steps
     draft_vocab: bool = True  # the draft vocabulary may be tuned on it (same on every rank)
-    splits: bool = False  # models/distributed.py can split it across processes
+    splits: Tuple[str, ...] = ()  # how models/distributed.py can split it ("pipeline", "tensor")
     taps: bool = True  # trunk_with_taps() is available
     images: bool = False  # takes image inputs
 
@@ -207,6 +207,16 @@ class MTPModel(ModelInterface, nn.Module):
         """The trunk's layers: (the last layer's residual, {layer id in ``taps``: the
         residual after it}). Loops keep nothing when ``taps`` is empty."""
         raise NotImplementedError
+
+    def embed(self, inputs) -> mx.array:
+        """Token ids (B, L) -> the first layer's input (B, L, H). A float (B, L, H) input is
+        the hidden state a previous pipeline stage sent (``models/distributed.py``): as is."""
+        return inputs if inputs.ndim == 3 else self.model.embed_tokens(inputs)
+
+    def shard(self, group):
+        """Split the trunk and MTP layers across ``group`` by heads / columns, reading one
+        layer at a time (``capabilities.splits`` has "tensor")."""
+        raise NotImplementedError(f"{self.model_type} has no tensor split")
 
     def trunk(self, inputs, cache=None, capture=False):
         return self.trunk_outputs(self.trunk_layers(inputs, cache, capture)[0])

@@ -33,7 +33,7 @@ from mlx_lm.models import glm4_moe, mellum, mimo, mimo_v2_flash, step3p5
 from mlx_lm.models.base import create_causal_mask
 
 from ..io import layout
-from ..interface import MTPModel
+from ..interface import Capabilities, MTPModel
 
 log = logging.getLogger("mlx_mtp")
 
@@ -92,6 +92,19 @@ def mlx_lm_sanitize(lm_model: type, args, weights: dict) -> dict:
             self.args = args
 
     return Sanitizer().sanitize(weights)
+
+
+def mlx_lm_shard(lm_model: type, layer, group):
+    """``lm_model.shard`` (an mlx-lm ``Model`` class) on one decoder layer: it reads only
+    ``self.model.layers``, so it runs on an instance that skips building the model."""
+
+    class Sharder(lm_model):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.model = nn.Module()
+            self.model.layers = [layer]
+
+    Sharder().shard(group)
 
 
 def attention_mask(cache, L: int, array: bool):
@@ -239,7 +252,7 @@ class TextModel(MTPModel):
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
         """``capture``: a verify pass, whose rows must be computed as plain one-token
         decoding computes them."""
-        h = self.model.embed_tokens(inputs)
+        h = self.embed(inputs)
         L = h.shape[1]
         cache = cache if cache is not None else [None] * len(self.model.layers)
         mask = attention_mask(cache[0], L, self.family.mla)
@@ -286,6 +299,22 @@ class TextModel(MTPModel):
         if self.family.mla:
             return args.kv_lora_rank, args.qk_rope_head_dim
         return (getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads,)
+
+    # --- split across processes (models/distributed.py) ----------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        # Tensor: the families mlx-lm can ``shard()``; pipeline: every layer list.
+        tensor = ("tensor",) if hasattr(self.family.lm.Model, "shard") else ()
+        return Capabilities(splits=("pipeline",) + tensor)
+
+    def shard(self, group):
+        """mlx-lm's ``shard()`` for the family, one layer at a time; an MTP block that is a
+        trunk layer is split the same way, another (LongCat's dense block) kept whole."""
+        trunk_kind = type(self.model.layers[-1])
+        blocks = [l.block for l in self.mtp.layers] if "mtp" in self else []
+        for layer in list(self.model.layers) + [b for b in blocks if isinstance(b, trunk_kind)]:
+            mlx_lm_shard(self.family.lm.Model, layer, group)
+            mx.eval(layer.parameters())  # read and slice one layer at a time
 
     @staticmethod
     def cast_predicate(path: str) -> bool:

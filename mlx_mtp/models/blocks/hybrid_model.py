@@ -12,13 +12,14 @@ from ..cache.kv import cache_state_arrays
 from ..cache.recurrent import RecurrentCache
 from ..interface import Capabilities, MTPModel
 from .hybrid import MAX_COMPILED_TOKENS, HybridArgs, MTPHead, Trunk
+from .hybrid_shard import shard_layer
 
 
 class HybridModel(MTPModel):
     """Trunk + lm_head + optional MTP head."""
 
     linear_cls = None  # set by the family module
-    capabilities = Capabilities(compilable=True, splits=True)
+    capabilities = Capabilities(compilable=True, splits=("pipeline", "tensor"))
 
     def __init__(self, args: HybridArgs):
         super().__init__()
@@ -34,7 +35,12 @@ class HybridModel(MTPModel):
         self.compiled_traced = 0  # set_compiled: the longest step traced
 
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
-        return self.model(inputs, cache, capture, taps=taps)
+        return self.model(None, cache, capture, input_embeddings=self.embed(inputs), taps=taps)
+
+    def shard(self, group):
+        for layer in list(self.model.layers) + (list(self.mtp.layers) if "mtp" in self else []):
+            shard_layer(layer, group)
+            mx.eval(layer.parameters())  # read and slice one layer at a time
 
     def set_compiled(self, on: bool, max_k: Optional[int] = None):
         """Run Gated DeltaNet layers' decode steps as compiled graphs, traced here for

@@ -22,7 +22,7 @@ class WindowedTrunk:
         raise NotImplementedError
 
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
-        h = self.model.embed_tokens(inputs)
+        h = self.embed(inputs)
         layers = self.model.layers
         cache = cache if cache is not None else [None] * len(layers)
         masks, tapped = {}, {}

@@ -32,7 +32,7 @@ class DSAModel(_Model):
         route_as_reference(self, lm.MoEGate)  # groups left out: -inf, as the reference
 
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
-        h = self.model.embed_tokens(inputs)
+        h = self.embed(inputs)
         L = h.shape[1]
         cache = cache if cache is not None else self.make_cache()
         mask = attention_mask(cache[0], L, True)

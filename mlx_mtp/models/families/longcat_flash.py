@@ -77,7 +77,7 @@ class Model(_Model):
 
     # --- forward ----------------------------------------------------------
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
-        h = self.model.embed_tokens(inputs)
+        h = self.embed(inputs)
         L = h.shape[1]
         cache = cache if cache is not None else [None] * (2 * len(self.model.layers))
         mask = attention_mask(cache[0], L, True)

@@ -140,7 +140,7 @@ class Model(_Model):
 
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
         """``taps`` count every block of the pattern (``model.layers``), cached or not."""
-        h = self.model.embed_tokens(inputs)
+        h = self.embed(inputs)
         L = h.shape[1]
         caches = iter(cache if cache is not None else self.make_cache())
         tapped = {}

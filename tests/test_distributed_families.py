@@ -1,0 +1,171 @@
+"""Every non-Qwen family split over two local ranks (mlx.launch, ring backend): greedy output
+of both ranks equals the single-process decode at K = 0..3, with an oracle head (every
+draft accepted, so verify rows and the accept cross ranks) and a noisy one (rejections, so
+every rank rolls its own caches back: KV, MLA latents, windows, DSA indexer keys, Mamba
+states, MTP chains), pipeline for every family and tensor for those mlx-lm can ``shard()``.
+
+One launch runs every job (starting ranks costs more than the tiny decodes); the reference is
+the same decode in this single process (itself checked against mlx-lm's plain decoding by
+each family's own tests).
+"""
+
+import json
+
+import pytest
+
+from mlx_mtp.decode.sampling import SamplingParams
+from mlx_mtp.decode.speculative import generate_step
+from mlx_mtp.models.distributed import DistributedError, choose_mode
+from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.testing.tiny_attention import make_tiny
+from mlx_mtp.testing.tiny_attention import write_tiny
+from mlx_mtp.testing.tiny_special import (chained_oracle, make_tiny_dsa, make_tiny_longcat_flash,
+                                          make_tiny_mimo_v2_flash, make_tiny_nemotron_h,
+                                          step3p5_config, step3p5_to_hf)
+from test_distributed import RANK_SCRIPT, launch
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [1, 5, 9, 22, 7, 3, 100, 20, 42, 17, 18]  # past the windows (8) and DSA top-k (6)
+MAX_TOKENS = 10
+KS = [0, 1, 2, 3]
+HEADS = ("oracle", "noisy")
+
+
+def step3p5_two_kv_groups(**kw):
+    """The tiny Step-3.5 with two key/value groups in its sliding layers too (the default
+    has one, which two ranks cannot split by heads)."""
+    return dict(step3p5_config(**kw),
+                attention_other_setting={"num_attention_heads": 4, "num_attention_groups": 2})
+
+
+BUILDERS = {
+    "glm4_moe": lambda p, head, **kw: make_tiny(p, "glm4_moe", head, **kw),
+    "glm4_moe_lite": lambda p, head, **kw: make_tiny(p, "glm4_moe_lite", head, **kw),
+    "deepseek_v3": lambda p, head, **kw: make_tiny(p, "deepseek_v3", head, **kw),
+    "mimo": lambda p, head, **kw: make_tiny(p, "mimo", head, **kw),
+    "deepseek_v32": lambda p, head, **kw: make_tiny_dsa(p, "deepseek_v32", head, **kw),
+    "glm_moe_dsa": lambda p, head, **kw: make_tiny_dsa(p, "glm_moe_dsa", head, **kw),
+    "longcat_flash": make_tiny_longcat_flash,
+    "step3p5": lambda p, head, **kw: write_tiny(p, step3p5_two_kv_groups, step3p5_to_hf, head,
+                                                oracle=chained_oracle(), **kw),
+    "mimo_v2_flash": make_tiny_mimo_v2_flash,
+    "nemotron_h": make_tiny_nemotron_h,
+}
+# The families mlx-lm 0.32.2 can shard(); the others split by layers only.
+TENSOR = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
+          "longcat_flash", "step3p5")
+
+
+def modes(family):
+    return ("pipeline", "tensor") if family in TENSOR else ("pipeline",)
+
+
+JOBS = [(fam, head, mode) for fam in BUILDERS for head in HEADS for mode in modes(fam)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist_families")
+    return {(fam, head): build(root / f"{fam}_{head}", head)
+            for fam, build in BUILDERS.items() for head in HEADS}
+
+
+def single_process(path) -> dict:
+    model, _ = load_model(path)
+    return {str(k): [t for t, _, _ in generate_step(PROMPT, model, num_draft_tokens=k,
+                                                    sampling=SamplingParams(temperature=0.0),
+                                                    max_tokens=MAX_TOKENS, adaptive=False)]
+            for k in KS}
+
+
+@pytest.fixture(scope="module")
+def runs(models, tmp_path_factory):
+    """One launch: every family x head x mode; {(family, head, mode): (rank 0, rank 1)}."""
+    jobs = [{"name": "-".join(j), "model": str(models[j[:2]]), "mode": j[2], "ks": KS,
+             "prompt": PROMPT, "max_tokens": MAX_TOKENS} for j in JOBS]
+    d = tmp_path_factory.mktemp("family_runs")
+    (d / "jobs.json").write_text(json.dumps(jobs))
+    proc = launch(RANK_SCRIPT, d / "jobs.json", d / "out",
+                  progress=[d / f"out.{r}.log" for r in (0, 1)])
+    if proc.returncode or not all((d / f"out.{r}").exists() for r in (0, 1)):
+        pytest.fail(f"a rank failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    per_rank = [json.loads((d / f"out.{r}").read_text()) for r in (0, 1)]
+    return {j: (per_rank[0][i], per_rank[1][i]) for i, j in enumerate(JOBS)}
+
+
+@pytest.mark.parametrize("family", list(BUILDERS))
+def test_split_kinds_are_declared(models, family):
+    model, _ = load_model(models[(family, "noisy")])
+    assert model.capabilities.splits == modes(family)
+
+
+@pytest.mark.parametrize("job", JOBS, ids="-".join)
+def test_greedy_equals_single_process(runs, models, job):
+    r0, r1 = runs[job]
+    assert r0["mode"] == r1["mode"] == job[2]
+    if job[2] == "pipeline":  # rank 1 runs the first layers, rank 0 the rest
+        assert r1["layer_range"][0] == 0 and r1["layer_range"][1] == r0["layer_range"][0]
+    assert r0["tokens"] == single_process(models[job[:2]])  # each K: the plain greedy output
+    assert r1["tokens"] == r0["tokens"]  # every rank holds the same tokens
+
+
+def test_tensor_refused_for_a_family_mlx_lm_cannot_shard(models):
+    model, _ = load_model(models[("mimo", "noisy")])
+    args, kinds = model.text.args, model.capabilities.splits
+    with pytest.raises(DistributedError, match="mimo has no tensor split"):
+        choose_mode("tensor", args, 2, kinds, model.model_type)
+    assert choose_mode(None, args, 2, kinds, model.model_type) == "pipeline"
+
+
+def test_tensor_refused_when_a_layer_kind_has_too_few_heads(tmp_path):
+    """Step-3.5's sliding layers have their own head counts: one key/value group there
+    cannot be split over two ranks."""
+    path = write_tiny(tmp_path / "step", step3p5_config, step3p5_to_hf, "random")
+    model, _ = load_model(path)
+    with pytest.raises(DistributedError, match="num_attention_groups=1 not divisible by 2"):
+        choose_mode("tensor", model.text.args, 2, model.capabilities.splits)
+    assert choose_mode(None, model.text.args, 2, model.capabilities.splits) == "pipeline"
+
+
+# serve over two ranks: a batch of 4 concurrent requests (rows joining at different steps),
+# K = 2 fixed so every step drafts and rolls back.
+SERVE = [("deepseek_v32", "pipeline"), ("glm4_moe_lite", "tensor")]
+SERVE_PROMPTS = ["hello there", "def fibonacci(n):", "import os\nimport sys\n", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module")
+def text_models(tmp_path_factory):
+    """The tokenizer's whole vocabulary, so text prompts stay in range; a trunk whose
+    answers depend on the prompt, not only on the chat template's last tokens."""
+    root = tmp_path_factory.mktemp("dist_serve")
+    return {fam: BUILDERS[fam](root / fam, "noisy", vocab_size=4096, trunk_scale=4.0)
+            for fam in {f for f, _ in SERVE}}
+
+
+@pytest.mark.parametrize("family,mode", SERVE)
+def test_serve_batch_of_4_equals_single_process(text_models, tmp_path, family, mode):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_process import ServerProcess
+    from test_distributed_serve import Cluster, chat
+
+    flags = ("--num-draft-tokens", "2", "--fixed-k")
+    server = ServerProcess(text_models[family], tmp_path, "--temp", "0", *flags)
+    try:
+        expected = {p: chat(server.url, p).json()["choices"][0]["message"]["content"]
+                    for p in SERVE_PROMPTS}
+    finally:
+        server.stop()
+    assert len(set(expected.values())) > 1  # answers tell prompts apart
+    cluster = Cluster(text_models[family], tmp_path, mode, *flags)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            jobs = [(p, pool.submit(chat, cluster.url, p)) for p in SERVE_PROMPTS]
+            for p, job in jobs:
+                r = job.result()
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["content"] == expected[p]
+                assert r.json()["mtp"]["num_draft_tokens"] > 0  # MTP ran in the batch
+    finally:
+        cluster.kill()
