@@ -46,11 +46,13 @@ def add_model_arguments(p: argparse.ArgumentParser):
     # mlx-vlm's spelling: --draft-model DIR --draft-kind mtp.
     p.add_argument("--mtp-model", "--draft-model", dest="mtp_model", default=None,
                    metavar="PATH|ID",
-                   help="Split MTP drafter (a directory or hub id in mlx-vlm's layout, e.g. "
-                        "an mlx-community ...-MTP-4bit repo, or one written by `convert "
-                        "--split-mtp`) whose head drafts for --model; checked to belong to it")
+                   help="A drafter for --model (a directory or hub id), checked to fit it: a "
+                        "split MTP drafter (mlx-vlm's layout, e.g. an mlx-community "
+                        "...-MTP-4bit repo, or one written by `convert --split-mtp`) or a block "
+                        "drafter reading the trunk's hidden states (z-lab DFlash)")
     p.add_argument("--draft-kind", default=None, metavar="KIND",
-                   help="mlx-vlm compatibility: mtp (the only kind mlx-mtp drafts with)")
+                   help="What --draft-model is where its config does not say: mtp or a block "
+                        "drafter kind (dflash)")
     p.add_argument("--mtp-hidden", choices=["post_norm", "pre_norm"], default=None,
                    help="Trunk hidden state fed to the MTP head (default post_norm)")
     add_dtype_argument(p)
@@ -120,7 +122,7 @@ def drafting_from_args(args, distributed: bool = False) -> Drafting:
         raise UserError(str(e).replace("lookup max_draft", "--lookup-max-draft")
                         .replace("lookup min_match", "--lookup-min-match"))
     # Context drafts alone need no head: it is not loaded.
-    return Drafting(k if SOURCES[source].head else 0, adaptive,
+    return Drafting(k if SOURCES[source].capped_by_k else 0, adaptive,
                     DraftSources(source, settings, adaptive=adaptive))
 
 
@@ -141,12 +143,32 @@ def _draft_source(args, k: int) -> str:
     return source
 
 
+def block_drafter_from_args(args, distributed: bool = False):
+    """(path, kind) of the block drafter ``--draft-model`` names (``drafters/block``); None
+    when it names a split MTP drafter (its config says which, else ``--draft-kind``) or
+    nothing."""
+    path, kind = getattr(args, "mtp_model", None), getattr(args, "draft_kind", None)
+    if path is None:
+        if kind not in (None, "mtp"):
+            raise UserError(f"--draft-kind {kind} needs --draft-model naming the drafter")
+        return None
+    if kind == "mtp":
+        return None
+    from .drafters.block import KINDS
+    from .drafters.block.load import kind_of, read_config
+
+    if kind is not None and kind not in KINDS:
+        raise UserError(f"--draft-kind {kind} is not supported: mtp or one of {sorted(KINDS)}")
+    if kind is None and kind_of(read_config(path)[1]) is None:
+        return None
+    if distributed:
+        raise UserError("--draft-model with a block drafter cannot be combined with a "
+                        "distributed run yet")
+    return path, kind
+
+
 def mtp_model_from_args(args, distributed: bool = False):
     """The split drafter ``--mtp-model`` names (None: the model's own head)."""
-    kind = getattr(args, "draft_kind", None)
-    if kind not in (None, "mtp"):
-        raise UserError(f"--draft-kind {kind} is not supported: mlx-mtp drafts with MTP heads "
-                        "only (--draft-kind mtp, or leave it out)")
     path = getattr(args, "mtp_model", None)
     if path is not None and (getattr(args, "no_mtp", False)
                              or getattr(args, "spec_type", None) == "none"):
@@ -222,12 +244,19 @@ def load_from_args(args, mtp: bool, group=None):
     if group is None:
         from .models.io.loader import load
 
+        block = block_drafter_from_args(args)
         model, tokenizer = load(args.model, mtp=mtp, mtp_hidden=args.mtp_hidden,
-                                dtype=args.dtype, mtp_model=mtp_model_from_args(args))
+                                dtype=args.dtype,
+                                mtp_model=None if block else mtp_model_from_args(args))
+        if block is not None:
+            from .drafters.block.load import attach_block_drafter
+
+            attach_block_drafter(model, *block)
     else:
         from .models.distributed import load_distributed
 
-        mtp_model_from_args(args, distributed=True)
+        if block_drafter_from_args(args, distributed=True) is None:
+            mtp_model_from_args(args, distributed=True)
         model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=mtp,
                                             mtp_hidden=args.mtp_hidden, dtype=args.dtype)
     apply_model_options(model, args)

@@ -30,6 +30,7 @@ from typing import Dict, Hashable, List, Optional, Sequence
 import mlx.core as mx
 
 from ..models.cache.kv import restore_caches, snapshot_caches
+from . import block_context
 from .policy import DraftPolicy
 from .sequence import Sequence as DecodeSequence
 from .step import DecodeBatch, Row, RowError, StepOutput
@@ -126,7 +127,7 @@ class BatchDecoder:
         if core.rows:
             ours, ours_mtp = core.cache, core.mtp_cache or []
         else:
-            ours = self.model.make_cache()
+            ours = block_context.make_cache(self.model)
             ours_mtp = self.model.make_mtp_cache() if self.mtp else []
         try:
             for name, a, b in (("trunk", ours, cache), ("MTP", ours_mtp, mtp)):

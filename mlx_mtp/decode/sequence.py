@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence as Seq
 
 import mlx.core as mx
 
-from . import check_num_draft_tokens
+from . import block_context, check_num_draft_tokens
 from ..models.cache.kv import cache_state_arrays
 from .policy import SeededSchedule, needs_schedule
 from .sampling import Sampler, SamplingParams
@@ -91,7 +91,7 @@ class Sequence:
         self.sampler = Sampler(sampling, grammar)
         self.adaptive = adaptive
         self.prefill_step_size = prefill_step_size
-        self.cache = cache if cache is not None else model.make_cache()
+        self.cache = cache if cache is not None else block_context.make_cache(model)
         self.mtp_cache = model.make_mtp_cache() if k > 0 else None
         schedule = SeededSchedule(adaptive) if k and needs_schedule(sampling) else None
         self.row = Row(key=None, sampler=self.sampler, max_k=k, y=None,
@@ -152,7 +152,7 @@ class Sequence:
             end = min(start + self.prefill_step_size, n)
             if snapshot_at is not None and start < snapshot_at < end:
                 end = snapshot_at
-            _, h_mtp = self.model.trunk(tokens[:, start:end], self.cache)
+            _, h_mtp = block_context.trunk(self.model, tokens[:, start:end], self.cache)
             if self.row.owed is not None:
                 self._head_prompt(h_mtp, tokens[:, start:end], run_head)
             owed = self.row.owed

@@ -4,13 +4,14 @@ the optional parts), ``MTPModel`` implements the parts every family shares.
     trunk(inputs, cache, capture)          -> (post-norm hidden, hidden fed to the MTP head)
     trunk_with_taps(inputs, taps, ...)     -> the same, plus the residual after each tapped layer
     logits(hidden) / draft_logits(hidden)  -> the output layer / the one drafts sample from
+    embed(tokens)                          -> the trunk's token embedding (block drafters bind it)
     mtp_forward(hidden, next_tokens, mtp_cache, depth, last_only) -> the head's post-norm hidden
     make_cache(), make_mtp_cache(), layers, num_mtp_layers
     share(*arrays), drafted_entries(k)     -> hooks with defaults (see each)
     capabilities                           -> what a caller may rely on (``Capabilities``)
 
 State set after construction lives in declared slots, set through declared methods
-(``record_load_dtype``, ``use_draft_vocab_tuner``). A model wrapping another (a
+(``record_load_dtype``, ``use_draft_vocab_tuner``, ``use_block_drafter``). A model wrapping another (a
 ``language_model.*`` checkpoint, a model split across processes) reads every name it does
 not define from the wrapped one (``forwards_interface``).
 """
@@ -50,6 +51,7 @@ class ModelInterface:
     load_dtype: Optional[mx.Dtype] = None  # the dtype weights were cast to (None: as stored)
     dtype_choice: Optional[str] = None  # how that dtype was chosen, for the stats line
     draft_vocab_tuner = None  # re-sizes the draft vocabulary from emitted text (vocab_auto)
+    block_drafter = None  # drafters/block: a separate drafter reading trunk taps (None: none)
 
     @property
     def text(self) -> "MTPModel":
@@ -82,6 +84,10 @@ class ModelInterface:
         raise NotImplementedError("this model offers no hidden-state taps")
 
     def logits(self, hidden) -> mx.array:
+        raise NotImplementedError
+
+    def embed(self, tokens) -> mx.array:
+        """The trunk's input embedding of ``tokens`` (B, S) -> (B, S, H)."""
         raise NotImplementedError
 
     def draft_logits(self, hidden, any_token: bool = False) -> mx.array:
@@ -150,6 +156,13 @@ class ModelInterface:
     def use_draft_vocab_tuner(self, tuner):
         self.draft_vocab_tuner = tuner
 
+    def use_block_drafter(self, drafter):
+        """Draft with ``drafter`` (``drafters/block``, None: none), bound to this model's
+        embedding and output layer. Kept out of the parameter tree: it is not the model's."""
+        if drafter is not None:
+            drafter.bind(self.embed, self.logits)
+        object.__setattr__(self, "block_drafter", drafter)
+
 
 INTERFACE_NAMES = tuple(n for n in vars(ModelInterface) if not n.startswith("_"))
 
@@ -208,6 +221,9 @@ class MTPModel(ModelInterface, nn.Module):
     @property
     def layers(self):
         return self.model.layers
+
+    def embed(self, tokens):
+        return self.model.embed_tokens(tokens)
 
     def logits(self, hidden):
         if self.args.tie_word_embeddings:

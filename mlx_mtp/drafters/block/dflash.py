@@ -12,7 +12,7 @@ the first positions of it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -156,14 +156,14 @@ class DFlash(BlockDraftModel):
         self.rope = initialize_rope(args.head_dim, base=args.rope_theta, traditional=False,
                                     scaling_config=args.rope_scaling,
                                     max_position_embeddings=args.max_position_embeddings)
-        self._target: List = []  # [embed, head]: bound, not parameters of the drafter
+        self._embed = self._head = None  # the target's: bound, not the drafter's parameters
 
     @classmethod
     def from_config(cls, cfg: Dict[str, Any]) -> "DFlash":
         return cls(*parse_config(cfg))
 
     def bind(self, embed, head):
-        self._target = [embed, head]
+        self._embed, self._head = embed, head
 
     def make_cache(self) -> list:
         return [ContextCache.empty(1) for _ in self.layers]
@@ -175,14 +175,13 @@ class DFlash(BlockDraftModel):
 
     def block_logits(self, anchor: mx.array, cache: list) -> mx.array:
         """Logits (B, block_size - 1, V) of the slots after ``anchor`` (B,)."""
-        embed, head = self._target
         B, n = anchor.shape[0], self.spec.block_size - 1
         mask = mx.full((B, n), self.spec.mask_token_id, anchor.dtype)
-        h = embed(mx.concatenate([anchor[:, None], mask], axis=1))
+        h = self._embed(mx.concatenate([anchor[:, None], mask], axis=1))
         h = h * self.args.input_embedding_scale
         for layer, c in zip(self.layers, cache):
             h = layer(h, self.rope, c)
-        logits = head(self.norm(h[:, 1:])) * self.args.output_multiplier
+        logits = self._head(self.norm(h[:, 1:])) * self.args.output_multiplier
         cap = self.args.final_logit_softcapping
         return mx.tanh(logits / cap) * cap if cap else logits
 
