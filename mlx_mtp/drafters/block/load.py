@@ -68,14 +68,16 @@ def check_fits(drafter: BlockDraftModel, model, where: str = "the drafter"):
     if not model.capabilities.taps:
         raise BlockDrafterError(f"{where}: this model offers no hidden-state taps for a "
                                 f"{spec.kind} drafter")
-    n_layers = len(model.layers)
     problems = []
     if spec.hidden_size != args.hidden_size:
         problems.append(f"hidden size {spec.hidden_size} != the model's {args.hidden_size}")
     if spec.vocab_size != args.vocab_size:
         problems.append(f"vocabulary {spec.vocab_size} != the model's {args.vocab_size}")
-    if max(spec.target_layer_ids) >= n_layers or min(spec.target_layer_ids) < 0:
-        problems.append(f"taps layers {list(spec.target_layer_ids)}, the model has {n_layers}")
+    try:  # builds the graph of a one-token pass, never evaluated: the taps' ids are checked
+        model.trunk_with_taps(mx.zeros((1, 1), mx.uint32), spec.target_layer_ids,
+                              model.make_cache())
+    except ValueError as e:
+        problems.append(f"taps layers {list(spec.target_layer_ids)}: {e}")
     if spec.mask_token_id is not None and not 0 <= spec.mask_token_id < args.vocab_size:
         problems.append(f"mask token {spec.mask_token_id} is outside the vocabulary")
     if problems:

@@ -19,7 +19,8 @@ from .kv import CACHE_KINDS, BatchKVCache
 
 class ContextCache(BatchKVCache):
     kind = "block_context"
-    row_kind = ""
+    row_kind = ""  # rows join as context caches of one row (``valid`` included)
+    free_axes = (0, 1, 2)  # rows and positions: axis 2 of k/v, axis 1 of ``valid``
 
     @classmethod
     def empty(cls, B: int = 1) -> "ContextCache":
