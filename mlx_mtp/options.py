@@ -155,11 +155,12 @@ def block_drafter_from_args(args, distributed: bool = False):
     if kind == "mtp":
         return None
     from .drafters.block import KINDS
-    from .drafters.block.load import kind_of, read_config
+    from .drafters.block.load import kind_for
 
     if kind is not None and kind not in KINDS:
         raise UserError(f"--draft-kind {kind} is not supported: mtp or one of {sorted(KINDS)}")
-    if kind is None and kind_of(read_config(path)[1]) is None:
+    kind = kind_for(path, kind)
+    if kind is None:
         return None
     if distributed:
         raise UserError("--draft-model with a block drafter cannot be combined with a "

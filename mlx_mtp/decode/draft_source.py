@@ -85,9 +85,10 @@ class RowDrafter:
         self.sources, self.source = sources, source
         entry = SOURCES[source]
         self.drafter: Drafter = entry.drafter(sources.settings)
-        if not (self.drafter.deterministic or self.drafter.needs_taps):
+        if self.drafter.deterministic == self.drafter.needs_taps:
             raise ValueError(f"draft source {source!r}: the step takes a row drafter's tokens "
-                             "as deterministic proposals, or draws a block drafter's")
+                             "as deterministic proposals and feeds it no trunk taps, or draws "
+                             "the model's block drafter's (drafters/block_source.py)")
         self.uses_head = entry.head
         # The head may chain after a drafter's run: its depths reach past the run's.
         sizes = {HEAD: MAX_DRAFTER_TOKENS + MAX_DRAFT_TOKENS, self.drafter.name: MAX_DRAFTER_TOKENS}

@@ -5,7 +5,6 @@ it will draft for. ``--draft-model`` names either a split MTP drafter or a block
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
@@ -13,6 +12,7 @@ import mlx.core as mx
 from ...models.io.files import load_safetensors, read_json_object
 from ...errors import CheckpointError
 from ...models.io.loader import resolve_model_path, weight_files
+from ...models.io.split_drafter import is_drafter_config
 from . import KINDS
 from .base import BlockDraftModel
 
@@ -31,6 +31,20 @@ def kind_of(config: dict) -> Optional[str]:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
     return None
+
+
+def kind_for(spec: str, kind: Optional[str] = None) -> Optional[str]:
+    """The block-drafter kind of the drafter ``spec`` names (``kind``: ``--draft-kind``,
+    where the config does not say); None: a split MTP drafter. A kind the config
+    contradicts is refused."""
+    config = read_config(spec)[1]
+    declared = kind_of(config)
+    if kind is None or kind == declared:
+        return declared
+    if declared is not None or is_drafter_config(config):
+        raise BlockDrafterError(f"--draft-kind {kind}: {spec} is a "
+                                f"{declared or 'split MTP'} drafter, not a {kind} one")
+    return kind
 
 
 def read_config(spec: str) -> tuple:
@@ -98,11 +112,11 @@ def describe(config: dict) -> Optional[dict]:
     kind = kind_of(config)
     if kind is None:
         return None
-    spec = KINDS[kind].from_config(config).spec
+    try:
+        spec = KINDS[kind].from_config(config).spec
+    except (KeyError, TypeError, ValueError) as e:
+        raise BlockDrafterError(f"unusable {kind} config: {e}") from None
     return {"kind": kind, "taps": list(spec.target_layer_ids), "block_size": spec.block_size,
-            "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size}
+            "max_draft": spec.max_draft, "hidden_size": spec.hidden_size,
+            "vocab_size": spec.vocab_size}
 
-
-def is_block_drafter_dir(path: Path) -> bool:
-    config = path / "config.json"
-    return config.exists() and kind_of(read_json_object(config)) is not None
