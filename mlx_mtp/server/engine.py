@@ -403,12 +403,12 @@ class Engine:
     def _consume(self, seq: _Seq, out: StepOutput):
         now = time.perf_counter()
         req = seq.req
-        self.metrics.record_step(out.num_drafted, out.num_accepted, out.lookup_drafted,
-                                 out.lookup_accepted)
+        by_source = (out.lookup_drafted, out.lookup_accepted, out.block_drafted,
+                     out.block_accepted)
+        self.metrics.record_step(out.num_drafted, out.num_accepted, *by_source)
         used, delta = seq.output.add(out)
         self.metrics.generation_tokens.inc(len(used))
-        self.periodic.record(out.num_drafted, out.num_accepted, len(used), out.lookup_drafted,
-                             out.lookup_accepted)
+        self.periodic.record(out.num_drafted, out.num_accepted, len(used), *by_source)
 
         # Latency metrics: the step's time spread over the tokens it produced.
         if seq.t_first is None:

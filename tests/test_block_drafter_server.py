@@ -1,0 +1,50 @@
+"""A block drafter in the server's engine: requests choosing ``draft_source`` ``block``,
+``mtp`` or ``both`` batch together and decode plain decoding's tokens; usage and /metrics
+count the block drafter's drafts by source."""
+
+import pytest
+
+from mlx_mtp.decode.draft_source import DraftSources
+from mlx_mtp.drafters.block.load import attach_block_drafter
+from mlx_mtp.models.io.loader import load
+from mlx_mtp.server.engine import Engine
+from mlx_mtp.server.events import Delta, Done, EngineRequest
+from mlx_mtp.testing.tiny import make_tiny
+from mlx_mtp.testing.tiny_block import make_tiny_dflash
+
+PROMPT = list(range(300, 320)) + [7, 8]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("block_engine")
+    model, tok = load(str(make_tiny(tmp / "ckpt", "qwen3_5", "noisy", vocab_size=4096,
+                                    trunk_scale=0.1)))
+    attach_block_drafter(model, str(make_tiny_dflash(tmp / "dflash", 64, 4096, [0, 2], 4,
+                                                     block_size=4)))
+    return model, tok
+
+
+def test_requests_mixing_the_block_drafter_with_other_sources(served):
+    model, tok = served
+    engine = Engine(model, tok, num_draft_tokens=3, log_interval=0, calibrate=False,
+                    draft_sources=DraftSources("both"))
+    sinks = []
+    for kw in (dict(num_draft_tokens=0), dict(draft_source="block"), dict(draft_source="mtp"),
+               dict(draft_source="block", num_draft_tokens=2), dict()):
+        events = []
+        engine.submit(EngineRequest(prompt=list(PROMPT), max_tokens=24, on_event=events.append,
+                                    **kw))
+        sinks.append(events)
+    for _ in range(2000):
+        if all(any(isinstance(e, Done) for e in s) for s in sinks):
+            break
+        engine.step()
+    tokens = [[t for e in s if isinstance(e, Delta) for t in e.token_ids] for s in sinks]
+    assert all(t == tokens[0] for t in tokens[1:])
+    by_source = [next(e for e in s if isinstance(e, Done)).usage["draft_tokens_by_source"]
+                 for s in sinks]
+    for i in (1, 3):
+        assert by_source[i]["block"]["drafted"] > 0 == by_source[i]["mtp"]["drafted"]
+    assert by_source[2]["block"]["drafted"] == 0 < by_source[2]["mtp"]["drafted"]
+    assert 'source="block"' in engine.metrics.render()
