@@ -91,13 +91,16 @@ class SpecStats:
         return self.num_accepted_tokens - self.lookup_accepted_tokens - self.block_accepted_tokens
 
     def by_source(self) -> Dict[str, Dict[str, int]]:
-        """Drafted and accepted tokens of the head (``mtp``), of the context (``lookup``) and
-        of the block drafter (``block``)."""
-        return {"mtp": {"drafted": self.head_draft_tokens, "accepted": self.head_accepted_tokens},
-                "lookup": {"drafted": self.lookup_draft_tokens,
-                           "accepted": self.lookup_accepted_tokens},
-                "block": {"drafted": self.block_draft_tokens,
-                          "accepted": self.block_accepted_tokens}}
+        """Drafted and accepted tokens of the head (``mtp``), of the context (``lookup``) and,
+        once it drafted, of the block drafter (``block``)."""
+        sources = {"mtp": {"drafted": self.head_draft_tokens,
+                           "accepted": self.head_accepted_tokens},
+                   "lookup": {"drafted": self.lookup_draft_tokens,
+                              "accepted": self.lookup_accepted_tokens}}
+        if self.block_draft_tokens:
+            sources["block"] = {"drafted": self.block_draft_tokens,
+                                "accepted": self.block_accepted_tokens}
+        return sources
 
     def to_dict(self, missing: Optional[float] = 0.0) -> dict:
         """The counters and the rates derived from them; ``missing``: a rate with nothing
