@@ -1,6 +1,7 @@
 """A block drafter (DFlash) drafting in the one step: greedy output identical to plain
-decoding on the Qwen3.5 hybrid, an attention trunk (glm4_moe) and Nemotron-H at every
-block width, alone and in a batch mixing sources; its context stays aligned with each
+decoding on the Qwen3.5 hybrid (dense and MoE), an attention trunk (glm4_moe) and
+Nemotron-H at every block width, alone and in a batch mixing sources; its context stays
+aligned with each
 row's emitted tokens; sampled output follows the target distribution (rejection sampling
 with the drafter's own q); a drafter that does not fit its trunk is refused.
 
@@ -35,8 +36,8 @@ BLOCK = 5  # drafts per pass: up to 4
 
 def _trunk(tmp_path_factory, family: str, head: str = "random"):
     path = tmp_path_factory.mktemp(f"{family}_{head}")
-    if family == "qwen3_5":
-        return make_tiny(path, "qwen3_5", head)
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        return make_tiny(path, family, head)
     if family == "nemotron_h":
         return make_tiny_nemotron_h(path, head)
     return make_tiny_attention(path, family, head)
@@ -162,7 +163,8 @@ def test_a_batch_mixing_sources_keeps_each_rows_tokens_and_acceptance(qwen):
         assert decs[1].stats.block_draft_tokens == 0 < decs[1].stats.num_draft_tokens
 
 
-@pytest.mark.parametrize("family,taps", [("glm4_moe", [0, 1]), ("nemotron_h", [0, 2, 4])])
+@pytest.mark.parametrize("family,taps", [("qwen3_5_moe", [1, 2]), ("glm4_moe", [0, 1]),
+                                         ("nemotron_h", [0, 2, 4])])
 def test_greedy_identical_on_other_trunks(tmp_path_factory, family, taps):
     model = _with_drafter(_trunk(tmp_path_factory, family), tmp_path_factory.mktemp("d"), taps)
     plain, _ = _decode(model, PROMPT, 0)
