@@ -1,9 +1,9 @@
 """A block drafter (DFlash) drafting in the one step: greedy output identical to plain
 decoding on the Qwen3.5 hybrid (dense and MoE), an attention trunk (glm4_moe) and
 Nemotron-H at every block width, alone and in a batch mixing sources; its context stays
-aligned with each
-row's emitted tokens; sampled output follows the target distribution (rejection sampling
-with the drafter's own q); a drafter that does not fit its trunk is refused.
+aligned with each row's emitted tokens; sampled output follows the target distribution
+(rejection sampling with the drafter's own q); a drafter that does not fit its trunk is
+refused.
 
 "Oracle" drafters are built on the tiny oracle trunks (an identity trunk whose next token
 is ``t + 1``): its weights copy the anchor's embedding into every slot, so slot 1 is right
