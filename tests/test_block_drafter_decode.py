@@ -43,14 +43,14 @@ def _trunk(tmp_path_factory, family: str, head: str = "random"):
     return make_tiny_attention(path, family, head)
 
 
-def _with_drafter(path, tmp, taps, oracle: bool = False, seed: int = 0):
-    """The model at ``path`` drafting with a DFlash drafter of block ``BLOCK``."""
+def _with_drafter(path, tmp, taps, oracle: bool = False, seed: int = 0, block: int = BLOCK):
+    """The model at ``path`` drafting with a DFlash drafter of ``block`` positions."""
     model = load_model(path)[0]
     args = model.text.args
     extra = {"num_key_value_heads": 4} if oracle else {}
-    drafter = make_tiny_dflash(tmp / f"dflash{seed}{oracle}", args.hidden_size, args.vocab_size,
-                               taps, args.num_hidden_layers, seed=seed, block_size=BLOCK,
-                               **extra)
+    drafter = make_tiny_dflash(tmp / f"dflash{seed}{oracle}{block}", args.hidden_size,
+                               args.vocab_size, taps, args.num_hidden_layers, seed=seed,
+                               block_size=block, **extra)
     attach_block_drafter(model, str(drafter))
     if oracle:
         _make_oracle(model)
@@ -112,6 +112,25 @@ def test_an_oracle_drafter_is_accepted_at_slot_one_exactly(qwen):
         assert s.accepted_per_pos[0] == s.num_drafts and sum(s.accepted_per_pos[1:]) == 0
         assert s.by_source()["block"] == {"drafted": s.num_draft_tokens,
                                           "accepted": s.num_drafts}
+
+
+def test_the_head_extends_the_block_fed_its_drafts(tmp_path_factory):
+    """``block+mtp``: a one-draft block (slot 1, the oracle's right one) extended by the
+    oracle MTP head, fed the block's token: every draft accepted at every K; the head alone
+    after a random block is fed wrong tokens, yet the output is plain decoding's."""
+    trunk = _trunk(tmp_path_factory, "qwen3_5", "oracle")
+    tmp = tmp_path_factory.mktemp("fused")
+    oracle = _with_drafter(trunk, tmp, [1, 3], oracle=True, block=2)
+    plain, _ = _decode(oracle, PROMPT, 0)
+    for k in (2, 4):
+        got, dec = _decode(oracle, PROMPT, k, "block+mtp")
+        s = dec.stats
+        assert got == plain and s.acceptance_rate == 1.0, f"K={k}"
+        assert s.block_draft_tokens == s.num_drafts
+        assert s.head_draft_tokens == (k - 1) * s.num_drafts
+    random = _with_drafter(trunk, tmp, [1, 3], block=3)
+    got, dec = _decode(random, PROMPT, 4, "block+mtp")
+    assert got == plain and dec.stats.by_source()["block"]["drafted"] == 2 * dec.stats.num_drafts
 
 
 def test_the_context_holds_every_emitted_row_as_a_fresh_prefill_would(qwen):

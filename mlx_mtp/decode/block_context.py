@@ -11,7 +11,7 @@ row it ran into the context at once (prompt chunks at prefill; every verify row,
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import List, Optional
 
 import mlx.core as mx
@@ -44,27 +44,54 @@ def trunk(model, inputs, cache: list, capture: bool = False):
 
 def fit_plans(batch, plans: List[DraftPlan]) -> List[DraftPlan]:
     """A step's plans (``batch``: its ``step.DecodeBatch``) with block drafts capped at the
-    drafter's block; where it cannot draft (no drafter; a grammar in the batch, whose masks
-    its draws would need position by position) the head drafts instead, if it can."""
-    drafter = batch.model.block_drafter
+    drafter's block, the head extending past it for a source that chains it (``block+mtp``);
+    where the drafter cannot draft (none; a grammar in the batch, whose masks its draws would
+    need position by position) the head drafts instead, if it can."""
+    drafter, head = batch.model.block_drafter, batch.mtp_cache is not None
     if not any(p.block for p in plans):
         return plans
     if drafter is None or any(r.sampler.grammar is not None for r in batch.rows):
-        head = batch.mtp_cache is not None
         return [DraftPlan([], p.block if head and r.can_draft() else 0) if p.block else p
                 for r, p in zip(batch.rows, plans)]
-    return [replace(p, block=min(p.block, drafter.spec.max_draft)) if p.block else p
-            for p in plans]
+    fitted = []
+    for r, p in zip(batch.rows, plans):
+        n = min(p.block, drafter.spec.max_draft)
+        extend = head and r.drafter.uses_head and r.can_draft()
+        fitted.append(replace(p, block=n, head=p.block - n if extend else 0) if p.block else p)
+    return fitted
 
 
-def draft(model, cache: list, rows, plans: List[DraftPlan], draw, merge, drafts: list,
-          draft_lps: list, groups, fixed: Optional[mx.array]):
-    """The block drafter's drafts for the rows whose plan takes them: one pass over every
-    row's context after its last token, each position drawn by the step's ``draw`` (as the
-    head's are: position transforms, each group's filter, noise by output position;
-    ``merge`` puts per-group results in row order) and kept with its q. Returns the step's
-    drafts and q per position with those rows' replaced at 0..n-1 (``drafts``: the head's;
-    ``fixed``: row drafters' tokens (B, k), the other rows' drafts past the head's)."""
+@dataclass
+class BlockDrafts:
+    """A step's block drafts: ``tokens`` (B, k) (0 past each row's), ``where`` (B, k) the
+    positions each row takes from the block drafter, ``qs`` per position each group's log q."""
+
+    tokens: mx.array
+    where: mx.array
+    qs: list
+
+    def feed(self, fixed: Optional[mx.array], where: Optional[mx.array]):
+        """The tokens (B, k) and where (B, k) the head chain is fed instead of its picks: the
+        block's, and a row drafter's (``fixed``/``where``, None: none)."""
+        if fixed is None:
+            return self.tokens, self.where
+        return mx.where(self.where, self.tokens, fixed), self.where | where
+
+    def with_q(self, draft_lps: list, groups) -> list:
+        """q per position and group: the block drafter's where its drafts stand, the head's
+        (``draft_lps``) elsewhere."""
+        n, J = len(self.qs), len(draft_lps)
+        return [self.qs[j] if j >= J else draft_lps[j] if j >= n else
+                [mx.where(g.take(self.where[:, j])[:, None], bq, hq)
+                 for g, bq, hq in zip(groups, self.qs[j], draft_lps[j])]
+                for j in range(max(n, J))]
+
+
+def draft(model, cache: list, rows, plans: List[DraftPlan], k: int, draw, merge) -> BlockDrafts:
+    """The block drafter's drafts for the rows whose plan takes them (``plans[b].block``):
+    one pass over every row's context after its last token, each position drawn by the
+    step's ``draw`` (as the head's are: position transforms, each group's filter, noise by
+    output position; ``merge`` puts per-group results in row order), kept with its q."""
     picked, group_qs = [], []
 
     def block_draw(logits, j):
@@ -73,24 +100,9 @@ def draft(model, cache: list, rows, plans: List[DraftPlan], draw, merge, drafts:
         group_qs.append(qs)
         return picked[-1], merge(qs)
 
+    n = max(p.block for p in plans)
     anchor = mx.concatenate([r.y for r in rows])
-    model.block_drafter.propose(anchor, context(model, cache), max(p.block for p in plans),
-                                block_draw)
-    on = mx.array([p.block > 0 for p in plans])
-    none = mx.zeros((len(rows),), mx.uint32)  # positions no other source drafts
-    drafts = drafts + [none if fixed is None else fixed[:, j]
-                       for j in range(len(drafts), len(picked))]
-    return take_block(on, picked, group_qs, drafts, draft_lps, groups)
-
-
-def take_block(rows, block: list, block_qs: list, drafts: list, draft_lps: list, groups):
-    """Drafts and q per position with the block drafter's (``block``: (B,) per position,
-    ``block_qs``: each group's log q per position) where ``rows`` (B,) bool draft from it;
-    the head's (or none) elsewhere and past the block."""
-    n = len(block)  # drafts has at least n positions
-    drafts = [mx.where(rows, block[j], d) if j < n else d for j, d in enumerate(drafts)]
-    lps = [block_qs[j] if j >= len(draft_lps) else draft_lps[j] if j >= n else
-           [mx.where(g.take(rows)[:, None], bq, hq)
-            for g, bq, hq in zip(groups, block_qs[j], draft_lps[j])]
-           for j in range(max(n, len(draft_lps)))]
-    return drafts, lps
+    model.block_drafter.propose(anchor, context(model, cache), n, block_draw)
+    tokens = mx.stack(picked + [mx.zeros_like(picked[0])] * (k - n), axis=1)
+    where = mx.arange(k)[None] < mx.array([p.block for p in plans])[:, None]
+    return BlockDrafts(mx.where(where, tokens, 0), where, group_qs)

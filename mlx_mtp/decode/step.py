@@ -409,16 +409,14 @@ class DecodeBatch:
         lengths = mx.array([len(p.fixed) for p in plans])
         return mx.array(fixed, mx.uint32), mx.arange(k)[None] < lengths[:, None]
 
-    def _draft_head(self, J: int, k: int, groups, transforms, fixed, where):
+    def _draft_head(self, J: int, k: int, groups, transforms, fixed, where, noises: list):
         """Chain the head J of the k positions (``drafters/mtp_head.py``; drafts at position
-        j: the row drafter's token where it drafts, else the head's pick). Returns drafts
-        per position (B,), each group's filtered draft log-probs per position, and the
-        noises."""
-        noises = []  # per group: the target's and the drafts' noise, made at the first draw
-        drafts, draft_lps = self.head.propose(self.model, self.mtp_cache, self._owed_chunk(), J,
-                                              self._draw(groups, transforms, k, noises),
-                                              transforms, fixed, where)
-        return drafts, draft_lps, noises[0]
+        j: the fed token where ``where`` says (a row drafter's or the block drafter's), else
+        the head's pick). Returns drafts per position (B,) and each group's filtered draft
+        log-probs per position; ``noises`` gets the step's noises at the first draw."""
+        return self.head.propose(self.model, self.mtp_cache, self._owed_chunk(), J,
+                                 self._draw(groups, transforms, k, noises), transforms, fixed,
+                                 where)
 
     def _draw(self, groups, transforms, k: int, noises: list):
         """``draw(logits (B, 1, V), j, drafts)``: picks (B,), each group's log q (b, V)."""
@@ -445,27 +443,29 @@ class DecodeBatch:
                 raise ValueError(f"row {r.key!r} cannot draft (no MTP pairs owed)")
 
     def _propose(self, k: int, plans: List[DraftPlan], groups, transforms) -> _Proposal:
-        """1. The drafts (B, k): a row's drafter token where its plan has one, else the
-        head's, chained J times (its first call also writes every row's owed pairs)."""
-        fixed, where = self._drafter_tokens(plans, k)
+        """1. The drafts (B, k): a row's drafter or block-drafter token where its plan has
+        one, else the head's, chained J times (its first call also writes every row's owed
+        pairs) and fed those tokens. Block drafts come first, with their own q."""
+        fixed, where = self._drafter_tokens(plans, k)  # deterministic: verified in index form
         J = max((p.total for p in plans if p.head), default=0)
-        drafts, draft_lps, noises = [], [], None
+        noises, block, fed = [], None, where  # noises: made at the first draw of any source
+        if any(p.block for p in plans):
+            block = block_context.draft(self.model, self.cache, self.rows, plans, k,
+                                        self._draw(groups, transforms, k, noises),
+                                        lambda qs: self._merge(groups, qs))
+            fixed, fed = block.feed(fixed, where)
+        drafts, draft_lps = [], []
         if J:
-            drafts, draft_lps, noises = self._draft_head(J, k, groups, transforms, fixed, where)
-            drafts = [d.astype(mx.uint32) for d in drafts]
+            drafts, draft_lps = self._draft_head(J, k, groups, transforms, fixed, fed, noises)
         else:
             for r in self.rows:  # the head rests this step, as in a plain step
                 if r.owed is not None and r.schedule is None:
                     r.owed.trim()
-        if any(p.block for p in plans):  # the block drafter's rows: its drafts and q
-            made = [] if noises is None else [noises]
-            drafts, draft_lps = block_context.draft(
-                self.model, self.cache, self.rows, plans, self._draw(groups, transforms, k, made),
-                lambda qs: self._merge(groups, qs), drafts, draft_lps, groups, fixed)
-            noises = made[0]
-        drafts += [fixed[:, j] for j in range(len(drafts), k)]  # a row drafter's alone
+        drafts = [d.astype(mx.uint32) for d in drafts] + [fixed[:, j] for j in range(J, k)]
+        if block is not None:
+            draft_lps = block.with_q(draft_lps, groups)
         drafts, = self.model.share(mx.stack(drafts, axis=1))  # what every rank verifies
-        return _Proposal(drafts, draft_lps, where, J, noises)
+        return _Proposal(drafts, draft_lps, where, J, noises[0] if noises else None)
 
     def _verify(self, drafts: mx.array, transforms):
         """2. One trunk pass over every row's ``[y, d_1..d_k]``: the target's log-probs

@@ -40,3 +40,4 @@ register(HEAD, None, head=True)  # "mtp": the head alone
 register(LookupIndex.name, LookupIndex, head=False)  # "lookup": the context alone
 register("both", LookupIndex, head=True)  # per row and step, the chooser picks
 register(BlockSource.name, BlockSource, head=False)  # "block": the model's block drafter
+register("block+mtp", BlockSource, head=True)  # its block, extended by the head past it
