@@ -55,9 +55,11 @@ def fit_plans(batch, plans: List[DraftPlan]) -> List[DraftPlan]:
                 for r, p in zip(batch.rows, plans)]
     fitted = []
     for r, p in zip(batch.rows, plans):
-        n = min(p.block, drafter.spec.max_draft)
-        extend = head and r.drafter.uses_head and r.can_draft()
-        fitted.append(replace(p, block=n, head=p.block - n if extend else 0) if p.block else p)
+        if p.block:
+            n = min(p.block, drafter.spec.max_draft)
+            extend = head and r.drafter.uses_head and r.can_draft()
+            p = replace(p, block=n, head=p.block - n if extend else 0)
+        fitted.append(p)
     return fitted
 
 
