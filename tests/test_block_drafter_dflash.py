@@ -15,13 +15,15 @@ from mlx_mtp.drafters.block import KINDS
 from mlx_mtp.drafters.block.dflash import DFlash, parse_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dflash_reference"
+# its first layer a sliding-window one (window 8: round 1's 11 rows overflow it)
+SLIDING = Path(__file__).parent / "fixtures" / "dflash_sliding_reference"
 
 
-def _fixture_drafter():
-    cfg = json.loads((FIXTURE / "config.json").read_text())
+def _fixture_drafter(fixture=FIXTURE):
+    cfg = json.loads((fixture / "config.json").read_text())
     draft = DFlash.from_config(cfg)
-    draft.load_weights(list(mx.load(str(FIXTURE / "model.safetensors")).items()))
-    target = mx.load(str(FIXTURE / "target.safetensors"))
+    draft.load_weights(list(mx.load(str(fixture / "model.safetensors")).items()))
+    target = mx.load(str(fixture / "target.safetensors"))
     draft.bind(lambda t: target["embed_tokens"][t], lambda h: h @ target["lm_head"].T)
     return draft
 
@@ -51,9 +53,10 @@ def test_parse_config_reads_the_z_lab_layout():
         parse_config(dict(cfg, dflash_config={"mask_token_id": 1}))
 
 
-def test_block_logits_match_z_lab_over_two_rounds_on_one_cache():
-    draft = _fixture_drafter()
-    ref = mx.load(str(FIXTURE / "reference.safetensors"))
+@pytest.mark.parametrize("fixture", [FIXTURE, SLIDING], ids=["full", "sliding"])
+def test_block_logits_match_z_lab_over_two_rounds_on_one_cache(fixture):
+    draft = _fixture_drafter(fixture)
+    ref = mx.load(str(fixture / "reference.safetensors"))
     cache = draft.make_cache()
     for r in (1, 2):
         taps = mx.split(ref[f"taps{r}"], 3, axis=-1)  # one (1, S, H) per tapped layer
