@@ -70,7 +70,9 @@ def add_draft_source_arguments(p):
                         "continuation of the longest recent match in the prompt and output "
                         "(lookup: no head needed, it is not loaded), or per row and step "
                         "whichever the measured acceptance and step cost favour, a context run "
-                        "extended by the head (both). Lossless either way. Default: both, or "
+                        "extended by the head (both); the block drafter --draft-model names "
+                        "(block), extended by the head past its block (block+mtp). Lossless "
+                        "either way. Default: block+mtp with a block drafter, else both, or "
                         "plain decoding with --no-mtp")
     add_lookup_arguments(p)
 
@@ -131,6 +133,8 @@ def _draft_source(args, k: int) -> str:
     head; --num-draft-tokens 0 turns drafting off, from every source."""
     source = getattr(args, "draft_source", None)
     if source is None:
+        if k > 0 and block_drafter_from_args(args) is not None:
+            return "block+mtp"  # the block drafter --draft-model names drafts
         return "both" if k > 0 else "mtp"
     no_head = getattr(args, "no_mtp", False) or getattr(args, "spec_type", None) == "none"
     if k == 0 and no_head and SOURCES[source].head:

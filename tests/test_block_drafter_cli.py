@@ -28,6 +28,8 @@ def test_generate_inspect_and_a_misfit(tiny_ckpt, tmp_path):
                          "--fixed-k", "--num-draft-tokens", "3")
     assert code == 0, err
     assert plain.strip() in out and "head 0/0, block 0/36" in out, out  # 12 steps of 3
+    code, out, err = run(*gen, "--draft-model", str(good), "--fixed-k")  # default: block+mtp
+    assert code == 0 and plain.strip() in out and ", block 0/" in out, out + err
     code, quiet, err = run(*gen, "--draft-model", str(good), "--draft-source", "block",
                            "--verbose", "False")
     assert code == 0 and quiet == plain, err
