@@ -48,3 +48,25 @@ def test_requests_mixing_the_block_drafter_with_other_sources(served):
         assert by_source[i]["block"]["drafted"] > 0 == by_source[i]["mtp"]["drafted"]
     assert "block" not in by_source[2] and by_source[2]["mtp"]["drafted"] > 0
     assert 'source="block"' in engine.metrics.render()
+
+
+def test_a_block_source_on_a_server_without_a_block_drafter_is_a_400():
+    from types import SimpleNamespace
+
+    from mlx_mtp.server.params import resolve_common
+    from mlx_mtp.server.protocol import APIError, ChatCompletionRequest
+
+    def resolve(block_drafter: bool, source: str):
+        state = SimpleNamespace(aliases={"m"}, model_name="m", vocab_size=16,
+                                context_length=64, default_max_tokens=8, num_mtp_layers=1,
+                                sampling_defaults={}, block_drafter=block_drafter)
+        req = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "hi"}], "draft_source": source})
+        return resolve_common(state, req, 4, None)
+
+    for source in ("block", "block+mtp"):
+        assert resolve(True, source)["draft_source"] == source
+        with pytest.raises(APIError) as e:
+            resolve(False, source)
+        assert e.value.status == 400 and e.value.param == "draft_source"
+        assert "--draft-model" in e.value.message

@@ -219,7 +219,7 @@ def build_state(args, model, tokenizer, config: dict, drafting, sampling_default
         protect_metrics=args.protect_metrics, max_chars_per_token=max_token_chars(tokenizer),
         model_path=str(model_path) if model_path else str(args.model or ""),
         num_mtp_layers=num_layers, num_draft_tokens=k, adaptive=drafting.adaptive,
-        max_draft_tokens=MAX_DRAFT_TOKENS,
+        max_draft_tokens=MAX_DRAFT_TOKENS, block_drafter=model.block_drafter is not None,
     )
 
 
