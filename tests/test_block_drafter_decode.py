@@ -14,7 +14,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import family_checks as fc
 from distribution_check import assert_follows, sample_outcomes, two_token_joint
 from mlx_mtp.decode import block_context
 from mlx_mtp.decode.batch import BatchDecoder

@@ -7,6 +7,11 @@ context with them, so it stays aligned with each row's emitted tokens. Every tru
 goes through ``trunk``: with a drafter it taps the trunk and projects the taps of every
 row it ran into the context at once (prompt chunks at prefill; every verify row, of which
 ``accept`` keeps the accepted ones and the one after).
+
+In a step (``step.py``): ``fit_plans`` caps each row's block drafts at the drafter's block
+(the head extends past it for ``block+mtp``), ``draft`` runs the drafter once for every
+row and draws its positions with their own q (``BlockDrafts``), before the head chain,
+which is fed those tokens.
 """
 
 from __future__ import annotations
