@@ -235,3 +235,31 @@ def test_a_drafter_that_does_not_fit_its_trunk_is_refused(tmp_path_factory):
             attach_block_drafter(model, str(d))
         assert "\n" not in str(e.value)
     assert model.block_drafter is None
+
+
+def test_a_prefix_state_carries_the_drafter_context(qwen):
+    """A prompt state snapshotted mid-prompt (a prefix-cache entry) and restored into a new
+    sequence holds the drafter's context too: decoding from it drafts and accepts exactly
+    as from a fresh prefill."""
+    model = qwen["oracle"]
+    kk, _ = DraftSources("block", adaptive=False).for_row(3)
+
+    def decoder():
+        return MTPDecoder(model, kk, adaptive=False,
+                          drafter=DraftSources("block", adaptive=False).drafter())
+
+    fresh = decoder()
+    fresh.prefill(PROMPT, snapshot_at=5)
+    state = fresh.snapshot_state
+    restored = decoder()
+    restored.restore(state)
+    restored.prefill(PROMPT)
+    for ours, want in zip(block_context.context(model, restored.cache),
+                          block_context.context(model, fresh.cache)):
+        assert ours.lengths() == want.lengths() == [len(PROMPT) - 1]
+        for a, b in zip(ours.row_state(0), want.row_state(0)):
+            assert mx.array_equal(a, b).item()
+    want = [t for _ in range(4) for t in fresh.step().tokens]
+    assert [t for _ in range(4) for t in restored.step().tokens] == want
+    assert restored.stats.to_dict() == fresh.stats.to_dict()
+    assert restored.stats.accepted_per_pos[0] == restored.stats.num_drafts > 0
