@@ -20,10 +20,11 @@ SLIDING = Path(__file__).parent / "fixtures" / "dflash_sliding_reference"
 
 
 def _fixture_drafter(fixture=FIXTURE):
+    """The fixture's drafter (the sliding one shares the full one's weights)."""
     cfg = json.loads((fixture / "config.json").read_text())
     draft = DFlash.from_config(cfg)
-    draft.load_weights(list(mx.load(str(fixture / "model.safetensors")).items()))
-    target = mx.load(str(fixture / "target.safetensors"))
+    draft.load_weights(list(mx.load(str(FIXTURE / "model.safetensors")).items()))
+    target = mx.load(str(FIXTURE / "target.safetensors"))
     draft.bind(lambda t: target["embed_tokens"][t], lambda h: h @ target["lm_head"].T)
     return draft
 
