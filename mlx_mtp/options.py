@@ -246,6 +246,7 @@ def apply_model_options(model, args):
 def load_from_args(args, mtp: bool, group=None):
     """The model and tokenizer the flags name, ``apply_model_options`` applied: in this
     process, or this rank's part of a model split over ``group`` (``--distributed``)."""
+    mtp = mtp and not getattr(args, "no_mtp", False)  # K > 0 with --no-mtp: a block drafter's
     if group is None:
         from .models.io.loader import load
 
@@ -344,8 +345,9 @@ def _num_draft_tokens(args) -> int:
         raise UserError(f"--spec-type {spec_type} is not supported: mlx-mtp drafts with the "
                         "model's own MTP head (--spec-type draft-mtp) or not at all "
                         "(--spec-type none)")
-    if getattr(args, "no_mtp", False) or spec_type == "none":
-        return 0
+    if spec_type == "none" or getattr(args, "no_mtp", False) and (
+            getattr(args, "mtp_model", None) is None or block_drafter_from_args(args) is None):
+        return 0  # --no-mtp leaves the head out; a block drafter still drafts
     k = args.num_draft_tokens
     try:
         check_num_draft_tokens(k, "--num-draft-tokens")

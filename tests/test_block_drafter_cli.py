@@ -1,6 +1,7 @@
 """``--draft-model`` with a block drafter on the command line: ``generate`` drafts with it
-(``--draft-source block``) and prints plain decoding's text; a drafter that does not fit
-the model exits with code 2 and one line; ``inspect`` reports its kind, taps and block."""
+(``--draft-source block``, the default, and with ``--no-mtp``: no head loaded) and prints
+plain decoding's text; a drafter that does not fit the model exits with code 2 and one
+line; ``inspect`` reports its kind, taps and block."""
 
 import subprocess
 import sys
@@ -33,6 +34,8 @@ def test_generate_inspect_and_a_misfit(tiny_ckpt, tmp_path):
     code, quiet, err = run(*gen, "--draft-model", str(good), "--draft-source", "block",
                            "--verbose", "False")
     assert code == 0 and quiet == plain, err
+    code, out, err = run(*gen, "--draft-model", str(good), "--no-mtp", "--fixed-k")
+    assert code == 0 and plain.strip() in out and "head 0/0, block 0/36" in out, out + err
     code, _, err = run(*gen, "--draft-model", str(bad), "--draft-source", "block")
     assert code == 2 and "taps layers [1, 7]" in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err

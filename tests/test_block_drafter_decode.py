@@ -263,3 +263,36 @@ def test_a_prefix_state_carries_the_drafter_context(qwen):
     assert [t for _ in range(4) for t in restored.step().tokens] == want
     assert restored.stats.to_dict() == fresh.stats.to_dict()
     assert restored.stats.accepted_per_pos[0] == restored.stats.num_drafts > 0
+
+
+def test_a_model_loaded_without_its_head_drafts_from_the_block_drafter(tmp_path_factory):
+    """``--no-mtp`` with a block drafter: no MTP head, no owed pairs; ``block`` rows draft
+    from the drafter (``block+mtp`` too, the head having nothing to add), alone and beside
+    a plain row, with plain decoding's tokens."""
+    trunk = _trunk(tmp_path_factory, "qwen3_5", "oracle")
+    model = load_model(trunk, mtp=False)[0]
+    assert model.num_mtp_layers == 0
+    drafter = make_tiny_dflash(tmp_path_factory.mktemp("headless"), 64, 512, [1, 3], 4,
+                               block_size=BLOCK, num_key_value_heads=4)
+    attach_block_drafter(model, str(drafter))
+    _make_oracle(model)
+    plain, _ = _decode(model, PROMPT, 0)
+    for source in ("block", "block+mtp"):
+        got, dec = _decode(model, PROMPT, 3, source)
+        assert got == plain and dec.mtp_cache is None and dec.row.owed is None
+        s = dec.stats
+        assert s.block_draft_tokens == s.num_draft_tokens == 3 * s.num_drafts > 0
+        assert dec.stats.accepted_per_pos[0] == dec.stats.num_drafts
+    with pytest.raises(ValueError, match="without an MTP head"):
+        _decode(model, PROMPT, 3, "mtp")
+    bd = BatchDecoder(model, True, adaptive=False)
+    for i, source in enumerate(("block", "mtp")):
+        kk, row_drafter = DraftSources(source, adaptive=False).for_row(3, has_head=False)
+        dec = MTPDecoder(model, kk, adaptive=False, drafter=row_drafter)
+        dec.prefill(PROMPT)
+        bd.add(i, dec)
+    outs = {0: [], 1: []}
+    while min(len(t) for t in outs.values()) < N:
+        for key, o in bd.step().items():
+            outs[key] += o.tokens
+    assert outs[0][:N] == outs[1][:N] == plain

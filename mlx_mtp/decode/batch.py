@@ -65,7 +65,7 @@ class BatchDecoder:
         """``mtp``: the head drafts for this batch's rows (it keeps their MTP caches);
         False: rows join without them and draft from the context at most."""
         self.model = model
-        self.mtp = mtp and model.num_mtp_layers > 0
+        self.mtp = mtp and (model.num_mtp_layers > 0 or model.block_drafter is not None)
         self.adaptive = adaptive
         self.policy = policy if policy is not None else DraftPolicy(adaptive)
         self.overlap = overlap
@@ -101,8 +101,10 @@ class BatchDecoder:
         self._drop_ahead()
         if share and core.rows:
             raise ValueError("a sequence shares its caches only as a batch's only row")
-        use_mtp = self.mtp and seq.mtp_cache is not None
-        mtp = seq.mtp_cache if use_mtp else self.model.make_mtp_cache()
+        # a row drafting with no MTP cache: a block drafter's on a model without a head
+        use_mtp = self.mtp and (seq.mtp_cache is not None or seq.row.max_k > 0)
+        mtp = seq.mtp_cache if use_mtp and seq.mtp_cache is not None else \
+            self.model.make_mtp_cache()
         self._check_joins(key, seq.cache, mtp if self.mtp else [])
         row = seq.row
         row.key = key
@@ -301,7 +303,8 @@ class BatchDecoder:
         acceptance). Needs an empty batch; stops once ``budget`` seconds are spent;
         returns the seconds spent.
         """
-        if not self.mtp or not max_k or not self.adaptive or self.rows:
+        if not self.model.num_mtp_layers or not self.mtp or not max_k or not self.adaptive \
+                or self.rows:  # its dummy rows draft from the head
             return 0.0
         t_start = time.perf_counter()
         ks = sorted({0, 1, max_k})

@@ -52,18 +52,20 @@ def fit_plans(batch, plans: List[DraftPlan]) -> List[DraftPlan]:
     drafter's block, the head extending past it for a source that chains it (``block+mtp``);
     where the drafter cannot draft (none; a grammar in the batch, whose masks its draws would
     need position by position) the head drafts instead, if it can."""
-    drafter, head = batch.model.block_drafter, batch.mtp_cache is not None
+    drafter = batch.model.block_drafter
+    heads = [batch.mtp_cache is not None and r.owed is not None and r.can_draft()
+             for r in batch.rows]  # a row without a head (owed None) drafts from the block
+    plans = [p if h or not p.head else replace(p, head=0) for p, h in zip(plans, heads)]
     if not any(p.block for p in plans):
         return plans
     if drafter is None or any(r.sampler.grammar is not None for r in batch.rows):
-        return [DraftPlan([], p.block if head and r.can_draft() else 0) if p.block else p
-                for r, p in zip(batch.rows, plans)]
+        return [DraftPlan([], p.block if h else 0) if p.block else p
+                for p, h in zip(plans, heads)]
     fitted = []
-    for r, p in zip(batch.rows, plans):
+    for r, p, h in zip(batch.rows, plans, heads):
         if p.block:
             n = min(p.block, drafter.spec.max_draft)
-            extend = head and r.drafter.uses_head and r.can_draft()
-            p = replace(p, block=n, head=p.block - n if extend else 0)
+            p = replace(p, block=n, head=p.block - n if h and r.drafter.uses_head else 0)
         fitted.append(p)
     return fitted
 

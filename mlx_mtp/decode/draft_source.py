@@ -57,7 +57,10 @@ class DraftSources:
         if k == 0:
             return 0, None
         k = default_k if k is None else k
-        return (k if has_head and SOURCES[source].capped_by_k else 0), self.drafter(source)
+        entry = SOURCES[source]  # a block drafter drafts without the head
+        uses_k = entry.capped_by_k and (has_head or entry.drafter is not None
+                                        and entry.drafter.needs_taps)
+        return (k if uses_k else 0), self.drafter(source)
 
     def drafter(self, source: Optional[str] = None) -> Optional["RowDrafter"]:
         """A row's drafter beside the head (None: the row drafts from the head only)."""
@@ -90,6 +93,7 @@ class RowDrafter:
                              "as deterministic proposals and feeds it no trunk taps, or draws "
                              "the model's block drafter's (drafters/block_source.py)")
         self.uses_head = entry.head
+        self.blocks = self.drafter.needs_taps  # the model's block drafter, drawn in the step
         # The head may chain after a drafter's run: its depths reach past the run's.
         sizes = {HEAD: MAX_DRAFTER_TOKENS + MAX_DRAFT_TOKENS, self.drafter.name: MAX_DRAFTER_TOKENS}
         self.acceptance = {name: AcceptanceEstimate(n, 0.97, 3.0, sources.shared(name, n).alpha)

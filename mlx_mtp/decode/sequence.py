@@ -81,7 +81,9 @@ class Sequence:
                  sampling: SamplingParams = SamplingParams(), adaptive: bool = True,
                  prefill_step_size: int = 2048, cache=None, grammar=None, drafter=None):
         check_num_draft_tokens(num_draft_tokens)
-        if num_draft_tokens > 0 and model.num_mtp_layers == 0:
+        head = model.num_mtp_layers > 0  # without: only the block drafter drafts
+        if num_draft_tokens > 0 and not head and not (
+                model.block_drafter is not None and drafter is not None and drafter.blocks):
             raise ValueError(
                 "This model was loaded without an MTP head; use num_draft_tokens=0 (--no-mtp)."
             )
@@ -92,10 +94,10 @@ class Sequence:
         self.adaptive = adaptive
         self.prefill_step_size = prefill_step_size
         self.cache = cache if cache is not None else block_context.make_cache(model)
-        self.mtp_cache = model.make_mtp_cache() if k > 0 else None
+        self.mtp_cache = model.make_mtp_cache() if k > 0 and head else None
         schedule = SeededSchedule(adaptive) if k and needs_schedule(sampling) else None
         self.row = Row(key=None, sampler=self.sampler, max_k=k, y=None,
-                       owed=OwedPairs() if k else None, schedule=schedule,
+                       owed=OwedPairs() if k and head else None, schedule=schedule,
                        drafter=drafter)  # draft_source.RowDrafter: drafts beside the head
         self.last_hidden: Optional[mx.array] = None  # hidden of the last prompt token run
         self.n_processed = 0  # prompt tokens already in the trunk cache

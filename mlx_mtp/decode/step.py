@@ -135,8 +135,8 @@ class Row:
     def params(self) -> SamplingParams:
         return self.sampler.params
 
-    def can_draft(self) -> bool:
-        return self.max_k > 0 and self.owed is not None and len(self.owed) > 0
+    def can_draft(self) -> bool:  # owed None: no head, a block drafter drafts (block_context)
+        return self.max_k > 0 and (self.owed is None or len(self.owed) > 0)
 
 
 class RowError(Exception):
