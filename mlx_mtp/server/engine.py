@@ -97,7 +97,8 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.has_mtp = model.num_mtp_layers > 0
-        self.num_draft_tokens = num_draft_tokens if self.has_mtp else 0  # a request's default
+        drafts = self.has_mtp or model.block_drafter is not None  # a block drafter: no head
+        self.num_draft_tokens = num_draft_tokens if drafts else 0  # a request's default
         self.adaptive = adaptive
         self.max_concurrency = max_concurrency
         self.prefill_step_size = prefill_step_size

@@ -137,7 +137,7 @@ def drafting(state: ServerState, req) -> dict:
             check_num_draft_tokens(k)
         except ValueError as e:
             raise bad_request(str(e), param="num_draft_tokens")
-        if k > 0 and state.num_mtp_layers == 0:
+        if k > 0 and state.num_mtp_layers == 0 and not state.block_drafter:
             raise bad_request("This server runs without an MTP head (--no-mtp or "
                               "--num-draft-tokens 0); num_draft_tokens must be 0.",
                               param="num_draft_tokens")
