@@ -62,8 +62,9 @@ class BatchJoinError(ValueError):
 class BatchDecoder:
     def __init__(self, model, mtp: bool = True, adaptive: bool = True,
                  policy: Optional[DraftPolicy] = None, overlap: bool = False):
-        """``mtp``: the head drafts for this batch's rows (it keeps their MTP caches);
-        False: rows join without them and draft from the context at most."""
+        """``mtp``: the head (it keeps the rows' MTP caches) or the model's block drafter
+        drafts for this batch's rows; False: rows join without them and draft from the
+        context at most."""
         self.model = model
         self.mtp = mtp and (model.num_mtp_layers > 0 or model.block_drafter is not None)
         self.adaptive = adaptive

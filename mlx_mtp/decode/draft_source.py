@@ -112,7 +112,7 @@ class RowDrafter:
     def plan(self, k_head: int, can_head: bool, B: int, costs: StepCosts) -> DraftPlan:
         """Drafts for the next step; ``k_head``: the policy's K for the head (0: paused);
         ``costs``: the driver's step-cost table."""
-        if self.drafter.needs_taps:  # the block drafter: drawn in the step, k wide
+        if self.blocks:  # the block drafter: drawn in the step, k wide
             return DraftPlan(block=k_head)
         mtp = DraftPlan([], k_head if can_head and self.uses_head else 0)
         proposal = self.drafter.propose()[:MAX_DRAFTER_TOKENS]
