@@ -89,3 +89,32 @@ def test_a_batch_of_rows_with_their_own_contexts_drafts_as_each_row_alone():
     for c in merged:
         c.filter([1])
     assert mx.abs(draft.block_logits(anchors[1], merged) - alone[1]).max().item() < 1e-4
+
+
+def test_the_context_cache_speaks_the_cache_protocol():
+    """What the session store and the batch do with it: state round trip under its kind,
+    extract of one row, copy; each drafts as the original does."""
+    from mlx_mtp.models.cache.kv import CACHE_KINDS
+
+    draft = _fixture_drafter()
+    ref = mx.load(str(FIXTURE / "reference.safetensors"))
+    taps = mx.split(ref["taps1"], 3, axis=-1)
+    rows = []
+    for n in (11, 4):
+        cache = draft.make_cache()
+        draft.add_context([t[:, :n] for t in taps], cache)
+        rows.append(cache)
+    merged = [type(a).merge([a, b]) for a, b in zip(*rows)]
+    anchors = mx.concatenate([ref["anchor1"], ref["anchor2"]])
+    want = draft.block_logits(anchors, merged)
+    kinds = {c.kind for c in merged}
+    assert kinds == {"block_context"} and CACHE_KINDS["block_context"] is type(merged[0])
+    saved = [CACHE_KINDS[c.kind].from_state(c.state, c.meta_state) for c in merged]
+    assert mx.array_equal(draft.block_logits(anchors, saved), want).item()
+    copies = [c.copy() for c in merged]
+    assert mx.array_equal(draft.block_logits(anchors, copies), want).item()
+    one = [c.extract(1) for c in merged]
+    assert one[0].lengths() == [4] and merged[0].lengths() == [11, 4]
+    assert mx.allclose(draft.block_logits(anchors[1:], one), want[1:], atol=1e-5).item()
+    for c, r in zip(merged, rows[1]):
+        c.check_joins(r)  # a one-row context joins a batch of them
