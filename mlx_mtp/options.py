@@ -46,11 +46,13 @@ def add_model_arguments(p: argparse.ArgumentParser, server: bool = False):
     # mlx-vlm's spelling: --draft-model DIR --draft-kind mtp.
     p.add_argument("--mtp-model", "--draft-model", dest="mtp_model", default=None,
                    metavar="PATH|ID",
-                   help="Split MTP drafter (a directory or hub id in mlx-vlm's layout, e.g. "
-                        "an mlx-community ...-MTP-4bit repo, or one written by `convert "
-                        "--split-mtp`) whose head drafts for --model; checked to belong to it")
+                   help="A drafter for --model (a directory or hub id), checked to fit it: a "
+                        "split MTP drafter (mlx-vlm's layout, e.g. an mlx-community "
+                        "...-MTP-4bit repo, or one written by `convert --split-mtp`) or a block "
+                        "drafter reading the trunk's hidden states (z-lab DFlash)")
     p.add_argument("--draft-kind", default=None, metavar="KIND",
-                   help="mlx-vlm compatibility: mtp (the only kind mlx-mtp drafts with)")
+                   help="What --draft-model is where its config does not say: mtp or a block "
+                        "drafter kind (dflash)")
     p.add_argument("--mtp-hidden", choices=["post_norm", "pre_norm"], default=None,
                    help="Trunk hidden state fed to the MTP head (default post_norm)")
     add_dtype_argument(p)
@@ -85,7 +87,9 @@ def add_draft_source_arguments(p):
                         "continuation of the longest recent match in the prompt and output "
                         "(lookup: no head needed, it is not loaded), or per row and step "
                         "whichever the measured acceptance and step cost favour, a context run "
-                        "extended by the head (both). Lossless either way. Default: both, or "
+                        "extended by the head (both); the block drafter --draft-model names "
+                        "(block), extended by the head past its block (block+mtp). Lossless "
+                        "either way. Default: block+mtp with a block drafter, else both, or "
                         "plain decoding with --no-mtp")
     add_lookup_arguments(p)
 
@@ -137,7 +141,7 @@ def drafting_from_args(args, distributed: bool = False) -> Drafting:
         raise UserError(str(e).replace("lookup max_draft", "--lookup-max-draft")
                         .replace("lookup min_match", "--lookup-min-match"))
     # Context drafts alone need no head: it is not loaded.
-    return Drafting(k if SOURCES[source].head else 0, adaptive,
+    return Drafting(k if SOURCES[source].capped_by_k else 0, adaptive,
                     DraftSources(source, settings, adaptive=adaptive))
 
 
@@ -146,6 +150,8 @@ def _draft_source(args, k: int) -> str:
     head; --num-draft-tokens 0 turns drafting off, from every source."""
     source = getattr(args, "draft_source", None)
     if source is None:
+        if k > 0 and block_drafter_from_args(args) is not None:
+            return "block+mtp"  # the block drafter --draft-model names drafts
         return "both" if k > 0 else "mtp"
     no_head = getattr(args, "no_mtp", False) or getattr(args, "spec_type", None) == "none"
     if k == 0 and no_head and SOURCES[source].head:
@@ -158,12 +164,33 @@ def _draft_source(args, k: int) -> str:
     return source
 
 
+def block_drafter_from_args(args, distributed: bool = False):
+    """(path, kind) of the block drafter ``--draft-model`` names (``drafters/block``); None
+    when it names a split MTP drafter (its config says which, else ``--draft-kind``) or
+    nothing."""
+    path, kind = getattr(args, "mtp_model", None), getattr(args, "draft_kind", None)
+    if path is None:
+        if kind not in (None, "mtp"):
+            raise UserError(f"--draft-kind {kind} needs --draft-model naming the drafter")
+        return None
+    if kind == "mtp":
+        return None
+    from .drafters.block import KINDS
+    from .drafters.block.load import kind_for
+
+    if kind is not None and kind not in KINDS:
+        raise UserError(f"--draft-kind {kind} is not supported: mtp or one of {sorted(KINDS)}")
+    kind = kind_for(path, kind)
+    if kind is None:
+        return None
+    if distributed:
+        raise UserError("--draft-model with a block drafter cannot be combined with a "
+                        "distributed run yet")
+    return path, kind
+
+
 def mtp_model_from_args(args, distributed: bool = False):
     """The split drafter ``--mtp-model`` names (None: the model's own head)."""
-    kind = getattr(args, "draft_kind", None)
-    if kind not in (None, "mtp"):
-        raise UserError(f"--draft-kind {kind} is not supported: mlx-mtp drafts with MTP heads "
-                        "only (--draft-kind mtp, or leave it out)")
     path = getattr(args, "mtp_model", None)
     if path is not None and (getattr(args, "no_mtp", False)
                              or getattr(args, "spec_type", None) == "none"):
@@ -267,19 +294,27 @@ def apply_model_options(model, args):
 def load_from_args(args, mtp: bool, group=None):
     """The model and tokenizer the flags name, ``apply_model_options`` applied: in this
     process, or this rank's part of a model split over ``group`` (``--distributed``)."""
+    mtp = mtp and not getattr(args, "no_mtp", False)  # K > 0 with --no-mtp: a block drafter's
     if group is None:
         from .models.io.loader import load
 
+        block = block_drafter_from_args(args)
         model, tokenizer = load(args.model, mtp=mtp, mtp_hidden=args.mtp_hidden,
-                                dtype=args.dtype, mtp_model=mtp_model_from_args(args),
+                                dtype=args.dtype,
+                                mtp_model=None if block else mtp_model_from_args(args),
                                 vision=getattr(args, "vision", False))
+        if block is not None:
+            from .drafters.block.load import attach_block_drafter
+
+            attach_block_drafter(model, *block)
     else:
         from .models.distributed import load_distributed
 
-        mtp_model_from_args(args, distributed=True)
+        if block_drafter_from_args(args, distributed=True) is None:
+            mtp_model_from_args(args, distributed=True)
         model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=mtp,
                                             mtp_hidden=args.mtp_hidden, dtype=args.dtype)
-    if mtp and model.num_mtp_layers == 0:
+    if mtp and model.num_mtp_layers == 0 and model.block_drafter is None:
         raise UserError(f"{args.model or 'the model'}: its config declares no MTP layers, so "
                         "there is no head to draft with; run it with --no-mtp (--draft-source "
                         "lookup drafts from the context without a head), or graft one with "
@@ -368,8 +403,9 @@ def _num_draft_tokens(args) -> int:
         raise UserError(f"--spec-type {spec_type} is not supported: mlx-mtp drafts with the "
                         "model's own MTP head (--spec-type draft-mtp) or not at all "
                         "(--spec-type none)")
-    if getattr(args, "no_mtp", False) or spec_type == "none":
-        return 0
+    if spec_type == "none" or getattr(args, "no_mtp", False) and (
+            getattr(args, "mtp_model", None) is None or block_drafter_from_args(args) is None):
+        return 0  # --no-mtp leaves the head out; a block drafter still drafts
     k = args.num_draft_tokens
     try:
         check_num_draft_tokens(k, "--num-draft-tokens")

@@ -177,7 +177,7 @@ def test_cli_pair_and_mlx_vlm_spelling(tiny_ckpt, tmp_path):
     assert code == 0 and vlm == plain, err
     code, _, err = run(*gen, "--model", str(trunk), "--draft-model", str(drafter),
                        "--draft-kind", "dflash")
-    assert code == 2 and "--draft-kind dflash is not supported" in err
+    assert code == 2 and "is a split MTP drafter, not a dflash one" in err, err
     # The trunk alone: the drafter beside it (trunk-MTP) is found and said so.
     code, found, err = run(*gen, "--model", str(trunk), "--verbose", "False")
     assert code == 0 and found == plain and "drafting with the one in" in err, err

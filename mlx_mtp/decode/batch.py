@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from ..models.cache.kv import restore_caches, snapshot_caches
 from ..models.cache.quantized import draft_room
+from . import block_context
 from .policy import DraftPolicy
 from .sequence import Sequence as DecodeSequence
 from .step import DecodeBatch, Row, RowError, StepOutput
@@ -62,10 +63,11 @@ class BatchJoinError(ValueError):
 class BatchDecoder:
     def __init__(self, model, mtp: bool = True, adaptive: bool = True,
                  policy: Optional[DraftPolicy] = None, overlap: bool = False):
-        """``mtp``: the head drafts for this batch's rows (it keeps their MTP caches);
-        False: rows join without them and draft from the context at most."""
+        """``mtp``: the head (it keeps the rows' MTP caches) or the model's block drafter
+        drafts for this batch's rows; False: rows join without them and draft from the
+        context at most."""
         self.model = model
-        self.mtp = mtp and model.num_mtp_layers > 0
+        self.mtp = mtp and (model.num_mtp_layers > 0 or model.block_drafter is not None)
         self.adaptive = adaptive
         self.policy = policy if policy is not None else DraftPolicy(adaptive)
         self.overlap = overlap
@@ -101,8 +103,10 @@ class BatchDecoder:
         self._drop_ahead()
         if share and core.rows:
             raise ValueError("a sequence shares its caches only as a batch's only row")
-        use_mtp = self.mtp and seq.mtp_cache is not None
-        mtp = seq.mtp_cache if use_mtp else self.model.make_mtp_cache()
+        # a row drafting with no MTP cache: a block drafter's on a model without a head
+        use_mtp = self.mtp and (seq.mtp_cache is not None or seq.row.max_k > 0)
+        mtp = seq.mtp_cache if use_mtp and seq.mtp_cache is not None else \
+            self.model.make_mtp_cache()
         self._check_joins(key, seq.cache, mtp if self.mtp else [])
         row = seq.row
         row.key = key
@@ -127,7 +131,7 @@ class BatchDecoder:
         if core.rows:
             ours, ours_mtp = core.cache, core.mtp_cache or []
         else:
-            ours = self.model.make_cache()
+            ours = block_context.make_cache(self.model)
             ours_mtp = self.model.make_mtp_cache() if self.mtp else []
         try:
             for name, a, b in (("trunk", ours, cache), ("MTP", ours_mtp, mtp)):
@@ -303,7 +307,8 @@ class BatchDecoder:
         acceptance). Needs an empty batch; stops once ``budget`` seconds are spent;
         returns the seconds spent.
         """
-        if not self.mtp or not max_k or not self.adaptive or self.rows:
+        if not self.model.num_mtp_layers or not self.mtp or not max_k or not self.adaptive \
+                or self.rows:  # its dummy rows draft from the head
             return 0.0
         t_start = time.perf_counter()
         ks = sorted({0, 1, max_k})

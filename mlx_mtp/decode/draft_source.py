@@ -57,7 +57,10 @@ class DraftSources:
         if k == 0:
             return 0, None
         k = default_k if k is None else k
-        return (k if has_head and SOURCES[source].head else 0), self.drafter(source)
+        entry = SOURCES[source]  # a block drafter drafts without the head
+        uses_k = entry.capped_by_k and (has_head or entry.drafter is not None
+                                        and entry.drafter.needs_taps)
+        return (k if uses_k else 0), self.drafter(source)
 
     def drafter(self, source: Optional[str] = None) -> Optional["RowDrafter"]:
         """A row's drafter beside the head (None: the row drafts from the head only)."""
@@ -85,10 +88,12 @@ class RowDrafter:
         self.sources, self.source = sources, source
         entry = SOURCES[source]
         self.drafter: Drafter = entry.drafter(sources.settings)
-        if not self.drafter.deterministic or self.drafter.needs_taps:
+        if self.drafter.deterministic == self.drafter.needs_taps:
             raise ValueError(f"draft source {source!r}: the step takes a row drafter's tokens "
-                             "as deterministic proposals and feeds it no trunk taps")
+                             "as deterministic proposals and feeds it no trunk taps, or draws "
+                             "the model's block drafter's (drafters/block_source.py)")
         self.uses_head = entry.head
+        self.blocks = self.drafter.needs_taps  # the model's block drafter, drawn in the step
         # The head may chain after a drafter's run: its depths reach past the run's.
         sizes = {HEAD: MAX_DRAFTER_TOKENS + MAX_DRAFT_TOKENS, self.drafter.name: MAX_DRAFTER_TOKENS}
         self.acceptance = {name: AcceptanceEstimate(n, 0.97, 3.0, sources.shared(name, n).alpha)
@@ -107,6 +112,8 @@ class RowDrafter:
     def plan(self, k_head: int, can_head: bool, B: int, costs: StepCosts) -> DraftPlan:
         """Drafts for the next step; ``k_head``: the policy's K for the head (0: paused);
         ``costs``: the driver's step-cost table."""
+        if self.blocks:  # the block drafter: drawn in the step, k wide
+            return DraftPlan(block=k_head)
         mtp = DraftPlan([], k_head if can_head and self.uses_head else 0)
         proposal = self.drafter.propose()[:MAX_DRAFTER_TOKENS]
         if not proposal:
@@ -160,7 +167,7 @@ class RowDrafter:
 
     def record(self, plan: DraftPlan, n_accepted: int) -> Tuple[int, int]:
         """Learn from a step's outcome; returns (drafter tokens, of them accepted)."""
-        n, name = len(plan.fixed), self.drafter.name
+        n, name = len(plan.fixed) or plan.block, self.drafter.name
         for estimates in (self.acceptance, self.sources.acceptance):
             if n:
                 estimates[name].record(n, [n_accepted])

@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence as Seq
 
 import mlx.core as mx
 
-from . import check_num_draft_tokens
+from . import block_context, check_num_draft_tokens
 from ..models.cache.kv import cache_state_arrays
 from .policy import SeededSchedule, needs_schedule
 from .sampling import Sampler, SamplingParams
@@ -82,7 +82,9 @@ class Sequence:
                  prefill_step_size: int = 2048, cache=None, grammar=None, drafter=None,
                  images=None):
         check_num_draft_tokens(num_draft_tokens)
-        if num_draft_tokens > 0 and model.num_mtp_layers == 0:
+        head = model.num_mtp_layers > 0  # without: only the block drafter drafts
+        if num_draft_tokens > 0 and not head and not (
+                model.block_drafter is not None and drafter is not None and drafter.blocks):
             raise ValueError(
                 "This model was loaded without an MTP head; use num_draft_tokens=0 (--no-mtp)."
             )
@@ -92,11 +94,11 @@ class Sequence:
         self.sampler = Sampler(sampling, grammar)
         self.adaptive = adaptive
         self.prefill_step_size = prefill_step_size
-        self.cache = cache if cache is not None else model.make_cache()
-        self.mtp_cache = model.make_mtp_cache() if k > 0 else None
+        self.cache = cache if cache is not None else block_context.make_cache(model)
+        self.mtp_cache = model.make_mtp_cache() if k > 0 and head else None
         schedule = SeededSchedule(adaptive) if k and needs_schedule(sampling) else None
         self.row = Row(key=None, sampler=self.sampler, max_k=k, y=None,
-                       owed=OwedPairs() if k else None, schedule=schedule,
+                       owed=OwedPairs() if k and head else None, schedule=schedule,
                        drafter=drafter)  # draft_source.RowDrafter: drafts beside the head
         self.last_hidden: Optional[mx.array] = None  # hidden of the last prompt token run
         self.n_processed = 0  # prompt tokens already in the trunk cache
@@ -155,7 +157,7 @@ class Sequence:
             if snapshot_at is not None and start < snapshot_at < end:
                 end = snapshot_at
             if self.images is None:
-                _, h_mtp = self.model.trunk(tokens[:, start:end], self.cache)
+                _, h_mtp = block_context.trunk(self.model, tokens[:, start:end], self.cache)
             else:
                 _, h_mtp = self.model.trunk_with_images(tokens[:, start:end], self.images,
                                                         start, self.cache)

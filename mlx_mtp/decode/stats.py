@@ -24,10 +24,16 @@ class SpecStats:
     lookup_drafts: int = 0
     lookup_draft_tokens: int = 0
     lookup_accepted_tokens: int = 0
+    # Of the above, drafts of the model's block drafter (drafters/block).
+    block_drafts: int = 0
+    block_draft_tokens: int = 0
+    block_accepted_tokens: int = 0
 
-    def record(self, k: int, n_accepted: int, lookup_drafted: int = 0, lookup_accepted: int = 0):
+    def record(self, k: int, n_accepted: int, lookup_drafted: int = 0, lookup_accepted: int = 0,
+               block_drafted: int = 0, block_accepted: int = 0):
         """One step that drafted ``k`` tokens (``lookup_drafted`` of them copied from the
-        context) of which ``n_accepted`` were accepted (``lookup_accepted`` of the copies)."""
+        context, ``block_drafted`` from the block drafter) of which ``n_accepted`` were
+        accepted (``lookup_accepted`` of the copies, ``block_accepted`` of the block's)."""
         if k == 0:
             return
         self.num_drafts += 1
@@ -36,6 +42,9 @@ class SpecStats:
         self.lookup_drafts += lookup_drafted > 0
         self.lookup_draft_tokens += lookup_drafted
         self.lookup_accepted_tokens += lookup_accepted
+        self.block_drafts += block_drafted > 0
+        self.block_draft_tokens += block_drafted
+        self.block_accepted_tokens += block_accepted
         while len(self.drafted_per_pos) < k:
             self.drafted_per_pos.append(0)
             self.accepted_per_pos.append(0)
@@ -56,6 +65,9 @@ class SpecStats:
         self.lookup_drafts += other.lookup_drafts
         self.lookup_draft_tokens += other.lookup_draft_tokens
         self.lookup_accepted_tokens += other.lookup_accepted_tokens
+        self.block_drafts += other.block_drafts
+        self.block_draft_tokens += other.block_draft_tokens
+        self.block_accepted_tokens += other.block_accepted_tokens
 
     @property
     def acceptance_rate(self) -> float:
@@ -71,18 +83,24 @@ class SpecStats:
 
     @property
     def head_draft_tokens(self) -> int:
-        """Drafts of the MTP head: all but those copied from the context."""
-        return self.num_draft_tokens - self.lookup_draft_tokens
+        """Drafts of the MTP head: all but the context's and the block drafter's."""
+        return self.num_draft_tokens - self.lookup_draft_tokens - self.block_draft_tokens
 
     @property
     def head_accepted_tokens(self) -> int:
-        return self.num_accepted_tokens - self.lookup_accepted_tokens
+        return self.num_accepted_tokens - self.lookup_accepted_tokens - self.block_accepted_tokens
 
     def by_source(self) -> Dict[str, Dict[str, int]]:
-        """Drafted and accepted tokens of the head (``mtp``) and of the context (``lookup``)."""
-        return {"mtp": {"drafted": self.head_draft_tokens, "accepted": self.head_accepted_tokens},
-                "lookup": {"drafted": self.lookup_draft_tokens,
-                           "accepted": self.lookup_accepted_tokens}}
+        """Drafted and accepted tokens of the head (``mtp``), of the context (``lookup``) and,
+        once it drafted, of the block drafter (``block``)."""
+        sources = {"mtp": {"drafted": self.head_draft_tokens,
+                           "accepted": self.head_accepted_tokens},
+                   "lookup": {"drafted": self.lookup_draft_tokens,
+                              "accepted": self.lookup_accepted_tokens}}
+        if self.block_draft_tokens:
+            sources["block"] = {"drafted": self.block_draft_tokens,
+                                "accepted": self.block_accepted_tokens}
+        return sources
 
     def to_dict(self, missing: Optional[float] = 0.0) -> dict:
         """The counters and the rates derived from them; ``missing``: a rate with nothing
@@ -107,6 +125,10 @@ class SpecStats:
             "lookup_accepted_tokens": self.lookup_accepted_tokens,
             "lookup_acceptance_rate": rate(self.lookup_accepted_tokens, self.lookup_draft_tokens),
             "mtp_acceptance_rate": rate(self.head_accepted_tokens, self.head_draft_tokens),
+            "block_drafts": self.block_drafts,
+            "block_draft_tokens": self.block_draft_tokens,
+            "block_accepted_tokens": self.block_accepted_tokens,
+            "block_acceptance_rate": rate(self.block_accepted_tokens, self.block_draft_tokens),
         }
 
     def describe(self) -> str:
@@ -115,8 +137,10 @@ class SpecStats:
         line = (f"MTP: accepted {self.num_accepted_tokens}/{self.num_draft_tokens} "
                 f"({100 * self.acceptance_rate:.1f}%), mean acceptance length "
                 f"{self.mean_acceptance_length:.2f}, per-pos [{per_pos}], drafts {self.num_drafts}")
-        if self.lookup_drafts:
+        if self.lookup_drafts or self.block_drafts:
             line += (f"; by source: context {self.lookup_accepted_tokens}/"
                      f"{self.lookup_draft_tokens}, head {self.head_accepted_tokens}/"
                      f"{self.head_draft_tokens}")
+        if self.block_drafts:
+            line += f", block {self.block_accepted_tokens}/{self.block_draft_tokens}"
         return line

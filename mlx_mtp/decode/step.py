@@ -42,6 +42,7 @@ import mlx.core as mx
 from ..drafters.base import DraftPlan
 from ..drafters.mtp_head import MtpHead
 from ..models.cache import prepare_chunk
+from . import block_context
 from .costs import StepCosts
 from .logits import PositionTransforms
 from .noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, uniform
@@ -107,11 +108,13 @@ class StepOutput:
     num_accepted: int
     lookup_drafted: int = 0  # of num_drafted, the row drafter's (draft_source.py)
     lookup_accepted: int = 0
+    block_drafted: int = 0  # of num_drafted, the block drafter's (drafters/block)
+    block_accepted: int = 0
 
     @property
     def head_drafted(self) -> int:
         """Of num_drafted, the head's (after the context drafts, if any)."""
-        return self.num_drafted - self.lookup_drafted
+        return self.num_drafted - self.lookup_drafted - self.block_drafted
 
 
 @dataclass
@@ -132,8 +135,8 @@ class Row:
     def params(self) -> SamplingParams:
         return self.sampler.params
 
-    def can_draft(self) -> bool:
-        return self.max_k > 0 and self.owed is not None and len(self.owed) > 0
+    def can_draft(self) -> bool:  # owed None: no head, a block drafter drafts (block_context)
+        return self.max_k > 0 and (self.owed is None or len(self.owed) > 0)
 
 
 class RowError(Exception):
@@ -234,10 +237,11 @@ class DecodeBatch:
         alone drafts for a row under a grammar (a context draft may break it) or with a
         seeded schedule, and on a split model (every rank must draft alike)."""
         off = self.model.capabilities.shares
-        return [DraftPlan([], kb) if off or r.drafter is None or r.schedule is not None
-                or r.sampler.grammar is not None
-                else r.drafter.plan(kb, r.can_draft(), len(self.rows), costs)
-                for r, kb in zip(self.rows, ks)]
+        return block_context.fit_plans(self, [
+            DraftPlan([], kb) if off or r.drafter is None or r.schedule is not None
+            or r.sampler.grammar is not None
+            else r.drafter.plan(kb, r.can_draft(), len(self.rows), costs)
+            for r, kb in zip(self.rows, ks)])
 
     def finish(self, p: _Pending) -> List[StepOutput]:
         """Read the step (the one host sync) and commit it: rollback, owed pairs, stats.
@@ -281,12 +285,13 @@ class DecodeBatch:
             r.schedule.record(p.ks[b], n)
         if r.sampler.grammar is not None:
             self._on_row(b, lambda: r.sampler.grammar.commit(ids))
-        looked, hit = 0, 0
+        drafted = (0, 0)  # the row drafter's tokens, of them accepted
         if r.drafter is not None:
-            looked, hit = r.drafter.record(p.plans[b], n)
+            drafted = r.drafter.record(p.plans[b], n)
             r.drafter.extend(ids)
-        r.stats.record(p.ks[b], n, looked, hit)
-        return StepOutput(ids, p.logprobs[b, : n + 1], p.ks[b], n, looked, hit)
+        by_source = (0, 0, *drafted) if p.plans[b].block else (*drafted, 0, 0)
+        r.stats.record(p.ks[b], n, *by_source)
+        return StepOutput(ids, p.logprobs[b, : n + 1], p.ks[b], n, *by_source)
 
     # -- internals -------------------------------------------------------------------
     def _groups(self) -> List[_Group]:
@@ -349,7 +354,7 @@ class DecodeBatch:
         model, rows = self.model, self.rows
         y = mx.stack([r.y for r in rows])  # (B, 1)
         prepare_chunk(self.cache, 1)
-        h_norm, h_mtp = model.trunk(y, self.cache)
+        h_norm, h_mtp = block_context.trunk(model, y, self.cache)
         logits = self._transforms()(model.logits(h_norm[:, -1:]))  # (B, 1, V)
         lp = log_softmax(logits[:, 0])  # (B, V)
         V = lp.shape[-1]
@@ -404,13 +409,17 @@ class DecodeBatch:
         lengths = mx.array([len(p.fixed) for p in plans])
         return mx.array(fixed, mx.uint32), mx.arange(k)[None] < lengths[:, None]
 
-    def _draft_head(self, J: int, k: int, groups, transforms, fixed, where):
+    def _draft_head(self, J: int, k: int, groups, transforms, fixed, where, noises: list):
         """Chain the head J of the k positions (``drafters/mtp_head.py``; drafts at position
-        j: the row drafter's token where it drafts, else the head's pick). Returns drafts
-        per position (B,), each group's filtered draft log-probs per position, and the
-        noises."""
-        noises = []  # per group: the target's and the drafts' noise, made at the first draw
+        j: the fed token where ``where`` says (a row drafter's or the block drafter's), else
+        the head's pick). Returns drafts per position (B,) and each group's filtered draft
+        log-probs per position; ``noises`` gets the step's noises at the first draw."""
+        return self.head.propose(self.model, self.mtp_cache, self._owed_chunk(), J,
+                                 self._draw(groups, transforms, k, noises), transforms, fixed,
+                                 where)
 
+    def _draw(self, groups, transforms, k: int, noises: list):
+        """``draw(logits (B, 1, V), j, drafts)``: picks (B,), each group's log q (b, V)."""
         def draw(logits, j, drafts):
             lq = log_softmax(transforms(logits, j, drafts)[:, 0])  # (B, V): as verify row j
             if not noises:  # per position: coupled drafts share the target's noise
@@ -419,9 +428,7 @@ class DecodeBatch:
             picks = [sample(q, None if n is None else n[:, j]) for q, n in zip(qs, noises[0][1])]
             return self._merge(groups, picks), qs
 
-        drafts, draft_lps = self.head.propose(self.model, self.mtp_cache, self._owed_chunk(), J,
-                                              draw, transforms, fixed, where)
-        return drafts, draft_lps, noises[0]
+        return draw
 
     def _draft_logprobs(self, g: _Group, gi: int, draft_lps, where):
         """The group's head draft log q (b, J, V) (None: no head pass) and where its drafts
@@ -436,27 +443,36 @@ class DecodeBatch:
                 raise ValueError(f"row {r.key!r} cannot draft (no MTP pairs owed)")
 
     def _propose(self, k: int, plans: List[DraftPlan], groups, transforms) -> _Proposal:
-        """1. The drafts (B, k): a row's drafter token where its plan has one, else the
-        head's, chained J times (its first call also writes every row's owed pairs)."""
-        fixed, where = self._drafter_tokens(plans, k)
+        """1. The drafts (B, k): a row's drafter or block-drafter token where its plan has
+        one, else the head's, chained J times (its first call also writes every row's owed
+        pairs) and fed those tokens. Block drafts come first, with their own q."""
+        fixed, where = self._drafter_tokens(plans, k)  # deterministic: verified in index form
         J = max((p.total for p in plans if p.head), default=0)
-        drafts, draft_lps, noises = [], [], None
+        noises, block, fed = [], None, where  # noises: made at the first draw of any source
+        if any(p.block for p in plans):
+            block = block_context.draft(self.model, self.cache, self.rows, plans, k,
+                                        self._draw(groups, transforms, k, noises),
+                                        lambda qs: self._merge(groups, qs))
+            fixed, fed = block.feed(fixed, where)
+        drafts, draft_lps = [], []
         if J:
-            drafts, draft_lps, noises = self._draft_head(J, k, groups, transforms, fixed, where)
+            drafts, draft_lps = self._draft_head(J, k, groups, transforms, fixed, fed, noises)
         else:
             for r in self.rows:  # the head rests this step, as in a plain step
                 if r.owed is not None and r.schedule is None:
                     r.owed.trim()
         drafts = [d.astype(mx.uint32) for d in drafts] + [fixed[:, j] for j in range(J, k)]
+        if block is not None:
+            draft_lps = block.with_q(draft_lps, groups)
         drafts, = self.model.share(mx.stack(drafts, axis=1))  # what every rank verifies
-        return _Proposal(drafts, draft_lps, where, J, noises)
+        return _Proposal(drafts, draft_lps, where, J, noises[0] if noises else None)
 
     def _verify(self, drafts: mx.array, transforms):
         """2. One trunk pass over every row's ``[y, d_1..d_k]``: the target's log-probs
         (B, k+1, V) and the hiddens the accepted positions owe the head."""
         inputs = mx.concatenate([mx.stack([r.y for r in self.rows]), drafts], axis=1)
         prepare_chunk(self.cache, inputs.shape[1])
-        h_norm, h_mtp = self.model.trunk(inputs, self.cache, capture=True)
+        h_norm, h_mtp = block_context.trunk(self.model, inputs, self.cache, capture=True)
         return log_softmax(transforms(self.model.logits(h_norm), 0, drafts)), h_mtp
 
     def _accept(self, groups, raw: mx.array, proposal: _Proposal, ks: List[int]):

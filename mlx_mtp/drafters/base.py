@@ -24,14 +24,15 @@ MAX_DRAFTER_TOKENS = 32
 @dataclass
 class DraftPlan:
     """One row's drafts for a step: its drafter's ``fixed`` tokens first, then ``head``
-    MTP drafts chained after them."""
+    MTP drafts chained after them; or ``block`` drafts from the model's block drafter."""
 
     fixed: List[int] = field(default_factory=list)
     head: int = 0
+    block: int = 0
 
     @property
     def total(self) -> int:
-        return len(self.fixed) + self.head
+        return len(self.fixed) + self.head + self.block
 
 
 class Drafter:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Type
 
 from .base import HEAD, Drafter
+from .block_source import BlockSource
 from .lookup import LookupIndex
 
 
@@ -22,6 +23,11 @@ class Source:
     drafter: Optional[Type[Drafter]]
     head: bool
 
+    @property
+    def capped_by_k(self) -> bool:
+        """K caps its drafts per step: the head's, or a block drafter's (``needs_taps``)."""
+        return self.head or (self.drafter is not None and self.drafter.needs_taps)
+
 
 SOURCES: Dict[str, Source] = {}
 
@@ -33,3 +39,5 @@ def register(name: str, drafter: Optional[Type[Drafter]], head: bool):
 register(HEAD, None, head=True)  # "mtp": the head alone
 register(LookupIndex.name, LookupIndex, head=False)  # "lookup": the context alone
 register("both", LookupIndex, head=True)  # per row and step, the chooser picks
+register(BlockSource.name, BlockSource, head=False)  # "block": the model's block drafter
+register("block+mtp", BlockSource, head=True)  # its block, extended by the head past it

@@ -5,15 +5,17 @@ the optional parts), ``MTPModel`` implements the parts every family shares.
     trunk_with_taps(inputs, taps, ...)     -> the same, plus the residual after each tapped layer
     trunk_with_images(inputs, images, start, cache) -> the same over a prompt chunk with images
     logits(hidden) / draft_logits(hidden)  -> the output layer / the one drafts sample from
+    embed(tokens)                          -> the trunk's token embedding (block drafters bind it)
     mtp_forward(hidden, next_tokens, mtp_cache, depth, last_only) -> the head's post-norm hidden
     make_cache(), make_mtp_cache(), layers, num_mtp_layers
     share(*arrays), drafted_entries(k)     -> hooks with defaults (see each)
     capabilities                           -> what a caller may rely on (``Capabilities``)
 
 State set after construction lives in declared slots, set through declared methods
-(``record_load_dtype``, ``use_draft_vocab_tuner``, ``use_image_encoder``). A model
-wrapping another (a ``language_model.*`` checkpoint, a model split across processes) reads
-every name it does not define from the wrapped one (``forwards_interface``).
+(``record_load_dtype``, ``use_draft_vocab_tuner``, ``use_image_encoder``,
+``use_block_drafter``). A model wrapping another (a ``language_model.*`` checkpoint, a model
+split across processes) reads every name it does not define from the wrapped one
+(``forwards_interface``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class ModelInterface:
     draft_vocab_tuner = None  # re-sizes the draft vocabulary from emitted text (vocab_auto)
     kv_quantization: Optional[KVQuantization] = None  # trunk attention caches (--kv-bits)
     image_encoder = None  # vision.encoder.ImageEncoder, when images are taken (use_image_encoder)
+    block_drafter = None  # drafters/block: a separate drafter reading trunk taps (None: none)
 
     @property
     def text(self) -> "MTPModel":
@@ -93,6 +96,10 @@ class ModelInterface:
         raise NotImplementedError("this model takes no images")
 
     def logits(self, hidden) -> mx.array:
+        raise NotImplementedError
+
+    def embed(self, tokens) -> mx.array:
+        """The trunk's input embedding of ``tokens`` (B, S) -> (B, S, H)."""
         raise NotImplementedError
 
     def draft_logits(self, hidden, any_token: bool = False) -> mx.array:
@@ -170,6 +177,13 @@ class ModelInterface:
 
     def use_image_encoder(self, encoder):
         self.image_encoder = encoder
+
+    def use_block_drafter(self, drafter):
+        """Draft with ``drafter`` (``drafters/block``, None: none), bound to this model's
+        embedding and output layer. Kept out of the parameter tree: it is not the model's."""
+        if drafter is not None:
+            drafter.bind(self.embed, self.logits)
+        object.__setattr__(self, "block_drafter", drafter)
 
 
 INTERFACE_NAMES = tuple(n for n in vars(ModelInterface) if not n.startswith("_"))

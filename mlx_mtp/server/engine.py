@@ -99,7 +99,8 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.has_mtp = model.num_mtp_layers > 0
-        self.num_draft_tokens = num_draft_tokens if self.has_mtp else 0  # a request's default
+        drafts = self.has_mtp or model.block_drafter is not None  # a block drafter: no head
+        self.num_draft_tokens = num_draft_tokens if drafts else 0  # a request's default
         self.adaptive = adaptive
         self.max_concurrency = max_concurrency
         self.prefill_step_size = prefill_step_size
@@ -409,12 +410,12 @@ class Engine:
     def _consume(self, seq: _Seq, out: StepOutput):
         now = time.perf_counter()
         req = seq.req
-        self.metrics.record_step(out.num_drafted, out.num_accepted, out.lookup_drafted,
-                                 out.lookup_accepted)
+        by_source = (out.lookup_drafted, out.lookup_accepted, out.block_drafted,
+                     out.block_accepted)
+        self.metrics.record_step(out.num_drafted, out.num_accepted, *by_source)
         used, delta = seq.output.add(out)
         self.metrics.generation_tokens.inc(len(used))
-        self.periodic.record(out.num_drafted, out.num_accepted, len(used), out.lookup_drafted,
-                             out.lookup_accepted)
+        self.periodic.record(out.num_drafted, out.num_accepted, len(used), *by_source)
 
         # Latency metrics: the step's time spread over the tokens it produced.
         if seq.t_first is None:

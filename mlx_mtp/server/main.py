@@ -241,6 +241,7 @@ def build_state(args, model, tokenizer, config: dict, drafting, sampling_default
         model_path=str(model_path) if model_path else str(args.model or ""),
         num_mtp_layers=num_layers, num_draft_tokens=k, adaptive=drafting.adaptive,
         max_draft_tokens=MAX_DRAFT_TOKENS, images=_image_inputs(args, model),
+        block_drafter=model.block_drafter is not None,
     )
 
 

@@ -207,11 +207,12 @@ class ServerMetrics:
                                           "Number of generation tokens per request.", TOKEN_BUCKETS)
 
     def record_step(self, num_drafted: int, num_accepted: int, lookup_drafted: int = 0,
-                    lookup_accepted: int = 0):
+                    lookup_accepted: int = 0, block_drafted: int = 0, block_accepted: int = 0):
         if num_drafted <= 0:
             return
         step = SpecStats()
-        step.record(num_drafted, num_accepted, lookup_drafted, lookup_accepted)
+        step.record(num_drafted, num_accepted, lookup_drafted, lookup_accepted, block_drafted,
+                    block_accepted)
         for source, counts in step.by_source().items():
             self.spec_draft_tokens_by_source.inc(counts["drafted"], source=source)
             self.spec_accepted_by_source.inc(counts["accepted"], source=source)
@@ -263,8 +264,10 @@ class PeriodicLog:
         self._t, self._stats, self._tokens = time.perf_counter(), SpecStats(), 0
 
     def record(self, num_drafted: int, num_accepted: int, num_tokens: int,
-               lookup_drafted: int = 0, lookup_accepted: int = 0):
-        self._stats.record(num_drafted, num_accepted, lookup_drafted, lookup_accepted)
+               lookup_drafted: int = 0, lookup_accepted: int = 0, block_drafted: int = 0,
+               block_accepted: int = 0):
+        self._stats.record(num_drafted, num_accepted, lookup_drafted, lookup_accepted,
+                           block_drafted, block_accepted)
         self._tokens += num_tokens
 
     def maybe_log(self, running: int, waiting: int, policy: Callable[[], Optional[str]]):

@@ -137,11 +137,15 @@ def drafting(state: ServerState, req) -> dict:
             check_num_draft_tokens(k)
         except ValueError as e:
             raise bad_request(str(e), param="num_draft_tokens")
-        if k > 0 and state.num_mtp_layers == 0:
+        if k > 0 and state.num_mtp_layers == 0 and not state.block_drafter:
             raise bad_request("This server runs without an MTP head (--no-mtp or "
                               "--num-draft-tokens 0); num_draft_tokens must be 0.",
                               param="num_draft_tokens")
     source = check_draft_source(req.draft_source)
+    if source is not None and SOURCES[source].drafter is not None \
+            and SOURCES[source].drafter.needs_taps and not state.block_drafter:
+        raise bad_request(f"draft_source {source} needs a block drafter, which this server "
+                          "was not started with (--draft-model)", param="draft_source")
     if k == 0 and source is not None and SOURCES[source].drafter is not None:
         raise bad_request(f"num_draft_tokens 0 turns drafting off, draft_source {source} asks "
                           "for context drafts: leave out one of the two.",

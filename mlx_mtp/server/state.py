@@ -106,6 +106,7 @@ class ServerState:
     protect_metrics: bool = False  # /metrics needs the API key too
     model_path: str = ""  # for logs; the API shows model_name only
     num_mtp_layers: int = 0
+    block_drafter: bool = False  # --draft-model named a block drafter (drafters/block)
     num_draft_tokens: int = 0
     adaptive: bool = True
     max_draft_tokens: int = 8

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from ..drafters.block import load as block_drafter
 from ..models import MODEL_TYPES, refuse_not_yet
 from ..models.draft import vocab as draft_vocab
 from ..models.blocks.attention_trunk import count_checkpoint_mtp_layers, mtp_key_predicate
@@ -249,6 +250,10 @@ def inspect_model(path: Optional[str], kv_bits: Optional[int] = None,
     where = resolve_model_path(path)
     config = load_config(where)
     tensors = read_tensors(where)
+    drafter = block_drafter.describe(config)
+    if drafter is not None:  # a block drafter: it runs beside a trunk (--draft-model)
+        return {"path": str(where), "block_drafter": drafter,
+                "weights_bytes": sum(t.nbytes for t in tensors.values())}
     layout_name = detect_layout(config, tensors)
     model = check_loadable(where, config, layout_name)
     mtp = mtp_summary(config, tensors, layout_name)
@@ -290,7 +295,20 @@ def _precision(counts: Dict[str, int]) -> str:
     return ", ".join(f"{p} ×{n}" if len(counts) > 1 else p for p, n in counts.items()) or "-"
 
 
+def _render_block_drafter(report: dict) -> str:
+    d = report["block_drafter"]
+    return "\n".join([
+        f"drafter  {report['path']}",
+        f"kind     {d['kind']} block drafter (for --draft-model, beside its trunk)",
+        f"taps     after trunk layers {d['taps']} (0-based)",
+        f"block    {d['block_size']} positions per pass ({d['max_draft']} drafts)",
+        f"fits     hidden size {d['hidden_size']}, vocabulary {d['vocab_size']}",
+        f"memory   weights {_size(report['weights_bytes'])} as stored"])
+
+
 def render(report: dict) -> str:
+    if "block_drafter" in report:
+        return _render_block_drafter(report)
     mtp, mem = report["mtp"], report["memory"]
     rows = [("model", report["path"]),
             ("family", f"{report['family'] or '?'} (model_type {report['model_type']!r}"

@@ -52,6 +52,12 @@ class BlockDraftModel(nn.Module):
 
     spec: BlockSpec
 
+    @classmethod
+    def from_config(cls, config: dict) -> "BlockDraftModel":
+        """The drafter its ``config.json`` describes, weights not loaded (``load.py`` loads
+        them); ValueError/KeyError name what the config lacks."""
+        raise NotImplementedError
+
     def bind(self, embed: Callable[[mx.array], mx.array],
              head: Callable[[mx.array], mx.array]):
         """The target's ``embed(tokens) -> (B, S, H)`` and ``head(hidden) -> logits``."""

@@ -1,0 +1,122 @@
+"""Loading a block drafter (a local directory or a hub id) and checking it against the trunk
+it will draft for. ``--draft-model`` names either a split MTP drafter or a block drafter:
+``kind_of`` tells them apart by the config (``--draft-kind`` where it cannot tell).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from ...models.io.files import load_safetensors, read_json_object
+from ...errors import CheckpointError
+from ...models.io.loader import resolve_model_path, weight_files
+from ...models.io.split_drafter import is_drafter_config
+from . import KINDS
+from .base import BlockDraftModel
+
+# config ``architectures`` entry -> kind (each kind's packaging adds its line)
+ARCHITECTURES = {"DFlashDraftModel": "dflash"}
+
+
+class BlockDrafterError(CheckpointError):
+    pass
+
+
+def kind_of(config: dict) -> Optional[str]:
+    """The block-drafter kind a config declares (None: not a block drafter it knows)."""
+    archs = config.get("architectures")
+    for arch in archs if isinstance(archs, list) else []:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    return None
+
+
+def kind_for(spec: str, kind: Optional[str] = None) -> Optional[str]:
+    """The block-drafter kind of the drafter ``spec`` names (``kind``: ``--draft-kind``,
+    where the config does not say); None: a split MTP drafter. A kind the config
+    contradicts is refused."""
+    config = read_config(spec)[1]
+    declared = kind_of(config)
+    if kind is None or kind == declared:
+        return declared
+    if declared is not None or is_drafter_config(config):
+        raise BlockDrafterError(f"--draft-kind {kind}: {spec} is a "
+                                f"{declared or 'split MTP'} drafter, not a {kind} one")
+    return kind
+
+
+def read_config(spec: str) -> tuple:
+    """(local directory, config) of the drafter ``spec`` names (a hub id is downloaded)."""
+    path = resolve_model_path(str(spec))
+    return path, read_json_object(path / "config.json", "drafter config")
+
+
+def load_block_drafter(spec: str, kind: Optional[str] = None) -> BlockDraftModel:
+    """The drafter at ``spec`` (``kind``: when its config does not say), weights loaded."""
+    path, config = read_config(spec)
+    kind = kind_of(config) or kind
+    if kind not in KINDS:
+        raise BlockDrafterError(
+            f"{spec}: not a block drafter mlx-mtp knows (config architectures "
+            f"{config.get('architectures')}); --draft-kind takes {sorted(KINDS)} or mtp")
+    try:
+        drafter = KINDS[kind].from_config(config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise BlockDrafterError(f"{spec}: unusable {kind} config: {e}") from None
+    weights = {k: v for f in weight_files(path) for k, v in load_safetensors(f).items()}
+    try:
+        drafter.load_weights(list(weights.items()))
+    except ValueError as e:
+        raise BlockDrafterError(f"{spec}: the {kind} weights do not fit its config: "
+                                f"{str(e).splitlines()[0]}") from None
+    drafter.eval()
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+def check_fits(drafter: BlockDraftModel, model, where: str = "the drafter"):
+    """Refuse a drafter that cannot read ``model``'s taps or speak its vocabulary."""
+    spec, args = drafter.spec, model.text.args
+    if not model.capabilities.taps:
+        raise BlockDrafterError(f"{where}: this model offers no hidden-state taps for a "
+                                f"{spec.kind} drafter")
+    problems = []
+    if spec.hidden_size != args.hidden_size:
+        problems.append(f"hidden size {spec.hidden_size} != the model's {args.hidden_size}")
+    if spec.vocab_size != args.vocab_size:
+        problems.append(f"vocabulary {spec.vocab_size} != the model's {args.vocab_size}")
+    try:  # builds the graph of a one-token pass, never evaluated: the taps' ids are checked
+        model.trunk_with_taps(mx.zeros((1, 1), mx.uint32), spec.target_layer_ids,
+                              model.make_cache())
+    except ValueError as e:
+        problems.append(f"taps layers {list(spec.target_layer_ids)}: {e}")
+    if spec.mask_token_id is not None and not 0 <= spec.mask_token_id < args.vocab_size:
+        problems.append(f"mask token {spec.mask_token_id} is outside the vocabulary")
+    if problems:
+        raise BlockDrafterError(f"{where} ({spec.kind}) does not fit this model: "
+                                + "; ".join(problems))
+
+
+def attach_block_drafter(model, spec: str, kind: Optional[str] = None) -> BlockDraftModel:
+    """Load the drafter ``spec`` names, check it against ``model`` and draft with it."""
+    drafter = load_block_drafter(spec, kind)
+    check_fits(drafter, model, str(spec))
+    model.use_block_drafter(drafter)
+    return drafter
+
+
+def describe(config: dict) -> Optional[dict]:
+    """What ``inspect`` says of a block drafter's config (None: not one)."""
+    kind = kind_of(config)
+    if kind is None:
+        return None
+    try:
+        spec = KINDS[kind].from_config(config).spec
+    except (KeyError, TypeError, ValueError) as e:
+        raise BlockDrafterError(f"unusable {kind} config: {e}") from None
+    return {"kind": kind, "taps": list(spec.target_layer_ids), "block_size": spec.block_size,
+            "max_draft": spec.max_draft, "hidden_size": spec.hidden_size,
+            "vocab_size": spec.vocab_size}
+
