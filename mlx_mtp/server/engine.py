@@ -475,9 +475,8 @@ class Engine:
                 self.waiting.append(self._incoming.popleft())
         running, waiting = self.running, list(self.waiting)
         self.running, self.waiting = [], deque()
-        # The failed rows leave the batch too, or the next step would decode them for
-        # nobody; a batch that cannot even drop them starts over (the policy's
-        # measurements are kept).
+        # Failed rows leave the batch (or the next step decodes them for nobody); a batch
+        # that cannot even drop them starts over, keeping the policy's measurements.
         try:
             for seq in running:
                 self.batch.remove(seq.req.request_id)
