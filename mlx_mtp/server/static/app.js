@@ -8,6 +8,7 @@ const $ = (id) => document.getElementById(id);
 const KEY_STORAGE = "mlx-mtp-api-key";
 let apiKey = sessionStorage.getItem(KEY_STORAGE) || "";
 const conversation = [];  // the messages sent with each request
+const attached = [];  // data URLs of the images the next message carries
 let chatAbort = null;
 
 function headers(extra = {}) {
@@ -42,8 +43,46 @@ async function errorMessage(response) {
   return `HTTP ${response.status}`;
 }
 
+// --- images: pasted, dropped or picked; sent as OpenAI image_url parts (data URLs) ------
+function readDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attachImages(files) {
+  for (const file of files) {
+    if (file.type.startsWith("image/")) attached.push(await readDataUrl(file));
+  }
+  showAttachments();
+}
+
+function imageElement(url) {
+  const img = document.createElement("img");
+  img.src = url;  // a data: URL read from the user's own file: nothing is fetched
+  img.alt = "attached image";
+  return img;
+}
+
+function showAttachments() {
+  $("attachments").replaceChildren(...attached.map((url, i) => {
+    const thumb = document.createElement("div");
+    thumb.className = "thumb";
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.textContent = "×";
+    remove.title = "Remove this image";
+    remove.addEventListener("click", () => { attached.splice(i, 1); showAttachments(); });
+    thumb.append(imageElement(url), remove);
+    return thumb;
+  }));
+}
+
 // --- chat ------------------------------------------------------------------------------
-function addMessage(role, text) {
+function addMessage(role, text, images = []) {
   const div = document.createElement("div");
   div.className = "msg " + role;
   if (role === "assistant") {
@@ -65,6 +104,12 @@ function addMessage(role, text) {
     content.className = "content";
     content.textContent = text;
     div.append(content);
+    if (images.length) {
+      const strip = document.createElement("div");
+      strip.className = "images";
+      strip.append(...images.map(imageElement));
+      div.append(strip);
+    }
   }
   $("messages").append(div);
   div.scrollIntoView({ block: "end" });
@@ -101,8 +146,13 @@ function describeStats(final) {
 }
 
 async function send(text) {
-  conversation.push({ role: "user", content: text });
-  addMessage("user", text);
+  const images = attached.splice(0);
+  showAttachments();
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  // Images first, then the question (as the OpenAI and Qwen examples order them).
+  conversation.push({ role: "user", content: parts.length ? [...parts, { type: "text", text }]
+                                                          : text });
+  addMessage("user", text, images);
   const div = addMessage("assistant");
   const reasoningBox = div.querySelector(".reasoning");
   const reasoningText = div.querySelector(".reasoning-text");
@@ -348,10 +398,35 @@ document.addEventListener("DOMContentLoaded", () => {
       $("chat-form").requestSubmit();
     }
   });
+  $("prompt").addEventListener("paste", (e) => {
+    const files = [...(e.clipboardData ? e.clipboardData.files : [])];
+    if (files.some((f) => f.type.startsWith("image/"))) {
+      e.preventDefault();
+      attachImages(files);
+    }
+  });
+  const composer = $("chat-form");
+  composer.addEventListener("dragover", (e) => {
+    e.preventDefault();
+    composer.classList.add("dropping");
+  });
+  composer.addEventListener("dragleave", () => composer.classList.remove("dropping"));
+  composer.addEventListener("drop", (e) => {
+    e.preventDefault();
+    composer.classList.remove("dropping");
+    attachImages([...e.dataTransfer.files]);
+  });
+  $("attach").addEventListener("click", () => $("image-file").click());
+  $("image-file").addEventListener("change", (e) => {
+    attachImages([...e.target.files]);
+    e.target.value = "";
+  });
   $("stop").addEventListener("click", () => chatAbort && chatAbort.abort());
   $("new-chat").addEventListener("click", () => {
     if (chatAbort) chatAbort.abort();
     conversation.length = 0;
+    attached.length = 0;
+    showAttachments();
     $("messages").replaceChildren();
   });
   followDashboard();
