@@ -214,10 +214,10 @@ def test_a_model_without_a_tower_refuses_images_with_400(served):
     assert r.status_code == 400 and "takes no images" in r.json()["error"]["message"]
 
 
-def test_prefix_keys_name_images_and_disk_sessions_skip_them():
-    """Keys tell images apart (pads carry the content hash), carry the prompt's position
-    shift in their first element, and are not token ids: with disk sessions
-    (``cache_prompts`` off) image prompts skip the prefix cache."""
+def test_prefix_keys_name_images_with_integers_no_token_id_equals():
+    """Keys tell images apart (the i-th pad of an image is named by its content hash and
+    i), carry the prompt's position shift in their first element, and are uint32 integers
+    at or above 2**31, so disk sessions store them as they store token ids."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -225,17 +225,52 @@ def test_prefix_keys_name_images_and_disk_sessions_skip_them():
     from mlx_mtp.models.vision.images import ImageBatch
     from mlx_mtp.server.images import engine_kwargs
 
-    def batch(*hashes):
-        return ImageBatch(np.zeros((0, 1)), [(1, 4, 12)] * len(hashes), [12] * len(hashes),
+    def batch(*hashes, grid=(1, 4, 12)):
+        return ImageBatch(np.zeros((0, 1)), [grid] * len(hashes), [12] * len(hashes),
                           list(hashes), merge=2)
 
     ids = [7, 8] + [99] * 12 + [9]
     a, b = batch("a").prefix_key(ids, 99), batch("b").prefix_key(ids, 99)
-    assert a != b and a[1:2] == b[1:2] == (8,) and a[2:14] == ("a",) * 12
-    assert a[0] == ("images", 6 - 12, 7)  # max(2, 6) positions for 12 tokens
-    encoder = SimpleNamespace(pad_id=99)
+    assert a != b and a[1:2] == b[1:2] == (8,) and a[14:] == b[14:] == (9,)
+    assert all(isinstance(t, int) and 2 ** 31 <= t < 2 ** 32 for t in a[2:14] + a[:1])
+    assert len(set(a[2:14])) == 12 and not set(a[2:14]) & set(b[2:14])
+    assert a[0] != batch("a", grid=(1, 6, 8)).prefix_key(ids, 99)[0]  # another shift
+    assert a == batch("a").prefix_key(ids, 99)  # a function of the content only
+    state = SimpleNamespace(images=SimpleNamespace(encoder=SimpleNamespace(pad_id=99)))
     prepared = SimpleNamespace(images=batch("a"), ids=ids)
-    state = SimpleNamespace(images=SimpleNamespace(encoder=encoder, cache_prompts=False))
-    assert engine_kwargs(state, prepared) == {"images": prepared.images, "cache_prompt": False}
-    state.images.cache_prompts = True
     assert engine_kwargs(state, prepared)["cache_tokens"] == a
+
+
+def test_an_image_turn_restores_from_a_disk_session(served, tmp_path):
+    """A prompt with images is written to the disk session store and a fresh engine (empty
+    memory) restores it: cached tokens counted, transformers' text still answered."""
+    from mlx_mtp.server.session_store import SessionStore, model_fingerprint
+
+    _, _, tok = served
+    model = served[0].app.state.server.engine.model
+    ref = REFERENCE[1]
+
+    def answer():
+        store = SessionStore(tmp_path, model_fingerprint(model), min_tokens=16)
+        engine = Engine(model, tok, num_draft_tokens=2, adaptive=False, calibrate=False,
+                        prefix_cache=PrefixCache(8, 1 << 30, disk=store))
+        engine.start()
+        state = ServerState(engine=engine, tokenizer=tok, model_name="vl", aliases={"vl"},
+                            context_length=4096, vocab_size=263,
+                            images=ImageInputs(model.image_encoder))
+        try:
+            r = TestClient(create_app(state)).post("/v1/chat/completions",
+                                                   json=openai_body(openai_parts(ref)))
+            store.flush(timeout=30)
+            return r.json(), store
+        finally:
+            engine.shutdown()
+            state.prompt_workers.shutdown()
+
+    cold, _ = answer()
+    warm, store = answer()
+    for body in (cold, warm):
+        assert body["choices"][0]["message"]["content"] == tok.decode(ref["output"])
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ref["prompt"]) - 1
+    assert store.hits == 1

@@ -8,8 +8,7 @@ admitted. Anything unusable is a 400 in the API's own shape (``bad_request``).
 The prefix cache keys a prompt with images by its ids with each image's pads named by
 the image's content hash and the shift of its positions (``ImageBatch.prefix_key``): a
 repeated image prompt, or the next turn of a conversation about an image, reuses the state
-computed before. Those keys are not token ids, so such prompts stay out of disk sessions
-(``--prompt-cache-dir``): there they skip the prefix cache.
+computed before, in memory and in disk sessions (``--prompt-cache-dir``) alike.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ class ImageInputs:
     allow_files: bool = False
     allow_urls: bool = False
     url_timeout: float = 10.0
-    cache_prompts: bool = True  # False with disk sessions (see the module doc)
 
     @property
     def limits(self) -> ImageLimits:
@@ -112,8 +110,6 @@ def engine_kwargs(state, prepared) -> dict:
     """What a prepared chat with images adds to its ``EngineRequest``."""
     if prepared.images is None:
         return {}
-    if not state.images.cache_prompts:
-        return {"images": prepared.images, "cache_prompt": False}
     pad = state.images.encoder.pad_id
     return {"images": prepared.images,
             "cache_tokens": prepared.images.prefix_key(prepared.ids, pad)}

@@ -253,8 +253,7 @@ def _image_inputs(args, model):
 
     return ImageInputs(model.image_encoder,
                        allow_files=getattr(args, "allow_image_files", False),
-                       allow_urls=getattr(args, "allow_image_urls", False),
-                       cache_prompts=not getattr(args, "prompt_cache_dir", None))
+                       allow_urls=getattr(args, "allow_image_urls", False))
 
 
 def run(args) -> int:

@@ -110,15 +110,26 @@ class ImageBatch:
 
     def prefix_key(self, ids: Sequence[int], pad_id: int) -> tuple:
         """The prompt-prefix cache key of the prompt ``ids`` (pads expanded) with these
-        images: its ids, each image's pads named by the image's content hash, and its
-        first element by the shift of the prompt's positions (``positions``), which every
-        row's position depends on. Prompts share a prefix state only when both match."""
+        images: its ids, the i-th pad of each image named by (the image's content hash, i),
+        and its first element by the shift of the prompt's positions (``positions``), which
+        every row's position depends on. Prompts share a prefix state only when both match.
+        Names are 32-bit integers no token id can equal (``_name``), so the key is stored on
+        disk like any token key (``server/session_store.py`` keeps uint32)."""
         shift = sum(max(h, w) // self.merge - n
                     for (_, h, w), n in zip(self.grids, self.token_counts))
-        names = iter(d for d, n in zip(self.hashes, self.token_counts) for _ in range(n))
-        key = [next(names) if t == pad_id else t for t in ids]
-        key[0] = ("images", shift, key[0])
+        names = iter(_name(d, i) for d, n in zip(self.hashes, self.token_counts)
+                     for i in range(n))
+        key = [next(names) if t == pad_id else int(t) for t in ids]
+        key[0] = _name("images", shift, key[0])
         return tuple(key)
+
+
+def _name(*parts) -> int:
+    """A key element for ``parts``: 2**31 plus 31 bits of their hash. Token ids stay below
+    2**31, so a name never equals one; two images' pads collide only if every one of their
+    (hash, index) names does."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return (1 << 31) | (int.from_bytes(digest, "little") & 0x7FFFFFFF)
 
 
 class ImageProcessor:
