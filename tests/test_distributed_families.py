@@ -19,6 +19,8 @@ from mlx_mtp.models.distributed import DistributedError, choose_mode
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny_attention import make_tiny
 from mlx_mtp.testing.tiny_attention import write_tiny
+from mlx_mtp.testing.tiny_bailing import make_tiny_bailing_hybrid
+from mlx_mtp.testing.tiny_next import make_tiny_mellum, make_tiny_step3p7
 from mlx_mtp.testing.tiny_special import (chained_oracle, make_tiny_dsa, make_tiny_longcat_flash,
                                           make_tiny_mimo_v2_flash, make_tiny_nemotron_h,
                                           step3p5_config, step3p5_to_hf)
@@ -51,10 +53,13 @@ BUILDERS = {
                                                 oracle=chained_oracle(), **kw),
     "mimo_v2_flash": make_tiny_mimo_v2_flash,
     "nemotron_h": make_tiny_nemotron_h,
+    "step3p7": make_tiny_step3p7,
+    "mellum": make_tiny_mellum,
+    "bailing_hybrid": make_tiny_bailing_hybrid,
 }
 # The families mlx-lm 0.32.2 can shard(); the others split by layers only.
 TENSOR = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
-          "longcat_flash", "step3p5")
+          "longcat_flash", "step3p5", "step3p7")
 
 
 def modes(family):

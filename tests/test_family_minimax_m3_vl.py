@@ -127,3 +127,11 @@ def test_engine_rows_and_a_restored_turn_equal_mlx_lm(ckpt, tmp_path):
                            prefill_step_size=16), [longer])[0]
     assert pc2.disk.hits == 1
     assert warm.tokens == fc.mlx_lm_greedy(ref, longer, 12)
+
+
+def test_distributed_is_refused_in_one_line(ckpt):
+    """No split of MiniMax-M3 is tested yet: --distributed says so before reading weights."""
+    from mlx_mtp.models.distributed import DistributedError, load_distributed
+
+    with pytest.raises(DistributedError, match="cannot split minimax_m3_vl models yet"):
+        load_distributed(str(ckpt()), mtp=False)

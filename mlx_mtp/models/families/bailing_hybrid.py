@@ -131,7 +131,7 @@ class Model(_Model):
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
         """``capture``: a verify pass, whose rows are computed as one-token decoding
         computes them (MLA absorbed; KDA records its replay)."""
-        h = self.model.embed_tokens(inputs)
+        h = self.embed(inputs)
         L = h.shape[1]
         cache = cache if cache is not None else [None] * len(self.model.layers)
         kv = next((c for layer, c in zip(self.model.layers, cache) if not layer.is_linear), None)

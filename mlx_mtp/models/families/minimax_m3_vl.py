@@ -25,6 +25,7 @@ from mlx_lm.models import minimax_m3_vl as lm
 from ..io import layout
 from ..blocks.attention_trunk import Family, ModelArgs, attention_mask, mlx_lm_sanitize
 from ..blocks.attention_trunk import Model as _Model
+from ..interface import Capabilities
 from ..cache.kv import KVCache
 
 TEXT_PREFIXES = ("model.", "lm_head.")  # the text model's weights, under our names
@@ -96,6 +97,9 @@ def unsupported_head(model_type: str, what: str) -> MTPHeadUnsupportedError:
 
 
 class Model(_Model):
+    # Not split across processes yet: no split of it is tested (it has no MTP head to draft
+    # with either), so --distributed refuses it in one line.
+    capabilities = Capabilities(splits=())
     family = Family(lm=lm, args_cls=lm.TextArgs, trunk_cls=Trunk, block=None,
                     mtp_prefix=lambda args, i: "mtp.",
                     tied=lambda args: args.tie_word_embeddings)
@@ -119,7 +123,7 @@ class Model(_Model):
         return out
 
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
-        h = self.model.embed_tokens(inputs)
+        h = self.embed(inputs)
         L = h.shape[1]
         caches = self.layer_caches(cache) if cache is not None else [None] * len(
             self.model.layers)
