@@ -12,15 +12,18 @@ from mlx_mtp.bench.long_context import (QUESTION, LongContextConfig, long_prompt
                                         run_long_context)
 from mlx_mtp.cli import main
 from mlx_mtp.models.io.loader import load
-from mlx_mtp.testing.tiny import make_tiny
+from mlx_mtp.testing import tiny as builders
 
 LENGTHS = [256, 512]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = make_tiny(tmp_path_factory.mktemp("long"), "qwen3_5", "noisy", vocab_size=4096,
-                     trunk_scale=0.1)
+    """A noisy head (some drafts rejected), head size 32 for --kv-group-size 32."""
+    text = dict(builders.tiny_text_config("qwen3_5", vocab_size=4096), head_dim=32)
+    model = builders.make_oracle(builders.build_model("qwen3_5", text, seed=0), trunk_scale=0.1,
+                                 fc_noise=1.5)
+    path = builders.save_hf_checkpoint(model, "qwen3_5", text, tmp_path_factory.mktemp("long"))
     return str(path), *load(str(path))
 
 
@@ -71,15 +74,20 @@ def test_rows_per_length_consistent_and_lossless_against_mlx_lm(tiny):
     assert plain[1]["peak_memory_gb"] > plain[0]["peak_memory_gb"]
 
 
-def test_cli_writes_the_table_and_json(tiny, tmp_path, capsys):
+def test_cli_with_kv_bits_writes_the_table_and_json(tiny, tmp_path, capsys):
+    """With --kv-bits 4 (quantized after the prompt, as mlx-lm's quantized_kv_start does):
+    MTP and mlx-lm with its kv_bits emit plain decoding's tokens."""
     path, _, _ = tiny
     code = main(["bench", "--model", path, "--long-context", "256", "--num-draft-tokens", "1",
-                 "--max-tokens", "6", "--kv-bits", "8", "--quiet", "-o", str(tmp_path)])
+                 "--max-tokens", "8", "--repeats", "1", "--kv-bits", "4", "--kv-group-size", "32",
+                 "--quantized-kv-start", "64", "--compare-mlx-lm", "--quiet", "-o",
+                 str(tmp_path)])
     assert code == 0
     out = json.loads((tmp_path / "long_context.json").read_text())
-    assert out["meta"]["config"]["kv_bits"] == 8
-    assert [r["setting"] for r in out["rows"]] == ["plain", "K=1"]
+    assert out["meta"]["config"]["kv_bits"] == 4
+    assert [r["setting"] for r in out["rows"]] == ["plain", "K=1", "mlx-lm"]
     assert all(r["outputs_match_plain"] for r in out["rows"])
+    assert (tmp_path / "long_context.csv").read_text().startswith("context_tokens,setting")
     assert "prefill tok/s" in capsys.readouterr().out
 
 

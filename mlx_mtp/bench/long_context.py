@@ -143,3 +143,57 @@ def _mlx_lm_row(n: int, lm_runs: List[dict], plain_runs) -> dict:
             "acceptance_per_pos_conditional": None,
             "peak_memory_gb": max(r["peak_memory_gb"] for r in lm_runs),
             "outputs_match_plain": mism == 0, "mismatched_runs": mism}
+
+
+def run_cli(args, out_dir: Path, command: str) -> int:
+    """``mlx-mtp bench --long-context LENGTHS``: the table on the terminal, JSON and CSV in
+    ``out_dir``."""
+    from ..decode import MAX_DRAFT_TOKENS
+    from ..models.io.loader import resolve_model_path
+    from ..options import UserError, load_from_args
+    from . import report
+    from .cli_common import int_list, machine_info, progress, wrote
+
+    if not args.long_context:
+        raise UserError("--compare-mlx-lm needs --long-context")
+    try:
+        lengths = parse_lengths(args.long_context)
+    except ValueError as e:
+        raise UserError(str(e))
+    k = max(int_list("--num-draft-tokens", args.num_draft_tokens, 0, MAX_DRAFT_TOKENS))
+    model, tokenizer = load_from_args(args, mtp=k > 0)
+    try:
+        prompts = long_prompts(tokenizer, lengths)
+    except ValueError as e:
+        raise UserError(str(e))
+    kv = None
+    if args.kv_bits is not None:
+        from ..models.cache.quantized import KVQuantization
+
+        kv = KVQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
+    mlx_lm = None
+    if args.compare_mlx_lm:
+        from mlx_lm.utils import load as lm_load
+
+        mlx_lm = lm_load(str(resolve_model_path(args.model)))
+    cfg = LongContextConfig(lengths, k, args.max_tokens, args.repeats, args.prefill_step_size, kv)
+    with progress(args.quiet) as prog:
+        task = prog.add_task("starting", total=len(lengths) * args.repeats
+                             * (2 + (mlx_lm is not None) - (k == 0)))
+        rows = run_long_context(model, prompts, cfg, mlx_lm,
+                                lambda d: prog.update(task, advance=1, description=d))
+    console = report.console()
+    console.print(report.long_context_table(
+        rows, f"long context: K={k}, {args.max_tokens} tokens, {args.repeats} repeats, greedy"
+              + (f", --kv-bits {args.kv_bits}" if kv else "")))
+    meta = {"command": command, "machine": machine_info(), "model": str(args.model),
+            "model_type": model.model_type,
+            "config": {"lengths": lengths, "k": k, "max_tokens": args.max_tokens,
+                       "repeats": args.repeats, "kv_bits": args.kv_bits,
+                       "kv_group_size": args.kv_group_size,
+                       "quantized_kv_start": args.quantized_kv_start,
+                       "prefill_step_size": args.prefill_step_size,
+                       "compare_mlx_lm": args.compare_mlx_lm}}
+    wrote(console, [report.write_json(out_dir / "long_context.json", {"meta": meta, "rows": rows}),
+                    report.write_csv(out_dir / "long_context.csv", rows, report.LONG_CONTEXT_CSV)])
+    return 0
