@@ -7,10 +7,13 @@ near 100 tokens, ~53% at 34k), and step costs that grow with K.
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 
 from mlx_mtp.decode.policy import DraftPolicy, context_bucket
+from mlx_mtp.decode.speculative import MTPDecoder
+from mlx_mtp.models.io.loader import load_model
 
 STEP_MS = {0: 10.0, 1: 11.5, 2: 13.5, 3: 15.5}
 SHORT_ACCEPT = [0.95, 0.9, 0.9]  # K=3 pays best
@@ -85,3 +88,17 @@ def test_rows_of_one_batch_record_into_their_own_buckets():
     both = policy.by_context.expected_tokens(2, [SHORT, LONG])
     assert both == pytest.approx((policy.by_context.estimate(SHORT).expected_tokens(2)
                                   + policy.by_context.estimate(LONG).expected_tokens(2)) / 2)
+
+
+def test_the_decoder_records_each_step_by_the_row_context(tiny_ckpt):
+    """``BatchDecoder`` (under ``MTPDecoder``) hands the policy each row's context length:
+    a 1,500-token prompt's steps land in the 1k-2k bucket, none elsewhere."""
+    model, _ = load_model(Path(tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1)))
+    dec = MTPDecoder(model, 2, adaptive=True, prefill_step_size=512)
+    dec.prefill([(7 * j + 3) % 500 for j in range(1500)])
+    for _ in range(12):
+        dec.step()
+    assert list(dec.policy.by_context.buckets) == [context_bucket(1500)] == [1]
+    bucket = dec.policy.by_context.buckets[1]
+    assert bucket.trials[0] > 0  # it drafted
+    assert bucket.trials[0] == pytest.approx(dec.policy.acceptance.trials[0])  # every step
