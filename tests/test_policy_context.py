@@ -90,6 +90,18 @@ def test_rows_of_one_batch_record_into_their_own_buckets():
                                   + policy.by_context.estimate(LONG).expected_tokens(2)) / 2)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_drafting_pauses_where_it_never_pays_and_only_there(seed):
+    """At 40k tokens the head's drafts almost never land: plain steps there (a re-check
+    now and then), while a short row keeps K=3."""
+    rng = random.Random(seed)
+    policy = DraftPolicy()
+    run(policy, SHORT, SHORT_ACCEPT, 300, rng)
+    long = run(policy, LONG, [0.05, 0.05, 0.05], 300, rng)
+    assert sum(k > 0 for k in long[-200:]) <= 12
+    assert run(policy, SHORT, SHORT_ACCEPT, 100, rng)[-50:].count(3) > 45
+
+
 def test_the_decoder_records_each_step_by_the_row_context(tiny_ckpt):
     """``BatchDecoder`` (under ``MTPDecoder``) hands the policy each row's context length:
     a 1,500-token prompt's steps land in the 1k-2k bucket, none elsewhere."""

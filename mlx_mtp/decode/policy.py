@@ -258,15 +258,16 @@ class DraftPolicy:
             rate = self._expected(k, contexts) / t
             if rate > best_rate:
                 best, best_rate = k, rate
-        if best == 0 and self._unproven(B, best_rate):
+        if best == 0 and self._unproven(B, best_rate, contexts):
             return 1
         return best
 
-    def _unproven(self, B: int, plain_rate: float) -> bool:
+    def _unproven(self, B: int, plain_rate: float,
+                  contexts: Optional[Sequence[int]] = None) -> bool:
         """Whether K=1 could still beat plain steps by what the acceptance evidence allows
         (its upper estimate): pausing needs evidence, not a few unlucky drafts."""
         t1 = self.costs.predict(B, 1)
-        return t1 is not None and self.acceptance.expected_tokens(1, optimistic=True) / t1 > plain_rate
+        return t1 is not None and self._expected(1, contexts, optimistic=True) / t1 > plain_rate
 
     def _cost_guess(self, B: int, k: int) -> Optional[float]:
         """K's cost as measured, else optimistically continued from the two K below it
