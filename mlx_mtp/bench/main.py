@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser):
     p.epilog = (
         "examples:\n"
         "  mlx-mtp bench --model PATH --num-draft-tokens 0,1,2,3 --max-tokens 128 --repeats 3\n"
+        "  mlx-mtp bench --model PATH --long-context 8k,32k --compare-mlx-lm --kv-bits 4\n"
         "  mlx-mtp bench --server http://127.0.0.1:8080 --concurrency 1,4,8,16 --rounds 2\n"
         "  mlx-mtp bench --server http://127.0.0.1:8080 --compare http://127.0.0.1:8081\n"
         "  mlx-mtp bench --server URL --compare URL --compare-extra-body "
