@@ -177,7 +177,7 @@ class _ScriptedPolicy:
         self.script, self.i, self.recorded = list(script), 0, []
         self.costs = StepCosts()  # the step-cost table the driver hands each step
 
-    def row_ks(self, rows, B, prompts_waiting=False):
+    def row_ks(self, rows, B, prompts_waiting=False, contexts=None):
         k = self.script[min(self.i, len(self.script) - 1)]
         self.i += 1
         return [k]

@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser):
     p.epilog = (
         "examples:\n"
         "  mlx-mtp bench --model PATH --num-draft-tokens 0,1,2,3 --max-tokens 128 --repeats 3\n"
+        "  mlx-mtp bench --model PATH --long-context 8k,32k --compare-mlx-lm --kv-bits 4\n"
         "  mlx-mtp bench --server http://127.0.0.1:8080 --concurrency 1,4,8,16 --rounds 2\n"
         "  mlx-mtp bench --server http://127.0.0.1:8080 --compare http://127.0.0.1:8081\n"
         "  mlx-mtp bench --server URL --compare URL --compare-extra-body "
@@ -88,6 +89,14 @@ def _add_inprocess(p: argparse.ArgumentParser):
     add_speed_arguments(g)
     add_kv_cache_arguments(g)
     g.add_argument("--prefill-step-size", type=int, default=2048)
+    g.add_argument("--long-context", default=None, metavar="LENGTHS",
+                   help="The long-context workload instead of --prompts: prompts of exactly these "
+                        "token counts (e.g. 8k,32k,128k; 'speed': 1k-32k, doubling) from this "
+                        "package's sources and a question; plain vs MTP at the largest K per "
+                        "length: prefill and decode tok/s, acceptance per depth, peak memory")
+    g.add_argument("--compare-mlx-lm", action="store_true",
+                   help="With --long-context: also run mlx-lm's stream_generate on the same "
+                        "checkpoint and prompts (with the same --kv-bits)")
 
 
 def _add_server(p: argparse.ArgumentParser):
@@ -168,6 +177,10 @@ def run(args) -> int:
         return server_cli.run(args, prompts, out_dir, command_line(args))
     if args.compare:
         raise UserError("--compare needs --server (A/B of two servers)")
+    if args.long_context or args.compare_mlx_lm:
+        from . import long_context
+
+        return long_context.run_cli(args, out_dir, command_line(args))
     from . import inprocess_cli
 
     return inprocess_cli.run(args, prompts, out_dir, command_line(args))

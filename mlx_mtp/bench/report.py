@@ -104,6 +104,34 @@ INPROCESS_CSV = [
 ]
 
 
+# --- long context (bench/long_context.py) ---------------------------------------------------
+LONG_CONTEXT_COLUMNS = [
+    ("context", lambda r: f"{r['context_tokens']:,}"),
+    ("setting", lambda r: r["setting"]),
+    ("prefill tok/s", lambda r: fmt(r["prompt_tps_median"], ".0f")),
+    *[c for c in INPROCESS_COLUMNS if c[0] in ("gen tok/s", "speedup")],
+    ("accept/depth", lambda r: fmt_pos(r["acceptance_per_pos_conditional"])),
+    *[c for c in INPROCESS_COLUMNS if c[0] in ("peak mem", "lossless")],
+]
+
+
+def long_context_table(rows: List[dict], title: str = ""):
+    return _table(rows, LONG_CONTEXT_COLUMNS, title, left=("setting",))
+
+
+def long_context_markdown(rows: List[dict]) -> str:
+    return _markdown(rows, LONG_CONTEXT_COLUMNS)
+
+
+LONG_CONTEXT_CSV = [
+    "context_tokens", "setting", "k", "runs", "prompt_tokens", "total_tokens",
+    "prompt_tps_median", "gen_tps_median", "gen_tps_min", "gen_tps_max", "speedup",
+    "acceptance_per_pos_conditional", "acceptance_per_pos", "acceptance_rate",
+    "mean_acceptance_length", "num_draft_tokens", "num_accepted_tokens", "peak_memory_gb",
+    "outputs_match_plain",
+]
+
+
 def graph_markdown(graphs: dict) -> str:
     """Graph nodes of each part of a step (recurrence-call nodes apart) and state writes."""
     lines = ["| step part | nodes | own nodes | recurrence calls (nodes) | state written |",

@@ -168,7 +168,8 @@ class BatchDecoder:
             return ks
         rows = self.core.rows
         B = len(rows)
-        ks = self.policy.row_ks(rows, max(B, load), load > B) if self.mtp else [0] * B
+        ks = (self.policy.row_ks(rows, max(B, load), load > B, self._contexts()) if self.mtp
+              else [0] * B)
         room = draft_room(self.core.cache or [])  # a verify must not cross --quantized-kv-start
         return ks if room is None else [min(k, room) for k in ks]
 
@@ -252,7 +253,7 @@ class BatchDecoder:
             head_passes = max((o.num_drafted for o, h in zip(outs, heads) if h), default=0)
             self.policy.record_step(B, k, seconds, [o.num_accepted for o in outs], heads,
                                     starts=[o.lookup_drafted for o in outs],
-                                    head_passes=head_passes)
+                                    head_passes=head_passes, contexts=self._contexts())
             return
         self._plain_run.append(seconds)
         if self._ahead is None:  # the chain ends here
@@ -272,8 +273,12 @@ class BatchDecoder:
             tuner.observe([t for o in outs for t in o.tokens], self.policy.costs)
 
     def _context(self, b: int) -> int:
-        kv = next((c for c in self.cache if c.is_trimmable()), None)  # counts per row
-        return kv.lengths()[b] if kv is not None else 0
+        return self._contexts()[b]
+
+    def _contexts(self) -> List[int]:
+        """Each row's context length (0 each without a KV cache to count it)."""
+        kv = next((c for c in self.cache or [] if c.is_trimmable()), None)  # counts per row
+        return kv.lengths() if kv is not None else [0] * len(self.core.rows)
 
     def _checkpoint(self):
         """What a step changes, by reference; None for one row (its failure fails the

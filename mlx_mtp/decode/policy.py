@@ -95,6 +95,57 @@ class AcceptanceEstimate:
         return math.prod(self.alpha[:k])
 
 
+def context_bucket(tokens: int) -> int:
+    """A row's context length as a log2 bucket: 0 below 1k tokens, then one per doubling."""
+    return max(0, int(tokens).bit_length() - 10)
+
+
+class ContextAcceptance:
+    """Acceptance per draft position by the rows' context lengths (``context_bucket``):
+    acceptance falls with context (vLLM measured Qwen's MTP at 80-91% near 100 tokens,
+    ~53% at 34k), so a long row learns how deep drafting pays for it.
+
+    A bucket first recorded starts from its nearest recorded neighbour's estimate (its
+    prior, worth the usual ``prior_weight`` steps); a bucket not yet recorded reads as that
+    neighbour, or as ``overall`` (every row's estimate) while no bucket is.
+    """
+
+    def __init__(self, overall: AcceptanceEstimate, prior_weight: float):
+        self.overall, self.prior_weight = overall, prior_weight
+        self.buckets: Dict[int, AcceptanceEstimate] = {}
+
+    def estimate(self, context: int) -> AcceptanceEstimate:
+        """The estimate a row of ``context`` tokens reads (no side effects)."""
+        b = context_bucket(context)
+        near = min(self.buckets, key=lambda n: (abs(n - b), n), default=None)
+        return self.overall if near is None else self.buckets[near]
+
+    def record(self, k: int, accepted: Sequence[int], ks: Optional[Sequence[int]],
+               starts: Optional[Sequence[int]], contexts: Sequence[int]):
+        """``AcceptanceEstimate.record``, each row into its context's bucket."""
+        ks = [k] * len(accepted) if ks is None else ks
+        starts = [0] * len(accepted) if starts is None else starts
+        rows: Dict[int, List[int]] = {}
+        for i, c in enumerate(contexts):
+            rows.setdefault(context_bucket(c), []).append(i)
+        for b, idx in rows.items():
+            if b not in self.buckets:
+                near = self.estimate(contexts[idx[0]])
+                self.buckets[b] = AcceptanceEstimate(len(near.hits), near.forget,
+                                                     self.prior_weight, near.alpha, near.z)
+            self.buckets[b].record(k, [accepted[i] for i in idx], [ks[i] for i in idx],
+                                   [starts[i] for i in idx])
+
+    def expected_tokens(self, k: int, contexts: Sequence[int], optimistic: bool = False) -> float:
+        """Tokens per row per step with k drafts, over rows of these context lengths."""
+        return sum(self.estimate(c).expected_tokens(k, optimistic=optimistic)
+                   for c in contexts) / len(contexts)
+
+    def reach(self, k: int, contexts: Sequence[int]) -> float:
+        """The chance that all k drafts of a row land, over rows of these context lengths."""
+        return sum(self.estimate(c).reach(k) for c in contexts) / len(contexts)
+
+
 class DraftPolicy:
     """Chooses K for each batch step (``choose``) from what steps cost and what rows accept,
     up to the cap it is given (the rows' ``max_k``: K is stored per row, nowhere else)."""
@@ -110,6 +161,7 @@ class DraftPolicy:
         # A prior worth 3 steps, and pausing only once the upper estimate says so: a few
         # unlucky drafts of a good head do not pause it; a useless head stops after ~6-8.
         self.acceptance = AcceptanceEstimate(MAX_DRAFT_TOKENS, forget, prior_weight)
+        self.by_context = ContextAcceptance(self.acceptance, prior_weight)
         self.probe_gap = probe_gap  # cost probes, per batch size
         # Acceptance re-checks while paused start sooner: a good head paused by bad luck
         # loses every step until one; a useless one costs a fraction of a step per probe.
@@ -131,35 +183,45 @@ class DraftPolicy:
     # -- measurements ------------------------------------------------------------
     def record_step(self, B: int, k: int, seconds: Optional[float], accepted: Sequence[int] = (),
                     ks: Optional[Sequence[int]] = None, starts: Optional[Sequence[int]] = None,
-                    head_passes: Optional[int] = None):
+                    head_passes: Optional[int] = None, contexts: Optional[Sequence[int]] = None):
         """One finished step: its batch size, positions drafted, wall time (None:
         unknown) and each row's accepted count (``ks``: each row's own head drafts, if
         not all drafted ``k``; ``starts``: the position of each row's first head draft,
         after its context drafts, ``AcceptanceEstimate.record``; ``head_passes``: the
-        head passes chained, if not ``k``). Its time goes to ``costs``, the one table."""
+        head passes chained, if not ``k``; ``contexts``: each row's context length, for
+        ``by_context``). Its time goes to ``costs``, the one table."""
         if seconds is not None:
             self.costs.observe(B, k, k if head_passes is None else head_passes, seconds)
         self.acceptance.record(k, accepted, ks, starts)
+        if contexts:
+            self.by_context.record(k, accepted, ks, starts, contexts)
         landed = any(n > s for n, s in zip(accepted, starts or [0] * len(accepted)))
         if landed and not self._drafting and self._could_pay(B):
             self._gaps.pop(None, None)  # paused for its acceptance, yet a draft landed
 
-    def row_ks(self, rows, B: int, prompts_waiting: bool = False) -> List[int]:
+    def row_ks(self, rows, B: int, prompts_waiting: bool = False,
+               contexts: Optional[Sequence[int]] = None) -> List[int]:
         """Drafts per row for the next step (``step.Row``s): seeded schedules for rows
-        that need one, the policy's K for the others, 0 where a row cannot draft."""
-        free = [r for r in rows if r.schedule is None and r.can_draft()]
-        k = self.choose(B, max(r.max_k for r in free), prompts_waiting) if free else 0
+        that need one, the policy's K for the others, 0 where a row cannot draft.
+        ``contexts``: each row's context length (acceptance by context, ``by_context``)."""
+        free = [i for i, r in enumerate(rows) if r.schedule is None and r.can_draft()]
+        k = self.choose(B, max(rows[i].max_k for i in free), prompts_waiting,
+                        contexts and [contexts[i] for i in free]) if free else 0
         return [0 if not r.can_draft() else r.schedule.next_k(r.max_k) if r.schedule is not None
                 else min(k, r.max_k) for r in rows]
 
     # -- decision ----------------------------------------------------------------
-    def choose(self, B: int, max_k: int, prompts_waiting: bool = False) -> int:
+    def choose(self, B: int, max_k: int, prompts_waiting: bool = False,
+               contexts: Optional[Sequence[int]] = None) -> int:
         """K (up to ``max_k``) for the next step of a batch of B rows. ``prompts_waiting``:
         sequences are waiting for their prompt to run, and a longer step delays them (the
-        batch stays smaller for longer), so drafting must win by a wider margin."""
+        batch stays smaller for longer), so drafting must win by a wider margin.
+        ``contexts``: the drafting rows' context lengths (their acceptance by context);
+        None: every row's acceptance alike."""
         if not self.adaptive or max_k == 0:
             return max_k
-        k = self._decide(B, max_k, self.margin + (self.waiting_margin if prompts_waiting else 0))
+        k = self._decide(B, max_k, self.margin + (self.waiting_margin if prompts_waiting else 0),
+                         contexts)
         if k and not self._drafting:  # drafting pays again: re-check soon after a pause
             self._gaps.pop(None, None)
         self._drafting = k > 0
@@ -172,8 +234,15 @@ class DraftPolicy:
             return max_k > 0
         return self._decide(B, max_k) > 0
 
-    def _decide(self, B: int, max_k: int, margin: Optional[float] = None) -> int:
-        """The best K by predicted tokens per second per row."""
+    def _expected(self, k: int, contexts: Optional[Sequence[int]], optimistic: bool = False):
+        """Tokens per row per step with k drafts: by the rows' context lengths if known."""
+        if not contexts:
+            return self.acceptance.expected_tokens(k, optimistic=optimistic)
+        return self.by_context.expected_tokens(k, contexts, optimistic)
+
+    def _decide(self, B: int, max_k: int, margin: Optional[float] = None,
+                contexts: Optional[Sequence[int]] = None) -> int:
+        """The best K by predicted tokens per second per row (rows of ``contexts``)."""
         t0 = self.costs.predict(B, 0)
         if t0 is None:
             return 0  # time plain steps at this batch size first
@@ -183,21 +252,22 @@ class DraftPolicy:
             if t is None:
                 # Unknown cost: try it for a step if it could win (measuring it is the
                 # only way to find out; a deeper K is not tried before this one is known).
-                if self._worth_trying(B, k, best_rate):
+                if self._worth_trying(B, k, best_rate, contexts):
                     return k
                 break
-            rate = self.acceptance.expected_tokens(k) / t
+            rate = self._expected(k, contexts) / t
             if rate > best_rate:
                 best, best_rate = k, rate
-        if best == 0 and self._unproven(B, best_rate):
+        if best == 0 and self._unproven(B, best_rate, contexts):
             return 1
         return best
 
-    def _unproven(self, B: int, plain_rate: float) -> bool:
+    def _unproven(self, B: int, plain_rate: float,
+                  contexts: Optional[Sequence[int]] = None) -> bool:
         """Whether K=1 could still beat plain steps by what the acceptance evidence allows
         (its upper estimate): pausing needs evidence, not a few unlucky drafts."""
         t1 = self.costs.predict(B, 1)
-        return t1 is not None and self.acceptance.expected_tokens(1, optimistic=True) / t1 > plain_rate
+        return t1 is not None and self._expected(1, contexts, optimistic=True) / t1 > plain_rate
 
     def _cost_guess(self, B: int, k: int) -> Optional[float]:
         """K's cost as measured, else optimistically continued from the two K below it
@@ -211,14 +281,16 @@ class DraftPolicy:
         below, two_below = self.costs.predict(B, k - 1), self.costs.predict(B, k - 2)
         return below + self.optimism * max(below - two_below, 0.0)
 
-    def _worth_trying(self, B: int, k: int, best_rate: float) -> bool:
+    def _worth_trying(self, B: int, k: int, best_rate: float,
+                      contexts: Optional[Sequence[int]] = None) -> bool:
         """Whether K=k could beat ``best_rate`` at its guessed cost with its acceptance at
         the upper estimate. Without anything to go on (K=1 unmeasured) drafts must mostly
         land (the acceptance prior is 0.7)."""
         guess = self._cost_guess(B, k)
         if guess is None:
-            return self.acceptance.reach(k) >= 0.5
-        return self.acceptance.expected_tokens(k, optimistic=True) / guess > best_rate
+            reach = self.by_context.reach(k, contexts) if contexts else self.acceptance.reach(k)
+            return reach >= 0.5
+        return self._expected(k, contexts, optimistic=True) / guess > best_rate
 
     def _maybe_probe(self, B: int, max_k: int, chosen: int) -> Optional[int]:
         """Now and then (at doubling intervals) try another K.

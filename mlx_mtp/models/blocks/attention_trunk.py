@@ -16,7 +16,9 @@ vLLM also drafts every depth with layer 0.
 Rollback is a KV trim (no recurrent state). MLA families (``Family.mla``): mlx-lm computes
 one token with the absorbed formula and several with the expanded one, so a verify pass
 (``capture=True``) runs the absorbed formula on every row, as plain decoding does;
-prefill stays expanded, as in mlx-lm.
+prefill stays expanded, as in mlx-lm. The MTP layer catching up on a step's accepted rows
+runs absorbed too (``decoding_rows``): expanded, it would rebuild the keys and values of
+its whole cache on every step.
 """
 
 from __future__ import annotations
@@ -114,6 +116,15 @@ def attention_mask(cache, L: int, array: bool):
     if L == 1:
         return None
     return create_causal_mask(L) if array else "causal"
+
+
+def decoding_rows(cache, L: int) -> bool:
+    """Whether ``L`` new rows are decoding work (one token, or the head catching up on a
+    verify's accepted rows), not a prompt: no more rows than every sequence already holds.
+    MLA then runs the absorbed formula, as for one token: the expanded one would rebuild
+    every cached position's keys and values per head on each step (T x heads x (d_nope +
+    d_v) at T tokens of context), work and memory a one-token call never pays."""
+    return L == 1 or (cache is not None and L <= min(cache.lengths()))
 
 
 def quantized_latent_attention(q_abs, latent: tuple, pe_scores, scale: float, quant: dict):
@@ -276,9 +287,10 @@ class TextModel(MTPModel):
         cache = mtp_cache[0] if mtp_cache else None
         L = x.shape[1]
         mask = attention_mask(cache, L, self.family.mla)
+        absorbed = decoding_rows(cache, L)
         if last_only and self.splits_mtp_block():
-            return layer.norm(self.decoder_layer(layer.block, x, mask, cache, L == 1, True))
-        x = self.decoder_layer(layer.block, x, mask, cache, absorbed=L == 1)
+            return layer.norm(self.decoder_layer(layer.block, x, mask, cache, absorbed, True))
+        x = self.decoder_layer(layer.block, x, mask, cache, absorbed=absorbed)
         return layer.norm(x[:, -1:] if last_only else x)
 
     def make_cache(self):
