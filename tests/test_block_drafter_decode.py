@@ -228,9 +228,10 @@ def test_a_drafter_that_does_not_fit_its_trunk_is_refused(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("misfit")
     cases = {"hidden size 32": dict(hidden=32, vocab=512, taps=[0]),
              "vocabulary 256": dict(hidden=64, vocab=256, taps=[0]),
-             "taps layers [1, 4]": dict(hidden=64, vocab=512, taps=[1, 4])}
+             # trained on a deeper trunk (its own config would refuse a tap past it)
+             "taps layers [1, 4]": dict(hidden=64, vocab=512, taps=[1, 4], num_target_layers=8)}
     for i, (msg, kw) in enumerate(cases.items()):
-        d = make_tiny_dflash(tmp / str(i), num_target_layers=4, **kw)
+        d = make_tiny_dflash(tmp / str(i), **{"num_target_layers": 4, **kw})
         with pytest.raises(BlockDrafterError, match=msg.replace("[", r"\[")) as e:
             attach_block_drafter(model, str(d))
         assert "\n" not in str(e.value)

@@ -9,6 +9,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..drafters.block.config import parse_block_config
 from ..drafters.block.dflash import DFlash
 
 
@@ -33,7 +34,7 @@ def make_tiny_dflash(path, hidden: int, vocab: int, taps: Sequence[int],
     config = dflash_config(hidden, vocab, taps, num_target_layers, **kw)
     mx.random.seed(seed)
     weights = {k: mx.random.normal(v.shape) * (0.3 if v.ndim == 2 else 0.1) + (v.ndim == 1)
-               for k, v in tree_flatten(DFlash.from_config(config).parameters())}
+               for k, v in tree_flatten(DFlash(parse_block_config(config)).parameters())}
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config))
     return path
