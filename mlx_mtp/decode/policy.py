@@ -131,14 +131,15 @@ class DraftPolicy:
     # -- measurements ------------------------------------------------------------
     def record_step(self, B: int, k: int, seconds: Optional[float], accepted: Sequence[int] = (),
                     ks: Optional[Sequence[int]] = None, starts: Optional[Sequence[int]] = None,
-                    head_passes: Optional[int] = None):
+                    head_passes: Optional[int] = None, block: int = 0):
         """One finished step: its batch size, positions drafted, wall time (None:
         unknown) and each row's accepted count (``ks``: each row's own head drafts, if
         not all drafted ``k``; ``starts``: the position of each row's first head draft,
         after its context drafts, ``AcceptanceEstimate.record``; ``head_passes``: the
-        head passes chained, if not ``k``). Its time goes to ``costs``, the one table."""
+        head passes chained, if not ``k``; ``block``: 1 if the block drafter ran its pass).
+        Its time goes to ``costs``, the one table."""
         if seconds is not None:
-            self.costs.observe(B, k, k if head_passes is None else head_passes, seconds)
+            self.costs.observe(B, k, k if head_passes is None else head_passes, seconds, block)
         self.acceptance.record(k, accepted, ks, starts)
         landed = any(n > s for n, s in zip(accepted, starts or [0] * len(accepted)))
         if landed and not self._drafting and self._could_pay(B):
