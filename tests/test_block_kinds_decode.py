@@ -10,12 +10,13 @@ chi-square test an "oracle" body (every slot's output is the anchor's embedding;
 part stays random (DFlash2's selector scores, DSpark's Markov bias), so q differs from the
 plain softmax of the block's logits and both accepts and rejects happen."""
 
+import json
 from pathlib import Path
 
 import pytest
 
 from block_checks import assert_block_samples_follow_target, decode, decode_batch, make_oracle
-from mlx_mtp.drafters.block.load import (BlockDrafterError, attach_block_drafter,
+from mlx_mtp.drafters.block.load import (BlockDrafterError, attach_block_drafter, describe,
                                           load_block_drafter)
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny import make_tiny
@@ -25,6 +26,7 @@ PROMPT = [5, 60, 11, 7, 9, 3, 41, 17]
 PROMPTS = [[3, 9, 27], [100, 4, 8, 15, 16, 23, 42], [7], [50, 51, 52, 53, 54]]
 N = 12
 BLOCK = 4
+FIXTURES = Path(__file__).parent / "fixtures" / "block_drafters"
 # kind, whether a DSpark drafter ships its own embedding and head
 KINDS = [("dflash2", False), ("dspark", True), ("dspark", False)]
 IDS = ["dflash2", "dspark_own_head", "dspark_target_head"]
@@ -81,8 +83,18 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path, kind, own):
 def test_an_eagle3_drafter_is_refused_at_load():
     """EAGLE-3 caches its own drafts per row and rolls back uniformly: it runs standalone
     (``test_block_kinds``) but does not draft in the step yet."""
-    eagle3 = Path(__file__).parent / "fixtures" / "block_drafters" / "eagle3"
+    eagle3 = FIXTURES / "eagle3"
     with pytest.raises(BlockDrafterError, match="EAGLE-3 drafters run standalone only for "
                                                 "now$") as e:
         load_block_drafter(str(eagle3))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name,kind,taps,block", [
+    ("dflash2", "dflash2", [1, 3, 5], 8), ("dspark_speculators", "dspark", [1, 3, 5], 6),
+    ("eagle3", "eagle3", [1, 3, 5], 5)])  # 4 speculative tokens after the anchor
+def test_inspect_describes_every_kind_from_its_config(name, kind, taps, block):
+    """``inspect`` reads a drafter through the one parser (speculators ids shifted to 0-based)."""
+    config = json.loads((FIXTURES / name / "config.json").read_text())
+    described = describe(config)
+    assert (described["kind"], described["taps"], described["block_size"]) == (kind, taps, block)

@@ -8,9 +8,10 @@ Terms (one meaning each, used by every kind):
   drafter layer's K/V once (raw taps are never kept beyond a step).
 - anchor: the row's last emitted token; a pass drafts the positions after it.
 
-A kind (``dflash.py``, ``dflash2.py``, ``dspark.py``, ``eagle3.py``) parses its config into a
-``BlockSpec`` and implements ``BlockDraftModel``; ``KINDS`` in ``__init__.py`` maps the kind
-name to its class.
+A kind (``dflash.py``, ``dflash2.py``, ``dspark.py``, ``eagle3.py``) implements
+``BlockDraftModel``, built from the ``DrafterConfig`` that ``config.py`` reads from every
+packaging (its ``spec`` a ``BlockSpec``); ``KINDS`` in ``__init__.py`` maps the kind name to
+its class, ``load.py`` loads and checks one.
 """
 
 from __future__ import annotations
