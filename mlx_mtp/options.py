@@ -49,10 +49,11 @@ def add_model_arguments(p: argparse.ArgumentParser, server: bool = False):
                    help="A drafter for --model (a directory or hub id), checked to fit it: a "
                         "split MTP drafter (mlx-vlm's layout, e.g. an mlx-community "
                         "...-MTP-4bit repo, or one written by `convert --split-mtp`) or a block "
-                        "drafter reading the trunk's hidden states (z-lab DFlash)")
+                        "drafter reading the trunk's hidden states (z-lab DFlash or DFlash2, "
+                        "DSpark)")
     p.add_argument("--draft-kind", default=None, metavar="KIND",
                    help="What --draft-model is where its config does not say: mtp or a block "
-                        "drafter kind (dflash)")
+                        "drafter kind (dflash, dflash2, dspark)")
     p.add_argument("--mtp-hidden", choices=["post_norm", "pre_norm"], default=None,
                    help="Trunk hidden state fed to the MTP head (default post_norm)")
     add_dtype_argument(p)

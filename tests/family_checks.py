@@ -109,13 +109,14 @@ def assert_greedy_identical(path, prompt, agree=None, ks=(1, 2, 3), n: int = N_T
     return decoders
 
 
-def run_batch(model, k: int, prompts, n: int = 16):
-    """Rows join one per step (so they sit at different positions) and decode together.
-    Returns each row's first ``n`` tokens and the batch decoder."""
+def run_batch(model, k: int, prompts, n: int = 16, decoders=None):
+    """Rows join one per step (so they sit at different positions) and decode together
+    (``decoders``: one per prompt, default ``MTPDecoder(model, k)``). Returns each row's
+    first ``n`` tokens and the batch decoder."""
     bd = BatchDecoder(model, k > 0, adaptive=False)
     outs = {}
     for i, p in enumerate(prompts):
-        dec = MTPDecoder(model, k, adaptive=False)
+        dec = decoders[i] if decoders else MTPDecoder(model, k, adaptive=False)
         dec.prefill(p)
         bd.add(i, dec)
         outs[i] = []

@@ -11,15 +11,13 @@ and slot 2 never is (a mean acceptance length of exactly 2), which pins the anch
 accept paths; random drafters exercise the reject paths."""
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
-from distribution_check import assert_follows, sample_outcomes, two_token_joint
+from block_checks import assert_block_samples_follow_target, decode, decode_batch, make_oracle
 from mlx_mtp.decode import block_context
 from mlx_mtp.decode.batch import BatchDecoder
 from mlx_mtp.decode.draft_source import DraftSources
-from mlx_mtp.decode.sampling import SamplingParams
-from mlx_mtp.decode.speculative import MTPDecoder, generate_step
+from mlx_mtp.decode.speculative import MTPDecoder
 from mlx_mtp.drafters.block.load import BlockDrafterError, attach_block_drafter
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny import make_tiny
@@ -52,33 +50,8 @@ def _with_drafter(path, tmp, taps, oracle: bool = False, seed: int = 0, block: i
                                block_size=block, **extra)
     attach_block_drafter(model, str(drafter))
     if oracle:
-        _make_oracle(model)
+        make_oracle(model)
     return model
-
-
-def _make_oracle(model):
-    """Slot j's output is the anchor's embedding (the mask token embeds to zero, the context
-    projects to zero, attention is uniform, v/o pass through), normed as the trunk's final
-    norm does: on an identity trunk the drafter predicts what the target does after the
-    anchor, at every slot."""
-    text, d = model.text, model.block_drafter
-    H, V, mask = text.args.hidden_size, text.args.vocab_size, d.spec.mask_token_id
-    emb = text.model.embed_tokens.weight
-    text.model.embed_tokens.weight = mx.where(mx.arange(V)[:, None] == mask, 0.0, emb)
-    layer = d.layers[0]
-    layer.self_attn.q_proj.weight = mx.zeros_like(layer.self_attn.q_proj.weight)
-    layer.self_attn.v_proj.weight = mx.eye(H)
-    layer.self_attn.o_proj.weight = mx.eye(H)
-    layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
-    layer.input_layernorm.weight = mx.ones((H,))
-    d.fc.weight = mx.zeros_like(d.fc.weight)
-    d.norm.weight = text.model.norm.weight
-
-
-def _decode(model, prompt, k: int, source: str = "block", sampling=SamplingParams(), n=N):
-    kk, drafter = DraftSources(source, adaptive=False).for_row(k)
-    dec = MTPDecoder(model, kk, sampling, adaptive=False, drafter=drafter)
-    return [t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=n)], dec
 
 
 @pytest.fixture(scope="module")
@@ -91,21 +64,21 @@ def qwen(tmp_path_factory):
 
 def test_greedy_identical_at_every_block_width_with_a_random_drafter(qwen):
     model = qwen["random"]
-    plain, _ = _decode(model, PROMPT, 0)
+    plain, _ = decode(model, PROMPT, 0)
     for k in range(1, BLOCK):
-        got, dec = _decode(model, PROMPT, k)
+        got, dec = decode(model, PROMPT, k)
         assert got == plain, f"width {k}"
         assert dec.stats.block_draft_tokens == dec.stats.num_draft_tokens > 0
 
 
 def test_an_oracle_drafter_is_accepted_at_slot_one_exactly(qwen):
     model = qwen["oracle"]
-    plain, _ = _decode(model, PROMPT, 0)
+    plain, _ = decode(model, PROMPT, 0)
     assert plain[:3] == [PROMPT[-1] + 1, PROMPT[-1] + 2, PROMPT[-1] + 3]  # the t+1 cycle
-    got, dec = _decode(model, PROMPT, 1)
+    got, dec = decode(model, PROMPT, 1)
     assert got == plain and dec.stats.acceptance_rate == 1.0  # every step: all, and the bonus
     for k in range(2, BLOCK):
-        got, dec = _decode(model, PROMPT, k)
+        got, dec = decode(model, PROMPT, k)
         assert got == plain, f"width {k}"
         s = dec.stats
         assert s.accepted_per_pos[0] == s.num_drafts and sum(s.accepted_per_pos[1:]) == 0
@@ -120,15 +93,15 @@ def test_the_head_extends_the_block_fed_its_drafts(tmp_path_factory):
     trunk = _trunk(tmp_path_factory, "qwen3_5", "oracle")
     tmp = tmp_path_factory.mktemp("fused")
     oracle = _with_drafter(trunk, tmp, [1, 3], oracle=True, block=2)
-    plain, _ = _decode(oracle, PROMPT, 0)
+    plain, _ = decode(oracle, PROMPT, 0)
     for k in (2, 4):
-        got, dec = _decode(oracle, PROMPT, k, "block+mtp")
+        got, dec = decode(oracle, PROMPT, k, "block+mtp")
         s = dec.stats
         assert got == plain and s.acceptance_rate == 1.0, f"K={k}"
         assert s.block_draft_tokens == s.num_drafts
         assert s.head_draft_tokens == (k - 1) * s.num_drafts
     random = _with_drafter(trunk, tmp, [1, 3], block=3)
-    got, dec = _decode(random, PROMPT, 4, "block+mtp")
+    got, dec = decode(random, PROMPT, 4, "block+mtp")
     assert got == plain and dec.stats.by_source()["block"]["drafted"] == 2 * dec.stats.num_drafts
 
 
@@ -157,23 +130,10 @@ def test_a_batch_mixing_sources_keeps_each_rows_tokens_and_acceptance(qwen):
     and the oracle rows keep their own acceptance (slot 1, every step)."""
     model = qwen["oracle"]
     sources = ["block", "mtp", "block", "both"]
-    want = [_decode(model, p, 0)[0] for p in PROMPTS]
+    want = [decode(model, p, 0)[0] for p in PROMPTS]
     for k in (1, 3):
-        bd = BatchDecoder(model, True, adaptive=False)
-        outs, decs = {}, []
-        for i, (p, source) in enumerate(zip(PROMPTS, sources)):
-            kk, drafter = DraftSources(source, adaptive=False).for_row(k)
-            dec = MTPDecoder(model, kk, adaptive=False, drafter=drafter)
-            dec.prefill(p)
-            bd.add(i, dec)
-            decs.append(dec)
-            outs[i] = []
-            for key, o in bd.step().items():
-                outs[key] += o.tokens
-        while min(len(t) for t in outs.values()) < N:
-            for key, o in bd.step().items():
-                outs[key] += o.tokens
-        assert [outs[i][:N] for i in range(len(PROMPTS))] == want, f"K={k}"
+        got, decs = decode_batch(model, PROMPTS, sources, k, N)
+        assert got == want, f"K={k}"
         for i in (0, 2):
             s = decs[i].stats
             assert s.block_draft_tokens == s.num_draft_tokens > 0
@@ -185,9 +145,9 @@ def test_a_batch_mixing_sources_keeps_each_rows_tokens_and_acceptance(qwen):
                                          ("nemotron_h", [0, 2, 4])])
 def test_greedy_identical_on_other_trunks(tmp_path_factory, family, taps):
     model = _with_drafter(_trunk(tmp_path_factory, family), tmp_path_factory.mktemp("d"), taps)
-    plain, _ = _decode(model, PROMPT, 0)
+    plain, _ = decode(model, PROMPT, 0)
     for k in (1, 2, BLOCK - 1):
-        got, dec = _decode(model, PROMPT, k)
+        got, dec = decode(model, PROMPT, k)
         assert got == plain, f"{family} width {k}"
         assert dec.stats.block_draft_tokens > 0
 
@@ -197,29 +157,8 @@ def test_sampled_tokens_follow_the_target_distribution(qwen):
     many seeds: the next two tokens follow the target's exact joint distribution
     (chi-square; temperature 40 and top-3 spread the oracle trunk's peaked logits over a
     few tokens), drafts often accepted and often rejected."""
-    model = qwen["oracle"]
-    prompt = PROMPT[:4]
-    T, top = 40.0, 3
-
-    def target(prefix):
-        logits = np.array(model(mx.array([prompt + prefix]))[0, -1], np.float64) / T
-        keep = np.argsort(logits)[-top:]
-        p = np.zeros_like(logits)
-        p[keep] = np.exp(logits[keep] - logits[keep].max())
-        return p / p.sum()
-
-    block = []
-
-    def draw(seed):  # unseeded: a seeded row drafts from the head (its own K schedule)
-        got, dec = _decode(model, prompt, 2, sampling=SamplingParams(temperature=T, top_k=top),
-                           n=2)
-        block.append(dec.stats.block_draft_tokens == dec.stats.num_draft_tokens > 0)
-        return got, dec
-
-    seen, accepted = sample_outcomes(draw, 400)
-    assert all(block)
+    accepted = assert_block_samples_follow_target(qwen["oracle"], PROMPT[:4])
     assert 100 < accepted < 2 * 400  # slot 1 mostly accepted, slot 2 not always
-    assert_follows(seen, two_token_joint(target), 400)
 
 
 def test_a_drafter_that_does_not_fit_its_trunk_is_refused(tmp_path_factory):
@@ -228,9 +167,10 @@ def test_a_drafter_that_does_not_fit_its_trunk_is_refused(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("misfit")
     cases = {"hidden size 32": dict(hidden=32, vocab=512, taps=[0]),
              "vocabulary 256": dict(hidden=64, vocab=256, taps=[0]),
-             "taps layers [1, 4]": dict(hidden=64, vocab=512, taps=[1, 4])}
+             # trained on a deeper trunk (its own config would refuse a tap past it)
+             "taps layers [1, 4]": dict(hidden=64, vocab=512, taps=[1, 4], num_target_layers=8)}
     for i, (msg, kw) in enumerate(cases.items()):
-        d = make_tiny_dflash(tmp / str(i), num_target_layers=4, **kw)
+        d = make_tiny_dflash(tmp / str(i), **{"num_target_layers": 4, **kw})
         with pytest.raises(BlockDrafterError, match=msg.replace("[", r"\[")) as e:
             attach_block_drafter(model, str(d))
         assert "\n" not in str(e.value)
@@ -275,16 +215,16 @@ def test_a_model_loaded_without_its_head_drafts_from_the_block_drafter(tmp_path_
     drafter = make_tiny_dflash(tmp_path_factory.mktemp("headless"), 64, 512, [1, 3], 4,
                                block_size=BLOCK, num_key_value_heads=4)
     attach_block_drafter(model, str(drafter))
-    _make_oracle(model)
-    plain, _ = _decode(model, PROMPT, 0)
+    make_oracle(model)
+    plain, _ = decode(model, PROMPT, 0)
     for source in ("block", "block+mtp"):
-        got, dec = _decode(model, PROMPT, 3, source)
+        got, dec = decode(model, PROMPT, 3, source)
         assert got == plain and dec.mtp_cache is None and dec.row.owed is None
         s = dec.stats
         assert s.block_draft_tokens == s.num_draft_tokens == 3 * s.num_drafts > 0
         assert dec.stats.accepted_per_pos[0] == dec.stats.num_drafts
     with pytest.raises(ValueError, match="without an MTP head"):
-        _decode(model, PROMPT, 3, "mtp")
+        decode(model, PROMPT, 3, "mtp")
     bd = BatchDecoder(model, True, adaptive=False)
     for i, source in enumerate(("block", "mtp")):
         kk, row_drafter = DraftSources(source, adaptive=False).for_row(3, has_head=False)

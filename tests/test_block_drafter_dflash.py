@@ -12,7 +12,9 @@ import mlx.core as mx
 import pytest
 
 from mlx_mtp.drafters.block import KINDS
-from mlx_mtp.drafters.block.dflash import DFlash, parse_config
+from mlx_mtp.drafters.block.config import parse_block_config
+from mlx_mtp.drafters.block.dflash import DFlash
+from mlx_mtp.drafters.block.layers import layer_attention
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dflash_reference"
 # its first layer a sliding-window one (window 8: round 1's 11 rows overflow it)
@@ -22,7 +24,7 @@ SLIDING = Path(__file__).parent / "fixtures" / "dflash_sliding_reference"
 def _fixture_drafter(fixture=FIXTURE):
     """The fixture's drafter (the sliding one shares the full one's weights)."""
     cfg = json.loads((fixture / "config.json").read_text())
-    draft = DFlash.from_config(cfg)
+    draft = DFlash(parse_block_config(cfg))
     draft.load_weights(list(mx.load(str(FIXTURE / "model.safetensors")).items()))
     target = mx.load(str(FIXTURE / "target.safetensors"))
     draft.bind(lambda t: target["embed_tokens"][t], lambda h: h @ target["lm_head"].T)
@@ -35,7 +37,7 @@ def _greedy(logits, j):
 
 def test_parse_config_reads_the_z_lab_layout():
     cfg = json.loads((FIXTURE / "config.json").read_text())
-    args, spec = parse_config(cfg)
+    spec = parse_block_config(cfg).spec
     assert KINDS["dflash"] is DFlash
     assert (spec.kind, spec.target_layer_ids, spec.block_size, spec.mask_token_id) == \
         ("dflash", (1, 3, 5), 8, 255)
@@ -43,15 +45,15 @@ def test_parse_config_reads_the_z_lab_layout():
     # newer checkpoints keep block_size inside dflash_config
     newer = dict(cfg, dflash_config=dict(cfg["dflash_config"], block_size=16))
     del newer["block_size"]
-    assert parse_config(newer)[1].block_size == 16
-    sliding = dict(cfg, layer_types=["sliding_attention", "full_attention"], sliding_window=4)
-    args, _ = parse_config(sliding)
-    assert (args.causal(0), args.window(0)) == (True, 4)  # z-lab: sliding layers causal
-    assert (args.causal(1), args.window(1)) == (False, None)
+    assert parse_block_config(newer).spec.block_size == 16
+    sliding = parse_block_config(dict(cfg, layer_types=["sliding_attention", "full_attention"],
+                                      sliding_window=4))
+    assert layer_attention(sliding, 0) == (True, 4)  # z-lab: sliding layers causal
+    assert layer_attention(sliding, 1) == (False, None)
     with pytest.raises(ValueError, match="sliding_window"):
-        parse_config(dict(cfg, layer_types=["sliding_attention", "full_attention"]))
+        parse_block_config(dict(cfg, layer_types=["sliding_attention", "full_attention"]))
     with pytest.raises(ValueError, match="target_layer_ids"):
-        parse_config(dict(cfg, dflash_config={"mask_token_id": 1}))
+        parse_block_config(dict(cfg, dflash_config={"mask_token_id": 1}))
 
 
 @pytest.mark.parametrize("fixture", [FIXTURE, SLIDING], ids=["full", "sliding"])

@@ -252,8 +252,9 @@ class BatchDecoder:
             heads = [o.head_drafted for o in outs]
             head_passes = max((o.num_drafted for o, h in zip(outs, heads) if h), default=0)
             self.policy.record_step(B, k, seconds, [o.num_accepted for o in outs], heads,
-                                    starts=[o.lookup_drafted for o in outs],
-                                    head_passes=head_passes, contexts=self._contexts())
+                                    starts=[o.lookup_drafted + o.block_drafted for o in outs],
+                                    head_passes=head_passes, contexts=self._contexts(),
+                                    block=int(any(o.block_drafted for o in outs)))
             return
         self._plain_run.append(seconds)
         if self._ahead is None:  # the chain ends here

@@ -23,6 +23,11 @@ import mlx.core as mx
 
 from ..drafters.base import DraftPlan
 
+# Image prompts run through ``trunk_with_images``, which does not tap: the context would miss
+# those rows.
+NO_IMAGES = ("images cannot be combined with a block drafter yet (its context would miss the "
+             "image rows): drop the images or --draft-model")
+
 
 def make_cache(model) -> list:
     """The trunk's caches, then the block drafter's context caches (if it has one)."""

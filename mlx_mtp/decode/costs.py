@@ -2,7 +2,9 @@
 
 A step is keyed by its shape: ``B`` rows, ``k`` positions drafted per row (the longest
 row's; the trunk verifies ``k + 1``) and ``head``, the passes the MTP head chains (as far
-as the longest row that uses it). ``head == k``: the head ran through every position, the
+as the longest row that uses it); steps in which the model's block drafter ran its pass
+(``drafters/block``: one pass whatever its rows draft) are a cost kind of their own,
+``block_cells`` beside ``cells``. ``head == k``: the head ran through every position, the
 step the K policy plans (K=k; context drafts it extends cost the same); ``head == 0``: a
 plain step, or context drafts only (``draft_source.py``); in between: rows copying from
 the context beside rows drafting from the head. The driver (``batch.BatchDecoder``)
@@ -10,10 +12,11 @@ records one observation per step; every reader asks this table:
 
 * the K policy (``policy.DraftPolicy``): ``predict(B, K)`` for a head step, from the
   cell or a least-squares fit over every batch size; ``count`` and ``stale`` for its probes;
-* the draft-source chooser (``draft_source.RowDrafter``): ``predict_plan(B, k, head)``,
-  built from ``verify(B, k)`` (a step with no head pass) plus ``head`` times
-  ``head_pass(B)``;
-* persistence (``step_costs.py``): ``cells``, stored per model shape and machine.
+* the draft-source chooser (``draft_source.RowDrafter``): ``predict_plan(B, k, head,
+  block)``, built from ``verify(B, k)`` (a step with no head or drafter pass) plus
+  ``head`` times ``head_pass(B)``, plus ``block_pass(B)`` where the block drafter runs;
+* persistence (``step_costs.py``): ``cells``, stored per model shape and machine (not
+  ``block_cells``: a drafter's pass depends on the drafter, which that key does not name).
 
 **The clock.** A step's cost is the time from the previous step's read (its host sync)
 to its own: what one more step delays the next token by. That includes the Python
@@ -60,27 +63,32 @@ class StepCosts:
     def __init__(self, memory: int = 24):
         self.memory = memory  # a cell keeps its last ``memory`` steps
         self.cells: Dict[Cell, Deque[float]] = {}  # cell -> recent seconds
+        self.block_cells: Dict[Cell, Deque[float]] = {}  # the same, with a block pass
         self._clock = 0  # steps observed
-        self._last: Dict[Cell, int] = {}  # cell -> step of its last observation
+        self._last: Dict[tuple, int] = {}  # (block, cell) -> step of its last observation
         self._derived: Dict[tuple, object] = {}
 
-    def observe(self, B: int, k: int, head: int, seconds: float):
-        """One step's time (``head`` of its ``k`` drafted positions chained by the head)."""
-        cell = (B, k, head)
+    def observe(self, B: int, k: int, head: int, seconds: float, block: int = 0):
+        """One step's time (``head`` of its ``k`` drafted positions chained by the head;
+        ``block``: 1 if the block drafter ran its pass)."""
+        cell, table = (B, k, head), self._table(block)
         self._derived.clear()  # first: a copy taken meanwhile (the dashboard's) stays whole
-        if self._stale(cell):  # what it measured long ago (other contexts, load) is gone
-            self.cells.pop(cell, None)
-        self.cells.setdefault(cell, deque(maxlen=self.memory)).append(seconds)
+        if self._stale(cell, block):  # what it measured long ago (other contexts, load) is gone
+            table.pop(cell, None)
+        table.setdefault(cell, deque(maxlen=self.memory)).append(seconds)
         self._clock += 1
-        self._last[cell] = self._clock
+        self._last[(block, cell)] = self._clock
+
+    def _table(self, block: int) -> Dict[Cell, Deque[float]]:
+        return self.block_cells if block else self.cells
 
     def _memo(self, key, fn: Callable):
         if key not in self._derived:
             self._derived[key] = fn()
         return self._derived[key]
 
-    def _stale(self, cell: Cell, horizon: int = 256) -> bool:
-        return self._clock - self._last.get(cell, 0) > horizon
+    def _stale(self, cell: Cell, block: int = 0, horizon: int = 256) -> bool:
+        return self._clock - self._last.get((block, cell), 0) > horizon
 
     # -- head steps: the K policy ---------------------------------------------------
     def stale(self, B: int, K: int) -> bool:
@@ -108,16 +116,16 @@ class StepCosts:
         estimates = [t for t in (direct, fitted) if t is not None and t > 0]
         return min(estimates) if estimates else None
 
-    def _median(self, cell: Cell) -> Optional[float]:
+    def _median(self, cell: Cell, block: int = 0) -> Optional[float]:
         """The cell's median, leaving out its very first step once there are others:
         one-off costs (first use of a shape, a cache growing as rows join) must not
         decide for good."""
         def median():
-            steps = list(self.cells.get(cell, ()))
+            steps = list(self._table(block).get(cell, ()))
             if not steps:
                 return None
             return statistics.median(steps[1:] if 1 < len(steps) < self.memory else steps)
-        return self._memo(("median", cell), median)
+        return self._memo(("median", cell, block), median)
 
     def _fit(self, B: int) -> Optional[np.ndarray]:
         """The fit over head steps within the K policy's range, weighted for B."""
@@ -139,7 +147,7 @@ class StepCosts:
             (k, self._median(c)) for c in self.cells for k in [c[1]] if c[0] == B and c[2] == 0))
 
     def verify(self, B: int, k: int) -> Optional[float]:
-        """A step of k positions with no head pass: measured, else interpolated between
+        """A step of k positions with no head or drafter pass: measured, else interpolated between
         the nearest measured lengths, else the nearest shorter one (optimistic)."""
         known = self._verify_cells(B)
         if not known:
@@ -164,15 +172,26 @@ class StepCosts:
             return max(statistics.median(extra), 0.0) if extra else 0.0
         return self._memo(("head", B), fit)
 
-    def predict_plan(self, B: int, k: int, head: int) -> Optional[float]:
-        """A step of k drafted positions, ``head`` of them chained by the head: the
-        cell's median once it has a few steps, else ``verify + head * head_pass`` or
-        the thin cell, whichever is lower (None: unknown)."""
-        direct = self._median((B, k, head))
-        if direct is not None and len(self.cells[(B, k, head)]) >= 3:
+    def block_pass(self, B: int) -> float:
+        """Seconds the block drafter's pass adds to a step, beyond the positions it
+        verifies and the head passes chained after it (0 until measured: optimistic)."""
+        def fit():
+            extra = [self._median(c, 1) - base - c[2] * self.head_pass(B)
+                     for c in self.block_cells if c[0] == B
+                     for base in [self.verify(B, c[1])] if base is not None]
+            return max(statistics.median(extra), 0.0) if extra else 0.0
+        return self._memo(("block", B), fit)
+
+    def predict_plan(self, B: int, k: int, head: int, block: int = 0) -> Optional[float]:
+        """A step of k drafted positions, ``head`` of them chained by the head, after the
+        block drafter's pass if ``block``: the cell's median once it has a few steps,
+        else ``verify + head * head_pass + block * block_pass`` or the thin cell,
+        whichever is lower (None: unknown)."""
+        direct = self._median((B, k, head), block)
+        if direct is not None and len(self._table(block)[(B, k, head)]) >= 3:
             return direct
         base = self.verify(B, k)
         if base is None:
             return direct
-        fitted = base + head * self.head_pass(B)
+        fitted = base + head * self.head_pass(B) + block * self.block_pass(B)
         return fitted if direct is None else min(direct, fitted)

@@ -1,28 +1,31 @@
-"""Where each row's drafts come from: the MTP chain, the row's drafter (context lookup
-today, ``drafters/``), or the drafter's run extended by the head when it ends.
+"""Where each row's drafts come from: the MTP chain, the row's drafter (context lookup or
+the model's block drafter, ``drafters/``), or the drafter's run extended by the head when
+it ends.
 
 ``DraftSources`` is shared by the rows of one decoder or engine: the setting (a value of
-the drafters' registry, ``drafters/registry.py``: ``mtp``, ``lookup``, ``both``), the
-drafter settings and the acceptance earlier rows showed. ``RowDrafter`` belongs to one
-row: its drafter (``drafters/base.py::Drafter``) and its acceptance per source. Per step,
-``RowDrafter.plan`` picks the candidate with the most tokens per second: expected tokens
-from the row's measured acceptance at each draft position (per source), over the
-measured cost of a step verifying that many positions (the driver's step-cost table,
-``costs.StepCosts.predict_plan``: a step with ``k`` positions to verify, ``J`` of them
-chained through the head, costs ``verify(k) + J * head``, both fitted from steps as they
-run; a length never measured is tried at an optimistic guess, which measuring it
-corrects).
+the drafters' registry, ``drafters/registry.py``: ``mtp``, ``lookup``, ``both``, ``block``,
+``block+mtp``), the drafter settings and the acceptance earlier rows showed. ``RowDrafter``
+belongs to one row: its drafter (``drafters/base.py::Drafter``) and its acceptance per
+source. Per step, ``RowDrafter.plan`` picks the candidate with the most tokens per second:
+expected tokens from the row's measured acceptance at each draft position (per source),
+over the measured cost of a step verifying that many positions (the driver's step-cost
+table, ``costs.StepCosts.predict_plan``: a step with ``k`` positions to verify, ``J`` of
+them chained through the head, costs ``verify(k) + J * head``, plus ``block_pass`` when the
+block drafter runs, all fitted from steps as they run; a length never measured is tried at
+an optimistic guess, which measuring it corrects). A drafter the estimates turn down is
+paused and re-tried now and then (``probe_gap``), the block drafter as context lookup.
 
-The choice depends only on what earlier steps showed, never on this step's draws, and a
-drafter's proposal is deterministic: greedy output is unchanged and sampled output keeps
-the target distribution (``sampling.verify``: ``q`` one-hot at the proposal).
+The choice depends only on what earlier steps showed, never on this step's draws: greedy
+output is unchanged, and sampled output keeps the target distribution (``sampling.verify``:
+a lookup proposal's ``q`` is one-hot, a block draft's is the drafter's own).
 """
 
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from ..drafters.base import HEAD, HEAD_PASSES, MAX_DRAFTER_TOKENS, Drafter, DraftPlan
+from ..drafters.base import (BLOCK_PASS, HEAD, HEAD_PASSES, MAX_DRAFTER_TOKENS, Drafter,
+                             DraftPlan)
 from ..drafters.lookup import LookupSettings
 from ..drafters.registry import SOURCES
 from . import MAX_DRAFT_TOKENS, check_draft_source
@@ -94,6 +97,7 @@ class RowDrafter:
                              "the model's block drafter's (drafters/block_source.py)")
         self.uses_head = entry.head
         self.blocks = self.drafter.needs_taps  # the model's block drafter, drawn in the step
+        self.block_width = MAX_DRAFTER_TOKENS  # its drafts per pass (``fit_block``)
         # The head may chain after a drafter's run: its depths reach past the run's.
         sizes = {HEAD: MAX_DRAFTER_TOKENS + MAX_DRAFT_TOKENS, self.drafter.name: MAX_DRAFTER_TOKENS}
         self.acceptance = {name: AcceptanceEstimate(n, 0.97, 3.0, sources.shared(name, n).alpha)
@@ -109,11 +113,17 @@ class RowDrafter:
     def has_proposal(self) -> bool:
         return self.drafter.has_proposal()
 
-    def plan(self, k_head: int, can_head: bool, B: int, costs: StepCosts) -> DraftPlan:
+    def fit_block(self, width: int):
+        """The model's block drafter proposes ``width`` drafts per pass at most."""
+        self.block_width = width
+
+    def plan(self, k_head: int, can_head: bool, B: int, costs: StepCosts,
+             cap: int = 0) -> DraftPlan:
         """Drafts for the next step; ``k_head``: the policy's K for the head (0: paused);
-        ``costs``: the driver's step-cost table."""
-        if self.blocks:  # the block drafter: drawn in the step, k wide
-            return DraftPlan(block=k_head)
+        ``costs``: the driver's step-cost table; ``cap``: the row's own K, up to which a
+        block drafter drafts whether or not the head is paused."""
+        if self.blocks:  # the block drafter: drawn in the step
+            return self._plan_block(k_head, can_head, cap, B, costs)
         mtp = DraftPlan([], k_head if can_head and self.uses_head else 0)
         proposal = self.drafter.propose()[:MAX_DRAFTER_TOKENS]
         if not proposal:
@@ -125,7 +135,12 @@ class RowDrafter:
         best = self._best(proposal, mtp, full, B, costs)
         if not best.fixed:  # pausing the drafter needs evidence: its upper estimate
             best = self._best(proposal, mtp, full, B, costs, optimistic=True)
-        if best.fixed:
+        return self._paced(best, bool(best.fixed), full)
+
+    def _paced(self, best: DraftPlan, drafts: bool, full: DraftPlan) -> DraftPlan:
+        """``best``, or now and then (every ``probe_gap`` steps, doubling) ``full`` while
+        the estimates keep the drafter paused (``drafts`` False)."""
+        if drafts:
             self._gap = self._wait = self.sources.probe_gap[0]
             return best
         self._wait -= 1
@@ -133,6 +148,41 @@ class RowDrafter:
             return best
         self._gap = self._wait = min(2 * self._gap, self.sources.probe_gap[1])
         return full  # a probe: measures its acceptance and its cost again
+
+    def _plan_block(self, k_head: int, can_draft: bool, cap: int, B: int,
+                    costs: StepCosts) -> DraftPlan:
+        """The block drafter's row: ``DraftPlan(block=n)`` drafts n positions, those past
+        the drafter's block chained by the head (``block+mtp``, ``block_context.fit_plans``).
+        Its pass is priced like the head's (``costs.block_pass``): it pauses when its
+        measured acceptance does not pay for it, and re-tries now and then."""
+        if not can_draft or not cap:
+            return DraftPlan()
+        if not self.sources.adaptive:
+            return DraftPlan(block=k_head)
+        width = min(cap, self.block_width)
+        best = self._best_block(k_head, cap, width, B, costs)
+        if not best.block:  # pausing the drafter needs evidence: its upper estimate
+            best = self._best_block(k_head, cap, width, B, costs, optimistic=True)
+        return self._paced(best, bool(best.block), DraftPlan(block=cap))
+
+    def _best_block(self, k_head: int, cap: int, width: int, B: int, costs: StepCosts,
+                    optimistic: bool = False) -> DraftPlan:
+        """The most expected tokens per second of: the block's first n drafts, the whole
+        block extended by the head to ``cap`` (``block+mtp``), the head alone, a plain
+        step. ``optimistic``: the drafter's acceptance at its upper estimate."""
+        run, head = self.acceptance[self.drafter.name], self.acceptance[HEAD]
+        expected, reach = [1.0], 1.0
+        for a in (run.upper if optimistic else run.alpha)[:width]:
+            reach *= a
+            expected.append(expected[-1] + reach)
+        candidates = [(DraftPlan(block=n), expected[n], 0) for n in range(1, width + 1)]
+        if self.uses_head and cap > width:  # the head is fed every block token: cap passes
+            extension = head.expected_tokens(cap - width, start=width) - 1
+            candidates.append((DraftPlan(block=cap), expected[-1] + reach * extension, cap))
+        if self.uses_head and k_head:
+            candidates.append((DraftPlan([], k_head), head.expected_tokens(k_head), k_head))
+        candidates.append((DraftPlan(), 1.0, 0))
+        return max(candidates, key=lambda c: self._rate(c[0], c[1], B, costs, c[2]))[0]
 
     def _best(self, proposal: List[int], mtp: DraftPlan, full: DraftPlan, B: int,
               costs: StepCosts, optimistic: bool = False) -> DraftPlan:
@@ -151,10 +201,13 @@ class RowDrafter:
                        (full, expected[-1] + reach * extension)]
         return max(candidates, key=lambda c: self._rate(*c, B, costs))[0]
 
-    def _rate(self, plan: DraftPlan, expected: float, B: int, costs: StepCosts) -> float:
+    def _rate(self, plan: DraftPlan, expected: float, B: int, costs: StepCosts,
+              head_passes: Optional[int] = None) -> float:
         """Expected tokens per second; a plain step's counts ``margin`` times (drafting
-        must beat it clearly)."""
-        t = costs.predict_plan(B, plan.total, self._head_passes(plan))
+        must beat it clearly). ``head_passes``: the plan's (None: ``_head_passes``)."""
+        head = self._head_passes(plan) if head_passes is None else head_passes
+        block = int(bool(plan.block) and self.drafter.cost == BLOCK_PASS)
+        t = costs.predict_plan(B, plan.total, head, block)
         t = t if t is not None else 1.0  # nothing measured yet: tokens alone decide
         return expected / t * (1.0 if plan.total else self.sources.margin)
 

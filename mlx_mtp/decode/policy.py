@@ -183,15 +183,17 @@ class DraftPolicy:
     # -- measurements ------------------------------------------------------------
     def record_step(self, B: int, k: int, seconds: Optional[float], accepted: Sequence[int] = (),
                     ks: Optional[Sequence[int]] = None, starts: Optional[Sequence[int]] = None,
-                    head_passes: Optional[int] = None, contexts: Optional[Sequence[int]] = None):
+                    head_passes: Optional[int] = None, contexts: Optional[Sequence[int]] = None,
+                    block: int = 0):
         """One finished step: its batch size, positions drafted, wall time (None:
         unknown) and each row's accepted count (``ks``: each row's own head drafts, if
         not all drafted ``k``; ``starts``: the position of each row's first head draft,
         after its context drafts, ``AcceptanceEstimate.record``; ``head_passes``: the
         head passes chained, if not ``k``; ``contexts``: each row's context length, for
-        ``by_context``). Its time goes to ``costs``, the one table."""
+        ``by_context``; ``block``: 1 if the block drafter ran its pass). Its time goes to
+        ``costs``, the one table."""
         if seconds is not None:
-            self.costs.observe(B, k, k if head_passes is None else head_passes, seconds)
+            self.costs.observe(B, k, k if head_passes is None else head_passes, seconds, block)
         self.acceptance.record(k, accepted, ks, starts)
         if contexts:
             self.by_context.record(k, accepted, ks, starts, contexts)

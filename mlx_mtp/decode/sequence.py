@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from . import block_context, check_num_draft_tokens
 from ..models.cache.kv import cache_state_arrays
+from ..models.vision.images import ImageError
 from .policy import SeededSchedule, needs_schedule
 from .sampling import Sampler, SamplingParams
 from .stats import SpecStats
@@ -82,12 +83,16 @@ class Sequence:
                  prefill_step_size: int = 2048, cache=None, grammar=None, drafter=None,
                  images=None):
         check_num_draft_tokens(num_draft_tokens)
+        if images is not None and model.block_drafter is not None:
+            raise ImageError(block_context.NO_IMAGES)
         head = model.num_mtp_layers > 0  # without: only the block drafter drafts
         if num_draft_tokens > 0 and not head and not (
                 model.block_drafter is not None and drafter is not None and drafter.blocks):
             raise ValueError(
                 "This model was loaded without an MTP head; use num_draft_tokens=0 (--no-mtp)."
             )
+        if drafter is not None and drafter.blocks and model.block_drafter is not None:
+            drafter.fit_block(model.block_drafter.spec.max_draft)
         self.model = model
         k = num_draft_tokens  # kept in the row (``max_k``), its one home
         self.params = sampling

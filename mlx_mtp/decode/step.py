@@ -240,7 +240,7 @@ class DecodeBatch:
         return block_context.fit_plans(self, [
             DraftPlan([], kb) if off or r.drafter is None or r.schedule is not None
             or r.sampler.grammar is not None
-            else r.drafter.plan(kb, r.can_draft(), len(self.rows), costs)
+            else r.drafter.plan(kb, r.can_draft(), len(self.rows), costs, r.max_k)
             for r, kb in zip(self.rows, ks)])
 
     def finish(self, p: _Pending) -> List[StepOutput]:

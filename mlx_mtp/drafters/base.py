@@ -4,8 +4,9 @@ A step drafts each row's positions from up to two sources: the row's drafter (a
 ``Drafter``: its tokens come first) and the checkpoint's MTP head chained after them
 (``mtp_head.py``). ``DraftPlan`` is one row's share of a step. The chooser
 (``decode/draft_source.py``) prices a plan with the one step-cost table: a position
-verified costs ``verify(k)``, and a source whose ``cost`` is ``HEAD_PASSES`` adds one
-head pass per position it chains through.
+verified costs ``verify(k)``, a source whose ``cost`` is ``HEAD_PASSES`` adds one
+head pass per position it chains through, and one whose ``cost`` is ``BLOCK_PASS`` adds its
+drafter's one pass (``costs.StepCosts.block_pass``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import ClassVar, List, Sequence
 HEAD = "mtp"  # the MTP head chain's name (``mtp_head.py``): its registry value and estimates
 HEAD_PASSES = "head"  # a head pass per drafted position (``costs.StepCosts.head_pass``)
 NO_PASS = "none"  # nothing beyond the positions the trunk verifies
+BLOCK_PASS = "block"  # one pass of the model's block drafter per step (drafters/block)
 # A row drafter's tokens verified per step at most; the head may chain MAX_DRAFT_TOKENS
 # after them (models/cache/window.py keeps that many positions to roll back).
 MAX_DRAFTER_TOKENS = 32
@@ -44,7 +46,7 @@ class Drafter:
 
     Declared per kind (the step and the chooser read these, never the class):
     ``name``: its key in the registry and in acceptance estimates; ``cost``: what its
-    drafts add to a step (``NO_PASS`` or ``HEAD_PASSES``); ``deterministic``: a
+    drafts add to a step (``NO_PASS``, ``HEAD_PASSES`` or ``BLOCK_PASS``); ``deterministic``: a
     proposal is a function of tokens already emitted, so its ``q`` is one-hot and
     ``sampling.verify`` takes it in index form (a source with a ``q`` of its own, as the
     head, is not); ``needs_taps``: it reads trunk hidden states at layers

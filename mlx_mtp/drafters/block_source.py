@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import List
 
-from .base import MAX_DRAFTER_TOKENS, NO_PASS, Drafter
+from .base import BLOCK_PASS, MAX_DRAFTER_TOKENS, Drafter
 
 
 class BlockSource(Drafter):
     name = "block"
-    cost = NO_PASS  # its pass is not priced yet: the chooser does not weigh it (issue 36 item 5)
+    cost = BLOCK_PASS  # the chooser prices its pass (decode/costs.py::StepCosts.block_pass)
     deterministic = False
     needs_taps = True
 

@@ -19,6 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from ..decode.block_context import NO_IMAGES
 from ..models.vision.images import (ImageBatch, ImageError, ImageLimits, check_count,
                                     check_mime, decode_image, read_image_file)
 from .protocol import bad_request
@@ -104,6 +105,10 @@ def image_url(part: dict, where: str) -> Optional[str]:
 def no_images(where: str):
     return bad_request(f"{where}: this model takes no images (its checkpoint has no vision "
                        "tower)", param="messages", code="invalid_image")
+
+
+def no_images_with_block_drafter(where: str):
+    return bad_request(f"{where}: {NO_IMAGES}", param="messages", code="invalid_image")
 
 
 def engine_kwargs(state, prepared) -> dict:

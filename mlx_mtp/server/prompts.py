@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ..decode.prompt import chat_template_args
-from .images import image_url, no_images
+from .images import image_url, no_images, no_images_with_block_drafter
 from .parsers import OutputParser
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 
@@ -267,6 +267,8 @@ def _with_images(state: ServerState, ids: List[int], messages: List[dict]):
         return ids, None
     if state.images is None:
         raise no_images(urls[0][1])
+    if state.block_drafter:
+        raise no_images_with_block_drafter(urls[0][1])
     return state.images.prepare(ids, urls)
 
 

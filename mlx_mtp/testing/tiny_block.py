@@ -9,7 +9,10 @@ from typing import Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..drafters.block.dflash import DFlash
+from ..drafters.block import KINDS
+from ..drafters.block.config import parse_block_config
+
+BODY_KINDS = ("dflash", "dflash2", "dspark")  # the DFlash-lineage kinds that decode
 
 
 def dflash_config(hidden: int, vocab: int, taps: Sequence[int], num_target_layers: int,
@@ -25,15 +28,43 @@ def dflash_config(hidden: int, vocab: int, taps: Sequence[int], num_target_layer
             **extra}
 
 
-def make_tiny_dflash(path, hidden: int, vocab: int, taps: Sequence[int],
-                     num_target_layers: int, seed: int = 0, **kw) -> Path:
-    """A random-weight DFlash drafter saved as z-lab ships one (no embedding, no head)."""
+def block_config(kind: str, hidden: int, vocab: int, taps: Sequence[int],
+                 num_target_layers: int, **kw) -> dict:
+    """``kind``'s ``config.json`` in its published layout: z-lab's for DFlash and DFlash2
+    (a kernel-2 convolution, a top-4 selector), DeepSpec's for DSpark (a rank-8 Markov head,
+    no confidence head, every slot predicting)."""
+    config = dflash_config(hidden, vocab, taps, num_target_layers, **kw)
+    if kind == "dflash2":
+        config.update(architectures=["DFlash2DraftModel"], is_causal=False)
+        config["dflash_config"].update(conv_kernel_size=2, conv_group_size=hidden // 4,
+                                       selector_rank=8, selector_top_k=4)
+    elif kind == "dspark":
+        zlab = config.pop("dflash_config")
+        config.update(architectures=["Qwen3DSparkModel"], tie_word_embeddings=False,
+                      markov_rank=8, enable_confidence_head=False, **zlab)
+    return config
+
+
+def make_tiny_block(path, kind: str, hidden: int, vocab: int, taps: Sequence[int],
+                    num_target_layers: int, seed: int = 0, own_embed_head: bool = True,
+                    **kw) -> Path:
+    """A random-weight ``kind`` drafter saved as its packaging ships one (the DFlash kinds
+    without an embedding and head; DSpark with its own unless ``own_embed_head`` is off)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = dflash_config(hidden, vocab, taps, num_target_layers, **kw)
+    config = block_config(kind, hidden, vocab, taps, num_target_layers, **kw)
     mx.random.seed(seed)
-    weights = {k: mx.random.normal(v.shape) * (0.3 if v.ndim == 2 else 0.1) + (v.ndim == 1)
-               for k, v in tree_flatten(DFlash.from_config(config).parameters())}
+    params = tree_flatten(KINDS[kind](parse_block_config(config)).parameters())
+    weights = {k.replace("codebook.weight", "codebook"):  # DFlash2's published names
+               mx.random.normal(v.shape) * (0.3 if v.ndim == 2 else 0.1) + (v.ndim == 1)
+               for k, v in params
+               if own_embed_head or k not in ("embed_tokens.weight", "lm_head.weight")}
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+def make_tiny_dflash(path, hidden: int, vocab: int, taps: Sequence[int],
+                     num_target_layers: int, seed: int = 0, **kw) -> Path:
+    """A random-weight DFlash drafter saved as z-lab ships one (no embedding, no head)."""
+    return make_tiny_block(path, "dflash", hidden, vocab, taps, num_target_layers, seed, **kw)

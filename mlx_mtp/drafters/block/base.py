@@ -8,9 +8,10 @@ Terms (one meaning each, used by every kind):
   drafter layer's K/V once (raw taps are never kept beyond a step).
 - anchor: the row's last emitted token; a pass drafts the positions after it.
 
-A kind (``dflash.py``, ``dflash2.py``, ``dspark.py``, ``eagle3.py``) parses its config into a
-``BlockSpec`` and implements ``BlockDraftModel``; ``KINDS`` in ``__init__.py`` maps the kind
-name to its class.
+A kind (``dflash.py``, ``dflash2.py``, ``dspark.py``, ``eagle3.py``) implements
+``BlockDraftModel``, built from the ``DrafterConfig`` that ``config.py`` reads from every
+packaging (its ``spec`` a ``BlockSpec``); ``KINDS`` in ``__init__.py`` maps the kind name to
+its class, ``load.py`` loads and checks one.
 """
 
 from __future__ import annotations
@@ -52,11 +53,9 @@ class BlockDraftModel(nn.Module):
 
     spec: BlockSpec
 
-    @classmethod
-    def from_config(cls, config: dict) -> "BlockDraftModel":
-        """The drafter its ``config.json`` describes, weights not loaded (``load.py`` loads
-        them); ValueError/KeyError name what the config lacks."""
-        raise NotImplementedError
+    def sanitize(self, weights: dict) -> dict:
+        """The checkpoint's tensors under this model's names (kinds that rename override)."""
+        return weights
 
     def bind(self, embed: Callable[[mx.array], mx.array],
              head: Callable[[mx.array], mx.array]):

@@ -4,10 +4,11 @@ layer around it, and the body every DFlash-lineage kind runs (``ContextDrafter``
 the taps, ``hidden_norm``, the layers, the final ``norm``).
 
 The context is projected once, when rows are emitted (``add_context``): each layer's keys
-(normed, roped at their absolute positions) and values go into its cache (``KVCache``, a
-``WindowKVCache`` for a sliding layer; merged into their batch kinds for a batch). A pass over
-a block reads them and adds the block's own keys/values transiently, so the cache keeps the
-context only and a rejected draft leaves nothing to roll back.
+(normed, roped at their absolute positions) and values go into its ``ContextCache`` (rows of
+different lengths, merge/filter/accept like the trunk's caches, whose list it rides at the
+end of while decoding). A pass over a block reads them beside the block's own keys/values,
+which are never stored, so the cache keeps the context only and a rejected draft leaves
+nothing to roll back; a sliding layer's mask limits the context to its window.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ...models.cache import prepare_chunk
-from ...models.cache.kv import KVCache
-from ...models.cache.window import WindowKVCache
+from ...models.cache.context import ContextCache
 from .base import BlockDraftModel
 
 if TYPE_CHECKING:
@@ -62,15 +62,15 @@ def layer_attention(config: "DrafterConfig", i: int) -> Tuple[bool, Optional[int
 
 class ContextAttention(nn.Module):
     """Queries from the block; keys/values from [cached context, block]. ``causal``: a block
-    row sees the context and the block rows up to itself (else the whole block); the
-    cache's mask limits the context to a sliding window where the layer has one."""
+    row sees the context and the block rows up to itself (else the whole block); ``window``:
+    a block row sees the context rows within that many positions (None: all)."""
 
-    def __init__(self, args: DraftArgs, causal: bool = False):
+    def __init__(self, args: DraftArgs, causal: bool = False, window: Optional[int] = None):
         super().__init__()
         dim, hd = args.hidden_size, args.head_dim
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
         self.scale = hd ** -0.5
-        self.causal = causal
+        self.causal, self.window = causal, window
         self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=False)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
@@ -83,28 +83,19 @@ class ContextAttention(nn.Module):
         B, L, _ = x.shape
         return x.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
 
-    def _keys_values(self, x: mx.array, offset: int):
+    def _keys_values(self, x: mx.array, offset: mx.array):
         keys = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=offset)
         return keys, self._heads(self.v_proj(x), self.n_kv_heads)
 
     def add_context(self, ctx: mx.array, cache):
         cache.update_and_fetch(*self._keys_values(ctx, cache.offset))
 
-    def __call__(self, x: mx.array, cache) -> mx.array:
-        """``cache``: a ``KVCache``, or a ``BatchKVCache`` whose rows hold contexts of
-        different lengths (each row's block then sits at its own position)."""
+    def __call__(self, x: mx.array, cache: ContextCache) -> mx.array:
+        """Each row's block sits right after its own context (rows may differ in length)."""
         B, L, _ = x.shape
-        cache.prepare(L)  # announced for the offsets and the mask; never written
-        start = cache.offset  # the block sits right after the context
+        start = cache.positions()
         queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=start)
-        keys, values = self._keys_values(x, start)
-        stored = cache.state
-        if stored[0] is not None:
-            keys = mx.concatenate([stored[0], keys], axis=2)
-            values = mx.concatenate([stored[1], values], axis=2)
-        mask = cache.make_mask(L, return_array=True)  # causal, windows, a batch's holes
-        if mask is not None and not self.causal:
-            mask = mask | (mx.arange(keys.shape[2]) >= keys.shape[2] - L)
+        keys, values, mask = cache.attend(*self._keys_values(x, start), self.causal, self.window)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale,
                                                    mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -117,7 +108,7 @@ class ContextLayer(nn.Module):
         super().__init__()
         args = config.args
         causal, self.window = layer_attention(config, i)
-        self.self_attn = ContextAttention(args, causal)
+        self.self_attn = ContextAttention(args, causal, self.window)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -150,8 +141,7 @@ class ContextDrafter(BlockDraftModel):
         return self
 
     def make_cache(self) -> list:
-        return [WindowKVCache(layer.window) if layer.window else KVCache()
-                for layer in self.layers]
+        return [ContextCache.empty(1) for _ in self.layers]
 
     def add_context(self, taps: Sequence[mx.array], cache: list, tokens=None, lengths=None):
         ctx = self.hidden_norm(self.fc(mx.concatenate(list(taps), axis=-1)))

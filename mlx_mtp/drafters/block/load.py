@@ -15,9 +15,7 @@ from ...models.io.loader import resolve_model_path, weight_files
 from ...models.io.split_drafter import is_drafter_config
 from . import KINDS
 from .base import BlockDraftModel
-
-# config ``architectures`` entry -> kind (each kind's packaging adds its line)
-ARCHITECTURES = {"DFlashDraftModel": "dflash"}
+from .config import DrafterConfig, detect_kind, fit_to_tensors, parse_block_config
 
 
 class BlockDrafterError(CheckpointError):
@@ -26,11 +24,10 @@ class BlockDrafterError(CheckpointError):
 
 def kind_of(config: dict) -> Optional[str]:
     """The block-drafter kind a config declares (None: not a block drafter it knows)."""
-    archs = config.get("architectures")
-    for arch in archs if isinstance(archs, list) else []:
-        if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch]
-    return None
+    try:
+        return detect_kind(config)
+    except ValueError as e:
+        raise BlockDrafterError(str(e)) from None
 
 
 def kind_for(spec: str, kind: Optional[str] = None) -> Optional[str]:
@@ -47,6 +44,14 @@ def kind_for(spec: str, kind: Optional[str] = None) -> Optional[str]:
     return kind
 
 
+def parse(config: dict, kind: Optional[str], where: str) -> DrafterConfig:
+    """``parse_block_config``, its ValueError as one ``BlockDrafterError`` line."""
+    try:
+        return parse_block_config(config, kind)
+    except ValueError as e:
+        raise BlockDrafterError(f"{where}: unusable block drafter config: {e}") from None
+
+
 def read_config(spec: str) -> tuple:
     """(local directory, config) of the drafter ``spec`` names (a hub id is downloaded)."""
     path = resolve_model_path(str(spec))
@@ -56,20 +61,15 @@ def read_config(spec: str) -> tuple:
 def load_block_drafter(spec: str, kind: Optional[str] = None) -> BlockDraftModel:
     """The drafter at ``spec`` (``kind``: when its config does not say), weights loaded."""
     path, config = read_config(spec)
-    kind = kind_of(config) or kind
-    if kind not in KINDS:
-        raise BlockDrafterError(
-            f"{spec}: not a block drafter mlx-mtp knows (config architectures "
-            f"{config.get('architectures')}); --draft-kind takes {sorted(KINDS)} or mtp")
-    try:
-        drafter = KINDS[kind].from_config(config)
-    except (KeyError, TypeError, ValueError) as e:
-        raise BlockDrafterError(f"{spec}: unusable {kind} config: {e}") from None
+    parsed = parse(config, kind, str(spec))
+    if parsed.kind == "eagle3":
+        raise BlockDrafterError(f"{spec}: EAGLE-3 drafters run standalone only for now")
     weights = {k: v for f in weight_files(path) for k, v in load_safetensors(f).items()}
     try:
-        drafter.load_weights(list(weights.items()))
+        drafter = KINDS[parsed.kind](fit_to_tensors(parsed, weights))
+        drafter.load_weights(list(drafter.sanitize(weights).items()))
     except ValueError as e:
-        raise BlockDrafterError(f"{spec}: the {kind} weights do not fit its config: "
+        raise BlockDrafterError(f"{spec}: the {parsed.kind} weights do not fit its config: "
                                 f"{str(e).splitlines()[0]}") from None
     drafter.eval()
     mx.eval(drafter.parameters())
@@ -109,14 +109,9 @@ def attach_block_drafter(model, spec: str, kind: Optional[str] = None) -> BlockD
 
 def describe(config: dict) -> Optional[dict]:
     """What ``inspect`` says of a block drafter's config (None: not one)."""
-    kind = kind_of(config)
-    if kind is None:
+    if kind_of(config) is None:
         return None
-    try:
-        spec = KINDS[kind].from_config(config).spec
-    except (KeyError, TypeError, ValueError) as e:
-        raise BlockDrafterError(f"unusable {kind} config: {e}") from None
-    return {"kind": kind, "taps": list(spec.target_layer_ids), "block_size": spec.block_size,
+    spec = parse(config, None, "drafter").spec
+    return {"kind": spec.kind, "taps": list(spec.target_layer_ids), "block_size": spec.block_size,
             "max_draft": spec.max_draft, "hidden_size": spec.hidden_size,
             "vocab_size": spec.vocab_size}
-

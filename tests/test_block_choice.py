@@ -1,0 +1,108 @@
+"""The chooser prices the block drafter's pass (decode/draft_source.py, decode/costs.py):
+one more cost kind in the step-cost table, and a row that drafts from the block drafter
+pauses it, like the head, when its measured acceptance does not pay for the pass. Decided
+on a synthetic cost table and synthetic acceptance, not by timing."""
+
+import pytest
+
+from mlx_mtp.decode.costs import StepCosts
+from mlx_mtp.decode.draft_source import DraftPlan, DraftSources
+
+PLAIN, PER_POSITION, HEAD_PASS = 10.0, 0.5, 2.0  # ms: a step, a verified position, a head pass
+WIDTH = 4  # the block drafter's drafts per pass
+
+
+def _costs(block_pass=6.0, head_pass=HEAD_PASS) -> StepCosts:
+    """Measured steps: verifies of 0, 2, 4 and 8 positions, the same after a block pass,
+    and head chains of 2 and 4."""
+    costs = StepCosts()
+    for _ in range(3):
+        for k in (0, 2, 4, 8):
+            costs.observe(1, k, 0, PLAIN + PER_POSITION * k)
+            costs.observe(1, k, 0, PLAIN + PER_POSITION * k + block_pass, block=1)
+        for k in (2, 4):
+            costs.observe(1, k, k, PLAIN + (PER_POSITION + head_pass) * k)
+    return costs
+
+
+def _seconds(plan: DraftPlan, block_pass=6.0) -> float:
+    """What the synthetic machine takes for a row's step."""
+    return (PLAIN + PER_POSITION * plan.total + HEAD_PASS * plan.head
+            + (block_pass if plan.block else 0.0))
+
+
+def _row(source="block"):
+    d = DraftSources(source).drafter()
+    d.fit_block(WIDTH)
+    return d
+
+
+def test_the_block_pass_is_a_cost_kind_of_its_own():
+    costs = _costs()
+    assert costs.block_pass(1) == pytest.approx(6.0)
+    assert costs.predict_plan(1, 3, 0, block=1) == pytest.approx(PLAIN + 1.5 + 6.0)
+    assert costs.predict_plan(1, 3, 0) == pytest.approx(PLAIN + 1.5)  # no pass, no cost
+    assert costs.verify(1, 4) == pytest.approx(PLAIN + 2.0)  # block steps leave it alone
+    assert costs.head_pass(1) == pytest.approx(HEAD_PASS)
+    assert costs.predict(1, 4) == pytest.approx(PLAIN + 10.0)  # the K policy's head cell
+    assert (1, 4, 0) in costs.block_cells and costs.cells[(1, 4, 0)][0] == PLAIN + 2.0
+    costs.observe(1, 6, 6, PLAIN + 3.0 + 6 * HEAD_PASS + 6.0, block=1)  # block + head chain
+    assert costs.block_pass(1) == pytest.approx(6.0)
+    assert StepCosts().block_pass(1) == 0.0  # unmeasured: optimistic, as the head pass
+
+
+def test_a_useless_drafter_pauses_and_runs_at_least_095_of_plain():
+    """Nothing it drafts lands: it drafts until its upper estimate stops paying, then
+    probes now and then (doubling gaps); over 400 steps the row emits tokens at >= 0.95x
+    the plain rate of the same machine."""
+    row, costs = _row(), _costs()
+    tokens, seconds, drafting = 0, 0.0, []
+    for _ in range(400):
+        plan = row.plan(0, True, 1, costs, cap=WIDTH)
+        row.record(plan, 0)
+        tokens, seconds = tokens + 1, seconds + _seconds(plan)
+        drafting.append(plan.block > 0)
+    assert tokens / seconds >= 0.95 / PLAIN
+    assert drafting[0] and not all(drafting[-100:]) and any(drafting[50:])  # paused, probed
+
+
+def test_a_drafter_that_lands_drafts_its_whole_block_even_with_the_head_paused():
+    row, costs = _row(), _costs()
+    for _ in range(10):
+        row.record(DraftPlan(block=WIDTH), WIDTH)
+    assert row.plan(0, True, 1, costs, cap=WIDTH) == DraftPlan(block=WIDTH)
+    assert row.plan(0, True, 1, costs, cap=2) == DraftPlan(block=2)  # the row's own K
+    assert row.plan(0, False, 1, costs, cap=WIDTH) == DraftPlan()  # the row cannot draft
+
+
+def test_the_price_of_the_pass_decides_at_the_same_acceptance():
+    """Half of each position's drafts land: worth a 6 ms pass (1.94 tokens in 17 ms against
+    1 in 10), not a 30 ms one."""
+    for block_pass, drafts in ((6.0, True), (30.0, False)):
+        row, costs = _row(), _costs(block_pass)
+        for n in [0, 1, 2, 1, 0, 3, 1, 0, 4, 1] * 10:  # a_j about 1/2 at each position
+            row.record(DraftPlan(block=WIDTH), n)
+        assert (row.plan(0, True, 1, costs, cap=WIDTH).block > 0) is drafts, block_pass
+
+
+def test_block_mtp_picks_the_head_or_the_block_by_their_acceptance():
+    """``block+mtp``: the head alone where the block drafter misses and the head lands; the
+    block where the block drafter lands; extended by the head past it where the head lands
+    too and its passes (fed every block token) are cheap enough."""
+    costs = _costs()
+    row = _row("block+mtp")
+    for _ in range(20):
+        row.record(DraftPlan(block=WIDTH), 0)
+        row.record(DraftPlan([], 4), 4)
+    assert row.plan(4, True, 1, costs, cap=4) == DraftPlan([], 4)
+    row = _row("block+mtp")
+    for _ in range(20):
+        row.record(DraftPlan(block=WIDTH), WIDTH)
+        row.record(DraftPlan([], 4), 0)
+    assert row.plan(4, True, 1, costs, cap=4) == DraftPlan(block=WIDTH)
+    for head_pass, plan in ((HEAD_PASS, DraftPlan(block=WIDTH)),
+                            (0.25, DraftPlan(block=WIDTH + 2))):
+        row = _row("block+mtp")
+        for _ in range(20):
+            row.record(DraftPlan(block=WIDTH, head=2), WIDTH + 2)  # both land
+        assert row.plan(4, True, 1, _costs(head_pass=head_pass), cap=WIDTH + 2) == plan
