@@ -116,7 +116,7 @@ def test_forced_tool_choice_yields_function_call(server, gpt):  # noqa: F811
     ({"input": "hi", "previous_response_id": "resp_123"}, 400, "stateless"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
-     "input_image"),
+     "takes no images"),  # a model without a vision tower (tests/test_vision_server.py: with)
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "stateless"),
     ({"input": "hi", "max_output_tokens": 100000}, 400, "context length"),
     ({"input": "hi", "model": "gpt-nope"}, 404, "gpt-nope"),

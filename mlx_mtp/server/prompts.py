@@ -213,6 +213,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, tok=None) -> Pr
         raise bad_request("This model has no chat template; use /v1/completions.",
                           param="messages")
     messages = _template_messages(req)
+    urls = _image_urls(state, messages)  # a server without images says so, not its template
     forced = forced_tool(req)
     if forced is not None and state.tool_call_parser == "none":
         raise bad_request("tool_choice needs tool-call parsing, which this server has off "
@@ -245,7 +246,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, tok=None) -> Pr
     if not ids:
         raise bad_request("The prompt is empty after applying the chat template.",
                           param="messages")
-    ids, images = _with_images(state, ids, messages)
+    ids, images = state.images.prepare(ids, urls) if urls else (ids, None)
     # Reusable prefix boundaries: after the first turn (shared system prompts),
     # before the final generation header (the history, reused by the next
     # turn), and the whole prompt (repeats).
@@ -259,17 +260,15 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, tok=None) -> Pr
                         prefix, images)
 
 
-def _with_images(state: ServerState, ids: List[int], messages: List[dict]):
-    """(ids with the images' placeholders expanded, the images), or (ids, None)."""
+def _image_urls(state: ServerState, messages: List[dict]) -> list:
+    """The messages' image parts as (url, where), checked usable on this server."""
     urls = [(p["url"], p["where"]) for m in messages if isinstance(m["content"], list)
             for p in m["content"] if p["type"] == "image"]
-    if not urls:
-        return ids, None
-    if state.images is None:
+    if urls and state.images is None:
         raise no_images(urls[0][1])
-    if state.block_drafter:
+    if urls and state.block_drafter:
         raise no_images_with_block_drafter(urls[0][1])
-    return state.images.prepare(ids, urls)
+    return urls
 
 
 def prepare_completion(state: ServerState, req: CompletionRequest, tok=None) -> List[int]:
