@@ -17,7 +17,8 @@ from mlx.utils import tree_flatten
 from mlx_mtp.convert.main import convert
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import generate_step
-from mlx_mtp.models.distributed import DistributedError, choose_mode, split_layers
+from mlx_mtp.models.distributed import DistributedError, choose_mode
+from mlx_mtp.models.split_plan import split_layers
 from mlx_mtp.models.blocks.hybrid import HybridArgs
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny import make_tiny
@@ -109,8 +110,8 @@ def runs(models, tmp_path_factory):
     jobs += [{"name": f"seeded-{mode}", "model": str(models["moe"]), "mode": mode,
               "ks": [0, 2], "temp": 1.0, "seed": 11} for mode in ("pipeline", "tensor")]
     cap = int(MEMORY_MODEL_BYTES_FRACTION * model_bytes(models["deep"]))
-    jobs.append({"name": "memory-cap", "model": str(models["deep"]), "mode": "pipeline",
-                 "ks": [0, 2], "memory_limit": cap})
+    jobs += [{"name": f"memory-cap-{mode}", "model": str(models["deep"]), "mode": mode,
+              "ks": [0, 2], "memory_limit": cap} for mode in ("pipeline", "tensor")]
     for j in jobs:
         j.update(prompt=PROMPT, max_tokens=MAX_TOKENS)
     d = tmp_path_factory.mktemp("runs")
@@ -151,8 +152,9 @@ def test_pipeline_splits_layers_and_keeps_the_head_on_rank_0(runs):
     assert r1["messages"] > 0 and r0["bytes_sent"] < r1["bytes_sent"]
 
 
-def test_model_over_a_per_rank_memory_cap_runs_split(runs, models):
-    job, r0, r1 = runs["memory-cap"]
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_model_over_a_per_rank_memory_cap_runs_split(runs, models, mode):
+    job, r0, r1 = runs[f"memory-cap-{mode}"]
     assert r0["tokens"] == single_process(job["model"], job["ks"])
     whole = model_bytes(models["deep"])
     assert job["memory_limit"] < whole  # the whole model does not fit one rank's cap

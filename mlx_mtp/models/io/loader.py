@@ -294,8 +294,25 @@ def load_model(
     _upcast_cpu_experts(model)
     model.eval()
     if not lazy:
+        check_fits_memory(parameter_bytes(model), f"{path}: its weights")
         mx.eval(model.parameters())
     return model, config
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters, from their shapes (lazy ones are not read)."""
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
+def check_fits_memory(needed: int, what: str, instead: str = "split it over several "
+                      "machines (--distributed, docs/distributed.md)") -> None:
+    """Refuse, before any tensor is read, weights over this process's memory limit
+    (``mx.set_memory_limit``; MLX's default is sized from the machine's memory)."""
+    limit = mx.get_memory_limit()
+    if needed > limit:
+        gb = 1 << 30
+        raise ModelLoadError(f"{what} need {needed / gb:.2f} GB, over this process's memory "
+                             f"limit of {limit / gb:.2f} GB: {instead}")
 
 
 def _has_head(path: Path) -> bool:
@@ -386,6 +403,7 @@ def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str]
     check_tokenizer_fits(model, tokenizer, p)
     _attach_vision(model, p, config, vision)
     if not lazy:
+        check_fits_memory(parameter_bytes(model), f"{p}: its weights")
         mx.eval(model.parameters())
     return model, tokenizer
 
