@@ -6,7 +6,7 @@ decoding such a split model over two real ranks under the same cap is
 ``test_distributed.py::test_model_over_a_per_rank_memory_cap_runs_split``.
 """
 
-from pathlib import Path
+import json
 
 import mlx.core as mx
 import pytest
@@ -15,6 +15,7 @@ from mlx_mtp.cli import main
 from mlx_mtp.models.distributed import load_distributed
 from mlx_mtp.models.io.loader import ModelLoadError, load_model, parameter_bytes
 from mlx_mtp.testing.tiny import make_tiny
+from mlx_mtp.testing.tiny_attention import make_tiny as make_tiny_attention
 
 CAP_FRACTION = 0.7  # per-process memory limit, as a fraction of the whole model's weights
 
@@ -110,3 +111,48 @@ def test_a_rank_over_its_limit_is_refused_before_reading(deep, whole, memory_lim
         load_distributed(str(deep), "pipeline", RankOf(1, 2))
     assert "\n" not in str(e.value)
     assert mx.get_peak_memory() - base < 0.05 * whole  # refused from the headers: nothing read
+
+
+def inspect_json(capsys, *argv) -> dict:
+    assert main(["inspect", *map(str, argv), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_inspect_ranks_plans_what_each_rank_loads(deep, whole, capsys, mode):
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    report = inspect_json(capsys, deep, "--ranks", 2, "--distributed", mode)
+    # headers and shapes only: under 1% of the model allocated (a layer is 7% of it)
+    assert mx.get_peak_memory() - base < 0.01 * whole
+    plan = report["ranks"]
+    assert plan["mode"] == mode and plan["mtp_head_ranks"] == ([0] if mode == "pipeline"
+                                                               else [0, 1])
+    memory = report["memory"]
+    for r in plan["per_rank"]:
+        model, _ = load_distributed(str(deep), mode, RankOf(r["rank"], 2))
+        held = parameter_bytes(model.inner)
+        if mode == "pipeline":  # the plan is the split the load makes, byte for byte
+            assert tuple(r["layers"]) == model.layer_range and r["weights_bytes"] == held
+        else:  # estimated: the MTP layer counted whole, norms counted split
+            assert r["layers"] == [0, 12] and abs(r["weights_bytes"] - held) < 0.1 * held
+        del model
+    kv = [r["kv_bytes_per_1k_tokens"] for r in plan["per_rank"]]
+    state = [r["state_bytes_per_sequence"] for r in plan["per_rank"]]
+    assert sum(kv) == memory["kv_bytes_per_1k_tokens"]  # every layer's cache on one rank
+    assert sum(state) == memory["state_bytes_per_sequence"]  # (or split by heads)
+    if mode == "tensor":
+        assert kv[0] == kv[1] and state[0] == state[1]
+
+
+def test_inspect_ranks_says_which_split_is_not_available(tmp_path, capsys):
+    mimo = make_tiny_attention(tmp_path / "mimo", "mimo", "random")
+    report = inspect_json(capsys, mimo, "--ranks", 2)
+    assert report["ranks"]["mode"] == "pipeline"
+    assert report["ranks"]["unavailable"] == {"tensor": "mimo has no tensor split"}
+    assert main(["inspect", str(mimo), "--ranks", "2"]) == 0
+    assert "no tensor    mimo has no tensor split" in capsys.readouterr().out
+    assert main(["inspect", str(mimo), "--ranks", "2", "--distributed", "tensor"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no tensor split" in err and "Traceback" not in err
