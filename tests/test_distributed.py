@@ -66,13 +66,17 @@ def launch(*argv, timeout=TIMEOUT, progress=None) -> subprocess.CompletedProcess
         pytest.fail(f"mlx.launch did not finish in {timeout}s; ranks' progress: {logs}")
 
 
-def single_process(path, ks, temp=0.0, seed=None) -> dict:
-    model, _ = load_model(Path(path), mtp=max(ks) > 0)
+def single_process(path, ks, temp=0.0, seed=None, mtp_model=None, accepted=False) -> dict:
+    """The ids per K decoded in this process (``accepted``: also the accepted drafts)."""
+    model, _ = load_model(Path(path), mtp=max(ks) > 0, mtp_model=mtp_model)
     sampling = SamplingParams(temperature=temp, seed=seed)
-    return {str(k): [t for t, _, _ in generate_step(PROMPT, model, num_draft_tokens=k,
-                                                    sampling=sampling, max_tokens=MAX_TOKENS,
-                                                    adaptive=False)]
-            for k in ks}
+    out = {str(k): list(generate_step(PROMPT, model, num_draft_tokens=k, sampling=sampling,
+                                      max_tokens=MAX_TOKENS, adaptive=False))
+           for k in ks}
+    tokens = {k: [t for t, _, _ in o] for k, o in out.items()}
+    if accepted:
+        return tokens, {k: sum(d for _, _, d in o) for k, o in out.items()}
+    return tokens
 
 
 def model_bytes(path) -> int:
@@ -99,6 +103,11 @@ def models(tmp_path_factory):
     }
     out["q8"] = root / "q8"  # MLX layout, quantized
     convert(out["dense"], out["q8"], quantize=True, q_bits=8, q_group_size=32, verbose=False)
+    # a trunk and its split MTP drafter (mlx-vlm's layout), 8-bit like q8
+    source = make_tiny(root / "pair-src", "qwen3_5", head="noisy", trunk_scale=0.2, seed=7)
+    out["pair"], out["pair-mtp"] = root / "pair", root / "pair-MTP"
+    convert(source, out["pair"], split_mtp=out["pair-mtp"], quantize=True, q_bits=8,
+            q_group_size=32, mtp_bits=8, verbose=False)
     return out
 
 
@@ -112,6 +121,8 @@ def runs(models, tmp_path_factory):
     cap = int(MEMORY_MODEL_BYTES_FRACTION * model_bytes(models["deep"]))
     jobs += [{"name": f"memory-cap-{mode}", "model": str(models["deep"]), "mode": mode,
               "ks": [0, 2], "memory_limit": cap} for mode in ("pipeline", "tensor")]
+    jobs += [{"name": f"split-drafter-{mode}", "model": str(models["pair"]), "mode": mode,
+              "ks": KS, "mtp_model": str(models["pair-mtp"])} for mode in ("pipeline", "tensor")]
     for j in jobs:
         j.update(prompt=PROMPT, max_tokens=MAX_TOKENS)
     d = tmp_path_factory.mktemp("runs")
@@ -162,6 +173,20 @@ def test_model_over_a_per_rank_memory_cap_runs_split(runs, models, mode):
         # each rank materialised its own part only (never the other rank's tensors)
         assert r["loaded"]["active"] <= job["memory_limit"], (r["loaded"], whole)
         assert r["loaded"]["peak"] <= job["memory_limit"], (r["loaded"], whole)
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_split_drafter_drafts_on_the_head_rank(runs, mode):
+    """--mtp-model with --distributed: the drafter's head is loaded where the model's own
+    would be (pipeline: rank 0; tensor: split by heads on every rank)."""
+    job, r0, r1 = runs[f"split-drafter-{mode}"]
+    tokens, accepted = single_process(job["model"], KS, mtp_model=job["mtp_model"],
+                                      accepted=True)
+    assert r0["tokens"] == tokens and r1["tokens"] == tokens  # K = 0..3, the plain output
+    assert tokens["0"] == single_process(job["model"], [0])["0"]
+    assert all(r0["accepted"][str(k)] > 0 for k in KS[1:])  # the drafter's head drafts
+    if mode == "pipeline":  # rank 0 runs the head as one process does
+        assert r0["accepted"] == accepted
 
 
 def test_cli_generate_distributed(models):

@@ -335,8 +335,11 @@ def _hidden_dtype(text) -> mx.Dtype:
 
 
 def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None,
-                     mtp: bool = True, mtp_hidden: Optional[str] = None, dtype=None):
+                     mtp: bool = True, mtp_hidden: Optional[str] = None, dtype=None,
+                     mtp_model=None):
     """Load this rank's part of the model at ``path``; returns (model, tokenizer).
+    ``mtp_model``: a split MTP drafter whose head replaces the model's, held where the
+    head is (pipeline: rank 0; tensor: split by heads like the model's own MTP layers).
 
     The checkpoint's tensors are opened lazily and this rank's share checked against its
     memory limit before any is read; a rank then reads only the tensors it keeps (in
@@ -344,7 +347,7 @@ def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None
     """
     group = group or mx.distributed.init()
     p = resolve_model_path(path)
-    model, config = open_lazily(p, mtp, mtp_hidden, dtype)
+    model, config = open_lazily(p, mtp, mtp_hidden, dtype, mtp_model)
     text = model.text
     kinds = model.capabilities.splits
     if not kinds:

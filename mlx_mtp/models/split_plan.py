@@ -14,9 +14,8 @@ from typing import List, Optional, Sequence, Tuple
 
 from mlx.utils import tree_flatten
 
-from .io import layout
-from .io.loader import (ModelLoadError, build_model, model_config, parameter_bytes,
-                        quantize_and_cast, read_weights)
+from .io.loader import (ModelLoadError, build_model, loadable_weights, model_config,
+                        parameter_bytes, read_drafter)
 
 
 class DistributedError(ModelLoadError):
@@ -53,14 +52,14 @@ class RankShare:
 
 
 def open_lazily(path: Path, mtp: bool = True, mtp_hidden: Optional[str] = None,
-                dtype=None):
+                dtype=None, mtp_model=None):
     """The model for the checkpoint at ``path`` with its weights attached unread; returns
     (model, config). Every rank decides the dtype from the whole checkpoint, so all pick
-    the same one."""
+    the same one. ``mtp_model``: a split MTP drafter whose head replaces the model's."""
     config = model_config(path, mtp, mtp_hidden)
+    drafter = read_drafter(mtp_model, config, path) if mtp and mtp_model else None
     model = build_model(config, path / "config.json")
-    weights = model.sanitize(read_weights(path))
-    weights = quantize_and_cast(model, weights, layout.config_quantization(config), dtype)
+    weights = loadable_weights(model, path, config, dtype, drafter)
     wanted = {k for k, _ in tree_flatten(model.parameters())}
     missing = sorted(wanted - weights.keys())
     if missing:

@@ -249,6 +249,22 @@ def quantize_and_cast(model: nn.Module, weights: dict, quantization: Optional[di
             for k, v in weights.items()}
 
 
+def loadable_weights(model: nn.Module, path: Path, config: dict, dtype=None,
+                     drafter=None) -> dict:
+    """The checkpoint's weights, opened lazily, sanitized, quantized and cast as ``model``
+    takes them; ``drafter``: a split MTP drafter (``read_drafter``) whose head replaces
+    the checkpoint's own."""
+    weights = read_weights(path)
+    if drafter is not None:
+        weights = split_drafter.merge_into(weights, drafter)
+    weights = model.sanitize(weights)
+    quantization = layout.config_quantization(config)
+    if drafter is not None:
+        prefix = next(k for k in weights if layout.is_mtp_key(k)).split("mtp.")[0] + "mtp."
+        quantization = dict(quantization or {}, **drafter.quantization_overrides(prefix))
+    return quantize_and_cast(model, weights, quantization, dtype)
+
+
 def load_model(
     path,
     mtp: bool = True,
@@ -276,17 +292,9 @@ def load_model(
             print(f"mlx-mtp: note: {path} has no MTP head; drafting with the one in "
                   f"{mtp_model}, beside it (pass --mtp-model to choose another)",
                   file=sys.stderr)
-    drafter = _read_drafter(mtp_model, config, path) if mtp and mtp_model else None
+    drafter = read_drafter(mtp_model, config, path) if mtp and mtp_model else None
     model = build_model(config, path / "config.json")
-    weights = read_weights(path)
-    if drafter is not None:
-        weights = split_drafter.merge_into(weights, drafter)
-    weights = model.sanitize(weights)
-    quantization = layout.config_quantization(config)
-    if drafter is not None:
-        prefix = next(k for k in weights if layout.is_mtp_key(k)).split("mtp.")[0] + "mtp."
-        quantization = dict(quantization or {}, **drafter.quantization_overrides(prefix))
-    weights = quantize_and_cast(model, weights, quantization, dtype)
+    weights = loadable_weights(model, path, config, dtype, drafter)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -321,7 +329,7 @@ def _has_head(path: Path) -> bool:
                for k in read_safetensors_header(f))
 
 
-def _read_drafter(mtp_model, config: dict, path: Path):
+def read_drafter(mtp_model, config: dict, path: Path):
     """The split drafter ``mtp_model`` for the model at ``path``; records its depth in
     ``config``."""
     drafter = split_drafter.read_drafter(resolve_model_path(str(mtp_model)))
