@@ -302,7 +302,7 @@ def load_model(
     _upcast_cpu_experts(model)
     model.eval()
     if not lazy:
-        check_fits_memory(parameter_bytes(model), f"{path}: its weights")
+        check_fits_memory(parameter_bytes(model), str(path))
         mx.eval(model.parameters())
     return model, config
 
@@ -318,9 +318,12 @@ def check_fits_memory(needed: int, what: str, instead: str = "split it over seve
     (``mx.set_memory_limit``; MLX's default is sized from the machine's memory)."""
     limit = mx.get_memory_limit()
     if needed > limit:
-        gb = 1 << 30
-        raise ModelLoadError(f"{what} need {needed / gb:.2f} GB, over this process's memory "
-                             f"limit of {limit / gb:.2f} GB: {instead}")
+        raise ModelLoadError(f"{what}: {_in_mb_or_gb(needed)} of weights, over this "
+                             f"process's memory limit of {_in_mb_or_gb(limit)}: {instead}")
+
+
+def _in_mb_or_gb(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GB" if n >= 1 << 30 else f"{n / (1 << 20):.2f} MB"
 
 
 def _has_head(path: Path) -> bool:
@@ -411,7 +414,7 @@ def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str]
     check_tokenizer_fits(model, tokenizer, p)
     _attach_vision(model, p, config, vision)
     if not lazy:
-        check_fits_memory(parameter_bytes(model), f"{p}: its weights")
+        check_fits_memory(parameter_bytes(model), str(p))
         mx.eval(model.parameters())
     return model, tokenizer
 
