@@ -156,3 +156,13 @@ def test_inspect_ranks_says_which_split_is_not_available(tmp_path, capsys):
     assert main(["inspect", str(mimo), "--ranks", "2", "--distributed", "tensor"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has no tensor split" in err and "Traceback" not in err
+
+
+def test_inspect_ranks_of_a_drafter_alone_is_refused_in_one_line(deep, tmp_path, capsys):
+    from mlx_mtp.convert.main import convert
+
+    drafter = tmp_path / "m-MTP"
+    convert(deep, tmp_path / "m", split_mtp=drafter, verbose=False)
+    assert main(["inspect", str(drafter), "--ranks", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a drafter alone" in err

@@ -383,7 +383,12 @@ def run(args) -> int:
     report = inspect_model(args.model, args.kv_bits, args.kv_group_size)
     if args.distributed and args.ranks is None:
         raise CheckpointError("inspect --distributed needs --ranks N")
-    if args.ranks is not None and "block_drafter" not in report:
+    drafter = "block_drafter" in report or report["layout"] == LAYOUT_SPLIT
+    if args.ranks is not None and drafter:
+        raise CheckpointError(f"inspect --ranks: {report['path']} is a drafter alone; plan "
+                              "the model it drafts for (a split drafter's head is placed as "
+                              "the model's own)")
+    if args.ranks is not None:
         from .inspect_ranks import rank_plan
 
         where = Path(report["path"])

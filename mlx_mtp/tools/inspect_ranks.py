@@ -84,9 +84,9 @@ def rank_plan(path: Path, config: dict, memory: dict, ranks: int,
 def render_plan(plan: dict, size) -> List[tuple]:
     """Rows for ``inspect``'s report (``size``: its byte formatter)."""
     heads = plan["mtp_head_ranks"]
-    where = ("every rank (split by heads)" if len(heads) > 1 else
-             f"rank {heads[0]}" if heads else "none (no MTP head)")
-    rows = [("split", f"{plan['mode']} over {plan['ranks']} ranks; MTP head on {where}")]
+    where = ("MTP head on every rank (split by heads)" if len(heads) > 1 else
+             f"MTP head on rank {heads[0]}" if heads else "no MTP head")
+    rows = [("split", f"{plan['mode']} over {plan['ranks']} ranks; {where}")]
     for kind, why in plan["unavailable"].items():
         rows.append((f"no {kind}", why))
     for r in plan["per_rank"]:
