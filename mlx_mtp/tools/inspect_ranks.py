@@ -84,7 +84,7 @@ def rank_plan(path: Path, config: dict, memory: dict, ranks: int,
 def render_plan(plan: dict, size) -> List[tuple]:
     """Rows for ``inspect``'s report (``size``: its byte formatter)."""
     heads = plan["mtp_head_ranks"]
-    where = ("MTP head on every rank (split by heads)" if len(heads) > 1 else
+    where = ("MTP head on every rank" if len(heads) > 1 else
              f"MTP head on rank {heads[0]}" if heads else "no MTP head")
     rows = [("split", f"{plan['mode']} over {plan['ranks']} ranks; {where}")]
     for kind, why in plan["unavailable"].items():
