@@ -190,16 +190,13 @@ def block_drafter_from_args(args, distributed: bool = False):
     return path, kind
 
 
-def mtp_model_from_args(args, distributed: bool = False):
+def mtp_model_from_args(args):
     """The split drafter ``--mtp-model`` names (None: the model's own head)."""
     path = getattr(args, "mtp_model", None)
     if path is not None and (getattr(args, "no_mtp", False)
                              or getattr(args, "spec_type", None) == "none"):
         raise UserError("--mtp-model names a drafter, which --no-mtp leaves unused: drop one "
                         "of the two")
-    if path is not None and distributed:
-        raise UserError("--mtp-model cannot be combined with a distributed run yet: convert "
-                        "the pair into one checkpoint (`mlx-mtp add-mtp`) instead")
     return path
 
 
@@ -311,10 +308,10 @@ def load_from_args(args, mtp: bool, group=None):
     else:
         from .models.distributed import load_distributed
 
-        if block_drafter_from_args(args, distributed=True) is None:
-            mtp_model_from_args(args, distributed=True)
+        block_drafter_from_args(args, distributed=True)  # refuses a block drafter
         model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=mtp,
-                                            mtp_hidden=args.mtp_hidden, dtype=args.dtype)
+                                            mtp_hidden=args.mtp_hidden, dtype=args.dtype,
+                                            mtp_model=mtp_model_from_args(args))
     if mtp and model.num_mtp_layers == 0 and model.block_drafter is None:
         raise UserError(f"{args.model or 'the model'}: its config declares no MTP layers, so "
                         "there is no head to draft with; run it with --no-mtp (--draft-source "

@@ -1,9 +1,10 @@
 """One rank of distributed decodes, for tests/test_distributed.py (run under mlx.launch).
 
 argv[1]: a JSON file holding a list of jobs {"model", "mode", "ks", "prompt" (ids),
-"max_tokens", "temp", "seed", "memory_limit" (bytes, optional)}; argv[2]: where each
-rank writes its results (``<argv[2]>.<rank>``, one entry per job): the mode, the ids per
-K, its layer range, memory after loading, bytes and messages it sent.
+"max_tokens", "temp", "seed", "memory_limit" (bytes, optional), "mtp_model" (a split
+drafter, optional)}; argv[2]: where each rank writes its results (``<argv[2]>.<rank>``, one
+entry per job): the mode, the ids and accepted drafts per K, its layer range, memory after
+loading, bytes and messages it sent.
 """
 
 import json
@@ -23,18 +24,21 @@ def run(job, group) -> dict:
     mx.clear_cache()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    model, _ = load_distributed(job["model"], job.get("mode"), group, mtp=max(job["ks"]) > 0)
+    model, _ = load_distributed(job["model"], job.get("mode"), group, mtp=max(job["ks"]) > 0,
+                                mtp_model=job.get("mtp_model"))
     loaded = {"active": mx.get_active_memory() - base, "peak": mx.get_peak_memory() - base}
     sampling = SamplingParams(temperature=job.get("temp", 0.0), seed=job.get("seed"))
-    tokens = {}
+    tokens, accepted = {}, {}
     for k in job["ks"]:
-        out = generate_step(job["prompt"], model, num_draft_tokens=k, sampling=sampling,
-                            max_tokens=job["max_tokens"], adaptive=False)
+        out = list(generate_step(job["prompt"], model, num_draft_tokens=k, sampling=sampling,
+                                 max_tokens=job["max_tokens"], adaptive=False))
         tokens[k] = [t for t, _, _ in out]
+        accepted[k] = sum(drafted for _, _, drafted in out)
     mx.synchronize()
     if previous is not None:
         mx.set_memory_limit(previous)
-    return {"mode": model.mode, "tokens": tokens, "layer_range": model.layer_range,
+    return {"mode": model.mode, "tokens": tokens, "accepted": accepted,
+            "layer_range": model.layer_range,
             "loaded": loaded, "bytes_sent": model.bytes_sent, "messages": model.messages}
 
 

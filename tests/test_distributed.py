@@ -17,7 +17,8 @@ from mlx.utils import tree_flatten
 from mlx_mtp.convert.main import convert
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import generate_step
-from mlx_mtp.models.distributed import DistributedError, choose_mode, split_layers
+from mlx_mtp.models.distributed import DistributedError, choose_mode
+from mlx_mtp.models.split_plan import split_layers
 from mlx_mtp.models.blocks.hybrid import HybridArgs
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny import make_tiny
@@ -65,13 +66,17 @@ def launch(*argv, timeout=TIMEOUT, progress=None) -> subprocess.CompletedProcess
         pytest.fail(f"mlx.launch did not finish in {timeout}s; ranks' progress: {logs}")
 
 
-def single_process(path, ks, temp=0.0, seed=None) -> dict:
-    model, _ = load_model(Path(path), mtp=max(ks) > 0)
+def single_process(path, ks, temp=0.0, seed=None, mtp_model=None, accepted=False) -> dict:
+    """The ids per K decoded in this process (``accepted``: also the accepted drafts)."""
+    model, _ = load_model(Path(path), mtp=max(ks) > 0, mtp_model=mtp_model)
     sampling = SamplingParams(temperature=temp, seed=seed)
-    return {str(k): [t for t, _, _ in generate_step(PROMPT, model, num_draft_tokens=k,
-                                                    sampling=sampling, max_tokens=MAX_TOKENS,
-                                                    adaptive=False)]
-            for k in ks}
+    out = {str(k): list(generate_step(PROMPT, model, num_draft_tokens=k, sampling=sampling,
+                                      max_tokens=MAX_TOKENS, adaptive=False))
+           for k in ks}
+    tokens = {k: [t for t, _, _ in o] for k, o in out.items()}
+    if accepted:
+        return tokens, {k: sum(d for _, _, d in o) for k, o in out.items()}
+    return tokens
 
 
 def model_bytes(path) -> int:
@@ -98,6 +103,11 @@ def models(tmp_path_factory):
     }
     out["q8"] = root / "q8"  # MLX layout, quantized
     convert(out["dense"], out["q8"], quantize=True, q_bits=8, q_group_size=32, verbose=False)
+    # a trunk and its split MTP drafter (mlx-vlm's layout), 8-bit like q8
+    source = make_tiny(root / "pair-src", "qwen3_5", head="noisy", trunk_scale=0.2, seed=7)
+    out["pair"], out["pair-mtp"] = root / "pair", root / "pair-MTP"
+    convert(source, out["pair"], split_mtp=out["pair-mtp"], quantize=True, q_bits=8,
+            q_group_size=32, mtp_bits=8, verbose=False)
     return out
 
 
@@ -109,8 +119,10 @@ def runs(models, tmp_path_factory):
     jobs += [{"name": f"seeded-{mode}", "model": str(models["moe"]), "mode": mode,
               "ks": [0, 2], "temp": 1.0, "seed": 11} for mode in ("pipeline", "tensor")]
     cap = int(MEMORY_MODEL_BYTES_FRACTION * model_bytes(models["deep"]))
-    jobs.append({"name": "memory-cap", "model": str(models["deep"]), "mode": "pipeline",
-                 "ks": [0, 2], "memory_limit": cap})
+    jobs += [{"name": f"memory-cap-{mode}", "model": str(models["deep"]), "mode": mode,
+              "ks": [0, 2], "memory_limit": cap} for mode in ("pipeline", "tensor")]
+    jobs += [{"name": f"split-drafter-{mode}", "model": str(models["pair"]), "mode": mode,
+              "ks": KS, "mtp_model": str(models["pair-mtp"])} for mode in ("pipeline", "tensor")]
     for j in jobs:
         j.update(prompt=PROMPT, max_tokens=MAX_TOKENS)
     d = tmp_path_factory.mktemp("runs")
@@ -151,8 +163,9 @@ def test_pipeline_splits_layers_and_keeps_the_head_on_rank_0(runs):
     assert r1["messages"] > 0 and r0["bytes_sent"] < r1["bytes_sent"]
 
 
-def test_model_over_a_per_rank_memory_cap_runs_split(runs, models):
-    job, r0, r1 = runs["memory-cap"]
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_model_over_a_per_rank_memory_cap_runs_split(runs, models, mode):
+    job, r0, r1 = runs[f"memory-cap-{mode}"]
     assert r0["tokens"] == single_process(job["model"], job["ks"])
     whole = model_bytes(models["deep"])
     assert job["memory_limit"] < whole  # the whole model does not fit one rank's cap
@@ -160,6 +173,20 @@ def test_model_over_a_per_rank_memory_cap_runs_split(runs, models):
         # each rank materialised its own part only (never the other rank's tensors)
         assert r["loaded"]["active"] <= job["memory_limit"], (r["loaded"], whole)
         assert r["loaded"]["peak"] <= job["memory_limit"], (r["loaded"], whole)
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_split_drafter_drafts_on_the_head_rank(runs, mode):
+    """--mtp-model with --distributed: the drafter's head is loaded where the model's own
+    would be (pipeline: rank 0; tensor: split by heads on every rank)."""
+    job, r0, r1 = runs[f"split-drafter-{mode}"]
+    tokens, accepted = single_process(job["model"], KS, mtp_model=job["mtp_model"],
+                                      accepted=True)
+    assert r0["tokens"] == tokens and r1["tokens"] == tokens  # K = 0..3, the plain output
+    assert tokens["0"] == single_process(job["model"], [0])["0"]
+    assert all(r0["accepted"][str(k)] > 0 for k in KS[1:])  # the drafter's head drafts
+    if mode == "pipeline":  # rank 0 runs the head as one process does
+        assert r0["accepted"] == accepted
 
 
 def test_cli_generate_distributed(models):
@@ -203,3 +230,15 @@ def test_serve_rejects_a_bad_distributed_timeout_clearly():
     assert proc.returncode == 2
     assert "--distributed-timeout must be > 0" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_block_drafter_is_refused_with_distributed_in_one_line(models, tmp_path, capsys):
+    from mlx_mtp.cli import main
+    from mlx_mtp.testing.tiny_block import make_tiny_dflash
+
+    dflash = make_tiny_dflash(tmp_path / "dflash", 64, 4096, [0, 2], 4)
+    code = main(["generate", "--model", str(models["text"]), "--prompt", "hi", "-m", "2",
+                 "--distributed", "pipeline", "--draft-model", str(dflash)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "block drafter cannot be combined with a distributed run" in err

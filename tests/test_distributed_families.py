@@ -6,11 +6,17 @@ states, MTP chains), pipeline for every family and tensor for those mlx-lm can `
 
 One launch runs every job (starting ranks costs more than the tiny decodes); the reference is
 the same decode in this single process (itself checked against mlx-lm's plain decoding by
-each family's own tests).
+each family's own tests). Two attention-trunk families are also served over two ranks: a
+batch of 4 equals one server's answers, and a follower that hangs fails the request with a
+503 within the watchdog's bound, as for Qwen (``test_distributed_serve.py``).
 """
 
 import json
+import os
+import signal
+import time
 
+import httpx
 import pytest
 
 from mlx_mtp.decode.sampling import SamplingParams
@@ -149,11 +155,12 @@ def text_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family,mode", SERVE)
-def test_serve_batch_of_4_equals_single_process(text_models, tmp_path, family, mode):
+def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(
+        text_models, tmp_path, family, mode):
     from concurrent.futures import ThreadPoolExecutor
 
     from server_process import ServerProcess
-    from test_distributed_serve import Cluster, chat
+    from test_distributed_serve import WATCHDOG, Cluster, chat, eos_ids
 
     flags = ("--num-draft-tokens", "2", "--fixed-k")
     server = ServerProcess(text_models[family], tmp_path, "--temp", "0", *flags)
@@ -172,5 +179,19 @@ def test_serve_batch_of_4_equals_single_process(text_models, tmp_path, family, m
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["message"]["content"] == expected[p]
                 assert r.json()["mtp"]["num_draft_tokens"] > 0  # MTP ran in the batch
+        # A follower that hangs mid-request (the ring blocks): rank 0's watchdog fails the
+        # request with a 503 in the API's error shape within the bound Qwen has.
+        long = {"max_tokens": 3000,
+                "logit_bias": {str(t): -100 for t in eos_ids(text_models[family])}}
+        with ThreadPoolExecutor(1) as pool:
+            inflight = pool.submit(chat, cluster.url, SERVE_PROMPTS[0], 180.0, **long)
+            time.sleep(2.0)  # the request decodes
+            lost = time.time()
+            os.kill(cluster.ranks[1], signal.SIGSTOP)
+            r = inflight.result()
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "distributed_rank_lost"
+        assert time.time() - lost < WATCHDOG + 60
+        assert httpx.get(cluster.url + "/health", timeout=5).status_code == 503
     finally:
         cluster.kill()

@@ -36,21 +36,16 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
-from .io import layout
 from .cache.kv import KVCache
 from .interface import Capabilities, ModelInterface, forwards_interface
-from .io.loader import (ModelLoadError, _upcast_cpu_experts, build_model, load_tokenizer,
-                     model_config, quantize_and_cast, read_weights, resolve_model_path)
+from .io.loader import (_upcast_cpu_experts, check_fits_memory, load_tokenizer,
+                        resolve_model_path)
+from .split_plan import DistributedError, open_lazily, rank_shares
 
 MODES = ("pipeline", "tensor")
 # int32 words in the first all_sum of a ``broadcast``: a serve step's message fits.
 MESSAGE_FRAME_WORDS = 256
-
-
-class DistributedError(ModelLoadError):
-    """The model cannot be split this way over this group (a user error: exit 2)."""
 
 
 # -- choosing the mode ----------------------------------------------------------------
@@ -113,31 +108,6 @@ def choose_mode(requested: Optional[str], args, size: int, kinds: Sequence[str] 
             and tensor_split_problem(args, size) is None):
         return "tensor"
     return "pipeline"
-
-
-# -- pipeline split -------------------------------------------------------------------
-
-def _nbytes(module) -> int:
-    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
-
-
-def split_layers(layer_bytes: Sequence[int], head_bytes: int, size: int) -> List[Tuple[int, int]]:
-    """Contiguous layer ranges per rank, balanced by bytes; rank 0 (which also holds
-    ``head_bytes``) gets the last layers, rank ``size-1`` the first ones."""
-    n = len(layer_bytes)
-    if n < size:
-        raise DistributedError(f"{n} layers cannot be split over {size} ranks")
-    target = (sum(layer_bytes) + head_bytes) / size
-    ranges, start = [None] * size, 0
-    for stage, rank in enumerate(range(size - 1, 0, -1)):
-        end, acc = start, 0
-        left_after = size - 1 - stage  # ranks still to fill, rank 0 included
-        while end < n - left_after and (end == start or acc + layer_bytes[end] <= target):
-            acc += layer_bytes[end]
-            end += 1
-        ranges[rank], start = (start, end), end
-    ranges[0] = (start, n)
-    return ranges
 
 
 # -- the model every rank decodes with ------------------------------------------------
@@ -365,39 +335,33 @@ def _hidden_dtype(text) -> mx.Dtype:
 
 
 def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None,
-                     mtp: bool = True, mtp_hidden: Optional[str] = None, dtype=None):
+                     mtp: bool = True, mtp_hidden: Optional[str] = None, dtype=None,
+                     mtp_model=None):
     """Load this rank's part of the model at ``path``; returns (model, tokenizer).
+    ``mtp_model``: a split MTP drafter whose head replaces the model's, held where the
+    head is (pipeline: rank 0; tensor: split by heads like the model's own MTP layers).
 
-    The checkpoint's tensors are opened lazily; a rank evaluates only the ones it keeps
-    (in tensor mode, whole tensors are read once and sliced, one layer at a time).
+    The checkpoint's tensors are opened lazily and this rank's share checked against its
+    memory limit before any is read; a rank then reads only the tensors it keeps (in
+    tensor mode, whole tensors are read and sliced, one layer at a time).
     """
     group = group or mx.distributed.init()
     p = resolve_model_path(path)
-    config = model_config(p, mtp, mtp_hidden)
-    model = build_model(config, p / "config.json")
+    model, config = open_lazily(p, mtp, mtp_hidden, dtype, mtp_model)
     text = model.text
     kinds = model.capabilities.splits
     if not kinds:
         raise DistributedError(f"--distributed cannot split {model.model_type} models yet; "
                                "run this model on one machine (without --distributed).")
     mode = choose_mode(mode, text.args, group.size(), kinds, model.model_type)
-    weights = model.sanitize(read_weights(p))
-    # Every rank decides the dtype from the whole checkpoint, so all pick the same one.
-    weights = quantize_and_cast(model, weights, layout.config_quantization(config), dtype)
-    wanted = {k for k, _ in tree_flatten(model.parameters())}
-    missing = sorted(wanted - weights.keys())
-    if missing:
-        raise ModelLoadError(f"Weights in {p} do not match the model: missing {missing[:3]}")
-    model.load_weights([(k, v) for k, v in weights.items() if k in wanted], strict=True)
-    del weights
+    share = rank_shares(model, mode, group.size())[group.rank()]
+    check_fits_memory(share.weight_bytes, f"rank {group.rank()}'s share of {p} ({mode})",
+                      "launch more ranks (docs/distributed.md)")
     hidden_dtype = _hidden_dtype(text)
     mtp_counts = (text.num_mtp_layers, len(text.make_mtp_cache()))
     layer_range = None
     if mode == "pipeline":
-        head = sum(_nbytes(text[n]) for n in ("lm_head", "mtp") if n in text)
-        head += _nbytes(text.model.embed_tokens) + _nbytes(text.model.norm)
-        ranges = split_layers([_nbytes(l) for l in text.model.layers], head, group.size())
-        layer_range = ranges[group.rank()]
+        layer_range = share.layers
         _prune_pipeline(text, *layer_range, group.rank(), group.size(), hidden_dtype)
     _upcast_cpu_experts(model)
     model.eval()

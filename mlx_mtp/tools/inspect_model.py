@@ -337,6 +337,10 @@ def render(report: dict) -> str:
         memory += (f"; recurrent state {_size(mem['state_bytes_per_sequence'])} per sequence "
                    "(float32 at any weight precision)")
     rows.append(("memory", memory))
+    if "ranks" in report:
+        from .inspect_ranks import render_plan
+
+        rows += render_plan(report["ranks"], _size)
     kvq = report["kv_quantization"]
     if kvq is not None:
         rows.append(("kv cache", _kv_quantization(kvq, mem)))
@@ -366,10 +370,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="Also report the KV cache quantized to these bits (--kv-bits of "
                              "generate and serve), or why this model refuses it")
     parser.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="Also print the memory plan of a --distributed run over this "
+                             "many ranks: each rank's layers, weights and caches")
+    parser.add_argument("--distributed", choices=["pipeline", "tensor"], default=None,
+                        help="With --ranks: the split to plan (default: the one "
+                             "--distributed picks)")
     return parser
 
 
 def run(args) -> int:
     report = inspect_model(args.model, args.kv_bits, args.kv_group_size)
+    if args.distributed and args.ranks is None:
+        raise CheckpointError("inspect --distributed needs --ranks N")
+    drafter = "block_drafter" in report or report["layout"] == LAYOUT_SPLIT
+    if args.ranks is not None and drafter:
+        raise CheckpointError(f"inspect --ranks: {report['path']} is a drafter alone; plan "
+                              "the model it drafts for (a split drafter's head is placed as "
+                              "the model's own)")
+    if args.ranks is not None:
+        from .inspect_ranks import rank_plan
+
+        where = Path(report["path"])
+        report["ranks"] = rank_plan(where, load_config(where), report["memory"], args.ranks,
+                                    args.distributed, report["mtp"]["present_layers"] > 0)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0

@@ -36,6 +36,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from ..io import layout
 from ..interface import Capabilities, MTPModel
+from .hybrid_shard import read_share
 
 log = logging.getLogger("mlx_mtp")
 
@@ -326,7 +327,7 @@ class TextModel(MTPModel):
         blocks = [l.block for l in self.mtp.layers] if "mtp" in self else []
         for layer in list(self.model.layers) + [b for b in blocks if isinstance(b, trunk_kind)]:
             mlx_lm_shard(self.family.lm.Model, layer, group)
-            mx.eval(layer.parameters())  # read and slice one layer at a time
+            read_share(layer)  # read and slice one layer at a time
 
     @staticmethod
     def cast_predicate(path: str) -> bool:

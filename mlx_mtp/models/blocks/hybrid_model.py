@@ -12,7 +12,7 @@ from ..cache.kv import cache_state_arrays
 from ..cache.recurrent import RecurrentCache
 from ..interface import Capabilities, MTPModel
 from .hybrid import MAX_COMPILED_TOKENS, HybridArgs, MTPHead, Trunk
-from .hybrid_shard import shard_layer
+from .hybrid_shard import read_share, shard_layer
 
 
 class HybridModel(MTPModel):
@@ -40,7 +40,7 @@ class HybridModel(MTPModel):
     def shard(self, group):
         for layer in list(self.model.layers) + (list(self.mtp.layers) if "mtp" in self else []):
             shard_layer(layer, group)
-            mx.eval(layer.parameters())  # read and slice one layer at a time
+            read_share(layer)  # read and slice one layer at a time
 
     def set_compiled(self, on: bool, max_k: Optional[int] = None):
         """Run Gated DeltaNet layers' decode steps as compiled graphs, traced here for

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
+from mlx.utils import tree_map
 
 from .hybrid import GatedAttention, GatedDeltaNetBase, SparseMoeBlock
 
@@ -77,3 +78,14 @@ def shard_layer(layer, group):
         mlp._group = group
     else:
         _shard_mlp(mlp, group, reduce=True)
+
+
+def read_share(layer):
+    """Read a sharded layer's slices into buffers of their own, now: a slice is a view
+    that keeps its whole tensor alive (a rank would hold every rank's part). The views
+    stay referenced while the copies are made, so no op reuses (donates) their buffers."""
+    views = layer.parameters()
+    mx.eval(views)
+    copies = tree_map(lambda v: v * 1, views)  # exact, -0.0 included
+    mx.eval(copies)
+    layer.update(copies)

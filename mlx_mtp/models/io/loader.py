@@ -249,6 +249,22 @@ def quantize_and_cast(model: nn.Module, weights: dict, quantization: Optional[di
             for k, v in weights.items()}
 
 
+def loadable_weights(model: nn.Module, path: Path, config: dict, dtype=None,
+                     drafter=None) -> dict:
+    """The checkpoint's weights, opened lazily, sanitized, quantized and cast as ``model``
+    takes them; ``drafter``: a split MTP drafter (``read_drafter``) whose head replaces
+    the checkpoint's own."""
+    weights = read_weights(path)
+    if drafter is not None:
+        weights = split_drafter.merge_into(weights, drafter)
+    weights = model.sanitize(weights)
+    quantization = layout.config_quantization(config)
+    if drafter is not None:
+        prefix = next(k for k in weights if layout.is_mtp_key(k)).split("mtp.")[0] + "mtp."
+        quantization = dict(quantization or {}, **drafter.quantization_overrides(prefix))
+    return quantize_and_cast(model, weights, quantization, dtype)
+
+
 def load_model(
     path,
     mtp: bool = True,
@@ -276,17 +292,9 @@ def load_model(
             print(f"mlx-mtp: note: {path} has no MTP head; drafting with the one in "
                   f"{mtp_model}, beside it (pass --mtp-model to choose another)",
                   file=sys.stderr)
-    drafter = _read_drafter(mtp_model, config, path) if mtp and mtp_model else None
+    drafter = read_drafter(mtp_model, config, path) if mtp and mtp_model else None
     model = build_model(config, path / "config.json")
-    weights = read_weights(path)
-    if drafter is not None:
-        weights = split_drafter.merge_into(weights, drafter)
-    weights = model.sanitize(weights)
-    quantization = layout.config_quantization(config)
-    if drafter is not None:
-        prefix = next(k for k in weights if layout.is_mtp_key(k)).split("mtp.")[0] + "mtp."
-        quantization = dict(quantization or {}, **drafter.quantization_overrides(prefix))
-    weights = quantize_and_cast(model, weights, quantization, dtype)
+    weights = loadable_weights(model, path, config, dtype, drafter)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -294,8 +302,28 @@ def load_model(
     _upcast_cpu_experts(model)
     model.eval()
     if not lazy:
+        check_fits_memory(parameter_bytes(model), str(path))
         mx.eval(model.parameters())
     return model, config
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters, from their shapes (lazy ones are not read)."""
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
+def check_fits_memory(needed: int, what: str, instead: str = "split it over several "
+                      "machines (--distributed, docs/distributed.md)") -> None:
+    """Refuse, before any tensor is read, weights over this process's memory limit
+    (``mx.set_memory_limit``; MLX's default is sized from the machine's memory)."""
+    limit = mx.get_memory_limit()
+    if needed > limit:
+        raise ModelLoadError(f"{what}: {_in_mb_or_gb(needed)} of weights, over this "
+                             f"process's memory limit of {_in_mb_or_gb(limit)}: {instead}")
+
+
+def _in_mb_or_gb(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GB" if n >= 1 << 30 else f"{n / (1 << 20):.2f} MB"
 
 
 def _has_head(path: Path) -> bool:
@@ -304,7 +332,7 @@ def _has_head(path: Path) -> bool:
                for k in read_safetensors_header(f))
 
 
-def _read_drafter(mtp_model, config: dict, path: Path):
+def read_drafter(mtp_model, config: dict, path: Path):
     """The split drafter ``mtp_model`` for the model at ``path``; records its depth in
     ``config``."""
     drafter = split_drafter.read_drafter(resolve_model_path(str(mtp_model)))
@@ -386,6 +414,7 @@ def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str]
     check_tokenizer_fits(model, tokenizer, p)
     _attach_vision(model, p, config, vision)
     if not lazy:
+        check_fits_memory(parameter_bytes(model), str(p))
         mx.eval(model.parameters())
     return model, tokenizer
 
