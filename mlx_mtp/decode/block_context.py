@@ -38,7 +38,7 @@ def make_cache(model) -> list:
 def context(model, cache: list) -> Optional[list]:
     """The block drafter's context caches in ``cache`` (None: the model has no drafter)."""
     drafter = model.block_drafter
-    return None if drafter is None else cache[len(cache) - len(drafter.make_cache()):]
+    return None if drafter is None else cache[len(cache) - drafter.num_caches:]
 
 
 def trunk(model, inputs, cache: list, capture: bool = False):

@@ -66,6 +66,11 @@ class BlockDraftModel(nn.Module):
         """An empty context cache (one entry per drafter layer)."""
         raise NotImplementedError
 
+    @property
+    def num_caches(self) -> int:
+        """Entries of ``make_cache()``, without making them."""
+        return len(self.make_cache())
+
     def add_context(self, taps: Sequence[mx.array], cache: list,
                     tokens: Optional[mx.array] = None, lengths: Optional[List[int]] = None):
         """Append emitted rows: ``taps`` holds one (B, S, H) array per tapped layer, in

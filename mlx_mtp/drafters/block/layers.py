@@ -143,6 +143,10 @@ class ContextDrafter(BlockDraftModel):
     def make_cache(self) -> list:
         return [ContextCache.empty(1) for _ in self.layers]
 
+    @property
+    def num_caches(self) -> int:
+        return len(self.layers)
+
     def add_context(self, taps: Sequence[mx.array], cache: list, tokens=None, lengths=None):
         ctx = self.hidden_norm(self.fc(mx.concatenate(list(taps), axis=-1)))
         prepare_chunk(cache, ctx.shape[1], lengths)
