@@ -115,4 +115,7 @@ MIXES = {
                  "rename": 0.05, "reindent": 0.05, "uncomment": 0.05, "block": 0.05},
     "balanced": {"write": 0.25, "complete": 0.2, "continue": 0.1, "repeat": 0.25,
                  "rename": 0.05, "reindent": 0.05, "uncomment": 0.05, "block": 0.05},
+    # from the copy fine-tune: a quarter requests, verbatim repeats the largest kind
+    "mostly-copy": {"write": 0.15, "complete": 0.1, "continue": 0.1, "repeat": 0.35,
+                    "rename": 0.075, "reindent": 0.075, "uncomment": 0.05, "block": 0.1},
 }
