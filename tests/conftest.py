@@ -13,6 +13,9 @@ os.environ["MLX_MTP_BLAS"] = "reference"
 # Step costs persist under $XDG_CACHE_HOME/mlx-mtp (generate stores them): a session of its own,
 # so no test reads costs another process or an earlier run measured.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="mlx-mtp-test-cache-")
+# No test times matmuls to pick --dtype auto (models/io/dtype_timing.py): the static rule
+# decides, the same on every machine; tests of the measured choice opt in.
+os.environ["MLX_MTP_MEASURE_DTYPE"] = "0"
 
 
 @pytest.fixture(scope="session")

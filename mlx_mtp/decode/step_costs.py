@@ -17,44 +17,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
-import mlx.core as mx
-
+from ..platform import machine
+from ..platform.machine import cache_dir
 from .costs import StepCosts
 from .policy import DraftPolicy
 
 FORMAT = "mlx-mtp-step-costs-2"  # cells (B, k, head passes): one table
 
 
-def cache_dir() -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "mlx-mtp" / "step-costs"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def cost_key(model) -> str:
     """What a step's cost depends on (see the module doc), as a short digest."""
     from mlx.utils import tree_flatten
 
-    from ..platform import blas
-
-    h = hashlib.sha256(f"{FORMAT}|{platform.machine()}|{_cpu_name()}|{os.cpu_count()}|"
-                       f"{mx.default_device()}|mlx {mx.__version__}|"
-                       f"openblas {blas.active()}|compiled {model.compiled}"
-                       .encode())
+    h = hashlib.sha256(f"{FORMAT}|{machine.describe()}|compiled {model.compiled}".encode())
     for name, p in tree_flatten(model.parameters()):
         h.update(f"|{name}:{p.dtype}:{tuple(p.shape)}".encode())
     return h.hexdigest()[:32]

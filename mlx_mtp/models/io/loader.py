@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from .. import UnsupportedModelError, get_model_module
-from . import config_checks, layout, split_drafter
+from . import config_checks, dtype_timing, layout, split_drafter
 from ..blocks.hybrid import SparseMoeBlock
 from .files import damaged, load_safetensors, read_json_object, read_safetensors_header
 from .layout import CheckpointError
@@ -156,8 +156,8 @@ def _upcast_cpu_experts(model: nn.Module):
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 DTYPE_CHOICES = ("auto",) + tuple(DTYPES)
-# ``auto`` upcasts half-precision weights to float32 on the CPU while the float32 copy stays
-# this small (and within a quarter of the memory): MLX's CPU backend runs float32 matmuls on
+# The static rule, for when no figures of this machine decide (``choose_dtype``): ``auto``
+# upcasts half-precision weights to float32 on the CPU while the float32 copy stays this small (and within a quarter of the memory): MLX's CPU backend runs float32 matmuls on
 # BLAS and bf16/fp16 ones without. Measured by shape (benchmarks/dtype_rule.py, real_shape.py;
 # docs/real-shape.md): float32 plain steps 1.4-2.8x faster from the demo model up to a 1B
 # Qwen3.5 (4.1 GB float32 copy), verify passes 2.9-4.6x; no measured shape where bf16 won.
@@ -181,13 +181,18 @@ def resolve_dtype(choice, weights: dict, model) -> Optional[mx.Dtype]:
     return choose_dtype(choice, weights, model)[0]
 
 
-def choose_dtype(choice, weights: dict, model) -> Tuple[Optional[mx.Dtype], str]:
+def choose_dtype(choice, weights: dict, model,
+                 timings: str = "rule") -> Tuple[Optional[mx.Dtype], str]:
     """The dtype float weights are cast to at load (None: as stored), and why.
 
-    ``choice``: None (as stored), an ``mx.Dtype``, a name of ``DTYPES``, or ``"auto"``:
-    float32 on the CPU for a checkpoint with half-precision weights, none quantized, whose
-    float32 copy fits ``AUTO_FLOAT32_MAX_BYTES`` (and a quarter of the memory); as stored
-    otherwise (GPUs run bf16 fast).
+    ``choice``: None (as stored), an ``mx.Dtype``, a name of ``DTYPES`` (always wins), or
+    ``"auto"``: on the CPU, for a checkpoint with half-precision weights, none quantized,
+    float32 when this machine's measured figures say it pays (``dtype_timing``) and the
+    float32 copy fits a quarter of the memory; as stored otherwise (GPUs run bf16 fast).
+    ``timings`` says which figures decide (``dtype_timing.CONSULT``): "measure" (the stored
+    ones, measured once now when there are none), "stored", or "rule": the static rule
+    (``AUTO_FLOAT32_MAX_BYTES``), also the fallback when nothing is stored and measuring
+    is not allowed. A split load asks the rule: every rank must pick the same dtype.
     """
     if choice is None or isinstance(choice, mx.Dtype):
         return choice, "as stored" if choice is None else f"{_name(choice)} (requested)"
@@ -204,17 +209,37 @@ def choose_dtype(choice, weights: dict, model) -> Tuple[Optional[mx.Dtype], str]
     half = [v.dtype for v in floats if v.dtype in (mx.bfloat16, mx.float16)]
     if not half:
         return None, "as stored (auto: no half-precision weights)"
-    limit = AUTO_FLOAT32_MAX_BYTES
-    try:
-        limit = min(limit, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4)
-    except (ValueError, OSError, AttributeError):
-        pass
+    timing = dtype_timing.timing_for(dtype_timing.ShapeClass.of(floats, _name(half[0])), timings)
     size = sum(4 * v.size for v in floats)
+    if timing is None:
+        return _static_rule(_name(half[0]), size)
+    return _measured_choice(timing, size)
+
+
+def _memory_quarter() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _static_rule(half: str, size: int) -> Tuple[Optional[mx.Dtype], str]:
+    limit = min(AUTO_FLOAT32_MAX_BYTES, _memory_quarter() or AUTO_FLOAT32_MAX_BYTES)
     if size <= limit:
-        return mx.float32, (f"float32 (auto: {_name(half[0])} upcast, float32 copy "
+        return mx.float32, (f"float32 (auto: {half} upcast, float32 copy "
                             f"{size / 1e9:.2f} GB <= {limit / 1e9:.2f} GB)")
-    return None, (f"{_name(half[0])} as stored (auto: float32 copy {size / 1e9:.2f} GB > "
+    return None, (f"{half} as stored (auto: float32 copy {size / 1e9:.2f} GB > "
                   f"{limit / 1e9:.2f} GB, where bf16 decodes faster on this CPU)")
+
+
+def _measured_choice(timing, size: int) -> Tuple[Optional[mx.Dtype], str]:
+    half, limit = timing.shape.half, _memory_quarter() or AUTO_FLOAT32_MAX_BYTES
+    if size > limit:
+        return None, (f"{half} as stored (auto: float32 copy {size / 1e9:.2f} GB > "
+                      f"{limit / 1e9:.2f} GB, a quarter of the memory)")
+    if timing.float32_pays:
+        return mx.float32, f"float32 (auto: {half} upcast, measured here: {timing.describe()})"
+    return None, f"{half} as stored (auto: measured here: {timing.describe()})"
 
 
 def _name(dtype: mx.Dtype) -> str:
@@ -234,13 +259,13 @@ def build_model(config: dict, where="config.json") -> nn.Module:
 
 
 def quantize_and_cast(model: nn.Module, weights: dict, quantization: Optional[dict],
-                      dtype_choice) -> dict:
+                      dtype_choice, timings: str = "rule") -> dict:
     """The one path from sanitized checkpoint weights to loadable ones (single-process and
     distributed loads alike): quantize the modules the checkpoint stores quantized, pick the
     dtype (``choose_dtype``; recorded by ``model.record_load_dtype``) and
     cast the float weights to it, lazily, so a caller evaluates only what it keeps."""
     quantize_like_checkpoint(model, weights, quantization)
-    dtype, choice = choose_dtype(dtype_choice, weights, model)
+    dtype, choice = choose_dtype(dtype_choice, weights, model, timings)
     model.record_load_dtype(dtype, choice)
     if dtype is None:
         return weights
@@ -250,10 +275,10 @@ def quantize_and_cast(model: nn.Module, weights: dict, quantization: Optional[di
 
 
 def loadable_weights(model: nn.Module, path: Path, config: dict, dtype=None,
-                     drafter=None) -> dict:
+                     drafter=None, timings: str = "rule") -> dict:
     """The checkpoint's weights, opened lazily, sanitized, quantized and cast as ``model``
     takes them; ``drafter``: a split MTP drafter (``read_drafter``) whose head replaces
-    the checkpoint's own."""
+    the checkpoint's own; ``timings``: what decides ``dtype="auto"`` (``choose_dtype``)."""
     weights = read_weights(path)
     if drafter is not None:
         weights = split_drafter.merge_into(weights, drafter)
@@ -262,7 +287,7 @@ def loadable_weights(model: nn.Module, path: Path, config: dict, dtype=None,
     if drafter is not None:
         prefix = next(k for k in weights if layout.is_mtp_key(k)).split("mtp.")[0] + "mtp."
         quantization = dict(quantization or {}, **drafter.quantization_overrides(prefix))
-    return quantize_and_cast(model, weights, quantization, dtype)
+    return quantize_and_cast(model, weights, quantization, dtype, timings)
 
 
 def load_model(
@@ -276,7 +301,8 @@ def load_model(
     """Build the model for ``path`` and load its weights (MTP head included).
 
     ``mtp=False`` skips the head (and runs models whose weights lack one). ``dtype``: see
-    ``resolve_dtype`` (None: as stored); the choice made is ``model.load_dtype``.
+    ``choose_dtype`` (None: as stored; "auto" follows this machine's measured figures,
+    measured once when none are stored); the choice made is ``model.load_dtype``.
     ``mtp_model``: a split MTP drafter (directory or hub id) whose head replaces the
     model's own (``split_drafter``), after checking it belongs to this model.
     """
@@ -294,7 +320,7 @@ def load_model(
                   file=sys.stderr)
     drafter = read_drafter(mtp_model, config, path) if mtp and mtp_model else None
     model = build_model(config, path / "config.json")
-    weights = loadable_weights(model, path, config, dtype, drafter)
+    weights = loadable_weights(model, path, config, dtype, drafter, timings="measure")
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
