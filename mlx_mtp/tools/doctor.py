@@ -6,6 +6,10 @@ built in memory (no download), the cost of a plain decoding step, of a verify pa
 tokens and of a draft call, and turns those ratios into the acceptance MTP needs to pay off
 here (``bench.cost_model``). Verify passes that cost about K+1 plain steps (compute-bound
 CPUs) leave MTP little room; costs near one step (bandwidth-bound GPUs) leave a lot.
+
+It also shows what ``--dtype auto`` picks for a model (``--model``; default a bf16
+checkpoint of the probe's shape) and the measured figures behind it
+(``models/io/dtype_timing.py``), measuring them once if none are stored.
 """
 
 from __future__ import annotations
@@ -60,16 +64,50 @@ def environment() -> dict:
 
 
 def probe_model():
-    """A random Qwen3.5-shaped model with one MTP layer, in the dtype ``--dtype auto`` picks."""
+    """A random Qwen3.5-shaped model with one MTP layer, in the dtype ``--dtype auto`` picks
+    here for a bf16 checkpoint of its shape (float32, or bf16 as stored)."""
     import mlx.core as mx
 
     from ..testing.tiny import build_model, tiny_text_config
 
     model = build_model("qwen3_5", tiny_text_config("qwen3_5", **PROBE))
-    if mx.default_device() != mx.cpu:  # GPUs run bf16; CPUs float32 (see loader.resolve_dtype)
+    if dtype_report(None, measure=True, model=model)["dtype"] != "float32":
         model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
     return model
+
+
+def dtype_report(model_path: Optional[str], measure: bool, model=None) -> dict:
+    """What ``--dtype auto`` picks on this machine for the checkpoint at ``model_path``
+    (None: a bf16 one of the probe's shape, ``model`` if built), why, and the stored figures
+    behind it (``models/io/dtype_timing.py``); ``measure``: measure them now if none are
+    stored (once: they are stored). Weights are opened lazily, never read."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from ..models.io import dtype_timing, loader
+
+    if model_path is None:
+        if model is None:
+            from ..models.io.layout import hf_config
+            from ..testing.tiny import tiny_text_config
+
+            model = loader.build_model(hf_config("qwen3_5", tiny_text_config("qwen3_5", **PROBE)))
+        weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
+        what = f"a bf16 checkpoint of the probe's shape ({PROBE['hidden']} hidden)"
+    else:
+        path = loader.resolve_model_path(model_path)
+        config = loader.model_config(path)
+        model = loader.build_model(config, path / "config.json")
+        weights = loader.loadable_weights(model, path, config)
+        what = str(path)
+    dtype, reason = loader.choose_dtype("auto", weights, model,
+                                        "measure" if measure else "stored")
+    shape = loader.auto_shape(weights, model)
+    timing = dtype_timing.stored(shape) if shape is not None else None
+    return {"model": what, "dtype": "as stored" if dtype is None else "float32",
+            "reason": reason, "file": str(dtype_timing.timing_file(shape)) if timing else None,
+            "seconds": timing.seconds if timing else None}
 
 
 def measure(reps: int = 5, context: int = 64) -> dict:
@@ -133,6 +171,11 @@ def render(report: dict) -> str:
         ("structured", f"llguidance {env['llguidance']}" if env["llguidance"]
                        else "off: pip install 'llguidance>=1.9,<2'"),
     ]
+    d = report.get("dtype")
+    if d:
+        rows += [("dtype auto", f"for {d['model']}: {d['reason']}"),
+                 ("dtype file", d["file"] or "none: the static rule decides (measured on "
+                                               "the first load that may measure)")]
     m = report.get("measured")
     if m:
         verify = ", ".join(f"K={k} {v:.2f}" for k, v in sorted(m["c_verify"].items()))
@@ -153,6 +196,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="Report versions and devices only (skip the few-second timing)")
     parser.add_argument("--reps", type=int, default=9, help="Timed repetitions per pass")
     parser.add_argument("--json", action="store_true", help="Print the report as JSON")
+    parser.add_argument("--model", default=None,
+                        help="A checkpoint (directory or Hugging Face id) whose --dtype auto "
+                             "choice to show with the figures behind it (default: a bf16 "
+                             "checkpoint of the probe's shape); its weights are not read")
     parser.set_defaults(quiet=True)  # the BLAS line is part of the report, not printed twice
     return parser
 
@@ -163,6 +210,7 @@ def run(args) -> int:
     if args.reps < 1:
         raise UserError(f"--reps must be at least 1 (got {args.reps})")
     report: Dict[str, object] = {"environment": environment()}
+    report["dtype"] = dtype_report(args.model, measure=not args.no_measure)
     if not args.no_measure:
         if not args.json:
             print("measuring a plain step, verify passes and a draft call ...", file=sys.stderr)

@@ -5,10 +5,10 @@ verify pass four. Whether float32 (BLAS) beats the checkpoint's bf16/fp16 (MLX's
 kernels) there depends on the machine, so it is measured once per machine and shape
 class: a 1-row and a 4-row product with a weight of the model's width (``hidden`` inputs;
 ``outputs`` rows holding the model's float32 bytes up to ``MAX_BYTES``, past the caches),
-in both dtypes, interleaved, median of a few repetitions: a few tenths of a second.
-The figures are stored beside the step costs (``platform/machine.py``) and every later
-start reads them, so the choice never depends on the load at start. A corrupt file or one
-of another format is ignored (measured again). ``MLX_MTP_MEASURE_DTYPE=0`` forbids
+in both dtypes, interleaved, the fastest of a few repetitions (other load only adds
+time): a few tenths of a second. The figures are stored beside the step costs
+(``platform/machine.py``) and every later start reads them, so the choice never depends
+on the load at start. A corrupt file or one of another format is ignored (measured again). ``MLX_MTP_MEASURE_DTYPE=0`` forbids
 measuring: stored figures are still read, and without them the loader's static rule
 decides (``loader.choose_dtype``).
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -72,7 +71,7 @@ class ShapeClass:
 
 @dataclass(frozen=True)
 class DtypeTiming:
-    """Median seconds of the product per dtype name and row count."""
+    """Seconds of the product (the fastest repetition) per dtype name and row count."""
 
     shape: ShapeClass
     seconds: Dict[str, Dict[int, float]]
@@ -146,7 +145,7 @@ def measure(shape: ShapeClass, reps: int = REPS, budget: float = BUDGET_S) -> Dt
             break
     seconds: Dict[str, Dict[int, float]] = {}
     for (d, r), ts in times.items():
-        seconds.setdefault(d, {})[r] = statistics.median(ts)
+        seconds.setdefault(d, {})[r] = min(ts)
     return DtypeTiming(shape, seconds)
 
 

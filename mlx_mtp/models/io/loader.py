@@ -202,18 +202,27 @@ def choose_dtype(choice, weights: dict, model,
         raise ModelLoadError(f"dtype must be one of {', '.join(DTYPE_CHOICES)} (got {choice!r})")
     if mx.default_device() != mx.cpu:
         return None, "as stored (auto: GPU)"
+    if _quantized_prefixes(weights):
+        return None, "as stored (auto: quantized checkpoint)"
+    shape = auto_shape(weights, model)
+    if shape is None:
+        return None, "as stored (auto: no half-precision weights)"
+    timing = dtype_timing.timing_for(shape, timings)
+    size = sum(4 * v.size for k, v in weights.items() if _castable(k, v, model, set()))
+    if timing is None:
+        return _static_rule(shape.half, size)
+    return _measured_choice(timing, size)
+
+
+def auto_shape(weights: dict, model) -> Optional[dtype_timing.ShapeClass]:
+    """The shape class whose measured figures decide ``auto`` for these weights; None when
+    none do (quantized layers, or no half-precision weights)."""
     quantized = _quantized_prefixes(weights)
     if quantized:
-        return None, "as stored (auto: quantized checkpoint)"
+        return None
     floats = [v for k, v in weights.items() if _castable(k, v, model, quantized)]
-    half = [v.dtype for v in floats if v.dtype in (mx.bfloat16, mx.float16)]
-    if not half:
-        return None, "as stored (auto: no half-precision weights)"
-    timing = dtype_timing.timing_for(dtype_timing.ShapeClass.of(floats, _name(half[0])), timings)
-    size = sum(4 * v.size for v in floats)
-    if timing is None:
-        return _static_rule(_name(half[0]), size)
-    return _measured_choice(timing, size)
+    half = next((v.dtype for v in floats if v.dtype in (mx.bfloat16, mx.float16)), None)
+    return None if half is None else dtype_timing.ShapeClass.of(floats, _name(half))
 
 
 def _memory_quarter() -> Optional[int]:
