@@ -204,11 +204,12 @@ def add_dtype_argument(p):
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    default="auto",
                    help="Float weights at load. auto (default): on the CPU, bf16/fp16 "
-                        "checkpoints whose float32 copy fits in 8 GB (and a quarter of the "
-                        "memory) are upcast to float32, which MLX's CPU backend multiplies "
-                        "with BLAS (measured 1.4-2.8x faster plain decoding from the demo model "
-                        "to a 1B-parameter Qwen3.5, docs/real-shape.md); as stored on GPUs "
-                        "and for quantized checkpoints. Quantized layers are never changed")
+                        "checkpoints are upcast to float32 (which MLX's CPU backend multiplies "
+                        "with BLAS) when this machine's measured matmul costs say it pays and "
+                        "the float32 copy fits a quarter of the memory: measured once per "
+                        "machine and model width (well under a second), stored beside the step "
+                        "costs, shown by `mlx-mtp doctor --model M`; as stored on GPUs and for "
+                        "quantized checkpoints. Quantized layers are never changed")
 
 
 def add_speed_arguments(p):

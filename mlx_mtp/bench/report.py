@@ -104,6 +104,26 @@ INPROCESS_CSV = [
 ]
 
 
+# --- real shape (benchmarks/real_shape.py) ---------------------------------------------------
+REAL_SHAPE_COLUMNS = [
+    *[c for c in INPROCESS_COLUMNS if c[0] in ("setting", "gen tok/s", "speedup")],
+    ("vs mlx-lm", lambda r: fmt(r.get("vs_mlx_lm"), ".2f") + ("×" if r.get("vs_mlx_lm") else "")),
+    *[c for c in INPROCESS_COLUMNS if c[0] in ("accept/pos", "mean acc len", "c_verify",
+                                               "c_draft", "ideal", "realised/ideal")],
+    ("steps by K", lambda r: " ".join(f"{k}:{n}" for k, n in r["steps_by_k"].items()) or "-"),
+    ("draft vocab", lambda r: fmt(r.get("draft_vocab"), "d")),
+    *[c for c in INPROCESS_COLUMNS if c[0] == "lossless"],
+]
+
+
+def real_shape_table(rows: List[dict], title: str = ""):
+    return _table(rows, REAL_SHAPE_COLUMNS, title, left=("accept/pos", "steps by K"))
+
+
+def real_shape_markdown(rows: List[dict]) -> str:
+    return _markdown(rows, REAL_SHAPE_COLUMNS)
+
+
 # --- long context (bench/long_context.py) ---------------------------------------------------
 LONG_CONTEXT_COLUMNS = [
     ("context", lambda r: f"{r['context_tokens']:,}"),
