@@ -5,8 +5,10 @@
 Qwen3.5-shaped models (hidden 1024, published head layout; random weights, in memory) of
 growing size: for each, the median seconds of a plain decode step (1 token) and of a
 verify pass (4 tokens, K = 3) in bf16 and in float32, interleaved (A B B A), on the same
-cache state. ``loader.AUTO_FLOAT32_MAX_BYTES`` (``--dtype auto``) comes from where float32
-stops beating bf16 on the plain step (recorded in docs/real-shape.md).
+cache state. ``loader.AUTO_FLOAT32_MAX_BYTES`` (the static rule of ``--dtype auto``, used
+when no figures of this machine are stored) comes from where float32 stops beating bf16 on
+the plain step (recorded in docs/real-shape.md); ``models/io/dtype_timing.py`` measures the
+same comparison on one product per machine and model width.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import mlx_mtp  # noqa: F401  (BLAS shim before MLX)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_mtp.bench.inprocess import _restore, _save, cache_state_arrays
+from mlx_mtp.models.cache.kv import cache_state_arrays, restore_caches, snapshot_caches
 
 from real_shape import random_model, real_text_config
 
@@ -49,12 +51,12 @@ def step_times(model, reps):
     cache = model.make_cache()
     h, _ = model.trunk(mx.array([list(range(1, 33))]), cache)
     mx.eval(h, [c.state for c in cache])
-    saved = _save(cache)
+    saved = snapshot_caches(cache)
 
     def run(T):
         h, _ = model.trunk(mx.ones((1, T), mx.int32), cache, capture=T > 1)
         mx.eval(mx.argmax(model.logits(h), axis=-1), *cache_state_arrays(cache))
-        _restore(cache, saved)
+        restore_caches(saved)
 
     out = {1: [], 4: []}
     run(1), run(4)  # warm
