@@ -184,6 +184,8 @@ def test_doctor_shows_the_choice_and_its_figures(bf16_ckpt, capsys, no_measuring
     assert main(["doctor", "--no-measure", "--json", "--model", str(bf16_ckpt)]) == 0
     report = json.loads(capsys.readouterr().out)["dtype"]
     assert report["dtype"] == "float32" and report["file"] == str(dtype_timing.timing_file(shape))
+    assert report["measured_shape"] == {"half": "bfloat16", "hidden": shape.hidden,
+                                        "outputs": shape.outputs}
     assert report["seconds"] == {"float32": {"1": 0.001, "4": 0.0015},
                                  "bfloat16": {"1": 0.003, "4": 0.006}}
 
@@ -191,4 +193,4 @@ def test_doctor_shows_the_choice_and_its_figures(bf16_ckpt, capsys, no_measuring
 def test_doctor_without_figures_names_the_static_rule(bf16_ckpt, capsys):
     assert main(["doctor", "--no-measure", "--model", str(bf16_ckpt)]) == 0
     out = capsys.readouterr().out
-    assert STATIC in out and "none: the static rule decides" in out
+    assert STATIC in out and "none stored: the static rule decides" in out

@@ -82,6 +82,8 @@ def dtype_report(model_path: Optional[str], measure: bool, model=None) -> dict:
     (None: a bf16 one of the probe's shape, ``model`` if built), why, and the stored figures
     behind it (``models/io/dtype_timing.py``); ``measure``: measure them now if none are
     stored (once: they are stored). Weights are opened lazily, never read."""
+    from dataclasses import asdict
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -106,7 +108,8 @@ def dtype_report(model_path: Optional[str], measure: bool, model=None) -> dict:
     shape = loader.auto_shape(weights, model)
     timing = dtype_timing.stored(shape) if shape is not None else None
     return {"model": what, "dtype": "as stored" if dtype is None else "float32",
-            "reason": reason, "file": str(dtype_timing.timing_file(shape)) if timing else None,
+            "reason": reason, "measured_shape": None if shape is None else asdict(shape),
+            "file": str(dtype_timing.timing_file(shape)) if timing else None,
             "seconds": timing.seconds if timing else None}
 
 
@@ -173,9 +176,10 @@ def render(report: dict) -> str:
     ]
     d = report.get("dtype")
     if d:
-        rows += [("dtype auto", f"for {d['model']}: {d['reason']}"),
-                 ("dtype file", d["file"] or "none: the static rule decides (measured on "
-                                               "the first load that may measure)")]
+        rows.append(("dtype auto", f"for {d['model']}: {d['reason']}"))
+        if d["measured_shape"] is not None:  # figures decide this checkpoint's dtype
+            rows.append(("dtype file", d["file"] or "none stored: the static rule decides "
+                                                    "until a load measures them"))
     m = report.get("measured")
     if m:
         verify = ", ".join(f"K={k} {v:.2f}" for k, v in sorted(m["c_verify"].items()))

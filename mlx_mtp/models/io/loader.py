@@ -157,7 +157,8 @@ def _upcast_cpu_experts(model: nn.Module):
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 DTYPE_CHOICES = ("auto",) + tuple(DTYPES)
 # The static rule, for when no figures of this machine decide (``choose_dtype``): ``auto``
-# upcasts half-precision weights to float32 on the CPU while the float32 copy stays this small (and within a quarter of the memory): MLX's CPU backend runs float32 matmuls on
+# upcasts half-precision weights to float32 on the CPU while the float32 copy stays this
+# small (and within a quarter of the memory): MLX's CPU backend runs float32 matmuls on
 # BLAS and bf16/fp16 ones without. Measured by shape (benchmarks/dtype_rule.py, real_shape.py;
 # docs/real-shape.md): float32 plain steps 1.4-2.8x faster from the demo model up to a 1B
 # Qwen3.5 (4.1 GB float32 copy), verify passes 2.9-4.6x; no measured shape where bf16 won.
@@ -208,7 +209,8 @@ def choose_dtype(choice, weights: dict, model,
     if shape is None:
         return None, "as stored (auto: no half-precision weights)"
     timing = dtype_timing.timing_for(shape, timings)
-    size = sum(4 * v.size for k, v in weights.items() if _castable(k, v, model, set()))
+    size = sum(4 * v.size for k, v in weights.items()
+               if _castable(k, v, model, quantized=set()))  # none are, by now
     if timing is None:
         return _static_rule(shape.half, size)
     return _measured_choice(timing, size)
