@@ -194,3 +194,9 @@ def test_doctor_without_figures_names_the_static_rule(bf16_ckpt, capsys):
     assert main(["doctor", "--no-measure", "--model", str(bf16_ckpt)]) == 0
     out = capsys.readouterr().out
     assert STATIC in out and "none stored: the static rule decides" in out
+
+
+def test_doctor_refuses_a_missing_model_in_one_line(tmp_path, capsys):
+    assert main(["doctor", "--no-measure", "--model", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "does not exist" in err and len(err.splitlines()) == 1 and "Traceback" not in err
