@@ -215,10 +215,10 @@ def run_ours(path, dtype, ids, a, r, out):
                         category=kind, repeat=r, policy=policy)
 
     out["runs"].setdefault((dtype, "plain"), []).append(go(settings[0], "plain"))
-    flip = (lambda x: x[::-1]) if r % 2 else (lambda x: x)
-    for kind in flip(a.heads):
+    order = slice(None, None, -1 if r % 2 else 1)
+    for kind in a.heads[order]:
         set_head(model, heads[kind])
-        for s in flip(settings[1:]):
+        for s in settings[1:][order]:
             policy = step_costs.policy_for(model, s.k) if s.adaptive else None  # as generate
             tuner = reset_vocab(model)
             out["runs"].setdefault((dtype, kind), []).append(go(s, kind, policy))
@@ -282,8 +282,11 @@ def summarize(out, a) -> dict:
 
 def render(out, tables, a):
     con = report.console()
-    plain = (lambda *x: con.print(*x, markup=False, highlight=False))
-    plain(f"Qwen3.5 layout: hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}, bf16 as "
+
+    def say(text):
+        con.print(text, markup=False, highlight=False)
+
+    say(f"Qwen3.5 layout: hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}, bf16 as "
           f"stored; {a.tokens} greedy tokens, {a.rounds} interleaved rounds (median); mlx-lm "
           f"at the stored dtype {statistics.median(out['mlx_lm_tps']):.2f} tok/s; load "
           f"{os.getloadavg()[0]:.1f}")
@@ -294,7 +297,7 @@ def render(out, tables, a):
             f"ours --dtype {dtype}: {chosen['dtype_choice']}; {kind} head; draft vocabulary "
             f"{chosen['draft_vocab'] or 'whole'}; plain step {costs['plain_step_ms']:.1f} ms; "
             f"our plain tokens equal mlx-lm's: {chosen['plain_tokens_equal_mlx_lm']}")))
-    plain("speedup: against our plain decoding in the same round; c_verify(K) = trunk over "
+    say("speedup: against our plain decoding in the same round; c_verify(K) = trunk over "
           "K+1 tokens / plain step, c_draft = one draft / plain step; ideal = E[tokens/step] "
           "/ (c_verify(K) + K c_draft) at the measured acceptance (auto: over its steps' K); "
           "realised/ideal = speedup / ideal; lossless: greedy tokens equal our plain's")
