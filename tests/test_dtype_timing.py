@@ -112,6 +112,7 @@ def test_a_measurement_is_stored_and_reused(bf16_ckpt, measurements):
     first, _ = loader.load_model(bf16_ckpt, dtype="auto")
     assert measurements == [shape_of(bf16_ckpt)]
     assert dtype_timing.timing_file(measurements[0]).exists()
+    assert dtype_timing.stored(measurements[0]).load is not None  # for doctor to show
     assert "(auto: " in first.dtype_choice and "measured here: " in first.dtype_choice
     for _ in range(2):
         again, _ = loader.load_model(bf16_ckpt, dtype="auto")
@@ -180,7 +181,7 @@ def test_doctor_shows_the_choice_and_its_figures(bf16_ckpt, capsys, no_measuring
     line = next(x for x in out.splitlines() if x.startswith("dtype auto"))
     assert str(bf16_ckpt) in line and "float32 (auto: bfloat16 upcast, measured here: " in line
     assert "1 row 1.00 vs 3.00 ms, 4 rows 1.50 vs 6.00 ms" in line
-    assert str(dtype_timing.timing_file(shape)) in out
+    assert f"{dtype_timing.timing_file(shape)} (measured at load ?; delete it" in out
     assert main(["doctor", "--no-measure", "--json", "--model", str(bf16_ckpt)]) == 0
     report = json.loads(capsys.readouterr().out)["dtype"]
     assert report["dtype"] == "float32" and report["file"] == str(dtype_timing.timing_file(shape))

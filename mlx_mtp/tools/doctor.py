@@ -110,7 +110,8 @@ def dtype_report(model_path: Optional[str], measure: bool, model=None) -> dict:
     return {"model": what, "dtype": "as stored" if dtype is None else "float32",
             "reason": reason, "measured_shape": None if shape is None else asdict(shape),
             "file": str(dtype_timing.timing_file(shape)) if timing else None,
-            "seconds": timing.seconds if timing else None}
+            "seconds": timing.seconds if timing else None,
+            "load_when_measured": timing.load if timing else None}
 
 
 def measure(reps: int = 5, context: int = 64) -> dict:
@@ -178,8 +179,11 @@ def render(report: dict) -> str:
     if d:
         rows.append(("dtype auto", f"for {d['model']}: {d['reason']}"))
         if d["measured_shape"] is not None:  # figures decide this checkpoint's dtype
-            rows.append(("dtype file", d["file"] or "none stored: the static rule decides "
-                                                    "until a load measures them"))
+            load = d["load_when_measured"]
+            rows.append(("dtype file", (
+                f"{d['file']} (measured at load {'?' if load is None else f'{load:.1f}'}; "
+                "delete it to measure again)") if d["file"] else
+                "none stored: the static rule decides until a load measures them"))
     m = report.get("measured")
     if m:
         verify = ", ".join(f"K={k} {v:.2f}" for k, v in sorted(m["c_verify"].items()))

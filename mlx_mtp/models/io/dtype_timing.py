@@ -8,9 +8,10 @@ class: a 1-row and a 4-row product with a weight of the model's width (``hidden`
 in both dtypes, interleaved, the fastest of a few repetitions (other load only adds
 time): a few tenths of a second. The figures are stored beside the step costs
 (``platform/machine.py``) and every later start reads them, so the choice never depends
-on the load at start. A corrupt file or one of another format is ignored (measured again). ``MLX_MTP_MEASURE_DTYPE=0`` forbids
-measuring: stored figures are still read, and without them the loader's static rule
-decides (``loader.choose_dtype``).
+on the load at start (the load average when they were taken is stored with them; deleting
+the file measures again). A corrupt file or one of another format is ignored (measured
+again). ``MLX_MTP_MEASURE_DTYPE=0`` forbids measuring: stored figures are still read, and
+without them the loader's static rule decides (``loader.choose_dtype``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class DtypeTiming:
 
     shape: ShapeClass
     seconds: Dict[str, Dict[int, float]]
+    load: Optional[float] = None  # the load average while measuring
 
     def total(self, dtype: str) -> float:
         return sum(self.seconds[dtype].values())
@@ -107,7 +109,8 @@ def stored(shape: ShapeClass) -> Optional[DtypeTiming]:
         return None
     if not all(0 < s < float("inf") for by_rows in seconds.values() for s in by_rows.values()):
         return None
-    return DtypeTiming(shape, seconds)
+    load = data.get("load")
+    return DtypeTiming(shape, seconds, float(load) if isinstance(load, (int, float)) else None)
 
 
 def save(timing: DtypeTiming) -> bool:
@@ -119,7 +122,8 @@ def save(timing: DtypeTiming) -> bool:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump({"format": FORMAT, "machine": machine.describe(),
-                       "shape": asdict(timing.shape), "seconds": seconds}, f)
+                       "shape": asdict(timing.shape), "seconds": seconds, "load": timing.load},
+                      f)
         os.replace(tmp, path)
     except OSError:
         return False
@@ -146,7 +150,14 @@ def measure(shape: ShapeClass, reps: int = REPS, budget: float = BUDGET_S) -> Dt
     seconds: Dict[str, Dict[int, float]] = {}
     for (d, r), ts in times.items():
         seconds.setdefault(d, {})[r] = min(ts)
-    return DtypeTiming(shape, seconds)
+    return DtypeTiming(shape, seconds, _load_average())
+
+
+def _load_average() -> Optional[float]:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
 def measuring_allowed() -> bool:
