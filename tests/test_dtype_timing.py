@@ -11,19 +11,20 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_mtp.cli import main
 from mlx_mtp.models.io import dtype_timing, loader
 from mlx_mtp.models.io.dtype_timing import DtypeTiming, ShapeClass
+from mlx_mtp.models.io.layout import hf_config
 from mlx_mtp.models.split_plan import open_lazily
+from mlx_mtp.testing.tiny import make_tiny, tiny_text_config
 
 STATIC = "float32 (auto: bfloat16 upcast, float32 copy "  # the static rule's reason
 
 
 @pytest.fixture(scope="module")
 def bf16_ckpt(tmp_path_factory):
-    from mlx_mtp.testing.tiny import make_tiny
-
     return Path(make_tiny(tmp_path_factory.mktemp("bf16"), "qwen3_5", "random",
                           dtype=mx.bfloat16))
 
@@ -82,13 +83,8 @@ def test_the_shape_class_is_the_model_s_width_and_size(bf16_ckpt):
     shape = shape_of(bf16_ckpt)
     assert shape.half == "bfloat16" and shape.hidden == config["text_config"]["hidden_size"]
     # A Qwen3.5-0.8B-wide model (lazy, never evaluated) is measured at the cap.
-    from mlx_mtp.models.io.layout import hf_config
-    from mlx_mtp.testing.tiny import tiny_text_config
-
     wide = loader.build_model(hf_config("qwen3_5", tiny_text_config(
         "qwen3_5", hidden=1024, num_layers=2, vocab_size=248320)))
-    from mlx.utils import tree_flatten
-
     floats = [v.astype(mx.bfloat16) for _, v in tree_flatten(wide.parameters())]
     big = ShapeClass.of(floats, "bfloat16")
     assert big == ShapeClass("bfloat16", 1024, dtype_timing.MAX_BYTES // (4 * 1024))
