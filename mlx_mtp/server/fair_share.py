@@ -14,7 +14,7 @@ with the least prefill time first (a newcomer starts level with the least of tho
 as Linux's CFS starts a task at ``min_vruntime``; on a tie the fewer remaining tokens first),
 so two long prompts split the prompts' half evenly, both advance, and a short prompt arriving
 runs at once. Each prompt's chunk is sized by its own per-token cost, which grows with its
-context (a 30k prompt's token costs several times an 8k one's).
+context (here ~14 ms a token at 30k, ~9 at 8k, less at a prompt's start).
 """
 
 from __future__ import annotations
