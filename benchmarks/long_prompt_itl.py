@@ -1,20 +1,25 @@
-"""Inter-token latency of running streams while a long prompt arrives, A/B over checkouts.
+"""Inter-token latency of running streams while long prompts arrive, A/B over checkouts.
 
 The scheduler in-process (no HTTP, so only scheduling shows): ``--streams`` requests decode,
-then a ``--prompt-tokens`` prompt arrives, then a short request. Reported per run: the gaps
-between successive token events of the running streams before the long prompt (baseline) and
-during its prefill (p50 / p99 / max), the long prompt's time to first token, and the short
-request's. Each ``--trees`` entry is a checkout (its ``mlx_mtp`` is imported from there); the
-runs are interleaved A B B A ... and the table shows medians over passes.
+then the ``--prompt-tokens`` prompts arrive (comma-separated lengths, ``--prompt-delay-s``
+apart; each its own text), then a short request. Reported per run: the gaps between
+successive token events of the running streams before the first long prompt (baseline) and
+during the union of the prefills, from the first arrival to the last long prompt's first
+token (p50 / p99 / max); per long prompt its time to first token and prefill rate; the short
+request's time to first token. Each ``--trees`` entry is a checkout (its ``mlx_mtp`` is
+imported from there); the runs are interleaved A B B A ... and the table shows medians over
+passes.
 
-Fair share (issue 25): the streams' p99 gap during the prefill against their p99 before it
-(target <= 2.5x), and the prompt's prefill rate against the same prompt alone (``--solo``
-adds a run without streams per tree and pass; target >= 40 %). Per run, the scheduler's own
-accounting while the prompt is processed (``FairShare.prefill_ran`` / ``decode_ran``): the
-prompt's part of the timed time, how much of the wall time is timed at all, the chunks'
-sizes and cost per token (alone: the same prompt's), the decode steps' median.
+Fair share (issues 25, 43): the streams' p99 gap during the prefills against their p99
+before (target <= 2.5x), and the prompts' prefill rate against the same prompts alone
+(``--solo`` adds a run without streams per tree and pass; target >= 40 %), in total and per
+prompt. Per run, the scheduler's own accounting while prompts are processed
+(``FairShare.prefill_ran`` / ``decode_ran``): the prompts' part of the timed time, how much
+of the wall time is timed at all, the chunks' sizes and cost per token (alone: the same
+prompts'), the decode steps' median, and per prompt its part of the prompts' time.
 
     python benchmarks/long_prompt_itl.py --trees /work/before . --passes 2 --solo
+    python benchmarks/long_prompt_itl.py --passes 1 --solo --prompt-tokens 8000,30000
 """
 
 from __future__ import annotations
@@ -100,17 +105,15 @@ def worker(args) -> dict:
     t_base = time.perf_counter()
     time.sleep(args.baseline_s)
 
-    long_ids = tok.encode(LONG_TEXT * (args.prompt_tokens // 8 + 1),
-                          add_special_tokens=False)[: args.prompt_tokens]
-    long_done, short_done = threading.Event(), threading.Event()
-    t_long = time.perf_counter()
-    engine.submit(EngineRequest(prompt=long_ids, max_tokens=1,
-                                on_event=first_token("long", long_done)))
+    longs = _submit_long_prompts(engine, tok, args, first_token)
+    t_first = longs[0]["arrival"]
     time.sleep(args.short_delay_s)
     t_short = time.perf_counter()
+    short_done = threading.Event()
     engine.submit(EngineRequest(prompt=tok.encode("Say hi.", add_special_tokens=False),
                                 max_tokens=4, on_event=first_token("short", short_done)))
-    long_done.wait(3600)
+    for p in longs:
+        p["done"].wait(3600)
     short_done.wait(600)
     t_end = time.perf_counter()
     for r in streams:
@@ -120,43 +123,71 @@ def worker(args) -> dict:
     def gaps(t0, t1):
         return [(b - a) * 1e3 for s in stamps for a, b in zip(s, s[1:]) if t0 <= a and b <= t1]
 
-    base, during = gaps(t_base, t_long), gaps(t_long, t_end)
+    # The union of the prefills: from the first arrival to the last prompt's first token.
+    t_last = max(firsts.get(p["name"], t_end) for p in longs)
+    base, during = gaps(t_base, t_first), gaps(t_first, t_last)
+    prompts = [{"tokens": p["tokens"], "arrival_s": p["arrival"] - t_first,
+                "ttft_s": firsts.get(p["name"], float("nan")) - p["arrival"],
+                "prefill_tok_s": p["tokens"] / (firsts.get(p["name"], float("nan"))
+                                                - p["arrival"])} for p in longs]
+    total = sum(p["tokens"] for p in longs)
     return {
         "baseline_p50_ms": percentile(base, 0.5), "baseline_p99_ms": percentile(base, 0.99),
         "during_p50_ms": percentile(during, 0.5), "during_p99_ms": percentile(during, 0.99),
         "during_max_ms": max(during, default=float("nan")), "during_gaps": len(during),
-        "long_ttft_s": firsts.get("long", float("nan")) - t_long,
-        "prefill_tok_s": len(long_ids) / (firsts.get("long", float("nan")) - t_long),
+        "long_ttft_s": t_last - t_first, "prefill_tok_s": total / (t_last - t_first),
         "short_ttft_s": firsts.get("short", float("nan")) - t_short,
-        "prompt_tokens": len(long_ids),
-        **_fair_share_figures(record, t_long, firsts.get("long", t_end)),
+        "prompt_tokens": total, "prompts": prompts,
+        **_fair_share_figures(record, t_first, t_last,
+                              {p["request_id"]: i for i, p in enumerate(longs)}),
     }
+
+
+def _submit_long_prompts(engine, tok, args, first_token) -> list:
+    """Submit each ``--prompt-tokens`` prompt, ``--prompt-delay-s`` apart; each its own
+    text (no shared prefix to restore)."""
+    from mlx_mtp.server.events import EngineRequest
+
+    longs = []
+    for i, n in enumerate(args.prompt_tokens):
+        if i:
+            time.sleep(args.prompt_delay_s)
+        ids = tok.encode(f"# file {i}\n" + LONG_TEXT * (n // 8 + 1),
+                         add_special_tokens=False)[:n]
+        done, name = threading.Event(), f"long{i}"
+        req = EngineRequest(prompt=ids, max_tokens=1, on_event=first_token(name, done))
+        longs.append({"name": name, "tokens": len(ids), "done": done,
+                      "request_id": req.request_id, "arrival": time.perf_counter()})
+        engine.submit(req)
+    return longs
 
 
 def _record_fair_share(engine) -> list:
     """The scheduler's own accounting, per call: (kind, end time, seconds, tokens,
-    competing); empty for checkouts without ``engine.fair``."""
+    competing, prompt key); empty for checkouts without ``engine.fair``."""
     record, fair = [], getattr(engine, "fair", None)
     if fair is None:
         return record
     prefill_ran, decode_ran = fair.prefill_ran, fair.decode_ran
 
-    def on_prefill(seconds, tokens, competing):
-        record.append(("prefill", time.perf_counter(), seconds, tokens, competing))
-        prefill_ran(seconds, tokens, competing)
+    def on_prefill(seconds, tokens, competing, *prompt):  # older checkouts: no prompt
+        record.append(("prefill", time.perf_counter(), seconds, tokens, competing,
+                       prompt[0] if prompt else None))
+        prefill_ran(seconds, tokens, competing, *prompt)
 
     def on_decode(seconds, competing):
-        record.append(("decode", time.perf_counter(), seconds, 0, competing))
+        record.append(("decode", time.perf_counter(), seconds, 0, competing, None))
         decode_ran(seconds, competing)
 
     fair.prefill_ran, fair.decode_ran = on_prefill, on_decode
     return record
 
 
-def _fair_share_figures(record: list, t0: float, t1: float) -> dict:
-    """From the record between the long prompt's arrival and its first token: the prompt's
-    part of the timed time, the part of the wall time timed at all, the chunks' sizes and
-    their cost per token, the decode steps' median."""
+def _fair_share_figures(record: list, t0: float, t1: float, names: dict) -> dict:
+    """From the record between the first long prompt's arrival and the last one's first
+    token: the prompts' part of the timed time, the part of the wall time timed at all, the
+    chunks' sizes and their cost per token, the decode steps' median; per long prompt
+    (``names``: request id -> index), its part of the prompts' time, chunks, cost a token."""
     inside = [r for r in record if t0 <= r[1] <= t1]
     chunks = [r for r in inside if r[0] == "prefill" and r[3]]
     steps = [r[2] for r in inside if r[0] == "decode"]
@@ -165,7 +196,7 @@ def _fair_share_figures(record: list, t0: float, t1: float) -> dict:
         return {}
     sizes = sorted(r[3] for r in chunks)
     iterations, tokens, seconds = [], 0, 0.0  # per decode step: [tokens, prompt ms, step ms]
-    for kind, _, s, n, _ in inside:
+    for kind, _, s, n, _, _ in inside:
         if kind == "prefill":
             tokens, seconds = tokens + n, seconds + s
         else:
@@ -178,6 +209,8 @@ def _fair_share_figures(record: list, t0: float, t1: float) -> dict:
         "chunks_under_8": sum(n < 8 for n in sizes),
         "prompt_ms_per_token": prompt_s * 1e3 / sum(sizes),
         "decode_step_p50_ms": percentile(steps, 0.5) * 1e3 if steps else float("nan"),
+        "per_prompt": [_prompt_figures([r for r in chunks if names.get(r[5]) == i], prompt_s)
+                       for i in sorted(set(names.values()))],
         "iterations": iterations,
         # Context grows along the prompt, so sizes used late look dearer; still the best
         # hint of what a call's size costs (chunks of 10-63 tokens run the recurrence's
@@ -187,10 +220,19 @@ def _fair_share_figures(record: list, t0: float, t1: float) -> dict:
     }
 
 
+def _prompt_figures(chunks: list, prompt_s: float) -> dict:
+    """One long prompt's chunks (empty on checkouts that do not name the prompt)."""
+    seconds, tokens = sum(r[2] for r in chunks), sum(r[3] for r in chunks)
+    return {"share_of_prompt_time": seconds / prompt_s if prompt_s else float("nan"),
+            "chunks": len(chunks),
+            "ms_per_token": seconds * 1e3 / tokens if tokens else float("nan")}
+
+
 def run_tree(tree: str, args, streams: int) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--prompt-tokens",
-           str(args.prompt_tokens), "--streams", str(streams), "--k", str(args.k),
+           ",".join(map(str, args.prompt_tokens)), "--prompt-delay-s",
+           str(args.prompt_delay_s), "--streams", str(streams), "--k", str(args.k),
            "--prefill-step-size", str(args.prefill_step_size), "--max-batched-tokens",
            str(args.max_batched_tokens), "--baseline-s", str(args.baseline_s),
            "--short-delay-s", str(args.short_delay_s)]
@@ -202,12 +244,25 @@ def run_tree(tree: str, args, streams: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main():
+def token_counts(text: str) -> list:
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of counts: {text!r}")
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be positive: {text!r}")
+    return counts
+
+
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trees", nargs="+", default=["."], help="checkouts to compare")
     ap.add_argument("--passes", type=int, default=2, help="A B, then B A, ... (default 2)")
     ap.add_argument("--model", default=None, help="model directory (default: the demo model)")
-    ap.add_argument("--prompt-tokens", type=int, default=30000)
+    ap.add_argument("--prompt-tokens", type=token_counts, default=[30000],
+                    help="long prompts' lengths, comma-separated (e.g. 8000,30000)")
+    ap.add_argument("--prompt-delay-s", type=float, default=0.0,
+                    help="seconds between the long prompts' arrivals (default 0: together)")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--k", type=int, default=3, help="MTP draft tokens (0: plain)")
     ap.add_argument("--prefill-step-size", type=int, default=512)
@@ -215,30 +270,32 @@ def main():
     ap.add_argument("--baseline-s", type=float, default=3.0)
     ap.add_argument("--short-delay-s", type=float, default=0.5)
     ap.add_argument("--solo", action="store_true",
-                    help="also time the prompt alone: its prefill rate with streams / alone")
+                    help="also time the prompts alone: their prefill rates with streams / alone")
     ap.add_argument("--json", default=None, help="write every run to this file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args)))
-        return
+    return ap.parse_args()
 
-    runs = {t: [] for t in args.trees}
-    for p in range(args.passes):
-        for tree in (args.trees if p % 2 == 0 else args.trees[::-1]):
-            r = run_tree(tree, args, args.streams)
-            r["itl_p99_vs_solo"] = r["during_p99_ms"] / r["baseline_p99_ms"]
-            if args.solo:
-                alone = run_tree(tree, args, 0)
-                r["solo_prefill_tok_s"] = alone["prefill_tok_s"]
-                if "prompt_ms_per_token" in alone:
-                    r["solo_prompt_ms_per_token"] = alone["prompt_ms_per_token"]
-                r["prefill_vs_solo"] = r["prefill_tok_s"] / alone["prefill_tok_s"]
-            runs[tree].append(r)
-            print(f"pass {p + 1} {tree}: " + ", ".join(
-                f"{k} {v:.3g}" for k, v in r.items() if isinstance(v, float)), flush=True)
+
+def measure(tree: str, args) -> dict:
+    """One run with the streams (and with ``--solo`` one without), compared."""
+    r = run_tree(tree, args, args.streams)
+    r["itl_p99_vs_solo"] = r["during_p99_ms"] / r["baseline_p99_ms"]
+    if args.solo:
+        alone = run_tree(tree, args, 0)
+        r["solo_prefill_tok_s"] = alone["prefill_tok_s"]
+        if "prompt_ms_per_token" in alone:
+            r["solo_prompt_ms_per_token"] = alone["prompt_ms_per_token"]
+        r["prefill_vs_solo"] = r["prefill_tok_s"] / alone["prefill_tok_s"]
+        for p, q in zip(r["prompts"], alone["prompts"]):
+            p["solo_prefill_tok_s"] = q["prefill_tok_s"]
+            p["prefill_vs_solo"] = p["prefill_tok_s"] / q["prefill_tok_s"]
+    return r
+
+
+def report(runs: dict, args):
     print(f"\nload average {os.getloadavg()[0]:.1f}; medians over {args.passes} passes; "
-          f"{args.streams} streams, {args.prompt_tokens}-token prompt")
+          f"{args.streams} streams, prompts of {args.prompt_tokens} tokens "
+          f"{args.prompt_delay_s} s apart; gaps during the union of their prefills")
     keys = ["baseline_p50_ms", "baseline_p99_ms", "during_p50_ms", "during_p99_ms",
             "during_max_ms", "long_ttft_s", "short_ttft_s", "prefill_tok_s", "itl_p99_vs_solo"]
     keys += ["prefill_vs_solo"] if args.solo else []
@@ -250,6 +307,24 @@ def main():
         for r in rs:  # the scheduler's accounting, per run (with streams, then alone)
             print(f"  {tree}: " + ", ".join(f"{k} {r[k]:.3g}" for k in FAIR_KEYS if k in r))
             print(f"  ms per prompt token by chunk size: {r.get('ms_per_token_by_size')}")
+            for p, acct in zip(r["prompts"], r.get("per_prompt") or [{}] * len(r["prompts"])):
+                print(f"  prompt of {p['tokens']} tokens: " + ", ".join(
+                    f"{k} {v:.3g}" for k, v in {**p, **acct}.items() if k != "tokens"))
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    runs = {t: [] for t in args.trees}
+    for p in range(args.passes):
+        for tree in (args.trees if p % 2 == 0 else args.trees[::-1]):
+            runs[tree].append(measure(tree, args))
+            print(f"pass {p + 1} {tree}: " + ", ".join(
+                f"{k} {v:.3g}" for k, v in runs[tree][-1].items() if isinstance(v, float)),
+                flush=True)
+    report(runs, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f, indent=2)

@@ -124,12 +124,12 @@ def test_a_long_prompt_never_runs_ahead_of_the_streams(tiny):
     log = {"prefill": 0.0, "decode": 0.0, "round": 0.0, "longest": 0.0, "ahead": 0.0}
     prefill_ran, decode_ran = eng.fair.prefill_ran, eng.fair.decode_ran
 
-    def on_prefill(seconds, tokens, competing):
+    def on_prefill(seconds, tokens, competing, prompt):
         if competing:
             log["prefill"] += seconds
             log["round"] += seconds
             log["longest"] = max(log["longest"], log["round"])
-        prefill_ran(seconds, tokens, competing)
+        prefill_ran(seconds, tokens, competing, prompt)
 
     def on_decode(seconds, competing):
         if competing:
@@ -193,8 +193,8 @@ def test_chunks_below_a_grid_cell_beside_streams_keep_the_answer(tiny):
     first = _greedy(alone, prompt + [0], 1, [300])
     expected = _greedy(alone, prompt[:301] + [7, 8])
     eng = Engine(model, tok, prefix_cache=PrefixCache(), prefill_step_size=512, **kw)
-    eng.fair.budget = lambda tokens, least, most: 13  # a long cell: 13 tokens a step
-    eng.fair.floor = lambda cell, least: least  # cells outlast the decode rounds: split
+    eng.fair.budget = lambda tokens, least, most, prompt: 13  # a long cell: 13 tokens a step
+    eng.fair.floor = lambda cell, least, prompt: least  # cells outlast the decode rounds: split
     sizes, chunk = [], eng._prefill_chunk
 
     def recorded(seq, max_tokens, below_grid=False):

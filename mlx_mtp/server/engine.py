@@ -7,8 +7,8 @@ scheduler iteration (``Engine.step``):
 1. takes new submissions and drops cancelled requests;
 2. admits waiting requests, up to ``max_concurrency`` and the memory budget (``memory_budget``),
    restoring the longest cached prompt prefix into the new sequence's decoder;
-3. runs prompt chunks, shortest remaining prompt first: while streams decode, prompts and
-   streams each keep half of the time (``fair_share.py``); otherwise chunks of
+3. runs prompt chunks, in turns by prefill time: while streams decode, all prompts together
+   and the streams each keep half of the time (``fair_share.py``); otherwise chunks of
    ``prefill_step_size``. Prefix-cache snapshots are taken at chunk ends that fall on
    reusable boundaries;
 4. runs one decode step for each decoding sequence (``_decode_round``).
@@ -296,41 +296,41 @@ class Engine:
         return seq
 
     # -- prompt processing ----------------------------------------------------------
-    def _prefill_budget(self) -> int:
-        """Prompt tokens this iteration may run (vLLM's chunked prefill, sized by time):
-        while streams decode, ``FairShare.budget`` of ``max_batched_tokens`` minus their rows
-        (1 + K tokens each); else chunks of up to ``prefill_step_size``."""
+    def _prefill_budget(self, prompt: str, spent: int) -> tuple[int, bool]:
+        """(tokens for the prompt's next chunk, 0: none now; may it end below a grid cell):
+        while streams decode, ``FairShare.budget`` (vLLM's chunked prefill, sized by time) in
+        ``max_batched_tokens`` less their rows (1 + K each); else ``prefill_step_size``."""
         n_decoding = sum(1 for s in self.running if not s.prefilling)
         if not n_decoding:
-            return self.prefill_step_size
-        rest = self.max_batched_tokens - n_decoding * (1 + self.num_draft_tokens)
-        least = self.fair.floor(self.chunks.grid, self.chunks.floor)
-        return self.fair.budget(rest, least, self.prefill_step_size)
+            left = self.prefill_step_size - spent
+            return (left if left >= self.chunks.floor else 0), False
+        left = self.max_batched_tokens - n_decoding * (1 + self.num_draft_tokens) - spent
+        if left < self.chunks.floor:  # a rest under the floor waits
+            return 0, False
+        least = self.fair.floor(self.chunks.grid, self.chunks.floor, prompt)
+        split = self.fair.floor(self.chunks.grid, 0, prompt) < self.chunks.grid  # long cells
+        return self.fair.budget(left, least, self.prefill_step_size, prompt), split
 
     def _prefill_round(self):
-        waiting = [s for s in self.running if s.prefilling and not s.req.cancelled]
-        if not waiting:
-            return
-        budget = self._prefill_budget()
-        # Shortest remaining prompt first: a short request joins the batch at once
-        # instead of waiting behind a long prompt's prefill.
-        waiting.sort(key=lambda s: (len(s.req.prompt) - s.dec.n_processed, s.req.arrival))
+        waiting = {s.req.request_id: s for s in self.running
+                   if s.prefilling and not s.req.cancelled}
         spent, competing = 0, any(not s.prefilling for s in self.running)
-        # Cells split only where one outlasts the decode rounds (FairShare.floor).
-        split = competing and self.fair.floor(self.chunks.grid, 0) < self.chunks.grid
-        least = max(1, min(self.chunks.floor, budget))  # a rest under the floor waits
-        for seq in waiting:
-            while seq.prefilling and budget - spent >= least:
+        # One share for all prompts, in turns by prefill time (FairShare.order): a short
+        # request joins the batch at once and no long prompt waits for another.
+        for key in self.fair.order({k: len(s.req.prompt) - s.dec.n_processed
+                                    for k, s in waiting.items()}):
+            while waiting[key].prefilling:
+                n, split = self._prefill_budget(key, spent)
+                if not n:
+                    return  # the prompt whose turn it is waits, and those after it
                 start = time.perf_counter()
                 try:
-                    n = self._prefill_chunk(seq, budget - spent, below_grid=split)
+                    n = self._prefill_chunk(waiting[key], n, below_grid=split)
                 except Exception as e:
-                    self._fail(seq, e)
+                    self._fail(waiting[key], e)
                     break
                 spent += n
-                self.fair.prefill_ran(time.perf_counter() - start, n, competing)
-            if budget - spent < least:
-                break
+                self.fair.prefill_ran(time.perf_counter() - start, n, competing, key)
 
     def _prefill_chunk(self, seq: _Seq, max_tokens: int, below_grid: bool = False) -> int:
         """Process the next chunk of the prompt (about ``max_tokens``, on the grid of
