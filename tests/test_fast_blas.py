@@ -219,6 +219,38 @@ def test_direct_thin_calls_equal_float64_at_every_layout(cache_home):
     assert got["cases"] == 2 * 3 * 2 * 6 * 2 * 2 and got["errors"] == [], got
 
 
+DEMO = textwrap.dedent("""
+    import json
+    import mlx_mtp
+    from mlx_mtp.platform import blas
+    blas.configure()
+    from mlx_mtp.decode.sampling import SamplingParams
+    from mlx_mtp.decode.speculative import generate_step
+    from mlx_mtp.models.io.loader import load
+    model, tok = load(None, dtype="float32")  # float32: the products that go through BLAS
+    prompt = tok.encode("import os\\n\\n\\ndef read_lines(path):\\n    ")
+    out = {k: [t for t, _, _ in generate_step(prompt, model, num_draft_tokens=k,
+                                             sampling=SamplingParams(), max_tokens=24,
+                                             adaptive=False)] for k in (0, 2)}
+    print(json.dumps({"tokens": out, "gemv": blas.gemv_calls(), "padded": blas.padded_calls()}))
+""")
+
+
+def test_demo_model_greedy_output_unchanged_by_sgemv(cache_home):
+    """Greedy decoding of the float32 demo model, plain and MTP (K = 2: verify passes of three
+    rows, sgemv too), gives the tokens of the reference-BLAS run."""
+    runs = {}
+    for mode in ("reference", "auto"):
+        p = subprocess.run([sys.executable, "-c", DEMO], capture_output=True, text=True,
+                           env=clean_env(cache_home, MLX_MTP_BLAS=mode), timeout=300)
+        assert p.returncode == 0, p.stderr
+        runs[mode] = json.loads(p.stdout.strip().splitlines()[-1])
+    assert runs["reference"]["gemv"] == 0 and runs["auto"]["gemv"] > 100, runs
+    assert len(runs["reference"]["tokens"]["0"]) == 24
+    assert runs["auto"]["tokens"] == runs["reference"]["tokens"]
+    assert runs["auto"]["tokens"]["2"] == runs["auto"]["tokens"]["0"]
+
+
 def test_bad_openblas_path_falls_back_to_reference(cache_home, reference, tmp_path):
     got, info = run_child(tmp_path, clean_env(cache_home, MLX_MTP_OPENBLAS=str(
         tmp_path / "missing.so")))
