@@ -310,6 +310,44 @@ def test_configure_modes_and_failed_check(cache_home):
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr
 
 
+# An OpenBLAS whose sgemv is 1 % off: a library that links numpy's OpenBLAS (so its sgemm,
+# dgemm and cgemm are found through it) and defines its own scipy_cblas_sgemv64_.
+BAD_SGEMV = r"""
+#include <stdint.h>
+void scipy_cblas_sgemv64_(int order, int trans, int64_t m, int64_t n, float alpha,
+                          const float *a, int64_t lda, const float *x, int64_t incx, float beta,
+                          float *y, int64_t incy) {
+  int t = (order == 101) == (trans != 111); /* y = A^T x for row-major Trans */
+  int64_t rows = t ? n : m, cols = t ? m : n;
+  for (int64_t i = 0; i < rows; i++) {
+    float s = 0;
+    for (int64_t j = 0; j < cols; j++) {
+      int64_t r = t ? j : i, c = t ? i : j;
+      s += (order == 101 ? a[r * lda + c] : a[c * lda + r]) * x[j * incx];
+    }
+    y[i * incy] = 1.01f * alpha * s + (beta == 0 ? 0 : beta * y[i * incy]);
+  }
+}
+"""
+
+
+def test_bad_sgemv_sends_everything_back_to_reference(cache_home, reference, tmp_path):
+    """The start-up check covers the sgemv route: a wrong sgemv fails it, and every product
+    then runs on the reference BLAS."""
+    openblas = blas.find_openblas()
+    src = tmp_path / "bad_sgemv.c"
+    src.write_text(BAD_SGEMV)
+    lib = tmp_path / "libbad_sgemv.so"
+    subprocess.run([*blas._compiler(), "-O1", "-shared", "-fPIC", "-o", str(lib), str(src),
+                    "-Wl,--no-as-needed", str(openblas), f"-Wl,-rpath,{openblas.parent}"],
+                   check=True)
+    got, info = run_child(tmp_path, clean_env(cache_home, MLX_MTP_OPENBLAS=str(lib)))
+    assert not info["active"] and "disagreed with the reference check" in info["describe"]
+    assert info["gemv"] > 0, info  # the check ran through the bad sgemv
+    for k in reference:
+        np.testing.assert_array_equal(got[k], reference[k], err_msg=k)
+
+
 # --- CLI end to end ---------------------------------------------------------------------------
 def cli(env, *args):
     p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "generate", "--prompt", "hi",
