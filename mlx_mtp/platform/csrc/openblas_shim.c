@@ -7,22 +7,23 @@
  * libmlx's cblas_* references bind here, and we forward them to that OpenBLAS, widening the int
  * dimensions to 64 bits.
  *
- * Routing (mlx_mtp_shim_configure): multi-row products (verify passes, batches, prompts) go to
- * OpenBLAS. A product with fewer than `min_rows` rows or columns (decoding one token) goes to
- * OpenBLAS too, unless it is x @ W with a weight of `small_elems` elements or more: in that one
- * layout the reference BLAS's simple loop streams memory as fast or faster for a single row (see
- * route_openblas). use_openblas = 0 sends everything to the reference BLAS (e.g. after a failed
- * check) without restarting the process.
- *
- * Thin float32 products: a product of at most `gemv_rows` rows (or columns) runs as one OpenBLAS
- * sgemv per row (column) of C instead (see sgemm_as_gemv); everything below applies to the rest.
+ * Routing: a float32 product of at most `gemv_rows` rows or columns (decoding one token,
+ * verifying one or two drafts) runs as one OpenBLAS sgemv per row (column) of C (see
+ * sgemm_as_gemv, mlx_mtp_shim_set_gemv_rows). Other multi-row products (verify passes, batches,
+ * prompts) go to OpenBLAS's gemm (mlx_mtp_shim_configure). A product with fewer than `min_rows`
+ * rows or columns that is not run as sgemv (float64, complex, or gemv_rows = 0) goes to OpenBLAS
+ * too, unless it is x @ W with a weight of `small_elems` elements or more: in that one layout the
+ * reference BLAS's simple loop streams memory about as fast as OpenBLAS's gemm for a single row
+ * (see route_openblas). use_openblas = 0 sends everything to the reference BLAS (e.g. after a
+ * failed check) without restarting the process.
  *
  * Row padding: OpenBLAS products of 2..64 rows that are not a multiple of four run on a copy
  * padded with zero rows to the next multiple (see sgemm_padded), which is faster here.
  *
  * Safety: the OpenBLAS path comes from $MLX_MTP_OPENBLAS. If it is unset, cannot be loaded, or
- * lacks any of the three symbols, every call goes to the next definition of the same cblas_*
- * symbol (the reference BLAS), so preloading this can change speed but never break MLX.
+ * lacks any of the three gemm symbols, every call goes to the next definition of the same cblas_*
+ * symbol (the reference BLAS), so preloading this can change speed but never break MLX; without
+ * sgemv, thin products take the gemm routes.
  * mlx_mtp_shim_uses_openblas() lets the Python side ask which path was taken.
  *
  * OpenBLAS threads: $MLX_MTP_OPENBLAS_THREADS (default 1: MLX runs its own threads, and
@@ -221,8 +222,8 @@ static int sgemm_padded(int ta, int tb, int m, int n, int k, float alpha, const 
 }
 
 /* ---- Thin products as matrix-vector products ----
- * OpenBLAS's sgemm packs the whole of B before multiplying, which for one to three rows costs more
- * than the product: one row times a 4096x1024 weight takes ~0.6 ms as an sgemv and ~2.2 ms as an
+ * OpenBLAS's sgemm copies B into packed panels first, which for one to three rows costs more than
+ * the product: one row times a 4096x1024 weight takes ~0.6 ms as an sgemv and ~2.2 ms as an
  * sgemm (or on the reference BLAS), in either layout; each further row costs one more sgemv, and
  * from four rows on sgemm wins. So a product with at most `gemv_rows` rows runs as one sgemv per
  * row of C, one with at most `gemv_rows` columns as one sgemv per column. */
