@@ -53,7 +53,7 @@ def cost_key(model) -> str:
 
     h = hashlib.sha256(f"{FORMAT}|{platform.machine()}|{_cpu_name()}|{os.cpu_count()}|"
                        f"{mx.default_device()}|mlx {mx.__version__}|"
-                       f"openblas {blas.active()}|compiled {model.compiled}"
+                       f"blas {blas.routing()}|compiled {model.compiled}"
                        .encode())
     for name, p in tree_flatten(model.parameters()):
         h.update(f"|{name}:{p.dtype}:{tuple(p.shape)}".encode())

@@ -232,6 +232,14 @@ def padded_calls() -> int:
     return int(_shim.mlx_mtp_shim_padded_calls()) if _shim is not None else 0
 
 
+def routing() -> str:
+    """Which path float32 products take here, in a few words (step costs are stored per routing:
+    the sgemv route alone makes a plain decode step several times cheaper)."""
+    if not active():
+        return "reference"
+    return f"openblas, sgemv up to {int(_shim.mlx_mtp_shim_gemv_rows())} rows"
+
+
 def gemv_calls() -> int:
     """Products the shim has run as sgemv so far (0 without the shim)."""
     return int(_shim.mlx_mtp_shim_gemv_calls()) if _shim is not None else 0
