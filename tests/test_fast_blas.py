@@ -219,6 +219,49 @@ def test_direct_thin_calls_equal_float64_at_every_layout(cache_home):
     assert got["cases"] == 2 * 3 * 2 * 6 * 2 * 2 and got["errors"] == [], got
 
 
+# Which row counts (1..9, x @ W.T) the shim runs as sgemv under $MLX_MTP_BLAS_GEMV_ROWS.
+GEMV_ROWS = textwrap.dedent("""
+    import json
+    import mlx_mtp
+    from mlx_mtp.platform import blas
+    blas.configure()
+    import mlx.core as mx
+    w = mx.ones((16, 8))
+
+    def gemv_rows():
+        rows = []
+        for m in range(1, 10):
+            before = blas.gemv_calls()
+            mx.eval(mx.matmul(mx.ones((m, 8)), w.T, stream=mx.cpu))
+            if blas.gemv_calls() > before:
+                rows.append(m)
+        return rows
+
+    got = {"rows": gemv_rows(), "describe": blas.describe()}
+    for path in (*blas.ROUTES, None):  # what python -m mlx_mtp.platform times
+        blas.route(path)
+        got[str(path)] = [gemv_rows(), blas.active()]
+    print(json.dumps(got))
+""")
+
+
+@pytest.mark.parametrize("value, rows, says", [
+    (None, [1, 2, 3], "up to 3 rows as sgemv"), ("1", [1], "up to 1 row as sgemv"),
+    ("8", list(range(1, 9)), "up to 8 rows as sgemv"), ("0", [], "except single rows"),
+    ("many", [1, 2, 3], "up to 3 rows as sgemv")])
+def test_gemv_rows_env(cache_home, value, rows, says):
+    env = clean_env(cache_home, **({} if value is None else {blas.ENV_GEMV_ROWS: value}))
+    p = subprocess.run([sys.executable, "-c", GEMV_ROWS], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["rows"] == rows and says in got["describe"], got
+    # The bench's paths: the reference BLAS, OpenBLAS's sgemm for every row count, sgemv up
+    # to 8 rows, then back to the routing configured.
+    assert got["reference"] == [[], False] and got["sgemm"] == [[], True], got
+    assert got["sgemv"] == [list(range(1, 9)), True] and got["None"] == [rows, True], got
+
+
 DEMO = textwrap.dedent("""
     import json
     import mlx_mtp

@@ -374,7 +374,8 @@ def describe() -> str:
         lib = f"mlx-mtp shim, numpy's {Path(os.environ.get(ENV_OPENBLAS, '?')).name}"
         rows = int(_shim.mlx_mtp_shim_gemv_rows())
         if rows:
-            return f"CPU matmuls: OpenBLAS, float32 products of up to {rows} rows as sgemv ({lib})"
+            return (f"CPU matmuls: OpenBLAS, float32 products of up to {rows} "
+                    f"row{'s' * (rows > 1)} as sgemv ({lib})")
         return (f"CPU matmuls: OpenBLAS except single rows times large x @ W weights "
                 f"(reference BLAS; {lib})")
     if not reference_blas_in_use():
