@@ -225,7 +225,7 @@ GEMV_ROWS = textwrap.dedent("""
     import mlx_mtp
     from mlx_mtp.platform import blas
     blas.configure()
-    import mlx.core as mx
+    import mlx.core as mx, numpy as np
     w = mx.ones((16, 8))
 
     def gemv_rows():
@@ -237,7 +237,13 @@ GEMV_ROWS = textwrap.dedent("""
                 rows.append(m)
         return rows
 
-    got = {"rows": gemv_rows(), "describe": blas.describe()}
+    # Rows of an m-row product bit-identical to the same rows alone (what makes a verify pass
+    # round as plain steps do).
+    rng = np.random.default_rng(3)
+    x, w2 = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((9, 64), (48, 64)))
+    alone = np.concatenate([np.array(x[i:i + 1] @ w2.T) for i in range(9)])
+    invariant = [m for m in range(1, 10) if np.array_equal(np.array(x[:m] @ w2.T), alone[:m])]
+    got = {"rows": gemv_rows(), "describe": blas.describe(), "invariant": invariant}
     for path in (*blas.ROUTES, None):  # what python -m mlx_mtp.platform times
         blas.route(path)
         got[str(path)] = [gemv_rows(), blas.active()]
@@ -256,6 +262,7 @@ def test_gemv_rows_env(cache_home, value, rows, says):
     assert p.returncode == 0, p.stderr
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["rows"] == rows and says in got["describe"], got
+    assert set(rows) <= set(got["invariant"]), got
     # The bench's paths: the reference BLAS, OpenBLAS's sgemm for every row count, sgemv up
     # to 8 rows, then back to the routing configured.
     assert got["reference"] == [[], False] and got["sgemm"] == [[], True], got
