@@ -12,6 +12,6 @@ try:
 except blas.BlasError as e:
     sys.exit(f"mlx_mtp.platform: error: {e}")
 print(blas.describe())
-from mlx_mtp.platform import bench  # noqa: E402  (imports MLX: after configure)
+from mlx_mtp.platform import bench  # imports MLX: after configure
 
 bench.main()
