@@ -134,8 +134,8 @@ _configured = False
 
 
 def small_elems() -> int:
-    """Thin (single-row) products ``x @ W`` (W stored (K, N)) go to OpenBLAS while their weight
-    has fewer elements than this ($MLX_MTP_BLAS_SMALL, default 1.3M: measured crossover between
+    """Thin (single-row) products ``x @ W`` (W stored (K, N)) that do not run as sgemv (see
+    :func:`gemv_rows`) go to OpenBLAS's gemm while their weight has fewer elements than this ($MLX_MTP_BLAS_SMALL, default 1.3M: measured crossover between
     1.05M, where OpenBLAS is faster for one row, and 1.57M, where the reference BLAS is). Other
     thin products, ``x @ W.T`` among them (linear layers), always go to OpenBLAS."""
     try:
@@ -145,7 +145,8 @@ def small_elems() -> int:
 
 
 def min_rows() -> int:
-    """Smallest row and column count routed to OpenBLAS ($MLX_MTP_BLAS_MIN_ROWS, default 2)."""
+    """Smallest row and column count routed to OpenBLAS's gemm whatever the layout, for products
+    that do not run as sgemv ($MLX_MTP_BLAS_MIN_ROWS, default 2)."""
     try:
         return max(1, int(os.environ.get(ENV_MIN_ROWS, "2")))
     except ValueError:
