@@ -1,7 +1,8 @@
 """Single-row matmul time on OpenBLAS vs the reference BLAS, interleaved in one process
 (switching the shim's routing at run time), for both weight layouts: ``x @ W`` (W stored
 (K, N)) and ``x @ W.T`` (W stored (N, K), what linear layers and tied output heads compute).
-Used to pick the shim's routing and MLX_MTP_BLAS_SMALL.
+Used to pick the shim's routing and MLX_MTP_BLAS_SMALL, which apply when single rows do not run
+as sgemv (MLX_MTP_BLAS_GEMV_ROWS=0); ``python -m mlx_mtp.platform`` times the sgemv route too.
 
     python benchmarks/blas_routing.py [--repeats 3]
 """
@@ -16,7 +17,7 @@ import mlx.core as mx  # noqa: E402
 
 SHAPES = [(256, 768), (384, 1152), (384, 4096), (1024, 1024), (1024, 3072), (2048, 2048),
           (1024, 8192), (4096, 4096)]
-ROUTES = {"openblas": (1, 1, 0), "reference": (0, 2, 0)}  # mlx_mtp_shim_configure arguments
+ROUTES = {"openblas": "sgemm", "reference": "reference"}  # blas.route paths
 
 
 def median_us(f, n):
@@ -45,12 +46,12 @@ def main():
             res = {r: [] for r in ROUTES}
             for _ in range(a.repeats):
                 for r in ("openblas", "reference", "reference", "openblas"):  # A B B A
-                    blas._shim.mlx_mtp_shim_configure(*ROUTES[r])
+                    blas.route(ROUTES[r])
                     res[r].append(median_us(f, 40))
             ob, ref = (sorted(v)[len(v) // 2] for v in (res["openblas"], res["reference"]))
             print(f"| {k}×{n} ({k * n / 1e6:.2f}M) | {layout} | {ob:.0f} | {ref:.0f} | "
                   f"{ref / ob:.2f} |", flush=True)
-    blas.configure()  # back to the default routing
+    blas.route(None)  # back to the default routing
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""``python -m mlx_mtp.platform``: which BLAS runs MLX's CPU matmuls, and 1- to 8-row timings."""
+"""``python -m mlx_mtp.platform``: which BLAS runs MLX's CPU matmuls, and 1- to 8-row timings
+on each path."""
 
 import logging
 import sys
@@ -11,4 +12,6 @@ try:
 except blas.BlasError as e:
     sys.exit(f"mlx_mtp.platform: error: {e}")
 print(blas.describe())
-blas.bench()
+from mlx_mtp.platform import bench  # imports MLX: after configure
+
+bench.main()

@@ -9,15 +9,17 @@ bundles an optimised OpenBLAS, and libmlx only imports ``cblas_{s,d,c}gemm``, so
 How: :func:`preload` (run by ``import mlx_mtp``, so the CLI and the Python API both get it)
 compiles the shim once into the user cache directory and loads it with ``RTLD_GLOBAL`` before
 MLX is first imported, so libmlx binds to it; nothing restarts. :func:`configure` then picks the
-routing (only single rows times a large ``x @ W`` weight stay on the reference BLAS, which
-streams that layout about as fast; products of 2..64 rows are padded to a multiple of four, as
-OpenBLAS's kernels want) and compares a few MLX matmuls with numpy float64 results, sending everything back to the reference
-BLAS if they disagree, so a bad BLAS can never silently change outputs. Without a C compiler, if
+routing (float32 products of up to three rows or columns run as one OpenBLAS sgemv per row,
+3.5x faster than its sgemm or the reference BLAS for a single row; other products of 2..64 rows
+are padded to a multiple of four, as OpenBLAS's kernels want) and compares a few MLX matmuls with
+numpy float64 results, sending everything back to the reference BLAS if they disagree, so a bad
+BLAS can never silently change outputs. Without a C compiler, if
 MLX was imported before mlx_mtp, or with ``--blas reference`` / ``MLX_MTP_BLAS=reference``,
 nothing changes. bf16 and fp16 matmuls never go through BLAS on MLX's CPU backend: the choice
 only matters for float32 (and quantized models' float32 parts).
 
-``python -m mlx_mtp.platform`` prints what is in use and times 1- to 8-row matmuls.
+``python -m mlx_mtp.platform`` prints what is in use and times 1- to 8-row matmuls on each path
+(``platform/bench.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ ENV_OPENBLAS = "MLX_MTP_OPENBLAS"  # the library the shim loads
 ENV_MIN_ROWS = "MLX_MTP_BLAS_MIN_ROWS"  # products with fewer rows (or columns) are "thin"
 ENV_SMALL = "MLX_MTP_BLAS_SMALL"  # thin products with a smaller weight still go to OpenBLAS
 ENV_PAD = "MLX_MTP_BLAS_PAD"  # 0: no row padding (see the shim's sgemm_padded)
+ENV_GEMV_ROWS = "MLX_MTP_BLAS_GEMV_ROWS"  # float32 products this thin run as sgemv (0: never)
 
 # Why this process is on the reference BLAS (for describe()).
 _reason = "the OpenBLAS shim was not loaded"
@@ -131,8 +134,8 @@ _configured = False
 
 
 def small_elems() -> int:
-    """Thin (single-row) products ``x @ W`` (W stored (K, N)) go to OpenBLAS while their weight
-    has fewer elements than this ($MLX_MTP_BLAS_SMALL, default 1.3M: measured crossover between
+    """Thin (single-row) products ``x @ W`` (W stored (K, N)) that do not run as sgemv (see
+    :func:`gemv_rows`) go to OpenBLAS's gemm while their weight has fewer elements than this ($MLX_MTP_BLAS_SMALL, default 1.3M: measured crossover between
     1.05M, where OpenBLAS is faster for one row, and 1.57M, where the reference BLAS is). Other
     thin products, ``x @ W.T`` among them (linear layers), always go to OpenBLAS."""
     try:
@@ -142,11 +145,24 @@ def small_elems() -> int:
 
 
 def min_rows() -> int:
-    """Smallest row and column count routed to OpenBLAS ($MLX_MTP_BLAS_MIN_ROWS, default 2)."""
+    """Smallest row and column count routed to OpenBLAS's gemm whatever the layout, for products
+    that do not run as sgemv ($MLX_MTP_BLAS_MIN_ROWS, default 2)."""
     try:
         return max(1, int(os.environ.get(ENV_MIN_ROWS, "2")))
     except ValueError:
         return 2
+
+
+def gemv_rows() -> int:
+    """Float32 products with at most this many rows (or columns) run as one OpenBLAS sgemv per
+    row ($MLX_MTP_BLAS_GEMV_ROWS, default 3: per row, sgemv streams the weight ~3.5x faster than
+    sgemm's packing, and four sgemv cost as much as one 4-row sgemm; measured with
+    ``python -m mlx_mtp.platform``). 0 turns the route off; thinner products then follow
+    :func:`min_rows` and :func:`small_elems`."""
+    try:
+        return max(0, int(os.environ.get(ENV_GEMV_ROWS, "3")))
+    except ValueError:
+        return 3
 
 
 def _why_not_openblas() -> tuple[Optional[str], Optional[Path], Optional[Path]]:
@@ -192,6 +208,10 @@ def preload() -> bool:
         _shim.mlx_mtp_shim_configure(1, min_rows(), small_elems())
         _shim.mlx_mtp_shim_padded_calls.restype = ctypes.c_long
         _shim.mlx_mtp_shim_set_padding(int(os.environ.get(ENV_PAD, "1") != "0"))
+        _shim.mlx_mtp_shim_set_gemv_rows.argtypes = [ctypes.c_long]
+        _shim.mlx_mtp_shim_gemv_rows.restype = ctypes.c_long
+        _shim.mlx_mtp_shim_gemv_calls.restype = ctypes.c_long
+        _shim.mlx_mtp_shim_set_gemv_rows(gemv_rows())
     except Exception as e:  # a platform nicety must never stop the import
         _shim, _reason = None, f"loading the OpenBLAS shim failed: {e}"
     return _shim is not None
@@ -211,6 +231,33 @@ def set_row_padding(on: bool):
 def padded_calls() -> int:
     """Products the shim has run padded so far (0 without the shim)."""
     return int(_shim.mlx_mtp_shim_padded_calls()) if _shim is not None else 0
+
+
+def routing() -> str:
+    """Which path float32 products take here, in a few words (step costs are stored per routing:
+    the sgemv route alone makes a plain decode step several times cheaper)."""
+    if not active():
+        return "reference"
+    return f"openblas, sgemv up to {int(_shim.mlx_mtp_shim_gemv_rows())} rows"
+
+
+def gemv_calls() -> int:
+    """Products the shim has run as sgemv so far (0 without the shim)."""
+    return int(_shim.mlx_mtp_shim_gemv_calls()) if _shim is not None else 0
+
+
+ROUTES = ("reference", "sgemm", "sgemv")
+
+
+def route(path: Optional[str]):
+    """Send every float32 product down one path (for timing them against each other in one
+    process: "reference", "sgemm": OpenBLAS's, even for one row, "sgemv": one per row, for up to
+    8 rows), or back to the configured routing (None)."""
+    if path is None:
+        configure()
+    elif _shim is not None:
+        _shim.mlx_mtp_shim_configure(int(path != "reference"), 1, 0)
+        _shim.mlx_mtp_shim_set_gemv_rows(8 if path == "sgemv" else 0)
 
 
 def _use_reference(why: str):
@@ -234,6 +281,7 @@ def configure(mode: Optional[str] = None, rtol: float = 1e-4):
         return
     if _shim is not None:
         _shim.mlx_mtp_shim_configure(1, min_rows(), small_elems())
+        _shim.mlx_mtp_shim_set_gemv_rows(gemv_rows())
     if not active():
         if _shim is not None:
             _reason = f"the shim could not use ${ENV_OPENBLAS} ({os.environ.get(ENV_OPENBLAS)})"
@@ -267,8 +315,11 @@ def _check_cases():
     def c(*shape):
         return (r(*shape) + 1j * r(*shape, phase=1.0)).astype(np.complex64)
 
-    return [  # (a, b, transpose a, transpose b): M = 1, 3, 64, transposes, batched, f64, c64
+    return [  # (a, b, transpose a, transpose b): M = 1, 2, 3, 64, N = 2, transposes, batched,
+        # f64, c64; a (64, 1) A transposed is a single row with lda 1
         (r(1, 256), r(256, 192), False, False), (r(3, 256), r(256, 192), False, False),
+        (r(2, 256), r(192, 256), False, True), (r(64, 1), r(192, 64), True, True),
+        (r(64, 96), r(96, 2), False, False), (r(96, 64), r(2, 96), True, True),
         (r(64, 96), r(96, 64), False, False), (r(256, 3), r(192, 256), True, True),
         (r(4, 5, 64), r(4, 64, 48), False, False),
         (r(3, 64, dtype=np.float64), r(64, 32, dtype=np.float64), False, False),
@@ -321,27 +372,14 @@ def setup(args):
 def describe() -> str:
     """One line for logs: which BLAS runs MLX's CPU matmuls, and why."""
     if active():
+        lib = f"mlx-mtp shim, numpy's {Path(os.environ.get(ENV_OPENBLAS, '?')).name}"
+        rows = int(_shim.mlx_mtp_shim_gemv_rows())
+        if rows:
+            return (f"CPU matmuls: OpenBLAS, float32 products of up to {rows} "
+                    f"row{'s' * (rows > 1)} as sgemv ({lib})")
         return (f"CPU matmuls: OpenBLAS except single rows times large x @ W weights "
-                f"(reference BLAS; mlx-mtp shim, numpy's "
-                f"{Path(os.environ.get(ENV_OPENBLAS, '?')).name})")
+                f"(reference BLAS; {lib})")
     if not reference_blas_in_use():
         return "CPU matmuls: MLX's built-in BLAS"
     return f"CPU matmuls: reference BLAS ({_reason})"
 
-
-def bench():
-    import time
-
-    import mlx.core as mx
-
-    w = mx.random.normal((2048, 2048))
-    for m in (1, 2, 3, 4, 8):
-        x = mx.random.normal((m, 2048))
-        mx.eval(x, w, x @ w)
-        times = []
-        for _ in range(20):
-            t = time.perf_counter()
-            mx.eval(x @ w)
-            times.append(time.perf_counter() - t)
-        print(f"  {m}x2048 @ 2048x2048 float32: {sorted(times)[len(times) // 2] * 1e3:7.2f} ms"
-              " (median of 20)")

@@ -31,4 +31,4 @@ def describe() -> str:
     from . import blas
 
     return (f"{platform.machine()}|{cpu_name()}|{os.cpu_count()}|{mx.default_device()}|"
-            f"mlx {mx.__version__}|openblas {blas.active()}")
+            f"mlx {mx.__version__}|blas {blas.routing()}")

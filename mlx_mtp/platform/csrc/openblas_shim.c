@@ -7,19 +7,23 @@
  * libmlx's cblas_* references bind here, and we forward them to that OpenBLAS, widening the int
  * dimensions to 64 bits.
  *
- * Routing (mlx_mtp_shim_configure): multi-row products (verify passes, batches, prompts) go to
- * OpenBLAS. A product with fewer than `min_rows` rows or columns (decoding one token) goes to
- * OpenBLAS too, unless it is x @ W with a weight of `small_elems` elements or more: in that one
- * layout the reference BLAS's simple loop streams memory as fast or faster for a single row (see
- * route_openblas). use_openblas = 0 sends everything to the reference BLAS (e.g. after a failed
- * check) without restarting the process.
+ * Routing: a float32 product of at most `gemv_rows` rows or columns (decoding one token,
+ * verifying one or two drafts) runs as one OpenBLAS sgemv per row (column) of C (see
+ * sgemm_as_gemv, mlx_mtp_shim_set_gemv_rows). Other multi-row products (verify passes, batches,
+ * prompts) go to OpenBLAS's gemm (mlx_mtp_shim_configure). A product with fewer than `min_rows`
+ * rows or columns that is not run as sgemv (float64, complex, or gemv_rows = 0) goes to OpenBLAS
+ * too, unless it is x @ W with a weight of `small_elems` elements or more: in that one layout the
+ * reference BLAS's simple loop streams memory about as fast as OpenBLAS's gemm for a single row
+ * (see route_openblas). use_openblas = 0 sends everything to the reference BLAS (e.g. after a
+ * failed check) without restarting the process.
  *
  * Row padding: OpenBLAS products of 2..64 rows that are not a multiple of four run on a copy
  * padded with zero rows to the next multiple (see sgemm_padded), which is faster here.
  *
  * Safety: the OpenBLAS path comes from $MLX_MTP_OPENBLAS. If it is unset, cannot be loaded, or
- * lacks any of the three symbols, every call goes to the next definition of the same cblas_*
- * symbol (the reference BLAS), so preloading this can change speed but never break MLX.
+ * lacks any of the three gemm symbols, every call goes to the next definition of the same cblas_*
+ * symbol (the reference BLAS), so preloading this can change speed but never break MLX; without
+ * sgemv, thin products take the gemm routes.
  * mlx_mtp_shim_uses_openblas() lets the Python side ask which path was taken.
  *
  * OpenBLAS threads: $MLX_MTP_OPENBLAS_THREADS (default 1: MLX runs its own threads, and
@@ -44,6 +48,8 @@ typedef void (*dgemm64_fn)(int, int, int, i64, i64, i64, double, const double *,
                            const double *, i64, double, double *, i64);
 typedef void (*cgemm64_fn)(int, int, int, i64, i64, i64, const void *, const void *, i64,
                            const void *, i64, const void *, void *, i64);
+typedef void (*sgemv64_fn)(int, int, i64, i64, float, const float *, i64, const float *, i64,
+                           float, float *, i64);
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *,
                          int, float, float *, int);
 typedef void (*dgemm_fn)(int, int, int, int, int, int, double, const double *, int,
@@ -63,6 +69,7 @@ static pthread_once_t openblas_once = PTHREAD_ONCE_INIT;
 static sgemm64_fn ob_sgemm;
 static dgemm64_fn ob_dgemm;
 static cgemm64_fn ob_cgemm;
+static sgemv64_fn ob_sgemv; /* optional: without it thin products take the sgemm routes */
 static volatile int use_openblas = 1;
 static volatile long min_rows = 2;
 static volatile long small_elems = 1300000L;
@@ -78,6 +85,7 @@ static void load_openblas(void) {
     ob_sgemm = s;
     ob_dgemm = d;
     ob_cgemm = c;
+    ob_sgemv = (sgemv64_fn)dlsym(h, "scipy_cblas_sgemv64_");
     typedef void (*threads_fn)(int);
     threads_fn set_threads = (threads_fn)dlsym(h, "scipy_openblas_set_num_threads64_");
     const char *t = getenv("MLX_MTP_OPENBLAS_THREADS");
@@ -213,9 +221,63 @@ static int sgemm_padded(int ta, int tb, int m, int n, int k, float alpha, const 
   return 1;
 }
 
+/* ---- Thin products as matrix-vector products ----
+ * OpenBLAS's sgemm copies B into packed panels first, which for one to three rows costs more than
+ * the product: one row times a 4096x1024 weight takes ~0.6 ms as an sgemv and ~2.2 ms as an
+ * sgemm (or on the reference BLAS), in either layout; each further row costs one more sgemv, and
+ * from four rows on sgemm wins. So a product with at most `gemv_rows` rows runs as one sgemv per
+ * row of C, one with at most `gemv_rows` columns as one sgemv per column. */
+static volatile long gemv_rows = 3;
+static volatile long gemv_calls = 0;
+
+void mlx_mtp_shim_set_gemv_rows(long rows) { gemv_rows = rows; }
+long mlx_mtp_shim_gemv_rows(void) { return ob_sgemv ? gemv_rows : 0; }
+long mlx_mtp_shim_gemv_calls(void) { return gemv_calls; }
+
+/* y (len elements, stride inc) = 0 where beta is 0: gemm then ignores C's old contents (MLX
+ * passes uninitialised memory), while sgemv would scale it, and 0 * NaN is NaN. */
+static void zero_if_no_beta(float beta, float *y, i64 len, i64 inc) {
+  if (beta != 0.0f) return;
+  if (inc == 1) memset(y, 0, (size_t)len * sizeof(float));
+  else for (i64 i = 0; i < len; i++) y[i * inc] = 0.0f;
+}
+
+/* C = alpha op(A) op(B) + beta C, row-major C (m x n), op(A) (m x k), op(B) (k x n). */
+static int sgemm_as_gemv(int order, int ta, int tb, int m, int n, int k, float alpha,
+                         const float *a, int lda, const float *b, int ldb, float beta, float *c,
+                         int ldc) {
+  if (!ob_sgemv || m < 1 || n < 1 || k < 1 || (m > gemv_rows && n > gemv_rows)) return 0;
+  if (order == 102) /* column-major C = op(A) op(B) is row-major C^T = op(B)^T op(A)^T */
+    return sgemm_as_gemv(101, tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
+  if (order != 101) return 0;
+  int at = ta != 111, bt = tb != 111; /* Trans or ConjTrans (the same for real matrices) */
+  if (m <= gemv_rows) {
+    for (i64 i = 0; i < m; i++) { /* row i of C = op(B)^T (row i of op(A)) */
+      float *y = c + i * ldc;
+      const float *x = at ? a + i : a + i * lda;
+      zero_if_no_beta(beta, y, n, 1);
+      if (bt) ob_sgemv(101, 111, n, k, alpha, b, ldb, x, at ? lda : 1, beta, y, 1);
+      else ob_sgemv(101, 112, k, n, alpha, b, ldb, x, at ? lda : 1, beta, y, 1);
+    }
+  } else {
+    for (i64 j = 0; j < n; j++) { /* column j of C = op(A) (column j of op(B)) */
+      float *y = c + j;
+      const float *x = bt ? b + j * ldb : b + j;
+      zero_if_no_beta(beta, y, m, ldc);
+      if (at) ob_sgemv(101, 112, k, m, alpha, a, lda, x, bt ? 1 : ldb, beta, y, ldc);
+      else ob_sgemv(101, 111, m, k, alpha, a, lda, x, bt ? 1 : ldb, beta, y, ldc);
+    }
+  }
+  __sync_fetch_and_add(&gemv_calls, 1);
+  return 1;
+}
+
 /* ---- The exported cblas entry points (standard signatures, int dimensions) ---- */
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
                  int lda, const float *b, int ldb, float beta, float *c, int ldc) {
+  if (mlx_mtp_shim_uses_openblas() &&
+      sgemm_as_gemv(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
+    return;
   if (route_openblas(order, tb, m, n, k)) {
     if (pad_rows && order == 101 && m >= 2 && m <= PAD_MAX_ROWS && m % 4 &&
         sgemm_padded(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
