@@ -114,22 +114,30 @@ def test_what_a_checkpoint_lacks_settles_the_config():
 
 
 def test_eagle3_matches_mlx_vlm_over_two_rounds():
-    """Round 1 drafts 4 tokens one pass each; the verify keeps 2: ``rollback`` drops the
-    drafted entries and round 2 feeds the verified rows (their taps and tokens) to the same
-    cache before drafting again."""
+    """Round 1 drafts 4 tokens one pass each (their entries never enter the cache); the
+    verify ran [anchor, d1..d4] and kept 2 drafts: its 5 rows enter the context as in a
+    step (the 2 rejected rows with taps of their own) and ``accept`` keeps 3 of them and
+    moves the pending tap to the last kept row's. Round 2 drafts from that cache what
+    mlx-vlm drafted after trimming its cache and re-feeding the verified rows."""
     model, ref = load("eagle3")
     to_target = mx.arange(64) + model.d2t
     cache = model.make_cache()
-    for r, tokens in ((1, ref["tokens1"]), (2, ref["tokens2"])):
-        model.add_context(taps(ref, r), cache, tokens)
+    rejected = mx.random.normal((3, 1, 2, 64), key=mx.random.key(5))
+    verified = [mx.concatenate([t, r], axis=1) for t, r in zip(taps(ref, 2), rejected)]
+    rounds = ((taps(ref, 1), ref["tokens1"]),
+              (verified, mx.concatenate([ref["tokens2"], mx.array([[200, 201]])], axis=1)))
+    for r, (rows, tokens) in enumerate(rounds, 1):
+        model.add_context(rows, cache, tokens)
+        if r == 2:
+            for c in cache:
+                c.accept([3])
         seen = []
         drafts, _ = model.propose(ref[f"anchor{r}"], cache, 4, greedy(seen))
         assert drafts.tolist() == ref[f"drafts{r}"].tolist(), r
         logits = mx.stack(seen, axis=1)
         assert mx.allclose(logits[..., to_target], ref[f"logits{r}"], atol=ATOL).item(), r
         assert mx.isinf(logits).sum().item() == 4 * (256 - 64)  # q = 0 off the draft vocabulary
-        model.rollback(cache, 4, [2])
-    assert cache[0].lengths() == [10 + 3]  # (tap t, token t+1) pairs; the last row waits
+        assert cache[0].lengths() == [10] if r == 1 else [10 + 3]  # (tap t, token t+1) pairs
 
 
 @pytest.mark.parametrize("name", ["dflash2", "dspark_speculators", "eagle3"])
@@ -147,8 +155,7 @@ def test_sampled_drafts_come_from_the_q_they_return(name):
         assert q[0, drafts[0, j]].item() > 0
         support = (q > 0).sum().item()
         assert support == (model.settings.selector_top_k or model.settings.draft_vocab_size)
-    if name == "eagle3":
-        model.rollback(cache, 3, [0])
+    if name == "eagle3":  # a pass's entries are not stored
         assert cache[0].lengths() == [10]
 
 

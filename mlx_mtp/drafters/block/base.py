@@ -84,9 +84,6 @@ class BlockDraftModel(nn.Module):
                 ) -> Tuple[mx.array, List[mx.array]]:
         """Draft ``n <= spec.max_draft`` positions after ``anchor`` (B,): the drafts (B, n)
         and, per position, the log q (B, V) each was drawn from. Leaves ``cache`` holding
-        the context only (a block's own K/V are transient)."""
+        the context only (a pass's own K/V are transient: nothing of it needs rolling
+        back after the verify)."""
         raise NotImplementedError
-
-    def rollback(self, cache: list, drafted: int, accepted: Sequence[int]):
-        """After the verify: kinds that cache their own drafts (EAGLE-3) drop the rejected
-        ones; block kinds keep nothing of a pass and do nothing."""
