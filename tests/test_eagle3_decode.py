@@ -24,9 +24,11 @@ from block_checks import assert_block_samples_follow_target, decode, decode_batc
 from family_checks import mlx_lm_model
 from mlx_mtp.decode import block_context
 from mlx_mtp.decode.draft_source import DraftSources
+from mlx_mtp.decode.sequence import check_state_fits
 from mlx_mtp.decode.speculative import MTPDecoder
 from mlx_mtp.drafters.block.load import attach_block_drafter
 from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.server.session_store import _state_from_tensors, _state_tensors
 from mlx_mtp.testing.tiny import make_tiny
 from mlx_mtp.testing.tiny_attention import make_tiny as make_tiny_attention
 from mlx_mtp.testing.tiny_block import make_tiny_block
@@ -161,6 +163,33 @@ def test_the_context_holds_every_emitted_row_as_a_fresh_prefill_would(random_mod
     got = [t for _ in range(4) for t in dec.step().tokens]
     dec.finish_pending()
     _assert_same_context(model, dec.cache, PROMPT + got[:-1])  # the last is not in the trunk
+
+
+def test_a_prefix_or_disk_state_carries_the_context(random_model):
+    """A prompt state snapshotted mid-prompt (a prefix-cache entry) and one saved and
+    loaded as a disk session (``session_store``: each cache's ``state``/``meta_state`` under
+    its kind) hold the drafter's context and pending tap: prefilling the rest of the prompt
+    from either builds a fresh prefill's context, and decoding drafts, accepts and emits as
+    from the fresh one."""
+    model = random_model
+    kk, _ = DraftSources("block", adaptive=False).for_row(3)
+
+    def decoder():
+        return MTPDecoder(model, kk, adaptive=False,
+                          drafter=DraftSources("block", adaptive=False).drafter())
+
+    fresh = decoder()
+    fresh.prefill(PROMPT, snapshot_at=5)
+    saved = _state_from_tensors(*_state_tensors(fresh.snapshot_state))
+    check_state_fits(saved, block_context.make_cache(model), model.make_mtp_cache())
+    want = [t for _ in range(4) for t in fresh.step().tokens]
+    for state in (fresh.snapshot_state, saved):
+        restored = decoder()
+        restored.restore(state)
+        restored.prefill(PROMPT)
+        _assert_same_context(model, restored.cache, PROMPT[:-1])
+        assert [t for _ in range(4) for t in restored.step().tokens] == want
+        assert restored.stats.to_dict() == fresh.stats.to_dict()
 
 
 def test_sampled_tokens_follow_the_target_distribution(tmp_path_factory):

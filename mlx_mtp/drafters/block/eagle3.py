@@ -4,15 +4,15 @@ autoregressive drafter, one pass per draft.
 Its context pairs the projection of a row's three taps, ``fc(taps_t)``, with the token that
 *follows* that row, ``x_{t+1}``, at position ``t + 1``: layer 0 attends over
 ``concat(input_layernorm(embed(x)), hidden_norm(h))``. So layer 0 lags the trunk by one
-row: its cache is a ``ChainCache`` (``models/cache/chain.py``) over a ``ContextCache``, whose
-pending input is the last emitted row's ``fc(taps)``, waiting for its next token (the
-anchor). A trunk pass enters every row it ran (``add_context``; a verify's rows, of which
-the step's ``accept`` keeps each row's accepted ones and moves the pending to the last
-kept row's tap); a draft pass feeds (pending, anchor), then each draft with the layer's own
-output as ``h``, reading the cached context beside its own entries, which are never stored:
-nothing of a pass needs rolling back, and every row keeps its own context and length. The
-head scores a (possibly reduced) draft vocabulary mapped to target ids by ``d2t`` (target
-= draft + d2t[draft]); q is zero outside it.
+row: its cache is a ``ContextChainCache`` (``models/cache/context.py``: a ``ChainCache`` over
+a ``ContextCache``), whose pending input is the last emitted row's ``fc(taps)``, waiting for
+its next token (the anchor). A trunk pass enters every row it ran (``add_context``; a
+verify's rows, of which the step's ``accept`` keeps each row's accepted ones and moves the
+pending to the last kept row's tap); a draft pass feeds (pending, anchor), then each draft
+with the layer's own output as ``h``, reading the cached context beside its own entries,
+which are never stored: nothing of a pass needs rolling back, and every row keeps its own
+context and length. The head scores a (possibly reduced) draft vocabulary mapped to target
+ids by ``d2t`` (target = draft + d2t[draft]); q is zero outside it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3 import MLP
 
 from ...models.cache import prepare_chunk
-from ...models.cache.chain import ChainCache
-from ...models.cache.context import ContextCache
+from ...models.cache.context import ContextCache, ContextChainCache
 from .base import BlockDraftModel, Draw
 from .config import DrafterConfig
 from .layers import DraftArgs, widen
@@ -128,8 +127,7 @@ class Eagle3DraftModel(BlockDraftModel):
 
     def make_cache(self) -> list:
         """Layer 0's context behind its pending tap, then each later layer's context."""
-        return [ChainCache(ContextCache.empty(1))] + [ContextCache.empty(1)
-                                                     for _ in self.layers[1:]]
+        return [ContextChainCache.empty(1)] + [ContextCache.empty(1) for _ in self.layers[1:]]
 
     @property
     def num_caches(self) -> int:

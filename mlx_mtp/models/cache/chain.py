@@ -207,10 +207,10 @@ class ChainCache(_Cache):
 
     def extract(self, row: int) -> "ChainCache":
         pending = self.pending[row : row + 1] if self.has_pending[row] else None
-        return ChainCache(self.inner.extract(row), pending, [self.has_pending[row]])
+        return type(self)(self.inner.extract(row), pending, [self.has_pending[row]])
 
     def copy(self) -> "ChainCache":
-        return ChainCache(self.inner.copy(), self.pending, self.has_pending)
+        return type(self)(self.inner.copy(), self.pending, self.has_pending)
 
 
 CACHE_KINDS[ChainCache.kind] = ChainCache
