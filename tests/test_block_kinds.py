@@ -258,7 +258,7 @@ BODY = {k: ZLAB_DFLASH[k] for k in ("hidden_size", "intermediate_size", "num_hid
 def spec(kind, block, anchor=False, mask=255, layers=None):
     return BlockSpec(kind=kind, hidden_size=64, vocab_size=256, target_layer_ids=(1, 3, 5),
                      block_size=block, mask_token_id=mask, anchor_predicts=anchor,
-                     num_target_layers=layers)
+                     num_target_layers=layers, autoregressive=kind == "eagle3")
 
 
 def test_every_packaging_parses_to_its_block_spec():

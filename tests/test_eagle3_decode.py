@@ -13,7 +13,10 @@ identity trunk whose next token is ``t + 1``) attends only to its newest entry's
 (queries and keys are the token's normed embedding, scaled), so each pass predicts what the
 target does after the token it was fed: every draft is right, at every depth."""
 
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -235,3 +238,31 @@ def test_the_published_layout_loads_and_drafts_in_the_step(tmp_path):
     for k in range(1, BLOCK):
         got, dec = decode(model, PROMPT, k, n=N)
         assert got == plain and dec.stats.block_draft_tokens > 0, f"width {k}"
+
+
+@pytest.mark.slow
+def test_generate_drafts_with_an_eagle3_drafter(tiny_ckpt, tmp_path):
+    """``--draft-model`` naming an EAGLE-3 drafter: ``generate`` drafts with it
+    (``--draft-source block``, and the default ``block+mtp``) and prints plain decoding's
+    text; ``inspect`` reports its kind, its 0-based taps and its block."""
+    trunk = tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1, vocab_size=4096)
+    eagle = make_tiny_block(tmp_path / "eagle3", "eagle3", 64, 4096, [0, 2, 3], 4,
+                            block_size=4, draft_vocab_size=1024)
+    gen = ["generate", "--model", str(trunk), "--prompt", "def f():", "-m", "12", "--temp", "0"]
+
+    def run(*args):
+        p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", *args], capture_output=True,
+                           text=True, timeout=300)
+        return p.returncode, p.stdout, p.stderr
+
+    code, plain, err = run(*gen, "--verbose", "False", "--no-mtp")
+    assert code == 0, err
+    code, out, err = run(*gen, "--draft-model", str(eagle), "--draft-source", "block",
+                         "--fixed-k", "--num-draft-tokens", "3")
+    assert code == 0 and plain.strip() in out, out + err
+    assert re.search(r"head 0/0, block \d+/[1-9]\d*", out), out
+    code, quiet, err = run(*gen, "--draft-model", str(eagle), "--verbose", "False")
+    assert code == 0 and quiet == plain, err
+    code, out, err = run("inspect", str(eagle))
+    assert code == 0 and "eagle3 block drafter" in out and "[0, 2, 3]" in out, out + err
+    assert "3 drafts, one pass each" in out, out

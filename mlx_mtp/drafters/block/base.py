@@ -40,6 +40,7 @@ class BlockSpec:
     mask_token_id: Optional[int] = None  # fills the block's slots after the anchor
     anchor_predicts: bool = False  # slot 0 drafts too (DeepSpec DSpark) instead of a pure anchor
     num_target_layers: Optional[int] = None  # trunk depth it was trained on, when recorded
+    autoregressive: bool = False  # one pass per draft (EAGLE-3), not one per block
 
     @property
     def max_draft(self) -> int:

@@ -111,5 +111,6 @@ def describe(config: dict) -> Optional[dict]:
         return None
     spec = parse(config, None, "drafter").spec
     return {"kind": spec.kind, "taps": list(spec.target_layer_ids), "block_size": spec.block_size,
-            "max_draft": spec.max_draft, "hidden_size": spec.hidden_size,
+            "max_draft": spec.max_draft, "autoregressive": spec.autoregressive,
+            "hidden_size": spec.hidden_size,
             "vocab_size": spec.vocab_size}
