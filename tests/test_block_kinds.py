@@ -244,6 +244,32 @@ def test_eagle3_drafts_a_batch_row_by_row_alike():
     assert drafts[0].tolist() == ref["drafts1"][0].tolist()
 
 
+def test_eagle3_keeps_each_rows_own_context_in_a_padded_batch():
+    """Rows whose contexts differ in length share batch caches (``merge``; right-aligned
+    chunks with per-row ``lengths``): each row's pending tap pairs with its own first
+    token, and each drafts what it drafts alone, over two rounds."""
+    model, ref = load("eagle3")
+    t1, t2 = taps(ref, 1), taps(ref, 2)
+    rounds = [([t1, [t[:, 3:] for t in t1]], [ref["tokens1"], ref["tokens1"][:, 3:]],
+               mx.array([42, 17])),
+              ([t2, [t[:, :1] for t in t2]], [ref["tokens2"], ref["tokens2"][:, :1]],
+               mx.array([199, 88]))]
+    alone = [model.make_cache(), model.make_cache()]
+    batch = [type(a).merge([a, b]) for a, b in zip(model.make_cache(), model.make_cache())]
+    for rows, tokens, anchors in rounds:
+        lengths = [r[0].shape[1] for r in rows]
+        S = max(lengths)
+        padded = mx.concatenate([mx.concatenate([mx.zeros((1, S - t.shape[1]), t.dtype), t],
+                                                axis=1) for t in tokens])
+        model.add_context(_right_aligned(rows, S), batch, padded, lengths)
+        drafts, _ = model.propose(anchors, batch, 4, greedy())
+        for b, (row, cache) in enumerate(zip(rows, alone)):
+            model.add_context(row, cache, tokens[b])
+            row_drafts, _ = model.propose(anchors[b:b + 1], cache, 4, greedy())
+            assert drafts[b].tolist() == row_drafts[0].tolist(), b
+    assert batch[0].lengths() == [10 + 3, 7 + 1]
+
+
 ZLAB_DFLASH = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64,
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
