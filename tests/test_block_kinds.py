@@ -6,7 +6,8 @@ published layouts (hidden 64, vocab 256, 2 layers, taps [1, 3, 5] of an 8-layer 
 what the reference drafted from seeded taps over two rounds on one context cache (11 rows,
 then 3 more): z-lab ``dflash==0.1.0`` for DFlash2, ``mlx-dspark==0.20.3`` for DSpark (DeepSpec
 and speculators layouts, the latter with a reduced vocabulary and a pure anchor slot), and
-``mlx-vlm==0.7.10``'s EAGLE-3 drafter (legacy ``midlayer.*`` names, reduced vocabulary). They
+``mlx-vlm==0.7.10``'s EAGLE-3 drafter (legacy ``midlayer.*`` names, reduced vocabulary; and
+two layers under ``layers.*`` names, the full vocabulary, ``norm_before_residual``). They
 were recorded once by ``tests/fixtures/block_drafters/make_references.py`` (its docstring says
 how to rerun it); the references are not imported here.
 """
@@ -113,31 +114,37 @@ def test_what_a_checkpoint_lacks_settles_the_config():
                               ).settings.own_embed
 
 
-def test_eagle3_matches_mlx_vlm_over_two_rounds():
+@pytest.mark.parametrize("name", ["eagle3", "eagle3_two_layers"])
+def test_eagle3_matches_mlx_vlm_over_two_rounds(name):
     """Round 1 drafts 4 tokens one pass each (their entries never enter the cache); the
-    verify ran [anchor, d1..d4] and kept 2 drafts: its 5 rows enter the context as in a
-    step (the 2 rejected rows with taps of their own) and ``accept`` keeps 3 of them and
-    moves the pending tap to the last kept row's. Round 2 drafts from that cache what
-    mlx-vlm drafted after trimming its cache and re-feeding the verified rows."""
-    model, ref = load("eagle3")
-    to_target = mx.arange(64) + model.d2t
-    cache = model.make_cache()
-    rejected = mx.random.normal((3, 1, 2, 64), key=mx.random.key(5))
+    verify ran [anchor, d1..d4] and kept some drafts (2; none for the two-layer fixture):
+    its 5 rows enter the context as in a step (the rejected ones with taps of their own)
+    and ``accept`` keeps the anchor's and the kept drafts' and moves the pending tap to the
+    last kept row's. Round 2 drafts from that cache what mlx-vlm drafted after trimming
+    its cache and re-feeding the verified rows."""
+    model, ref = load(name)
+    vocab = model.settings.draft_vocab_size
+    to_target = mx.arange(vocab) + model.d2t if vocab else mx.arange(256)
+    kept = ref["tokens2"].shape[1] - 1
+    rejected = mx.random.normal((3, 1, 4 - kept, 64), key=mx.random.key(5))
     verified = [mx.concatenate([t, r], axis=1) for t, r in zip(taps(ref, 2), rejected)]
-    rounds = ((taps(ref, 1), ref["tokens1"]),
-              (verified, mx.concatenate([ref["tokens2"], mx.array([[200, 201]])], axis=1)))
-    for r, (rows, tokens) in enumerate(rounds, 1):
+    verify_tokens = mx.concatenate([ref["anchor1"][None], ref["drafts1"]], axis=1)
+    assert verify_tokens[:, : kept + 1].tolist() == ref["tokens2"].tolist()
+    cache = model.make_cache()
+    for r, (rows, tokens) in enumerate(((taps(ref, 1), ref["tokens1"]),
+                                        (verified, verify_tokens)), 1):
         model.add_context(rows, cache, tokens)
         if r == 2:
             for c in cache:
-                c.accept([3])
+                c.accept([kept + 1])
         seen = []
         drafts, _ = model.propose(ref[f"anchor{r}"], cache, 4, greedy(seen))
         assert drafts.tolist() == ref[f"drafts{r}"].tolist(), r
         logits = mx.stack(seen, axis=1)
         assert mx.allclose(logits[..., to_target], ref[f"logits{r}"], atol=ATOL).item(), r
-        assert mx.isinf(logits).sum().item() == 4 * (256 - 64)  # q = 0 off the draft vocabulary
-        assert cache[0].lengths() == [10] if r == 1 else [10 + 3]  # (tap t, token t+1) pairs
+        assert mx.isinf(logits).sum().item() == 4 * (256 - len(to_target))  # q = 0 off it
+        # (tap t, token t+1) pairs; the last row's tap waits
+        assert all(c.lengths() == ([10] if r == 1 else [10 + kept + 1]) for c in cache)
 
 
 @pytest.mark.parametrize("name", ["dflash2", "dspark_speculators", "eagle3"])
