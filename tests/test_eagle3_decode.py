@@ -198,12 +198,13 @@ def test_a_prefix_or_disk_state_carries_the_context(random_model):
 def test_sampled_tokens_follow_the_target_distribution(tmp_path_factory):
     """Two drafts from the drafter's own q, many seeds: the next two tokens follow the
     target's exact joint distribution (temperature 40 and top-3 spread the oracle trunk's
-    peaked logits over a few tokens). A blunt oracle (its attention mixes in the context's
-    tokens) makes q differ from the target's p: drafts are accepted and rejected."""
+    peaked logits over a few tokens). A blunt oracle (its attention mixes the context's
+    tokens into each pass) makes q differ from the target's p: about a third of the drafts
+    are accepted, the rest rejected and resampled from the residual."""
     model = _with_eagle(_trunk(tmp_path_factory, "qwen3_5", "oracle"),
-                        tmp_path_factory.mktemp("blunt"), oracle=True, sharpness=0.5)
+                        tmp_path_factory.mktemp("blunt"), oracle=True, sharpness=0.2)
     accepted = assert_block_samples_follow_target(model, PROMPT[:4])
-    assert 50 < accepted < 2 * 400
+    assert 150 < accepted < 600
 
 
 def test_the_taps_are_the_residuals_the_speculators_ids_name(tmp_path_factory):
