@@ -1,6 +1,6 @@
 """EAGLE-3 drafting in the one step, as the block kinds do (``test_block_kinds_decode``):
-greedy output identical to plain decoding on the Qwen3.5 hybrid and an attention trunk
-(glm4_moe) at every width, alone and in a batch of four mixing sources; the drafter's
+greedy output identical to plain decoding on the Qwen3.5 hybrid, an attention trunk
+(glm4_moe) and Nemotron-H at every width, alone and in a batch of four mixing sources; the drafter's
 context (its layers' K/V and the pending tap) stays aligned with each row's emitted tokens
 through verifies, as a fresh prefill over them builds it; sampled output follows the
 target's exact distribution (rejection sampling with the drafter's own q), by chi-square;
@@ -35,12 +35,13 @@ from mlx_mtp.server.session_store import _state_from_tensors, _state_tensors
 from mlx_mtp.testing.tiny import make_tiny
 from mlx_mtp.testing.tiny_attention import make_tiny as make_tiny_attention
 from mlx_mtp.testing.tiny_block import make_tiny_block
+from mlx_mtp.testing.tiny_special import make_tiny_nemotron_h
 
 PROMPT = [5, 60, 11, 7, 9, 3, 41, 17]
 PROMPTS = [[3, 9, 27], [100, 4, 8, 15, 16, 23, 42], [7], [50, 51, 52, 53, 54]]
 N = 12
 BLOCK = 5  # 4 speculative tokens
-FAMILIES = ["qwen3_5", "glm4_moe"]
+FAMILIES = ["qwen3_5", "glm4_moe", "nemotron_h"]
 FIXTURE = Path(__file__).parent / "fixtures" / "block_drafters" / "eagle3"
 
 
@@ -48,6 +49,8 @@ def _trunk(tmp_path_factory, family: str, head: str = "random"):
     path = tmp_path_factory.mktemp(f"{family}_{head}")
     if family == "qwen3_5":
         return make_tiny(path, family, head)
+    if family == "nemotron_h":
+        return make_tiny_nemotron_h(path, head)
     return make_tiny_attention(path, family, head, num_layers=4)
 
 
