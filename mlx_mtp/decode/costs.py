@@ -6,9 +6,10 @@ as the longest row that uses it); steps in which the model's block drafter ran
 (``drafters/block``: one pass whatever its rows draft, or one per draft for an autoregressive
 one, EAGLE-3) are a cost kind of their own, ``block_cells`` beside ``cells``. ``head == k``:
 the head ran through every position, the step the K policy plans (K=k; context drafts it
-extends cost the same); ``head == 0``: a plain step, or context drafts only (``draft_source.py``); in between: rows copying from
-the context beside rows drafting from the head. The driver (``batch.BatchDecoder``)
-records one observation per step; every reader asks this table:
+extends cost the same); ``head == 0``: a plain step, or context drafts only
+(``draft_source.py``); in between: rows copying from the context beside rows drafting from
+the head. The driver (``batch.BatchDecoder``) records one observation per step; every
+reader asks this table:
 
 * the K policy (``policy.DraftPolicy``): ``predict(B, K)`` for a head step, from the
   cell or a least-squares fit over every batch size; ``count`` and ``stale`` for its probes;
