@@ -53,7 +53,7 @@ def add_model_arguments(p: argparse.ArgumentParser, server: bool = False):
                         "DSpark)")
     p.add_argument("--draft-kind", default=None, metavar="KIND",
                    help="What --draft-model is where its config does not say: mtp or a block "
-                        "drafter kind (dflash, dflash2, dspark)")
+                        "drafter kind (dflash, dflash2, dspark, eagle3)")
     p.add_argument("--mtp-hidden", choices=["post_norm", "pre_norm"], default=None,
                    help="Trunk hidden state fed to the MTP head (default post_norm)")
     add_dtype_argument(p)

@@ -106,3 +106,25 @@ def test_block_mtp_picks_the_head_or_the_block_by_their_acceptance():
         for _ in range(20):
             row.record(DraftPlan(block=WIDTH, head=2), WIDTH + 2)  # both land
         assert row.plan(4, True, 1, _costs(head_pass=head_pass), cap=WIDTH + 2) == plan
+
+
+def test_an_autoregressive_drafter_pays_a_pass_per_draft():
+    """EAGLE-3 runs one pass per draft (``fit_block(width, pass_per_draft=True)``; the
+    driver records a step's passes): the table fits a pass's price from steps of several
+    widths and prices a plan by its drafts (an unmeasured width too: priced as one pass,
+    3 drafts would look cheaper than the measured 2 and 4), so it drafts as far as its
+    drafts land, no further."""
+    per_pass, costs = 3.0, StepCosts()
+    for _ in range(3):
+        for k in (0, 1, 2, 4):
+            costs.observe(1, k, 0, PLAIN + PER_POSITION * k)
+            if k:
+                costs.observe(1, k, 0, PLAIN + PER_POSITION * k + per_pass * k, block=k)
+    assert costs.block_pass(1) == pytest.approx(per_pass)
+    assert costs.predict_plan(1, 3, 0, block=3) == pytest.approx(PLAIN + 1.5 + 3 * per_pass)
+    for landed in (1, 2, WIDTH):
+        row = DraftSources("block").drafter()
+        row.fit_block(WIDTH, pass_per_draft=True)
+        for _ in range(40):
+            row.record(DraftPlan(block=WIDTH), landed)
+        assert row.plan(0, True, 1, costs, cap=WIDTH) == DraftPlan(block=landed)

@@ -1,4 +1,4 @@
-"""A block drafter in the server's engine: requests choosing ``draft_source`` ``block``,
+"""A block drafter (DFlash; EAGLE-3) in the server's engine: requests choosing ``draft_source`` ``block``,
 ``mtp`` or ``both`` batch together and decode plain decoding's tokens; usage and /metrics
 count the block drafter's drafts by source."""
 
@@ -10,18 +10,21 @@ from mlx_mtp.models.io.loader import load
 from mlx_mtp.server.engine import Engine
 from mlx_mtp.server.events import Delta, Done, EngineRequest
 from mlx_mtp.testing.tiny import make_tiny
-from mlx_mtp.testing.tiny_block import make_tiny_dflash
+from mlx_mtp.testing.tiny_block import make_tiny_block, make_tiny_dflash
 
 PROMPT = list(range(300, 320)) + [7, 8]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+@pytest.fixture(scope="module", params=["dflash", "eagle3"])
+def served(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("block_engine")
     model, tok = load(str(make_tiny(tmp / "ckpt", "qwen3_5", "noisy", vocab_size=4096,
                                     trunk_scale=0.1)))
-    attach_block_drafter(model, str(make_tiny_dflash(tmp / "dflash", 64, 4096, [0, 2], 4,
-                                                     block_size=4)))
+    drafter = (make_tiny_dflash(tmp / "dflash", 64, 4096, [0, 2], 4, block_size=4)
+               if request.param == "dflash" else
+               make_tiny_block(tmp / "eagle3", "eagle3", 64, 4096, [0, 2, 3], 4, block_size=4,
+                               draft_vocab_size=1024))
+    attach_block_drafter(model, str(drafter))
     return model, tok
 
 

@@ -6,7 +6,8 @@ published layouts (hidden 64, vocab 256, 2 layers, taps [1, 3, 5] of an 8-layer 
 what the reference drafted from seeded taps over two rounds on one context cache (11 rows,
 then 3 more): z-lab ``dflash==0.1.0`` for DFlash2, ``mlx-dspark==0.20.3`` for DSpark (DeepSpec
 and speculators layouts, the latter with a reduced vocabulary and a pure anchor slot), and
-``mlx-vlm==0.7.10``'s EAGLE-3 drafter (legacy ``midlayer.*`` names, reduced vocabulary). They
+``mlx-vlm==0.7.10``'s EAGLE-3 drafter (legacy ``midlayer.*`` names, reduced vocabulary; and
+two layers under ``layers.*`` names, the full vocabulary, ``norm_before_residual``). They
 were recorded once by ``tests/fixtures/block_drafters/make_references.py`` (its docstring says
 how to rerun it); the references are not imported here.
 """
@@ -113,23 +114,37 @@ def test_what_a_checkpoint_lacks_settles_the_config():
                               ).settings.own_embed
 
 
-def test_eagle3_matches_mlx_vlm_over_two_rounds():
-    """Round 1 drafts 4 tokens one pass each; the verify keeps 2: ``rollback`` drops the
-    drafted entries and round 2 feeds the verified rows (their taps and tokens) to the same
-    cache before drafting again."""
-    model, ref = load("eagle3")
-    to_target = mx.arange(64) + model.d2t
+@pytest.mark.parametrize("name", ["eagle3", "eagle3_two_layers"])
+def test_eagle3_matches_mlx_vlm_over_two_rounds(name):
+    """Round 1 drafts 4 tokens one pass each (their entries never enter the cache); the
+    verify ran [anchor, d1..d4] and kept some drafts (2; none for the two-layer fixture):
+    its 5 rows enter the context as in a step (the rejected ones with taps of their own)
+    and ``accept`` keeps the anchor's and the kept drafts' and moves the pending tap to the
+    last kept row's. Round 2 drafts from that cache what mlx-vlm drafted after trimming
+    its cache and re-feeding the verified rows."""
+    model, ref = load(name)
+    vocab = model.settings.draft_vocab_size
+    to_target = mx.arange(vocab) + model.d2t if vocab else mx.arange(256)
+    kept = ref["tokens2"].shape[1] - 1
+    rejected = mx.random.normal((3, 1, 4 - kept, 64), key=mx.random.key(5))
+    verified = [mx.concatenate([t, r], axis=1) for t, r in zip(taps(ref, 2), rejected)]
+    verify_tokens = mx.concatenate([ref["anchor1"][None], ref["drafts1"]], axis=1)
+    assert verify_tokens[:, : kept + 1].tolist() == ref["tokens2"].tolist()
     cache = model.make_cache()
-    for r, tokens in ((1, ref["tokens1"]), (2, ref["tokens2"])):
-        model.add_context(taps(ref, r), cache, tokens)
+    for r, (rows, tokens) in enumerate(((taps(ref, 1), ref["tokens1"]),
+                                        (verified, verify_tokens)), 1):
+        model.add_context(rows, cache, tokens)
+        if r == 2:
+            for c in cache:
+                c.accept([kept + 1])
         seen = []
         drafts, _ = model.propose(ref[f"anchor{r}"], cache, 4, greedy(seen))
         assert drafts.tolist() == ref[f"drafts{r}"].tolist(), r
         logits = mx.stack(seen, axis=1)
         assert mx.allclose(logits[..., to_target], ref[f"logits{r}"], atol=ATOL).item(), r
-        assert mx.isinf(logits).sum().item() == 4 * (256 - 64)  # q = 0 off the draft vocabulary
-        model.rollback(cache, 4, [2])
-    assert cache[0].lengths() == [10 + 3]  # (tap t, token t+1) pairs; the last row waits
+        assert mx.isinf(logits).sum().item() == 4 * (256 - len(to_target))  # q = 0 off it
+        # (tap t, token t+1) pairs; the last row's tap waits
+        assert all(c.lengths() == ([10] if r == 1 else [10 + kept + 1]) for c in cache)
 
 
 @pytest.mark.parametrize("name", ["dflash2", "dspark_speculators", "eagle3"])
@@ -147,8 +162,7 @@ def test_sampled_drafts_come_from_the_q_they_return(name):
         assert q[0, drafts[0, j]].item() > 0
         support = (q > 0).sum().item()
         assert support == (model.settings.selector_top_k or model.settings.draft_vocab_size)
-    if name == "eagle3":
-        model.rollback(cache, 3, [0])
+    if name == "eagle3":  # a pass's entries are not stored
         assert cache[0].lengths() == [10]
 
 
@@ -237,6 +251,32 @@ def test_eagle3_drafts_a_batch_row_by_row_alike():
     assert drafts[0].tolist() == ref["drafts1"][0].tolist()
 
 
+def test_eagle3_keeps_each_rows_own_context_in_a_padded_batch():
+    """Rows whose contexts differ in length share batch caches (``merge``; right-aligned
+    chunks with per-row ``lengths``): each row's pending tap pairs with its own first
+    token, and each drafts what it drafts alone, over two rounds."""
+    model, ref = load("eagle3")
+    t1, t2 = taps(ref, 1), taps(ref, 2)
+    rounds = [([t1, [t[:, 3:] for t in t1]], [ref["tokens1"], ref["tokens1"][:, 3:]],
+               mx.array([42, 17])),
+              ([t2, [t[:, :1] for t in t2]], [ref["tokens2"], ref["tokens2"][:, :1]],
+               mx.array([199, 88]))]
+    alone = [model.make_cache(), model.make_cache()]
+    batch = [type(a).merge([a, b]) for a, b in zip(model.make_cache(), model.make_cache())]
+    for rows, tokens, anchors in rounds:
+        lengths = [r[0].shape[1] for r in rows]
+        S = max(lengths)
+        padded = mx.concatenate([mx.concatenate([mx.zeros((1, S - t.shape[1]), t.dtype), t],
+                                                axis=1) for t in tokens])
+        model.add_context(_right_aligned(rows, S), batch, padded, lengths)
+        drafts, _ = model.propose(anchors, batch, 4, greedy())
+        for b, (row, cache) in enumerate(zip(rows, alone)):
+            model.add_context(row, cache, tokens[b])
+            row_drafts, _ = model.propose(anchors[b:b + 1], cache, 4, greedy())
+            assert drafts[b].tolist() == row_drafts[0].tolist(), b
+    assert batch[0].lengths() == [10 + 3, 7 + 1]
+
+
 ZLAB_DFLASH = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64,
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
@@ -251,7 +291,7 @@ BODY = {k: ZLAB_DFLASH[k] for k in ("hidden_size", "intermediate_size", "num_hid
 def spec(kind, block, anchor=False, mask=255, layers=None):
     return BlockSpec(kind=kind, hidden_size=64, vocab_size=256, target_layer_ids=(1, 3, 5),
                      block_size=block, mask_token_id=mask, anchor_predicts=anchor,
-                     num_target_layers=layers)
+                     num_target_layers=layers, autoregressive=kind == "eagle3")
 
 
 def test_every_packaging_parses_to_its_block_spec():

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from block_checks import assert_block_samples_follow_target, decode, decode_batch, make_oracle
-from mlx_mtp.drafters.block.load import (BlockDrafterError, attach_block_drafter, describe,
-                                          load_block_drafter)
+from mlx_mtp.drafters.block.load import attach_block_drafter, describe
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny import make_tiny
 from mlx_mtp.testing.tiny_block import make_tiny_block
@@ -78,16 +77,6 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path, kind, own):
     model = _with_drafter(tmp_path, "oracle", kind, own, oracle=True)
     accepted = assert_block_samples_follow_target(model, PROMPT[:4])
     assert 50 < accepted < 2 * 400
-
-
-def test_an_eagle3_drafter_is_refused_at_load():
-    """EAGLE-3 caches its own drafts per row and rolls back uniformly: it runs standalone
-    (``test_block_kinds``) but does not draft in the step yet."""
-    eagle3 = FIXTURES / "eagle3"
-    with pytest.raises(BlockDrafterError, match="EAGLE-3 drafters run standalone only for "
-                                                "now$") as e:
-        load_block_drafter(str(eagle3))
-    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("name,kind,taps,block", [

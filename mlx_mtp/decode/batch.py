@@ -254,7 +254,7 @@ class BatchDecoder:
             self.policy.record_step(B, k, seconds, [o.num_accepted for o in outs], heads,
                                     starts=[o.lookup_drafted + o.block_drafted for o in outs],
                                     head_passes=head_passes, contexts=self._contexts(),
-                                    block=int(any(o.block_drafted for o in outs)))
+                                    block=self._block_passes(outs))
             return
         self._plain_run.append(seconds)
         if self._ahead is None:  # the chain ends here
@@ -265,6 +265,12 @@ class BatchDecoder:
             return
         for _ in group:
             self.policy.record_step(B, 0, sum(group) / len(group), [0] * B, [0] * B)
+
+    def _block_passes(self, outs) -> int:
+        """The block drafter's passes in a step: one, or one per draft of its longest row
+        for an autoregressive drafter (EAGLE-3); 0 if it did not run."""
+        n = max(o.block_drafted for o in outs)
+        return n if n and self.model.block_drafter.spec.autoregressive else int(n > 0)
 
     def _tune_draft_vocab(self, outs: List[StepOutput]):
         """The default draft vocabulary re-sizes from the tokens emitted and what steps

@@ -5,8 +5,9 @@ layers read only their own entries, and every place that moves a sequence's cach
 batch's merge and filter, snapshots, prefix states, a verify's ``accept``) moves the
 context with them, so it stays aligned with each row's emitted tokens. Every trunk pass
 goes through ``trunk``: with a drafter it taps the trunk and projects the taps of every
-row it ran into the context at once (prompt chunks at prefill; every verify row, of which
-``accept`` keeps the accepted ones and the one after).
+row it ran, with the tokens it read there (EAGLE-3 pairs them), into the context at once
+(prompt chunks at prefill; every verify row, of which ``accept`` keeps the accepted ones
+and the one after).
 
 In a step (``step.py``): ``fit_plans`` caps each row's block drafts at the drafter's block
 (the head extends past it for ``block+mtp``), ``draft`` runs the drafter once for every
@@ -48,7 +49,7 @@ def trunk(model, inputs, cache: list, capture: bool = False):
         return model.trunk(inputs, cache, capture)
     h_norm, h_mtp, taps = model.trunk_with_taps(inputs, drafter.spec.target_layer_ids, cache,
                                                 capture)
-    drafter.add_context(taps, context(model, cache))
+    drafter.add_context(taps, context(model, cache), inputs)
     return h_norm, h_mtp
 
 

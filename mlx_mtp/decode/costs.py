@@ -2,19 +2,20 @@
 
 A step is keyed by its shape: ``B`` rows, ``k`` positions drafted per row (the longest
 row's; the trunk verifies ``k + 1``) and ``head``, the passes the MTP head chains (as far
-as the longest row that uses it); steps in which the model's block drafter ran its pass
-(``drafters/block``: one pass whatever its rows draft) are a cost kind of their own,
-``block_cells`` beside ``cells``. ``head == k``: the head ran through every position, the
-step the K policy plans (K=k; context drafts it extends cost the same); ``head == 0``: a
-plain step, or context drafts only (``draft_source.py``); in between: rows copying from
-the context beside rows drafting from the head. The driver (``batch.BatchDecoder``)
-records one observation per step; every reader asks this table:
+as the longest row that uses it); steps in which the model's block drafter ran
+(``drafters/block``: one pass whatever its rows draft, or one per draft for an autoregressive
+one, EAGLE-3) are a cost kind of their own, ``block_cells`` beside ``cells``. ``head == k``:
+the head ran through every position, the step the K policy plans (K=k; context drafts it
+extends cost the same); ``head == 0``: a plain step, or context drafts only
+(``draft_source.py``); in between: rows copying from the context beside rows drafting from
+the head. The driver (``batch.BatchDecoder``) records one observation per step; every
+reader asks this table:
 
 * the K policy (``policy.DraftPolicy``): ``predict(B, K)`` for a head step, from the
   cell or a least-squares fit over every batch size; ``count`` and ``stale`` for its probes;
 * the draft-source chooser (``draft_source.RowDrafter``): ``predict_plan(B, k, head,
   block)``, built from ``verify(B, k)`` (a step with no head or drafter pass) plus
-  ``head`` times ``head_pass(B)``, plus ``block_pass(B)`` where the block drafter runs;
+  ``head`` times ``head_pass(B)``, plus ``block_pass(B)`` per pass of the block drafter;
 * persistence (``step_costs.py``): ``cells``, stored per model shape and machine (not
   ``block_cells``: a drafter's pass depends on the drafter, which that key does not name).
 
@@ -64,20 +65,24 @@ class StepCosts:
         self.memory = memory  # a cell keeps its last ``memory`` steps
         self.cells: Dict[Cell, Deque[float]] = {}  # cell -> recent seconds
         self.block_cells: Dict[Cell, Deque[float]] = {}  # the same, with a block pass
+        self.block_passes: Dict[Cell, int] = {}  # a block cell's drafter passes (its last step's)
         self._clock = 0  # steps observed
         self._last: Dict[tuple, int] = {}  # (block, cell) -> step of its last observation
         self._derived: Dict[tuple, object] = {}
 
     def observe(self, B: int, k: int, head: int, seconds: float, block: int = 0):
         """One step's time (``head`` of its ``k`` drafted positions chained by the head;
-        ``block``: 1 if the block drafter ran its pass)."""
-        cell, table = (B, k, head), self._table(block)
+        ``block``: the block drafter's passes in it, 0 if it did not run)."""
+        cell, ran = (B, k, head), int(block > 0)
+        table = self._table(ran)
         self._derived.clear()  # first: a copy taken meanwhile (the dashboard's) stays whole
-        if self._stale(cell, block):  # what it measured long ago (other contexts, load) is gone
+        if self._stale(cell, ran):  # what it measured long ago (other contexts, load) is gone
             table.pop(cell, None)
         table.setdefault(cell, deque(maxlen=self.memory)).append(seconds)
+        if ran:
+            self.block_passes[cell] = block
         self._clock += 1
-        self._last[(block, cell)] = self._clock
+        self._last[(ran, cell)] = self._clock
 
     def _table(self, block: int) -> Dict[Cell, Deque[float]]:
         return self.block_cells if block else self.cells
@@ -173,22 +178,24 @@ class StepCosts:
         return self._memo(("head", B), fit)
 
     def block_pass(self, B: int) -> float:
-        """Seconds the block drafter's pass adds to a step, beyond the positions it
+        """Seconds one pass of the block drafter adds to a step, beyond the positions it
         verifies and the head passes chained after it (0 until measured: optimistic)."""
         def fit():
-            extra = [self._median(c, 1) - base - c[2] * self.head_pass(B)
+            extra = [(self._median(c, 1) - base - c[2] * self.head_pass(B))
+                     / self.block_passes.get(c, 1)
                      for c in self.block_cells if c[0] == B
                      for base in [self.verify(B, c[1])] if base is not None]
             return max(statistics.median(extra), 0.0) if extra else 0.0
         return self._memo(("block", B), fit)
 
     def predict_plan(self, B: int, k: int, head: int, block: int = 0) -> Optional[float]:
-        """A step of k drafted positions, ``head`` of them chained by the head, after the
-        block drafter's pass if ``block``: the cell's median once it has a few steps,
+        """A step of k drafted positions, ``head`` of them chained by the head, after
+        ``block`` passes of the block drafter: the cell's median once it has a few steps,
         else ``verify + head * head_pass + block * block_pass`` or the thin cell,
         whichever is lower (None: unknown)."""
-        direct = self._median((B, k, head), block)
-        if direct is not None and len(self._table(block)[(B, k, head)]) >= 3:
+        ran = int(block > 0)
+        direct = self._median((B, k, head), ran)
+        if direct is not None and len(self._table(ran)[(B, k, head)]) >= 3:
             return direct
         base = self.verify(B, k)
         if base is None:

@@ -98,6 +98,7 @@ class RowDrafter:
         self.uses_head = entry.head
         self.blocks = self.drafter.needs_taps  # the model's block drafter, drawn in the step
         self.block_width = MAX_DRAFTER_TOKENS  # its drafts per pass (``fit_block``)
+        self.pass_per_draft = False  # an autoregressive drafter (EAGLE-3): one pass per draft
         # The head may chain after a drafter's run: its depths reach past the run's.
         sizes = {HEAD: MAX_DRAFTER_TOKENS + MAX_DRAFT_TOKENS, self.drafter.name: MAX_DRAFTER_TOKENS}
         self.acceptance = {name: AcceptanceEstimate(n, 0.97, 3.0, sources.shared(name, n).alpha)
@@ -113,9 +114,10 @@ class RowDrafter:
     def has_proposal(self) -> bool:
         return self.drafter.has_proposal()
 
-    def fit_block(self, width: int):
-        """The model's block drafter proposes ``width`` drafts per pass at most."""
-        self.block_width = width
+    def fit_block(self, width: int, pass_per_draft: bool = False):
+        """The model's block drafter proposes ``width`` drafts per step at most, in one pass
+        or (``pass_per_draft``) one pass each."""
+        self.block_width, self.pass_per_draft = width, pass_per_draft
 
     def plan(self, k_head: int, can_head: bool, B: int, costs: StepCosts,
              cap: int = 0) -> DraftPlan:
@@ -207,6 +209,8 @@ class RowDrafter:
         must beat it clearly). ``head_passes``: the plan's (None: ``_head_passes``)."""
         head = self._head_passes(plan) if head_passes is None else head_passes
         block = int(bool(plan.block) and self.drafter.cost == BLOCK_PASS)
+        if block and self.pass_per_draft:
+            block = min(plan.block, self.block_width)
         t = costs.predict_plan(B, plan.total, head, block)
         t = t if t is not None else 1.0  # nothing measured yet: tokens alone decide
         return expected / t * (1.0 if plan.total else self.sources.margin)

@@ -92,7 +92,8 @@ class Sequence:
                 "This model was loaded without an MTP head; use num_draft_tokens=0 (--no-mtp)."
             )
         if drafter is not None and drafter.blocks and model.block_drafter is not None:
-            drafter.fit_block(model.block_drafter.spec.max_draft)
+            spec = model.block_drafter.spec
+            drafter.fit_block(spec.max_draft, spec.autoregressive)
         self.model = model
         k = num_draft_tokens  # kept in the row (``max_k``), its one home
         self.params = sampling

@@ -301,6 +301,7 @@ def _render_block_drafter(report: dict) -> str:
         f"drafter  {report['path']}",
         f"kind     {d['kind']} block drafter (for --draft-model, beside its trunk)",
         f"taps     after trunk layers {d['taps']} (0-based)",
+        f"block    {d['max_draft']} drafts, one pass each" if d["autoregressive"] else
         f"block    {d['block_size']} positions per pass ({d['max_draft']} drafts)",
         f"fits     hidden size {d['hidden_size']}, vocabulary {d['vocab_size']}",
         f"memory   weights {_size(report['weights_bytes'])} as stored"])

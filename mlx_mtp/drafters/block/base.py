@@ -40,6 +40,7 @@ class BlockSpec:
     mask_token_id: Optional[int] = None  # fills the block's slots after the anchor
     anchor_predicts: bool = False  # slot 0 drafts too (DeepSpec DSpark) instead of a pure anchor
     num_target_layers: Optional[int] = None  # trunk depth it was trained on, when recorded
+    autoregressive: bool = False  # one pass per draft (EAGLE-3), not one per block
 
     @property
     def max_draft(self) -> int:
@@ -84,9 +85,6 @@ class BlockDraftModel(nn.Module):
                 ) -> Tuple[mx.array, List[mx.array]]:
         """Draft ``n <= spec.max_draft`` positions after ``anchor`` (B,): the drafts (B, n)
         and, per position, the log q (B, V) each was drawn from. Leaves ``cache`` holding
-        the context only (a block's own K/V are transient)."""
+        the context only (a pass's own K/V are transient: nothing of it needs rolling
+        back after the verify)."""
         raise NotImplementedError
-
-    def rollback(self, cache: list, drafted: int, accepted: Sequence[int]):
-        """After the verify: kinds that cache their own drafts (EAGLE-3) drop the rejected
-        ones; block kinds keep nothing of a pass and do nothing."""

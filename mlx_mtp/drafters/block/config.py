@@ -265,7 +265,8 @@ def _speculators(c: dict, kind: str) -> DrafterConfig:
         if not isinstance(trunk_hidden, int):
             raise ValueError(f"drafter config: target_hidden_size must be an integer, not "
                              f"{trunk_hidden!r}")
-        return DrafterConfig(kind, replace(spec, hidden_size=trunk_hidden), args, settings)
+        return DrafterConfig(kind, replace(spec, hidden_size=trunk_hidden, autoregressive=True),
+                             args, settings)
     taps = _taps(_need(c, "aux_hidden_state_layer_ids", ""), "aux_hidden_state_layer_ids", 1,
                  None)
     block = _int(c, "block_size")

@@ -3,40 +3,32 @@ autoregressive drafter, one pass per draft.
 
 Its context pairs the projection of a row's three taps, ``fc(taps_t)``, with the token that
 *follows* that row, ``x_{t+1}``, at position ``t + 1``: layer 0 attends over
-``concat(input_layernorm(embed(x)), hidden_norm(h))`` with its own causal KV cache. The last
-emitted row waits (``PendingTap``) until its next token, the anchor, is known. A draft pass
-feeds (pending, anchor), then each draft with the layer's own output as ``h``; those entries
-are speculative, so ``rollback`` drops them and the next ``add_context`` feeds the verified
-rows with their real taps. The head scores a (possibly reduced) draft vocabulary mapped to
-target ids by ``d2t`` (target = draft + d2t[draft]); q is zero outside it.
+``concat(input_layernorm(embed(x)), hidden_norm(h))``. So layer 0 lags the trunk by one
+row: its cache is a ``ContextChainCache`` (``models/cache/context.py``: a ``ChainCache`` over
+a ``ContextCache``), whose pending input is the last emitted row's ``fc(taps)``, waiting for
+its next token (the anchor). A trunk pass enters every row it ran (``add_context``; a
+verify's rows, of which the step's ``accept`` keeps each row's accepted ones and moves the
+pending to the last kept row's tap); a draft pass feeds (pending, anchor), then each draft
+with the layer's own output as ``h``, reading the cached context beside its own entries,
+which are never stored: nothing of a pass needs rolling back, and every row keeps its own
+context and length. The head scores a (possibly reduced) draft vocabulary mapped to target
+ids by ``d2t`` (target = draft + d2t[draft]); q is zero outside it.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from functools import partial
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.qwen3 import MLP
 
 from ...models.cache import prepare_chunk
-from ...models.cache.kv import KVCache
+from ...models.cache.context import ContextCache, ContextChainCache
 from .base import BlockDraftModel, Draw
 from .config import DrafterConfig
 from .layers import DraftArgs, widen
-
-
-class PendingTap:
-    """The last emitted row's ``fc(taps)`` (B, 1, H), waiting for the token after it."""
-
-    def __init__(self):
-        self._hidden: Optional[mx.array] = None
-
-    def put(self, hidden: mx.array):
-        self._hidden = hidden
-
-    def get(self) -> Optional[mx.array]:
-        return self._hidden
 
 
 class Eagle3Attention(nn.Module):
@@ -51,17 +43,34 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, args.hidden_size, bias=False)
         self.rope = args.make_rope()
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def _project(self, x: mx.array, position):
+        """Queries, keys (roped from ``position``) and values (B, heads, L, D) of ``x``."""
         B, L, _ = x.shape
         q, k, v = (p(x).reshape(B, L, n, -1).transpose(0, 2, 1, 3) for p, n in (
             (self.q_proj, self.n_heads), (self.k_proj, self.n_kv_heads),
             (self.v_proj, self.n_kv_heads)))
-        position = cache.offset + 1  # entry t pairs tap t with token t + 1
-        mask = cache.make_mask(L)
-        k, v = cache.update_and_fetch(self.rope(k, offset=position), v)
-        out = mx.fast.scaled_dot_product_attention(self.rope(q, offset=position), k, v,
-                                                   scale=self.scale, mask=mask)
+        return self.rope(q, offset=position), self.rope(k, offset=position), v
+
+    def _out(self, q, k, v, mask) -> mx.array:
+        B, _, L, _ = q.shape
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def __call__(self, x: mx.array, cache) -> mx.array:
+        """Context entries (a chunk announced by ``prepare``): stored, causal."""
+        q, k, v = self._project(x, cache.offset + 1)  # entry t pairs tap t with token t + 1
+        mask = cache.make_mask(x.shape[1])
+        return self._out(q, *cache.update_and_fetch(k, v), mask)
+
+    def draft(self, x: mx.array, cache, past: List[tuple]) -> mx.array:
+        """Draft pass ``len(past)`` (one entry per row, ``x`` (B, 1, W)): it sees the context
+        and the pass's earlier entries (``past``, which it extends), none of them stored."""
+        q, k, v = self._project(x, cache.positions() + 1 + len(past))
+        past.append((k, v))
+        keys, values, mask = cache.attend(mx.concatenate([p[0] for p in past], axis=2),
+                                          mx.concatenate([p[1] for p in past], axis=2),
+                                          causal=True)
+        return self._out(q, keys, values, mask[..., -1:, :])
 
 
 class Eagle3Layer(nn.Module):
@@ -78,14 +87,16 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(H, eps=eps)
         self.mlp = MLP(H, args.intermediate_size)
 
-    def __call__(self, h: mx.array, cache: KVCache, embeds: Optional[mx.array] = None):
+    def __call__(self, h: mx.array, attend: Callable[[Eagle3Attention, mx.array], mx.array],
+                 embeds: Optional[mx.array] = None):
+        """``attend(self_attn, x)``: the attention's output, over stored or drafted entries."""
         if self.first:
             normed = self.hidden_norm(h)
             x = mx.concatenate([self.input_layernorm(embeds), normed], axis=-1)
             residual = normed if self.norm_before_residual else h
         else:
             x, residual = self.input_layernorm(h), h
-        h = residual + self.self_attn(x, cache)
+        h = residual + attend(self.self_attn, x)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -115,15 +126,21 @@ class Eagle3DraftModel(BlockDraftModel):
         return self
 
     def make_cache(self) -> list:
-        """One KV cache per layer, then the pending tap."""
-        return [KVCache() for _ in self.layers] + [PendingTap()]
+        """Layer 0's context behind its pending tap, then each later layer's context."""
+        return [ContextChainCache.empty(1)] + [ContextCache.empty(1) for _ in self.layers[1:]]
 
-    def _forward(self, tokens: mx.array, hidden: mx.array, cache: list) -> mx.array:
+    @property
+    def num_caches(self) -> int:
+        return len(self.layers)
+
+    def _run(self, tokens: mx.array, hidden: mx.array,
+             attend: Callable[[int, Eagle3Attention, mx.array], mx.array]) -> mx.array:
+        """The layers over ``tokens`` (B, L) paired with ``hidden`` (B, L, H); ``attend(i,
+        attention, x)`` is layer i's attention output."""
         embeds = self.embed_tokens(tokens) if self.settings.own_embed else self._embed(tokens)
-        prepare_chunk(cache[:-1], tokens.shape[1])
-        h = self.layers[0](hidden, cache[0], embeds)
-        for layer, c in zip(self.layers[1:], cache[1:]):
-            h = layer(h, c)
+        h = self.layers[0](hidden, partial(attend, 0), embeds)
+        for i, layer in enumerate(self.layers[1:], 1):
+            h = layer(h, partial(attend, i))
         return h
 
     def _logits(self, h: mx.array) -> mx.array:
@@ -136,36 +153,35 @@ class Eagle3DraftModel(BlockDraftModel):
         return widen(logits, to_target, self.spec.vocab_size)
 
     def add_context(self, taps: Sequence[mx.array], cache: list, tokens=None, lengths=None):
-        """``tokens`` (B, S): the tokens the trunk read at these rows (their first one follows
-        the pending row; the prompt's first has no row before it)."""
+        """``tokens`` (B, S): the tokens the trunk read at these rows. Row t's tap waits
+        for token t + 1 (the first token pairs with the pending tap; a new row's first has
+        none and is a hole); the last row's tap stays pending."""
         if tokens is None:
             raise ValueError("eagle3: add_context needs the rows' tokens")
-        if lengths is not None and set(lengths) != {tokens.shape[1]}:
-            raise ValueError("eagle3: a batch's rows must add the same number of rows")
         x = mx.concatenate(list(taps), axis=-1)
         h = self.fc(self.input_norm(x) if self.settings.norm_before_fc else x)
-        pending = cache[-1].get()
-        if pending is None:
-            rows, tokens = h[:, :-1], tokens[:, 1:]
-        else:
-            rows = mx.concatenate([pending, h[:, :-1]], axis=1)
-        if tokens.shape[1]:
-            self._forward(tokens, rows, cache)
-        cache[-1].put(h[:, -1:])
+        B, S, _ = h.shape
+        rows, runnable = cache[0].take(h, lengths or [S] * B, verified=True)
+        if max(runnable) == 0:
+            return
+        rows, tokens = cache[0].chunk(rows[:, :-1], tokens, runnable)
+        prepare_chunk(cache[1:], S, runnable)
+        self._run(tokens, rows, lambda i, attention, x: attention(x, cache[i]))
 
     def propose(self, anchor: mx.array, cache: list, n: int, draw: Draw):
-        h, token, picks, log_qs = cache[-1].get(), anchor, [], []
+        """Pass j feeds the newest token with the previous pass's output (pass 0: the
+        pending tap and the anchor); every pass's entries stay out of the cache."""
+        h = cache[0].pending_rows(anchor.shape[0], self.norm.weight.shape[0],
+                                  self.norm.weight.dtype)
+        past: List[list] = [[] for _ in self.layers]
+        token, picks, log_qs = anchor, [], []
         for j in range(n):
-            h = self._forward(token[:, None], h, cache)
+            h = self._run(token[:, None], h,
+                          lambda i, attention, x: attention.draft(x, cache[i], past[i]))
             token, log_q = draw(self._logits(h[:, -1]), j)
             picks.append(token)
             log_qs.append(log_q)
         return mx.stack(picks, axis=1), log_qs
-
-    def rollback(self, cache: list, drafted: int, accepted: Sequence[int]):
-        """Every drafted entry goes: the accepted ones come back with their real taps."""
-        for c in cache[:-1]:
-            c.trim(drafted)
 
     def sanitize(self, weights: dict) -> dict:
         """Legacy ``midlayer.*`` is ``layers.0.*``; ``t2d`` is implied by ``d2t``; the

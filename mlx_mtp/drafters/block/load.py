@@ -62,8 +62,6 @@ def load_block_drafter(spec: str, kind: Optional[str] = None) -> BlockDraftModel
     """The drafter at ``spec`` (``kind``: when its config does not say), weights loaded."""
     path, config = read_config(spec)
     parsed = parse(config, kind, str(spec))
-    if parsed.kind == "eagle3":
-        raise BlockDrafterError(f"{spec}: EAGLE-3 drafters run standalone only for now")
     weights = {k: v for f in weight_files(path) for k, v in load_safetensors(f).items()}
     try:
         drafter = KINDS[parsed.kind](fit_to_tensors(parsed, weights))
@@ -113,5 +111,6 @@ def describe(config: dict) -> Optional[dict]:
         return None
     spec = parse(config, None, "drafter").spec
     return {"kind": spec.kind, "taps": list(spec.target_layer_ids), "block_size": spec.block_size,
-            "max_draft": spec.max_draft, "hidden_size": spec.hidden_size,
+            "max_draft": spec.max_draft, "autoregressive": spec.autoregressive,
+            "hidden_size": spec.hidden_size,
             "vocab_size": spec.vocab_size}

@@ -5,7 +5,10 @@ lags one position behind layer j-1: between calls it holds layer j-1's newest ou
 *pending* input, one (1, H) row per sequence. ``ChainCache`` is an attention cache of any
 kind (``inner``: single-row or batch, full or windowed) plus that pending row, and carries
 it through the whole protocol: save/load, snapshot/restore, merge/extract/filter, copy. A
-row that has no pending yet (a new sequence) takes zeros, as it always did.
+row that has no pending yet (a new sequence) takes zeros, as it always did. After a verify
+pass (``take`` over every verified position, then ``accept``), each row's pending is the
+newest output at a position it kept, so the cache needs no rollback of its own (EAGLE-3's
+first layer, ``drafters/block/eagle3.py``, lags the trunk's taps this way).
 
 It speaks the protocol under the kind ``chain``: ``state`` is the inner cache's arrays then
 ``pending`` (zeros of width 1 while no row has one), ``meta_state`` the inner cache's with
@@ -34,17 +37,19 @@ class ChainCache(_Cache):
         self.pending = pending  # (B, 1, H); None while no row has one
         self.has_pending = list(has_pending) if has_pending is not None else [False] * inner.size()
         self.drafts: List[mx.array] = []  # this step's draft tokens d_1.. (a step's, not state)
+        self.taken = None  # the last ``take``'s inputs and lengths, until ``accept`` (not state)
 
     # --- the chain's own part ---------------------------------------------
     def pending_rows(self, B: int, H: int, dtype) -> mx.array:
         """(B, 1, H): each row's pending input, zeros where a row has none yet."""
         return self.pending if self.pending is not None else mx.zeros((B, 1, H), dtype)
 
-    def take(self, outputs: mx.array, lengths: List[int]):
+    def take(self, outputs: mx.array, lengths: List[int], verified: bool = False):
         """Layer j-1 ran on a right-aligned chunk (``outputs`` (B, S, H), ``lengths[b]`` real
         positions per row). Returns this layer's inputs, each row's pending then its new
         outputs, right-aligned (B, S + 1, H), and how many of them it can run on now (the
-        newest stays pending)."""
+        newest stays pending). ``verified``: the chunk may be verify positions, of which a
+        later ``accept`` keeps a prefix (the outputs are kept until then)."""
         B, S, H = outputs.shape
         pend = self.pending_rows(B, H, outputs.dtype)
         x = mx.concatenate([pend, outputs], axis=1)
@@ -56,6 +61,7 @@ class ChainCache(_Cache):
         self.pending = mx.where(mx.array(has_new)[:, None, None], x[:, S:], pend)
         runnable = [n + had - 1 if n else 0 for n, had in zip(lengths, self.has_pending)]
         self.has_pending = [had or new for had, new in zip(self.has_pending, has_new)]
+        self.taken = (x, lengths) if verified else None
         return x, runnable
 
     def chunk(self, x: mx.array, tokens: mx.array, lengths: List[int]):
@@ -95,7 +101,25 @@ class ChainCache(_Cache):
         return self.inner.trim(n)
 
     def accept(self, n_keep):
+        """The inner cache keeps each row's first ``n_keep[b]`` entries of its last write;
+        the pending becomes the output at the last kept position of the last ``take`` (a
+        row's outputs end its right-aligned ``x``)."""
         self.inner.accept(n_keep)
+        if self.taken is not None:
+            x, lengths = self.taken
+            S = x.shape[1] - 1
+            at = mx.array([min(S, S - n + keep) for n, keep in zip(lengths, n_keep)])
+            self.pending = mx.take_along_axis(x, at[:, None, None], axis=1)
+            self.taken = None
+
+    def positions(self) -> mx.array:
+        return self.inner.positions()
+
+    def attend(self, *args, **kwargs):
+        return self.inner.attend(*args, **kwargs)
+
+    def row_state(self, b: int):
+        return self.inner.row_state(b)
 
     def lengths(self) -> List[int]:
         return self.inner.lengths()
@@ -147,6 +171,7 @@ class ChainCache(_Cache):
     def restore(self, snap):
         inner, self.pending, has_pending = snap
         self.inner.restore(inner)
+        self.taken = None
         self.has_pending = list(has_pending)
 
     def check_joins(self, row):
@@ -178,14 +203,14 @@ class ChainCache(_Cache):
         self.has_pending = [self.has_pending[r] for r in rows]
         if self.pending is not None:
             self.pending = self.pending[mx.array(rows)]
-        self.drafts = []
+        self.drafts, self.taken = [], None
 
     def extract(self, row: int) -> "ChainCache":
         pending = self.pending[row : row + 1] if self.has_pending[row] else None
-        return ChainCache(self.inner.extract(row), pending, [self.has_pending[row]])
+        return type(self)(self.inner.extract(row), pending, [self.has_pending[row]])
 
     def copy(self) -> "ChainCache":
-        return ChainCache(self.inner.copy(), self.pending, self.has_pending)
+        return type(self)(self.inner.copy(), self.pending, self.has_pending)
 
 
 CACHE_KINDS[ChainCache.kind] = ChainCache

@@ -6,6 +6,10 @@ padding and rejected rows, merge/filter/extract) that a block's own K/V never en
 drafter pass reads the context beside its transient block (``attend``), so nothing of a
 pass needs rolling back. After a verify the step appends the taps of every verified row
 and ``accept(n_keep)`` drops the rows past each row's accepted ones, as for the trunk.
+
+``ContextChainCache`` is a context that lags the trunk by one row (EAGLE-3's first layer
+pairs row t's taps with token t + 1): a ``ChainCache`` over a ``ContextCache``, whose
+pending input is the last emitted row's projected taps, saved under its own kind.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .chain import ChainCache
 from .kv import CACHE_KINDS, BatchKVCache
 
 
@@ -74,4 +79,14 @@ class ContextCache(BatchKVCache):
         return k, v, mx.concatenate([seen, block], axis=2)[:, None]
 
 
+class ContextChainCache(ChainCache):
+    kind = "block_context_chain"
+    state_names = ("k", "v", "valid", "pending")  # a ContextCache's, then the pending input
+
+    @classmethod
+    def empty(cls, B: int = 1) -> "ContextChainCache":
+        return cls(ContextCache.empty(B))
+
+
 CACHE_KINDS[ContextCache.kind] = ContextCache
+CACHE_KINDS[ContextChainCache.kind] = ContextChainCache
