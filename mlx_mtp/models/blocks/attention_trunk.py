@@ -36,6 +36,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from ..io import layout
 from ..interface import Capabilities, MTPModel
+from .expert_split import has_experts
 from .hybrid_shard import read_share
 
 log = logging.getLogger("mlx_mtp")
@@ -316,9 +317,11 @@ class TextModel(MTPModel):
     # --- split across processes (models/distributed.py) ----------------------
     @property
     def capabilities(self) -> Capabilities:
-        # Tensor: the families mlx-lm can ``shard()``; pipeline: every layer list.
+        # Tensor: the families mlx-lm can ``shard()``; pipeline: every layer list;
+        # expert: the trunks with routed experts (mlx-lm's ``switch_mlp``).
         tensor = ("tensor",) if hasattr(self.family.lm.Model, "shard") else ()
-        return Capabilities(splits=("pipeline",) + tensor)
+        expert = ("expert",) if has_experts(self) else ()
+        return Capabilities(splits=("pipeline",) + tensor + expert)
 
     def shard(self, group):
         """mlx-lm's ``shard()`` for the family, one layer at a time; an MTP block that is a
