@@ -135,14 +135,16 @@ def place_experts(block: nn.Module, group):
 
 
 def split_experts(text, group):
-    """Place ``text``'s experts over ``group``, reading one layer at a time (its slices
-    copied, so no rank keeps the whole stacked tensors alive)."""
+    """Place ``text``'s experts over ``group``. Each projection's slice is read and copied
+    at once, one at a time: a slice is a view that keeps its whole stacked tensor alive, and
+    reading one projection of one layer at a time bounds what a rank holds beyond its
+    share (the rest, whole tensors, is read where it is)."""
     for part in split_parts(text):
-        blocks = list(moe_blocks(part))
-        for block in blocks:
+        for block in moe_blocks(part):
             place_experts(block, group)
-        if blocks:
-            read_share(part)
+            for proj in block.switch_mlp.children().values():
+                if isinstance(proj, nn.Module):
+                    read_share(proj)
 
 
 def bytes_not_held(text, rank: int, size: int) -> int:
