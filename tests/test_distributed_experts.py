@@ -140,3 +140,46 @@ def test_expert_split_refused_clearly(models, tmp_path):
     with pytest.raises(DistributedError, match="mimo has no routed experts"):
         choose_mode("expert", dense.text.args, 2, dense.capabilities.splits, dense.model_type,
                     dense.text)
+
+
+def test_serve_batch_of_4_equals_single_process(tmp_path):
+    """DeepSeek-V3 served over two expert ranks: 4 concurrent requests (rows joining at
+    different steps, K = 2 fixed so every step drafts and rolls back) answer as one server."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_process import ServerProcess
+    from test_distributed_families import SERVE_PROMPTS
+    from test_distributed_serve import Cluster, chat
+
+    # the tokenizer's whole vocabulary; answers that depend on the prompt
+    path = BUILDERS["deepseek_v3"](tmp_path / "m", "noisy", vocab_size=4096, trunk_scale=4.0)
+    flags = ("--num-draft-tokens", "2", "--fixed-k")
+    server = ServerProcess(path, tmp_path, "--temp", "0", *flags)
+    try:
+        expected = {p: chat(server.url, p).json()["choices"][0]["message"]["content"]
+                    for p in SERVE_PROMPTS}
+    finally:
+        server.stop()
+    assert len(set(expected.values())) > 1  # answers tell prompts apart
+    cluster = Cluster(path, tmp_path, "expert", *flags)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            jobs = [(p, pool.submit(chat, cluster.url, p)) for p in SERVE_PROMPTS]
+            for p, job in jobs:
+                r = job.result()
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["content"] == expected[p]
+                assert r.json()["mtp"]["num_draft_tokens"] > 0  # MTP ran in the batch
+    finally:
+        cluster.kill()
+
+
+def test_cli_refuses_an_expert_split_of_a_dense_model_in_one_line(tmp_path, capsys):
+    from mlx_mtp.cli import main
+
+    dense = make_tiny(tmp_path / "dense", "qwen3_5", head="noisy", vocab_size=4096)
+    code = main(["generate", "--model", str(dense), "--prompt", "hi", "-m", "2",
+                 "--distributed", "expert"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "qwen3_5 has no routed experts to place" in err
