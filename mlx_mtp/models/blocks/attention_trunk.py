@@ -240,6 +240,7 @@ class TextModel(MTPModel):
         if self.declared_mtp_layers > 0:
             block = family.block(lm_args, lm_args.num_hidden_layers)
             self.mtp = MTPStack([MTPLayer(lm_args.hidden_size, lm_args.rms_norm_eps, block)])
+        self.routed_experts = has_experts(self)  # read by capabilities on every step
 
     # --- forward ----------------------------------------------------------
     def decoder_layer(self, layer, x, mask, cache, absorbed: bool, last_only: bool = False):
@@ -320,7 +321,7 @@ class TextModel(MTPModel):
         # Tensor: the families mlx-lm can ``shard()``; pipeline: every layer list;
         # expert: the trunks with routed experts (mlx-lm's ``switch_mlp``).
         tensor = ("tensor",) if hasattr(self.family.lm.Model, "shard") else ()
-        expert = ("expert",) if has_experts(self) else ()
+        expert = ("expert",) if self.routed_experts else ()
         return Capabilities(splits=("pipeline",) + tensor + expert)
 
     def shard(self, group):
