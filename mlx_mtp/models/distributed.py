@@ -41,11 +41,11 @@ import mlx.core as mx
 import numpy as np
 import mlx.nn as nn
 
+from .blocks.expert_split import expert_split_problem, split_experts
 from .cache.kv import KVCache
 from .interface import Capabilities, ModelInterface, forwards_interface
 from .io.loader import (_upcast_cpu_experts, check_fits_memory, load_tokenizer,
                         resolve_model_path)
-from .blocks.expert_split import expert_split_problem, split_experts
 from .split_plan import DistributedError, open_lazily, rank_shares
 
 MODES = ("pipeline", "tensor", "expert")

@@ -5,7 +5,9 @@ Rank r of n holds experts [r·E/n, (r+1)·E/n) of every MoE block (the trunk's a
 head's), found by their mlx-lm experts module (``switch_mlp``: ``SwitchGLU`` / ``SwitchMLP``,
 float or quantized). Every rank routes every token as one process does; the experts module
 runs its own experts only, answering zero for a token's choice it does not hold (its gate
-masked), so a block's output on a rank is its experts' share of the routed sum. The shared
+masked; the choice runs on the rank's first expert, so a rank reads only its own experts'
+weights, the memory traffic that bounds decoding, while its FLOPs stay one process's), so a
+block's output on a rank is its experts' share of the routed sum. The shared
 expert(s) run on rank 0 only (the others hold none). One ``all_sum`` per MoE block adds the
 shares: mlx-lm's own (``sharding_group``, placed before what must not be summed, e.g.
 LongCat's identity experts), or one after the block for blocks without it (ours, MiMo-V2's).
@@ -90,7 +92,7 @@ def shared_experts(block: nn.Module) -> List[str]:
 
 
 def has_experts(text) -> bool:
-    return any(True for part in split_parts(text) for _ in moe_blocks(part))
+    return any(next(moe_blocks(part), None) is not None for part in split_parts(text))
 
 
 def expert_range(rank: int, size: int, count: int) -> Tuple[int, int]:
