@@ -28,7 +28,8 @@ from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.models.split_plan import open_lazily, rank_shares
 from mlx_mtp.testing.tiny import make_tiny
 from test_distributed import RANK_SCRIPT, launch
-from test_distributed_families import BUILDERS, KS, MAX_TOKENS, PROMPT, single_process
+from test_distributed_families import (BUILDERS, DENSE, KS, MAX_TOKENS, PROMPT,
+                                       single_process)
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,7 @@ def qwen(family):
     return lambda p, head, **kw: make_tiny(p, family, head=head, trunk_scale=0.2, **kw)
 
 
-MOE = {fam: build for fam, build in BUILDERS.items() if fam != "mimo"}  # mimo: dense
+MOE = {fam: build for fam, build in BUILDERS.items() if fam not in DENSE}
 MOE.update(qwen3_5_moe=qwen("qwen3_5_moe"), qwen3_next=qwen("qwen3_next"))
 HEADS = ("oracle", "noisy", "random")  # random: the logits check
 
