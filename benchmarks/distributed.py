@@ -3,13 +3,20 @@
     python benchmarks/distributed.py                 # builds a tiny model, runs everything
     python benchmarks/distributed.py --model PATH --ranks 2 --tokens 128
     python benchmarks/distributed.py --serve         # mlx-mtp serve: one process vs ranks
+    python benchmarks/distributed.py --moe           # expert vs tensor split, a tiny MoE
 
 The driver runs the single-process decode itself and each mode under
 ``mlx.launch -n RANKS --backend ring``; every run decodes the same prompt greedily with
 a fixed K (K = 0 is MTP off). Rank 0 counts its host syncs (reads of a step, ``mx.eval``
 and ``mx.synchronize`` calls while decoding); bytes and messages are summed over ranks
 (payloads: hidden states sent down the pipeline, every rank's part of each all_sum;
-the all_sums inside tensor-parallel layers are not counted).
+the all_sums inside tensor-parallel layers are not counted). ``all_sums/step`` counts every
+collective sum rank 0 issues per step, the layers' included (tensor: two per layer; expert:
+one per MoE block; plus the step's shares), and ``weights per rank`` what each rank holds.
+
+``--moe`` runs the same on a tiny DeepSeek-V3 with 32 routed experts per MoE layer (MLA,
+a shared expert, the first layer dense, an always-accepted head), in the modes single,
+tensor and expert by default: the fixture on which expert and tensor splits are compared.
 
 ``--serve`` starts ``mlx-mtp serve`` in one process and under ``mlx.launch`` in each mode
 (all at once; idle servers only exchange a heartbeat a second), then sends the same
@@ -35,6 +42,7 @@ from pathlib import Path
 
 import mlx_mtp  # noqa: F401  (before MLX: it routes CPU matmuls to OpenBLAS)
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 PROMPT = list(range(3, 40))
 
@@ -46,14 +54,16 @@ class SyncCounter:
         from mlx_mtp.decode import step
 
         self.count = 0
+        self.all_sums = 0  # collective sums issued (counted apart: not host syncs)
         self._patched = [(step.DecodeBatch, "finish"), (mx, "eval"), (mx, "synchronize")]
         self._orig = [getattr(o, n) for o, n in self._patched]
         for (owner, name), orig in zip(self._patched, self._orig):
-            setattr(owner, name, self._counting(orig))
+            setattr(owner, name, self._counting(orig, "count"))
+        mx.distributed.all_sum = self._counting(mx.distributed.all_sum, "all_sums")
 
-    def _counting(self, fn):
+    def _counting(self, fn, counter: str):
         def wrapped(*a, **k):
-            self.count += 1
+            setattr(self, counter, getattr(self, counter) + 1)
             return fn(*a, **k)
         return wrapped
 
@@ -66,7 +76,7 @@ def decode(model, k: int, tokens: int, counter: SyncCounter) -> dict:
     dec.step()  # warm-up: the first step also writes the prompt's MTP pairs
     dec.finish_pending()
     sent0, msgs0 = getattr(model, "bytes_sent", 0), getattr(model, "messages", 0)
-    syncs0, steps, n = counter.count, 0, 0
+    syncs0, sums0, steps, n = counter.count, counter.all_sums, 0, 0
     tic = time.perf_counter()
     while n < tokens:
         n += len(dec.step().tokens)
@@ -77,7 +87,8 @@ def decode(model, k: int, tokens: int, counter: SyncCounter) -> dict:
             "tokens_per_step": n / steps,
             "bytes_sent_per_step": (getattr(model, "bytes_sent", 0) - sent0) / steps,
             "messages_per_step": (getattr(model, "messages", 0) - msgs0) / steps,
-            "host_syncs_per_step": (counter.count - syncs0) / steps}
+            "host_syncs_per_step": (counter.count - syncs0) / steps,
+            "all_sums_per_step": (counter.all_sums - sums0) / steps}
 
 
 def run_rank(args):
@@ -91,6 +102,12 @@ def run_rank(args):
         from mlx_mtp.models.distributed import load_distributed
 
         model, _ = load_distributed(args.model, args.mode, group)
+    held = [sum(v.nbytes for _, v in tree_flatten(model.text.parameters()))]
+    if group is not None:  # every rank's, in rank order (MiB and the rest: int32 words)
+        mine = mx.zeros((group.size(), 2), mx.int32).at[group.rank()].add(
+            mx.array(divmod(held[0], 1 << 20), mx.int32))
+        held = [(mib << 20) + rest for mib, rest in
+                mx.distributed.all_sum(mine, group=group).tolist()]
     counter = SyncCounter()
     rows = []
     for k in args.ks:
@@ -101,7 +118,7 @@ def run_rank(args):
                 row[key] = mx.distributed.all_sum(mx.array(row[key]), group=group).item()
         rows.append(row)
     if group is None or group.rank() == 0:
-        print(json.dumps({"mode": args.mode, "rows": rows}))
+        print(json.dumps({"mode": args.mode, "rows": rows, "weight_bytes": held}))
 
 
 def _tiny_model(directory) -> str:
@@ -111,16 +128,29 @@ def _tiny_model(directory) -> str:
                          hidden=256, num_layers=8, vocab_size=4096))
 
 
+def _tiny_moe(directory) -> str:
+    from mlx_mtp.testing.tiny_attention import tiny_config, to_hf, write_tiny
+
+    def config(**c):
+        return dict(tiny_config("deepseek_v3", **c), n_routed_experts=32, n_group=4,
+                    topk_group=2)
+
+    return str(write_tiny(Path(directory) / "bench-moe", config, to_hf, "oracle",
+                          hidden=128, num_layers=8, vocab_size=1024))
+
+
 def drive(args):
     tmp = None
     if args.model is None:
         tmp = tempfile.TemporaryDirectory()
-        args.model = _tiny_model(tmp.name)
+        args.model = (_tiny_moe if args.moe else _tiny_model)(tmp.name)
+    modes = args.modes or (["single", "tensor", "expert"] if args.moe
+                           else ["single", "pipeline", "tensor"])
     common = ["--model", args.model, "--tokens", str(args.tokens), "--repeats",
               str(args.repeats), "--ks", *map(str, args.ks)]
     launch = Path(sys.executable).parent / "mlx.launch"
     results = []
-    for mode in ["single", "pipeline", "tensor"]:
+    for mode in modes:
         cmd = [sys.executable, __file__, "--rank", "--mode", mode, *common]
         if mode != "single":
             cmd = [str(launch), "-n", str(args.ranks), "--backend", "ring", "--", *cmd]
@@ -129,14 +159,17 @@ def drive(args):
             sys.exit(f"{mode} failed:\n{out.stderr[-2000:]}")
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{'mode':9} {'K':>2} {'tok/s':>8} {'tok/step':>8} {'bytes sent/step':>15} "
-          f"{'messages/step':>13} {'host syncs/step':>15}  MTP speedup")
+          f"{'messages/step':>13} {'host syncs/step':>15} {'all_sums/step':>13}  MTP speedup"
+          "  weights per rank")
     for res in results:
         base = res["rows"][0]["tokens_per_s"] if res["rows"][0]["k"] == 0 else None
+        weights = " / ".join(f"{b:,}" for b in res["weight_bytes"])
         for r in res["rows"]:
             speedup = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
             print(f"{res['mode']:9} {r['k']:>2} {r['tokens_per_s']:8.1f} "
                   f"{r['tokens_per_step']:8.2f} {r['bytes_sent_per_step']:15.0f} "
-                  f"{r['messages_per_step']:13.1f} {r['host_syncs_per_step']:15.2f}  {speedup}")
+                  f"{r['messages_per_step']:13.1f} {r['host_syncs_per_step']:15.2f} "
+                  f"{r['all_sums_per_step']:13.1f}  {speedup:11}  {weights}")
 
 
 def _free_port() -> int:
@@ -219,7 +252,14 @@ def main():
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ks", type=int, nargs="+", default=[0, 3])
-    p.add_argument("--mode", default="single", choices=["single", "pipeline", "tensor"])
+    p.add_argument("--mode", default="single",
+                   choices=["single", "pipeline", "tensor", "expert"])
+    p.add_argument("--modes", nargs="+", default=None,
+                   choices=["single", "pipeline", "tensor", "expert"],
+                   help="The runs to compare (default: single, pipeline, tensor; with --moe "
+                        "single, tensor, expert)")
+    p.add_argument("--moe", action="store_true",
+                   help="Build a tiny MoE (DeepSeek-V3, 32 experts) instead of the dense one")
     p.add_argument("--serve", action="store_true",
                    help="Benchmark mlx-mtp serve (one process vs each mode) instead")
     p.add_argument("--concurrency", type=int, default=4, help="--serve: requests at once")

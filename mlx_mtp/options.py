@@ -60,10 +60,11 @@ def add_model_arguments(p: argparse.ArgumentParser, server: bool = False):
     add_speed_arguments(p)
     add_kv_cache_arguments(p)
     add_vision_arguments(p, server)
-    p.add_argument("--distributed", choices=["pipeline", "tensor"], default=None,
+    p.add_argument("--distributed", choices=["pipeline", "tensor", "expert"], default=None,
                    help="Split the model over the ranks of `mlx.launch` (on by itself when "
-                        "launched with more than one rank): pipeline (layers) or tensor "
-                        "(heads; the families mlx-lm can shard). Default: tensor when the model has "
+                        "launched with more than one rank): pipeline (layers), tensor "
+                        "(heads; the families mlx-lm can shard) or expert (routed experts "
+                        "placed whole on ranks; MoE models). Default: tensor when the model has "
                         "it, the heads divide evenly and all ranks are on this machine, else "
                         "pipeline")
 

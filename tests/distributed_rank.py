@@ -2,9 +2,10 @@
 
 argv[1]: a JSON file holding a list of jobs {"model", "mode", "ks", "prompt" (ids),
 "max_tokens", "temp", "seed", "memory_limit" (bytes, optional), "mtp_model" (a split
-drafter, optional)}; argv[2]: where each rank writes its results (``<argv[2]>.<rank>``, one
-entry per job): the mode, the ids and accepted drafts per K, its layer range, memory after
-loading, bytes and messages it sent.
+drafter, optional), "logits" (optional: also the prompt's last-row logits and the MTP
+head's)}; argv[2]: where each rank writes its results (``<argv[2]>.<rank>``, one entry per
+job): the mode, the ids and accepted drafts per K, its layer range, memory after loading,
+bytes and messages it sent.
 """
 
 import json
@@ -27,6 +28,7 @@ def run(job, group) -> dict:
     model, _ = load_distributed(job["model"], job.get("mode"), group, mtp=max(job["ks"]) > 0,
                                 mtp_model=job.get("mtp_model"))
     loaded = {"active": mx.get_active_memory() - base, "peak": mx.get_peak_memory() - base}
+    logits = prompt_logits(model, job["prompt"]) if job.get("logits") else None
     sampling = SamplingParams(temperature=job.get("temp", 0.0), seed=job.get("seed"))
     tokens, accepted = {}, {}
     for k in job["ks"]:
@@ -39,7 +41,19 @@ def run(job, group) -> dict:
         mx.set_memory_limit(previous)
     return {"mode": model.mode, "tokens": tokens, "accepted": accepted,
             "layer_range": model.layer_range,
-            "loaded": loaded, "bytes_sent": model.bytes_sent, "messages": model.messages}
+            "loaded": loaded, "bytes_sent": model.bytes_sent, "messages": model.messages,
+            "logits": logits}
+
+
+def prompt_logits(model, prompt) -> list:
+    """The trunk's and the MTP head's logits at the prompt's last row (float32 lists)."""
+    ids = mx.array([prompt])
+    hidden, head_in = model.trunk(ids, model.make_cache())
+    out = [model.logits(hidden[:, -1:])]
+    if model.num_mtp_layers:
+        mtp = model.mtp_forward(head_in[:, :-1], ids[:, 1:], model.make_mtp_cache())
+        out.append(model.logits(mtp[:, -1:]))
+    return [o.astype(mx.float32).reshape(-1).tolist() for o in out]
 
 
 def main():

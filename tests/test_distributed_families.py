@@ -72,6 +72,10 @@ def modes(family):
     return ("pipeline", "tensor") if family in TENSOR else ("pipeline",)
 
 
+# The families with routed experts also split by experts (test_distributed_experts.py).
+DENSE = ("mimo",)
+
+
 JOBS = [(fam, head, mode) for fam in BUILDERS for head in HEADS for mode in modes(fam)]
 
 
@@ -108,7 +112,8 @@ def runs(models, tmp_path_factory):
 @pytest.mark.parametrize("family", list(BUILDERS))
 def test_split_kinds_are_declared(models, family):
     model, _ = load_model(models[(family, "noisy")])
-    assert model.capabilities.splits == modes(family)
+    expert = () if family in DENSE else ("expert",)
+    assert model.capabilities.splits == modes(family) + expert
 
 
 @pytest.mark.parametrize("job", JOBS, ids="-".join)

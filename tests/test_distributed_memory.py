@@ -16,6 +16,7 @@ from mlx_mtp.models.distributed import load_distributed
 from mlx_mtp.models.io.loader import ModelLoadError, load_model, parameter_bytes
 from mlx_mtp.testing.tiny import make_tiny
 from mlx_mtp.testing.tiny_attention import make_tiny as make_tiny_attention
+from mlx_mtp.testing.tiny_attention import tiny_config, to_hf, write_tiny
 
 CAP_FRACTION = 0.7  # per-process memory limit, as a fraction of the whole model's weights
 
@@ -150,7 +151,8 @@ def test_inspect_ranks_says_which_split_is_not_available(tmp_path, capsys):
     mimo = make_tiny_attention(tmp_path / "mimo", "mimo", "random")
     report = inspect_json(capsys, mimo, "--ranks", 2)
     assert report["ranks"]["mode"] == "pipeline"
-    assert report["ranks"]["unavailable"] == {"tensor": "mimo has no tensor split"}
+    assert report["ranks"]["unavailable"] == {"tensor": "mimo has no tensor split",
+                                              "expert": "mimo has no expert split"}
     assert main(["inspect", str(mimo), "--ranks", "2"]) == 0
     assert "no tensor    mimo has no tensor split" in capsys.readouterr().out
     assert main(["inspect", str(mimo), "--ranks", "2", "--distributed", "tensor"]) == 2
@@ -166,3 +168,47 @@ def test_inspect_ranks_of_a_drafter_alone_is_refused_in_one_line(deep, tmp_path,
     assert main(["inspect", str(drafter), "--ranks", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is a drafter alone" in err
+
+
+@pytest.fixture(scope="module")
+def many_experts(tmp_path_factory):
+    """A DeepSeek-V3 whose routed experts (32 per MoE layer) are most of its bytes, in two
+    shards of the released per-expert layout."""
+    def config(**c):
+        return dict(tiny_config("deepseek_v3", **c), n_routed_experts=32, n_group=4,
+                    topk_group=2)
+
+    return write_tiny(tmp_path_factory.mktemp("experts") / "m", config, to_hf, "random",
+                      num_layers=6, num_shards=2)
+
+
+def test_expert_split_plans_and_reads_each_rank_s_experts_under_the_cap(
+        many_experts, memory_limit, capsys):
+    """``--distributed expert``: the plan is what each rank loads, byte for byte (its
+    experts; the shared experts on rank 0), K/V whole on every rank (attention is
+    replicated); a model over one process's cap loads under it on each of two ranks."""
+    model, _ = load_model(many_experts)
+    whole = parameter_bytes(model)
+    del model
+    report = inspect_json(capsys, many_experts, "--ranks", 2, "--distributed", "expert")
+    plan = report["ranks"]
+    assert plan["mode"] == "expert" and plan["mtp_head_ranks"] == [0, 1]
+    kv = report["memory"]["kv_bytes_per_1k_tokens"]
+    assert [r["kv_bytes_per_1k_tokens"] for r in plan["per_rank"]] == [kv, kv]
+    cap = int(CAP_FRACTION * whole)
+    memory_limit(cap)
+    with pytest.raises(ModelLoadError, match="over this process's memory limit"):
+        load_model(many_experts)
+    for r in plan["per_rank"]:
+        active, peak, (model, _) = loaded_memory(
+            lambda: load_distributed(str(many_experts), "expert", RankOf(r["rank"], 2)))
+        held = parameter_bytes(model.inner)
+        assert r["layers"] == [0, 6] and r["weights_bytes"] == held
+        assert held < cap < whole
+        # none of the other rank's experts (over 40% of the model); the few KB over its
+        # parameters are what one process keeps too (MLA's kv_b_proj, read whole)
+        assert active <= 1.02 * held, (r["rank"], active, held)
+        assert peak <= cap, (r["rank"], peak, cap)
+        print(f"expert rank {r['rank']}: whole {whole} B, cap {cap} B, peak {peak} B, "
+              f"held {held} B")
+        del model

@@ -145,11 +145,12 @@ def test_add_mtp_onto_an_mlx_lm_conversion(ckpt, tmp_path, quantize):
                                              quantize)
 
 
-def test_splits_by_layers_only(ckpt):
-    """Pipeline (tested with the other families in test_distributed_families.py); no tensor
-    split: mlx-lm's bailing_moe_v3 has no shard()."""
+def test_splits_by_layers_and_experts_only(ckpt):
+    """Pipeline (tested with the other families in test_distributed_families.py) and
+    experts (test_distributed_experts.py); no tensor split: mlx-lm's bailing_moe_v3 has no
+    shard()."""
     model, _ = load_model(ckpt())
-    assert model.capabilities.splits == ("pipeline",)
+    assert model.capabilities.splits == ("pipeline", "expert")
 
 
 def test_sampling_follows_the_target_distribution(ckpt):

@@ -17,6 +17,10 @@ Every rank runs the same decode code (``step.DecodeBatch``); the model it gets i
   intermediate columns (an ``all_sum`` after each mixer and MLP), the MTP layers split
   the same way (``shard``: ours for the Qwen layers, mlx-lm's for the others); every
   rank runs the whole step.
+* **expert** (models with routed experts, ``blocks/expert_split.py``): every rank holds
+  every layer with each MoE block's routed experts placed whole on ranks (rank r:
+  experts [r·E/n, (r+1)·E/n)), the shared experts on rank 0, the rest whole; every rank
+  runs the whole step, and one ``all_sum`` per MoE block adds the ranks' expert outputs.
 
 ``share(*arrays)`` is the step's one message per result: rank 0's values reach every
 rank in one ``all_sum`` of a small int32 array (the others add zeros), so all ranks
@@ -37,13 +41,14 @@ import mlx.core as mx
 import numpy as np
 import mlx.nn as nn
 
+from .blocks.expert_split import expert_split_problem, split_experts
 from .cache.kv import KVCache
 from .interface import Capabilities, ModelInterface, forwards_interface
 from .io.loader import (_upcast_cpu_experts, check_fits_memory, load_tokenizer,
                         resolve_model_path)
 from .split_plan import DistributedError, open_lazily, rank_shares
 
-MODES = ("pipeline", "tensor")
+MODES = ("pipeline", "tensor", "expert")
 # int32 words in the first all_sum of a ``broadcast``: a serve step's message fits.
 MESSAGE_FRAME_WORDS = 256
 
@@ -89,14 +94,21 @@ def tensor_split_problem(args, size: int) -> Optional[str]:
 
 
 def choose_mode(requested: Optional[str], args, size: int, kinds: Sequence[str] = MODES,
-                model_type: str = "this model") -> str:
+                model_type: str = "this model", text=None) -> str:
     """``requested``, or the default: tensor when the model has a tensor split
     (``kinds``) and its heads split evenly over ranks on this machine (its all_sums per
     layer need a fast link), else pipeline (one hidden per stage boundary per step, fine
-    over Ethernet or Thunderbolt)."""
+    over Ethernet or Thunderbolt). Expert splits are asked for (``text``: the model whose
+    experts are placed)."""
     if requested is not None:
         if requested not in MODES:
             raise DistributedError(f"--distributed must be one of {', '.join(MODES)}")
+        if requested == "expert" and "expert" not in kinds:
+            raise DistributedError(f"--distributed expert: {model_type} has no routed experts "
+                                   "to place; use --distributed pipeline or tensor")
+        if requested == "expert" and (why := expert_split_problem(text, size)):
+            raise DistributedError(f"cannot split this model by experts: {why}; "
+                                   "use --distributed pipeline")
         if requested == "tensor" and "tensor" not in kinds:
             raise DistributedError(f"--distributed tensor: {model_type} has no tensor split "
                                    "(mlx-lm has no shard() for it); use --distributed pipeline")
@@ -146,7 +158,12 @@ class DistributedModel(ModelInterface):
     @property
     def is_head(self) -> bool:
         """Whether this rank holds the output projection and the MTP head."""
-        return self.mode == "tensor" or self.rank == 0
+        return self.whole_step or self.rank == 0
+
+    @property
+    def whole_step(self) -> bool:
+        """Every rank runs every layer (tensor, expert); a pipeline rank only its own."""
+        return self.mode != "pipeline"
 
     # communication, chained in program order
     def _after_last(self, x: mx.array) -> mx.array:
@@ -178,7 +195,7 @@ class DistributedModel(ModelInterface):
             # after its own: each rank waited on a different collective (deadlock,
             # reproduced). Pipeline ranks' stand-in values are never computed.
             mine = mx.zeros(flat.shape, mx.int32)
-            if self.mode == "tensor":
+            if self.whole_step:
                 mine = mx.depends(mine, flat)
         total = self._issue(mx.distributed.all_sum(self._after_last(mine), group=self.group))
         self._count(flat)
@@ -225,7 +242,7 @@ class DistributedModel(ModelInterface):
     def trunk(self, inputs, cache=None, capture=False):
         """Pipeline: this stage's layers (the model's trunk cut to them) from the tokens
         (the first stage) or the hidden the previous stage sends."""
-        if self.mode == "tensor":
+        if self.whole_step:
             return self.inner.trunk(inputs, cache, capture)
         text = self.text
         if self.rank < self.size - 1:
@@ -353,7 +370,7 @@ def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None
     if not kinds:
         raise DistributedError(f"--distributed cannot split {model.model_type} models yet; "
                                "run this model on one machine (without --distributed).")
-    mode = choose_mode(mode, text.args, group.size(), kinds, model.model_type)
+    mode = choose_mode(mode, text.args, group.size(), kinds, model.model_type, text)
     share = rank_shares(model, mode, group.size())[group.rank()]
     check_fits_memory(share.weight_bytes, f"rank {group.rank()}'s share of {p} ({mode})",
                       "launch more ranks (docs/distributed.md)")
@@ -367,6 +384,8 @@ def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None
     model.eval()
     if mode == "tensor":
         text.shard(group)
+    elif mode == "expert":
+        split_experts(text, group)
     mx.eval(model.parameters())
     return (DistributedModel(model, mode, group, layer_range, hidden_dtype, mtp_counts),
             load_tokenizer(p, config))

@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from mlx.utils import tree_flatten
 
+from .blocks.expert_split import bytes_not_held
 from .io.loader import (ModelLoadError, build_model, loadable_weights, model_config,
                         parameter_bytes, read_drafter)
 
@@ -73,7 +74,9 @@ def rank_shares(model, mode: str, size: int) -> List[RankShare]:
     bytes, rank 0 also holding everything outside the layers (embedding, final norm,
     output projection, MTP head), the last rank the embedding too. Tensor: every layer
     on every rank, each layer's bytes divided by ``size`` (an estimate: norms, routers
-    and DSA indexers stay whole), the rest whole on every rank."""
+    and DSA indexers stay whole), the rest whole on every rank. Expert: every layer on
+    every rank, less the routed experts other ranks hold (and, but on rank 0, the shared
+    experts), exactly."""
     text = model.text
     layer_bytes = [parameter_bytes(l) for l in text.model.layers]
     n, total = len(layer_bytes), parameter_bytes(model)
@@ -81,6 +84,9 @@ def rank_shares(model, mode: str, size: int) -> List[RankShare]:
     if mode == "tensor":
         share = outside + sum(layer_bytes) // size
         return [RankShare(r, (0, n), share, True) for r in range(size)]
+    if mode == "expert":
+        return [RankShare(r, (0, n), total - bytes_not_held(text, r, size), True)
+                for r in range(size)]
     embed = parameter_bytes(text.model.embed_tokens)
     head = embed + parameter_bytes(text.model.norm)
     head += sum(parameter_bytes(text[name]) for name in ("lm_head", "mtp") if name in text)

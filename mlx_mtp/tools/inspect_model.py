@@ -374,7 +374,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--ranks", type=int, default=None,
                         help="Also print the memory plan of a --distributed run over this "
                              "many ranks: each rank's layers, weights and caches")
-    parser.add_argument("--distributed", choices=["pipeline", "tensor"], default=None,
+    parser.add_argument("--distributed", choices=["pipeline", "tensor", "expert"], default=None,
                         help="With --ranks: the split to plan (default: the one "
                              "--distributed picks)")
     return parser

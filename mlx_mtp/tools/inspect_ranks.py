@@ -1,10 +1,11 @@
-"""``mlx-mtp inspect MODEL --ranks N [--distributed pipeline|tensor]``: the memory each rank
+"""``mlx-mtp inspect MODEL --ranks N [--distributed pipeline|tensor|expert]``: the memory each rank
 of a split run would hold, from config.json and the safetensors headers only.
 
 The model is built and its checkpoint opened lazily, and the split is the one
 ``load_distributed`` makes (``models/split_plan.py``): the same layers per rank, the same
 weight bytes. Cache figures are ``inspect``'s own estimate (16-bit K/V, float32 recurrent
-states) divided as the layers are: by rank for a pipeline, by heads for tensor.
+states) divided as the layers are: by rank for a pipeline, by heads for tensor, whole on
+every rank for expert (attention is replicated).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from ..models.blocks.hybrid import HybridArgs
+from ..models.blocks.expert_split import expert_split_problem
 from ..models.distributed import MODES, choose_mode, tensor_split_problem
 from ..models.io.layout import CheckpointError, args_dict, text_config
 from ..models.split_plan import DistributedError, open_lazily, rank_shares
@@ -33,14 +35,15 @@ def linear_layers(config: dict) -> List[bool]:
 
 
 def _cache_shares(config: dict, memory: dict, layers: List[tuple], mtp_layers: int,
-                  tensor: bool) -> List[tuple]:
+                  mode: str) -> List[tuple]:
     """(KV bytes per 1k tokens, state bytes per sequence) per rank: the whole model's
-    divided by heads (tensor) or by the attention / recurrent layers each rank holds, the
-    MTP layers' K/V on rank 0 (pipeline)."""
+    divided by heads (tensor), whole (expert), or by the attention / recurrent layers each
+    rank holds, the MTP layers' K/V on rank 0 (pipeline)."""
     kv, state = memory["kv_bytes_per_1k_tokens"], memory["state_bytes_per_sequence"]
-    if tensor:
+    if mode != "pipeline":
         n = len(layers)
-        return [(None if kv is None else kv // n, None if not state else state // n)] * n
+        div = n if mode == "tensor" else 1
+        return [(None if kv is None else kv // div, None if not state else state // div)] * n
     linear = linear_layers(config) or [False] * layers[0][1]  # rank 0 ends at the last
     attention = linear.count(False) + mtp_layers
     out = []
@@ -67,12 +70,14 @@ def rank_plan(path: Path, config: dict, memory: dict, ranks: int,
             unavailable[kind] = f"{model.model_type} has no {kind} split"
         elif kind == "tensor" and (why := tensor_split_problem(args, ranks)):
             unavailable[kind] = why
+        elif kind == "expert" and (why := expert_split_problem(model.text, ranks)):
+            unavailable[kind] = why
     if not kinds:
         raise DistributedError(f"--ranks: {model.model_type} models cannot be split yet")
-    mode = choose_mode(mode, args, ranks, kinds, model.model_type)
+    mode = choose_mode(mode, args, ranks, kinds, model.model_type, model.text)
     shares = rank_shares(model, mode, ranks)
     caches = _cache_shares(config, memory, [s.layers for s in shares],
-                           model.text.num_mtp_layers, mode == "tensor")
+                           model.text.num_mtp_layers, mode)
     return {"ranks": ranks, "mode": mode, "unavailable": unavailable,
             "mtp_head_ranks": [s.rank for s in shares if s.holds_head and mtp],
             "per_rank": [{"rank": s.rank, "layers": list(s.layers),

@@ -36,6 +36,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from ..io import layout
 from ..interface import Capabilities, MTPModel
+from .expert_split import has_experts
 from .hybrid_shard import read_share
 
 log = logging.getLogger("mlx_mtp")
@@ -239,6 +240,7 @@ class TextModel(MTPModel):
         if self.declared_mtp_layers > 0:
             block = family.block(lm_args, lm_args.num_hidden_layers)
             self.mtp = MTPStack([MTPLayer(lm_args.hidden_size, lm_args.rms_norm_eps, block)])
+        self.routed_experts = has_experts(self)  # read by capabilities on every step
 
     # --- forward ----------------------------------------------------------
     def decoder_layer(self, layer, x, mask, cache, absorbed: bool, last_only: bool = False):
@@ -316,9 +318,11 @@ class TextModel(MTPModel):
     # --- split across processes (models/distributed.py) ----------------------
     @property
     def capabilities(self) -> Capabilities:
-        # Tensor: the families mlx-lm can ``shard()``; pipeline: every layer list.
+        # Tensor: the families mlx-lm can ``shard()``; pipeline: every layer list;
+        # expert: the trunks with routed experts (mlx-lm's ``switch_mlp``).
         tensor = ("tensor",) if hasattr(self.family.lm.Model, "shard") else ()
-        return Capabilities(splits=("pipeline",) + tensor)
+        expert = ("expert",) if self.routed_experts else ()
+        return Capabilities(splits=("pipeline",) + tensor + expert)
 
     def shard(self, group):
         """mlx-lm's ``shard()`` for the family, one layer at a time; an MTP block that is a

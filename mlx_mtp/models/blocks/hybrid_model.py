@@ -19,7 +19,11 @@ class HybridModel(MTPModel):
     """Trunk + lm_head + optional MTP head."""
 
     linear_cls = None  # set by the family module
-    capabilities = Capabilities(compilable=True, splits=("pipeline", "tensor"))
+
+    @property
+    def capabilities(self) -> Capabilities:
+        expert = ("expert",) if self.args.num_experts > 0 else ()  # blocks/expert_split.py
+        return Capabilities(compilable=True, splits=("pipeline", "tensor") + expert)
 
     def __init__(self, args: HybridArgs):
         super().__init__()
