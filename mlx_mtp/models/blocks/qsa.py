@@ -1,0 +1,86 @@
+"""Qwen4-Exp's indexed attention: Qwen3.5's gated attention over the keys a QSA indexer
+selects for each query.
+
+The indexer keeps one raw key per position (its own cache). For a query at position p the
+complete blocks of ``compress_ratio`` keys among positions 0..p are pooled (mean, then a
+norm and RoPE at the block's first position) and scored, relu(q_h · k) summed over its heads;
+the query attends to the tokens of the ``budget / compress_ratio`` best blocks plus the
+tail of the incomplete block, all of it while there are no more blocks than that. Every
+row is computed from its own position alone, so a verify pass selects what one-token
+decoding selects (up to exact score ties, which transformers' topk breaks its own way).
+Reference: transformers 5.24 ``Qwen4ExpTextQSAIndexer``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .hybrid import GatedAttention
+
+
+def rope_at(x, positions, dims: int, base: float):
+    """Non-interleaved RoPE on the first ``dims`` features of ``x`` (..., N, D) at
+    ``positions`` (N,)."""
+    inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
+    angles = positions.astype(mx.float32)[:, None] * inv_freq
+    cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
+    half = dims // 2
+    x1, x2, rest = x[..., :half], x[..., half:dims], x[..., dims:]
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+class QSAIndexer(nn.Module):
+    def __init__(self, args, rope_dims: int):
+        super().__init__()
+        self.n_heads, self.head_dim = args.indexer_n_heads, args.indexer_head_dim
+        self.ratio = args.indexer_compress_ratio
+        self.top_blocks = args.indexer_budget // self.ratio
+        self.rope_dims, self.base = rope_dims, args.rope_theta
+        self.index_qk_proj = nn.Linear(args.hidden_size, (self.n_heads + 1) * self.head_dim,
+                                       bias=False)
+        self.q_layernorm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_layernorm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+
+    def __call__(self, x, cache=None):
+        """(B, 1, L, T) boolean: which cached positions each of the L new rows attends to."""
+        B, L, _ = x.shape
+        d, c = self.head_dim, self.ratio
+        q, raw = mx.split(self.index_qk_proj(x), [self.n_heads * d], axis=-1)
+        offset = cache.offset if cache is not None else 0
+        pos = offset + mx.arange(L)
+        q = rope_at(self.q_layernorm(q.reshape(B, L, self.n_heads, d)).transpose(0, 2, 1, 3),
+                    pos, self.rope_dims, self.base)
+        raw = raw[:, None]
+        keys = cache.update_and_fetch(raw, raw)[0] if cache is not None else raw
+        T = keys.shape[2]
+        t = mx.arange(T)
+        causal = t[None] <= pos[:, None]  # (L, T)
+        n_blocks = T // c
+        if n_blocks == 0:
+            return mx.broadcast_to(causal, (B, 1, L, T))
+        pooled = keys[:, 0, : n_blocks * c].reshape(B, n_blocks, c, d)
+        pooled = self.k_layernorm(pooled.astype(mx.float32).mean(axis=2).astype(keys.dtype))
+        pooled = rope_at(pooled, mx.arange(n_blocks) * c, self.rope_dims, self.base)
+        scores = q.astype(mx.float32) @ pooled.astype(mx.float32)[:, None].swapaxes(-1, -2)
+        scores = nn.relu(scores).sum(axis=1) / d ** 0.5  # (B, L, n_blocks)
+        complete = (pos + 1) // c  # each row's complete blocks
+        scores = mx.where(mx.arange(n_blocks)[None] < complete[:, None], scores, -mx.inf)
+        k = min(self.top_blocks, n_blocks)
+        best = mx.argpartition(-scores, k - 1, axis=-1)[..., :k]
+        chosen = (best[..., None] == mx.arange(n_blocks)).any(axis=-2)  # (B, L, n_blocks)
+        in_block = mx.take(chosen, mx.minimum(t // c, n_blocks - 1), axis=-1)
+        tail = t[None] >= (complete * c)[:, None]
+        return ((in_block | tail) & causal)[:, None]
+
+
+class IndexedAttention(GatedAttention):
+    """Gated attention restricted to the indexer's selection. Its caches: (KV, raw keys)."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.indexer = QSAIndexer(args, int(args.head_dim * args.partial_rotary_factor))
+
+    def __call__(self, x, mask=None, cache=None, positions=None):
+        kv, keys = cache if cache is not None else (None, None)
+        return super().__call__(x, self.indexer(x, keys), kv)

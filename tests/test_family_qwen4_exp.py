@@ -1,0 +1,130 @@
+"""Qwen4-Exp (``qwen4_exp``): our MLX trunk against transformers 5.24's
+``Qwen4ExpForCausalLM`` on a tiny checkpoint it wrote (``fixtures/qwen4_exp/``, recorded by
+``fixtures/qwen4_exp/make_reference.py``, which also asserts that no QSA top-k selection of
+the recorded run is a near-tie); the MTP head in mlx-vlm 0.7.10's layout; greedy output at
+K = 1..3 equal to plain decoding; the rollback of every cache kind it uses; the hashed
+n-gram ids exact in int64 at the released sizes."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import family_checks as fc
+from family_checks import raw_tensors
+from mlx_mtp.models.blocks.hyper import NGramIds
+from mlx_mtp.models.cache.kv import cache_state_arrays
+from mlx_mtp.models.io.loader import load_model
+
+FIXTURE = Path(__file__).parent / "fixtures" / "qwen4_exp"
+REF = json.loads((FIXTURE / "reference.json").read_text())
+PROMPT, GREEDY = REF["prompt"], REF["greedy"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(FIXTURE / "checkpoint")[0]
+
+
+def test_trunk_equals_transformers(model):
+    """One forward over prompt + continuation (the chunked DeltaNet kernel, QSA on every
+    row, PLE with an EOS mid-prompt) gives transformers' logits; decoding gives its greedy
+    continuation at K = 0..3 (a random head: every step rolls back all but one row)."""
+    logits = model.logits(model.trunk(mx.array([PROMPT + GREEDY]))[0])[0]
+    np.testing.assert_allclose(np.array(logits), np.array(REF["forward_logits"]), atol=2e-5)
+    for k in range(4):
+        assert fc.mtp_tokens(model, PROMPT, k, n=len(GREEDY))[0] == GREEDY, f"K={k}"
+
+
+def test_verify_rows_equal_one_token_decoding(model):
+    """A verify pass's rows select their QSA keys and read their PLE windows as one-token
+    decoding does."""
+    rows = GREEDY[:6]
+    want = fc.one_by_one_logits(model, PROMPT, rows)
+    got, _ = fc.verify_logits(model, PROMPT, rows)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+
+
+def test_partial_acceptance_restores_every_cache(model):
+    """Verify four tokens, keep two: DeltaNet states, PLE windows (convolution rows and the
+    last token ids), KV and indexer keys are those of decoding the two one by one."""
+    plain = fc.prefilled_cache(model, PROMPT)
+    for t in GREEDY[:2]:
+        model.trunk(mx.array([[t]]), plain)
+    spec = fc.prefilled_cache(model, PROMPT)
+    model.trunk(mx.array([GREEDY[:4]]), spec, capture=True)
+    for c in spec:
+        c.accept([2])
+    assert {type(c).__name__ for c in spec} == {"RecurrentCache", "ShortWindowCache",
+                                                "KVCache", "IndexKeyCache"}
+    for a, b in zip(cache_state_arrays(spec), cache_state_arrays(plain)):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5)
+    nxt = mx.array([[GREEDY[2]]])
+    np.testing.assert_allclose(np.array(model.logits(model.trunk(nxt, spec)[0])),
+                               np.array(model.logits(model.trunk(nxt, plain)[0])), atol=1e-5)
+
+
+def test_hash_constants_equal_transformers(model):
+    """The multipliers, prime table sizes and offsets we derive are the buffers
+    transformers saved with the checkpoint."""
+    raw = raw_tensors(FIXTURE / "checkpoint")
+    ple = [(i, layer.ple.ple_embedding.ids) for i, layer in enumerate(model.model.layers)
+           if "ple" in layer]
+    assert [i for i, _ in ple] == [0, 2, 5]
+    for i, ids in ple:
+        p = f"model.language_model.layers.{i}.ple.ple_embedding."
+        assert np.array(ids.multipliers).tolist() == raw[p + "layer_multipliers"].tolist()
+        assert np.array(ids.sizes).tolist() == raw[p + "ngram_heads_vocab_sizes"].tolist()
+        assert np.array(ids.offsets).tolist() == raw[p + "ngram_heads_offsets"].tolist()
+
+
+def python_ngram_ids(history, n, per, multipliers, sizes, offsets, eos):
+    """transformers' hash in Python integers (no overflow possible), one row."""
+    out = []
+    for t in range(n - 1, len(history)):
+        seg = max([u for u in range(t) if history[u] == eos], default=-1) + 1
+        shifted = [history[t - s] if t - s >= seg else eos for s in range(n)]
+        row = []
+        for g in range(2, n + 1):
+            mixed = 0
+            for s in range(g):
+                mixed ^= shifted[s] * multipliers[s]
+            heads = range((g - 2) * per, (g - 1) * per)
+            row += [mixed % sizes[h] + offsets[h] for h in heads]
+        out.append(row)
+    return out
+
+
+def test_ngram_ids_exact_at_released_sizes():
+    """At Qwen4-Exp's sizes (vocab 248320, tables of ~20M rows, the third PLE layer) the
+    int64 ids equal exact integer arithmetic: products near 2^63, XOR, EOS resets."""
+    eos = 248044
+    ids = NGramIds(248320, 3, 8, 20_000_000, 2, 1234, eos)
+    assert max(np.array(ids.multipliers).tolist()) * 248319 > 2**62
+    rng = np.random.default_rng(0)
+    history = [eos, eos] + [int(x) for x in rng.integers(240000, 248320, 30)]
+    history[9] = history[20] = history[21] = eos
+    got = np.array(ids(mx.array([history]), len(history) - 2))[0].tolist()
+    want = python_ngram_ids(history, 3, 8, np.array(ids.multipliers).tolist(),
+                            np.array(ids.sizes).tolist(), np.array(ids.offsets).tolist(), eos)
+    assert got == want
+
+
+def test_head_reads_the_streams_and_mixes_its_own(model):
+    """The head takes the trunk's hc·H streams (before the final mixture) and returns
+    streams; drafts are read through its own mixer."""
+    streams = model.trunk(mx.array([PROMPT]))[1]
+    assert streams.shape[-1] == model.args.hc_count * model.args.hidden_size
+    out = model.mtp_forward(streams[:, :-1], mx.array([PROMPT[1:]]), model.make_mtp_cache())
+    assert out.shape == streams[:, :-1].shape
+    mixed = model.mtp.hyper_connection_mixer(out[:, -1:])
+    np.testing.assert_array_equal(np.array(model.draft_logits(out[:, -1:])),
+                                  np.array(model.logits(mixed)))
+
+
+def test_loads_without_its_head():
+    model = load_model(FIXTURE / "checkpoint", mtp=False)[0]
+    assert model.num_mtp_layers == 0
+    assert fc.mtp_tokens(model, PROMPT, 0, n=8)[0] == GREEDY[:8]
