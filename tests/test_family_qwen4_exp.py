@@ -128,3 +128,12 @@ def test_loads_without_its_head():
     model = load_model(FIXTURE / "checkpoint", mtp=False)[0]
     assert model.num_mtp_layers == 0
     assert fc.mtp_tokens(model, PROMPT, 0, n=8)[0] == GREEDY[:8]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_batched_rows_equal_single_rows(model, k):
+    """Rows join one per step at different lengths; at K = 2 rejected drafts leave holes in
+    the batch's KV and indexer keys, which each row's QSA blocks skip (its own token order)."""
+    prompts = [PROMPT[:9], PROMPT[:20], PROMPT[3:7], PROMPT]
+    want = [fc.mtp_tokens(model, p, 0, n=12)[0] for p in prompts]
+    assert fc.run_batch(model, k, prompts, n=12)[0] == want

@@ -21,9 +21,9 @@ from .hybrid import GatedAttention
 
 def rope_at(x, positions, dims: int, base: float):
     """Non-interleaved RoPE on the first ``dims`` features of ``x`` (..., N, D) at
-    ``positions`` (N,)."""
+    ``positions`` (..., N), broadcast against ``x``'s leading axes."""
     inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
-    angles = positions.astype(mx.float32)[:, None] * inv_freq
+    angles = positions.astype(mx.float32)[..., None] * inv_freq
     cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
     half = dims // 2
     x1, x2, rest = x[..., :half], x[..., half:dims], x[..., dims:]
@@ -47,31 +47,56 @@ class QSAIndexer(nn.Module):
         B, L, _ = x.shape
         d, c = self.head_dim, self.ratio
         q, raw = mx.split(self.index_qk_proj(x), [self.n_heads * d], axis=-1)
+        visible = cache.make_mask(L, return_array=True) if cache is not None else None
         offset = cache.offset if cache is not None else 0
-        pos = offset + mx.arange(L)
-        q = rope_at(self.q_layernorm(q.reshape(B, L, self.n_heads, d)).transpose(0, 2, 1, 3),
-                    pos, self.rope_dims, self.base)
+        pos = mx.array(offset).reshape(-1, 1) + mx.arange(L)  # (1 or B, L)
+        q = self.q_layernorm(q.reshape(B, L, self.n_heads, d)).transpose(0, 2, 1, 3)
+        q = rope_at(q, pos[:, None], self.rope_dims, self.base)
         raw = raw[:, None]
-        keys = cache.update_and_fetch(raw, raw)[0] if cache is not None else raw
-        T = keys.shape[2]
-        t = mx.arange(T)
-        causal = t[None] <= pos[:, None]  # (L, T)
-        n_blocks = T // c
+        keys = (cache.update_and_fetch(raw, raw)[0] if cache is not None else raw)[:, 0]
+        order, index = row_order(visible, keys.shape[1])
+        if visible is None or visible.ndim != 4:  # one row: causal over its positions
+            visible = index[None] <= pos[:, :, None]
+        else:
+            visible = visible[:, 0]
+        return self.select(q, mx.take_along_axis(keys, order[..., None], axis=1), index, pos,
+                           visible)[:, None]
+
+    def select(self, q, keys, index, pos, visible):
+        """``keys``: each row's keys in its own order (B, T, d); ``index``: each slot's
+        place in its row (B or 1, T); ``pos``: the queries' places (B or 1, L)."""
+        c, n_blocks = self.ratio, keys.shape[1] // self.ratio
+        complete = (pos + 1) // c  # each query's complete blocks
+        tail = index[:, None] >= (complete * c)[..., None]
         if n_blocks == 0:
-            return mx.broadcast_to(causal, (B, 1, L, T))
-        pooled = keys[:, 0, : n_blocks * c].reshape(B, n_blocks, c, d)
+            return visible & tail
+        B, d = keys.shape[0], self.head_dim
+        pooled = keys[:, : n_blocks * c].reshape(B, n_blocks, c, d)
         pooled = self.k_layernorm(pooled.astype(mx.float32).mean(axis=2).astype(keys.dtype))
         pooled = rope_at(pooled, mx.arange(n_blocks) * c, self.rope_dims, self.base)
         scores = q.astype(mx.float32) @ pooled.astype(mx.float32)[:, None].swapaxes(-1, -2)
         scores = nn.relu(scores).sum(axis=1) / d ** 0.5  # (B, L, n_blocks)
-        complete = (pos + 1) // c  # each row's complete blocks
-        scores = mx.where(mx.arange(n_blocks)[None] < complete[:, None], scores, -mx.inf)
+        scores = mx.where(mx.arange(n_blocks) < complete[..., None], scores, -mx.inf)
         k = min(self.top_blocks, n_blocks)
         best = mx.argpartition(-scores, k - 1, axis=-1)[..., :k]
         chosen = (best[..., None] == mx.arange(n_blocks)).any(axis=-2)  # (B, L, n_blocks)
-        in_block = mx.take(chosen, mx.minimum(t // c, n_blocks - 1), axis=-1)
-        tail = t[None] >= (complete * c)[:, None]
-        return ((in_block | tail) & causal)[:, None]
+        block = mx.minimum(index // c, n_blocks - 1)
+        in_block = mx.take_along_axis(chosen, mx.broadcast_to(block[:, None], visible.shape),
+                                      axis=-1)
+        return visible & (in_block | tail)
+
+
+def row_order(visible, T: int):
+    """Each row's slots in its own token order (holes last) and each slot's place in its
+    row: (order (B or 1, T), index (B or 1, T)). ``visible``: a batch cache's (B, 1, L, T)
+    mask (its last query sees every filled slot); else one row without holes."""
+    if visible is None or visible.ndim != 4:
+        t = mx.arange(T)[None]
+        return t, t
+    filled = visible[:, 0, -1]
+    index = mx.cumsum(filled.astype(mx.int32), axis=-1) - 1
+    order = mx.argsort(mx.where(filled, index, T + mx.arange(T)), axis=-1)
+    return order, index
 
 
 class IndexedAttention(GatedAttention):
