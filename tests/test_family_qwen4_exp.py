@@ -6,6 +6,7 @@ K = 1..3 equal to plain decoding; the rollback of every cache kind it uses; the 
 n-gram ids exact in int64 at the released sizes."""
 
 import json
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,9 +15,11 @@ import pytest
 
 import family_checks as fc
 from family_checks import raw_tensors
+from mlx_mtp import cli
 from mlx_mtp.models.blocks.hyper import NGramIds
 from mlx_mtp.models.cache.kv import cache_state_arrays
 from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.testing.tiny import TOKENIZER_DIR
 
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen4_exp"
 REF = json.loads((FIXTURE / "reference.json").read_text())
@@ -137,3 +140,29 @@ def test_batched_rows_equal_single_rows(model, k):
     prompts = [PROMPT[:9], PROMPT[:20], PROMPT[3:7], PROMPT]
     want = [fc.mtp_tokens(model, p, 0, n=12)[0] for p in prompts]
     assert fc.run_batch(model, k, prompts, n=12)[0] == want
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory):
+    """The fixture checkpoint plus the package's tiny tokenizer (the CLI verbs want one)."""
+    path = tmp_path_factory.mktemp("qwen4_exp") / "ckpt"
+    shutil.copytree(FIXTURE / "checkpoint", path)
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy(f, path / f.name)
+    return path
+
+
+def test_inspect_reports_it(with_tokenizer, capsys):
+    assert cli.main(["inspect", str(with_tokenizer)]) == 0
+    out = capsys.readouterr().out
+    assert "qwen4_exp (model_type 'qwen4_exp')" in out
+    assert "1 layer(s) declared, 1 present" in out
+
+
+def test_convert_round_trip(with_tokenizer, tmp_path):
+    """``convert`` writes our layout (conv axes moved, norms shifted, experts stacked, the
+    n-gram shards joined); it loads back without shifting twice and decodes the same."""
+    out = tmp_path / "mlx"
+    assert cli.main(["convert", "--hf-path", str(with_tokenizer), "--mlx-path", str(out)]) == 0
+    model = load_model(out)[0]
+    assert fc.mtp_tokens(model, PROMPT, 2, n=len(GREEDY))[0] == GREEDY

@@ -265,11 +265,13 @@ def sanitize(model: Model, weights: dict) -> dict:
     prefixes = [f"model.layers.{i}.mlp" for i in range(model.args.num_hidden_layers)]
     for p in prefixes + [f"mtp.layers.{i}.mlp" for i in range(n_mtp)]:
         layout.split_experts(weights, p, model.args.num_experts)
+    # An MLX conversion (ours) moved the conv axes and shifted the norms in the same pass.
+    raw = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
     out = {}
     for k, v in weights.items():
-        if k.endswith("conv1d.weight") and v.shape[-1] != 1:
+        if raw and k.endswith("conv1d.weight"):
             v = v.moveaxis(2, 1)  # (C, 1, K) -> MLX's (C, K, 1)
-        elif v.ndim == 1 and ZERO_CENTRED.search(k):
+        elif raw and v.ndim == 1 and ZERO_CENTRED.search(k):
             v = v + 1.0
         out[k] = v
     if n_mtp:
