@@ -36,7 +36,7 @@ def test_trunk_equals_transformers(model):
     row, PLE with an EOS mid-prompt) gives transformers' logits; decoding gives its greedy
     continuation at K = 0..3 (a random head: every step rolls back all but one row)."""
     logits = model.logits(model.trunk(mx.array([PROMPT + GREEDY]))[0])[0]
-    np.testing.assert_allclose(np.array(logits), np.array(REF["forward_logits"]), atol=2e-5)
+    np.testing.assert_allclose(np.array(logits), np.array(REF["forward_logits"]), atol=1e-4)
     for k in range(4):
         assert fc.mtp_tokens(model, PROMPT, k, n=len(GREEDY))[0] == GREEDY, f"K={k}"
 

@@ -41,7 +41,7 @@ from ..cache.short import ShortWindowCache
 from ..interface import Capabilities, MTPModel
 from ..io import layout
 from ..io.layout import CheckpointError, MissingMTPWeightsError
-from .qwen3_5 import GatedDeltaNet
+from . import qwen3_5
 
 LAYER_TYPES = ("linear_attention", "indexed_attention", "full_attention")
 # Stored zero-centred: the weight applied is 1 + w (all norms but the DeltaNet's gated one).
@@ -90,9 +90,9 @@ class ModelArgs(hybrid.HybridArgs):
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise CheckpointError(f"qwen4_exp: unknown layer_types {unknown}")
-        if (self.output_gate_type or "silu") != "silu":
+        if (self.output_gate_type or "silu") not in ("silu", "sigmoid"):
             raise CheckpointError(f"qwen4_exp: output_gate_type {self.output_gate_type!r} is "
-                                  "not supported (only silu)")
+                                  "not supported (silu or sigmoid)")
         if self.ple_layer_ids and self.eos_id is None:
             raise CheckpointError("qwen4_exp: PLE layers need eos_token_id in the config")
         if (self.rope_scaling or {}).get("type", "default") != "default":
@@ -103,6 +103,21 @@ class ModelArgs(hybrid.HybridArgs):
 
     def is_linear(self, layer_idx: int) -> bool:
         return self.layer_types[layer_idx] == "linear_attention"
+
+
+class SigmoidGatedNorm(hybrid.RMSNormGated):
+    """The DeltaNet's gated output norm with ``output_gate_type: sigmoid``."""
+
+    def __call__(self, x, gate):
+        y = mx.fast.rms_norm(x, self.weight, self.eps).astype(mx.float32)
+        return (y * mx.sigmoid(gate.astype(mx.float32))).astype(x.dtype)
+
+
+class GatedDeltaNet(qwen3_5.GatedDeltaNet):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        if args.output_gate_type == "sigmoid":
+            self.norm = SigmoidGatedNorm(self.head_v_dim, eps=args.rms_norm_eps)
 
 
 class DecoderLayer(nn.Module):
