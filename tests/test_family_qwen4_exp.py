@@ -115,16 +115,21 @@ def test_ngram_ids_exact_at_released_sizes():
     assert got == want
 
 
-def test_head_reads_the_streams_and_mixes_its_own(model):
-    """The head takes the trunk's hc·H streams (before the final mixture) and returns
-    streams; drafts are read through its own mixer."""
+def test_head_equals_mlx_vlm(model):
+    """mlx-vlm 0.7.10's ``Qwen4ExpMTPDraftModel`` on the same head (recorded by
+    ``fixtures/qwen4_exp/make_mlx_vlm_reference.py``): the head takes hc·H streams and
+    returns streams, one pass over 10 rows (its QSA selecting) and one chained pass on the
+    last output; drafts are read through the head's own mixer."""
+    ref = np.load(FIXTURE / "mlx_vlm_head.npz")
     streams = model.trunk(mx.array([PROMPT]))[1]
-    assert streams.shape[-1] == model.args.hc_count * model.args.hidden_size
-    out = model.mtp_forward(streams[:, :-1], mx.array([PROMPT[1:]]), model.make_mtp_cache())
-    assert out.shape == streams[:, :-1].shape
-    mixed = model.mtp.hyper_connection_mixer(out[:, -1:])
-    np.testing.assert_array_equal(np.array(model.draft_logits(out[:, -1:])),
-                                  np.array(model.logits(mixed)))
+    assert streams.shape[-1] == ref["streams"].shape[-1] == model.args.hc_count * 32
+    cache = model.make_mtp_cache()
+    out = model.mtp_forward(mx.array(ref["streams"]), mx.array(ref["tokens"]), cache)
+    np.testing.assert_allclose(np.array(out), ref["out"], atol=1e-5)
+    np.testing.assert_allclose(np.array(model.draft_logits(out)), ref["logits"], atol=1e-5)
+    out = model.mtp_forward(out[:, -1:], mx.array(ref["next"]), cache, depth=1)
+    np.testing.assert_allclose(np.array(out), ref["out2"], atol=1e-5)
+    np.testing.assert_allclose(np.array(model.draft_logits(out)), ref["logits2"], atol=1e-5)
 
 
 def test_loads_without_its_head():
