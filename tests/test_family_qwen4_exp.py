@@ -13,11 +13,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import cache_checks as cc
 import family_checks as fc
 from family_checks import raw_tensors
 from mlx_mtp import cli
 from mlx_mtp.models.blocks.hyper import NGramIds
-from mlx_mtp.models.cache.kv import cache_state_arrays
+from mlx_mtp.models.cache.kv import cache_state_arrays, restore_caches, snapshot_caches
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny import TOKENIZER_DIR
 
@@ -171,3 +172,22 @@ def test_convert_round_trip(with_tokenizer, tmp_path):
     assert cli.main(["convert", "--hf-path", str(with_tokenizer), "--mlx-path", str(out)]) == 0
     model = load_model(out)[0]
     assert fc.mtp_tokens(model, PROMPT, 2, n=len(GREEDY))[0] == GREEDY
+
+
+def test_cache_protocol(model):
+    """Saved and loaded caches continue exactly; merged rows extract and filter back to the
+    solo caches (PLE windows included); a snapshot undoes a verify pass."""
+    prompts = [PROMPT[:12], PROMPT[20:23], PROMPT[5:30]]
+    cache = cc.solo(model, prompts[0])
+    loaded = [type(c).from_state(c.state if c.arrays() else None, c.meta_state) for c in cache]
+    cc.same(cache_state_arrays(loaded), cache_state_arrays(cache))
+    cc.same([cc.next_logits(model, loaded, [[42]])], [cc.next_logits(model, cache, [[42]])])
+    solos, merged = cc.merged_solos(model, prompts)
+    cc.assert_rows_are(merged, solos)
+    cc.assert_filter_keeps_rows(merged, solos)
+    before = cache_state_arrays(cache)
+    snap = snapshot_caches(cache)
+    model.trunk(mx.array([[7, 8, 9, 10]], mx.uint32), cache, capture=True)
+    mx.eval(cache_state_arrays(cache))
+    restore_caches(snap)
+    cc.same(cache_state_arrays(cache), before)
