@@ -191,3 +191,23 @@ def test_cache_protocol(model):
     mx.eval(cache_state_arrays(cache))
     restore_caches(snap)
     cc.same(cache_state_arrays(cache), before)
+
+
+def test_exact_ties_select_alike_in_verify_and_decoding(model):
+    """With the indexers' projections zeroed every block scores 0: each top-k is all ties.
+    A verify pass (whose rows also see later, masked blocks) and batched rows still select
+    what one-token decoding selects."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    tied = load_model(FIXTURE / "checkpoint")[0]
+    zeros = [(k, mx.zeros_like(v)) for k, v in tree_flatten(tied.parameters())
+             if k.endswith("indexer.index_qk_proj.weight")]
+    tied.update(tree_unflatten(zeros))
+    rows = GREEDY[:6]
+    want = fc.one_by_one_logits(tied, PROMPT, rows)
+    np.testing.assert_allclose(np.array(fc.verify_logits(tied, PROMPT, rows)[0]),
+                               np.array(want), atol=1e-5)
+    prompts = [PROMPT[:9], PROMPT[:20], PROMPT]
+    solo = [fc.mtp_tokens(tied, p, 0, n=10)[0] for p in prompts]
+    assert fc.run_batch(tied, 2, prompts, n=10)[0] == solo
+    assert fc.mtp_tokens(tied, PROMPT, 3, n=10)[0] == solo[2]

@@ -7,7 +7,8 @@ norm and RoPE at the block's first position) and scored, relu(q_h · k) summed o
 the query attends to the tokens of the ``budget / compress_ratio`` best blocks plus the
 tail of the incomplete block, all of it while there are no more blocks than that. Every
 row is computed from its own position alone, so a verify pass selects what one-token
-decoding selects (up to exact score ties, which transformers' topk breaks its own way).
+decoding selects, exact score ties included (broken by block order; transformers' topk
+breaks them its own way, so references are recorded away from ties).
 Reference: transformers 5.24 ``Qwen4ExpTextQSAIndexer``.
 """
 
@@ -76,14 +77,23 @@ class QSAIndexer(nn.Module):
         pooled = rope_at(pooled, mx.arange(n_blocks) * c, self.rope_dims, self.base)
         scores = q.astype(mx.float32) @ pooled.astype(mx.float32)[:, None].swapaxes(-1, -2)
         scores = nn.relu(scores).sum(axis=1) / d ** 0.5  # (B, L, n_blocks)
-        scores = mx.where(mx.arange(n_blocks) < complete[..., None], scores, -mx.inf)
+        scores = mx.where(mx.arange(n_blocks) < complete[..., None], scores + 0.0, -mx.inf)
         k = min(self.top_blocks, n_blocks)
-        best = mx.argpartition(-scores, k - 1, axis=-1)[..., :k]
+        best = mx.argpartition(tie_broken(scores), n_blocks - k, axis=-1)[..., n_blocks - k:]
         chosen = (best[..., None] == mx.arange(n_blocks)).any(axis=-2)  # (B, L, n_blocks)
         block = mx.minimum(index // c, n_blocks - 1)
         in_block = mx.take_along_axis(chosen, mx.broadcast_to(block[:, None], visible.shape),
                                       axis=-1)
         return visible & (in_block | tail)
+
+
+def tie_broken(scores):
+    """Distinct int64 keys in the scores' order, equal scores ranked by block (the earlier
+    first): the top blocks then do not depend on how many blocks a pass holds (a verify
+    row sees later, masked blocks that one-token decoding does not), even at exact ties."""
+    bits = mx.view(scores, mx.int32)
+    ordered = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
+    return ordered * (1 << 32) + ((1 << 32) - 1 - mx.arange(scores.shape[-1], dtype=mx.int64))
 
 
 def row_order(visible, T: int):
