@@ -211,3 +211,15 @@ def test_exact_ties_select_alike_in_verify_and_decoding(model):
     solo = [fc.mtp_tokens(tied, p, 0, n=10)[0] for p in prompts]
     assert fc.run_batch(tied, 2, prompts, n=10)[0] == solo
     assert fc.mtp_tokens(tied, PROMPT, 3, n=10)[0] == solo[2]
+
+
+def test_bfloat16_keeps_exactness_where_it_matters():
+    """In bf16 the DeltaNet state and A_log stay float32, the PLE token window holds ids,
+    and drafting still gives plain decoding's tokens."""
+    model = load_model(FIXTURE / "checkpoint", dtype="bfloat16")[0]
+    cache = fc.prefilled_cache(model, PROMPT)
+    rec, windows = cache[0].arrays(), cache[1].arrays()
+    assert rec[1].dtype == mx.float32 and model.model.layers[0].linear_attn.A_log.dtype == mx.float32
+    assert windows[0].dtype == mx.bfloat16 and windows[1].tolist()[0] == PROMPT[-2:]
+    plain = fc.mtp_tokens(model, PROMPT, 0, n=16)[0]
+    assert fc.mtp_tokens(model, PROMPT, 2, n=16)[0] == plain

@@ -91,9 +91,6 @@ class ShortWindowCache(_Cache):
         self.windows, self.offset, self._rows = snap
         self.pending = None
 
-    def lengths(self) -> List[int]:
-        return [self.offset] * self.size()
-
     def is_trimmable(self) -> bool:
         return False
 
