@@ -223,3 +223,29 @@ def test_bfloat16_keeps_exactness_where_it_matters():
     assert windows[0].dtype == mx.bfloat16 and windows[1].tolist()[0] == PROMPT[-2:]
     plain = fc.mtp_tokens(model, PROMPT, 0, n=16)[0]
     assert fc.mtp_tokens(model, PROMPT, 2, n=16)[0] == plain
+
+
+def test_engine_rows_and_a_restored_turn_equal_plain_decoding(model, with_tokenizer, tmp_path):
+    """The server engine with the head (K = 2): concurrent rows prefilled in chunks of 16 (the
+    PLE windows and n-gram context carried across chunks), and a prompt prefix saved to disk
+    and restored, decode as one sequence does alone."""
+    from engine_events import make_engine, run
+    from mlx_mtp.models.io.loader import load_config, load_tokenizer
+    from mlx_mtp.server.prefix_cache import PrefixCache
+    from mlx_mtp.server.session_store import SessionStore, model_fingerprint
+
+    model_tok = (model, load_tokenizer(with_tokenizer, load_config(with_tokenizer)))
+    longer = PROMPT + GREEDY[:9]
+    prompts = [PROMPT, longer[5:], PROMPT[:3], longer]
+    sinks = run(make_engine(model_tok, num_draft_tokens=2, prefill_step_size=16), prompts)
+    assert [s.tokens for s in sinks] == [fc.mtp_tokens(model, p, 0, n=12)[0] for p in prompts]
+    fp = model_fingerprint(model)
+    pc = PrefixCache(8, 1 << 30, disk=SessionStore(tmp_path, fp, min_tokens=16))
+    run(make_engine(model_tok, num_draft_tokens=2, prefix_cache=pc, prefill_step_size=16),
+        [PROMPT], boundaries=[24, 39])
+    pc.disk.flush()
+    pc2 = PrefixCache(8, 1 << 30, disk=SessionStore(tmp_path, fp, min_tokens=16))
+    warm = run(make_engine(model_tok, num_draft_tokens=2, prefix_cache=pc2,
+                           prefill_step_size=16), [longer])[0]
+    assert pc2.disk.hits == 1
+    assert warm.tokens == fc.mtp_tokens(model, longer, 0, n=12)[0]

@@ -18,10 +18,11 @@ from .kv import CACHE_KINDS, _Cache
 
 
 class ShortWindowCache(_Cache):
-    """Windows (B, n_i, ...) of one layer; None until the first pass (the layer's start
-    values: zeros, or its padding token)."""
+    """A layer's convolution window (B, n, D) and token window (B, m); None until the
+    first pass (the layer's start values: zeros, its padding token)."""
 
     kind = "short"
+    state_names = ("conv", "tokens")
 
     def __init__(self, rows: int = 1):
         self.windows: Optional[Tuple[mx.array, ...]] = None
@@ -32,10 +33,6 @@ class ShortWindowCache(_Cache):
     @classmethod
     def empty(cls, B: int = 1) -> "ShortWindowCache":
         return cls(B)
-
-    @property
-    def state_names(self):
-        return tuple(f"w{i}" for i in range(len(self.windows or ())))
 
     def size(self) -> int:
         return self._rows if self.windows is None else self.windows[0].shape[0]
