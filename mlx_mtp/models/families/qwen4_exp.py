@@ -72,7 +72,7 @@ class ModelArgs(hybrid.HybridArgs):
 
     @classmethod
     def from_dict(cls, params: dict):
-        text = dict(layout.text_config(params))
+        text = dict(layout.text_config(params), model_type=params["model_type"])
         text["tie_word_embeddings"] = layout.tie_word_embeddings(params)
         counted = any(k in c for c in (text, params) for k in layout.MTP_LAYER_COUNT_KEYS)
         text["mtp_num_hidden_layers"] = layout.config_mtp_layers(params) if counted else 1
