@@ -257,3 +257,15 @@ def test_distributed_is_refused_in_one_line():
 
     with pytest.raises(DistributedError, match="cannot split qwen4_exp models yet"):
         load_distributed(str(FIXTURE / "checkpoint"), mtp=False)
+
+
+def test_released_layer_type_names(tmp_path):
+    """The release's config names the indexed layers ``full_attention`` (transformers
+    renames them when it writes one): the same model."""
+    shutil.copytree(FIXTURE / "checkpoint", tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    text = config["text_config"]
+    text["layer_types"] = [t.replace("indexed_", "full_") for t in text["layer_types"]]
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    model = load_model(tmp_path / "ckpt")[0]
+    assert fc.mtp_tokens(model, PROMPT, 2, n=12)[0] == GREEDY[:12]

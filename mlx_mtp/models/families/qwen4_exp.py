@@ -124,16 +124,16 @@ class DecoderLayer(nn.Module):
     """PLE (some DeltaNet layers), then attention and MoE sub-blocks on the streams. Its
     caches: (DeltaNet state[, PLE windows]) or (KV, indexer keys)."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int, ple: bool = True):
+    def __init__(self, args: ModelArgs, linear: bool, ple_index: Optional[int] = None):
         super().__init__()
-        self.is_linear = args.is_linear(layer_idx)
-        if self.is_linear:
+        self.is_linear = linear
+        if linear:
             self.linear_attn = GatedDeltaNet(args)
         else:
             self.self_attn = IndexedAttention(args)
         self.mlp = hybrid.SparseMoeBlock(args)
-        if ple and layer_idx + 1 in args.ple_layer_ids:
-            self.ple = PerLayerEmbedding(args, args.ple_layer_ids.index(layer_idx + 1))
+        if ple_index is not None:
+            self.ple = PerLayerEmbedding(args, ple_index)
         H, hc, eps = args.hidden_size, args.hc_count, args.rms_norm_eps
         self.attn_hyper_connection = HyperConnection(H, hc, args.hc_lowrank, eps)
         self.mlp_hyper_connection = HyperConnection(H, hc, args.hc_lowrank, eps)
@@ -166,7 +166,9 @@ class Trunk(nn.Module):
         super().__init__()
         self.hc = args.hc_count
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        ple = {layer_id - 1: i for i, layer_id in enumerate(args.ple_layer_ids)}  # one-indexed
+        self.layers = [DecoderLayer(args, args.is_linear(i), ple.get(i))
+                       for i in range(args.num_hidden_layers)]
         self.hyper_connection_mixer = HyperConnection(
             args.hidden_size, args.hc_count, args.hc_lowrank, args.rms_norm_eps, combine=False)
 
@@ -194,9 +196,7 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_hidden = nn.RMSNorm(hc * H, eps=eps)
         self.fc_embedding = nn.Linear(H, H, bias=False)
         self.fc_hidden = nn.Linear(H, H, bias=False)
-        attention = args.layer_types.index("indexed_attention")
-        self.layers = [DecoderLayer(args, attention, ple=False)
-                       for _ in range(args.mtp_num_hidden_layers)]
+        self.layers = [DecoderLayer(args, linear=False) for _ in range(args.mtp_num_hidden_layers)]
         self.hyper_connection_mixer = HyperConnection(H, hc, args.hc_lowrank, eps,
                                                       combine=False)
 
