@@ -46,7 +46,7 @@ class QSAIndexer(nn.Module):
     def __call__(self, x, cache=None):
         """(B, 1, L, T) boolean: which cached positions each of the L new rows attends to."""
         B, L, _ = x.shape
-        d, c = self.head_dim, self.ratio
+        d = self.head_dim
         q, raw = mx.split(self.index_qk_proj(x), [self.n_heads * d], axis=-1)
         visible = cache.make_mask(L, return_array=True) if cache is not None else None
         offset = cache.offset if cache is not None else 0
