@@ -269,3 +269,11 @@ def test_released_layer_type_names(tmp_path):
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     model = load_model(tmp_path / "ckpt")[0]
     assert fc.mtp_tokens(model, PROMPT, 2, n=12)[0] == GREEDY[:12]
+
+
+def test_kv_bits_refused_in_one_line(model):
+    """Quantized KV under the QSA selection is not tested yet: refused, not guessed."""
+    from mlx_mtp.models.cache.quantized import KVQuantization
+
+    with pytest.raises(ValueError, match="--kv-bits is not available for qwen4_exp"):
+        model.use_kv_quantization(KVQuantization(bits=8))
