@@ -143,7 +143,7 @@ class DecoderLayer(nn.Module):
         return 1 + ("ple" in self) if self.is_linear else 2
 
     def make_caches(self, kv_cache) -> list:
-        """``kv_cache``: the model's attention cache factory (quantized or not)."""
+        """``kv_cache``: the model's attention cache factory."""
         if not self.is_linear:
             return [kv_cache(), IndexKeyCache()]
         return [RecurrentCache()] + ([ShortWindowCache()] if "ple" in self else [])
