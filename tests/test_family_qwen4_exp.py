@@ -277,3 +277,45 @@ def test_kv_bits_refused_in_one_line(model):
 
     with pytest.raises(ValueError, match="--kv-bits is not available for qwen4_exp"):
         model.use_kv_quantization(KVQuantization(bits=8))
+
+
+def oracle(model):
+    """The fixture made context-free so the head can copy it: every sub-block writes nothing
+    but the last layer's MoE, embeddings have RMS 1; the head is that layer and the trunk's
+    mixer on ``fc_embedding = I`` (``fc_hidden = 0``). Its draft for t+2 from t+1 is then the
+    trunk's own prediction, at every chained depth."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    last = len(model.model.layers) - 1
+    silent = ("o_proj.weight", "out_proj.weight", "value_proj.weight", "down_proj.weight",
+              "shared_expert_gate.weight")
+    params = dict(tree_flatten(model.parameters()))
+    for k, v in list(params.items()):
+        if k.endswith(silent) and not (k.startswith(f"model.layers.{last}.mlp")):
+            params[k] = mx.zeros_like(v)
+    e = params["model.embed_tokens.weight"]
+    params["model.embed_tokens.weight"] = e / mx.sqrt((e * e).mean(axis=-1, keepdims=True))
+    for k in [k for k in params if k.startswith("mtp.")]:
+        src = {"mtp.layers.0.": f"model.layers.{last}.",
+               "mtp.hyper_connection_mixer.": "model.hyper_connection_mixer."}
+        for a, b in src.items():
+            if k.startswith(a):
+                params[k] = params[b + k[len(a):]]
+    H = model.args.hidden_size
+    params["mtp.pre_fc_norm_embedding.weight"] = mx.ones((H,))
+    params["mtp.fc_embedding.weight"] = mx.eye(H)
+    params["mtp.fc_hidden.weight"] = mx.zeros((H, H))
+    model.update(tree_unflatten(list(params.items())))
+    return model
+
+
+def test_oracle_head_accepts_everything():
+    """Every draft of an oracle head is accepted at K = 1..3 (so each verify keeps all its
+    rows: the caches' all-accepted path), and the output is plain decoding's."""
+    model = oracle(load_model(FIXTURE / "checkpoint")[0])
+    plain = fc.mtp_tokens(model, PROMPT, 0, n=20)[0]
+    assert len(set(plain)) > 3  # not one token repeated
+    for k in (1, 2, 3):
+        got, dec = fc.mtp_tokens(model, PROMPT, k, n=20)
+        assert got == plain, f"K={k}"
+        assert dec.stats.acceptance_rate == 1.0, f"K={k}"
