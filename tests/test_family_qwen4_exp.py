@@ -319,3 +319,12 @@ def test_oracle_head_accepts_everything():
         got, dec = fc.mtp_tokens(model, PROMPT, k, n=20)
         assert got == plain, f"K={k}"
         assert dec.stats.acceptance_rate == 1.0, f"K={k}"
+
+
+def test_sampling_follows_the_target():
+    """K = 2 at temperature 1 (the oracle head, so drafts are accepted often): the next two
+    tokens follow the trunk's exact joint distribution (chi-square). The output layer is
+    scaled up so that the joint puts enough mass on few enough pairs to count."""
+    model = oracle(load_model(FIXTURE / "checkpoint")[0])
+    model.lm_head.weight = model.lm_head.weight * 4
+    fc.assert_sampling_follows_target(model, model, PROMPT[:12])
