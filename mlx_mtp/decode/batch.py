@@ -267,11 +267,14 @@ class BatchDecoder:
             self.policy.record_step(B, 0, sum(group) / len(group), [0] * B, [0] * B)
 
     def _tune_draft_vocab(self, outs: List[StepOutput]):
-        """The default draft vocabulary re-sizes from the tokens emitted and what steps
-        cost (``vocab_auto``)."""
+        """The default draft vocabulary re-sizes from the tokens emitted, the target's tokens
+        where a head draft was rejected (the token emitted there) and what steps cost
+        (``vocab_auto``)."""
         tuner = self.model.draft_vocab_tuner
         if tuner is not None:
-            tuner.observe([t for o in outs for t in o.tokens], self.policy.costs)
+            rejected = [o.tokens[o.num_accepted] for o in outs
+                        if o.num_drafted - o.head_drafted <= o.num_accepted < o.num_drafted]
+            tuner.observe([t for o in outs for t in o.tokens], self.policy.costs, rejected)
 
     def _context(self, b: int) -> int:
         return self._contexts()[b]
