@@ -47,7 +47,7 @@ ASSETS = Path(__file__).parents[2] / "assets" / "draft-vocab"
 # acceptance cancels out of which N is best to first order; it sets how much to gain).
 ACCEPTANCE, K, VERIFY_PER_DRAFT = 0.8, 3, 0.35
 MARGIN = 0.02  # a subset must promise this much over the whole vocabulary
-PRIOR_TOKENS = 8  # weight of the shipped coverage against tokens seen: a few tokens
+PRIOR_TOKENS = 8  # weight of the shipped coverage against tokens seen: lost drafts move it
 CHECK_EVERY = 128  # emitted tokens between re-sizing decisions without a lost draft
 NARROW_RUN = 256  # emitted tokens in a row inside a smaller size before narrowing to it
 MEMORY = 4096  # counts are halved past this many tokens: recent text weighs most
@@ -158,8 +158,8 @@ def shipped_ranking(model_dir, vocab_size: int) -> Optional[Ranking]:
 
 class DraftVocabTuner:
     """Keeps the model's draft vocabulary at the size the cost model prefers for the
-    tokens it actually emits (``observe``: every step's tokens and the driver's step-cost
-    table)."""
+    tokens it actually emits (``observe``: every step's tokens, the target's tokens where
+    head drafts were rejected, and the driver's step-cost table)."""
 
     def __init__(self, model, ranking: Ranking, bits: Optional[int] = None):
         self.model, self.ranking, self.bits = model, ranking, bits
