@@ -201,12 +201,14 @@ def test_a_subset_too_small_widens_after_a_few_lost_drafts(model_with_asset):
     got, dec = mtp_greedy(model, 60)
     assert got == mlx_lm_greedy(path, 60)
     assert tuner.size == 2048 and 1 <= tuner.lost <= 3
+    assert dec.stats.draft_vocab_lost == tuner.lost  # counted per run too
     rejected_steps = dec.stats.num_drafts - dec.stats.accepted_per_pos[2]
     assert rejected_steps >= tuner.lost  # at most one lost draft per rejected step
     assert dec.stats.acceptance_rate > 0.8  # all but those first few steps land
     before = tuner.lost
-    got, _ = mtp_greedy(model, 40)  # the wider subset holds the text: nothing more lost
+    got, dec = mtp_greedy(model, 40)  # the wider subset holds the text: nothing more lost
     assert got == mlx_lm_greedy(path, 40) and tuner.lost == before
+    assert dec.stats.draft_vocab_lost == 0
 
 
 def test_a_widened_subset_narrows_only_after_a_long_run_inside_the_smaller_size(

@@ -272,9 +272,12 @@ class BatchDecoder:
         (``vocab_auto``)."""
         tuner = self.model.draft_vocab_tuner
         if tuner is not None:
-            rejected = [o.tokens[o.num_accepted] for o in outs
-                        if o.num_drafted - o.head_drafted <= o.num_accepted < o.num_drafted]
-            tuner.observe([t for o in outs for t in o.tokens], self.policy.costs, rejected)
+            rows = [(r, o.tokens[o.num_accepted]) for r, o in zip(self.core.rows, outs)
+                    if o.num_drafted - o.head_drafted <= o.num_accepted < o.num_drafted]
+            lost = tuner.observe([t for o in outs for t in o.tokens], self.policy.costs,
+                                 [t for _, t in rows])
+            for (r, _), n in zip(rows, lost):
+                r.stats.draft_vocab_lost += int(n)
 
     def _context(self, b: int) -> int:
         return self._contexts()[b]

@@ -179,10 +179,10 @@ class DraftVocabTuner:
         share = (self.inside + PRIOR_TOKENS * self.prior) / (self.seen + PRIOR_TOKENS)
         return dict(zip(self.sizes.tolist(), share.tolist()))
 
-    def observe(self, tokens, table=None, rejected=()) -> None:
+    def observe(self, tokens, table=None, rejected=()) -> np.ndarray:
         """A step's emitted ``tokens`` (in order) and the target's tokens at its rejected
         head positions (``rejected``: each is one of ``tokens``); ``table``: the driver's
-        step-cost table."""
+        step-cost table. Returns which of ``rejected`` the subset lost (outside it)."""
         ranks = self.rank[np.asarray(tokens, np.int64)]
         inside = ranks[:, None] < self.sizes[None]  # (tokens, sizes)
         self.inside += inside.sum(axis=0)
@@ -190,15 +190,16 @@ class DraftVocabTuner:
         self._since += ranks.size
         out = ~inside[::-1]  # newest first: the run since the last token outside each size
         self.run = np.where(out.any(axis=0), out.argmax(axis=0), self.run + ranks.size)
-        lost = int((self.rank[np.asarray(rejected, np.int64)] >= self._limit()).sum())
-        self.lost += lost
-        if self._since < CHECK_EVERY and not lost:
-            return
+        lost = self.rank[np.asarray(rejected, np.int64)] >= self._limit()
+        self.lost += int(lost.sum())
+        if self._since < CHECK_EVERY and not lost.any():
+            return lost
         self._since = 0
         costs = self.costs if table is None else self.costs.measured(table, self.size)
         self._apply(self._narrowed(best_size(costs, self.coverage())))
         if self.seen > MEMORY:
             self.seen, self.inside = self.seen / 2, self.inside / 2
+        return lost
 
     def _limit(self) -> int:
         return self.costs.vocab_size if self.size is None else self.size
