@@ -89,7 +89,7 @@ def test_a_never_right_head_makes_a_few_drafts_from_a_fresh_policy(name):
 @pytest.mark.parametrize("name", TABLES)
 def test_a_head_right_two_times_in_three_drafts_as_deep_as_pays(name):
     """A ~65 % head (every third draft at each position rejected, deterministically):
-    within 10 % of the best fixed K over 256 tokens, from a fresh policy."""
+    within 5 % of the best fixed K over 256 tokens (the issue's target), from a fresh policy."""
     table = TABLES[name]
 
     def lands(i, j):
@@ -109,7 +109,7 @@ def test_a_head_right_two_times_in_three_drafts_as_deep_as_pays(name):
         return emitted * table[0] / spent
 
     _, speedup = drive(fresh_policy(table), table, lands, 256)
-    assert speedup >= 0.9 * max(fixed(k) for k in range(4))
+    assert speedup >= 0.95 * max(fixed(k) for k in range(4))
 
 
 # -- end to end: the decoder on tiny checkpoints, greedy output unchanged -------------------
