@@ -44,11 +44,13 @@ def test_the_policy_reads_head_steps_the_chooser_every_cell():
 
 class CountingTuner:
     def __init__(self):
-        self.seen = []
+        self.seen, self.rejected = [], []
 
-    def observe(self, tokens, table):
+    def observe(self, tokens, table, rejected=()):
         self.seen.append(list(tokens))
         self.table = table
+        self.rejected.append(list(rejected))
+        return [False] * len(rejected)
 
 
 def test_the_driver_records_each_step_once_and_feeds_the_tuner(tiny_ckpt):
@@ -64,6 +66,10 @@ def test_the_driver_records_each_step_once_and_feeds_the_tuner(tiny_ckpt):
     outs = [dec.step() for _ in range(12)]
     assert model.draft_vocab_tuner.seen == [o.tokens for o in outs]
     assert model.draft_vocab_tuner.table is dec.policy.costs  # the one table, read by the tuner
+    # The target's token where a head draft was rejected (not where a context draft was).
+    assert model.draft_vocab_tuner.rejected == [
+        [o.tokens[o.num_accepted]] if o.lookup_drafted <= o.num_accepted < o.num_drafted else []
+        for o in outs]
     shapes = [(1, o.num_drafted, o.num_drafted if o.head_drafted else 0) for o in outs]
     assert observed == shapes[1:]  # the first step: no read before it to time from
     assert any(o.lookup_drafted for o in outs[1:]) and any(o.head_drafted for o in outs)

@@ -185,3 +185,60 @@ def test_a_ranking_file_or_an_explicit_size_wins_over_the_shipped_ranking(model_
     assert model.draft_vocab_tuner is None and model.text.draft_head.size == 64
     apply_model_options(model, Namespace(model=str(path), draft_vocab="100"))
     assert model.draft_vocab_tuner is None and model.text.draft_head.size == 100
+
+
+def test_a_subset_too_small_widens_after_a_few_lost_drafts(model_with_asset):
+    """Issue 40: the oracle's targets (ranks 1000..1999) all lie outside the 256 kept at
+    the start. Each rejected draft whose target is outside the subset is a draft the
+    subset lost; the tuner re-sizes on the step that lost one, so the run loses a few
+    drafts, not one per step until the next periodic check (it used to decide every 128
+    tokens with a 256-token prior). Greedy output stays mlx-lm's."""
+    path, _ = model_with_asset
+    model = load_model(path)[0]
+    apply_model_options(model, Namespace(model=str(path), draft_vocab="auto"))
+    tuner = model.draft_vocab_tuner
+    assert tuner.size == 256 and tuner.lost == 0
+    got, dec = mtp_greedy(model, 60)
+    assert got == mlx_lm_greedy(path, 60)
+    assert tuner.size == 2048 and 1 <= tuner.lost <= 3
+    assert dec.stats.draft_vocab_lost == tuner.lost  # counted per run too
+    rejected_steps = dec.stats.num_drafts - dec.stats.accepted_per_pos[2]
+    assert rejected_steps >= tuner.lost  # at most one lost draft per rejected step
+    assert dec.stats.acceptance_rate > 0.8  # all but those first few steps land
+    before = tuner.lost
+    got, dec = mtp_greedy(model, 40)  # the wider subset holds the text: nothing more lost
+    assert got == mlx_lm_greedy(path, 40) and tuner.lost == before
+    assert dec.stats.draft_vocab_lost == 0
+
+
+def test_a_widened_subset_narrows_only_after_a_long_run_inside_the_smaller_size(
+        model_with_asset):
+    """Narrowing needs evidence: the cost model prefers 256 again as soon as tokens inside
+    it dominate its coverage, but the subset narrows only once ``NARROW_RUN`` emitted
+    tokens in a row were inside it; one token outside starts the run again."""
+    from mlx_mtp.models.draft.vocab_auto import CHECK_EVERY, NARROW_RUN
+
+    path, ranking = model_with_asset
+    model = load_model(path)[0]
+    apply_model_options(model, Namespace(model=str(path), draft_vocab="auto"))
+    tuner = model.draft_vocab_tuner
+    outside = int(ranking[1500])
+    tuner.observe([outside] * 3, rejected=[outside])  # lost drafts: widened at once
+    assert tuner.size == 2048 and tuner.lost == 1
+    top = [int(t) for t in ranking[:256]]
+    step = CHECK_EVERY // 4
+    seen, reset_at, narrowed_at, preferred = 3, None, None, []
+    for i in range((NARROW_RUN // step) * 2):
+        tokens = top[:step]
+        if i == NARROW_RUN // step // 2:
+            tokens = tokens[:-1] + [outside]  # the run inside 256 starts again here
+            reset_at = seen + step
+        tuner.observe(tokens)
+        seen += step
+        if tuner.size == 2048:
+            preferred.append(best_size(tuner.costs, tuner.coverage()))
+        elif narrowed_at is None:
+            narrowed_at = seen
+    assert tuner.size == 256 and tuner.lost == 1  # tokens outside, none of them a rejection
+    assert narrowed_at - reset_at >= NARROW_RUN
+    assert preferred.count(256) >= NARROW_RUN // step  # the cost model alone narrowed sooner

@@ -273,11 +273,17 @@ class BatchDecoder:
         return n if n and self.model.block_drafter.spec.autoregressive else int(n > 0)
 
     def _tune_draft_vocab(self, outs: List[StepOutput]):
-        """The default draft vocabulary re-sizes from the tokens emitted and what steps
-        cost (``vocab_auto``)."""
+        """The default draft vocabulary re-sizes from the tokens emitted, the target's tokens
+        where a head draft was rejected (the token emitted there) and what steps cost
+        (``vocab_auto``)."""
         tuner = self.model.draft_vocab_tuner
         if tuner is not None:
-            tuner.observe([t for o in outs for t in o.tokens], self.policy.costs)
+            rows = [(r, o.tokens[o.num_accepted]) for r, o in zip(self.core.rows, outs)
+                    if o.num_drafted - o.head_drafted <= o.num_accepted < o.num_drafted]
+            lost = tuner.observe([t for o in outs for t in o.tokens], self.policy.costs,
+                                 [t for _, t in rows])
+            for (r, _), n in zip(rows, lost):
+                r.stats.draft_vocab_lost += int(n)
 
     def _context(self, b: int) -> int:
         return self._contexts()[b]

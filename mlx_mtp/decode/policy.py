@@ -76,19 +76,42 @@ class AcceptanceEstimate:
                 for p, h, t, w in zip(self.prior, self.hits, self.trials, self.weight)]
 
     @property
+    def extrapolated(self) -> List[float]:
+        """``alpha`` with each position's prior (after the first) replaced by the estimate
+        of the position above it: a depth not drafted lately reads as the deepest one
+        drafted, so a head whose deepest drafts keep landing is expected to land one
+        deeper (the flat prior kept an always-right head at K=2), and one whose first
+        drafts miss is not expected to land deeper either."""
+        out: List[float] = []
+        for p, h, t, w in zip(self.prior, self.hits, self.trials, self.weight):
+            p = out[-1] if out else p
+            out.append(p + (h - p * t) / (t + w))
+        return out
+
+    @property
     def upper(self) -> List[float]:
         """Optimistic acceptance: the Beta mean plus ``z`` standard deviations."""
-        return [min(1.0, a + self.z * math.sqrt(a * (1 - a) / (t + w + 1)))
-                for a, t, w in zip(self.alpha, self.trials, self.weight)]
+        return self._upper(self.alpha)
 
-    def expected_tokens(self, k: int, start: int = 0, optimistic: bool = False) -> float:
+    def _upper(self, means: List[float]) -> List[float]:
+        return [min(1.0, a + self.z * math.sqrt(a * (1 - a) / (t + w + 1)))
+                for a, t, w in zip(means, self.trials, self.weight)]
+
+    def expected_tokens(self, k: int, start: int = 0, optimistic: bool = False,
+                        extrapolate: bool = False) -> float:
         """Tokens a row emits per step with k drafts at positions ``start..``:
-        1 + a1 + a1*a2 + ..."""
+        1 + a1 + a1*a2 + ... (``extrapolate``: by ``extrapolated``)."""
+        means = self.extrapolated if extrapolate else self.alpha
         total, run = 1.0, 1.0
-        for a in (self.upper if optimistic else self.alpha)[start:start + k]:
+        for a in (self._upper(means) if optimistic else means)[start:start + k]:
             run *= a
             total += run
         return total
+
+    def landed_depth(self) -> int:
+        """How many leading positions have landed lately (a hit not yet forgotten below
+        half)."""
+        return next((j for j, h in enumerate(self.hits) if h < 0.5), len(self.hits))
 
     def reach(self, k: int) -> float:
         """Probability that all k drafts of a step are accepted."""
@@ -136,9 +159,11 @@ class ContextAcceptance:
             self.buckets[b].record(k, [accepted[i] for i in idx], [ks[i] for i in idx],
                                    [starts[i] for i in idx])
 
-    def expected_tokens(self, k: int, contexts: Sequence[int], optimistic: bool = False) -> float:
+    def expected_tokens(self, k: int, contexts: Sequence[int], optimistic: bool = False,
+                        extrapolate: bool = False) -> float:
         """Tokens per row per step with k drafts, over rows of these context lengths."""
-        return sum(self.estimate(c).expected_tokens(k, optimistic=optimistic)
+        return sum(self.estimate(c).expected_tokens(k, optimistic=optimistic,
+                                                    extrapolate=extrapolate)
                    for c in contexts) / len(contexts)
 
     def reach(self, k: int, contexts: Sequence[int]) -> float:
@@ -159,7 +184,8 @@ class DraftPolicy:
         self.waiting_margin = 0.1
         self.costs = StepCosts()
         # A prior worth 3 steps, and pausing only once the upper estimate says so: a few
-        # unlucky drafts of a good head do not pause it; a useless head stops after ~6-8.
+        # unlucky drafts of a good head do not pause it; a useless head stops after ~4-8
+        # (after ``first_misses`` if none of its drafts ever landed).
         self.acceptance = AcceptanceEstimate(MAX_DRAFT_TOKENS, forget, prior_weight)
         self.by_context = ContextAcceptance(self.acceptance, prior_weight)
         self.probe_gap = probe_gap  # cost probes, per batch size
@@ -179,6 +205,11 @@ class DraftPolicy:
         # batch size (cost probes) or None (acceptance re-checks while paused).
         self._gaps: Dict[Optional[int], Tuple[int, int]] = {}
         self._drafting = False
+        # A head that has never landed a draft pauses after this many drafting steps,
+        # whatever the costs: where drafts are cheap, its upper estimate stays above
+        # break-even for a dozen misses, and a fresh process has no evidence for it.
+        self.first_misses = 3
+        self._landed_once, self._dry_steps = False, 0
 
     # -- measurements ------------------------------------------------------------
     def record_step(self, B: int, k: int, seconds: Optional[float], accepted: Sequence[int] = (),
@@ -198,6 +229,8 @@ class DraftPolicy:
         if contexts:
             self.by_context.record(k, accepted, ks, starts, contexts)
         landed = any(n > s for n, s in zip(accepted, starts or [0] * len(accepted)))
+        self._landed_once |= landed
+        self._dry_steps += k > 0 and not landed
         if landed and not self._drafting and self._could_pay(B):
             self._gaps.pop(None, None)  # paused for its acceptance, yet a draft landed
 
@@ -222,7 +255,8 @@ class DraftPolicy:
         None: every row's acceptance alike."""
         if not self.adaptive or max_k == 0:
             return max_k
-        k = self._decide(B, max_k, self.margin + (self.waiting_margin if prompts_waiting else 0),
+        depth = min(max_k, self._landed_depth(contexts) + 1)
+        k = self._decide(B, depth, self.margin + (self.waiting_margin if prompts_waiting else 0),
                          contexts)
         if k and not self._drafting:  # drafting pays again: re-check soon after a pause
             self._gaps.pop(None, None)
@@ -236,25 +270,37 @@ class DraftPolicy:
             return max_k > 0
         return self._decide(B, max_k) > 0
 
-    def _expected(self, k: int, contexts: Optional[Sequence[int]], optimistic: bool = False):
-        """Tokens per row per step with k drafts: by the rows' context lengths if known."""
+    def _landed_depth(self, contexts: Optional[Sequence[int]]) -> int:
+        """Positions that have landed lately, for the deepest-landing row: K goes at most
+        one past them, so a head earns each depth and one that is never right drafts one
+        position per step (a fresh policy's prior alone would draft K=3 where drafts are
+        cheap)."""
         if not contexts:
-            return self.acceptance.expected_tokens(k, optimistic=optimistic)
-        return self.by_context.expected_tokens(k, contexts, optimistic)
+            return self.acceptance.landed_depth()
+        return max(self.by_context.estimate(c).landed_depth() for c in contexts)
+
+    def _expected(self, k: int, contexts: Optional[Sequence[int]], optimistic: bool = False):
+        """Tokens per row per step with k drafts, deeper positions than drafted lately
+        extrapolated (``AcceptanceEstimate.extrapolated``): by the rows' context lengths
+        if known."""
+        if not contexts:
+            return self.acceptance.expected_tokens(k, optimistic=optimistic, extrapolate=True)
+        return self.by_context.expected_tokens(k, contexts, optimistic, extrapolate=True)
 
     def _decide(self, B: int, max_k: int, margin: Optional[float] = None,
                 contexts: Optional[Sequence[int]] = None) -> int:
         """The best K by predicted tokens per second per row (rows of ``contexts``)."""
         t0 = self.costs.predict(B, 0)
-        if t0 is None:
-            return 0  # time plain steps at this batch size first
+        if t0 is None or (not self._landed_once and self._dry_steps >= self.first_misses):
+            return 0  # time plain steps at this batch size first; a head never right
         best, best_rate = 0, (margin or self.margin) / t0
         for k in range(1, max_k + 1):
             t = self.costs.predict(B, k)
             if t is None:
                 # Unknown cost: try it for a step if it could win (measuring it is the
-                # only way to find out; a deeper K is not tried before this one is known).
-                if self._worth_trying(B, k, best_rate, contexts):
+                # only way to find out; a deeper K is not tried before this one is known,
+                # nor past a K that loses to a shallower one).
+                if best in (0, k - 1) and self._worth_trying(B, k, best_rate, contexts):
                     return k
                 break
             rate = self._expected(k, contexts) / t
@@ -361,8 +407,7 @@ class DraftPolicy:
             t = self.costs.predict(B, k)
             n = self.costs.count(B, k)
             parts.append("?" if t is None else f"{1e3 * t:.1f}" + ("" if n >= 3 else "~"))
-        expected = self.acceptance.expected_tokens
-        gains = " ".join(f"{expected(k):.2f}" for k in range(1, max_k + 1))
+        gains = " ".join(f"{self._expected(k, None):.2f}" for k in range(1, max_k + 1))
         return (f"batch {B}: K={self._decide(B, max_k)}; step ms by K=0..{max_k}: "
                 f"{' '.join(parts)} (~ fitted); tokens/row by K=1..: {gains}")
 

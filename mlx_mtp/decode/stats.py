@@ -28,6 +28,9 @@ class SpecStats:
     block_drafts: int = 0
     block_draft_tokens: int = 0
     block_accepted_tokens: int = 0
+    # Head drafts rejected where the target's token lay outside the draft vocabulary's
+    # subset (models/draft/vocab_auto.py): drafts the subset lost.
+    draft_vocab_lost: int = 0
 
     def record(self, k: int, n_accepted: int, lookup_drafted: int = 0, lookup_accepted: int = 0,
                block_drafted: int = 0, block_accepted: int = 0):
@@ -68,6 +71,7 @@ class SpecStats:
         self.block_drafts += other.block_drafts
         self.block_draft_tokens += other.block_draft_tokens
         self.block_accepted_tokens += other.block_accepted_tokens
+        self.draft_vocab_lost += other.draft_vocab_lost
 
     @property
     def acceptance_rate(self) -> float:
@@ -129,6 +133,7 @@ class SpecStats:
             "block_draft_tokens": self.block_draft_tokens,
             "block_accepted_tokens": self.block_accepted_tokens,
             "block_acceptance_rate": rate(self.block_accepted_tokens, self.block_draft_tokens),
+            "draft_vocab_lost": self.draft_vocab_lost,
         }
 
     def describe(self) -> str:
@@ -143,4 +148,6 @@ class SpecStats:
                      f"{self.head_draft_tokens}")
         if self.block_drafts:
             line += f", block {self.block_accepted_tokens}/{self.block_draft_tokens}"
+        if self.draft_vocab_lost:
+            line += f"; {self.draft_vocab_lost} lost to the draft vocabulary"
         return line

@@ -17,8 +17,17 @@ by N / V. The shares start from the bytes each part reads (``draft_shares``); on
 step-cost table (``decode/costs.py``, the driver's) has timed K-draft steps against plain
 ones, they are scaled so the model's step cost at the current size is the measured one. The size with the best speed is kept when it beats the whole vocabulary by
 ``MARGIN``, else drafts keep the whole vocabulary. ``DraftVocabTuner`` recomputes coverage from
-the tokens emitted (the shipped figure as a prior) and widens, narrows or drops the subset
-when the best size changes. Output never changes (``draft_vocab.py``).
+the tokens emitted (each is the target's token at its position; the shipped figure is a prior
+worth ``PRIOR_TOKENS``) and widens, narrows or drops the subset when the best size changes.
+
+It re-sizes on evidence. A rejected draft whose target token lies outside the subset is a
+draft the subset lost (no draft from it could have landed there): the driver hands over the
+target token of every rejected head position (host-side ids the step already read), and a
+step that lost one re-sizes at once, so a subset too small for the text loses a few drafts,
+not one per step for ``CHECK_EVERY`` tokens. Other steps re-size every ``CHECK_EVERY``
+tokens; narrowing also needs the last ``NARROW_RUN`` emitted tokens all inside the smaller
+size, so a subset widened on evidence is not narrowed back on the prior.
+Output never changes (``draft_vocab.py``).
 """
 
 from __future__ import annotations
@@ -38,8 +47,9 @@ ASSETS = Path(__file__).parents[2] / "assets" / "draft-vocab"
 # acceptance cancels out of which N is best to first order; it sets how much to gain).
 ACCEPTANCE, K, VERIFY_PER_DRAFT = 0.8, 3, 0.35
 MARGIN = 0.02  # a subset must promise this much over the whole vocabulary
-PRIOR_TOKENS = 256  # weight of the shipped coverage against tokens seen
-CHECK_EVERY = 128  # emitted tokens between re-sizing decisions
+PRIOR_TOKENS = 8  # weight of the shipped coverage against tokens seen: lost drafts move it
+CHECK_EVERY = 128  # emitted tokens between re-sizing decisions without a lost draft
+NARROW_RUN = 256  # emitted tokens in a row inside a smaller size before narrowing to it
 MEMORY = 4096  # counts are halved past this many tokens: recent text weighs most
 
 
@@ -148,8 +158,8 @@ def shipped_ranking(model_dir, vocab_size: int) -> Optional[Ranking]:
 
 class DraftVocabTuner:
     """Keeps the model's draft vocabulary at the size the cost model prefers for the
-    tokens it actually emits (``observe``: every step's tokens and the driver's step-cost
-    table)."""
+    tokens it actually emits (``observe``: every step's tokens, the target's tokens where
+    head drafts were rejected, and the driver's step-cost table)."""
 
     def __init__(self, model, ranking: Ranking, bits: Optional[int] = None):
         self.model, self.ranking, self.bits = model, ranking, bits
@@ -159,26 +169,47 @@ class DraftVocabTuner:
         self.rank = np.full(self.costs.vocab_size, ranking.ids.size, np.int64)
         self.rank[ranking.ids] = np.arange(ranking.ids.size)
         self.seen, self.inside, self._since = 0.0, np.zeros(self.sizes.size), 0
+        self.run = np.zeros(self.sizes.size, np.int64)  # tokens in a row inside each size
         self.size: Optional[int] = None  # the head as apply_model_options left it
         self.changes = 0
+        self.lost = 0  # rejected drafts whose target lay outside the subset
         self._apply(best_size(self.costs, self.coverage()))
 
     def coverage(self) -> Dict[int, float]:
         share = (self.inside + PRIOR_TOKENS * self.prior) / (self.seen + PRIOR_TOKENS)
         return dict(zip(self.sizes.tolist(), share.tolist()))
 
-    def observe(self, tokens, table=None) -> None:
+    def observe(self, tokens, table=None, rejected=()) -> np.ndarray:
+        """A step's emitted ``tokens`` (in order) and the target's tokens at its rejected
+        head positions (``rejected``: each is one of ``tokens``); ``table``: the driver's
+        step-cost table. Returns which of ``rejected`` the subset lost (outside it)."""
         ranks = self.rank[np.asarray(tokens, np.int64)]
-        self.inside += (ranks[:, None] < self.sizes[None]).sum(axis=0)
+        inside = ranks[:, None] < self.sizes[None]  # (tokens, sizes)
+        self.inside += inside.sum(axis=0)
         self.seen += ranks.size
         self._since += ranks.size
-        if self._since < CHECK_EVERY:
-            return
+        out = ~inside[::-1]  # newest first: the run since the last token outside each size
+        self.run = np.where(out.any(axis=0), out.argmax(axis=0), self.run + ranks.size)
+        lost = self.rank[np.asarray(rejected, np.int64)] >= self._limit()
+        self.lost += int(lost.sum())
+        if self._since < CHECK_EVERY and not lost.any():
+            return lost
         self._since = 0
         costs = self.costs if table is None else self.costs.measured(table, self.size)
-        self._apply(best_size(costs, self.coverage()))
+        self._apply(self._narrowed(best_size(costs, self.coverage())))
         if self.seen > MEMORY:
             self.seen, self.inside = self.seen / 2, self.inside / 2
+        return lost
+
+    def _limit(self) -> int:
+        return self.costs.vocab_size if self.size is None else self.size
+
+    def _narrowed(self, size: Optional[int]) -> Optional[int]:
+        """``size``, or the current one when ``size`` narrows it and the last
+        ``NARROW_RUN`` tokens were not all inside ``size``."""
+        if size is None or size >= self._limit():
+            return size
+        return size if self.run[self.sizes.tolist().index(size)] >= NARROW_RUN else self.size
 
     def _apply(self, size: Optional[int]):
         if size == self.size:
