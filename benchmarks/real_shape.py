@@ -274,7 +274,9 @@ def summarize(out, a) -> dict:
                 row.update(vs_mlx_lm=row["gen_tps_median"] / lm,
                            outputs_match_plain=all(
                                x.tokens == plain[(x.repeat, x.prompt)].tokens for x in runs),
-                           draft_vocab=out["draft_vocab"].get((dtype, kind, s.name)))
+                           draft_vocab=out["draft_vocab"].get((dtype, kind, s.name)),
+                           draft_vocab_lost=sum(x.spec.draft_vocab_lost for x in runs
+                                                if x.spec is not None))
                 rows.append(row)
             tables[f"{dtype} {kind}"] = rows
     return tables

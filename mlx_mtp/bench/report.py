@@ -112,6 +112,7 @@ REAL_SHAPE_COLUMNS = [
                                                "c_draft", "ideal", "realised/ideal")],
     ("steps by K", lambda r: " ".join(f"{k}:{n}" for k, n in r["steps_by_k"].items()) or "-"),
     ("draft vocab", lambda r: fmt(r.get("draft_vocab"), "d")),
+    ("lost to vocab", lambda r: fmt(r.get("draft_vocab_lost"), "d")),
     *[c for c in INPROCESS_COLUMNS if c[0] == "lossless"],
 ]
 
