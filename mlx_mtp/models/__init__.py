@@ -29,6 +29,7 @@ MODEL_TYPES = {
     "minimax_m3_vl": "minimax_m3_vl",
     "step3p7": "step3p7",
     "mellum": "mellum",
+    "deepseek_v4": "deepseek_v4",
 }
 
 
@@ -38,7 +39,6 @@ _NO_TRUNK = "needs a trunk mlx-lm 0.32 lacks"
 NOT_YET = {
     "qwen4_exp": f"{_NO_TRUNK} (hyper-connection streams, hashed n-gram embeddings, "
                  "block-sparse attention)",
-    "deepseek_v4": f"{_NO_TRUNK} (hyper-connection streams, compressed attention windows)",
     "glm5_next": f"{_NO_TRUNK} (KDA with NoPE MLA, its indexer and hyper-connection streams)",
     "inkling": f"{_NO_TRUNK} (relative-bias attention with short convolutions)",
     "mistral_large4": f"{_NO_TRUNK}, and its mtp_dspark head has no reference implementation",
