@@ -47,3 +47,30 @@ def test_greedy_equals_transformers_at_every_k(model, ref, k):
     assert got == tokens
     if k:
         assert dec.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("start", range(16, 24))
+def test_partial_acceptance_equals_plain_decoding(model, ref, start):
+    """Verify four tokens after ``start`` tokens (every phase of the 4- and 8-token windows),
+    keep 1..4: each layer's window, pending rows and entries are those of decoding the kept
+    tokens one by one, and so are the logits that follow."""
+    seq = ref["prompt"].tolist() + ref["tokens"].tolist()
+    prefix, rows, after = seq[:start], seq[start:start + 4], seq[start + 4]
+    for keep in range(1, 5):
+        plain = fc.prefilled_cache(model, prefix)
+        for t in rows[:keep]:
+            model.trunk(mx.array([[t]]), plain)
+        spec = fc.prefilled_cache(model, prefix)
+        model.trunk(mx.array([rows]), spec, capture=True)
+        for c in spec:
+            c.accept([keep])
+        for a, b in zip(spec, plain):
+            assert a.lengths() == b.lengths() == [start + keep]
+            for x, y in zip(a.state, b.state):
+                assert (x is None) == (y is None)
+                if x is not None:
+                    np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
+        nxt = rows[keep] if keep < 4 else after
+        want = model.logits(model.trunk(mx.array([[nxt]]), plain)[0])
+        got = model.logits(model.trunk(mx.array([[nxt]]), spec)[0])
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
