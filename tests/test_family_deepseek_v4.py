@@ -74,3 +74,17 @@ def test_partial_acceptance_equals_plain_decoding(model, ref, start):
         want = model.logits(model.trunk(mx.array([[nxt]]), plain)[0])
         got = model.logits(model.trunk(mx.array([[nxt]]), spec)[0])
         np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+
+
+def test_inspect_finds_the_head_and_sizes_the_caches(model, ref):
+    """The head under ``mtp.0.`` (DeepSeek's name); per token, what the compressed entries
+    of a float32 model's caches grow by over 64 tokens, halved for 16 bits."""
+    from mlx_mtp.tools.inspect_model import inspect_model
+
+    report = inspect_model(str(FIXTURE))
+    assert report["mtp"]["present_layers"] == 1 and report["head_stripped"] is False
+    assert report["mtp"]["key_prefix"] == "mtp.0."
+    cache = fc.prefilled_cache(model, (ref["prompt"].tolist() * 4)[:64])
+    entries = sum(a.nbytes for c in cache for name, a in zip(c.state_names, c.state)
+                  if name.endswith(".entries"))
+    assert report["memory"]["kv_bytes_per_1k_tokens"] == 1024 * entries // 64 // 2
