@@ -88,3 +88,15 @@ def test_inspect_finds_the_head_and_sizes_the_caches(model, ref):
     entries = sum(a.nbytes for c in cache for name, a in zip(c.state_names, c.state)
                   if name.endswith(".entries"))
     assert report["memory"]["kv_bytes_per_1k_tokens"] == 1024 * entries // 64 // 2
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_batched_rows_equal_single_rows(model, ref, k):
+    """Rows join one per step, at different window phases, and keep different numbers of
+    drafts: each row's tokens are its greedy decoding alone."""
+    seq = ref["prompt"].tolist() + ref["tokens"].tolist()
+    prompts = [seq[:20], seq[3:8], seq[10:23], seq[30:31]]
+    want = [fc.mtp_tokens(model, p, 0, n=16)[0] for p in prompts]
+    assert want[0] == ref["tokens"].tolist()[:16]
+    rows, bd = fc.run_batch(model, k, prompts, 16)
+    assert rows == want

@@ -25,6 +25,9 @@ import mlx.core as mx
 from .kv import CACHE_KINDS, _Cache
 
 
+SERIES = ("compressor", "indexer")  # CSA has both, HCA the first
+
+
 class Series(NamedTuple):
     rows_kv: Optional[mx.array]  # (B, r, width) raw projections, see the module doc
     rows_gate: Optional[mx.array]
@@ -61,6 +64,7 @@ class CompressedWindowCache(_Cache):
         self.start = 0  # the current pass's first position
         self.pass_rows: Optional[dict] = None  # a verify pass: its new rows per part
         self.before = None  # a verify pass: the snapshot before it
+        self.chunk: Optional[List[int]] = None  # each row's positions in the next chunk
 
     @classmethod
     def from_state(cls, state, meta_state):
@@ -73,19 +77,41 @@ class CompressedWindowCache(_Cache):
     def settings(self) -> tuple:
         return self.window_size, self.ratio, self.names, self.spare
 
-    @property
-    def state_names(self) -> Tuple[str, ...]:
-        return ("keys",) + tuple(f"{n}.{p}" for n in self.names for p in Series._fields)
+    def check_joins(self, row):
+        """Rows are kept apart (``CompressedRows``): only kind and settings must agree."""
+        if row.kind != self.kind or row.settings() != self.row(0).settings():
+            raise ValueError(f"a {row.kind!r} cache of settings {row.settings()} cannot join "
+                             f"DeepSeek-V4 rows of settings {self.row(0).settings()}")
+
+    def prepare(self, S: int, lengths=None):
+        self.chunk = None if lengths is None else list(lengths)
+
+    def row_lengths(self, S: int) -> List[int]:
+        """Each row's positions in a chunk of ``S`` (right-aligned): as ``prepare`` announced
+        them, once; all ``S`` without an announcement."""
+        chunk, self.chunk = self.chunk, None
+        return chunk if chunk is not None and max(chunk) == S else [S] * self.size()
+
+    def row(self, b: int) -> "CompressedWindowCache":
+        if b != 0:
+            raise IndexError(f"a single-row cache has no row {b}")
+        return self
+
+    # Every layer names both series (a layer without one stores empty arrays for it).
+    state_names = ("keys",) + tuple(f"{n}.{p}" for n in SERIES for p in Series._fields)
 
     @property
     def state(self):
-        return (self.keys,) + tuple(a for n in self.names for a in self.series[n])
+        empty = mx.zeros((1, 0, 0))
+        return (self.keys,) + tuple(a if n in self.names else empty
+                                    for n in SERIES for a in self.series.get(n, Series(*[None] * 3)))
 
     @state.setter
     def state(self, v):
         self.keys = v[0]
-        for i, n in enumerate(self.names):
-            self.series[n] = Series(*v[1 + 3 * i: 4 + 3 * i])
+        for i, n in enumerate(SERIES):
+            if n in self.names:
+                self.series[n] = Series(*v[1 + 3 * i: 4 + 3 * i])
         self.pass_rows = self.before = None
 
     @property
@@ -175,11 +201,8 @@ class CompressedWindowCache(_Cache):
 
     # --- batch ------------------------------------------------------------
     @classmethod
-    def merge(cls, caches: List["CompressedWindowCache"]) -> "CompressedWindowCache":
-        if len(caches) != 1:
-            raise ValueError("DeepSeek-V4 rows decode one at a time: their compressed "
-                             "attention caches cannot be batched yet")
-        return caches[0].copy()
+    def merge(cls, caches: list) -> "CompressedRows":
+        return CompressedRows.merge(caches)
 
     def lengths(self) -> List[int]:
         return [self.offset]
@@ -206,3 +229,70 @@ class CompressedWindowCache(_Cache):
 
 
 CACHE_KINDS[CompressedWindowCache.kind] = CompressedWindowCache
+
+
+class CompressedRows(_Cache):
+    """Several rows' ``CompressedWindowCache``s, kept apart: rows sit at different phases of
+    their windows, so the model runs each row's layers on its own cache (``row(b)``)."""
+
+    kind = "dsv4_rows"
+    row_kind = CompressedWindowCache.kind
+
+    def __init__(self, rows: List[CompressedWindowCache]):
+        self.rows = list(rows)
+        self.chunk: Optional[List[int]] = None
+
+    @classmethod
+    def merge(cls, caches: list) -> "CompressedRows":
+        return cls([r.copy() for c in caches for r in (c.rows if isinstance(c, cls) else [c])])
+
+    def check_joins(self, row):
+        self.rows[0].check_joins(row)
+
+    prepare = CompressedWindowCache.prepare
+    row_lengths = CompressedWindowCache.row_lengths
+
+    def row(self, b: int) -> CompressedWindowCache:
+        return self.rows[b]
+
+    def size(self) -> int:
+        return len(self.rows)
+
+    def filter(self, rows: List[int]):
+        self.rows = [self.rows[i] for i in rows]
+
+    def extract(self, row: int) -> CompressedWindowCache:
+        return self.rows[row].copy()
+
+    def arrays(self) -> List[mx.array]:
+        return [a for r in self.rows for a in r.arrays()]
+
+    def snapshot(self):
+        return [(r, r.snapshot()) for r in self.rows]
+
+    def restore(self, snap):
+        self.rows = [r for r, _ in snap]
+        for r, s in snap:
+            r.restore(s)
+
+    def accept(self, n_keep):
+        for r, n in zip(self.rows, n_keep):
+            r.accept([n])
+
+    def trim(self, n: int) -> int:
+        return min(r.trim(n) for r in self.rows)
+
+    def lengths(self) -> List[int]:
+        return [r.offset for r in self.rows]
+
+    def is_trimmable(self) -> bool:
+        return self.rows[0].is_trimmable()
+
+    def max_positions(self) -> Optional[int]:
+        return self.rows[0].max_positions()
+
+    def copy(self) -> "CompressedRows":
+        return CompressedRows([r.copy() for r in self.rows])
+
+
+CACHE_KINDS[CompressedRows.kind] = CompressedRows

@@ -5,7 +5,8 @@ Trunk: written here in MLX (mlx-lm 0.32 has none) from transformers 5.24's
 CSA / HCA compressed entries, ``hc_mult`` hyper-connection streams, hash-routed MoE in the
 first layers. The output is ``norm(hc_head(streams))``. Each layer's cache is a
 ``CompressedWindowCache`` (none can be trimmed; a verify pass is rolled back by slicing the
-state it recorded, ``cache/compressed.py``). Rows decode one at a time.
+state it recorded, ``cache/compressed.py``). A batch keeps its rows' caches apart
+(``CompressedRows``) and runs each row's layers alone, in one lazy graph.
 
 Weights keep DeepSeek's released names (``embed``, ``head``, ``hc_head_fn``,
 ``layers.N.attn.wq_a``, ``ffn.experts.E.w1``, ``mtp.0.*``); the experts are stacked for
@@ -190,14 +191,21 @@ class Model(MTPModel):
         return self.model.embed_tokens(inputs)
 
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
-        """The four streams after the last layer (``taps`` unsupported)."""
-        cache = cache if cache is not None else [None] * len(self.model.layers)
-        start = next((c.offset for c in cache if c is not None), 0)
+        """The four streams after the last layer (``taps`` unsupported). Each row runs on its
+        own caches (``CompressedRows``): rows sit at different phases of their windows."""
+        if cache is None:
+            return self.row_trunk(inputs, [None] * len(self.model.layers), capture), {}
+        rows = [self.row_trunk(inputs[b:b + 1], [c.row(b) for c in cache], capture)
+                for b in range(inputs.shape[0])]
+        return mx.concatenate(rows), {}
+
+    def row_trunk(self, inputs, cache, capture: bool) -> mx.array:
+        start = cache[0].lengths()[0] if cache[0] is not None else 0
         h = stream_input(self.embed(inputs), self.args.hc_mult)
         positions = mx.arange(start, start + inputs.shape[1])
         for layer, c in zip(self.model.layers, cache):
             h = layer(h, inputs, positions, c, self.layer_freqs(layer), capture)
-        return h, {}
+        return h
 
     def trunk_outputs(self, h):
         """(``norm(hc_head(streams))``, the streams: what the head takes)."""
@@ -207,15 +215,31 @@ class Model(MTPModel):
                     last_only: bool = False):
         """hidden (B, S, hc_mult, H): the trunk's streams at positions i (or the head's own,
         chained); next_tokens (B, S) = t_{i+1} -> the head's streams (B, S, hc_mult, H), whose
-        ``logits`` predict t_{i+2}."""
+        ``logits`` predict t_{i+2}. Rows run apart, each on its right-aligned positions
+        (``prepare``); a row's padding gives zeros."""
+        cache = mtp_cache[0] if mtp_cache else None
+        if cache is None:
+            out = self.head_rows(hidden, next_tokens, None)
+        else:
+            S, rows = hidden.shape[1], []
+            for b, n in enumerate(cache.row_lengths(S)):
+                pad = mx.zeros((1, S - n) + hidden.shape[2:], hidden.dtype)
+                if n == 0:
+                    rows.append(pad)
+                    continue
+                out = self.head_rows(hidden[b:b + 1, S - n:], next_tokens[b:b + 1, S - n:],
+                                     cache.row(b))
+                rows.append(mx.concatenate([pad, out], axis=1) if n < S else out)
+            out = mx.concatenate(rows)
+        return out[:, -1:] if last_only else out
+
+    def head_rows(self, hidden, next_tokens, cache) -> mx.array:
         layer = self.mtp.layers[0]
         e = layer.e_proj(layer.enorm(self.model.embed_tokens(next_tokens)))
         x = e[:, :, None] + layer.h_proj(layer.hnorm(hidden))
-        cache = mtp_cache[0] if mtp_cache else None
-        start = cache.offset if cache is not None else 0
+        start = cache.lengths()[0] if cache is not None else 0
         positions = mx.arange(start, start + x.shape[1])
-        out = layer.block(x, next_tokens, positions, cache, self._freqs["main"])
-        return out[:, -1:] if last_only else out
+        return layer.block(x, next_tokens, positions, cache, self._freqs["main"])
 
     def logits(self, hidden):
         """Logits of a post-norm hidden (B, S, H) or of the head's streams (B, S, n, H)."""
