@@ -100,3 +100,18 @@ def test_batched_rows_equal_single_rows(model, ref, k):
     assert want[0] == ref["tokens"].tolist()[:16]
     rows, bd = fc.run_batch(model, k, prompts, 16)
     assert rows == want
+
+
+def test_mtp_head_equals_mlx_vlm_drafter(model):
+    """mlx-vlm 0.7.10's ``DeepseekV4MTPDraftModel`` on the same ``mtp.0.*`` weights (recorded
+    by ``fixtures/deepseek_v4_head_reference.py``): from the four streams and the next
+    tokens, the head's output streams and its post-norm hidden (which the shared output
+    layer reads) agree."""
+    ref = np.load(FIXTURE / "head_reference.npz")
+    out = model.mtp_forward(mx.array(ref["hidden"]), mx.array(ref["tokens"]),
+                            model.make_mtp_cache())
+    np.testing.assert_allclose(np.array(out), ref["streams"], atol=1e-4)
+    head = model.mtp.layers[0]
+    np.testing.assert_allclose(np.array(head.norm(head.hc_head(out))), ref["normed"], atol=1e-4)
+    np.testing.assert_array_equal(np.array(model.logits(out)),
+                                  np.array(model.lm_head(head.norm(head.hc_head(out)))))
