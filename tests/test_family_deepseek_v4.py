@@ -115,3 +115,40 @@ def test_mtp_head_equals_mlx_vlm_drafter(model):
     np.testing.assert_allclose(np.array(head.norm(head.hc_head(out))), ref["normed"], atol=1e-4)
     np.testing.assert_array_equal(np.array(model.logits(out)),
                                   np.array(model.lm_head(head.norm(head.hc_head(out)))))
+
+
+def _copy_fixture(dest: Path, rename) -> Path:
+    """The fixture with its tensors renamed by ``rename`` (None: dropped)."""
+    import shutil
+
+    shutil.copytree(FIXTURE, dest)
+    weights = mx.load(str(FIXTURE / "model.safetensors"))
+    renamed = {rename(k): v for k, v in weights.items() if rename(k) is not None}
+    mx.save_safetensors(str(dest / "model.safetensors"), renamed)
+    return dest
+
+
+def test_head_under_another_index_loads(model, tmp_path):
+    """mlx-vlm reads the head under whichever one ``mtp.{i}.`` a checkpoint uses (it names
+    ``mtp.1.`` for V4-Flash); we do too."""
+    path = _copy_fixture(tmp_path / "ckpt", lambda k: k.replace("mtp.0.", "mtp.1."))
+    other = load_model(path)[0]
+    ref = np.load(FIXTURE / "head_reference.npz")
+    args = mx.array(ref["hidden"]), mx.array(ref["tokens"])
+    np.testing.assert_array_equal(np.array(other.mtp_forward(*args, other.make_mtp_cache())),
+                                  np.array(model.mtp_forward(*args, model.make_mtp_cache())))
+
+
+def test_checkpoint_without_its_head(ref, tmp_path, capsys):
+    """A checkpoint whose ``mtp.*`` was dropped: one line naming the released keys and the
+    fixes; ``--no-mtp`` decodes as before."""
+    from mlx_mtp import cli
+
+    path = _copy_fixture(tmp_path / "ckpt", lambda k: None if k.startswith("mtp.") else k)
+    assert cli.main(["generate", "--model", str(path), "-p", "t5 t6", "-m", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "mtp.0.e_proj.weight" in err and "add-mtp" in err and "--no-mtp" in err
+    plain = load_model(path, mtp=False)[0]
+    prompt = ref["prompt"].tolist()
+    assert fc.mtp_tokens(plain, prompt, 0, n=8)[0] == ref["tokens"].tolist()[:8]

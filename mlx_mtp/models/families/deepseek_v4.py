@@ -30,10 +30,12 @@ from typing import Dict, List, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..blocks.dsv4 import Block, HyperHead, inv_freq, stream_input
 from ..cache.compressed import CompressedWindowCache
 from ..interface import Capabilities, MTPModel
+from ..io import layout
 
 # Keys the head's window keeps past the window: a step trims at most K - 1 drafted entries
 # (K <= decode.MAX_DRAFT_TOKENS, which models/ does not import).
@@ -280,17 +282,29 @@ class Model(MTPModel):
     # --- weights ----------------------------------------------------------
     def sanitize(self, weights: dict) -> dict:
         """DeepSeek's released names -> ours: the trunk under ``model.``, the head under
-        ``mtp.layers.``, experts stacked; an MLX conversion (already ours) passes."""
-        out = {}
-        for k, v in weights.items():
-            out[self.our_name(k)] = v
+        ``mtp.layers.0.`` (whichever one index the checkpoint gives it), experts stacked; an
+        MLX conversion (already ours) passes."""
+        indices = {m.group(1) for k in weights if (m := re.match(r"mtp\.(\d+)\.", k))}
+        head = f"mtp.{indices.pop()}." if len(indices) == 1 else "mtp.0."
+        out = {self.our_name("mtp.0." + k[len(head):] if k.startswith(head) else k): v
+               for k, v in weights.items()}
         for prefix in {k.split("experts.")[0] for k in out if ".experts." in k}:
             for ours, theirs in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")):
                 stack = [out.pop(f"{prefix}experts.{e}.{theirs}.weight")
                          for e in range(self.args.n_routed_experts)]
                 out[f"{prefix}switch_mlp.{ours}.weight"] = mx.stack(stack)
         if "mtp" not in self:
-            out = {k: v for k, v in out.items() if not k.startswith("mtp.")}
+            return {k: v for k, v in out.items() if not k.startswith("mtp.")}
+        expected = {k for k, _ in tree_flatten(self.parameters()) if k.startswith("mtp.")}
+        missing = sorted(expected - out.keys())
+        if missing:
+            raise layout.MissingMTPWeightsError(
+                f"config.json declares {self.args.num_nextn_predict_layers} MTP layer(s) "
+                f"(model_type='deepseek_v4') but the weights lack {len(missing)} of its "
+                f"tensors, e.g. {', '.join(missing[:3])} (released as mtp.0.e_proj.weight, "
+                "mtp.0.h_proj.weight, mtp.0.hc_head_fn, ...). Fix: graft the head from the "
+                "original checkpoint with `mlx-mtp add-mtp --model THIS --source ORIGINAL`, or "
+                "run without MTP with --no-mtp.")
         return out
 
     @staticmethod
