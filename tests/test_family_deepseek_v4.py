@@ -152,3 +152,32 @@ def test_checkpoint_without_its_head(ref, tmp_path, capsys):
     plain = load_model(path, mtp=False)[0]
     prompt = ref["prompt"].tolist()
     assert fc.mtp_tokens(plain, prompt, 0, n=8)[0] == ref["tokens"].tolist()[:8]
+
+
+def test_bfloat16_drafts_keep_plain_decoding(ref):
+    """In bfloat16 (mHC weights, sinks and window biases kept float32), verify passes and
+    rollbacks still give plain decoding's tokens, alone and in a batch."""
+    model = load_model(FIXTURE, dtype="bfloat16")[0]
+    assert model.model.layers[0].hc_attn_fn.dtype == mx.float32
+    prompt = ref["prompt"].tolist()
+    plain = fc.mtp_tokens(model, prompt, 0, n=24)[0]
+    for k in (1, 3):
+        assert fc.mtp_tokens(model, prompt, k, n=24)[0] == plain, f"K={k}"
+    rows, _ = fc.run_batch(model, 2, [prompt, prompt[3:9]], 16)
+    assert rows == [plain[:16], fc.mtp_tokens(model, prompt[3:9], 0, n=16)[0]]
+
+
+def test_a_saved_session_continues_as_before(model, ref):
+    """A prompt's decoder state through the disk-session tensors and back (every layer kind's
+    cache, the head's window and its owed four-stream hiddens) decodes the same tokens."""
+    from mlx_mtp.decode.speculative import MTPDecoder, generate_step
+    from mlx_mtp.server.session_store import _state_from_tensors, _state_tensors
+
+    prompt = ref["prompt"].tolist()
+    dec = MTPDecoder(model, 2, adaptive=False)
+    dec.prefill(prompt)
+    tensors, layout = _state_tensors(dec.snapshot())
+    again = MTPDecoder(model, 2, adaptive=False)
+    again.restore(_state_from_tensors(tensors, layout))
+    got = [t for t, _, _ in generate_step(prompt, model, decoder=again, max_tokens=12)]
+    assert got == ref["tokens"].tolist()[:12]
