@@ -274,25 +274,23 @@ def hc_collapse(streams, fn, base, scale, eps: float, norm_eps: float, n: int):
     return collapsed, mixes
 
 
-class HyperConnection(nn.Module):
-    """The weights of one mHC site (``hc_attn_*`` or ``hc_ffn_*``)."""
-
-    @staticmethod
-    def mix(streams, fn, base, scale, args, block):
-        """``block`` on the collapsed streams, expanded back and added to the mixed residual."""
-        n, eps = args.hc_mult, args.hc_eps
-        collapsed, mixes = hc_collapse(streams, fn, base, scale, eps, args.rms_norm_eps, n)
-        post = 2 * mx.sigmoid(mixes[..., n:2 * n] * scale[1] + base[n:2 * n])
-        comb = mixes[..., 2 * n:].reshape(*mixes.shape[:-1], n, n) * scale[2]
-        comb = mx.softmax(comb + base[2 * n:].reshape(n, n), axis=-1) + eps
+def hc_block(streams, fn, base, scale, args, block):
+    """One mHC site (``hc_attn_*`` or ``hc_ffn_*``) around ``block``: the block runs on the
+    collapsed streams; its output, expanded, is added to the doubly stochastic mix of the
+    streams."""
+    n, eps = args.hc_mult, args.hc_eps
+    collapsed, mixes = hc_collapse(streams, fn, base, scale, eps, args.rms_norm_eps, n)
+    post = 2 * mx.sigmoid(mixes[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = mixes[..., 2 * n:].reshape(*mixes.shape[:-1], n, n) * scale[2]
+    comb = mx.softmax(comb + base[2 * n:].reshape(n, n), axis=-1) + eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    for _ in range(args.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
         comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-        for _ in range(args.hc_sinkhorn_iters - 1):
-            comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
-            comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-        y = block(collapsed)
-        dtype = streams.dtype
-        return (post.astype(dtype)[..., None] * y[:, :, None]
-                + comb.astype(dtype).swapaxes(-1, -2) @ streams)
+    y = block(collapsed)
+    dtype = streams.dtype
+    return (post.astype(dtype)[..., None] * y[:, :, None]
+            + comb.astype(dtype).swapaxes(-1, -2) @ streams)
 
 
 class Block(nn.Module):
@@ -315,10 +313,10 @@ class Block(nn.Module):
         """``capture``: a verify pass, whose cache keeps what ``accept`` rolls back to."""
         if cache is not None:
             cache.begin(streams.shape[1], capture)
-        streams = HyperConnection.mix(
+        streams = hc_block(
             streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.args,
             lambda x: self.attn(self.attn_norm(x), positions, cache, freqs))
-        return HyperConnection.mix(
+        return hc_block(
             streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.args,
             lambda x: self.ffn(self.ffn_norm(x), tokens))
 
