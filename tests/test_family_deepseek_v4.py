@@ -181,3 +181,20 @@ def test_a_saved_session_continues_as_before(model, ref):
     again.restore(_state_from_tensors(tensors, layout))
     got = [t for t, _, _ in generate_step(prompt, model, decoder=again, max_tokens=12)]
     assert got == ref["tokens"].tolist()[:12]
+
+
+def test_indexer_ties_select_alike_in_every_pass(ref):
+    """With the indexer's head weights zeroed every score ties at 0: a query reads every
+    entry it may see whatever the pass (prefill, one-token decoding, a verify pass with
+    rollbacks), so all three give the same logits and tokens."""
+    model = load_model(FIXTURE)[0]
+    for layer in model.model.layers:
+        if "indexer" in layer.attn:
+            w = layer.attn.indexer.weights_proj.weight
+            layer.attn.indexer.weights_proj.weight = mx.zeros_like(w)
+    prompt, tokens = ref["prompt"].tolist(), ref["tokens"].tolist()
+    whole = model(mx.array([prompt + tokens]))[0]
+    stepped = fc.one_by_one_logits(model, prompt, tokens)[0]
+    np.testing.assert_allclose(np.array(stepped), np.array(whole[len(prompt):]), atol=1e-5)
+    plain = fc.mtp_tokens(model, prompt, 0, n=24)[0]
+    assert fc.mtp_tokens(model, prompt, 3, n=24)[0] == plain
