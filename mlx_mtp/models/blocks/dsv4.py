@@ -110,7 +110,8 @@ class Compressor(nn.Module):
                 prior_kv = mx.zeros_like(kv[:, :1, :, :d])
                 prior_gate = mx.full(prior_kv.shape, -mx.inf, gate.dtype)
             else:
-                prior_kv, prior_gate = prior_kv[:, None, :, :d], (prior_gate + self.ape)[:, None, :, :d]
+                prior_gate = (prior_gate + self.ape)[:, None, :, :d]
+                prior_kv = prior_kv[:, None, :, :d]
             prev_kv = mx.concatenate([prior_kv, kv[:, :-1, :, :d]], axis=1)
             prev_gate = mx.concatenate([prior_gate, gate[:, :-1, :, :d]], axis=1)
             kv = mx.concatenate([prev_kv, kv[..., d:]], axis=2)

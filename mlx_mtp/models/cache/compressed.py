@@ -102,9 +102,9 @@ class CompressedWindowCache(_Cache):
 
     @property
     def state(self):
-        empty = mx.zeros((1, 0, 0))
-        return (self.keys,) + tuple(a if n in self.names else empty
-                                    for n in SERIES for a in self.series.get(n, Series(*[None] * 3)))
+        empty = Series(*[mx.zeros((1, 0, 0))] * 3)
+        return (self.keys,) + tuple(a for n in SERIES
+                                    for a in (self.series[n] if n in self.names else empty))
 
     @state.setter
     def state(self, v):
