@@ -243,18 +243,19 @@ class Model(MTPModel):
         positions = mx.arange(start, start + x.shape[1])
         return layer.block(x, next_tokens, positions, cache, self._freqs["main"])
 
+    def head_output(self, hidden) -> mx.array:
+        """The head's streams (B, S, n, H) -> its post-norm hidden; a post-norm hidden
+        (B, S, H) of the trunk as is."""
+        if hidden.ndim == 3:
+            return hidden
+        layer = self.mtp.layers[0]
+        return layer.norm(layer.hc_head(hidden))
+
     def logits(self, hidden):
-        """Logits of a post-norm hidden (B, S, H) or of the head's streams (B, S, n, H)."""
-        if hidden.ndim == 4:
-            layer = self.mtp.layers[0]
-            hidden = layer.norm(layer.hc_head(hidden))
-        return self.lm_head(hidden)
+        return self.lm_head(self.head_output(hidden))
 
     def draft_logits(self, hidden, any_token: bool = False):
-        if hidden.ndim == 4:
-            layer = self.mtp.layers[0]
-            hidden = layer.norm(layer.hc_head(hidden))
-        return super().draft_logits(hidden, any_token)
+        return super().draft_logits(self.head_output(hidden), any_token)
 
     def make_cache(self):
         args = self.args
