@@ -198,3 +198,47 @@ def test_indexer_ties_select_alike_in_every_pass(ref):
     np.testing.assert_allclose(np.array(stepped), np.array(whole[len(prompt):]), atol=1e-5)
     plain = fc.mtp_tokens(model, prompt, 0, n=24)[0]
     assert fc.mtp_tokens(model, prompt, 3, n=24)[0] == plain
+
+
+class _Oracle:
+    """A context drafter proposing the reference continuation, wrong at one position in
+    four (so verify passes keep 1..4 positions, across every window phase)."""
+
+    name, cost, deterministic, needs_taps, max_draft = "lookup", "none", True, False, 3
+
+    def __init__(self, sequence):
+        self.sequence, self.seen, self.steps = sequence, 0, 0
+
+    def sync(self, prompt):
+        self.seen = max(self.seen, len(prompt))
+
+    def extend(self, tokens):
+        self.seen += len(tokens)
+
+    def propose(self):
+        out = list(self.sequence[self.seen:self.seen + self.max_draft])
+        wrong = self.steps % 4
+        if wrong < len(out):
+            out[wrong] = (out[wrong] + 1) % 256
+        return out
+
+    def has_proposal(self):
+        return bool(self.propose())
+
+    def observe(self, drafted, accepted):
+        self.steps += 1
+
+
+def test_partial_acceptances_keep_transformers_greedy(model, ref):
+    """Drafts right for 0..3 positions, then the head's, end to end through the step."""
+    from mlx_mtp.decode.draft_source import DraftSources
+    from mlx_mtp.decode.speculative import MTPDecoder, generate_step
+
+    prompt, tokens = ref["prompt"].tolist(), ref["tokens"].tolist()
+    k, drafter = DraftSources("both", adaptive=False).for_row(2)
+    drafter.drafter = _Oracle(prompt + tokens)
+    dec = MTPDecoder(model, k, adaptive=False, drafter=drafter)
+    got = [t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=len(tokens))]
+    assert got == tokens
+    kept = dec.stats.accepted_per_pos  # steps ended after each depth: partial acceptances
+    assert kept[0] > kept[1] > kept[2] > 0
