@@ -233,13 +233,15 @@ class Sequence:
             self.last_hidden = state.last_hidden
 
     def _check_owed(self, owed: OwedPairs, last_hidden: Optional[mx.array]):
-        """ValueError unless a state's owed MTP pairs are (1, S, hidden) hiddens beside (1, S)
-        ids of the vocabulary: an id past the embedding table is read out of bounds."""
+        """ValueError unless a state's owed MTP pairs are (1, S, [streams,] hidden) hiddens
+        beside (1, S) ids of the vocabulary: an id past the embedding table is read out of
+        bounds."""
         args = self.model.text.args
         width = getattr(args, "hidden_size", None)
         hiddens = list(owed.hidden) + ([] if last_hidden is None else [last_hidden])
         fits = len(owed.hidden) == len(owed.tokens) and all(
-            h.ndim == 3 and h.shape[0] == 1 and width in (None, h.shape[2]) for h in hiddens)
+            h.ndim in (3, 4) and h.shape[0] == 1 and width in (None, h.shape[-1])
+            for h in hiddens)
         fits = fits and all(t.shape == h.shape[:2] and mx.issubdtype(t.dtype, mx.integer)
                             for h, t in zip(owed.hidden, owed.tokens))
         if fits and owed.tokens:

@@ -387,7 +387,7 @@ class DecodeBatch:
         ref = next(t[0] for t in taken if t is not None)
         hs, ts = [], []
         for t, n in zip(taken, lengths):
-            pad_h = mx.zeros((1, S - n, ref.shape[-1]), ref.dtype)
+            pad_h = mx.zeros((1, S - n) + ref.shape[2:], ref.dtype)
             pad_t = mx.zeros((1, S - n), mx.uint32)
             hs.append(pad_h if t is None else mx.concatenate([pad_h, t[0]], axis=1))
             ts.append(pad_t if t is None else mx.concatenate([pad_t, t[1].astype(mx.uint32)], axis=1))

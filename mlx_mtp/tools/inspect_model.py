@@ -27,7 +27,7 @@ from ..models import MODEL_TYPES, refuse_not_yet
 from ..models.draft import vocab as draft_vocab
 from ..models.blocks.attention_trunk import count_checkpoint_mtp_layers, mtp_key_predicate
 from ..models.blocks.hybrid import HybridArgs
-from ..models.families import bailing_hybrid
+from ..models.families import bailing_hybrid, deepseek_v4
 from ..models.io.layout import (VISION_PREFIXES, CheckpointError, args_dict, config_mtp_layers,
                                 config_quantization, count_mtp_layers, family, text_config)
 from ..models.io.config_checks import check_fits_weights
@@ -48,7 +48,8 @@ DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "f
                "F8_E4M3": "fp8 (e4m3)", "F8_E5M2": "fp8 (e5m2)"}
 # Families whose caches the Qwen-hybrid estimate does not describe: config -> (16-bit
 # cache bytes per token, recurrent state bytes per sequence).
-FAMILY_CACHE_BYTES = {"bailing_hybrid": bailing_hybrid.cache_bytes}
+FAMILY_CACHE_BYTES = {"bailing_hybrid": bailing_hybrid.cache_bytes,
+                      "deepseek_v4": deepseek_v4.cache_bytes}
 # A split drafter's tensors are the head's own, with the ``mtp.`` prefix stripped.
 _SPLIT_KEYS = ("fc.weight", "pre_fc_norm_hidden.weight", "pre_fc_norm_embedding.weight")
 

@@ -196,7 +196,7 @@ def mlx_config(config: dict) -> dict:
 # Weight names
 # --------------------------------------------------------------------------
 
-_MTP_LAYER_RE = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.")
+_MTP_LAYER_RE = re.compile(r"(?:^|\.)mtp\.(?:layers\.)?(\d+)\.")  # DeepSeek-V4: mtp.{i}.
 
 
 def is_mtp_key(key: str) -> bool:

@@ -1,0 +1,298 @@
+"""The cache of one DeepSeek-V4 attention layer: a sliding window of keys (K = V) and, on
+compressed layers, the compressed entries of each series (CSA: the compressor and its
+indexer's; HCA: the compressor's) with the raw projections still needed to build the next
+entries.
+
+A series compresses every ``ratio`` positions into one entry. CSA's entry ``w`` pools window
+``w - 1``'s first half (Ca) with window ``w``'s second half (Cb), so a series keeps the raw
+rows of its last complete window (the overlap) and of the incomplete one (the buffer):
+``rows`` covers positions ``[max(0, (offset // ratio - 1) * ratio), offset)``.
+
+None of this can be trimmed: the window drops old keys and entries pool several positions.
+A verify pass (``begin(L, capture=True)``) keeps the state before it and the pass's new
+rows; ``accept(n_keep)`` rebuilds the state after the kept prefix by slicing, since entries
+of windows complete inside the kept prefix are the ones the pass computed (the same inputs
+as plain decoding). Rows decode one at a time (``merge`` refuses several). The MTP head's
+cache is a window alone, keeping ``spare`` keys past it so a step's drafts can be trimmed.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import mlx.core as mx
+
+from .kv import CACHE_KINDS, _Cache
+
+
+SERIES = ("compressor", "indexer")  # CSA has both, HCA the first
+
+
+class Series(NamedTuple):
+    rows_kv: Optional[mx.array]  # (B, r, width) raw projections, see the module doc
+    rows_gate: Optional[mx.array]
+    entries: Optional[mx.array]  # (B, T, d) compressed entries so far
+
+
+class Pending(NamedTuple):
+    """What a series compresses in this pass: whole windows from ``first`` on, and the raw
+    rows of the window before them (None: there is none)."""
+
+    kv: mx.array  # (B, n * ratio, width)
+    gate: mx.array
+    first: int  # absolute position of the first window
+    prior_kv: Optional[mx.array]  # (B, ratio, width)
+    prior_gate: Optional[mx.array]
+
+
+def _cat(a: Optional[mx.array], b: mx.array, axis: int) -> mx.array:
+    return b if a is None else mx.concatenate([a, b], axis=axis)
+
+
+class CompressedWindowCache(_Cache):
+    """One DeepSeek-V4 attention layer's cache (one row)."""
+
+    kind = "dsv4"
+
+    def __init__(self, window: int = 0, ratio: int = 0, names: Tuple[str, ...] = (),
+                 spare: int = 0):
+        self.window_size, self.ratio, self.names = window, ratio, tuple(names)
+        self.spare = spare  # keys kept past the window, so ``trim`` can drop that many
+        self.keys: Optional[mx.array] = None  # (B, 1, <= window - 1, D)
+        self.series: Dict[str, Series] = {n: Series(None, None, None) for n in self.names}
+        self.offset = 0
+        self.start = 0  # the current pass's first position
+        self.pass_rows: Optional[dict] = None  # a verify pass: its new rows per part
+        self.before = None  # a verify pass: the snapshot before it
+        self.chunk: Optional[List[int]] = None  # each row's positions in the next chunk
+
+    @classmethod
+    def from_state(cls, state, meta_state):
+        c = cls()
+        c.meta_state = meta_state  # first: it names the series ``state`` holds
+        if state is not None:
+            c.state = state
+        return c
+
+    def settings(self) -> tuple:
+        return self.window_size, self.ratio, self.names, self.spare
+
+    def check_joins(self, row):
+        """Rows are kept apart (``CompressedRows``): only kind and settings must agree."""
+        if row.kind != self.kind or row.settings() != self.row(0).settings():
+            raise ValueError(f"a {row.kind!r} cache of settings {row.settings()} cannot join "
+                             f"DeepSeek-V4 rows of settings {self.row(0).settings()}")
+
+    def prepare(self, S: int, lengths=None):
+        self.chunk = None if lengths is None else list(lengths)
+
+    def row_lengths(self, S: int) -> List[int]:
+        """Each row's positions in a chunk of ``S`` (right-aligned): as ``prepare`` announced
+        them, once; all ``S`` without an announcement."""
+        chunk, self.chunk = self.chunk, None
+        return chunk if chunk is not None and max(chunk) == S else [S] * self.size()
+
+    def row(self, b: int) -> "CompressedWindowCache":
+        if b != 0:
+            raise IndexError(f"a single-row cache has no row {b}")
+        return self
+
+    # Every layer names both series (a layer without one stores empty arrays for it).
+    state_names = ("keys",) + tuple(f"{n}.{p}" for n in SERIES for p in Series._fields)
+
+    @property
+    def state(self):
+        empty = Series(*[mx.zeros((1, 0, 0))] * 3)
+        return (self.keys,) + tuple(a for n in SERIES
+                                    for a in (self.series[n] if n in self.names else empty))
+
+    @state.setter
+    def state(self, v):
+        self.keys = v[0]
+        for i, n in enumerate(SERIES):
+            if n in self.names:
+                self.series[n] = Series(*v[1 + 3 * i: 4 + 3 * i])
+        self.pass_rows = self.before = None
+
+    @property
+    def meta_state(self):
+        return tuple(map(str, (self.offset, self.window_size, self.ratio, self.spare))) + self.names
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.offset, self.window_size, self.ratio, self.spare = (int(x) for x in v[:4])
+        self.names = tuple(v[4:])
+        self.series = {n: self.series.get(n, Series(None, None, None)) for n in self.names}
+
+    # --- one pass ---------------------------------------------------------
+    def begin(self, L: int, capture: bool = False):
+        """A pass of ``L`` positions starts (``capture``: a verify pass, rolled back by
+        ``accept``)."""
+        self.before = self.snapshot() if capture else None
+        self.pass_rows = {} if capture else None
+        self.start = self.offset
+        self.offset += L
+
+    def window_keys(self, kv: mx.array) -> mx.array:
+        """The kept window followed by the pass's keys ``kv`` (B, 1, L, D); keeps the last
+        ``window - 1``."""
+        full = _cat(self.keys, kv, axis=2)
+        keep = self.window_size - 1 + self.spare
+        self.keys = full[:, :, max(0, full.shape[2] - keep):]
+        if self.pass_rows is not None:
+            self.pass_rows["keys"] = kv
+        return full
+
+    def pending(self, name: str, kv: mx.array, gate: mx.array) -> Pending:
+        """Series ``name`` takes the pass's raw rows; returns the windows they complete."""
+        old = self.series[name]
+        if self.pass_rows is not None:
+            self.pass_rows[name] = (kv, gate)
+        all_kv, all_gate = _cat(old.rows_kv, kv, 1), _cat(old.rows_gate, gate, 1)
+        m, start, end = self.ratio, self.start, self.offset
+        rows_start = self._rows_start(start)
+        first, last = start // m * m, end // m * m
+        chunk = slice(first - rows_start, last - rows_start)
+        prior = None
+        if first >= m:
+            prior = slice(first - m - rows_start, first - rows_start)
+        keep = slice(self._rows_start(end) - rows_start, None)
+        self.series[name] = Series(all_kv[:, keep], all_gate[:, keep], old.entries)
+        return Pending(all_kv[:, chunk], all_gate[:, chunk], first,
+                       None if prior is None else all_kv[:, prior],
+                       None if prior is None else all_gate[:, prior])
+
+    def add_entries(self, name: str, entries: mx.array) -> mx.array:
+        """Append series ``name``'s new entries (B, n, d); returns all of them."""
+        s = self.series[name]
+        self.series[name] = s._replace(entries=_cat(s.entries, entries, 1))
+        return self.series[name].entries
+
+    def _rows_start(self, offset: int) -> int:
+        return max(0, (offset // self.ratio - 1) * self.ratio)
+
+    # --- rollback ---------------------------------------------------------
+    def snapshot(self):
+        return self.keys, dict(self.series), self.offset
+
+    def restore(self, snap):
+        self.keys, series, self.offset = snap
+        self.series = dict(series)
+        self.pass_rows = self.before = None
+
+    def accept(self, n_keep):
+        """Keep the state after the first ``n_keep[0]`` positions of the verify pass."""
+        if self.before is None:
+            raise RuntimeError("accept() needs a forward pass run with capture=True")
+        n = n_keep[0]
+        if len(n_keep) != 1 or not 1 <= n <= self.offset - self.start:
+            raise ValueError(f"n_keep {list(n_keep)} does not fit a verify pass of "
+                             f"{self.offset - self.start} positions")
+        rows, after = self.pass_rows, dict(self.series)
+        self.restore(self.before)
+        self.begin(n)
+        self.window_keys(rows["keys"][:, :, :n])
+        for name in self.names:
+            kv, gate = rows[name]
+            self.pending(name, kv[:, :n], gate[:, :n])
+            kept = self.offset // self.ratio
+            self.series[name] = self.series[name]._replace(
+                entries=after[name].entries[:, :kept])
+
+    # --- batch ------------------------------------------------------------
+    @classmethod
+    def merge(cls, caches: list) -> "CompressedRows":
+        return CompressedRows.merge(caches)
+
+    def lengths(self) -> List[int]:
+        return [self.offset]
+
+    def is_trimmable(self) -> bool:
+        return self.spare > 0  # a window alone (the MTP head's), with spare keys
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` positions (at most the spare keys: a window's only)."""
+        if not self.is_trimmable() or self.keys is None:
+            raise ValueError("this DeepSeek-V4 cache cannot be trimmed")
+        n = min(n, self.offset, self.spare)
+        self.keys = self.keys[:, :, : self.keys.shape[2] - n]
+        self.offset -= n
+        return n
+
+    def max_positions(self) -> Optional[int]:
+        return None if self.names else self.window_size - 1 + self.spare
+
+    def copy(self) -> "CompressedWindowCache":
+        c = CompressedWindowCache(self.window_size, self.ratio, self.names, self.spare)
+        c.keys, c.series, c.offset = self.keys, dict(self.series), self.offset
+        return c
+
+
+CACHE_KINDS[CompressedWindowCache.kind] = CompressedWindowCache
+
+
+class CompressedRows(_Cache):
+    """Several rows' ``CompressedWindowCache``s, kept apart: rows sit at different phases of
+    their windows, so the model runs each row's layers on its own cache (``row(b)``)."""
+
+    kind = "dsv4_rows"
+    row_kind = CompressedWindowCache.kind
+
+    def __init__(self, rows: List[CompressedWindowCache]):
+        self.rows = list(rows)
+        self.chunk: Optional[List[int]] = None
+
+    @classmethod
+    def merge(cls, caches: list) -> "CompressedRows":
+        return cls([r.copy() for c in caches for r in (c.rows if isinstance(c, cls) else [c])])
+
+    def check_joins(self, row):
+        self.rows[0].check_joins(row)
+
+    prepare = CompressedWindowCache.prepare
+    row_lengths = CompressedWindowCache.row_lengths
+
+    def row(self, b: int) -> CompressedWindowCache:
+        return self.rows[b]
+
+    def size(self) -> int:
+        return len(self.rows)
+
+    def filter(self, rows: List[int]):
+        self.rows = [self.rows[i] for i in rows]
+
+    def extract(self, row: int) -> CompressedWindowCache:
+        return self.rows[row].copy()
+
+    def arrays(self) -> List[mx.array]:
+        return [a for r in self.rows for a in r.arrays()]
+
+    def snapshot(self):
+        return [(r, r.snapshot()) for r in self.rows]
+
+    def restore(self, snap):
+        self.rows = [r for r, _ in snap]
+        for r, s in snap:
+            r.restore(s)
+
+    def accept(self, n_keep):
+        for r, n in zip(self.rows, n_keep):
+            r.accept([n])
+
+    def trim(self, n: int) -> int:
+        return min(r.trim(n) for r in self.rows)
+
+    def lengths(self) -> List[int]:
+        return [r.offset for r in self.rows]
+
+    def is_trimmable(self) -> bool:
+        return self.rows[0].is_trimmable()
+
+    def max_positions(self) -> Optional[int]:
+        return self.rows[0].max_positions()
+
+    def copy(self) -> "CompressedRows":
+        return CompressedRows([r.copy() for r in self.rows])
+
+
+CACHE_KINDS[CompressedRows.kind] = CompressedRows

@@ -1,0 +1,324 @@
+"""DeepSeek-V4 (``model_type: deepseek_v4``, DeepSeek-V4-Flash), with its MTP head.
+
+Trunk: written here in MLX (mlx-lm 0.32 has none) from transformers 5.24's
+``modeling_deepseek_v4.py``, blocks in ``blocks/dsv4.py``: sliding-window attention with
+CSA / HCA compressed entries, ``hc_mult`` hyper-connection streams, hash-routed MoE in the
+first layers. The output is ``norm(hc_head(streams))``. Each layer's cache is a
+``CompressedWindowCache`` (none can be trimmed; a verify pass is rolled back by slicing the
+state it recorded, ``cache/compressed.py``). A batch keeps its rows' caches apart
+(``CompressedRows``) and runs each row's layers alone, in one lazy graph.
+
+Weights keep DeepSeek's released names (``embed``, ``head``, ``hc_head_fn``,
+``layers.N.attn.wq_a``, ``ffn.experts.E.w1``, ``mtp.0.*``); the experts are stacked for
+mlx-lm's ``SwitchGLU``. Configs are read in transformers' form (``layer_types``,
+``compress_rates``, nested ``rope_parameters``) or DeepSeek's (``compress_ratios``,
+``num_hash_layers``, ``qk_rope_head_dim``, ``rope_scaling``).
+
+MTP (``mtp.0.*``, DeepSeek's ``MTPBlock``; transformers ignores it): the head takes the
+trunk's four streams before ``hc_head``: ``e_proj(enorm(embed(t+1)))`` broadcast over the
+streams plus ``h_proj(hnorm(streams))``, then one V4 block (sliding window only, top-k MoE),
+then its own ``hc_head`` and ``norm`` before the shared output layer. The layout is the one
+mlx-vlm 0.7.10's ``deepseek_v4_mtp`` drafter reads; no public DeepSeek source was found to
+confirm it (docs/model-families.md).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Dict, List, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..blocks.dsv4 import Block, HyperHead, inv_freq, stream_input
+from ..cache.compressed import CompressedWindowCache
+from ..interface import Capabilities, MTPModel
+from ..io import layout
+
+# Keys the head's window keeps past the window: a step trims at most K - 1 drafted entries
+# (K <= decode.MAX_DRAFT_TOKENS, which models/ does not import).
+HEAD_SPARE_KEYS = 8
+RATIO_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention",
+               128: "heavily_compressed_attention"}
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    q_lora_rank: int
+    num_experts_per_tok: int
+    n_routed_experts: int
+    o_groups: int
+    o_lora_rank: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    layer_types: List[str]
+    mlp_layer_types: List[str]
+    compress_rates: Dict[str, int]
+    rope_parameters: Dict[str, dict]
+    rope_head_dim: int
+    sliding_window: int = 128
+    routed_scaling_factor: float = 1.5
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    swiglu_limit: float = 10.0
+    rms_norm_eps: float = 1e-6
+    num_nextn_predict_layers: int = 0
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_dict(cls, params: dict) -> "ModelArgs":
+        p = dict(params)
+        n = p["num_hidden_layers"]
+        rates = dict(p.get("compress_rates") or {})
+        if "layer_types" not in p:  # DeepSeek's config: one ratio per layer
+            ratios = p["compress_ratios"][:n]
+            p["layer_types"] = [RATIO_TYPES[r] for r in ratios]
+            rates = {RATIO_TYPES[r]: r for r in ratios if r}
+        rates.setdefault("compressed_sparse_attention", 4)
+        rates.setdefault("heavily_compressed_attention", 128)
+        p["compress_rates"] = rates
+        if "mlp_layer_types" not in p:
+            hashed = p.get("num_hash_layers", 3)
+            p["mlp_layer_types"] = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
+        rope_dim = p.get("qk_rope_head_dim") or int(p["head_dim"] * p["partial_rotary_factor"])
+        p["rope_head_dim"] = rope_dim
+        p["rope_parameters"] = cls.ropes(p)
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in p.items() if k in names})
+
+    @staticmethod
+    def ropes(p: dict) -> Dict[str, dict]:
+        """``main`` (sliding layers) and ``compress`` (CSA / HCA layers and compressors)."""
+        rp = p.get("rope_parameters") or {}
+        if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+            return {"main": rp["main"], "compress": rp["compress"]}
+        scaling = dict(p.get("rope_scaling") or rp)
+        if "type" in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        return {"main": {"rope_type": "default", "rope_theta": p.get("rope_theta", 10000.0)},
+                "compress": {**scaling, "rope_theta": p.get("compress_rope_theta", 160000.0)}}
+
+    @property
+    def csa_ratio(self) -> int:
+        return self.compress_rates["compressed_sparse_attention"]
+
+    def compress_ratio(self, layer_type: str) -> int:
+        return 0 if layer_type == "sliding_attention" else self.compress_rates[layer_type]
+
+
+def cache_bytes(config: dict) -> Tuple[int, int]:
+    """(16-bit cache bytes per token, bytes per sequence) for ``inspect``: per token, each
+    compressed layer's entries (CSA: one per 4 positions, with its indexer's keys; HCA: one
+    per 128); per sequence, every layer's window of keys (the head's too) and the raw rows
+    a compressed series keeps (at most two windows)."""
+    args = ModelArgs.from_dict(config)
+    per_token, state = 0.0, 0
+    for t in args.layer_types:
+        m = args.compress_ratio(t)
+        widths = [] if not m else [(2 * args.head_dim, args.head_dim)] if t != \
+            "compressed_sparse_attention" else [(4 * args.head_dim, args.head_dim),
+                                                (4 * args.index_head_dim, args.index_head_dim)]
+        per_token += sum(d / m for _, d in widths)
+        state += args.sliding_window * args.head_dim + sum(2 * m * w for w, _ in widths)
+    state += (args.sliding_window + HEAD_SPARE_KEYS) * args.head_dim * (
+        args.num_nextn_predict_layers > 0)
+    return round(2 * per_token), 2 * state
+
+
+class Trunk(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [Block(args, t, m == "hash_moe")
+                       for t, m in zip(args.layer_types, args.mlp_layer_types)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.hc_head = HyperHead(args)
+
+
+class MTPLayer(nn.Module):
+    """DeepSeek's ``MTPBlock`` (module doc)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        H = args.hidden_size
+        self.enorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.hnorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.e_proj = nn.Linear(H, H, bias=False)
+        self.h_proj = nn.Linear(H, H, bias=False)
+        self.block = Block(args, "sliding_attention", hashed=False)
+        self.hc_head = HyperHead(args)
+        self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+
+
+class MTPStack(nn.Module):
+    def __init__(self, layers: List[MTPLayer]):
+        super().__init__()
+        self.layers = layers
+
+
+class Model(MTPModel):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Trunk(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.num_nextn_predict_layers > 0:
+            self.mtp = MTPStack([MTPLayer(args)])
+        dim = args.rope_head_dim
+        self._freqs = {k: inv_freq(dim, v) for k, v in args.rope_parameters.items()}
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(taps=False)
+
+    def layer_freqs(self, layer: Block) -> mx.array:
+        return self._freqs["compress" if layer.attn.ratio else "main"]
+
+    def embed(self, inputs) -> mx.array:
+        if inputs.ndim == 3:
+            raise ValueError("DeepSeek-V4 routes its first layers by token id: it takes "
+                             "token ids, not hidden states")
+        return self.model.embed_tokens(inputs)
+
+    def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
+        """The four streams after the last layer (``taps`` unsupported). Each row runs on its
+        own caches (``CompressedRows``): rows sit at different phases of their windows."""
+        if cache is None:
+            return self.row_trunk(inputs, [None] * len(self.model.layers), capture), {}
+        rows = [self.row_trunk(inputs[b:b + 1], [c.row(b) for c in cache], capture)
+                for b in range(inputs.shape[0])]
+        return mx.concatenate(rows), {}
+
+    def row_trunk(self, inputs, cache, capture: bool) -> mx.array:
+        start = cache[0].lengths()[0] if cache[0] is not None else 0
+        h = stream_input(self.embed(inputs), self.args.hc_mult)
+        positions = mx.arange(start, start + inputs.shape[1])
+        for layer, c in zip(self.model.layers, cache):
+            h = layer(h, inputs, positions, c, self.layer_freqs(layer), capture)
+        return h
+
+    def trunk_outputs(self, h):
+        """(``norm(hc_head(streams))``, the streams: what the head takes)."""
+        return self.model.norm(self.model.hc_head(h)), h
+
+    def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0,
+                    last_only: bool = False):
+        """hidden (B, S, hc_mult, H): the trunk's streams at positions i (or the head's own,
+        chained); next_tokens (B, S) = t_{i+1} -> the head's streams (B, S, hc_mult, H), whose
+        ``logits`` predict t_{i+2}. Rows run apart, each on its right-aligned positions
+        (``prepare``); a row's padding gives zeros."""
+        cache = mtp_cache[0] if mtp_cache else None
+        if cache is None:
+            out = self.head_rows(hidden, next_tokens, None)
+        else:
+            S, rows = hidden.shape[1], []
+            for b, n in enumerate(cache.row_lengths(S)):
+                pad = mx.zeros((1, S - n) + hidden.shape[2:], hidden.dtype)
+                if n == 0:
+                    rows.append(pad)
+                    continue
+                out = self.head_rows(hidden[b:b + 1, S - n:], next_tokens[b:b + 1, S - n:],
+                                     cache.row(b))
+                rows.append(mx.concatenate([pad, out], axis=1) if n < S else out)
+            out = mx.concatenate(rows)
+        return out[:, -1:] if last_only else out
+
+    def head_rows(self, hidden, next_tokens, cache) -> mx.array:
+        layer = self.mtp.layers[0]
+        e = layer.e_proj(layer.enorm(self.model.embed_tokens(next_tokens)))
+        x = e[:, :, None] + layer.h_proj(layer.hnorm(hidden))
+        start = cache.lengths()[0] if cache is not None else 0
+        positions = mx.arange(start, start + x.shape[1])
+        return layer.block(x, next_tokens, positions, cache, self._freqs["main"])
+
+    def head_output(self, hidden) -> mx.array:
+        """The head's streams (B, S, n, H) -> its post-norm hidden; a post-norm hidden
+        (B, S, H) of the trunk as is."""
+        if hidden.ndim == 3:
+            return hidden
+        layer = self.mtp.layers[0]
+        return layer.norm(layer.hc_head(hidden))
+
+    def logits(self, hidden):
+        return self.lm_head(self.head_output(hidden))
+
+    def draft_logits(self, hidden, any_token: bool = False):
+        return super().draft_logits(self.head_output(hidden), any_token)
+
+    def make_cache(self):
+        args = self.args
+        return [CompressedWindowCache(args.sliding_window, layer.attn.ratio,
+                                      self.series_names(layer))
+                for layer in self.model.layers]
+
+    @staticmethod
+    def series_names(layer: Block) -> tuple:
+        if not layer.attn.ratio:
+            return ()
+        return ("compressor", "indexer") if "indexer" in layer.attn else ("compressor",)
+
+    def make_mtp_cache(self):
+        if not self.num_mtp_layers:
+            return []
+        return [CompressedWindowCache(self.args.sliding_window, spare=HEAD_SPARE_KEYS)]
+
+    @staticmethod
+    def cast_predicate(path: str) -> bool:
+        """What transformers keeps in float32: mHC weights, sinks, window biases, the router
+        bias (the token -> expert table is integer)."""
+        return not re.search(r"hc_|attn_sink|\.ape$|gate\.bias$|tid2eid", path)
+
+    # --- weights ----------------------------------------------------------
+    def sanitize(self, weights: dict) -> dict:
+        """DeepSeek's released names -> ours: the trunk under ``model.``, the head under
+        ``mtp.layers.0.`` (whichever one index the checkpoint gives it), experts stacked; an
+        MLX conversion (already ours) passes."""
+        indices = {m.group(1) for k in weights if (m := re.match(r"mtp\.(\d+)\.", k))}
+        head = f"mtp.{indices.pop()}." if len(indices) == 1 else "mtp.0."
+        out = {self.our_name("mtp.0." + k[len(head):] if k.startswith(head) else k): v
+               for k, v in weights.items()}
+        for prefix in {k.split("experts.")[0] for k in out if ".experts." in k}:
+            for ours, theirs in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")):
+                stack = [out.pop(f"{prefix}experts.{e}.{theirs}.weight")
+                         for e in range(self.args.n_routed_experts)]
+                out[f"{prefix}switch_mlp.{ours}.weight"] = mx.stack(stack)
+        if "mtp" not in self:
+            return {k: v for k, v in out.items() if not k.startswith("mtp.")}
+        expected = {k for k, _ in tree_flatten(self.parameters()) if k.startswith("mtp.")}
+        missing = sorted(expected - out.keys())
+        if missing:
+            raise layout.MissingMTPWeightsError(
+                f"config.json declares {self.args.num_nextn_predict_layers} MTP layer(s) "
+                f"(model_type='deepseek_v4') but the weights lack {len(missing)} of its "
+                f"tensors, e.g. {', '.join(missing[:3])} (released as mtp.0.e_proj.weight, "
+                "mtp.0.h_proj.weight, mtp.0.hc_head_fn, ...). Fix: graft the head from the "
+                "original checkpoint with `mlx-mtp add-mtp --model THIS --source ORIGINAL`, or "
+                "run without MTP with --no-mtp.")
+        return out
+
+    @staticmethod
+    def our_name(key: str) -> str:
+        if key.startswith(("model.", "lm_head.", "mtp.layers.")):
+            return key
+        key = re.sub(r"^mtp\.(\d+)\.(attn|ffn|attn_norm|ffn_norm|hc_attn|hc_ffn)",
+                     r"mtp.layers.\1.block.\2", key)
+        key = re.sub(r"^mtp\.(\d+)\.hc_head_", r"mtp.layers.\1.hc_head.", key)
+        key = re.sub(r"^mtp\.(\d+)\.", r"mtp.layers.\1.", key)
+        key = re.sub(r"^hc_head_", "model.hc_head.", key)
+        for theirs, ours in (("embed.", "model.embed_tokens."), ("head.", "lm_head."),
+                             ("norm.", "model.norm."), ("layers.", "model.layers.")):
+            if key.startswith(theirs):
+                return ours + key[len(theirs):]
+        return key
