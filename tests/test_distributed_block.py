@@ -76,3 +76,30 @@ def test_pipeline_is_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert "pipeline mode" in err and "--distributed tensor or expert" in err
+
+
+def test_cli_generate_tensor_with_a_block_drafter(tmp_path):
+    """``generate --distributed tensor --draft-model DRAFTER`` (the flags' path: the default
+    source block+mtp, K fixed) prints what one process prints, with the drafter's drafts."""
+    import subprocess
+    import sys
+
+    from test_distributed import TIMEOUT
+
+    trunk = make_tiny(tmp_path / "trunk", "qwen3_5", "noisy", trunk_scale=0.2,
+                      vocab_size=4096)
+    dspark = make_tiny_block(tmp_path / "dspark", "dspark", 64, 4096, [0, 2], 4)
+    args = ["-m", "mlx_mtp.cli", "generate", "--model", str(trunk), "--prompt", "hello there",
+            "--temp", "0", "-m", "8", "--draft-model", str(dspark), "--fixed-k",
+            "--num-draft-tokens", "3"]
+    single = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    assert single.returncode == 0, single.stderr
+    dist = launch(*args, "--distributed", "tensor")
+    assert dist.returncode == 0, dist.stderr[-3000:]
+    def text_and_drafts(out):  # the generated text, and the drafts accepted per source
+        return out.split("==========")[1], [x for x in out.splitlines() if x.startswith("MTP:")]
+
+    text, drafts = text_and_drafts(single.stdout)
+    assert text.strip() and ", block 0/24" in drafts[0], single.stdout  # 8 steps of 3
+    assert text_and_drafts(dist.stdout) == (text, drafts), dist.stdout
