@@ -143,3 +143,7 @@ def test_a_misfit_or_already_quantized_drafter_is_refused_before_writing(trunk, 
     err = capsys.readouterr().err
     assert code == 2 and "already quantized" in err
     assert not (tmp_path / "c").exists()
+    code = _run_cli("--model", str(trunk), "--mlx-path", str(tmp_path / "d"), "--draft-q-bits",
+                    "4")
+    assert code == 2 and "--draft-model" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

@@ -258,6 +258,16 @@ def _write(model, src, dst, out_config, quantization, drafter_dir, max_shard_siz
     return weight_map, rows, total_size
 
 
+def _block_drafter_target(draft_model, draft_kind, draft_path, draft_q_bits, dst):
+    """Where the block drafter ``--draft-model`` names goes (None: none named)."""
+    if draft_model is None:
+        if draft_kind or draft_path or draft_q_bits:
+            raise ConversionError("--draft-kind, --draft-path and --draft-q-bits apply to the "
+                                  "drafter --draft-model names; add it or drop them.")
+        return None
+    return block_drafter_io.check_target(draft_path or block_drafter_io.default_target(dst), dst)
+
+
 def _write_block_drafter(out, block, dst, drafter_dir, verbose):
     """The block drafter beside the written checkpoint: all of them or none."""
     tensors, config, kind = block
@@ -331,8 +341,7 @@ def convert(
             "`mlx-mtp add-mtp`)."
         )
     drafter_dir = None if split_mtp is None else split_mtp_io.check_target(split_mtp, dst)
-    block_dir = None if draft_model is None else block_drafter_io.check_target(
-        draft_path or block_drafter_io.default_target(dst), dst)
+    block_dir = _block_drafter_target(draft_model, draft_kind, draft_path, draft_q_bits, dst)
     if not dst.parent.exists():
         dst.parent.mkdir(parents=True, exist_ok=True)
     try:
