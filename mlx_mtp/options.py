@@ -119,12 +119,13 @@ class Drafting:
 def drafting_from_args(args, distributed: bool = False) -> Drafting:
     """K, whether it adapts, and the draft source, from the flags (llama-server's map onto
     ours). ``distributed``: the model is split across processes, every rank drafts alike:
-    from the head only."""
+    from the head or the block drafter (rank 0's drafts, shared), never from the context."""
     k = _num_draft_tokens(args)
     n_min = getattr(args, "spec_draft_n_min", None)
     adaptive = not (getattr(args, "fixed_k", False) or (k and n_min == k))
     source = _draft_source(args, k)
-    if distributed and source != "mtp":
+    reads_taps = SOURCES[source].drafter is not None and SOURCES[source].drafter.needs_taps
+    if distributed and source != "mtp" and not reads_taps:  # the block drafter: rank 0's
         if getattr(args, "draft_source", None) is not None:
             raise UserError("--draft-source lookup/both is not available on a model split "
                             "across processes; use --draft-source mtp")
@@ -166,7 +167,7 @@ def _draft_source(args, k: int) -> str:
     return source
 
 
-def block_drafter_from_args(args, distributed: bool = False):
+def block_drafter_from_args(args):
     """(path, kind) of the block drafter ``--draft-model`` names (``drafters/block``); None
     when it names a split MTP drafter (its config says which, else ``--draft-kind``) or
     nothing."""
@@ -185,10 +186,15 @@ def block_drafter_from_args(args, distributed: bool = False):
     kind = kind_for(path, kind)
     if kind is None:
         return None
-    if distributed:
-        raise UserError("--draft-model with a block drafter cannot be combined with a "
-                        "distributed run yet")
     return path, kind
+
+
+def _refuse_pipeline_taps(mode):
+    """A pipeline spreads the tapped layers over ranks: its taps do not travel yet."""
+    if mode == "pipeline":
+        raise UserError("--draft-model with a block drafter cannot be combined with a "
+                        "distributed run in pipeline mode yet (its tapped layers sit on "
+                        "several ranks); use --distributed tensor or expert")
 
 
 def mtp_model_from_args(args):
@@ -295,25 +301,28 @@ def load_from_args(args, mtp: bool, group=None):
     """The model and tokenizer the flags name, ``apply_model_options`` applied: in this
     process, or this rank's part of a model split over ``group`` (``--distributed``)."""
     mtp = mtp and not getattr(args, "no_mtp", False)  # K > 0 with --no-mtp: a block drafter's
+    block = block_drafter_from_args(args)
     if group is None:
         from .models.io.loader import load
 
-        block = block_drafter_from_args(args)
         model, tokenizer = load(args.model, mtp=mtp, mtp_hidden=args.mtp_hidden,
                                 dtype=args.dtype,
                                 mtp_model=None if block else mtp_model_from_args(args),
                                 vision=getattr(args, "vision", False))
-        if block is not None:
-            from .drafters.block.load import attach_block_drafter
-
-            attach_block_drafter(model, *block)
     else:
         from .models.distributed import load_distributed
 
-        block_drafter_from_args(args, distributed=True)  # refuses a block drafter
+        if block is not None:
+            _refuse_pipeline_taps(args.distributed)  # before reading any weights
         model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=mtp,
                                             mtp_hidden=args.mtp_hidden, dtype=args.dtype,
-                                            mtp_model=mtp_model_from_args(args))
+                                            mtp_model=None if block else mtp_model_from_args(args))
+        if block is not None:
+            _refuse_pipeline_taps(model.mode)  # the mode chosen by default
+    if block is not None:  # split: every rank runs it whole (tensor, expert)
+        from .drafters.block.load import attach_block_drafter
+
+        attach_block_drafter(model, *block)
     if mtp and model.num_mtp_layers == 0 and model.block_drafter is None:
         raise UserError(f"{args.model or 'the model'}: its config declares no MTP layers, so "
                         "there is no head to draft with; run it with --no-mtp (--draft-source "

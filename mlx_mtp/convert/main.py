@@ -39,6 +39,7 @@ from .checkpoint_io import (MTP_SHARD, TOKENIZER_FILES, _finalize_config, read_t
 from .common import (MTP_BITS, ConversionError, QuantScheme, _build_model, _cast,
                      _check_foreign_quant, _check_model_dir, _dequantize, _fmt_bytes,
                      _incomplete_head, _param_bytes, _print_summary, _summarize, _warn)
+from . import block_drafter as block_drafter_io
 from . import split_mtp as split_mtp_io
 from ..models.io import hub
 from ..models import UnsupportedModelError, refuse_not_yet
@@ -48,6 +49,7 @@ from ..models.io.layout import (QWEN_FAMILIES, CheckpointError, MissingMTPWeight
                              is_mtp_key, set_config_mtp_layers, text_config)
 from ..models.io.loader import load_config, quantize_like_checkpoint, weight_files
 from ..models.io.split_drafter import is_drafter_config
+from ..drafters.block.config import KIND_NAMES
 
 DEFAULT_MAX_SHARD_GB = 5.0
 Q_BITS = (2, 3, 4, 5, 6, 8)
@@ -256,6 +258,33 @@ def _write(model, src, dst, out_config, quantization, drafter_dir, max_shard_siz
     return weight_map, rows, total_size
 
 
+def _block_drafter_target(draft_model, draft_kind, draft_path, draft_q_bits, dst):
+    """Where the block drafter ``--draft-model`` names goes (None: none named)."""
+    if draft_model is None:
+        if draft_kind or draft_path or draft_q_bits:
+            raise ConversionError("--draft-kind, --draft-path and --draft-q-bits apply to the "
+                                  "drafter --draft-model names; add it or drop them.")
+        return None
+    return block_drafter_io.check_target(draft_path or block_drafter_io.default_target(dst), dst)
+
+
+def _write_block_drafter(out, block, dst, drafter_dir, verbose):
+    """The block drafter beside the written checkpoint: all of them or none."""
+    tensors, config, kind = block
+    try:
+        block_drafter_io.write(out, tensors, config, verbose)
+    except BaseException:
+        for written in (dst, drafter_dir):
+            if written is not None:
+                shutil.rmtree(written, ignore_errors=True)
+        raise
+    if verbose:
+        bits = (config.get("quantization") or {}).get("bits")
+        print(f"[mlx-mtp] wrote the {kind} drafter {out} "
+              f"({f'{bits}-bit' if bits else 'as stored'}; use: --model {dst} "
+              f"--draft-model {out})")
+
+
 def _report(source, dst, drafter_dir, tokenizer_files, rows, total_size):
     extra = [f"MTP head: {source.mtp_layers} layer(s) kept in {MTP_SHARD}"
              if source.mtp_layers else "MTP head: none in the source (trunk only)"]
@@ -279,6 +308,10 @@ def convert(
     *,
     max_shard_size_gb: float = DEFAULT_MAX_SHARD_GB,
     split_mtp=None,
+    draft_model=None,
+    draft_kind: Optional[str] = None,
+    draft_path=None,
+    draft_q_bits: Optional[int] = None,
     verbose: bool = True,
 ) -> dict:
     """Convert a local Hugging Face (or MLX) checkpoint to MLX, keeping its MTP head.
@@ -289,7 +322,10 @@ def convert(
     default: the config's ``torch_dtype``/``dtype`` (as mlx-lm), else the stored dtypes.
     ``dequantize``: the reverse direction, for an MLX-quantized source. ``split_mtp``:
     write the head to this directory as a split drafter (mlx-vlm's layout) and the trunk
-    alone to ``mlx_path``, as mlx-lm would. Returns a summary dict.
+    alone to ``mlx_path``, as mlx-lm would. ``draft_model``: a block drafter (path or hub
+    id; ``draft_kind`` where its config cannot tell) checked against the model and written
+    to ``draft_path`` (default: ``MLX_PATH-drafter``), its weights at ``draft_q_bits`` bits
+    (None: as stored). Returns a summary dict.
     """
     _validate_quant_args(quantize, q_bits, q_group_size, mtp_bits, dequantize)
     if dtype is not None and dtype not in DTYPES:
@@ -305,6 +341,7 @@ def convert(
             "`mlx-mtp add-mtp`)."
         )
     drafter_dir = None if split_mtp is None else split_mtp_io.check_target(split_mtp, dst)
+    block_dir = _block_drafter_target(draft_model, draft_kind, draft_path, draft_q_bits, dst)
     if not dst.parent.exists():
         dst.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -312,11 +349,15 @@ def convert(
     except (CheckpointError, UnsupportedModelError) as e:
         raise ConversionError(str(e)) from e
     _refuse_bad_source(source, src, dst, quantize, mtp_bits, dequantize, drafter_dir, verbose)
+    block = None if block_dir is None else block_drafter_io.prepare(
+        draft_model, draft_kind, draft_q_bits, q_group_size, source.model)
     quantization, dtype = _set_precision(source, quantize, q_bits, q_group_size, mtp_bits,
                                          dtype, dequantize, verbose)
     out_config = _output_config(source.config, quantization, dtype, verbose)
     weight_map, rows, total_size = _write(source.model, src, dst, out_config, quantization,
                                           drafter_dir, max_shard_size_gb, verbose)
+    if block is not None:
+        _write_block_drafter(block_dir, block, dst, drafter_dir, verbose)
     tokenizer_files = [f.name for f in sorted(dst.iterdir())
                        if f.name in TOKENIZER_FILES or f.suffix == ".tiktoken"]
     if verbose:
@@ -330,6 +371,9 @@ def convert(
         "parts": rows,
         "total_size": total_size,
         "drafter": None if drafter_dir is None else str(drafter_dir),
+        "block_drafter": None if block is None else {
+            "path": str(block_dir), "kind": block[2],
+            "quantization": block[1].get("quantization")},
     }
 
 
@@ -363,6 +407,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "layout, as mlx-community's ...-MTP repos) and the trunk alone to "
                              "--mlx-path, as mlx_lm.convert would. Load the pair with "
                              "--model MLX_PATH --mtp-model DIR.")
+    parser.add_argument("--draft-model", default=None, metavar="PATH|ID",
+                        help="A block drafter (DFlash, DFlash2, DSpark, EAGLE-3) for this model, "
+                             "checked against it and written beside it (--draft-path) in its "
+                             "published layout; load the pair with --model MLX_PATH "
+                             "--draft-model DRAFT_PATH.")
+    parser.add_argument("--draft-kind", default=None, choices=KIND_NAMES,
+                        help="The drafter's kind, where its config does not say.")
+    parser.add_argument("--draft-path", default=None, metavar="DIR",
+                        help="Where to write the drafter (default: MLX_PATH-drafter).")
+    parser.add_argument("--draft-q-bits", type=int, default=None,
+                        choices=block_drafter_io.DRAFT_Q_BITS,
+                        help="Quantize the drafter's weights to 4 or 8 bits (group size "
+                             "--q-group-size). Default: as stored.")
     parser.add_argument("--max-shard-size", type=float, default=DEFAULT_MAX_SHARD_GB,
                         metavar="GB", help="Maximum size of a weight file in GB (default: 5).")
     return parser
@@ -375,6 +432,10 @@ def run(args) -> int:
         dequantize=args.dequantize,
         max_shard_size_gb=getattr(args, "max_shard_size", DEFAULT_MAX_SHARD_GB),
         split_mtp=getattr(args, "split_mtp", None),
+        draft_model=getattr(args, "draft_model", None),
+        draft_kind=getattr(args, "draft_kind", None),
+        draft_path=getattr(args, "draft_path", None),
+        draft_q_bits=getattr(args, "draft_q_bits", None),
     ))
 
 

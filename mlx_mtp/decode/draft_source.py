@@ -105,6 +105,12 @@ class RowDrafter:
                            for name, n in sizes.items()}
         self._gap = self._wait = sources.probe_gap[0]
 
+    @property
+    def plans_alike(self) -> bool:
+        """Its plan is a function of K alone, the same on every rank of a split model: the
+        block drafter at a fixed K (its tokens are drawn in the step, rank 0's shared)."""
+        return self.blocks and not self.sources.adaptive
+
     def sync(self, prompt):
         self.drafter.sync(prompt)
 

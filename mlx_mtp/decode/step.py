@@ -235,11 +235,11 @@ class DecodeBatch:
     def _plans(self, ks: List[int], costs: StepCosts) -> List[DraftPlan]:
         """Each row's drafts: the head's ``ks[b]``, or what its drafter picks. The head
         alone drafts for a row under a grammar (a context draft may break it) or with a
-        seeded schedule, and on a split model (every rank must draft alike)."""
+        seeded schedule, and on a split model unless its plan follows from K (``plans_alike``)."""
         off = self.model.capabilities.shares
         return block_context.fit_plans(self, [
-            DraftPlan([], kb) if off or r.drafter is None or r.schedule is not None
-            or r.sampler.grammar is not None
+            DraftPlan([], kb) if r.drafter is None or off and not r.drafter.plans_alike
+            or r.schedule is not None or r.sampler.grammar is not None
             else r.drafter.plan(kb, r.can_draft(), len(self.rows), costs, r.max_k)
             for r, kb in zip(self.rows, ks)])
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -145,6 +146,9 @@ class DistributedModel(ModelInterface):
         self.hidden_dtype = hidden_dtype
         self.mtp_counts = mtp_counts
         self._last_comm: Optional[mx.array] = None
+        # Taps where every rank runs every layer: each has the whole residual stream, so a
+        # block drafter runs whole on every rank, replicated, and needs no message.
+        self.capabilities = replace(self.capabilities, taps=self.whole_step)
         self.bytes_sent = 0  # this rank's payload bytes over the group (benchmarks)
         self.messages = 0
 
@@ -307,7 +311,9 @@ class DistributedModel(ModelInterface):
             self.inner.set_draft_head(bits, group_size, vocab)
 
     def trunk_with_taps(self, inputs, taps, cache=None, capture=False):
-        raise NotImplementedError("hidden-state taps on a model split across processes")
+        if self.whole_step:
+            return self.inner.trunk_with_taps(inputs, taps, cache, capture)
+        raise NotImplementedError("hidden-state taps on a pipeline split across processes")
 
     def set_compiled(self, on: bool, max_k: Optional[int] = None):
         """Not compiled (``capabilities.compilable`` is off)."""

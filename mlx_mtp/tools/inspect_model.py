@@ -296,6 +296,13 @@ def _precision(counts: Dict[str, int]) -> str:
     return ", ".join(f"{p} ×{n}" if len(counts) > 1 else p for p, n in counts.items()) or "-"
 
 
+def _drafter_precision(quantization: Optional[dict]) -> str:
+    if not quantization:
+        return "floating point"
+    return (f"{quantization['bits']}-bit {quantization.get('mode', 'affine')} "
+            f"(group size {quantization['group_size']}; norms and tables as stored)")
+
+
 def _render_block_drafter(report: dict) -> str:
     d = report["block_drafter"]
     return "\n".join([
@@ -305,6 +312,7 @@ def _render_block_drafter(report: dict) -> str:
         f"block    {d['max_draft']} drafts, one pass each" if d["autoregressive"] else
         f"block    {d['block_size']} positions per pass ({d['max_draft']} drafts)",
         f"fits     hidden size {d['hidden_size']}, vocabulary {d['vocab_size']}",
+        f"weights  {_drafter_precision(d['quantization'])}",
         f"memory   weights {_size(report['weights_bytes'])} as stored"])
 
 

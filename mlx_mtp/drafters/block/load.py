@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ...models.io.files import load_safetensors, read_json_object
 from ...errors import CheckpointError
@@ -65,13 +66,25 @@ def load_block_drafter(spec: str, kind: Optional[str] = None) -> BlockDraftModel
     weights = {k: v for f in weight_files(path) for k, v in load_safetensors(f).items()}
     try:
         drafter = KINDS[parsed.kind](fit_to_tensors(parsed, weights))
-        drafter.load_weights(list(drafter.sanitize(weights).items()))
+        weights = drafter.sanitize(weights)
+        quantize_like(drafter, config.get("quantization"), weights)
+        drafter.load_weights(list(weights.items()))
     except ValueError as e:
         raise BlockDrafterError(f"{spec}: the {parsed.kind} weights do not fit its config: "
                                 f"{str(e).splitlines()[0]}") from None
     drafter.eval()
     mx.eval(drafter.parameters())
     return drafter
+
+
+def quantize_like(drafter: BlockDraftModel, quantization: Optional[dict], weights: dict):
+    """Quantize the modules the checkpoint stores quantized (``convert --draft-q-bits``), so
+    their matmuls run through mlx's quantized ops."""
+    if not quantization:
+        return
+    nn.quantize(drafter, group_size=quantization["group_size"], bits=quantization["bits"],
+                mode=quantization.get("mode", "affine"),
+                class_predicate=lambda path, _: f"{path}.scales" in weights)
 
 
 def check_fits(drafter: BlockDraftModel, model, where: str = "the drafter"):
@@ -113,4 +126,4 @@ def describe(config: dict) -> Optional[dict]:
     return {"kind": spec.kind, "taps": list(spec.target_layer_ids), "block_size": spec.block_size,
             "max_draft": spec.max_draft, "autoregressive": spec.autoregressive,
             "hidden_size": spec.hidden_size,
-            "vocab_size": spec.vocab_size}
+            "vocab_size": spec.vocab_size, "quantization": config.get("quantization")}

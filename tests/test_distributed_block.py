@@ -1,0 +1,105 @@
+"""Block drafters over a model split across two local ranks (``mlx.launch -n 2 --backend
+ring``), tensor and expert: every rank has the whole residual stream, so each runs the
+drafter whole (replicated) on its own taps; rank 0's drafts are the ones every rank verifies
+(the step's one draft message) and acceptance is decided once. Greedy output, and the drafts
+accepted from the drafter and from the head, equal one process's (``distributed_block_rank.
+single_process``) for DFlash and DSpark drafters on the Qwen3.5 hybrid (dense, tensor; MoE,
+expert), on random trunks with random drafters (drafts rejected, varied ids) and on oracle
+trunks with oracle drafters (drafts accepted), at block widths 1..3
+and with the head chained past the block. A pipeline is refused in one line (its tapped
+layers sit on several ranks)."""
+
+import json
+
+import pytest
+
+from distributed_block_rank import single_process
+from mlx_mtp.testing.tiny import make_tiny
+from mlx_mtp.testing.tiny_block import make_tiny_block
+from test_distributed import launch
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [5, 60, 11, 7, 9, 3, 41, 17]
+RUNS = [["block", 1], ["block", 2], ["block", 3], ["block+mtp", 4]]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist_block")
+    trunks = {(fam, head): make_tiny(root / f"{fam}-{head}", fam, head, seed=1)
+              for fam in ("qwen3_5", "qwen3_5_moe") for head in ("random", "oracle")}
+    out = []
+    for kind in ("dflash", "dspark"):
+        drafter = make_tiny_block(root / kind, kind, 64, 512, [0, 2], 4, own_embed_head=False,
+                                  block_size=4, num_key_value_heads=4)
+        for (fam, head), trunk in trunks.items():
+            mode = "expert" if fam.endswith("moe") else "tensor"
+            out.append({"name": f"{kind}-{mode}-{head}", "model": str(trunk), "mode": mode,
+                        "oracle": head == "oracle", "drafter": str(drafter)})
+    for j in out:
+        j.update(runs=RUNS, prompt=PROMPT, max_tokens=12)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(jobs, tmp_path_factory):
+    d = tmp_path_factory.mktemp("runs")
+    (d / "jobs.json").write_text(json.dumps(jobs))
+    script = __import__("distributed_block_rank").__file__
+    proc = launch(script, d / "jobs.json", d / "out",
+                  progress=[d / f"out.{r}.log" for r in (0, 1)])
+    if proc.returncode or not all((d / f"out.{r}").exists() for r in (0, 1)):
+        pytest.fail(f"a rank failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [json.loads((d / f"out.{r}").read_text()) for r in (0, 1)]
+
+
+def test_split_runs_equal_one_process(jobs, ranks):
+    for i, job in enumerate(jobs):
+        want = single_process(job)
+        for rank in (0, 1):
+            got = ranks[rank][i]
+            assert got["mode"] == job["mode"], job["name"]
+            assert got["runs"] == want, (job["name"], rank)
+        drafted, accepted = (sum(r["block"][i] for r in want) for i in (0, 1))
+        assert 0 < accepted if job["oracle"] else accepted < drafted, job["name"]
+        assert all(r["block"][0] > 0 for r in want), job["name"]
+
+
+def test_pipeline_is_refused_in_one_line(tmp_path, capsys):
+    from mlx_mtp.cli import main
+
+    trunk = make_tiny(tmp_path / "trunk", "qwen3_5", "random", vocab_size=4096)
+    dflash = make_tiny_block(tmp_path / "dflash", "dflash", 64, 4096, [0, 2], 4)
+    code = main(["generate", "--model", str(trunk), "--prompt", "hi", "-m", "2",
+                 "--distributed", "pipeline", "--draft-model", str(dflash)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "pipeline mode" in err and "--distributed tensor or expert" in err
+
+
+def test_cli_generate_tensor_with_a_block_drafter(tmp_path):
+    """``generate --distributed tensor --draft-model DRAFTER`` (the flags' path: the default
+    source block+mtp, K fixed) prints what one process prints, with the drafter's drafts."""
+    import subprocess
+    import sys
+
+    from test_distributed import TIMEOUT
+
+    trunk = make_tiny(tmp_path / "trunk", "qwen3_5", "noisy", trunk_scale=0.2,
+                      vocab_size=4096)
+    dspark = make_tiny_block(tmp_path / "dspark", "dspark", 64, 4096, [0, 2], 4)
+    args = ["-m", "mlx_mtp.cli", "generate", "--model", str(trunk), "--prompt", "hello there",
+            "--temp", "0", "-m", "8", "--draft-model", str(dspark), "--fixed-k",
+            "--num-draft-tokens", "3"]
+    single = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    assert single.returncode == 0, single.stderr
+    dist = launch(*args, "--distributed", "tensor")
+    assert dist.returncode == 0, dist.stderr[-3000:]
+    def text_and_drafts(out):  # the generated text, and the drafts accepted per source
+        return out.split("==========")[1], [x for x in out.splitlines() if x.startswith("MTP:")]
+
+    text, drafts = text_and_drafts(single.stdout)
+    assert text.strip() and ", block 0/24" in drafts[0], single.stdout  # 8 steps of 3
+    assert text_and_drafts(dist.stdout) == (text, drafts), dist.stdout
