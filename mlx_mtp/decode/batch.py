@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from ..models.cache.kv import restore_caches, snapshot_caches
 from ..models.cache.quantized import draft_room
+from ..models.cache.slots import filter_caches
 from . import block_context
 from .policy import DraftPolicy
 from .sequence import Sequence as DecodeSequence
@@ -155,8 +156,7 @@ class BatchDecoder:
         if not core.rows:
             core.cache = core.mtp_cache = None
             return
-        for c in core.cache + (core.mtp_cache or []):
-            c.filter(keep)
+        filter_caches(core.cache + (core.mtp_cache or []), keep)  # one sync, columns given back
 
     # -- decoding ----------------------------------------------------------
     def choose_ks(self, load: int = 0) -> List[int]:

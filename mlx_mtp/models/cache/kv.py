@@ -21,7 +21,8 @@ Every cache speaks one protocol (mlx-lm's shape, ``_Cache`` here), so nothing ou
 cache modules reads a cache field: ``state`` / ``meta_state`` / ``from_state`` (save and load; ``kind``,
 ``state_names`` name them on disk), ``snapshot()`` / ``restore(snap)`` (undo a step,
 by reference), ``merge(caches)`` into a batch (``check_joins(row)`` first: does a row's
-cache fit beside ours, ``fit.py``), ``extract(row)``, ``filter(rows)``, ``empty(B)``, ``lengths()``
+cache fit beside ours, ``fit.py``), ``extract(row)``, ``filter(rows)`` (which gives back the
+leading columns no kept row uses, ``slots.py``), ``empty(B)``, ``lengths()``
 (tokens per row), ``nbytes`` / ``row_nbytes`` (what ``state`` holds) and ``max_positions()``.
 """
 
@@ -32,8 +33,11 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_causal_mask
+from mlx.utils import tree_map
 
 from .fit import check_array_joins
+from .slots import (filter_caches, squeeze_index, stack_left_padded, unused_leading,
+                    without_leading)
 
 
 def _no_window(window_size: Optional[int]):
@@ -72,9 +76,21 @@ class _Cache:
         """Rows held."""
         return 1
 
-    def filter(self, rows: List[int]):
+    def keep_rows(self, rows: List[int]):
+        """Keep ``rows``, in that order (``filter`` without giving back columns)."""
         if list(rows) != [0]:
             raise ValueError(f"a single-row cache cannot keep rows {rows}")
+
+    def filter(self, rows: List[int]):
+        """Keep ``rows``, in that order, and give back the leading columns none of them
+        uses (``slots.filter_caches``: a batch's caches together)."""
+        filter_caches([self], rows)
+
+    def unused_columns(self) -> Optional[mx.array]:
+        """Leading columns no row uses, not evaluated (None: a kind without columns)."""
+
+    def drop_columns(self, n: int):
+        """Drop the ``n`` leading columns ``unused_columns`` counted."""
 
     def extract(self, row: int):
         self.filter([row])
@@ -252,26 +268,6 @@ def restore_caches(snaps):
         c.restore(snap)
 
 
-def stack_left_padded(caches: List[KVCache]):
-    """The single-row caches' stored keys and values as rows of one batch, left-padded to
-    the longest, and the (B, L) mask of real slots; all None while every cache is empty."""
-    ref = next((c for c in caches if c.keys is not None), None)
-    if ref is None:
-        return None, None, None
-    L = max(c.stored for c in caches)
-    H, D, Dv = ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
-    ks, vs = [], []
-    for c in caches:
-        pad = L - c.stored
-        zk = mx.zeros((1, H, pad, D), ref.keys.dtype)
-        zv = mx.zeros((1, H, pad, Dv), ref.values.dtype)
-        k, v = c.state
-        ks.append(zk if k is None else mx.concatenate([zk, k], axis=2))
-        vs.append(zv if v is None else mx.concatenate([zv, v], axis=2))
-    valid = mx.arange(L)[None] >= mx.array([L - c.stored for c in caches])[:, None]
-    return mx.concatenate(ks), mx.concatenate(vs), valid
-
-
 class BatchKVCache(_Cache):
     """KV cache for a batch of sequences of different lengths, with per-row rollback.
 
@@ -435,17 +431,9 @@ class BatchKVCache(_Cache):
 
     def _grow(self, S: int):
         """Squeeze out holes (left-pad to the longest row), then add room."""
-        valid = np.array(self.valid[:, : self.idx])
-        counts = valid.sum(axis=1)
-        L = int(counts.max()) if counts.size else 0
-        order = np.argsort(~valid, axis=1, kind="stable")  # valid slots first, in order
-        idx = np.zeros((len(counts), L), np.int32)
-        for b, n in enumerate(counts):
-            idx[b, L - n :] = order[b, :n]
-        gather = mx.array(idx)[:, None, :, None]
+        gather, new_valid, L = squeeze_index(self.valid, self.idx)
         k = mx.take_along_axis(self.keys[..., : self.idx, :], gather, axis=2)
         v = mx.take_along_axis(self.values[..., : self.idx, :], gather, axis=2)
-        new_valid = mx.arange(L)[None] >= mx.array(L - counts)[:, None]
         room = ((S + self.step - 1) // self.step) * self.step
         B, H, _, D = k.shape
         self.keys = mx.concatenate([k, mx.zeros((B, H, room, D), k.dtype)], axis=2)
@@ -453,11 +441,23 @@ class BatchKVCache(_Cache):
         self.valid = mx.concatenate([new_valid, mx.zeros((B, room), mx.bool_)], axis=1)
         self.idx = L
 
-    def filter(self, rows: List[int]):
+    def keep_rows(self, rows: List[int]):
         self.pos = [self.pos[r] for r in rows]
         if self.keys is not None:
             ix = mx.array(rows)
-            self.keys, self.values, self.valid = self.keys[ix], self.values[ix], self.valid[ix]
+            self.keys, self.values = tree_map(lambda a: a[ix], (self.keys, self.values))
+            self.valid = self.valid[ix]
+
+    def unused_columns(self) -> Optional[mx.array]:
+        if self.keys is not None and self.idx:
+            return unused_leading(self.valid[:, : self.idx])
+
+    def drop_columns(self, n: int):
+        if n:  # every array of keys and values (a quantized kind's triples), then the mask
+            held = (self.keys, self.values)
+            self.keys, self.values = tree_map(lambda a: without_leading(a, n, self.idx, 2), held)
+            self.valid = without_leading(self.valid, n, self.idx, 1)
+            self.idx -= n
 
     def _padded(self, L: int, like: "BatchKVCache"):
         B = len(self.pos)

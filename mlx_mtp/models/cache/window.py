@@ -27,7 +27,8 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from .kv import CACHE_KINDS, BatchKVCache, KVCache, stack_left_padded
+from .kv import CACHE_KINDS, BatchKVCache, KVCache
+from .slots import stack_left_padded
 
 # Positions a rollback may take back beyond the window: every draft of a step, rejected
 # from the first. The longest a step verifies is a row drafter's run extended by the head
