@@ -1,0 +1,171 @@
+"""A long row leaving a batch gives back the columns its padding took (``cache/slots.py``).
+
+A short row beside a long one is left-padded to the long one's length; once the long row
+leaves, ``filter`` (and ``BatchDecoder.remove``, through ``slots.filter_caches``) drops the
+leading columns no remaining row uses, for every cache kind together. Checked against
+references computed here: the caches of a batch that never had the long row (merged from
+the same solo prefills), each row's own single-row decode, and each row's greedy output
+decoded alone, for the Qwen3.5 hybrid, an MLA family (DeepSeek-V3), a windowed family with
+chained MTP layers (MiMo-V2-Flash), 4-bit quantized KV and a DSA family (DeepSeek-V3.2),
+plus hand-written block-drafter context caches.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cache_checks import assert_rows_are, merged_solos, same
+from mlx_mtp.decode.batch import BatchDecoder
+from mlx_mtp.decode.sampling import SamplingParams
+from mlx_mtp.decode.speculative import MTPDecoder
+from mlx_mtp.models.cache.context import ContextCache
+from mlx_mtp.models.cache.kv import cache_state_arrays
+from mlx_mtp.models.cache.quantized import KVQuantization
+from mlx_mtp.models.cache.slots import filter_caches
+from mlx_mtp.testing import tiny, tiny_attention, tiny_special
+
+RNG = np.random.default_rng(4)
+SHORT = [[int(x) for x in RNG.integers(0, 128, n)] for n in (5, 9)]
+LONG = [int(x) for x in RNG.integers(0, 128, 70)]
+N = 12  # tokens each short row decodes
+LONG_TOKENS = 3  # the long row leaves after these
+
+
+def hybrid(head_dim=None):
+    text = tiny.tiny_text_config("qwen3_5", vocab_size=128)
+    text = text if head_dim is None else dict(text, head_dim=head_dim)
+    return tiny.make_oracle(tiny.build_model("qwen3_5", text, seed=0), trunk_scale=0.5,
+                            fc_noise=1.5)
+
+
+def quantized_hybrid():
+    model = hybrid(head_dim=32)  # mx.quantize's smallest group is 32
+    model.use_kv_quantization(KVQuantization(bits=4, group_size=32))
+    return model
+
+
+def attention(config):
+    return tiny_attention.make_oracle(tiny_attention.build_model(config, seed=0), 0.5, 2.5, 0)
+
+
+def windowed():
+    model = tiny_attention.build_model(tiny_special.mimo_v2_flash_config(), seed=0)
+    tiny_special.chain_oracle(model, 2.5, 0)
+    return model
+
+
+MODELS = {"qwen3_5": hybrid, "qwen3_5_kv4": quantized_hybrid,
+          "deepseek_v3": lambda: attention(tiny_attention.tiny_config("deepseek_v3")),
+          "mimo_v2_flash": windowed,
+          "deepseek_v32": lambda: attention(tiny_special.dsa_config("deepseek_v32"))}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    return MODELS[request.param]()
+
+
+def attention_nbytes(caches) -> int:
+    return sum(c.nbytes for c in caches if c.is_trimmable())
+
+
+def unused(caches) -> list:
+    """Each cache's count of leading columns no row uses (None: a kind without columns)."""
+    return [None if n is None else n.item() for n in (c.unused_columns() for c in caches)]
+
+
+def test_filter_leaves_the_caches_of_a_batch_that_never_had_the_long_row(model):
+    prompts = [SHORT[0], LONG, SHORT[1]]
+    solos, merged = merged_solos(model, prompts)
+    held = attention_nbytes(merged)
+    filter_caches(merged, [0, 2])
+    _, never = merged_solos(model, SHORT)
+    same(cache_state_arrays(merged), cache_state_arrays(never))
+    # positions per row (a batch's recurrent caches keep no per-row count, only its longest)
+    assert [c.meta_state for c in merged if c.is_trimmable()] == [
+        c.meta_state for c in never if c.is_trimmable()]
+    assert_rows_are(merged, solos, [0, 2])
+    # the long row's 70 columns of each row go: what is held is what the short rows need
+    assert attention_nbytes(merged) == attention_nbytes(never) < held * (len(SHORT[1]) + 1) / 70
+
+
+def test_filter_of_one_cache_gives_back_its_columns_too(model):
+    """``filter`` on its own (one sync per cache) does what ``filter_caches`` does."""
+    _, merged = merged_solos(model, [LONG, SHORT[0]])
+    for c in merged:
+        c.filter([1])
+    _, never = merged_solos(model, [SHORT[0]])
+    same(cache_state_arrays(merged), cache_state_arrays(never))
+
+
+def solo_greedy(model, prompt, n):
+    dec = MTPDecoder(model, 0, SamplingParams(), adaptive=False)
+    dec.prefill(prompt)
+    out = []
+    while len(out) < n:
+        out += dec.step().tokens
+    return out[:n]
+
+
+def decode_while_long_row_visits(model, k):
+    """Two short rows decode; the long one joins after their first step and leaves after
+    ``LONG_TOKENS`` of its own; checked as it leaves: no cache (trunk or MTP) keeps a
+    leading column no row uses, and they hold fewer bytes than the same rows picked
+    without giving columns back. Returns the short rows' tokens and the batch."""
+    bd = BatchDecoder(model, k > 0, adaptive=False)
+    outs = {}
+    for key, prompt in [(0, SHORT[0]), (1, SHORT[1]), ("long", LONG)]:
+        dec = MTPDecoder(model, k, SamplingParams(), adaptive=False)
+        dec.prefill(prompt)
+        bd.add(key, dec)
+        outs[key] = []
+        for key, o in bd.step().items():
+            outs[key] += o.tokens
+    while len(outs["long"]) < LONG_TOKENS:
+        for key, o in bd.step().items():
+            outs[key] += o.tokens
+    picked = [c.copy() for c in bd.cache + (bd.mtp_cache or [])]
+    for c in picked:
+        c.keep_rows([0, 1])  # the rows alone, their columns as they were
+    bd.remove("long")
+    caches = bd.cache + (bd.mtp_cache or [])
+    counts = unused(caches)
+    assert all(n in (None, 0) for n in counts) and 0 in counts
+    assert attention_nbytes(caches) < attention_nbytes(picked)
+    for b in range(2):  # each row's own cache is untouched
+        same(cache_state_arrays([c.extract(b) for c in caches]),
+             cache_state_arrays([c.extract(b) for c in picked]))
+    while min(len(outs[0]), len(outs[1])) < N:
+        for key, o in bd.step().items():
+            outs[key] += o.tokens
+    return [outs[0][:N], outs[1][:N]], bd
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_short_rows_decode_as_alone_after_the_long_row_leaves(model, k):
+    refs = [solo_greedy(model, p, N) for p in SHORT]
+    outs, bd = decode_while_long_row_visits(model, k)
+    assert outs == refs
+    if k == 0:  # no rejected drafts, so no holes: the rows' own caches, merged afresh
+        never = [type(c).merge([c.extract(0), c.extract(1)]) for c in bd.cache]
+        same(cache_state_arrays(bd.cache), cache_state_arrays(never))
+
+
+def context_row(n: int, seed: int) -> ContextCache:
+    """A block drafter's context cache of one row holding ``n`` positions."""
+    c = ContextCache.empty(1)
+    kv = mx.array(np.random.default_rng(seed).standard_normal((1, 2, n, 4)).astype(np.float32))
+    c.prepare(n)
+    c.update_and_fetch(kv, -kv)
+    return c
+
+
+def test_block_context_caches_give_back_the_columns_of_a_departed_row():
+    rows = [context_row(n, seed) for seed, n in enumerate((3, 40, 6))]
+    batch = ContextCache.merge(rows)
+    held = batch.nbytes
+    batch.filter([2, 0])
+    never = ContextCache.merge([rows[2], rows[0]])
+    same(cache_state_arrays([batch]), cache_state_arrays([never]))
+    assert batch.pos == [6, 3] and batch.nbytes == never.nbytes < held / 4
+    same(batch.extract(1).state, rows[0].state)  # one row: no padding at all
