@@ -1,8 +1,8 @@
 """A long row leaving a batch gives back the columns its padding took (``cache/slots.py``).
 
 A short row beside a long one is left-padded to the long one's length; once the long row
-leaves, ``filter`` (and ``BatchDecoder.remove``, through ``slots.filter_caches``) drops the
-leading columns no remaining row uses, for every cache kind together. Checked against
+leaves, ``filter`` (which ``BatchDecoder.remove`` runs on every cache) drops the leading
+columns no remaining row uses, for every cache kind alike. Checked against
 references computed here: the caches of a batch that never had the long row (merged from
 the same solo prefills), each row's own single-row decode, and each row's greedy output
 decoded alone, for the Qwen3.5 hybrid, an MLA family (DeepSeek-V3), a windowed family with
@@ -21,7 +21,6 @@ from mlx_mtp.decode.speculative import MTPDecoder
 from mlx_mtp.models.cache.context import ContextCache
 from mlx_mtp.models.cache.kv import cache_state_arrays
 from mlx_mtp.models.cache.quantized import KVQuantization
-from mlx_mtp.models.cache.slots import filter_caches
 from mlx_mtp.testing import tiny, tiny_attention, tiny_special
 
 RNG = np.random.default_rng(4)
@@ -70,15 +69,22 @@ def attention_nbytes(caches) -> int:
 
 
 def unused(caches) -> list:
-    """Each cache's count of leading columns no row uses (None: a kind without columns)."""
-    return [None if n is None else n.item() for n in (c.unused_columns() for c in caches)]
+    """Each cache's count of leading columns no row uses, read from the row mask its
+    ``state`` holds (None: a kind without one)."""
+    counts = []
+    for c in caches:
+        masks = [a for a in c.state if a is not None and a.dtype == mx.bool_]
+        used = np.array(masks[0]).any(axis=0) if masks else None
+        counts.append(None if used is None else int(np.argmax(used)) if used.any() else used.size)
+    return counts
 
 
 def test_filter_leaves_the_caches_of_a_batch_that_never_had_the_long_row(model):
     prompts = [SHORT[0], LONG, SHORT[1]]
     solos, merged = merged_solos(model, prompts)
     held = attention_nbytes(merged)
-    filter_caches(merged, [0, 2])
+    for c in merged:
+        c.filter([0, 2])
     _, never = merged_solos(model, SHORT)
     same(cache_state_arrays(merged), cache_state_arrays(never))
     # positions per row (a batch's recurrent caches keep no per-row count, only its longest)
@@ -87,15 +93,6 @@ def test_filter_leaves_the_caches_of_a_batch_that_never_had_the_long_row(model):
     assert_rows_are(merged, solos, [0, 2])
     # the long row's 70 columns of each row go: what is held is what the short rows need
     assert attention_nbytes(merged) == attention_nbytes(never) < held * (len(SHORT[1]) + 1) / 70
-
-
-def test_filter_of_one_cache_gives_back_its_columns_too(model):
-    """``filter`` on its own (one sync per cache) does what ``filter_caches`` does."""
-    _, merged = merged_solos(model, [LONG, SHORT[0]])
-    for c in merged:
-        c.filter([1])
-    _, never = merged_solos(model, [SHORT[0]])
-    same(cache_state_arrays(merged), cache_state_arrays(never))
 
 
 def solo_greedy(model, prompt, n):
@@ -110,8 +107,8 @@ def solo_greedy(model, prompt, n):
 def decode_while_long_row_visits(model, k):
     """Two short rows decode; the long one joins after their first step and leaves after
     ``LONG_TOKENS`` of its own; checked as it leaves: no cache (trunk or MTP) keeps a
-    leading column no row uses, and they hold fewer bytes than the same rows picked
-    without giving columns back. Returns the short rows' tokens and the batch."""
+    leading column no row uses, they hold fewer bytes, and each row's own cache is
+    unchanged. Returns the short rows' tokens and the batch."""
     bd = BatchDecoder(model, k > 0, adaptive=False)
     outs = {}
     for key, prompt in [(0, SHORT[0]), (1, SHORT[1]), ("long", LONG)]:
@@ -124,17 +121,18 @@ def decode_while_long_row_visits(model, k):
     while len(outs["long"]) < LONG_TOKENS:
         for key, o in bd.step().items():
             outs[key] += o.tokens
-    picked = [c.copy() for c in bd.cache + (bd.mtp_cache or [])]
-    for c in picked:
-        c.keep_rows([0, 1])  # the rows alone, their columns as they were
+    caches = bd.cache + (bd.mtp_cache or [])
+    rows = [cache_state_arrays([c.extract(b) for c in caches]) for b in range(2)]
+    held = attention_nbytes(caches)
     bd.remove("long")
     caches = bd.cache + (bd.mtp_cache or [])
     counts = unused(caches)
     assert all(n in (None, 0) for n in counts) and 0 in counts
-    assert attention_nbytes(caches) < attention_nbytes(picked)
-    for b in range(2):  # each row's own cache is untouched
-        same(cache_state_arrays([c.extract(b) for c in caches]),
-             cache_state_arrays([c.extract(b) for c in picked]))
+    # two of three rows picked as they were would hold 2/3 of the bytes (every kind's
+    # bytes are per row); without the long row's columns they hold less
+    assert attention_nbytes(caches) < held * 2 / 3
+    for b in range(2):  # each row's own cache is as it was
+        same(cache_state_arrays([c.extract(b) for c in caches]), rows[b])
     while min(len(outs[0]), len(outs[1])) < N:
         for key, o in bd.step().items():
             outs[key] += o.tokens

@@ -31,7 +31,6 @@ import mlx.core as mx
 
 from ..models.cache.kv import restore_caches, snapshot_caches
 from ..models.cache.quantized import draft_room
-from ..models.cache.slots import filter_caches
 from . import block_context
 from .policy import DraftPolicy
 from .sequence import Sequence as DecodeSequence
@@ -156,7 +155,8 @@ class BatchDecoder:
         if not core.rows:
             core.cache = core.mtp_cache = None
             return
-        filter_caches(core.cache + (core.mtp_cache or []), keep)  # one sync, columns given back
+        for c in core.cache + (core.mtp_cache or []):
+            c.filter(keep)
 
     # -- decoding ----------------------------------------------------------
     def choose_ks(self, load: int = 0) -> List[int]:

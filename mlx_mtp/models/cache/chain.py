@@ -173,18 +173,12 @@ class ChainCache(_Cache):
                                   for c in caches])
         return cls(inner, pending, [p for c in caches for p in c.has_pending])
 
-    def keep_rows(self, rows: List[int]):
-        self.inner.keep_rows(rows)
+    def filter(self, rows: List[int]):
+        self.inner.filter(rows)
         self.has_pending = [self.has_pending[r] for r in rows]
         if self.pending is not None:
             self.pending = self.pending[mx.array(rows)]
         self.drafts = []
-
-    def unused_columns(self):
-        return self.inner.unused_columns()
-
-    def drop_columns(self, n: int):
-        self.inner.drop_columns(n)
 
     def extract(self, row: int) -> "ChainCache":
         pending = self.pending[row : row + 1] if self.has_pending[row] else None

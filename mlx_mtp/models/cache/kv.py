@@ -36,7 +36,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx.utils import tree_map
 
 from .fit import check_array_joins
-from .slots import (filter_caches, squeeze_index, stack_left_padded, unused_leading,
+from .slots import (first_after_padding, first_after_write, squeeze_index, stack_left_padded,
                     without_leading)
 
 
@@ -76,21 +76,9 @@ class _Cache:
         """Rows held."""
         return 1
 
-    def keep_rows(self, rows: List[int]):
-        """Keep ``rows``, in that order (``filter`` without giving back columns)."""
+    def filter(self, rows: List[int]):
         if list(rows) != [0]:
             raise ValueError(f"a single-row cache cannot keep rows {rows}")
-
-    def filter(self, rows: List[int]):
-        """Keep ``rows``, in that order, and give back the leading columns none of them
-        uses (``slots.filter_caches``: a batch's caches together)."""
-        filter_caches([self], rows)
-
-    def unused_columns(self) -> Optional[mx.array]:
-        """Leading columns no row uses, not evaluated (None: a kind without columns)."""
-
-    def drop_columns(self, n: int):
-        """Drop the ``n`` leading columns ``unused_columns`` counted."""
 
     def extract(self, row: int):
         self.filter([row])
@@ -275,16 +263,20 @@ class BatchKVCache(_Cache):
     which slots hold a row's tokens (padding and rejected drafts become holes), and
     ``pos`` (B,) is each row's own token count, i.e. its next RoPE position. A chunk
     of S new tokens per row is right-aligned: ``prepare(S, lengths)`` says how many
-    of the S are real for each row. Holes are squeezed out when the buffer grows.
+    of the S are real for each row. Holes are squeezed out when the buffer grows; the
+    leading columns no row uses any more are given back when rows leave (``filter``),
+    found from ``first`` (``slots.py``), so without a sync.
     """
 
     step = 256
 
-    def __init__(self, pos: List[int], keys=None, values=None, valid=None):
+    def __init__(self, pos: List[int], keys=None, values=None, valid=None, first=None):
         self.keys, self.values = keys, values  # (B, H, cap, D) or None while empty
         self.valid = valid  # (B, cap) bool
         self.idx = keys.shape[2] if keys is not None else 0
         self.pos = list(pos)
+        # each row's first column in use (none before it); None: not known (a loaded state)
+        self.first = list(first) if first is not None else [0] * len(self.pos)
         self._lengths: Optional[List[int]] = None
         self._S = 0
 
@@ -314,6 +306,7 @@ class BatchKVCache(_Cache):
     def state(self, v):
         self.keys, self.values, self.valid = v
         self.idx = 0 if self.keys is None else self.keys.shape[2]
+        self.first = None  # until the buffer next grows
 
     @property
     def meta_state(self):
@@ -325,10 +318,10 @@ class BatchKVCache(_Cache):
 
     def snapshot(self):
         # Writes land past ``idx`` and ``drop_last`` makes a new mask: references suffice.
-        return self.idx, list(self.pos), self.valid, self.keys, self.values
+        return self.idx, list(self.pos), self.first, self.valid, self.keys, self.values
 
     def restore(self, snap):
-        self.idx, pos, self.valid, self.keys, self.values = snap
+        self.idx, pos, self.first, self.valid, self.keys, self.values = snap
         self.pos = list(pos)
 
     @classmethod
@@ -346,7 +339,7 @@ class BatchKVCache(_Cache):
     def _share(self) -> "BatchKVCache":
         """A new cache object over the same arrays (they are only ever replaced)."""
         c = BatchKVCache(self.pos, self.keys, self.values, self.valid)
-        c.idx = self.idx
+        c.idx, c.first = self.idx, self.first
         return c
 
     def extract(self, row: int) -> KVCache:
@@ -396,6 +389,7 @@ class BatchKVCache(_Cache):
         self.keys[..., self.idx : self.idx + S, :] = keys
         self.values[..., self.idx : self.idx + S, :] = values
         self.valid[:, self.idx : self.idx + S] = self._new_valid()
+        self.first = first_after_write(self, S)
         self.idx += S
         self.last_write = S
         self.pos = [p + n for p, n in zip(self.pos, self.chunk_lengths(S))]
@@ -431,7 +425,7 @@ class BatchKVCache(_Cache):
 
     def _grow(self, S: int):
         """Squeeze out holes (left-pad to the longest row), then add room."""
-        gather, new_valid, L = squeeze_index(self.valid, self.idx)
+        gather, new_valid, L, self.first = squeeze_index(self.valid, self.idx)
         k = mx.take_along_axis(self.keys[..., : self.idx, :], gather, axis=2)
         v = mx.take_along_axis(self.values[..., : self.idx, :], gather, axis=2)
         room = ((S + self.step - 1) // self.step) * self.step
@@ -441,23 +435,21 @@ class BatchKVCache(_Cache):
         self.valid = mx.concatenate([new_valid, mx.zeros((B, room), mx.bool_)], axis=1)
         self.idx = L
 
-    def keep_rows(self, rows: List[int]):
+    def filter(self, rows: List[int]):
+        """Keep ``rows`` and give back the leading columns none of them uses, in a new
+        buffer (the old one is freed) with the same room past ``idx``."""
         self.pos = [self.pos[r] for r in rows]
-        if self.keys is not None:
-            ix = mx.array(rows)
-            self.keys, self.values = tree_map(lambda a: a[ix], (self.keys, self.values))
-            self.valid = self.valid[ix]
-
-    def unused_columns(self) -> Optional[mx.array]:
-        if self.keys is not None and self.idx:
-            return unused_leading(self.valid[:, : self.idx])
-
-    def drop_columns(self, n: int):
-        if n:  # every array of keys and values (a quantized kind's triples), then the mask
-            held = (self.keys, self.values)
-            self.keys, self.values = tree_map(lambda a: without_leading(a, n, self.idx, 2), held)
-            self.valid = without_leading(self.valid, n, self.idx, 1)
-            self.idx -= n
+        first = None if self.first is None else [self.first[r] for r in rows]
+        self.first = first
+        if self.keys is None:
+            return
+        ix = mx.array(rows)
+        n = min(min(first, default=0), self.idx) if first is not None else 0
+        self.keys, self.values = tree_map(lambda a: without_leading(a[ix], n, self.idx, 2),
+                                          (self.keys, self.values))  # quantized: triples
+        self.valid = without_leading(self.valid[ix], n, self.idx, 1)
+        self.idx -= n
+        self.first = None if first is None else [f - n for f in first]
 
     def _padded(self, L: int, like: "BatchKVCache"):
         B = len(self.pos)
@@ -475,10 +467,11 @@ class BatchKVCache(_Cache):
 
     def extend(self, other: "BatchKVCache"):
         """Append the rows of ``other``, both right-aligned at the write pointer."""
+        L = max(self.idx, other.idx)
+        self.first = first_after_padding(L, self, other)
         if self.keys is None and other.keys is None:
             self.pos += other.pos
             return
-        L = max(self.idx, other.idx)
         ka, va, ma = self._padded(L, other)
         kb, vb, mb = other._padded(L, self)
         self.keys = mx.concatenate([ka, kb])

@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from .kv import CACHE_KINDS, BatchKVCache, KVCache
-from .slots import squeeze_index
+from .slots import first_after_padding, first_after_write, squeeze_index
 
 
 @dataclass(frozen=True)
@@ -254,6 +254,7 @@ class BatchQuantizedKVCache(BatchKVCache):
     def state(self, v):
         self.keys, self.values, self.valid = tuple(v[:3]), tuple(v[3:6]), v[6]
         self.idx = self.keys[0].shape[2]
+        self.first = None  # until the buffer next grows
 
     @property
     def meta_state(self):
@@ -293,7 +294,7 @@ class BatchQuantizedKVCache(BatchKVCache):
 
     def _share(self) -> "BatchQuantizedKVCache":
         c = BatchQuantizedKVCache(self.pos, self.keys, self.values, self.valid, self.quant)
-        c.idx = self.idx
+        c.idx, c.first = self.idx, self.first
         return c
 
     def extract(self, row: int) -> QuantizedKVCache:
@@ -328,6 +329,7 @@ class BatchQuantizedKVCache(BatchKVCache):
             for a, x in zip(held, new):
                 a[..., self.idx : self.idx + S, :] = x
         self.valid[:, self.idx : self.idx + S] = self._new_valid()
+        self.first = first_after_write(self, S)
         self.idx += S
         self.last_write = S
         self.pos = [p + n for p, n in zip(self.pos, self.chunk_lengths(S))]
@@ -335,7 +337,7 @@ class BatchQuantizedKVCache(BatchKVCache):
 
     def _grow(self, S: int):
         """Squeeze out holes (left-pad to the longest row), then add room."""
-        gather, new_valid, L = squeeze_index(self.valid, self.idx)
+        gather, new_valid, L, self.first = squeeze_index(self.valid, self.idx)
         room = ((S + self.step - 1) // self.step) * self.step
         B, H = len(self.pos), self.keys[0].shape[1]
 
@@ -366,10 +368,11 @@ class BatchQuantizedKVCache(BatchKVCache):
 
     def extend(self, other: "BatchQuantizedKVCache"):
         """Append the rows of ``other``, both right-aligned at the write pointer."""
+        L = max(self.idx, other.idx)
+        self.first = first_after_padding(L, self, other)
         if self.keys is None and other.keys is None:
             self.pos += other.pos
             return
-        L = max(self.idx, other.idx)
         ka, va, ma = self._padded(L, other)
         kb, vb, mb = other._padded(L, self)
         self.keys, self.values = _cat([ka, kb], axis=0), _cat([va, vb], axis=0)

@@ -154,7 +154,7 @@ class RecurrentCache(_Cache):
         return out
     concat = merge  # the older name
 
-    def keep_rows(self, rows: List[int]):
+    def filter(self, rows: List[int]):
         self.verify_record = None  # its rows no longer line up
         self._rows = len(rows)
         if self.conv is not None:

@@ -1,21 +1,20 @@
 """The columns of batch caches (``kv.BatchKVCache`` and its kinds): which slots rows use,
-squeezing holes out, and giving back the leading columns no row uses once rows leave.
+left-padding rows to a common length, squeezing holes out, and giving back the leading
+columns no row uses once rows leave.
 
 A batch's rows are right-aligned at one write pointer, so a short row beside a long one is
-left-padded to the long one's length. ``filter_caches`` keeps some rows of every cache of a
-batch, then drops the leading columns none of the kept rows uses (mlx-lm's
-``BatchKVCache.filter`` shifts by the smallest left padding the same way): otherwise the
-rows left behind by a departed long row would attend over its padding, and hold its
-memory, until their buffer next grows. Each cache counts its own unused columns, so caches
-written alike (the trunk's layers, which share one mask; a DSA layer's latents and
-indexer keys) drop the same count and stay aligned; the counts of every cache are read in
-one host sync. A batch loses a row rarely (not every step), so that sync is off the decode
-step's path.
+left-padded to the long one's length. When rows leave, ``filter`` drops the leading
+columns none of the kept rows uses (mlx-lm's ``BatchKVCache.filter`` shifts by the
+smallest left padding the same way): otherwise the rows a departed long row leaves behind
+would attend over its padding, and hold its memory, until their buffer next grows. Each
+batch cache keeps ``first``, every row's first column in use, on the host (set where rows
+are padded, written and squeezed), so the count needs no sync; caches written alike (the
+trunk's layers, which share one mask; a DSA layer's latents and indexer keys) hold the same
+``first`` and drop the same columns, so they stay aligned. A state loaded from disk has no
+``first`` (None) until its buffer next grows: nothing is given back before then.
 """
 
 from __future__ import annotations
-
-from typing import List
 
 import mlx.core as mx
 import numpy as np
@@ -23,11 +22,11 @@ import numpy as np
 
 def stack_left_padded(caches: list):
     """The single-row caches' (``KVCache``) stored keys and values as rows of one batch,
-    left-padded to the longest, and the (B, L) mask of real slots; all None while every
-    cache is empty."""
+    left-padded to the longest, the (B, L) mask of real slots and each row's first real
+    slot; all None while every cache is empty."""
     ref = next((c for c in caches if c.keys is not None), None)
     if ref is None:
-        return None, None, None
+        return None, None, None, None
     L = max(c.stored for c in caches)
     H, D, Dv = ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
     ks, vs = [], []
@@ -38,13 +37,15 @@ def stack_left_padded(caches: list):
         k, v = c.state
         ks.append(zk if k is None else mx.concatenate([zk, k], axis=2))
         vs.append(zv if v is None else mx.concatenate([zv, v], axis=2))
-    valid = mx.arange(L)[None] >= mx.array([L - c.stored for c in caches])[:, None]
-    return mx.concatenate(ks), mx.concatenate(vs), valid
+    first = [L - c.stored for c in caches]
+    valid = mx.arange(L)[None] >= mx.array(first)[:, None]
+    return mx.concatenate(ks), mx.concatenate(vs), valid, first
 
 
 def squeeze_index(valid: mx.array, idx: int):
-    """(gather (B, 1, L, 1), valid (B, L), L): each row's valid slots below ``idx``, in
-    order, left-padded to the longest row (what a growing buffer keeps)."""
+    """(gather (B, 1, L, 1), valid (B, L), L, first): each row's valid slots below ``idx``,
+    in order, left-padded to the longest row (what a growing buffer keeps), and where each
+    row's first one lands."""
     valid = np.array(valid[:, :idx])
     counts = valid.sum(axis=1)
     L = int(counts.max()) if counts.size else 0
@@ -53,13 +54,24 @@ def squeeze_index(valid: mx.array, idx: int):
     for b, n in enumerate(counts):
         index[b, L - n :] = order[b, :n]
     new_valid = mx.arange(L)[None] >= mx.array(L - counts)[:, None]
-    return mx.array(index)[:, None, :, None], new_valid, L
+    return mx.array(index)[:, None, :, None], new_valid, L, (L - counts).tolist()
 
 
-def unused_leading(valid: mx.array) -> mx.array:
-    """How many leading columns of ``valid`` (B, L) no row uses (a scalar, not evaluated)."""
-    used = valid.any(axis=0)
-    return mx.where(used.any(), mx.argmax(used.astype(mx.int32)), used.shape[0])
+def first_after_write(cache, S: int):
+    """``cache.first`` after a chunk of ``S`` columns at its write pointer (called before
+    ``idx`` and ``pos`` move): a row that held no token starts at its first real one."""
+    if cache.first is None:
+        return None
+    return [cache.idx + S - n if p == 0 and n else f
+            for f, p, n in zip(cache.first, cache.pos, cache.chunk_lengths(S))]
+
+
+def first_after_padding(L: int, *caches):
+    """The ``first`` of ``caches``' rows, one after the other, each cache left-padded to ``L``
+    columns (``extend``)."""
+    if any(c.first is None for c in caches):
+        return None
+    return [f + L - c.idx for c in caches for f in c.first]
 
 
 def without_leading(a: mx.array, n: int, idx: int, axis: int) -> mx.array:
@@ -69,15 +81,3 @@ def without_leading(a: mx.array, n: int, idx: int, axis: int) -> mx.array:
     room = list(a.shape)
     room[axis] -= idx
     return mx.concatenate([a[head + (slice(n, idx),)], mx.zeros(room, a.dtype)], axis=axis)
-
-
-def filter_caches(caches: list, rows: List[int]):
-    """Keep ``rows`` (in that order) of every cache, then drop each cache's leading columns
-    that none of them uses, all counts read in one sync (see the module doc)."""
-    for c in caches:
-        c.keep_rows(rows)
-    counted = [(c, n) for c in caches for n in [c.unused_columns()] if n is not None]
-    if counted:
-        counts = mx.stack([n for _, n in counted]).tolist()
-        for (c, _), n in zip(counted, counts):
-            c.drop_columns(n)
