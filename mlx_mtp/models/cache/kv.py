@@ -436,8 +436,8 @@ class BatchKVCache(_Cache):
         self.idx = L
 
     def filter(self, rows: List[int]):
-        """Keep ``rows`` and give back the leading columns none of them uses, in a new
-        buffer (the old one is freed) with the same room past ``idx``."""
+        """Keep ``rows`` and give back the leading columns none of them uses (a new buffer
+        with the same room past ``idx``, so the old one is freed)."""
         self.pos = [self.pos[r] for r in rows]
         first = None if self.first is None else [self.first[r] for r in rows]
         self.first = first

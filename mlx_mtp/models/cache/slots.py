@@ -76,7 +76,9 @@ def first_after_padding(L: int, *caches):
 
 def without_leading(a: mx.array, n: int, idx: int, axis: int) -> mx.array:
     """``a`` without its ``n`` leading columns along ``axis``, in a new buffer (so the old
-    one is freed) with the same room past the write pointer ``idx``."""
+    one is freed) with the same room past the write pointer ``idx``; ``a`` itself if n is 0."""
+    if not n:
+        return a
     head = (slice(None),) * axis
     room = list(a.shape)
     room[axis] -= idx
