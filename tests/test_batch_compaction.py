@@ -7,7 +7,8 @@ references computed here: the caches of a batch that never had the long row (mer
 the same solo prefills), each row's own single-row decode, and each row's greedy output
 decoded alone, for the Qwen3.5 hybrid, an MLA family (DeepSeek-V3), a windowed family with
 chained MTP layers (MiMo-V2-Flash), 4-bit quantized KV and a DSA family (DeepSeek-V3.2),
-plus hand-written block-drafter context caches.
+plus hand-written block-drafter context caches; and the rows' first columns, which the
+caches follow on the host, through holes, growth, window drops and a state read back.
 """
 
 import mlx.core as mx
@@ -19,8 +20,10 @@ from mlx_mtp.decode.batch import BatchDecoder
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder
 from mlx_mtp.models.cache.context import ContextCache
-from mlx_mtp.models.cache.kv import cache_state_arrays
+from mlx_mtp.models.cache.kv import BatchKVCache, KVCache, cache_state_arrays
 from mlx_mtp.models.cache.quantized import KVQuantization
+from mlx_mtp.models.cache.slots import stack_left_padded
+from mlx_mtp.models.cache.window import BatchWindowKVCache
 from mlx_mtp.testing import tiny, tiny_attention, tiny_special
 
 RNG = np.random.default_rng(4)
@@ -167,3 +170,52 @@ def test_block_context_caches_give_back_the_columns_of_a_departed_row():
     same(cache_state_arrays([batch]), cache_state_arrays([never]))
     assert batch.pos == [6, 3] and batch.nbytes == never.nbytes < held / 4
     same(batch.extract(1).state, rows[0].state)  # one row: no padding at all
+
+
+def single_row(n: int, seed: int) -> KVCache:
+    c = KVCache()
+    kv = mx.array(np.random.default_rng(seed).standard_normal((1, 2, n, 4)).astype(np.float32))
+    c.update_and_fetch(kv, -kv)
+    return c
+
+
+@pytest.mark.parametrize("kind", ["full", "window"])
+def test_rows_first_columns_are_followed_through_holes_and_growth(kind, monkeypatch):
+    """Rejected drafts (holes), buffers growing (holes squeezed out; a window's old entries
+    dropped) and a join: the row left after the long one goes keeps exactly its entries and
+    no column before them."""
+    cls = BatchKVCache if kind == "full" else BatchWindowKVCache
+    monkeypatch.setattr(cls, "step", 8)
+    rows = [single_row(2, 0), single_row(30, 1)]
+    batch = (BatchKVCache.from_single(rows) if kind == "full"
+             else BatchWindowKVCache(4, [2, 30], *stack_left_padded(rows)))
+    batch.extend(BatchKVCache.from_single([single_row(50, 2)]) if kind == "full"
+                 else BatchWindowKVCache(4, [50], *stack_left_padded([single_row(50, 2)])))
+    for i in range(12):
+        batch.prepare(3)
+        k = mx.full((3, 2, 3, 4), float(i))
+        batch.update_and_fetch(k, k)
+        batch.accept([1, 3, 2])  # row 0 keeps one of three, row 2 two
+    kept = batch.row_state(0)
+    batch.filter([0])
+    assert unused([batch]) == [0] and batch.pos == [2 + 12]
+    same(batch.row_state(0), kept)
+    batch.prepare(1)  # and it decodes on: the next write lands after its entries
+    batch.update_and_fetch(mx.ones((1, 2, 1, 4)), mx.ones((1, 2, 1, 4)))
+    assert batch.row_state(0)[0].shape[2] == kept[0].shape[2] + 1
+
+
+def test_a_loaded_batch_gives_columns_back_once_its_buffer_grows():
+    """A batch state read back (``from_state``) does not know its rows' first columns: its
+    filter keeps every column (still exact), and gives them back after the next growth."""
+    batch = BatchKVCache.from_single([single_row(3, 0), single_row(40, 1), single_row(5, 2)])
+    loaded = BatchKVCache.from_state(batch.state, batch.meta_state)
+    loaded.filter([0, 1, 2])  # nothing known, nothing dropped
+    same(loaded.state, batch.state)
+    loaded.filter([0, 2])
+    assert unused([loaded]) == [35]
+    same(loaded.row_state(1), batch.row_state(2))
+    loaded.prepare(loaded.step)  # past the buffer: it grows, squeezing and learning
+    loaded.update_and_fetch(mx.zeros((2, 2, loaded.step, 4)), mx.zeros((2, 2, loaded.step, 4)))
+    loaded.filter([0])  # the shorter row: 2 columns of padding beside the other
+    assert unused([loaded]) == [0] and loaded.pos == [3 + loaded.step]
