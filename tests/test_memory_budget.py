@@ -90,8 +90,8 @@ def test_window_nbytes_stays_bounded_and_follows_rollback():
     batch = WindowKVCache.merge([c, other])
     assert isinstance(batch, BatchWindowKVCache)
     assert batch.nbytes == kv_bytes(2, 7) + 2 * 7
-    batch.filter([1])
-    assert batch.nbytes == kv_bytes(1, 7) + 7
+    batch.filter([1])  # the longer row's leading columns (row 1's padding) are given back
+    assert batch.nbytes == kv_bytes(1, 3) + 3
 
 
 def test_chain_nbytes_is_its_inner_cache_and_pending_inputs():
@@ -117,8 +117,8 @@ def test_index_nbytes_counts_its_keys_and_placeholder_values():
         rows.append(c)
     batch = type(rows[0]).merge(rows)
     assert batch.nbytes == kv_bytes(2, 5, heads=1) + 2 * 5
-    batch.filter([0])
-    assert batch.nbytes == kv_bytes(1, 5, heads=1) + 5
+    batch.filter([0])  # the 5-position row's leading columns (row 0's padding) are given back
+    assert batch.nbytes == kv_bytes(1, 3, heads=1) + 3
 
 
 def state_bytes(caches):
@@ -151,7 +151,9 @@ def test_model_caches_nbytes_after_prefill_verify_and_batch_surgery(tiny_model):
     assert sum(c.nbytes for c in batch) == state_bytes(batch)
     for c in batch:
         c.filter([1])
-    assert all(c.nbytes == padded // 2 for c in batch if c.is_trimmable())
+    # row 1 (2 + 4 positions) keeps its 6 columns; the 5 it was padded by beside row 0 go
+    kept = kv_bytes(1, 6, args.num_key_value_heads, args.head_dim, item) + 6
+    assert all(c.nbytes == kept for c in batch if c.is_trimmable())
     assert sum(c.nbytes for c in batch) == state_bytes(batch)
     assert sum(c.nbytes for c in rec) == sum(c.nbytes for c in batch if not c.is_trimmable())
 

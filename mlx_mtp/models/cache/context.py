@@ -43,7 +43,7 @@ class ContextCache(BatchKVCache):
 
     def _share(self) -> "ContextCache":
         c = ContextCache(self.pos, self.keys, self.values, self.valid)
-        c.idx = self.idx
+        c.idx, c.first = self.idx, self.first
         return c
 
     def extract(self, row: int) -> "ContextCache":

@@ -47,7 +47,7 @@ class BatchIndexKeyCache(_IndexKeys, BatchKVCache):
 
     def _share(self) -> "BatchIndexKeyCache":
         c = BatchIndexKeyCache(self.pos, self.keys, self.values, self.valid)
-        c.idx = self.idx
+        c.idx, c.first = self.idx, self.first
         return c
 
     def extract(self, row: int) -> IndexKeyCache:

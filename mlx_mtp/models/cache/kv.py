@@ -21,7 +21,8 @@ Every cache speaks one protocol (mlx-lm's shape, ``_Cache`` here), so nothing ou
 cache modules reads a cache field: ``state`` / ``meta_state`` / ``from_state`` (save and load; ``kind``,
 ``state_names`` name them on disk), ``snapshot()`` / ``restore(snap)`` (undo a step,
 by reference), ``merge(caches)`` into a batch (``check_joins(row)`` first: does a row's
-cache fit beside ours, ``fit.py``), ``extract(row)``, ``filter(rows)``, ``empty(B)``, ``lengths()``
+cache fit beside ours, ``fit.py``), ``extract(row)``, ``filter(rows)`` (which gives back the
+leading columns no kept row uses, ``slots.py``), ``empty(B)``, ``lengths()``
 (tokens per row), ``nbytes`` / ``row_nbytes`` (what ``state`` holds) and ``max_positions()``.
 """
 
@@ -32,8 +33,11 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_causal_mask
+from mlx.utils import tree_map
 
 from .fit import check_array_joins
+from .slots import (first_after_padding, first_after_write, squeeze_index, stack_left_padded,
+                    without_leading)
 
 
 def _no_window(window_size: Optional[int]):
@@ -252,26 +256,6 @@ def restore_caches(snaps):
         c.restore(snap)
 
 
-def stack_left_padded(caches: List[KVCache]):
-    """The single-row caches' stored keys and values as rows of one batch, left-padded to
-    the longest, and the (B, L) mask of real slots; all None while every cache is empty."""
-    ref = next((c for c in caches if c.keys is not None), None)
-    if ref is None:
-        return None, None, None
-    L = max(c.stored for c in caches)
-    H, D, Dv = ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
-    ks, vs = [], []
-    for c in caches:
-        pad = L - c.stored
-        zk = mx.zeros((1, H, pad, D), ref.keys.dtype)
-        zv = mx.zeros((1, H, pad, Dv), ref.values.dtype)
-        k, v = c.state
-        ks.append(zk if k is None else mx.concatenate([zk, k], axis=2))
-        vs.append(zv if v is None else mx.concatenate([zv, v], axis=2))
-    valid = mx.arange(L)[None] >= mx.array([L - c.stored for c in caches])[:, None]
-    return mx.concatenate(ks), mx.concatenate(vs), valid
-
-
 class BatchKVCache(_Cache):
     """KV cache for a batch of sequences of different lengths, with per-row rollback.
 
@@ -279,16 +263,20 @@ class BatchKVCache(_Cache):
     which slots hold a row's tokens (padding and rejected drafts become holes), and
     ``pos`` (B,) is each row's own token count, i.e. its next RoPE position. A chunk
     of S new tokens per row is right-aligned: ``prepare(S, lengths)`` says how many
-    of the S are real for each row. Holes are squeezed out when the buffer grows.
+    of the S are real for each row. Holes are squeezed out when the buffer grows; the
+    leading columns no row uses any more are given back when rows leave (``filter``),
+    found from ``first`` (``slots.py``), so without a sync.
     """
 
     step = 256
 
-    def __init__(self, pos: List[int], keys=None, values=None, valid=None):
+    def __init__(self, pos: List[int], keys=None, values=None, valid=None, first=None):
         self.keys, self.values = keys, values  # (B, H, cap, D) or None while empty
         self.valid = valid  # (B, cap) bool
         self.idx = keys.shape[2] if keys is not None else 0
         self.pos = list(pos)
+        # each row's first column in use (none before it); None: not known (a loaded state)
+        self.first = list(first) if first is not None else [0] * len(self.pos)
         self._lengths: Optional[List[int]] = None
         self._S = 0
 
@@ -318,6 +306,7 @@ class BatchKVCache(_Cache):
     def state(self, v):
         self.keys, self.values, self.valid = v
         self.idx = 0 if self.keys is None else self.keys.shape[2]
+        self.first = None  # until the buffer next grows
 
     @property
     def meta_state(self):
@@ -329,10 +318,10 @@ class BatchKVCache(_Cache):
 
     def snapshot(self):
         # Writes land past ``idx`` and ``drop_last`` makes a new mask: references suffice.
-        return self.idx, list(self.pos), self.valid, self.keys, self.values
+        return self.idx, list(self.pos), self.first, self.valid, self.keys, self.values
 
     def restore(self, snap):
-        self.idx, pos, self.valid, self.keys, self.values = snap
+        self.idx, pos, self.first, self.valid, self.keys, self.values = snap
         self.pos = list(pos)
 
     @classmethod
@@ -350,7 +339,7 @@ class BatchKVCache(_Cache):
     def _share(self) -> "BatchKVCache":
         """A new cache object over the same arrays (they are only ever replaced)."""
         c = BatchKVCache(self.pos, self.keys, self.values, self.valid)
-        c.idx = self.idx
+        c.idx, c.first = self.idx, self.first
         return c
 
     def extract(self, row: int) -> KVCache:
@@ -400,6 +389,7 @@ class BatchKVCache(_Cache):
         self.keys[..., self.idx : self.idx + S, :] = keys
         self.values[..., self.idx : self.idx + S, :] = values
         self.valid[:, self.idx : self.idx + S] = self._new_valid()
+        self.first = first_after_write(self, S)
         self.idx += S
         self.last_write = S
         self.pos = [p + n for p, n in zip(self.pos, self.chunk_lengths(S))]
@@ -435,17 +425,9 @@ class BatchKVCache(_Cache):
 
     def _grow(self, S: int):
         """Squeeze out holes (left-pad to the longest row), then add room."""
-        valid = np.array(self.valid[:, : self.idx])
-        counts = valid.sum(axis=1)
-        L = int(counts.max()) if counts.size else 0
-        order = np.argsort(~valid, axis=1, kind="stable")  # valid slots first, in order
-        idx = np.zeros((len(counts), L), np.int32)
-        for b, n in enumerate(counts):
-            idx[b, L - n :] = order[b, :n]
-        gather = mx.array(idx)[:, None, :, None]
+        gather, new_valid, L, self.first = squeeze_index(self.valid, self.idx)
         k = mx.take_along_axis(self.keys[..., : self.idx, :], gather, axis=2)
         v = mx.take_along_axis(self.values[..., : self.idx, :], gather, axis=2)
-        new_valid = mx.arange(L)[None] >= mx.array(L - counts)[:, None]
         room = ((S + self.step - 1) // self.step) * self.step
         B, H, _, D = k.shape
         self.keys = mx.concatenate([k, mx.zeros((B, H, room, D), k.dtype)], axis=2)
@@ -454,10 +436,20 @@ class BatchKVCache(_Cache):
         self.idx = L
 
     def filter(self, rows: List[int]):
+        """Keep ``rows`` and give back the leading columns none of them uses (a new buffer
+        with the same room past ``idx``, so the old one is freed)."""
         self.pos = [self.pos[r] for r in rows]
-        if self.keys is not None:
-            ix = mx.array(rows)
-            self.keys, self.values, self.valid = self.keys[ix], self.values[ix], self.valid[ix]
+        first = None if self.first is None else [self.first[r] for r in rows]
+        self.first = first
+        if self.keys is None:
+            return
+        ix = mx.array(rows)
+        n = min(min(first, default=0), self.idx) if first is not None else 0
+        self.keys, self.values = tree_map(lambda a: without_leading(a[ix], n, self.idx, 2),
+                                          (self.keys, self.values))  # quantized: triples
+        self.valid = without_leading(self.valid[ix], n, self.idx, 1)
+        self.idx -= n
+        self.first = None if first is None else [f - n for f in first]
 
     def _padded(self, L: int, like: "BatchKVCache"):
         B = len(self.pos)
@@ -475,10 +467,11 @@ class BatchKVCache(_Cache):
 
     def extend(self, other: "BatchKVCache"):
         """Append the rows of ``other``, both right-aligned at the write pointer."""
+        L = max(self.idx, other.idx)
+        self.first = first_after_padding(L, self, other)
         if self.keys is None and other.keys is None:
             self.pos += other.pos
             return
-        L = max(self.idx, other.idx)
         ka, va, ma = self._padded(L, other)
         kb, vb, mb = other._padded(L, self)
         self.keys = mx.concatenate([ka, kb])

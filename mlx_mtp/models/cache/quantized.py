@@ -28,6 +28,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from .kv import CACHE_KINDS, BatchKVCache, KVCache
+from .slots import first_after_padding, first_after_write, squeeze_index
 
 
 @dataclass(frozen=True)
@@ -78,21 +79,6 @@ def _cut(q, start: int, stop: int):
 
 def _cat(parts, axis: int = 2):
     return tuple(mx.concatenate(list(xs), axis=axis) for xs in zip(*parts))
-
-
-def _squeeze_index(valid: mx.array, idx: int):
-    """(gather (B, 1, L, 1), valid (B, L), L): each row's valid slots below ``idx``, in
-    order, left-padded to the longest row (``BatchKVCache._grow``'s squeeze; kv.py is at its
-    size limit)."""
-    valid = np.array(valid[:, :idx])
-    counts = valid.sum(axis=1)
-    L = int(counts.max()) if counts.size else 0
-    order = np.argsort(~valid, axis=1, kind="stable")  # valid slots first, in order
-    index = np.zeros((len(counts), L), np.int32)
-    for b, n in enumerate(counts):
-        index[b, L - n :] = order[b, :n]
-    new_valid = mx.arange(L)[None] >= mx.array(L - counts)[:, None]
-    return mx.array(index)[:, None, :, None], new_valid, L
 
 
 def _groups(q) -> int:
@@ -268,6 +254,7 @@ class BatchQuantizedKVCache(BatchKVCache):
     def state(self, v):
         self.keys, self.values, self.valid = tuple(v[:3]), tuple(v[3:6]), v[6]
         self.idx = self.keys[0].shape[2]
+        self.first = None  # until the buffer next grows
 
     @property
     def meta_state(self):
@@ -307,7 +294,7 @@ class BatchQuantizedKVCache(BatchKVCache):
 
     def _share(self) -> "BatchQuantizedKVCache":
         c = BatchQuantizedKVCache(self.pos, self.keys, self.values, self.valid, self.quant)
-        c.idx = self.idx
+        c.idx, c.first = self.idx, self.first
         return c
 
     def extract(self, row: int) -> QuantizedKVCache:
@@ -342,6 +329,7 @@ class BatchQuantizedKVCache(BatchKVCache):
             for a, x in zip(held, new):
                 a[..., self.idx : self.idx + S, :] = x
         self.valid[:, self.idx : self.idx + S] = self._new_valid()
+        self.first = first_after_write(self, S)
         self.idx += S
         self.last_write = S
         self.pos = [p + n for p, n in zip(self.pos, self.chunk_lengths(S))]
@@ -349,7 +337,7 @@ class BatchQuantizedKVCache(BatchKVCache):
 
     def _grow(self, S: int):
         """Squeeze out holes (left-pad to the longest row), then add room."""
-        gather, new_valid, L = _squeeze_index(self.valid, self.idx)
+        gather, new_valid, L, self.first = squeeze_index(self.valid, self.idx)
         room = ((S + self.step - 1) // self.step) * self.step
         B, H = len(self.pos), self.keys[0].shape[1]
 
@@ -362,13 +350,6 @@ class BatchQuantizedKVCache(BatchKVCache):
         self.values = regrown(self.values, self.values[1].dtype)
         self.valid = mx.concatenate([new_valid, mx.zeros((B, room), mx.bool_)], axis=1)
         self.idx = L
-
-    def filter(self, rows: List[int]):
-        self.pos = [self.pos[r] for r in rows]
-        if self.keys is not None:
-            ix = mx.array(rows)
-            self.keys, self.values = (tuple(a[ix] for a in q) for q in (self.keys, self.values))
-            self.valid = self.valid[ix]
 
     def _padded(self, L: int, like: "BatchQuantizedKVCache"):
         B = len(self.pos)
@@ -387,10 +368,11 @@ class BatchQuantizedKVCache(BatchKVCache):
 
     def extend(self, other: "BatchQuantizedKVCache"):
         """Append the rows of ``other``, both right-aligned at the write pointer."""
+        L = max(self.idx, other.idx)
+        self.first = first_after_padding(L, self, other)
         if self.keys is None and other.keys is None:
             self.pos += other.pos
             return
-        L = max(self.idx, other.idx)
         ka, va, ma = self._padded(L, other)
         kb, vb, mb = other._padded(L, self)
         self.keys, self.values = _cat([ka, kb], axis=0), _cat([va, vb], axis=0)

@@ -27,7 +27,8 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from .kv import CACHE_KINDS, BatchKVCache, KVCache, stack_left_padded
+from .kv import CACHE_KINDS, BatchKVCache, KVCache
+from .slots import stack_left_padded
 
 # Positions a rollback may take back beyond the window: every draft of a step, rejected
 # from the first. The longest a step verifies is a row drafter's run extended by the head
@@ -155,8 +156,9 @@ class BatchWindowKVCache(BatchKVCache):
     kind = "batch_window_kv"
     row_kind = "window_kv"
 
-    def __init__(self, window: int, pos: List[int], keys=None, values=None, valid=None):
-        super().__init__(pos, keys, values, valid)
+    def __init__(self, window: int, pos: List[int], keys=None, values=None, valid=None,
+                 first=None):
+        super().__init__(pos, keys, values, valid, first)
         self.window = window
 
     def settings(self) -> tuple:
@@ -199,7 +201,7 @@ class BatchWindowKVCache(BatchKVCache):
 
     def _share(self) -> "BatchWindowKVCache":
         c = BatchWindowKVCache(self.window, self.pos, self.keys, self.values, self.valid)
-        c.idx = self.idx
+        c.idx, c.first = self.idx, self.first
         return c
 
     def extract(self, row: int) -> WindowKVCache:
