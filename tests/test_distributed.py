@@ -9,6 +9,7 @@ import json
 import socket
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -68,17 +69,22 @@ def launch(*argv, timeout=TIMEOUT, progress=None) -> subprocess.CompletedProcess
 
 def single_process(path, ks, temp=0.0, seed=None, mtp_model=None, accepted=False) -> dict:
     """The ids per K decoded in this process (``accepted``: also the accepted drafts)."""
+    tokens, drafts = decoded(str(path), tuple(ks), temp, seed, mtp_model)
+    return (tokens, drafts) if accepted else tokens
+
+
+@cache  # per decode: a checkpoint's pipeline and tensor jobs compare with the same one
+def decoded(path, ks, temp, seed, mtp_model) -> tuple:
     model, _ = load_model(Path(path), mtp=max(ks) > 0, mtp_model=mtp_model)
     sampling = SamplingParams(temperature=temp, seed=seed)
     out = {str(k): list(generate_step(PROMPT, model, num_draft_tokens=k, sampling=sampling,
                                       max_tokens=MAX_TOKENS, adaptive=False))
            for k in ks}
-    tokens = {k: [t for t, _, _ in o] for k, o in out.items()}
-    if accepted:
-        return tokens, {k: sum(d for _, _, d in o) for k, o in out.items()}
-    return tokens
+    return ({k: [t for t, _, _ in o] for k, o in out.items()},
+            {k: sum(d for _, _, d in o) for k, o in out.items()})
 
 
+@cache
 def model_bytes(path) -> int:
     model, _ = load_model(Path(path))
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))

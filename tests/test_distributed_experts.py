@@ -28,7 +28,7 @@ from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.models.split_plan import open_lazily, rank_shares
 from mlx_mtp.testing.tiny import make_tiny
 from test_distributed import RANK_SCRIPT, launch
-from test_distributed_families import (BUILDERS, DENSE, KS, MAX_TOKENS, PROMPT,
+from test_distributed_families import (BUILDERS, DENSE, KS, MAX_TOKENS, PROMPT, checkpoint,
                                        single_process)
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,7 @@ HEADS = ("oracle", "noisy", "random")  # random: the logits check
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("experts")
-    out = {(fam, head): build(root / f"{fam}_{head}", head)
+    out = {(fam, head): checkpoint(tmp_path_factory, fam, head, build)
            for fam, build in MOE.items() for head in HEADS}
     for head in HEADS:  # MLX layout, 8-bit experts (QuantizedSwitchLinear)
         out[("q8", head)] = root / f"q8_{head}"

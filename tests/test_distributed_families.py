@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import time
+from functools import cache
 
 import httpx
 import pytest
@@ -79,13 +80,25 @@ DENSE = ("mimo",)
 JOBS = [(fam, head, mode) for fam in BUILDERS for head in HEADS for mode in modes(fam)]
 
 
+# (family, head) -> its tiny checkpoint, built once per session: test_distributed_experts
+# decodes the same builders' checkpoints.
+BUILT = {}
+
+
+def checkpoint(tmp_path_factory, family, head, build=None):
+    if (family, head) not in BUILT:
+        build = build or BUILDERS[family]
+        BUILT[(family, head)] = build(tmp_path_factory.mktemp(f"{family}_{head}"), head)
+    return BUILT[(family, head)]
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dist_families")
-    return {(fam, head): build(root / f"{fam}_{head}", head)
-            for fam, build in BUILDERS.items() for head in HEADS}
+    return {(fam, head): checkpoint(tmp_path_factory, fam, head)
+            for fam in BUILDERS for head in HEADS}
 
 
+@cache  # per checkpoint: the pipeline and tensor jobs, and the expert split's, share it
 def single_process(path) -> dict:
     model, _ = load_model(path)
     return {str(k): [t for t, _, _ in generate_step(PROMPT, model, num_draft_tokens=k,
