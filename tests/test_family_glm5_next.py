@@ -1,0 +1,114 @@
+"""GLM-5.3-Flash (``glm5_next``: KDA + NoPE MLA with a k-pool indexer, mHC streams): the
+trunk's logits and greedy decoding equal transformers 5.24's ``Glm5NextForConditionalGeneration``
+on a tiny checkpoint it wrote itself, recorded with its outputs by
+``fixtures/glm5_next/make_reference.py`` (CI has no torch); a verify pass computes each row
+as one-token decoding does, selections at exact indexer ties included; a partial acceptance
+rolls KDA back by replay and trims the latent and indexer caches."""
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import family_checks as fc
+from mlx_mtp.models.cache.kv import cache_state_arrays
+from mlx_mtp.models.io.layout import CheckpointError
+from mlx_mtp.models.io.loader import load_model
+
+FIXTURE = Path(__file__).parent / "fixtures" / "glm5_next"
+CHECKPOINT = FIXTURE / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return np.load(FIXTURE / "reference.npz")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(CHECKPOINT, mtp=False)[0]
+
+
+def test_trunk_equals_transformers(model, reference):
+    """One forward over prompt + continuation (the indexer selecting: 16 complete pools, 2
+    kept) matches transformers' forward; cached one-token decoding through the engine gives
+    transformers' greedy continuation, with its per-step logits."""
+    prompt, tokens = reference["prompt"].tolist(), reference["tokens"].tolist()
+    logits = model.logits(model.trunk(mx.array([prompt + tokens]))[0])[0]
+    np.testing.assert_allclose(np.array(logits), reference["forward_logits"], atol=2e-4)
+    steps = fc.one_by_one_logits(model, prompt, tokens[:-1])[0]
+    np.testing.assert_allclose(np.array(steps), reference["step_logits"][1:], atol=2e-4)
+    assert fc.mtp_tokens(model, prompt, 0, n=len(tokens))[0] == tokens
+
+
+def test_layers_are_the_released_kinds(model):
+    kinds = [(layer.is_linear, layer.shared, "indexer" in layer.self_attn)
+             for layer in model.model.layers]
+    assert kinds == [(True, False, False), (False, False, True), (False, True, False),
+                     (True, False, False), (False, False, True)]
+    assert model.model.layers[0].self_attn.A_log.dtype == mx.float32
+
+
+@pytest.mark.parametrize("offset", [0, 3, 4])
+def test_verify_rows_equal_one_token_decoding(model, reference, offset):
+    """Five rows in one pass (some completing a pool, so later rows see pools earlier rows
+    must not) equal five one-token steps."""
+    prompt = reference["prompt"].tolist()[: 30 + offset]
+    rows = [5, 77, 140, 9, 201]
+    got, _ = fc.verify_logits(model, prompt, rows)
+    want = fc.one_by_one_logits(model, prompt, rows)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4)
+
+
+def test_partial_acceptance_rolls_back_exactly(model, reference):
+    """Verify four tokens, keep two: every cache (KDA by replay; latents and indexer keys
+    trimmed) is that of decoding the two one by one, and so are the logits that follow."""
+    prompt = reference["prompt"].tolist()
+    plain = fc.prefilled_cache(model, prompt)
+    for t in (4, 77):
+        model.trunk(mx.array([[t]]), plain)
+    want = model.logits(model.trunk(mx.array([[5]]), plain)[0])
+    _, spec = fc.verify_logits(model, prompt, [4, 77, 2, 9])
+    for c in spec:
+        c.accept([2])
+    before = fc.prefilled_cache(model, prompt)
+    for t in (4, 77):
+        model.trunk(mx.array([[t]]), before)
+    for a, b in zip(cache_state_arrays(spec), cache_state_arrays(before)):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5)
+    got = model.logits(model.trunk(mx.array([[5]]), spec)[0])
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+
+
+def test_exact_ties_select_as_one_token_decoding(tmp_path, reference):
+    """With the indexer's head weights zero every pool scores exactly 0: the selection then
+    rests on tie-breaking alone, and a verify pass (which sees pools a one-token step does
+    not) must still choose what one-token decoding chooses."""
+    path = tmp_path / "ties"
+    shutil.copytree(CHECKPOINT, path)
+    from safetensors.numpy import load_file, save_file
+    weights = load_file(path / "model.safetensors")
+    for k in weights:
+        if k.endswith("indexer.weights_proj.weight"):
+            weights[k] = np.zeros_like(weights[k])
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    tied = load_model(path, mtp=False)[0]
+    prompt = reference["prompt"].tolist()[:31]
+    rows = [5, 77, 140, 9, 201, 3]
+    got, _ = fc.verify_logits(tied, prompt, rows)
+    want = fc.one_by_one_logits(tied, prompt, rows)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4)
+
+
+def test_shared_layer_after_a_kda_layer_is_refused(tmp_path):
+    """transformers passes a selection only from an indexed layer to the next layer."""
+    path = tmp_path / "bad"
+    shutil.copytree(CHECKPOINT, path)
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["layer_types"][1] = "linear_attention"  # layer 2 is "shared"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="layer 2 reuses the indexer selection"):
+        load_model(path, mtp=False)
