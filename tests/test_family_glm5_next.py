@@ -29,7 +29,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model(CHECKPOINT, mtp=False)[0]
+    return load_model(CHECKPOINT)[0]
 
 
 def test_trunk_equals_transformers(model, reference):
@@ -41,7 +41,38 @@ def test_trunk_equals_transformers(model, reference):
     np.testing.assert_allclose(np.array(logits), reference["forward_logits"], atol=2e-4)
     steps = fc.one_by_one_logits(model, prompt, tokens[:-1])[0]
     np.testing.assert_allclose(np.array(steps), reference["step_logits"][1:], atol=2e-4)
-    assert fc.mtp_tokens(model, prompt, 0, n=len(tokens))[0] == tokens
+    for k in range(4):
+        assert fc.mtp_tokens(model, prompt, k, n=len(tokens))[0] == tokens, f"K={k}"
+
+
+def test_head_equals_mlx_vlm(model):
+    """mlx-vlm 0.7.10's ``Glm5NextMTPDraftModel`` on the same layer 5 (recorded by
+    ``fixtures/glm5_next/make_mlx_vlm_reference.py``): one pass over 20 rows from position 0
+    (the first row's embedding zeroed, the head's indexer selecting) and one chained pass on
+    the last (normed) output."""
+    ref = np.load(FIXTURE / "mlx_vlm_head.npz")
+    cache = model.make_mtp_cache()
+    out = model.mtp_forward(mx.array(ref["hidden"]), mx.array(ref["tokens"]), cache)
+    np.testing.assert_allclose(np.array(out), ref["out"], atol=1e-5)
+    np.testing.assert_allclose(np.array(model.draft_logits(out)), ref["logits"], atol=1e-5)
+    out = model.mtp_forward(out[:, -1:], mx.array(ref["next"]), cache, depth=1)
+    np.testing.assert_allclose(np.array(out), ref["out2"], atol=1e-5)
+    np.testing.assert_allclose(np.array(model.draft_logits(out)), ref["logits2"], atol=1e-5)
+
+
+def test_loads_without_its_head(tmp_path, reference):
+    """``mtp=False`` decodes the trunk alone; a checkpoint whose head is missing says so."""
+    model = load_model(CHECKPOINT, mtp=False)[0]
+    assert model.num_mtp_layers == 0
+    prompt, tokens = reference["prompt"].tolist(), reference["tokens"].tolist()
+    assert fc.mtp_tokens(model, prompt, 0, n=8)[0] == tokens[:8]
+    path = tmp_path / "headless"
+    shutil.copytree(CHECKPOINT, path)
+    from safetensors.numpy import load_file, save_file
+    weights = load_file(path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if ".layers.5." not in k},
+              path / "model.safetensors", metadata={"format": "pt"})
+    fc.assert_missing_head_explained(path)
 
 
 def test_layers_are_the_released_kinds(model):

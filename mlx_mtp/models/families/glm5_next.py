@@ -1,5 +1,5 @@
-"""GLM-5.3-Flash (``model_type: glm5_next``, ``Glm5NextForConditionalGeneration``): the text
-trunk, decoded plainly (its MTP head is refused for now: ``mtp_forward``).
+"""GLM-5.3-Flash (``model_type: glm5_next``, ``Glm5NextForConditionalGeneration``), with its
+MTP head.
 
 mlx-lm 0.32 has no trunk for it; this one is checked against transformers 5.24.0's
 ``Glm5NextTextModel`` on a tiny checkpoint written by transformers itself
@@ -14,6 +14,12 @@ a lower-bounded forget gate, replay on rollback) with low-rank forget and output
 MLA layers attend to what the k-pool indexer selects (``blocks/kpool.py``); a "shared"
 layer reuses the selection of the indexed layer just before it (as transformers does: that
 layer must run its own indexer).
+
+The head (mlx-vlm 0.7.10's ``glm5_next_mtp`` layout; transformers ignores it) is layer
+``num_hidden_layers``: ``eh_proj([enorm(embed(t+1)), hnorm(h)])`` with ``h`` the trunk's
+post-norm hidden (the embedding is zero at position 0), one indexed MLA + MoE block on a
+plain residual (no hyper-connections), then ``shared_head.norm``; a chained draft reads that
+normed output.
 
 Checkpoint: the text model under ``model.language_model.*``, one tensor per expert (or the
 fused form), the three KDA convolutions apart, ``hc_{attn,ffn}_{fn,base,scale}``; the vision
@@ -39,7 +45,7 @@ from ..cache.kv import KVCache
 from ..cache.recurrent import RecurrentCache
 from ..interface import Capabilities, MTPModel
 from ..io import layout
-from ..io.layout import CheckpointError
+from ..io.layout import CheckpointError, MissingMTPWeightsError
 from .bailing_hybrid import kda
 
 HC_NAMES = re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$")
@@ -318,9 +324,45 @@ class Trunk(nn.Module):
         return streams.mean(axis=2), tapped
 
 
+class MTPLayer(nn.Module):
+    """The checkpoint's layer after the trunk's (see the module doc). Caches: (latents,
+    indexer keys)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.enorm, self.hnorm = nn.RMSNorm(H, eps=eps), nn.RMSNorm(H, eps=eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.self_attn = IndexedMLA(args, shared=False)
+        self.mlp = MoE(args)
+        self.input_layernorm = nn.RMSNorm(H, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(H, eps=eps)
+        self.shared_head = SharedHead(H, eps)
+
+    def __call__(self, hidden, embeds, caches):
+        offset = caches[0].offset if caches else 0
+        first = (offset + mx.arange(embeds.shape[1]) == 0)[None, :, None]
+        embeds = mx.where(first, mx.zeros_like(embeds), embeds)
+        x = self.eh_proj(mx.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1))
+        x = x + self.self_attn(self.input_layernorm(x), caches)[0]
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return self.shared_head.norm(x)
+
+
+class SharedHead(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+
+
+class MTPHead(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.layers = [MTPLayer(args) for _ in range(args.mtp_num_hidden_layers)]
+
+
 class Model(MTPModel):
     capabilities = Capabilities(splits=(), taps=True)
-    mtp_hidden = "pre_norm"
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -329,16 +371,31 @@ class Model(MTPModel):
         self.model = Trunk(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.mtp_num_hidden_layers > 0:
+            self.mtp = MTPHead(args)
 
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
         return self.model(self.embed(inputs), cache, capture, taps)
 
     def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0,
                     last_only: bool = False):
-        raise NotImplementedError("glm5_next: its MTP head is not supported yet")
+        """hidden (B,S,H): the trunk's post-norm hidden (or the head's output) at positions
+        i; next_tokens (B,S) = t_{i+1}. Every depth runs the checkpoint's one layer."""
+        layer = self.mtp.layers[depth % len(self.mtp.layers)]
+        i = 2 * (depth % len(self.mtp.layers))
+        out = layer(hidden, self.model.embed_tokens(next_tokens),
+                    mtp_cache[i: i + 2] if mtp_cache else None)
+        return out[:, -1:] if last_only else out
+
+    @property
+    def num_mtp_caches(self) -> int:
+        return 2 * self.num_mtp_layers  # latents, indexer keys
 
     def make_cache(self):
         return [c for layer in self.model.layers for c in layer.make_caches()]
+
+    def make_mtp_cache(self):
+        return [c for _ in range(self.num_mtp_layers) for c in (KVCache(), IndexKeyCache())]
 
     @staticmethod
     def cast_predicate(path: str) -> bool:
@@ -352,19 +409,26 @@ class Model(MTPModel):
 
 
 def sanitize(model: Model, weights: dict) -> dict:
-    """Checkpoint names and forms -> ours (see the module doc). The MTP layer
-    (``model.layers.{num_hidden_layers}``) is dropped: the head is not supported yet."""
-    n = model.args.num_hidden_layers
+    """Checkpoint names and forms -> ours (see the module doc): the MTP layer
+    ``model.layers.{num_hidden_layers + i}`` becomes ``mtp.layers.{i}`` (dropped when the
+    head is not loaded), without its copies of the embedding and output projection."""
+    n, n_mtp = model.args.num_hidden_layers, model.num_mtp_layers
+    if n_mtp and not any(int(m.group(1)) >= n for m in map(LAYER.match, weights) if m):
+        raise MissingMTPWeightsError(layout.missing_mtp_message(model))
     out = {}
     for k, v in weights.items():
         m = LAYER.match(k)
-        if (m and int(m.group(1)) >= n) or ".shared_head." in k:
-            continue
+        if m and int(m.group(1)) >= n:
+            if int(m.group(1)) >= n + n_mtp or k.endswith(("embed_tokens.weight",
+                                                            "shared_head.head.weight")):
+                continue
+            k = f"mtp.layers.{int(m.group(1)) - n}.{k[m.end():]}"
         if model.args.tie_word_embeddings and k == "lm_head.weight":
             continue
         if k.endswith("conv1d.weight") and v.shape[-1] != 1:
             v = v.moveaxis(2, 1)  # (C, 1, K) -> MLX's (C, K, 1)
         out[HC_NAMES.sub(lambda m: f".{m.group(1)}_hc.{m.group(2)}", k)] = v
-    for i in range(n):
-        layout.split_experts(out, f"model.layers.{i}.mlp", model.args.n_routed_experts)
+    prefixes = [f"model.layers.{i}.mlp" for i in range(n)]
+    for p in prefixes + [f"mtp.layers.{i}.mlp" for i in range(n_mtp)]:
+        layout.split_experts(out, p, model.args.n_routed_experts)
     return out
