@@ -143,3 +143,14 @@ def test_shared_layer_after_a_kda_layer_is_refused(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="layer 2 reuses the indexer selection"):
         load_model(path, mtp=False)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_batched_rows_equal_single_rows(model, reference, k):
+    """Rows join one per step at different lengths (some past a pool boundary, the indexer
+    selecting); at K = 2 rejected drafts leave holes in the batch's latent and indexer caches,
+    which each row's pools skip (its own token order)."""
+    prompt = reference["prompt"].tolist()
+    prompts = [prompt[:9], prompt[:30], prompt[3:7], prompt]
+    want = [fc.mtp_tokens(model, p, 0, n=12)[0] for p in prompts]
+    assert fc.run_batch(model, k, prompts, n=12)[0] == want

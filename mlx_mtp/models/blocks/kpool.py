@@ -6,7 +6,7 @@ per-slot bias); a query at position p scores the complete pools among positions 
 sum over heads of weight_h · relu(q_h · pool) / sqrt(d), and attends to the tokens of the
 ``index_topk / index_kpool`` best plus the incomplete tail (p's own group). Every row is
 computed from its own position alone, so a verify pass selects what one-token decoding
-selects; exact score ties are broken by pool order (``qsa.tie_broken``), where transformers'
+selects, and batch rows with holes pool their own tokens; exact score ties are broken by pool order (``qsa.tie_broken``), where transformers'
 topk breaks them its own way (references are recorded away from ties).
 Reference: transformers 5.24 ``Glm5NextTextIndexer`` (no RoPE: the MLA is NoPE).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .qsa import tie_broken
+from .qsa import row_order, tie_broken
 
 
 class KPoolIndexer(nn.Module):
@@ -34,32 +34,44 @@ class KPoolIndexer(nn.Module):
         self.index_kpool_compress_gate = mx.zeros((self.head_dim, args.hidden_size))
 
     def __call__(self, x, q_resid, cache=None):
-        """(1, 1, L, T) boolean: which cached positions each of the L new rows attends to."""
+        """(B or 1, 1, L, T) boolean: which cached positions each of the L new rows attends
+        to. A batch cache's rows are pooled in their own token order (``qsa.row_order``)."""
         B, L, _ = x.shape
-        d = self.head_dim
-        q = self.wq_b(q_resid).reshape(B, L, self.n_heads, d)
+        q = self.wq_b(q_resid).reshape(B, L, self.n_heads, self.head_dim)
         packed = mx.concatenate([self.k_norm(self.wk(x)),
                                  x @ self.index_kpool_compress_gate.T], axis=-1)[:, None]
+        visible = cache.make_mask(L, return_array=True) if cache is not None else None
         offset = cache.offset if cache is not None else 0
+        pos = mx.array(offset).reshape(-1, 1) + mx.arange(L)  # (1 or B, L)
         if cache is not None:
             packed = cache.update_and_fetch(packed, packed)[0]
-        keys, gates = mx.split(packed[:, 0], 2, axis=-1)
-        pos = offset + mx.arange(L)
-        index = mx.arange(keys.shape[1])
-        visible = index <= pos[:, None]
-        complete = (pos + 1) // self.pool
-        tail = index >= (complete * self.pool)[:, None]
-        n = keys.shape[1] // self.pool
+        order, index = row_order(visible, packed.shape[2])
+        if visible is None or visible.ndim != 4:  # one row: causal over its positions
+            visible = index[:, None] <= pos[:, :, None]
+        else:
+            visible = visible[:, 0]
+        packed = mx.take_along_axis(packed[:, 0], order[..., None], axis=1)
+        return self.select(x, q, *mx.split(packed, 2, axis=-1), index, pos, visible)[:, None]
+
+    def select(self, x, q, keys, gates, index, pos, visible):
+        """``keys``/``gates``: each row's in its own order (B, T, d); ``index``: each slot's
+        place in its row (B or 1, T); ``pos``: the queries' places (B or 1, L)."""
+        c = self.pool
+        complete = (pos + 1) // c
+        tail = index[:, None] >= (complete * c)[..., None]
+        n = keys.shape[1] // c
         if n == 0:
-            return (visible & tail)[None, None]
+            return visible & tail
         scores = self.pool_scores(x, q, keys, gates, n)
-        scores = mx.where(mx.arange(n) < complete[:, None], scores, -mx.inf)
+        scores = mx.where(mx.arange(n) < complete[..., None], scores, -mx.inf)
         k = min(self.top_pools, n)
         best = mx.argpartition(tie_broken(scores), n - k, axis=-1)[..., n - k:]
         chosen = (best[..., None] == mx.arange(n)).any(axis=-2)  # (B, L, n)
-        pool_of = mx.minimum(index // self.pool, n - 1)
-        in_pool = mx.take(chosen, pool_of, axis=-1)
-        return (visible & (in_pool | tail))[:, None]
+        pool_of = mx.minimum(index // c, n - 1)
+        in_pool = mx.take_along_axis(
+            chosen, mx.broadcast_to(pool_of[:, None], (*chosen.shape[:2], index.shape[-1])),
+            axis=-1)
+        return visible & (in_pool | tail)
 
     def pool_scores(self, x, q, keys, gates, n: int):
         """(B, L, n): each query's score of each complete pool."""

@@ -341,7 +341,7 @@ class MTPLayer(nn.Module):
 
     def __call__(self, hidden, embeds, caches):
         offset = caches[0].offset if caches else 0
-        first = (offset + mx.arange(embeds.shape[1]) == 0)[None, :, None]
+        first = (mx.array(offset).reshape(-1, 1) + mx.arange(embeds.shape[1]) == 0)[..., None]
         embeds = mx.where(first, mx.zeros_like(embeds), embeds)
         x = self.eh_proj(mx.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1))
         x = x + self.self_attn(self.input_layernorm(x), caches)[0]
