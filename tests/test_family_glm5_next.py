@@ -154,3 +154,20 @@ def test_batched_rows_equal_single_rows(model, reference, k):
     prompts = [prompt[:9], prompt[:30], prompt[3:7], prompt]
     want = [fc.mtp_tokens(model, p, 0, n=12)[0] for p in prompts]
     assert fc.run_batch(model, k, prompts, n=12)[0] == want
+
+
+def test_inspect_reports_it(tmp_path, capsys):
+    """The head at ``model.language_model.layers.5`` is found; the vision tower is named as
+    unused."""
+    from mlx_mtp import cli
+    from mlx_mtp.testing.tiny import TOKENIZER_DIR
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(CHECKPOINT, path)
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy(f, path / f.name)
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "glm5_next (model_type 'glm5_next')" in out
+    assert "1 layer(s) declared, 1 present" in out
+    assert "under model.language_model.layers.5." in out
