@@ -171,3 +171,29 @@ def test_inspect_reports_it(tmp_path, capsys):
     assert "glm5_next (model_type 'glm5_next')" in out
     assert "1 layer(s) declared, 1 present" in out
     assert "under model.language_model.layers.5." in out
+
+
+def test_convert_round_trip(tmp_path, reference):
+    """``convert`` writes our layout (conv axes moved, experts stacked, mHC names, the head
+    under ``mtp.layers.0``); it loads back and decodes transformers' greedy at K = 2."""
+    from mlx_mtp import cli
+    from mlx_mtp.testing.tiny import TOKENIZER_DIR
+
+    src, out = tmp_path / "ckpt", tmp_path / "mlx"
+    shutil.copytree(CHECKPOINT, src)
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy(f, src / f.name)
+    assert cli.main(["convert", "--hf-path", str(src), "--mlx-path", str(out)]) == 0
+    model = load_model(out)[0]
+    prompt, tokens = reference["prompt"].tolist(), reference["tokens"].tolist()
+    assert fc.mtp_tokens(model, prompt, 2, n=len(tokens))[0] == tokens
+
+
+def test_distributed_and_kv_bits_are_refused_in_one_line(model):
+    from mlx_mtp.models.cache.quantized import KVQuantization
+    from mlx_mtp.models.distributed import DistributedError, load_distributed
+
+    with pytest.raises(DistributedError, match="cannot split glm5_next models yet"):
+        load_distributed(str(CHECKPOINT), mtp=False)
+    with pytest.raises(ValueError, match="--kv-bits is not available for glm5_next"):
+        model.use_kv_quantization(KVQuantization(bits=8))

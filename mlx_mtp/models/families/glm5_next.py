@@ -408,22 +408,28 @@ class Model(MTPModel):
         return sanitize(self, layout.text_weight_names(weights))
 
 
+def is_head_layer(key: str, num_hidden_layers: int) -> bool:
+    m = LAYER.match(key)
+    return m is not None and int(m.group(1)) >= num_hidden_layers
+
+
 def sanitize(model: Model, weights: dict) -> dict:
     """Checkpoint names and forms -> ours (see the module doc): the MTP layer
     ``model.layers.{num_hidden_layers + i}`` becomes ``mtp.layers.{i}`` (dropped when the
     head is not loaded), without its copies of the embedding and output projection."""
     n, n_mtp = model.args.num_hidden_layers, model.num_mtp_layers
-    if n_mtp and not any(int(m.group(1)) >= n for m in map(LAYER.match, weights) if m):
+    if n_mtp and not any(layout.is_mtp_key(k) or is_head_layer(k, n) for k in weights):
         raise MissingMTPWeightsError(layout.missing_mtp_message(model))
     out = {}
     for k, v in weights.items():
-        m = LAYER.match(k)
-        if m and int(m.group(1)) >= n:
+        if is_head_layer(k, n):
+            m = LAYER.match(k)
             if int(m.group(1)) >= n + n_mtp or k.endswith(("embed_tokens.weight",
                                                             "shared_head.head.weight")):
                 continue
             k = f"mtp.layers.{int(m.group(1)) - n}.{k[m.end():]}"
-        if model.args.tie_word_embeddings and k == "lm_head.weight":
+        if (model.args.tie_word_embeddings and k == "lm_head.weight") or (
+                not n_mtp and layout.is_mtp_key(k)):
             continue
         if k.endswith("conv1d.weight") and v.shape[-1] != 1:
             v = v.moveaxis(2, 1)  # (C, 1, K) -> MLX's (C, K, 1)
