@@ -3,7 +3,8 @@ trunk's logits and greedy decoding equal transformers 5.24's ``Glm5NextForCondit
 on a tiny checkpoint it wrote itself, recorded with its outputs by
 ``fixtures/glm5_next/make_reference.py`` (CI has no torch); a verify pass computes each row
 as one-token decoding does, selections at exact indexer ties included; a partial acceptance
-rolls KDA back by replay and trims the latent and indexer caches."""
+rolls KDA back by replay and trims the latent and indexer caches; the head (mlx-vlm's layout)
+equals mlx-vlm's drafter and greedy output at K = 0..3 is transformers' greedy."""
 
 import json
 import shutil
@@ -12,11 +13,17 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
+import cache_checks as cc
 import family_checks as fc
-from mlx_mtp.models.cache.kv import cache_state_arrays
+from mlx_mtp import cli
+from mlx_mtp.models.cache.kv import cache_state_arrays, restore_caches, snapshot_caches
+from mlx_mtp.models.cache.quantized import KVQuantization
+from mlx_mtp.models.distributed import DistributedError, load_distributed
 from mlx_mtp.models.io.layout import CheckpointError
 from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.testing.tiny import TOKENIZER_DIR
 
 FIXTURE = Path(__file__).parent / "fixtures" / "glm5_next"
 CHECKPOINT = FIXTURE / "checkpoint"
@@ -68,7 +75,6 @@ def test_loads_without_its_head(tmp_path, reference):
     assert fc.mtp_tokens(model, prompt, 0, n=8)[0] == tokens[:8]
     path = tmp_path / "headless"
     shutil.copytree(CHECKPOINT, path)
-    from safetensors.numpy import load_file, save_file
     weights = load_file(path / "model.safetensors")
     save_file({k: v for k, v in weights.items() if ".layers.5." not in k},
               path / "model.safetensors", metadata={"format": "pt"})
@@ -120,7 +126,6 @@ def test_exact_ties_select_as_one_token_decoding(tmp_path, reference):
     not) must still choose what one-token decoding chooses."""
     path = tmp_path / "ties"
     shutil.copytree(CHECKPOINT, path)
-    from safetensors.numpy import load_file, save_file
     weights = load_file(path / "model.safetensors")
     for k in weights:
         if k.endswith("indexer.weights_proj.weight"):
@@ -156,44 +161,85 @@ def test_batched_rows_equal_single_rows(model, reference, k):
     assert fc.run_batch(model, k, prompts, n=12)[0] == want
 
 
-def test_inspect_reports_it(tmp_path, capsys):
-    """The head at ``model.language_model.layers.5`` is found; the vision tower is named as
-    unused."""
-    from mlx_mtp import cli
-    from mlx_mtp.testing.tiny import TOKENIZER_DIR
-
-    path = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory):
+    """The fixture checkpoint plus the package's tiny tokenizer (the CLI verbs want one)."""
+    path = tmp_path_factory.mktemp("glm5_next") / "ckpt"
     shutil.copytree(CHECKPOINT, path)
     for f in TOKENIZER_DIR.iterdir():
         shutil.copy(f, path / f.name)
-    assert cli.main(["inspect", str(path)]) == 0
+    return path
+
+
+def test_inspect_reports_it(with_tokenizer, capsys):
+    """The head at ``model.language_model.layers.5`` is found."""
+    assert cli.main(["inspect", str(with_tokenizer)]) == 0
     out = capsys.readouterr().out
     assert "glm5_next (model_type 'glm5_next')" in out
     assert "1 layer(s) declared, 1 present" in out
     assert "under model.language_model.layers.5." in out
 
 
-def test_convert_round_trip(tmp_path, reference):
+def test_convert_round_trip(with_tokenizer, tmp_path, reference):
     """``convert`` writes our layout (conv axes moved, experts stacked, mHC names, the head
     under ``mtp.layers.0``); it loads back and decodes transformers' greedy at K = 2."""
-    from mlx_mtp import cli
-    from mlx_mtp.testing.tiny import TOKENIZER_DIR
-
-    src, out = tmp_path / "ckpt", tmp_path / "mlx"
-    shutil.copytree(CHECKPOINT, src)
-    for f in TOKENIZER_DIR.iterdir():
-        shutil.copy(f, src / f.name)
-    assert cli.main(["convert", "--hf-path", str(src), "--mlx-path", str(out)]) == 0
+    out = tmp_path / "mlx"
+    assert cli.main(["convert", "--hf-path", str(with_tokenizer), "--mlx-path", str(out)]) == 0
     model = load_model(out)[0]
     prompt, tokens = reference["prompt"].tolist(), reference["tokens"].tolist()
     assert fc.mtp_tokens(model, prompt, 2, n=len(tokens))[0] == tokens
 
 
 def test_distributed_and_kv_bits_are_refused_in_one_line(model):
-    from mlx_mtp.models.cache.quantized import KVQuantization
-    from mlx_mtp.models.distributed import DistributedError, load_distributed
-
     with pytest.raises(DistributedError, match="cannot split glm5_next models yet"):
         load_distributed(str(CHECKPOINT), mtp=False)
     with pytest.raises(ValueError, match="--kv-bits is not available for glm5_next"):
         model.use_kv_quantization(KVQuantization(bits=8))
+
+
+def test_cache_protocol(model, reference):
+    """Saved and loaded caches continue exactly; merged rows extract and filter back to the
+    solo caches (KDA states, latents, indexer keys); a snapshot undoes a verify pass."""
+    prompt = reference["prompt"].tolist()
+    prompts = [prompt[:12], prompt[20:23], prompt[5:30]]
+    cache = cc.solo(model, prompts[0])
+    loaded = [type(c).from_state(c.state if c.arrays() else None, c.meta_state) for c in cache]
+    cc.same(cache_state_arrays(loaded), cache_state_arrays(cache))
+    cc.same([cc.next_logits(model, loaded, [[42]])], [cc.next_logits(model, cache, [[42]])])
+    solos, merged = cc.merged_solos(model, prompts)
+    cc.assert_rows_are(merged, solos)
+    cc.assert_filter_keeps_rows(merged, solos)
+    before = cache_state_arrays(cache)
+    snap = snapshot_caches(cache)
+    model.trunk(mx.array([[7, 8, 9, 10]], mx.uint32), cache, capture=True)
+    mx.eval(cache_state_arrays(cache))
+    restore_caches(snap)
+    cc.same(cache_state_arrays(cache), before)
+
+
+def test_engine_rows_and_a_restored_turn_equal_plain_decoding(model, with_tokenizer, reference,
+                                                              tmp_path):
+    """The server engine with the head (K = 2): concurrent rows prefilled in chunks of 16
+    (pools and KDA states carried across chunks), and a prompt prefix saved to disk and
+    restored, decode as one sequence does alone."""
+    from engine_events import make_engine, run
+    from mlx_mtp.models.io.loader import load_config, load_tokenizer
+    from mlx_mtp.server.prefix_cache import PrefixCache
+    from mlx_mtp.server.session_store import SessionStore, model_fingerprint
+
+    prompt, tokens = reference["prompt"].tolist(), reference["tokens"].tolist()
+    model_tok = (model, load_tokenizer(with_tokenizer, load_config(with_tokenizer)))
+    longer = prompt + tokens[:9]
+    prompts = [prompt, longer[5:], prompt[:3], longer]
+    sinks = run(make_engine(model_tok, num_draft_tokens=2, prefill_step_size=16), prompts)
+    assert [s.tokens for s in sinks] == [fc.mtp_tokens(model, p, 0, n=12)[0] for p in prompts]
+    fp = model_fingerprint(model)
+    pc = PrefixCache(8, 1 << 30, disk=SessionStore(tmp_path, fp, min_tokens=16))
+    run(make_engine(model_tok, num_draft_tokens=2, prefix_cache=pc, prefill_step_size=16),
+        [prompt], boundaries=[24, 39])
+    pc.disk.flush()
+    pc2 = PrefixCache(8, 1 << 30, disk=SessionStore(tmp_path, fp, min_tokens=16))
+    warm = run(make_engine(model_tok, num_draft_tokens=2, prefix_cache=pc2,
+                           prefill_step_size=16), [longer])[0]
+    assert pc2.disk.hits == 1
+    assert warm.tokens == fc.mtp_tokens(model, longer, 0, n=12)[0]
