@@ -243,3 +243,18 @@ def test_engine_rows_and_a_restored_turn_equal_plain_decoding(model, with_tokeni
                            prefill_step_size=16), [longer])[0]
     assert pc2.disk.hits == 1
     assert warm.tokens == fc.mtp_tokens(model, longer, 0, n=12)[0]
+
+
+def test_bfloat16_keeps_float32_where_transformers_does(reference):
+    """Router, its bias, KDA's decay and mHC's biases/scales stay float32, the KDA state too;
+    greedy output with the head equals the bfloat16 model's own plain decoding."""
+    model = load_model(CHECKPOINT, dtype="bfloat16")[0]
+    layer = model.model.layers[1]
+    assert layer.mlp.gate.weight.dtype == mx.float32
+    assert layer.attn_hc.base.dtype == mx.float32 and layer.attn_hc.fn.dtype == mx.bfloat16
+    assert model.model.layers[0].self_attn.A_log.dtype == mx.float32
+    prompt = reference["prompt"].tolist()
+    cache = fc.prefilled_cache(model, prompt)
+    assert cache[0].state[1].dtype == mx.float32
+    plain = fc.mtp_tokens(model, prompt, 0, n=16)[0]
+    assert fc.mtp_tokens(model, prompt, 2, n=16)[0] == plain

@@ -399,10 +399,10 @@ class Model(MTPModel):
 
     @staticmethod
     def cast_predicate(path: str) -> bool:
-        """Kept float32 as transformers keeps them: the router bias, KDA's decay, mHC's
-        biases and scales."""
-        return not path.endswith(("e_score_correction_bias", "A_log", "dt_bias", "hc.base",
-                                  "hc.scale"))
+        """Kept float32 as transformers keeps them: the router and its bias, KDA's decay,
+        mHC's biases and scales."""
+        return not path.endswith(("mlp.gate.weight", "e_score_correction_bias", "A_log",
+                                  "dt_bias", "hc.base", "hc.scale"))
 
     def sanitize(self, weights: dict):
         return sanitize(self, layout.text_weight_names(weights))
