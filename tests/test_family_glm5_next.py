@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten, tree_unflatten
 from safetensors.numpy import load_file, save_file
 
 import cache_checks as cc
@@ -258,3 +259,54 @@ def test_bfloat16_keeps_float32_where_transformers_does(reference):
     assert cache[0].state[1].dtype == mx.float32
     plain = fc.mtp_tokens(model, prompt, 0, n=16)[0]
     assert fc.mtp_tokens(model, prompt, 2, n=16)[0] == plain
+
+
+def oracle(model):
+    """The fixture made context-free so the head can copy it: every sub-block writes nothing
+    but the last layer's MoE, whose ``post`` weights are made exactly 1; embeddings have RMS 1.
+    The head is that MoE on ``eh_proj = [I | 0]`` (the embedding alone), its final norm the
+    trunk's. Its draft for t+2 from t+1 is then the trunk's own prediction (up to the
+    streams' Sinkhorn rounding), at every chained depth."""
+    last = len(model.model.layers) - 1
+    hc = model.args.hc_mult
+    params = dict(tree_flatten(model.parameters()))
+    for k, v in list(params.items()):
+        if k.endswith(("o_proj.weight", "down_proj.weight")) and not k.startswith(
+                f"model.layers.{last}.mlp"):
+            params[k] = mx.zeros_like(v)
+    e = params["model.embed_tokens.weight"]
+    params["model.embed_tokens.weight"] = e / mx.sqrt((e * e).mean(axis=-1, keepdims=True))
+    fn, base = f"model.layers.{last}.ffn_hc.fn", f"model.layers.{last}.ffn_hc.base"
+    params[fn] = params[fn] * (1 - ((mx.arange(params[fn].shape[0]) // hc) == 1)[:, None])
+    params[base] = params[base] * (1 - ((mx.arange(params[base].shape[0]) // hc) == 1))
+    for k in [k for k in params if k.startswith("mtp.layers.0.mlp.")
+              or k.startswith("mtp.layers.0.post_attention_layernorm.")]:
+        params[k] = params[f"model.layers.{last}." + k[len("mtp.layers.0."):]]
+    H = model.args.hidden_size
+    params["mtp.layers.0.enorm.weight"] = mx.ones((H,))
+    params["mtp.layers.0.eh_proj.weight"] = mx.concatenate([mx.eye(H), mx.zeros((H, H))], 1)
+    params["mtp.layers.0.shared_head.norm.weight"] = params["model.norm.weight"]
+    model.update(tree_unflatten(list(params.items())))
+    return model
+
+
+def test_oracle_head_accepts_everything(reference):
+    """Every draft of an oracle head is accepted at K = 1..3 (each verify keeps all its rows:
+    the caches' all-accepted path), and the output is plain decoding's."""
+    model = oracle(load_model(CHECKPOINT)[0])
+    prompt = reference["prompt"].tolist()
+    plain = fc.mtp_tokens(model, prompt, 0, n=20)[0]
+    assert len(set(plain)) > 3  # not one token repeated
+    for k in (1, 2, 3):
+        got, dec = fc.mtp_tokens(model, prompt, k, n=20)
+        assert got == plain, f"K={k}"
+        assert dec.stats.acceptance_rate == 1.0, f"K={k}"
+
+
+def test_sampling_follows_the_target(reference):
+    """K = 2 at temperature 1 (the oracle head, so drafts are accepted often): the next two
+    tokens follow the trunk's exact joint distribution (chi-square). The output layer is
+    scaled up so that the joint puts enough mass on few enough pairs to count."""
+    model = oracle(load_model(CHECKPOINT)[0])
+    model.lm_head.weight = model.lm_head.weight * 4
+    fc.assert_sampling_follows_target(model, model, reference["prompt"].tolist()[:12])
