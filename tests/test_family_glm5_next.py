@@ -123,8 +123,8 @@ def test_partial_acceptance_rolls_back_exactly(model, reference):
 
 def test_exact_ties_select_as_one_token_decoding(tmp_path, reference):
     """With the indexer's head weights zero every pool scores exactly 0: the selection then
-    rests on tie-breaking alone, and a verify pass (which sees pools a one-token step does
-    not) must still choose what one-token decoding chooses."""
+    rests on tie-breaking alone (the earlier pools win), and a verify pass (which sees pools a
+    one-token step does not) must still choose what one-token decoding chooses."""
     path = tmp_path / "ties"
     shutil.copytree(CHECKPOINT, path)
     weights = load_file(path / "model.safetensors")
@@ -133,6 +133,13 @@ def test_exact_ties_select_as_one_token_decoding(tmp_path, reference):
             weights[k] = np.zeros_like(weights[k])
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     tied = load_model(path, mtp=False)[0]
+    indexer = tied.model.layers[1].self_attn.indexer
+    x = mx.array(np.random.default_rng(1).standard_normal((1, 31, 32)), mx.float32)
+    q_resid = mx.array(np.random.default_rng(2).standard_normal((1, 31, 24)), mx.float32)
+    rows = np.array(indexer(x, q_resid))[0, 0]
+    # Ties go to the earlier pools: the first two (of 7 complete) plus the tail 28..30.
+    assert np.flatnonzero(rows[30]).tolist() == list(range(8)) + [28, 29, 30]
+    assert np.flatnonzero(rows[11]).tolist() == list(range(8))  # 3 pools: 2 kept, no tail
     prompt = reference["prompt"].tolist()[:31]
     rows = [5, 77, 140, 9, 201, 3]
     got, _ = fc.verify_logits(tied, prompt, rows)
