@@ -100,8 +100,7 @@ class ModelArgs(BaseModelArgs):
         text["tie_word_embeddings"] = layout.tie_word_embeddings(params)
         text["mtp_num_hidden_layers"] = layout.config_mtp_layers(params)
         n = text.get("num_hidden_layers", 45)
-        text.setdefault("mlp_layer_types", None)
-        text["mlp_layer_types"] = text["mlp_layer_types"] or (
+        text["mlp_layer_types"] = text.get("mlp_layer_types") or (
             ["dense"] * min(3, n) + ["sparse"] * (n - 3))
         text["layer_types"] = [
             "indexed_attention" if t == "full_attention" else t
