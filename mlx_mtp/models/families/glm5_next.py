@@ -260,13 +260,23 @@ class IndexedMLA(nn.Module):
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))[:, None]
         if latent_cache is not None:
             latent, _ = latent_cache.update_and_fetch(latent, latent)
-        kv = self.kv_b_proj(latent[:, 0]).reshape(B, -1, self.heads, self.nope + self.v_dim)
-        k, v = mx.split(kv.transpose(0, 2, 1, 3), [self.nope], axis=-1)
         if "indexer" in self:
             selection = self.indexer(x, q_resid, key_cache)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.nope**-0.5,
-                                                   mask=selection)
+        # Absorbed: queries and outputs go through kv_b_proj's halves, so attention runs on
+        # the cached latents (one key/value head) instead of expanding every position.
+        w = self.kv_b_weight().reshape(self.heads, self.nope + self.v_dim, -1)
+        out = mx.fast.scaled_dot_product_attention(q @ w[:, : self.nope], latent, latent,
+                                                   scale=self.nope**-0.5, mask=selection)
+        out = out @ w[:, self.nope:].swapaxes(-1, -2)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), selection
+
+    def kv_b_weight(self):
+        """(heads · (nope + v), latent) as floats, dequantized if quantized."""
+        proj = self.kv_b_proj
+        if not isinstance(proj, nn.QuantizedLinear):
+            return proj.weight
+        return mx.dequantize(proj.weight, proj.scales, proj.get("biases"), proj.group_size,
+                             proj.bits)
 
 
 class DecoderLayer(nn.Module):
