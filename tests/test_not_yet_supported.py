@@ -34,7 +34,7 @@ def checkpoint(path, model_type: str, text: bool = False):
 
 
 @pytest.mark.parametrize("verb", sorted(VERBS))
-@pytest.mark.parametrize("model_type", ["glm5_next", "inkling", "mistral_large4"])
+@pytest.mark.parametrize("model_type", ["inkling", "mistral_large4"])
 def test_every_verb_refuses_in_one_line(capsys, tmp_path, model_type, verb):
     ckpt = checkpoint(tmp_path / "ckpt", model_type)
     code = cli.main(VERBS[verb](ckpt, tmp_path))
@@ -48,15 +48,15 @@ def test_every_verb_refuses_in_one_line(capsys, tmp_path, model_type, verb):
 
 def test_refusal_names_a_missing_trunk():
     with pytest.raises(UnsupportedModelError, match="needs a trunk mlx-lm 0.32 lacks"):
-        get_model_module("glm5_next")
+        get_model_module("inkling")
 
 
 def test_text_config_of_a_wrapper_is_refused_too(capsys, tmp_path):
-    ckpt = checkpoint(tmp_path / "ckpt", "glm5_next", text=True)
+    ckpt = checkpoint(tmp_path / "ckpt", "inkling", text=True)
     assert cli.main(["generate", "--model", str(ckpt), "-p", "hi"]) == 2
-    assert "'glm5_next'" in capsys.readouterr().err
-    with pytest.raises(UnsupportedModelError, match="'glm5_next_text' is not supported"):
-        get_model_module("glm5_next_text")
+    assert "'inkling'" in capsys.readouterr().err
+    with pytest.raises(UnsupportedModelError, match="'inkling_text' is not supported"):
+        get_model_module("inkling_text")
 
 
 def test_no_type_is_both_supported_and_refused():

@@ -32,6 +32,8 @@ MODEL_TYPES = {
     "qwen4_exp": "qwen4_exp",
     "qwen4_exp_text": "qwen4_exp",
     "deepseek_v4": "deepseek_v4",
+    "glm5_next": "glm5_next",
+    "glm5_next_text": "glm5_next",
 }
 
 
@@ -39,7 +41,6 @@ MODEL_TYPES = {
 # missing (docs/model-families.md, "Not yet supported").
 _NO_TRUNK = "needs a trunk mlx-lm 0.32 lacks"
 NOT_YET = {
-    "glm5_next": f"{_NO_TRUNK} (KDA with NoPE MLA, its indexer and hyper-connection streams)",
     "inkling": f"{_NO_TRUNK} (relative-bias attention with short convolutions)",
     "mistral_large4": f"{_NO_TRUNK}, and its mtp_dspark head has no reference implementation",
     "hy_v3": _NO_TRUNK,

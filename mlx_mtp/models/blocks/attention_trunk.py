@@ -445,12 +445,17 @@ def dequantize_fp8(weights: dict) -> dict:
     return weights
 
 
+# Families with a trunk of their own whose head is also layer ``num_hidden_layers``.
+LAYER_N_HEADS = ("glm5_next",)
+
+
 def is_mtp_checkpoint_key(key: str, num_hidden_layers: int) -> bool:
     """Any MTP layer's tensor, in checkpoint naming (``model.layers.{>=N}.*``,
-    ``model.mtp_layers.*``) or ours (``mtp.*``)."""
+    ``model.mtp_layers.*``, a VLM's ``model.language_model.layers.{>=N}.*``) or ours
+    (``mtp.*``)."""
     if layout.is_mtp_key(key) or key.startswith("model.mtp_layers."):
         return True
-    parts = key.split(".", 3)
+    parts = key.replace("model.language_model.", "model.", 1).split(".", 3)
     return (len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
             and int(parts[2]) >= num_hidden_layers)
 
@@ -463,7 +468,7 @@ def trunk_layer_count(config: dict) -> int:
 
 def mtp_key_predicate(config: dict) -> Callable[[str], bool]:
     """Which of a checkpoint's keys belong to the MTP layers, for any supported family."""
-    if family_of(config) is None:
+    if family_of(config) is None and config.get("model_type") not in LAYER_N_HEADS:
         return layout.is_mtp_key
     n = trunk_layer_count(config)
     return lambda key: is_mtp_checkpoint_key(key, n)
@@ -480,11 +485,11 @@ def family_of(config: dict) -> Optional[Family]:
 def count_checkpoint_mtp_layers(config: dict, keys) -> int:
     """MTP layers stored under a family's own prefixes (``model.layers.{>=N}``,
     ``model.mtp_layers.{i}``); 0 for other families."""
-    if family_of(config) is None:
+    if family_of(config) is None and config.get("model_type") not in LAYER_N_HEADS:
         return 0
     n, found = trunk_layer_count(config), set()
     for k in keys:
-        parts = k.split(".", 3)
+        parts = k.replace("model.language_model.", "model.", 1).split(".", 3)
         if len(parts) < 4 or parts[0] != "model" or not parts[2].isdigit():
             continue
         if parts[1] == "mtp_layers" or (parts[1] == "layers" and int(parts[2]) >= n):

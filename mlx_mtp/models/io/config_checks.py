@@ -16,10 +16,11 @@ from ...errors import ModelLoadError
 from .layout import MTP_LAYER_COUNT_KEYS, config_mtp_layers, text_config
 
 # Whole-number fields the families read -> least allowed value. MLX array dimensions are
-# int32, so every one is at most MAX_DIMENSION.
+# int32, so every one is at most MAX_DIMENSION. ``head_dim`` may be 0: GLM-5.3-Flash's config
+# (NoPE MLA) writes its RoPE width there.
 COUNT_FIELDS = {
     "vocab_size": 1, "hidden_size": 1, "num_hidden_layers": 1, "num_attention_heads": 1,
-    "num_key_value_heads": 1, "head_dim": 1, "intermediate_size": 0,
+    "num_key_value_heads": 1, "head_dim": 0, "intermediate_size": 0,
     "moe_intermediate_size": 0, "shared_expert_intermediate_size": 0, "num_experts": 0,
     "n_routed_experts": 0, "num_experts_per_tok": 0, "linear_num_value_heads": 1,
     "linear_num_key_heads": 1, "linear_key_head_dim": 1, "linear_value_head_dim": 1,
