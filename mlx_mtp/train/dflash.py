@@ -61,6 +61,21 @@ def drafter_config(text_cfg: dict, taps: Sequence[int], block_size: int, num_lay
                               "target_layer_ids": list(taps)}}
 
 
+def drafter_config_for(cfg, text_cfg: dict) -> dict:
+    """``drafter_config`` from the run's ``TrainConfig``; ValueError for a shape that
+    cannot train."""
+    for name, value, least in (("block-size", cfg.block_size, 2),
+                               ("draft-layers", cfg.draft_layers, 1), ("anchors", cfg.anchors, 1)):
+        if value < least:
+            raise ValueError(f"--{name} must be >= {least} (got {value})")
+    if cfg.seq_len + 1 - cfg.block_size < 1:
+        raise ValueError(f"--seq-len {cfg.seq_len} leaves no room for --block-size "
+                         f"{cfg.block_size} after a context row")
+    taps = cfg.target_layers or default_taps(text_cfg["num_hidden_layers"])
+    mask = text_cfg["vocab_size"] - 1 if cfg.mask_token_id is None else cfg.mask_token_id
+    return drafter_config(text_cfg, taps, cfg.block_size, cfg.draft_layers, mask)
+
+
 def build_drafter(config: dict, seed: int = 0) -> DFlash:
     """A fresh drafter for ``config``; output projections scaled down like the trunk's
     (``model.build_scratch_model``) so each layer starts near the identity."""

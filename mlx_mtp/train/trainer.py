@@ -199,27 +199,15 @@ class Trainer:
     def _setup_dflash(self):
         """The frozen ``--model`` and a fresh drafter (``self.model``: what trains, is
         checkpointed and resumed)."""
+        from ..drafters.block.load import check_fits
         from . import dflash
 
-        cfg = self.cfg
         self._load_frozen_target()
-        tc = self.text_cfg
-        taps = list(cfg.target_layers or dflash.default_taps(tc["num_hidden_layers"]))
-        mask = tc["vocab_size"] - 1 if cfg.mask_token_id is None else cfg.mask_token_id
-        for name, value in (("block-size", cfg.block_size - 1), ("draft-layers", cfg.draft_layers),
-                            ("anchors", cfg.anchors)):
-            if value < 1:
-                raise _user_error(f"--{name} is too small ({value + (name == 'block-size')})")
-        if cfg.seq_len + 1 - cfg.block_size < 1:
-            raise _user_error(f"--seq-len {cfg.seq_len} leaves no room for --block-size "
-                              f"{cfg.block_size} after a context row")
-        self.config = dflash.drafter_config(tc, taps, cfg.block_size, cfg.draft_layers, mask)
         try:
-            self.model = dflash.build_drafter(self.config, cfg.seed)
-            self.dflash_loss = dflash.DFlashLoss(self.target, self.model, cfg.labels,
-                                                 cfg.loss_decay)
-            from ..drafters.block.load import check_fits
-
+            self.config = dflash.drafter_config_for(self.cfg, self.text_cfg)
+            self.model = dflash.build_drafter(self.config, self.cfg.seed)
+            self.dflash_loss = dflash.DFlashLoss(self.target, self.model, self.cfg.labels,
+                                                 self.cfg.loss_decay)
             check_fits(self.model, self.target, "--mode dflash")
         except (ValueError, CheckpointError) as e:
             raise _user_error(f"--mode dflash: {e}")
