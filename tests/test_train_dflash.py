@@ -174,6 +174,8 @@ def test_bad_input_is_one_line(tmp_path, trunk, corpus):
         T.Trainer(_cfg(tmp_path, trunk, corpus, block_size=1))
     with pytest.raises(UserError, match="--seq-len"):
         T.Trainer(_cfg(tmp_path, trunk, corpus, seq_len=4, block_size=8))
+    with pytest.raises(UserError, match="--copy-fraction"):
+        T.Trainer(_cfg(tmp_path, trunk, corpus, copy_fraction=0.5))
 
 
 @pytest.mark.slow

@@ -202,6 +202,8 @@ class Trainer:
         from ..drafters.block.load import check_fits
         from . import dflash
 
+        if self.cfg.copy_fraction:
+            raise _user_error("--copy-fraction applies to --mode scratch and head, not dflash")
         self._load_frozen_target()
         try:
             self.config = dflash.drafter_config_for(self.cfg, self.text_cfg)
