@@ -183,7 +183,7 @@ def plot_loss_curve(metrics_path: Path, png: Path, title: str = "") -> Optional[
         return np.convolve(y, k, mode="valid").tolist()
 
     keys = [("loss", "next-token CE (train)"), ("mtp_loss", "MTP t+2 CE (train)"),
-            ("kl", "MTP KL to trunk (train)")]
+            ("kl", "MTP KL to trunk (train)"), ("ce", "drafter block CE (train)")]
     for key, label in keys:
         pts = [(r["step"], r[key]) for r in train if key in r]
         if pts:
@@ -191,7 +191,7 @@ def plot_loss_curve(metrics_path: Path, png: Path, title: str = "") -> Optional[
             ys = smooth(list(y))
             ax.plot(s[len(s) - len(ys):], ys, label=label, lw=1.2)
     for key, label in [("loss", "next-token CE (held-out)"), ("mtp_loss", "MTP t+2 CE (held-out)"),
-                       ("kl", "MTP KL (held-out)")]:
+                       ("kl", "MTP KL (held-out)"), ("ce", "drafter block CE (held-out)")]:
         pts = [(r["step"], r[key]) for r in evals if key in r]
         if pts:
             s, y = zip(*pts)

@@ -1,6 +1,7 @@
-"""``mlx-mtp train``: train a small hybrid model with its MTP head, or fit an MTP head.
+"""``mlx-mtp train``: train a small hybrid model with its MTP head, fit an MTP head, or train
+a DFlash block drafter.
 
-Two modes:
+Three modes:
 
 * ``scratch``: a small Qwen3.5-architecture hybrid (Gated DeltaNet + gated
   attention, 3:1) trained with the next-token loss plus ``w`` times the MTP loss
@@ -10,6 +11,8 @@ Two modes:
   the target for the head at position t is the frozen model's own next-token
   distribution at position t+1 (soft cross-entropy, i.e. KL up to a constant).
   Only ``mtp.*`` weights change.
+* ``dflash``: freeze ``--model`` and train a DFlash block drafter for it (``train/dflash.py``),
+  written in z-lab's layout to ``<out>/dflash`` (and ``--export-to``), for ``--draft-model``.
 
 Data: the corpus is tokenized once (token ids cached as ``.npy`` in the run
 directory); batches are random windows of ``seq_len + 1`` tokens drawn with a
@@ -44,10 +47,12 @@ from .trainer import DTYPES, TrainConfig, Trainer
 
 
 def add_arguments(p):
-    p.add_argument("--mode", choices=["scratch", "head"], default="scratch",
+    p.add_argument("--mode", choices=["scratch", "head", "dflash"], default="scratch",
                    help="scratch: train a small hybrid model + MTP head; head: freeze --model "
-                        "and fit a new MTP head by self-distillation")
-    p.add_argument("--model", default=None, help="(head mode) model directory to fit a head for")
+                        "and fit a new MTP head by self-distillation; dflash: freeze --model "
+                        "and train a DFlash block drafter for it")
+    p.add_argument("--model", default=None,
+                   help="(head, dflash) the model to fit a head or a drafter for")
     p.add_argument("--corpus", default="stdlib",
                    help="'stdlib' (the CPython standard library's source, train split), a "
                         "directory of text files, or one file")
@@ -92,6 +97,21 @@ def add_arguments(p):
                    help="(scratch) with --copy-fraction: loss weight of a copy document's "
                         "tokens before its answer (the code given and the request; 0 trains on "
                         "the answers only)")
+    p.add_argument("--block-size", type=int, default=8,
+                   help="(dflash) block positions per pass, the anchor's included")
+    p.add_argument("--draft-layers", type=int, default=2, help="(dflash) drafter layers")
+    p.add_argument("--target-layers", type=_layer_ids, default=None, metavar="I,J,..",
+                   help="(dflash) trunk layers tapped, 0-based (default: three spread from "
+                        "the second to the fourth-last)")
+    p.add_argument("--mask-token-id", type=int, default=None,
+                   help="(dflash) the token filling the block after the anchor (default: the "
+                        "vocabulary's last id)")
+    p.add_argument("--anchors", type=int, default=8, help="(dflash) blocks per window")
+    p.add_argument("--labels", choices=["trunk", "data"], default="trunk",
+                   help="(dflash) train each slot on the frozen model's greedy pick there "
+                        "(trunk: what greedy verification accepts) or on the text's token")
+    p.add_argument("--loss-decay", type=float, default=0.0,
+                   help="(dflash) slot j's loss weighs exp(-(j-1)/D); 0: all slots alike")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
     p.add_argument("--eval-every", type=int, default=200, help="held-out loss every N steps")
@@ -104,8 +124,17 @@ def add_arguments(p):
     p.add_argument("--no-progress", action="store_true")
 
 
+def _layer_ids(text: str):
+    import argparse
+
+    try:
+        return tuple(int(i) for i in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer ids, not {text!r}")
+
+
 def config_from_args(args) -> TrainConfig:
-    lr = args.lr if args.lr is not None else (1e-3 if args.mode == "scratch" else 5e-4)
+    lr = args.lr if args.lr is not None else (5e-4 if args.mode == "head" else 1e-3)
     return TrainConfig(
         mode=args.mode, model=args.model, corpus=args.corpus, eval_corpus=args.eval_corpus,
         out=args.out, size=args.size, steps=args.steps, batch_size=args.batch_size,
@@ -120,12 +149,15 @@ def config_from_args(args) -> TrainConfig:
         keep_head=args.keep_head, init_from=args.init_from,
         copy_fraction=args.copy_fraction, copy_docs=args.copy_docs,
         copy_context_weight=args.copy_context_weight, copy_mix=args.copy_mix,
+        block_size=args.block_size, draft_layers=args.draft_layers,
+        target_layers=args.target_layers, mask_token_id=args.mask_token_id,
+        anchors=args.anchors, labels=args.labels, loss_decay=args.loss_decay,
     )
 
 
 def run(args) -> int:
     cfg = config_from_args(args)
-    if cfg.mode == "head" and cfg.hidden_size is not None:
+    if cfg.mode != "scratch" and cfg.hidden_size is not None:
         raise _user_error("--hidden-size/--num-layers only apply to --mode scratch")
     trainer = Trainer(cfg)
     n_total = count_params(trainer.model)
@@ -133,9 +165,10 @@ def run(args) -> int:
     print(f"mode={cfg.mode} params={n_total / 1e6:.2f}M trainable={n_train / 1e6:.2f}M "
           f"train tokens={len(trainer.train_tokens):,} out={trainer.run_dir}", file=sys.stderr)
     res = trainer.run()
+    written = ({"drafter": str(trainer.run_dir / "dflash")} if cfg.mode == "dflash" else
+               {"hf": str(trainer.run_dir / "hf"), "mlx": str(trainer.run_dir / "mlx")})
     print(json.dumps({"step": res["step"], "wall_seconds": round(res["wall_seconds"], 1),
-                      **res["last"], "hf": str(trainer.run_dir / "hf"),
-                      "mlx": str(trainer.run_dir / "mlx"), "loss_png": res["png"]}))
+                      **res["last"], **written, "loss_png": res["png"]}))
     return 0
 
 

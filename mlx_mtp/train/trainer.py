@@ -1,4 +1,5 @@
-"""The training loop behind `mlx-mtp train` (scratch models and MTP heads); see train/main.py."""
+"""The training loop behind `mlx-mtp train` (scratch models, MTP heads and DFlash drafters);
+see train/main.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,6 +27,7 @@ from .export import (
 )
 
 
+from ..errors import CheckpointError
 from .copydata import mixed_batch
 from .model import (
     build_scratch_model, head_loss, head_targets, scratch_losses,
@@ -77,16 +79,27 @@ class TrainConfig:
     copy_docs: int = 4000
     copy_mix: str = "copy"  # document kinds of the copy rows (train/codetasks.py MIXES)
     copy_context_weight: float = 1.0
+    # dflash mode (train/dflash.py)
+    block_size: int = 8
+    draft_layers: int = 2
+    target_layers: Optional[Tuple[int, ...]] = None  # None: dflash.default_taps
+    mask_token_id: Optional[int] = None  # None: the vocabulary's last id
+    anchors: int = 8  # blocks per window
+    labels: str = "trunk"  # dflash.LABELS
+    loss_decay: float = 0.0  # slot j weighs exp(-(j-1)/decay); 0: all slots alike
 
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+# what each mode logs beside its total loss (the step's two auxiliary values)
+AUX_NAMES = {"scratch": ("loss", "mtp_loss"), "head": ("kl", "soft_ce"),
+             "dflash": ("ce", "slot1_acc")}
 
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        if cfg.mode not in ("scratch", "head"):
-            raise _user_error(f"--mode must be scratch or head (got {cfg.mode!r})")
+        if cfg.mode not in AUX_NAMES:
+            raise _user_error(f"--mode must be one of {', '.join(AUX_NAMES)} (got {cfg.mode!r})")
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(cfg, name) < 1:
                 raise _user_error(f"--{name.replace('_', '-')} must be >= 1")
@@ -99,8 +112,10 @@ class Trainer:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if cfg.mode == "scratch":
             self._setup_scratch()
-        else:
+        elif cfg.mode == "head":
             self._setup_head()
+        else:
+            self._setup_dflash()
         self._setup_data()
         self._setup_optimizer()
 
@@ -181,6 +196,42 @@ class Trainer:
         self.frozen = {k: v for k, v in tree_flatten(model.parameters()) if not k.startswith(
             ("mtp.", "language_model.mtp."))}
 
+    def _setup_dflash(self):
+        """The frozen ``--model`` and a fresh drafter (``self.model``: what trains, is
+        checkpointed and resumed)."""
+        from ..drafters.block.load import check_fits
+        from . import dflash
+
+        if self.cfg.copy_fraction:
+            raise _user_error("--copy-fraction applies to --mode scratch and head, not dflash")
+        self._load_frozen_target()
+        try:
+            self.config = dflash.drafter_config_for(self.cfg, self.text_cfg)
+            self.model = dflash.build_drafter(self.config, self.cfg.seed)
+            self.dflash_loss = dflash.DFlashLoss(self.target, self.model, self.cfg.labels,
+                                                 self.cfg.loss_decay)
+            check_fits(self.model, self.target, "--mode dflash")
+        except (ValueError, CheckpointError) as e:
+            raise _user_error(f"--mode dflash: {e}")
+        self.model.train()
+
+    def _load_frozen_target(self):
+        from ..models.io.loader import ModelLoadError, load_config, load_model, resolve_model_path
+
+        if not self.cfg.model:
+            raise _user_error(f"--mode {self.cfg.mode} needs --model PATH (the model to train "
+                              "for)")
+        try:
+            path = resolve_model_path(self.cfg.model)
+            self.target, _ = load_model(path, mtp=False, dtype=mx.float32)
+        except ModelLoadError as e:
+            raise _user_error(str(e))
+        self.target.freeze()
+        self.target.eval()
+        self.tokenizer_dir = path if (path / "tokenizer.json").exists() else TOKENIZER_DIR
+        config = load_config(path)
+        self.text_cfg = config.get("text_config", config)
+
     def _setup_data(self):
         cfg = self.cfg
         files = corpus_file_list(cfg.corpus, "train")
@@ -241,8 +292,16 @@ class Trainer:
 
     # -- steps -------------------------------------------------------------
     def _batch(self):
-        """(tokens, per-token loss weights), both (batch_size, seq_len + 1)."""
+        """(tokens, per-token loss weights), both (batch_size, seq_len + 1); dflash: (tokens,
+        anchors (batch_size, anchors))."""
         cfg = self.cfg
+        if cfg.mode == "dflash":
+            from .dflash import sample_anchors
+
+            rows = sample_batch(self.train_tokens, cfg.batch_size, cfg.seq_len + 1, cfg.seed,
+                                self.step)
+            return rows, sample_anchors(cfg.batch_size, cfg.seq_len + 1, cfg.block_size,
+                                        cfg.anchors, cfg.seed, self.step)
         if self.copy_tokens is None:
             rows = sample_batch(self.train_tokens, cfg.batch_size, cfg.seq_len + 1, cfg.seed,
                                 self.step)
@@ -260,6 +319,10 @@ class Trainer:
             def loss_fn(batch, weights):
                 ce, mtp_ce = scratch_losses(model, batch, weights)
                 return ce + w * mtp_ce, (ce, mtp_ce)
+        elif cfg.mode == "dflash":
+            def loss_fn(batch, anchors):
+                ce, acc = self.dflash_loss(batch, anchors)
+                return ce, (ce, acc)
         else:
             T = cfg.distill_temperature
 
@@ -278,7 +341,7 @@ class Trainer:
             opt.update(model, grads)
             return loss, aux[0], aux[1]
 
-        if cfg.compile:
+        if cfg.compile and cfg.mode != "dflash":  # anchors are Python positions: traced anew
             state = [model.state, opt.state]
             step = mx.compile(step, inputs=state, outputs=state)
         return step
@@ -296,15 +359,19 @@ class Trainer:
                 ce, mtp_ce = scratch_losses(self.model, b)
                 mx.eval(ce, mtp_ce)
                 tot += [ce.item(), mtp_ce.item()]
+            elif cfg.mode == "dflash":
+                from .dflash import sample_anchors
+
+                anchors = sample_anchors(cfg.batch_size, cfg.seq_len + 1, cfg.block_size,
+                                         cfg.anchors, cfg.seed + 7919, i)
+                tot += [v.item() for v in self.dflash_loss(b, anchors)]
             else:
                 h, t = head_targets(self.model, b, cfg.distill_temperature)
                 soft, kl = head_loss(self.model, h, b[:, 1:], t)
                 mx.eval(soft, kl)
                 tot += [kl.item(), soft.item()]
         tot /= n
-        if cfg.mode == "scratch":
-            return {"loss": float(tot[0]), "mtp_loss": float(tot[1])}
-        return {"kl": float(tot[0]), "soft_ce": float(tot[1])}
+        return dict(zip(AUX_NAMES[cfg.mode], map(float, tot)))
 
     def _log(self, row: dict):
         with open(self.metrics_path, "a") as f:
@@ -318,6 +385,9 @@ class Trainer:
         """Save the model in both layouts under ``out_dir`` (default: the run dir)."""
         out_dir = Path(out_dir) if out_dir else self.run_dir
         dtype = dtype or DTYPES[self.cfg.export_dtype]
+        if self.cfg.mode == "dflash":
+            self.export_demo(out_dir / "dflash", dtype)
+            return out_dir
         self.model.eval()
         save_model(self.model, self.config, out_dir / "hf", "hf", dtype, self.tokenizer_dir)
         save_model(self.model, self.config, out_dir / "mlx", "mlx", dtype, self.tokenizer_dir)
@@ -330,6 +400,12 @@ class Trainer:
         dtype = dtype or DTYPES[self.cfg.export_dtype]
         info = {"step": self.step, "wall_seconds": round(self.wall, 1),
                 "train_config": {k: v for k, v in self.cfg.__dict__.items()}}
+        if self.cfg.mode == "dflash":
+            from .dflash import export_drafter
+
+            export_drafter(self.model, self.config, Path(target), dtype,
+                           {"training_info.json": json.dumps(info, indent=2) + "\n"})
+            return
         self.model.eval()
         save_model(self.model, self.config, Path(target), "hf", dtype, self.tokenizer_dir,
                    extra_files={"training_info.json": json.dumps(info, indent=2) + "\n"})
@@ -360,10 +436,7 @@ class Trainer:
             loss_v = loss.item()
             if not math.isfinite(loss_v):
                 raise RuntimeError(f"loss became {loss_v} at step {self.step}; lower --lr")
-            if cfg.mode == "scratch":
-                last = {"loss": a.item(), "mtp_loss": b.item()}
-            else:
-                last = {"kl": a.item(), "soft_ce": b.item()}
+            last = dict(zip(AUX_NAMES[cfg.mode], (a.item(), b.item())))
             ema = loss_v if ema is None else 0.95 * ema + 0.05 * loss_v
             lr = float(self.optimizer.learning_rate.item())
             self._log(dict(kind="train", step=self.step, total=loss_v, lr=lr,

@@ -14,7 +14,7 @@ pending input is the last emitted row's projected taps, saved under its own kind
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import mlx.core as mx
 
@@ -50,6 +50,16 @@ class ContextCache(BatchKVCache):
         c = self.copy()
         c.filter([row])
         return c
+
+    def prefixes(self, rows: List[int], lengths: List[int]) -> "ContextCache":
+        """Training (``train/dflash.py``): a cache whose row i is the first ``lengths[i]``
+        positions of this cache's row ``rows[i]``, its block's anchor at ``lengths[i]``, so
+        one context pass over a sequence serves a block at each of many anchors. This cache
+        must hold whole sequences (no holes: slot j is position j)."""
+        ix = mx.array(rows)
+        seen = mx.arange(self.idx)[None] < mx.array(lengths)[:, None]
+        return ContextCache(lengths, self.keys[ix][..., : self.idx, :],
+                            self.values[ix][..., : self.idx, :], self.valid[ix, : self.idx] & seen)
 
     def positions(self) -> mx.array:
         """(B,) each row's next position: where a block's anchor stands."""
