@@ -42,3 +42,23 @@ def test_generate_inspect_and_a_misfit(tiny_ckpt, tmp_path):
     code, out, err = run("inspect", str(good))
     assert code == 0, err
     assert "dflash block drafter" in out and "[1, 3]" in out and "4 positions per pass" in out
+
+
+@pytest.mark.slow
+def test_bench_compares_the_block_drafter_with_the_head(tiny_ckpt, tmp_path):
+    """``bench --draft-model D --draft-source mtp,block,block+mtp``: a row per source, each
+    with plain decoding's output (the JSON's lossless flag) and the block drafter's drafts."""
+    import json
+
+    trunk = tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1, vocab_size=4096)
+    drafter = make_tiny_dflash(tmp_path / "dflash", 64, 4096, [1, 3], 4, block_size=4)
+    code, out, err = run("bench", "--model", str(trunk), "--draft-model", str(drafter),
+                         "--draft-source", "mtp,block,block+mtp", "--num-draft-tokens", "0,2",
+                         "--max-tokens", "8", "--repeats", "1", "--no-plots", "--quiet",
+                         "-o", str(tmp_path / "out"))
+    assert code == 0, err
+    rows = {r["setting"]: r for r in
+            json.loads((tmp_path / "out" / "inprocess.json").read_text())["settings"]}
+    assert set(rows) >= {"plain", "K=2", "auto", "block", "block+mtp"}
+    assert all(r["outputs_match_plain"] for r in rows.values())
+    assert rows["block"]["num_draft_tokens"] > 0

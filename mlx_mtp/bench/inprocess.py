@@ -56,6 +56,9 @@ def make_settings(ks: Sequence[int], auto: bool = True,
         out.append(Setting("lookup", 0, adaptive=True, draft_source="lookup"))
     if "both" in sources and max(ks) > 0:
         out.append(Setting("both", max(ks), adaptive=True, draft_source="both"))
+    for block in ("block", "block+mtp"):
+        if block in sources and max(ks) > 0:
+            out.append(Setting(block, max(ks), adaptive=True, draft_source=block))
     return out
 
 

@@ -77,7 +77,16 @@ def _add_inprocess(p: argparse.ArgumentParser):
     g.add_argument("--draft-source", default="mtp", metavar="LIST",
                    help="Draft sources to compare, comma-separated from mtp (plain, each K, "
                         "auto), lookup (drafts copied from the context, no head), both "
-                        "(per row and step, adaptive): e.g. mtp,lookup,both (default mtp)")
+                        "(per row and step, adaptive), block and block+mtp (the block "
+                        "drafter --draft-model names, adaptive): e.g. mtp,lookup,both "
+                        "(default mtp)")
+    g.add_argument("--mtp-model", "--draft-model", dest="mtp_model", default=None,
+                   metavar="PATH|ID",
+                   help="A drafter for --model: a split MTP drafter or a block drafter "
+                        "(DFlash, DFlash2, DSpark, EAGLE-3), as for generate")
+    g.add_argument("--draft-kind", default=None, metavar="KIND",
+                   help="What --draft-model is where its config does not say: mtp or a block "
+                        "drafter kind (dflash, dflash2, dspark, eagle3)")
     add_lookup_arguments(g)
     g.add_argument("--warmup-tokens", type=int, default=16)
     g.add_argument("--ignore-chat-template", action="store_true",
