@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 from mlx_mtp.bench.long_context import long_prompts
 from mlx_mtp.models.io.loader import load
 from mlx_mtp.server.engine import Engine
 from mlx_mtp.server.events import Done, EngineRequest, Failed
-from mlx_mtp.server.memory_budget import Footprint, MemoryBudget
+from mlx_mtp.server.memory_budget import MAX_WAIT_SECONDS, Footprint, MemoryBudget
 
 
 class Sink:
@@ -38,7 +39,8 @@ class Sink:
 def held(engine) -> int:
     """Cache bytes the engine holds now, counted from the caches (not from the account)."""
     caches = list(engine.batch.cache or []) + list(engine.batch.mtp_cache or [])
-    caches += [c for s in engine.running if s.prefilling for c in s.dec.cache + (s.dec.mtp_cache or [])]
+    caches += [c for s in engine.running if s.prefilling
+               for c in s.dec.cache + (s.dec.mtp_cache or [])]
     return sum(c.nbytes for c in caches) + engine.prefix_cache.nbytes
 
 
@@ -49,15 +51,18 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--fit", type=int, default=3, help="the budget holds this many requests")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-wait", type=float, default=MAX_WAIT_SECONDS,
+                   help="seconds a request may wait for room (serve --memory-budget-wait)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     model, tok = load(args.model)
     base = long_prompts(tok, [args.tokens])[0]
     # distinct prompts of equal length: each a rotation of the same source text
-    prompts = [base[i * 997 % len(base):] + base[:i * 997 % len(base)] for i in range(args.requests)]
+    cuts = [i * 997 % len(base) for i in range(args.requests)]
+    prompts = [base[c:] + base[:c] for c in cuts]
     fp = Footprint.measure(model)
     limit = args.fit * fp.row_bytes(args.tokens + args.max_tokens + 8 + 256)
-    budget = MemoryBudget(limit, footprint=fp)
+    budget = MemoryBudget(limit, max_wait=args.max_wait, footprint=fp)
     engine = Engine(model, tok, max_concurrency=args.requests, memory=budget, log_interval=0)
     sinks = [Sink() for _ in prompts]
     for ids, sink in zip(prompts, sinks):
@@ -72,6 +77,7 @@ def main() -> int:
         violations += (now > account) + (account > 1.05 * limit)
     result = {
         "tokens": args.tokens, "requests": args.requests, "limit_bytes": limit,
+        "max_wait_seconds": args.max_wait, "load_average": os.getloadavg(),
         "finished": sum(isinstance(s.done, Done) for s in sinks),
         "failed": [str(s.done) for s in sinks if not isinstance(s.done, Done)],
         "max_rows_running": rows, "peak_held_bytes": peak_held,

@@ -25,8 +25,8 @@ from mlx_mtp.models.cache.window import BatchWindowKVCache, WindowKVCache
 from mlx_mtp.models.cache import window as window_cache
 from mlx_mtp.models.io.loader import load, load_model
 from mlx_mtp.server.events import Done, EngineRequest, Failed
-from mlx_mtp.server.memory_budget import (RETRY_AFTER_SECONDS, Footprint, MemoryBudget,
-                                          OverBudget, parse_memory_budget)
+from mlx_mtp.server.memory_budget import (MAX_WAIT_SECONDS, RETRY_AFTER_SECONDS, Footprint,
+                                          MemoryBudget, OverBudget, parse_memory_budget)
 from mlx_mtp.server.prefix_cache import PrefixCache
 from mlx_mtp.testing.tiny import make_tiny
 from mlx_mtp.testing.tiny_special import WINDOW, make_tiny_mimo_v2_flash
@@ -213,6 +213,12 @@ def test_serve_flag_and_its_bad_values(capsys):
     assert e.value.code == 2 and "--memory-budget takes GB" in capsys.readouterr().err
     with pytest.raises(UserError, match="--memory-budget needs a single process"):
         _check_args(p.parse_args(["--memory-budget", "8", "--distributed", "pipeline"]))
+    assert p.parse_args(["--memory-budget-wait", "900"]).memory_budget_wait == 900.0
+    assert p.parse_args([]).memory_budget_wait == MAX_WAIT_SECONDS
+    for bad in ("0", "-5", "inf", "soon"):
+        with pytest.raises(SystemExit) as e:
+            p.parse_args(["--memory-budget-wait", bad])
+        assert e.value.code == 2 and "not a positive number of seconds" in capsys.readouterr().err
 
 
 def test_an_engine_429_carries_retry_after_to_the_response():

@@ -25,7 +25,7 @@ from .distributed import LeaderSync, run_follower
 from .engine import Engine
 from .http_guard import (LOCAL_HOST_NAMES, GuardConfig, add_cors, host_name as host_name_of,
                          is_loopback, split_list, timed_http_protocol)
-from .memory_budget import MemoryBudget, parse_memory_budget
+from .memory_budget import MAX_WAIT_SECONDS, MemoryBudget, parse_memory_budget
 from .metrics import ServerMetrics
 from .prefix_cache import PrefixCache
 from .state import ServerState, max_token_chars
@@ -45,6 +45,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512M, 2G, 1000000)")
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
+
+
 def _memory_budget(text: str) -> int:
     try:
         return parse_memory_budget(text)
@@ -61,6 +71,10 @@ def _add_memory_arguments(p):
                         "a size (e.g. 512M). "
                         "Requests that do not fit wait in the queue; 429 when one never could "
                         "(default: none)")
+    p.add_argument("--memory-budget-wait", type=_positive_seconds, default=MAX_WAIT_SECONDS,
+                   metavar="SECONDS",
+                   help="How long a request may wait for room under --memory-budget before "
+                        f"it is answered 429 with Retry-After (default {MAX_WAIT_SECONDS:.0f})")
     p.add_argument("--prompt-cache-size", type=int, default=32,
                    help="Maximum number of prompt-prefix states kept (0 disables; default 32)")
     p.add_argument("--prompt-cache-bytes", type=_size, default=2 << 30,
@@ -229,7 +243,7 @@ def build_state(args, model, tokenizer, config: dict, drafting, sampling_default
                                  disk=_session_store(args, model, metrics)),
         metrics=metrics, max_queue=args.max_queue, model_name=names[0],
         log_interval=args.log_interval, sync=sync, draft_sources=drafting.sources,
-        memory=MemoryBudget(args.memory_budget),
+        memory=MemoryBudget(args.memory_budget, max_wait=args.memory_budget_wait),
     )
     return ServerState(
         engine=engine, tokenizer=tokenizer, model_name=names[0], aliases=aliases,
