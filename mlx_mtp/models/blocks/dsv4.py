@@ -208,6 +208,8 @@ class Attention(nn.Module):
 
 
 class ClampedSwiGLU(nn.Module):
+    """silu(min(gate, limit)) * clip(up, -limit, limit), as transformers' experts apply it."""
+
     def __init__(self, limit: float):
         super().__init__()
         self.limit = limit

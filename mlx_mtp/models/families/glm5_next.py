@@ -38,6 +38,7 @@ from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.deepseek_v3 import group_expert_select
 from mlx_lm.models.switch_layers import SwitchGLU
 
+from ..blocks.dsv4 import ClampedSwiGLU
 from ..blocks.kpool import KPoolIndexer
 from ..blocks.mhc import HyperConnection, expand
 from ..cache.index import IndexKeyCache
@@ -148,17 +149,6 @@ def indexer_schedule(text: dict, n: int) -> List[str]:
             else list(pattern)
     freq, offset = max(text.get("index_topk_freq", 1), 1), text.get("index_skip_topk_offset", 2)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
-
-
-class ClampedSwiGLU(nn.Module):
-    """silu(min(gate, limit)) * clip(up, -limit, limit), as transformers' experts apply it."""
-
-    def __init__(self, limit: float):
-        super().__init__()
-        self.limit = limit
-
-    def __call__(self, up, gate):
-        return nn.silu(mx.minimum(gate, self.limit)) * mx.clip(up, -self.limit, self.limit)
 
 
 class MLP(nn.Module):
