@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..platform import machine
+from ..platform import blas, machine
 from ..platform.machine import cache_dir
 from .costs import StepCosts
 from .policy import DraftPolicy
@@ -36,6 +36,8 @@ def cost_key(model) -> str:
     h = hashlib.sha256(f"{FORMAT}|{machine.describe()}|compiled {model.compiled}".encode())
     for name, p in tree_flatten(model.parameters()):
         h.update(f"|{name}:{p.dtype}:{tuple(p.shape)}".encode())
+        if p.ndim == 2:  # how many verify rows its products run as sgemv
+            h.update(f"|sgemv {blas.gemv_limit(p.shape[1], p.shape[0])}".encode())
     return h.hexdigest()[:32]
 
 

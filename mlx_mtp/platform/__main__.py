@@ -12,6 +12,9 @@ try:
 except blas.BlasError as e:
     sys.exit(f"mlx_mtp.platform: error: {e}")
 print(blas.describe())
-from mlx_mtp.platform import bench  # imports MLX: after configure
+from mlx_mtp.platform import bench, gemv_limits  # imports MLX: after configure
+
+if blas.active():
+    print(f"sgemv limits: {gemv_limits.describe()}")
 
 bench.main()

@@ -131,6 +131,7 @@ def build_shim(cache_dir=None) -> Optional[Path]:
 
 _shim = None  # the loaded shim (ctypes.CDLL), once preload() succeeded
 _configured = False
+_openblas_on = True  # what configure() decided (route(None) restores it)
 
 
 def small_elems() -> int:
@@ -212,6 +213,9 @@ def preload() -> bool:
         _shim.mlx_mtp_shim_gemv_rows.restype = ctypes.c_long
         _shim.mlx_mtp_shim_gemv_calls.restype = ctypes.c_long
         _shim.mlx_mtp_shim_set_gemv_rows(gemv_rows())
+        _shim.mlx_mtp_shim_set_gemv_shape.argtypes = [ctypes.c_long] * 3
+        _shim.mlx_mtp_shim_gemv_limit.argtypes = [ctypes.c_long] * 2
+        _shim.mlx_mtp_shim_gemv_limit.restype = ctypes.c_long
     except Exception as e:  # a platform nicety must never stop the import
         _shim, _reason = None, f"loading the OpenBLAS shim failed: {e}"
     return _shim is not None
@@ -238,7 +242,8 @@ def routing() -> str:
     the sgemv route alone makes a plain decode step several times cheaper)."""
     if not active():
         return "reference"
-    return f"openblas, sgemv up to {int(_shim.mlx_mtp_shim_gemv_rows())} rows"
+    return (f"openblas, sgemv up to {int(_shim.mlx_mtp_shim_gemv_rows())} rows "
+            "or a shape's measured limit")
 
 
 def gemv_calls() -> int:
@@ -253,18 +258,46 @@ def route(path: Optional[str]):
     """Send every float32 product down one path (for timing them against each other in one
     process: "reference", "sgemm": OpenBLAS's, even for one row, "sgemv": one per row, for up to
     8 rows), or back to the configured routing (None)."""
+    if _shim is None:
+        return
     if path is None:
-        configure()
-    elif _shim is not None:
-        _shim.mlx_mtp_shim_configure(int(path != "reference"), 1, 0)
-        _shim.mlx_mtp_shim_set_gemv_rows(8 if path == "sgemv" else 0)
+        _apply(_openblas_on)
+        return
+    _shim.mlx_mtp_shim_configure(int(path != "reference"), 1, 0)
+    _shim.mlx_mtp_shim_set_gemv_rows(8 if path == "sgemv" else 0)
+    _shim.mlx_mtp_shim_use_shape_limits(0)
+
+
+def set_gemv_limit(k: int, n: int, rows: int):
+    """Products with ``k`` inputs and ``n`` outputs run as sgemv up to ``rows`` rows (their
+    measured limit, ``gemv_limits.py``) instead of :func:`gemv_rows`."""
+    if _shim is not None:
+        _shim.mlx_mtp_shim_set_gemv_shape(k, n, rows)
+
+
+def gemv_limit(k: int, n: int) -> int:
+    """Rows up to which a product with ``k`` inputs and ``n`` outputs runs as sgemv (0: none,
+    or no shim)."""
+    return int(_shim.mlx_mtp_shim_gemv_limit(k, n)) if _shim is not None else 0
+
+
+def _apply(openblas: bool):
+    """The configured routing, on the shim (see :func:`configure`)."""
+    global _openblas_on
+    _openblas_on = openblas
+    if openblas:
+        _shim.mlx_mtp_shim_configure(1, min_rows(), small_elems())
+        _shim.mlx_mtp_shim_set_gemv_rows(gemv_rows())
+        _shim.mlx_mtp_shim_use_shape_limits(1)
+    else:
+        _shim.mlx_mtp_shim_configure(0, min_rows(), small_elems())
 
 
 def _use_reference(why: str):
     global _reason
     _reason = why
     if _shim is not None:
-        _shim.mlx_mtp_shim_configure(0, min_rows(), small_elems())
+        _apply(False)
 
 
 def configure(mode: Optional[str] = None, rtol: float = 1e-4):
@@ -280,8 +313,7 @@ def configure(mode: Optional[str] = None, rtol: float = 1e-4):
         _use_reference("requested with --blas reference")
         return
     if _shim is not None:
-        _shim.mlx_mtp_shim_configure(1, min_rows(), small_elems())
-        _shim.mlx_mtp_shim_set_gemv_rows(gemv_rows())
+        _apply(True)
     if not active():
         if _shim is not None:
             _reason = f"the shim could not use ${ENV_OPENBLAS} ({os.environ.get(ENV_OPENBLAS)})"

@@ -46,7 +46,7 @@ def environment() -> dict:
     import mlx.core as mx
 
     from .. import __version__
-    from ..platform import blas
+    from ..platform import blas, gemv_limits
 
     return {
         "mlx_mtp": __version__,
@@ -59,6 +59,7 @@ def environment() -> dict:
         "device": "gpu" if mx.default_device() == mx.gpu else "cpu",
         "metal": bool(mx.metal.is_available()),
         "blas": blas.describe(),
+        "sgemv_limits": gemv_limits.describe() if blas.active() else None,
         "llguidance": _version("llguidance"),
     }
 
@@ -67,13 +68,16 @@ def probe_model():
     """A random Qwen3.5-shaped model with one MTP layer, in the dtype ``--dtype auto`` picks
     here for a bf16 checkpoint of its shape (float32, or bf16 as stored)."""
     import mlx.core as mx
+    from mlx.utils import tree_flatten
 
+    from ..platform import gemv_limits
     from ..testing.tiny import build_model, tiny_text_config
 
     model = build_model("qwen3_5", tiny_text_config("qwen3_5", **PROBE))
     if dtype_report(None, measure=True, model=model)["dtype"] != "float32":
         model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
+    gemv_limits.apply(tree_flatten(model.parameters()))  # as a load would route its products
     return model
 
 
@@ -172,6 +176,7 @@ def render(report: dict) -> str:
         ("MLX", f"{env['mlx']}, mlx-lm {env['mlx_lm'] or 'not installed'}"),
         ("device", f"{env['device']} (Metal {'available' if env['metal'] else 'not available'})"),
         ("BLAS", env["blas"]),
+        *([("sgemv limits", env["sgemv_limits"])] if env.get("sgemv_limits") else []),
         ("structured", f"llguidance {env['llguidance']}" if env["llguidance"]
                        else "off: pip install 'llguidance>=1.9,<2'"),
     ]

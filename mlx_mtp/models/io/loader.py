@@ -441,7 +441,7 @@ def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str]
     half-precision checkpoints), ``"float32"``/``"bfloat16"``/``"float16"`` or an mx.Dtype.
     A checkpoint with a vision tower gets an image encoder that reads the tower at its
     first image; ``vision``: read it now (and refuse a checkpoint without one)."""
-    from ...platform import blas
+    from ...platform import blas, gemv_limits
 
     blas.ensure_configured()  # Linux CPU: OpenBLAS for multi-row matmuls, checked once
     p = resolve_model_path(path)
@@ -453,6 +453,7 @@ def load(path: Optional[str] = None, mtp: bool = True, mtp_hidden: Optional[str]
     if not lazy:
         check_fits_memory(parameter_bytes(model), str(p))
         mx.eval(model.parameters())
+    gemv_limits.apply(tree_flatten(model.parameters()))  # shapes only: lazy loads too
     return model, tokenizer
 
 

@@ -226,13 +226,48 @@ static int sgemm_padded(int ta, int tb, int m, int n, int k, float alpha, const 
  * the product: one row times a 4096x1024 weight takes ~0.6 ms as an sgemv and ~2.2 ms as an
  * sgemm (or on the reference BLAS), in either layout; each further row costs one more sgemv, and
  * from four rows on sgemm wins. So a product with at most `gemv_rows` rows runs as one sgemv per
- * row of C, one with at most `gemv_rows` columns as one sgemv per column. */
+ * row of C, one with at most `gemv_rows` columns as one sgemv per column (per weight shape:
+ * gemv_limit). */
 static volatile long gemv_rows = 3;
 static volatile long gemv_calls = 0;
 
 void mlx_mtp_shim_set_gemv_rows(long rows) { gemv_rows = rows; }
 long mlx_mtp_shim_gemv_rows(void) { return ob_sgemv ? gemv_rows : 0; }
 long mlx_mtp_shim_gemv_calls(void) { return gemv_calls; }
+
+/* Where sgemv stops paying depends on the weight: one that stays in the caches is re-read
+ * cheaply by each row's sgemv (a 384x768 weight: eight sgemv beat one 8-row sgemm), one that
+ * streams from memory is read once per row (1024x4096: sgemm wins from four rows). So a weight
+ * shape (k inputs, n outputs) may carry its own limit, measured by platform/gemv_limits.py;
+ * other shapes use gemv_rows. Entries are written before the count that publishes them. */
+#define GEMV_SHAPES 64
+static volatile long shape_k[GEMV_SHAPES], shape_n[GEMV_SHAPES], shape_rows[GEMV_SHAPES];
+static volatile int shapes_known = 0;
+static volatile int shape_limits_on = 1;
+
+int mlx_mtp_shim_set_gemv_shape(long k, long n, long rows) {
+  for (int i = 0; i < shapes_known; i++)
+    if (shape_k[i] == k && shape_n[i] == n) { shape_rows[i] = rows; return 1; }
+  if (shapes_known >= GEMV_SHAPES) return 0;
+  shape_k[shapes_known] = k;
+  shape_n[shapes_known] = n;
+  shape_rows[shapes_known] = rows;
+  __sync_synchronize();
+  shapes_known++;
+  return 1;
+}
+
+void mlx_mtp_shim_use_shape_limits(int on) { shape_limits_on = on; }
+
+/* Rows (of a product with k inputs and n outputs) that still run as sgemv. */
+static long gemv_limit(long k, long n) {
+  if (shape_limits_on)
+    for (int i = 0; i < shapes_known; i++)
+      if (shape_k[i] == k && shape_n[i] == n) return shape_rows[i];
+  return gemv_rows;
+}
+
+long mlx_mtp_shim_gemv_limit(long k, long n) { return ob_sgemv ? gemv_limit(k, n) : 0; }
 
 /* y (len elements, stride inc) = 0 where beta is 0: gemm then ignores C's old contents (MLX
  * passes uninitialised memory), while sgemv would scale it, and 0 * NaN is NaN. */
@@ -246,12 +281,14 @@ static void zero_if_no_beta(float beta, float *y, i64 len, i64 inc) {
 static int sgemm_as_gemv(int order, int ta, int tb, int m, int n, int k, float alpha,
                          const float *a, int lda, const float *b, int ldb, float beta, float *c,
                          int ldc) {
-  if (!ob_sgemv || m < 1 || n < 1 || k < 1 || (m > gemv_rows && n > gemv_rows)) return 0;
+  if (!ob_sgemv || m < 1 || n < 1 || k < 1) return 0;
   if (order == 102) /* column-major C = op(A) op(B) is row-major C^T = op(B)^T op(A)^T */
     return sgemm_as_gemv(101, tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
   if (order != 101) return 0;
+  int by_rows = m <= gemv_limit(k, n);
+  if (!by_rows && n > gemv_limit(k, m)) return 0;
   int at = ta != 111, bt = tb != 111; /* Trans or ConjTrans (the same for real matrices) */
-  if (m <= gemv_rows) {
+  if (by_rows) {
     for (i64 i = 0; i < m; i++) { /* row i of C = op(B)^T (row i of op(A)) */
       float *y = c + i * ldc;
       const float *x = at ? a + i : a + i * lda;
