@@ -11,9 +11,9 @@ limit makes a deep draft's verify cost jump on small models and the K policy sto
 How: for each distinct float32 matrix of a loaded model (up to ``MAX_ELEMS`` elements: larger ones
 stream from memory, where the default holds, and are slow to time), 1..``MAX_ROWS`` rows are timed
 on both routes, interleaved, the fastest of a few repetitions (other load only adds time); the
-limit is the row count past which sgemm makes the products cheapest (``best_limit``). The limits are stored per machine
-(``machine.cache_dir``) and every later load reads them, so routing never depends on the load at
-start; deleting the file measures again. ``MLX_MTP_MEASURE_DTYPE=0`` (the test suite) forbids
+limit is the row count past which sgemm makes the products cheapest (``best_limit``). The limits
+are stored per machine (``machine.cache_dir``) and every later load reads them, so routing never
+depends on the load at start; deleting the file measures again. ``MLX_MTP_MEASURE_DTYPE=0`` (the test suite) forbids
 measuring, as it does for the dtype's figures: stored limits still apply.
 """
 
