@@ -112,6 +112,32 @@ def test_a_head_right_two_times_in_three_drafts_as_deep_as_pays(name):
     assert speedup >= 0.95 * max(fixed(k) for k in range(4))
 
 
+# Measured at the real shape once plain steps ran as sgemv (idle Xeon, issue 40): a verify
+# pass costs c_verify(1/2/3) = 1.88 / 2.57 / 2.99 plain steps, so K=1 cannot pay even when
+# every draft lands (2 / 1.97 tokens per plain step) and K=3 can (4 / 3.26).
+DEAR_VERIFY = {k: c + 0.09 * k for k, c in {0: 1.0, 1: 1.88, 2: 2.57, 3: 2.99}.items()}
+
+
+def test_where_only_deep_drafts_pay_an_always_right_head_climbs_to_them():
+    """The policy paused there (54 of 68 steps plain with a head right every time): K=1
+    re-checks never showed a step that pays. Re-checks now go one position past what
+    landed, where K=1 alone cannot pay."""
+    table = DEAR_VERIFY
+    assert fixed_speedup(table, 1) < 1.05 < fixed_speedup(table, 3)
+    ks, speedup = drive(fresh_policy(table), table, lambda i, j: True, 256)
+    assert ks.index(3) < 24 and ks[24:].count(3) == len(ks) - 24
+    assert speedup >= 0.97 * fixed_speedup(table, 3)
+    _, speedup64 = drive(fresh_policy(table), table, lambda i, j: True, 64)
+    assert speedup64 >= 0.9 * fixed_speedup(table, 3)
+
+
+def test_where_only_deep_drafts_pay_a_never_right_head_costs_little():
+    """Its re-checks stay at one position and come later: each costs ~1 plain step."""
+    table = DEAR_VERIFY
+    ks, speedup = drive(fresh_policy(table), table, lambda i, j: False, 64)
+    assert max(ks) == 1 and sum(ks) <= 2 and speedup >= 0.97
+
+
 # -- end to end: the decoder on tiny checkpoints, greedy output unchanged -------------------
 
 def greedy(path, policy, prompt, n):

@@ -192,7 +192,7 @@ class DraftPolicy:
         # Acceptance re-checks while paused start sooner: a good head paused by bad luck
         # loses every step until one; a useless one costs a fraction of a step per probe.
         # Their interval (first, shortest and longest cap) doubles up to where re-checks
-        # cost ``probe_budget`` of the time at most (``_recheck_cap``): a paused head that
+        # cost ``probe_budget`` of the time at most (``_recheck_gaps``): a paused head that
         # would pay is found again within that many steps, whatever luck paused it. A
         # re-check that lands starts the intervals again: one more is due soon, so the
         # evidence that paused the head is weighed against fresh steps, not rare ones.
@@ -231,8 +231,13 @@ class DraftPolicy:
         landed = any(n > s for n, s in zip(accepted, starts or [0] * len(accepted)))
         self._landed_once |= landed
         self._dry_steps += k > 0 and not landed
-        if landed and not self._drafting and self._could_pay(B):
-            self._gaps.pop(None, None)  # paused for its acceptance, yet a draft landed
+        whole = any(kb and n >= s + kb for n, s, kb in zip(
+            accepted, starts or [0] * len(accepted), ks or [k] * len(accepted)))
+        if not self._drafting and ((landed and self._could_pay(B, 1))
+                                   or (whole and self._could_pay(B))):
+            # paused, yet a re-check landed (every draft, where only deeper steps can
+            # pay): the next one soon, one position deeper if it landed every draft
+            self._gaps[None] = (self.recheck_gap[0], self.recheck_gap[0])
 
     def row_ks(self, rows, B: int, prompts_waiting: bool = False,
                contexts: Optional[Sequence[int]] = None) -> List[int]:
@@ -362,33 +367,60 @@ class DraftPolicy:
                      or self._worth_trying(B, k, chosen_rate))]
         if thin and self._due(B):
             return min(thin, key=lambda k: (self.costs.count(B, k), k))
-        t1 = self.costs.predict(B, 1)
-        if chosen == 0 and (t1 is None or self.costs.count(B, 1) < 3
-                            or 2 / (self.optimism * t1) > self.margin / t0):
-            if self._due(None, self._recheck_cap(B)):
-                return 1
+        k = self._recheck_k(B, max_k)
+        t = self.costs.predict(B, k)
+        if chosen == 0 and (t is None or self.costs.count(B, k) < 3
+                            or (k + 1) / (self.optimism * t) > self.margin / t0):
+            first, longest = self._recheck_gaps(B, k)
+            if self._due(None, longest, first):
+                return k
         return None
 
-    def _could_pay(self, B: int) -> bool:
-        """Whether K=1 would beat plain steps at B rows if every draft landed."""
-        t0, t1 = self.costs.predict(B, 0), self.costs.predict(B, 1)
-        return t0 is not None and t1 is not None and 2 / t1 > self.margin / t0
+    def _recheck_k(self, B: int, max_k: int) -> int:
+        """K of an acceptance re-check while paused: 1 where K=1 can pay; where only deeper
+        drafts can (a dear verify pass: the real shape's c_verify(1) = 1.88 plain steps,
+        K=3 4/2.99), up to one past the positions that landed lately, the K whose upper
+        estimate pays best: a head that keeps landing climbs to the depth that pays, one
+        that does not land re-checks one position."""
+        if self._could_pay(B, 1):
+            return 1
+        deepest = max(1, min(max_k, self.acceptance.landed_depth() + 1))
 
-    def _recheck_cap(self, B: int) -> int:
-        """The longest interval between acceptance re-checks while paused: a re-check
-        costs at most ``t(B, 1) / t(B, 0) - 1`` plain steps, one per interval must stay
-        within ``probe_budget``."""
-        _, shortest, longest = self.recheck_gap
-        t0, t1 = self.costs.predict(B, 0), self.costs.predict(B, 1)
-        if not t0 or t1 is None:
-            return longest
-        extra = max(t1 / t0 - 1.0, 0.0)
-        return max(shortest, min(longest, math.ceil(extra / self.probe_budget)))
+        def rate(k):  # at the upper estimate: what the re-check could show
+            t = self.costs.predict(B, k)
+            return math.inf if t is None else self._expected(k, None, optimistic=True) / t
+        return max(range(1, deepest + 1), key=lambda k: (rate(k), k))
 
-    def _due(self, key, longest: Optional[int] = None) -> bool:
-        """Count down the probe interval of ``key``; True (and double it, up to
-        ``longest``) when it ends."""
-        first, cap = (self.recheck_gap[0], self.recheck_gap[2]) if key is None else self.probe_gap
+    def _could_pay(self, B: int, max_k: int = MAX_DRAFT_TOKENS) -> bool:
+        """Whether drafting at some K up to ``max_k`` measured at B rows would beat plain
+        steps if every draft landed."""
+        t0 = self.costs.predict(B, 0)
+        return t0 is not None and any(
+            t is not None and (k + 1) / t > self.margin / t0
+            for k in range(1, max_k + 1) for t in [self.costs.predict(B, k)])
+
+    def _recheck_gaps(self, B: int, k: int = 1) -> Tuple[int, int]:
+        """The first and the longest interval between acceptance re-checks of K=k while
+        paused. A re-check costs ``t(B, k) / t(B, 0) - 1`` plain steps; the intervals
+        double up to where one per interval stays within ``probe_budget``. Where only
+        drafts deeper than one can pay and none has landed yet, the first comes after ten
+        times that many steps
+        (the real shape's K=1 re-check, 0.97 plain steps more than a plain one, after 10
+        steps, not 4: a head that is never right keeps 0.97 of plain speed in 64 tokens)."""
+        first, shortest, longest = self.recheck_gap
+        t0, t = self.costs.predict(B, 0), self.costs.predict(B, k)
+        if not t0 or t is None:
+            return first, longest
+        extra = max(t / t0 - 1.0, 0.0)
+        if not self._landed_once and not self._could_pay(B, 1):
+            first = max(first, min(shortest, math.ceil(10 * extra)))
+        return first, max(shortest, min(longest, math.ceil(extra / self.probe_budget)))
+
+    def _due(self, key, longest: Optional[int] = None, first: Optional[int] = None) -> bool:
+        """Count down the probe interval of ``key`` (starting at ``first``); True (and
+        double it, up to ``longest``) when it ends."""
+        start, cap = (self.recheck_gap[0], self.recheck_gap[2]) if key is None else self.probe_gap
+        first = start if first is None else first
         longest = cap if longest is None else longest
         gap, wait = self._gaps.get(key, (first, first))
         wait -= 1
