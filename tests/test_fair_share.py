@@ -107,6 +107,41 @@ def test_the_prompt_gets_half_of_the_time(noise):
     assert max(s for _, s in chunks) < 1.5 * 3 * typical * math.exp(2 * noise)
 
 
+def test_one_long_step_does_not_lengthen_the_next_chunks():
+    """A long row joining makes one decode round several times the others (0.64 s among
+    0.2 s steps on the demo model, an 8k row joining 4 streams); the prompt's next chunk
+    stays within ``SPEND`` typical rounds (the smoothed round gave it 0.56 s), while the
+    round still counts in the account."""
+    fair = FairShare()
+    for _ in range(10):
+        fair.prefill_ran(0.08, 8, competing=True)  # 10 ms a token
+        fair.decode_ran(0.2, competing=True)
+    fair.decode_ran(0.64, competing=True)  # the join's round
+    assert fair.debt < 0  # the prompts are owed time
+    n = fair.budget(512, LEAST, MOST)
+    assert 0 < n * 0.01 <= FairShare.SPEND * 0.2
+
+
+@pytest.mark.parametrize("every, typical", [(25, 0.1), (7, (6 * 0.1 + 0.6) / 7)])
+def test_spiked_rounds_keep_the_split_and_bound_the_chunks(every, typical):
+    """Rounds that spike (joins, pauses: 6x the others) leave the split near one half; no
+    chunk lasts much beyond ``SPEND`` typical rounds (the gap a stream sees), where a rare
+    spike is not typical (1 in 25: 0.1 s) and a frequent one is (1 in 7: the mean)."""
+    fair, ctx, chunks, steps = FairShare(), 0, [], []
+    while ctx < 4000:
+        n = min(fair.budget(112, LEAST, MOST), 4000 - ctx)
+        if n:
+            seconds = 0.01 + n * (0.002 + ctx * 1e-6)
+            fair.prefill_ran(seconds, n, competing=True)
+            ctx += n
+            chunks.append(seconds)
+        steps.append(0.6 if len(steps) % every == every - 1 else 0.1)
+        fair.decode_ran(steps[-1], competing=True)
+    assert 0.45 <= fair.share() <= 0.55, fair.share()
+    longest = max(chunks[1:])  # the first: nothing measured yet
+    assert longest <= 1.1 * FairShare.SPEND * typical, longest
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return load(str(make_tiny(tmp_path_factory.mktemp("fair") / "m", "qwen3_5", "noisy",

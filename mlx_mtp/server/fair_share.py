@@ -19,8 +19,9 @@ context (here ~14 ms a token at 30k, ~9 at 8k, less at a prompt's start).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Dict, Hashable, List, Optional
+from typing import Deque, Dict, Hashable, List, Optional
 
 
 @dataclass
@@ -48,10 +49,12 @@ class FairShare:
     FLOOR = 8  # tokens: fixed cost per call (4-token calls ran at 69 % of 512-token ones)
     BANK = 1.0  # decode steps the account may hold either way
     SPEND = 1.5  # decode steps prompts may run in one iteration (a stream's gap: 2.5)
+    RECENT = 8  # decode rounds the typical one is taken from
 
     def __init__(self):
         self.debt = 0.0
-        self.step_s: Optional[float] = None  # a decode round
+        self.step_s: Optional[float] = None  # a decode round, smoothed: the account's unit
+        self.recent: Deque[float] = deque(maxlen=self.RECENT)  # the last rounds' times
         self.token_s: Optional[float] = None  # one prompt token, any prompt's latest
         self.round_s = 0.0  # prompt seconds since the last decode step
         self.idle_s = 0.0  # decode seconds since prompts last ran beside them
@@ -94,8 +97,17 @@ class FairShare:
             self.idle_s = 0.0
             self.prompt_s += seconds
 
+    def typical_s(self) -> float:
+        """A decode round's typical time: the mean of the last few but the longest, so one
+        long round (a long row joining, a pause) does not lengthen the chunks after it as
+        the smoothed ``step_s`` does (one 0.64 s join among 0.2 s steps had the next chunk
+        run 0.64 s), while rounds often long (drafting ones) still count."""
+        n = len(self.recent)
+        return (sum(self.recent) - max(self.recent)) / (n - 1) if n > 1 else self.recent[0]
+
     def decode_ran(self, seconds: float, competing: bool):
         self.step_s = self._mix(self.step_s, seconds)
+        self.recent.append(seconds)
         self.round_s = 0.0
         self.idle_s = self.idle_s + seconds if competing else 0.0
         if competing:
@@ -112,7 +124,7 @@ class FairShare:
         outlast ``CELL_ROUNDS`` decode rounds (long contexts), else the cell (short
         contexts: splitting a cheap cell only delays the short prompts queued behind it)."""
         token_s = self._token_s(prompt)
-        if self.step_s is not None and token_s and token_s * cell > self.CELL_ROUNDS * self.step_s:
+        if self.recent and token_s and token_s * cell > self.CELL_ROUNDS * self.typical_s():
             return least
         return cell
 
@@ -134,11 +146,12 @@ class FairShare:
         token_s = self._token_s(prompt)
         if self.step_s is None or not token_s:
             return min(most, max(least, tokens))
-        seconds = min(self.step_s - self.debt, self.SPEND * self.step_s - self.round_s)
+        spend = self.SPEND * self.typical_s()  # what bounds a stream's gap
+        seconds = min(self.step_s - self.debt, spend - self.round_s)
         fits = seconds / token_s
         if fits < least / 2:
             chunk_s = least * token_s
-            never = chunk_s / 2 > self.SPEND * self.step_s  # no credit makes it fit
+            never = chunk_s / 2 > spend  # no credit makes it fit
             return least if never and self.round_s == 0.0 and self.idle_s >= chunk_s else 0
         n = min(tokens, int(fits))
         return min(most, max(least, n - n % least))
