@@ -281,7 +281,7 @@ def summarize(path: str, top: int = 12) -> str:
     steps = [it["decode"]["ms"] for it in its if it["decode"]]
     step50 = percentile(steps, 0.5)
     tail = [it for it in its if it["wall_ms"] >= p99]
-    why = {"a join": lambda it: any(c["join_ms"] for c in it["chunks"]),
+    why = {"a join": lambda it: any(c["joined"] for c in it["chunks"]),
            "a prefix store": lambda it: any(c["store_ms"] for c in it["chunks"]),
            "a row leaving": lambda it: it["remove_ms"] > 1,
            "GC >= 10 ms": lambda it: it["gc_ms"] >= 10,
@@ -298,7 +298,7 @@ def summarize(path: str, top: int = 12) -> str:
         d = it["decode"] or {}
         chunks = " ".join(f"{c['tokens']}@{c['offset']}:{c['ms']:.0f}/{c.get('est_ms')}"
                           + ("+head" if c.get("run_head") else "")
-                          + (f"+join {c['join_ms']:.0f}" if c["join_ms"] else "")
+                          + (f"+join {c['join_ms']:.0f}" if c["joined"] else "")
                           + (f"+store {c['store_ms']:.0f}" if c["store_ms"] else "")
                           for c in it["chunks"])
         lines.append(

@@ -8,7 +8,8 @@ JSON line per iteration (``Engine.step``):
 - ``chunks``: each prompt chunk: the prompt's key, its context ``offset`` and ``tokens``,
   the fair share's estimate (``est_ms``: its per-token cost before the chunk x tokens)
   against the measured ``ms``, whether the MTP head read it (``run_head``), and inside it
-  the prefix-cache store (``store_ms``) and the join of a finished prompt (``join_ms``);
+  the prefix-cache store (``store_ms``) and the join of a finished prompt (``joined``,
+  ``join_ms``: building the merge; MLX runs it in the next decode step);
 - ``decode``: the step's rows, K per row, tokens emitted, ``ms``, each row's context and
   the batch caches' bytes (padding shows there);
 - ``remove_ms``: rows leaving (the batch's caches filtered); ``gc_ms``: Python GC pauses;
@@ -93,7 +94,7 @@ class IterationTrace:
             key, offset = seq.req.request_id, seq.dec.n_processed
             token_s = self.engine.fair._token_s(key)
             chunk = {"prompt": key, "offset": offset, "run_head": None, "store_ms": 0.0,
-                     "join_ms": 0.0, "below_grid": below_grid}
+                     "joined": False, "join_ms": 0.0, "below_grid": below_grid}
             self._chunks().append(chunk)
             start = time.perf_counter()
             n = run(seq, max_tokens, below_grid)
@@ -138,7 +139,7 @@ class IterationTrace:
             start = time.perf_counter()
             add(*args, **kwargs)
             if self._chunks():
-                self._chunks()[-1]["join_ms"] += _ms(time.perf_counter() - start)
+                self._chunks()[-1].update(joined=True, join_ms=_ms(time.perf_counter() - start))
 
         traced._traced = True
         batch.add = traced
