@@ -149,6 +149,8 @@ def worker(args) -> dict:
         "long_ttft_s": t_last - t_first, "prefill_tok_s": total / (t_last - t_first),
         "short_ttft_s": firsts.get("short", float("nan")) - t_short,
         "prompt_tokens": total, "prompts": prompts,
+        # the trace's iterations over the same union of the prefills (its clock from attach)
+        "trace_window_s": trace and [t_first - trace.t0, t_last - trace.t0],
         **_fair_share_figures(record, t_first, t_last,
                               {p["request_id"]: i for i, p in enumerate(longs)}),
     }
@@ -269,11 +271,14 @@ def run_tree(tree: str, args, streams: int, trace: str = "") -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def summarize(path: str, top: int = 12) -> str:
-    """A trace's long iterations (``--trace``): the p50/p99 of their wall time, what the
-    ones at or over the p99 held, and the longest ``top`` part by part."""
+def summarize(path: str, window=None, top: int = 12) -> str:
+    """A trace's long iterations (``--trace``) inside ``window`` (seconds on the trace's
+    clock; None: all): the p50/p99 of their wall time, what the ones at or over the p99
+    held, and the longest ``top`` part by part."""
     with open(path) as f:
         its = [json.loads(line) for line in f]
+    if window:
+        its = [it for it in its if window[0] <= it["t"] <= window[1]]
     if not its:
         return f"{path}: no iterations"
     walls = [it["wall_ms"] for it in its]
@@ -353,7 +358,7 @@ def measure(tree: str, args, label: str) -> dict:
     trace = f"{args.trace}-{label}" if args.trace else ""
     r = run_tree(tree, args, args.streams, trace and trace + ".jsonl")
     if trace:
-        print(summarize(trace + ".jsonl"), flush=True)
+        print(summarize(trace + ".jsonl", r.get("trace_window_s")), flush=True)
     r["itl_p99_vs_solo"] = r["during_p99_ms"] / r["baseline_p99_ms"]
     if args.solo:
         alone = run_tree(tree, args, 0, trace and trace + "-solo.jsonl")
