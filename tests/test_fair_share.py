@@ -122,6 +122,38 @@ def test_one_long_step_does_not_lengthen_the_next_chunks():
     assert 0 < n * 0.01 <= FairShare.SPEND * 0.2
 
 
+def test_a_join_round_is_the_prompts_time():
+    """The round after a prompt finishes beside the streams carries its row's join (0.64 s
+    among 0.2 s rounds for an 8k row): what it ran over a typical round counts as the
+    prompts', so the prompt still in prefill waits for a round instead of spending 1.5
+    rounds at once (a 2.5-round gap right after the join's long one)."""
+    def run(finish: bool) -> FairShare:
+        fair = FairShare()
+        for _ in range(10):
+            fair.order({"8k": 1000, "30k": 20000})
+            fair.prefill_ran(0.04, 4, competing=True, prompt="8k")
+            fair.prefill_ran(0.04, 4, competing=True, prompt="30k")
+            fair.decode_ran(0.08, competing=True)
+        fair.order({"8k": 8 if finish else 16, "30k": 19960})
+        fair.prefill_ran(0.08, 8, competing=True, prompt="8k")  # its last chunk, or not
+        prompt_s, decode_s = fair.prompt_s, fair.decode_s
+        fair.decode_ran(0.64, competing=True)
+        extra = 0.64 - 0.08 if finish else 0.0
+        assert fair.prompt_s - prompt_s == pytest.approx(extra)
+        assert fair.decode_s - decode_s == pytest.approx(0.64 - extra)
+        fair.order({"30k": 19960})
+        return fair
+
+    assert run(finish=False).budget(512, LEAST, MOST, "30k") > 0  # owed: it runs at once
+    joined = run(finish=True)
+    assert joined.debt > 0 and joined.budget(512, LEAST, MOST, "30k") == 0
+    waited = 0  # plain rounds until the prompts are no longer ahead (the account's bound)
+    while not joined.budget(512, LEAST, MOST, "30k"):
+        joined.decode_ran(0.08, competing=True)
+        waited += 1
+    assert 1 <= waited <= 4
+
+
 @pytest.mark.parametrize("every, typical", [(25, 0.1), (7, (6 * 0.1 + 0.6) / 7)])
 def test_spiked_rounds_keep_the_split_and_bound_the_chunks(every, typical):
     """Rounds that spike (joins, pauses: 6x the others) leave the split near one half; no

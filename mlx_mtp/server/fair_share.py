@@ -26,11 +26,12 @@ from typing import Deque, Dict, Hashable, List, Optional
 
 @dataclass
 class PromptAccount:
-    """One prompt in prefill: its prefill seconds so far (the order of turns) and its
-    latest per-token cost (it grows with the prompt's context)."""
+    """One prompt in prefill: its prefill seconds so far (the order of turns), its latest
+    per-token cost (it grows with the prompt's context) and the tokens it has left."""
 
     served_s: float = 0.0
     token_s: Optional[float] = None
+    left: int = 0
 
 
 class FairShare:
@@ -61,6 +62,7 @@ class FairShare:
         self.prompt_s = 0.0
         self.decode_s = 0.0
         self.prompts: Dict[Hashable, PromptAccount] = {}
+        self.joined = False  # a prompt finished beside the streams: its row joins the batch
 
     def _mix(self, old: Optional[float], new: float) -> float:
         return new if old is None else old + self.SMOOTH * (new - old)
@@ -78,6 +80,8 @@ class FairShare:
         known = [self.prompts[k].served_s for k in remaining if k in self.prompts]
         start = min(known, default=0.0)
         self.prompts = {k: self.prompts.get(k) or PromptAccount(start) for k in remaining}
+        for k, n in remaining.items():
+            self.prompts[k].left = n
         return sorted(remaining, key=lambda k: (self.prompts[k].served_s, remaining[k]))
 
     def prefill_ran(self, seconds: float, tokens: int, competing: bool,
@@ -91,6 +95,8 @@ class FairShare:
                 own.token_s = self._mix(own.token_s, seconds / tokens)
         if own is not None:
             own.served_s += seconds
+            own.left -= tokens
+            self.joined = self.joined or (competing and own.left <= 0)
         if competing:
             self.debt += seconds
             self.round_s += seconds
@@ -106,14 +112,20 @@ class FairShare:
         return (sum(self.recent) - max(self.recent)) / (n - 1) if n > 1 else self.recent[0]
 
     def decode_ran(self, seconds: float, competing: bool):
+        # The first round of a row that just joined is partly that prompt's: the merge, and
+        # every row attending over its width (0.64 s among 0.2 s steps for an 8k row). What
+        # it ran over a typical round is the prompts', so they wait instead of being owed.
+        joining = max(0.0, seconds - self.typical_s()) if self.joined and self.recent else 0.0
+        self.joined = False
         self.step_s = self._mix(self.step_s, seconds)
         self.recent.append(seconds)
         self.round_s = 0.0
         self.idle_s = self.idle_s + seconds if competing else 0.0
         if competing:
-            self.decode_s += seconds
+            self.decode_s += seconds - joining
+            self.prompt_s += joining
             bound = self.BANK * self.step_s
-            self.debt = min(max(self.debt - seconds, -bound), bound)
+            self.debt = min(max(self.debt + joining - (seconds - joining), -bound), bound)
         else:
             self.debt = 0.0
 
