@@ -15,6 +15,11 @@ as Linux's CFS starts a task at ``min_vruntime``; on a tie the fewer remaining t
 so two long prompts split the prompts' half evenly, both advance, and a short prompt arriving
 runs at once. Each prompt's chunk is sized by its own per-token cost, which grows with its
 context (here ~14 ms a token at 30k, ~9 at 8k, less at a prompt's start).
+
+Chunks are sized by a typical decode round (``typical_s``), so one long round does not
+lengthen the chunks after it; the round right after a prompt's row joins the batch is
+partly that prompt's (its merge, every row attending over its width), and what it runs over
+a typical round counts as the prompts' time.
 """
 
 from __future__ import annotations
