@@ -15,7 +15,7 @@ JSON line per iteration (``Engine.step``):
 - ``remove_ms``: rows leaving (the batch's caches filtered); ``gc_ms``: Python GC pauses;
   ``active_mb`` / ``cache_mb``: MLX memory at the end; ``other_ms``: what no part covers.
 
-Used by ``benchmarks/long_prompt_itl.py --trace FILE``; ``summarize`` reads a trace back
+Used by ``benchmarks/long_prompt_itl.py --trace FILE``, whose ``summarize`` reads a trace back
 and names the long iterations' parts.
 """
 
