@@ -5,8 +5,10 @@ then the ``--prompt-tokens`` prompts arrive (comma-separated lengths, ``--prompt
 apart; each its own text), then a short request. Reported per run: the gaps between
 successive token events of the running streams before the first long prompt (baseline) and
 during the union of the prefills, from the first arrival to the last long prompt's first
-token (p50 / p99 / max); per long prompt its time to first token and prefill rate; the short
-request's time to first token. Each ``--trees`` entry is a checkout (its ``mlx_mtp`` is
+token (p50 / p99 / max), and after it (``after_p99_ms``: the streams alone again, their
+contexts as long as at the end); per long prompt its time to first token and prefill rate;
+the short request's time to first token. ``--trace FILE``: every scheduler iteration of each
+run, part by part (``server/iteration_trace.py``), and its longest ones printed. Each ``--trees`` entry is a checkout (its ``mlx_mtp`` is
 imported from there); the runs are interleaved A B B A ... and the table shows medians over
 passes.
 
@@ -63,6 +65,7 @@ def worker(args) -> dict:
     accepted = inspect.signature(Engine.__init__).parameters
     engine = Engine(model, tok, **{k: v for k, v in wanted.items() if k in accepted})
     record = _record_fair_share(engine)
+    trace = _attach_trace(engine, args.trace)
     engine.start()
 
     lock = threading.Lock()
@@ -112,13 +115,18 @@ def worker(args) -> dict:
     short_done = threading.Event()
     engine.submit(EngineRequest(prompt=tok.encode("Say hi.", add_special_tokens=False),
                                 max_tokens=4, on_event=first_token("short", short_done)))
+    cap = time.perf_counter() + args.time_cap_s
     for p in longs:
-        p["done"].wait(3600)
-    short_done.wait(600)
+        p["done"].wait(max(0.0, cap - time.perf_counter()))
+    short_done.wait(max(0.0, min(600, cap - time.perf_counter())))
     t_end = time.perf_counter()
+    time.sleep(args.baseline_s if streams else 0.0)  # the streams alone again, longer now
+    t_after = time.perf_counter()
     for r in streams:
         engine.cancel(r)
     engine.shutdown()
+    if trace is not None:
+        trace.close()
 
     def gaps(t0, t1):
         return [(b - a) * 1e3 for s in stamps for a, b in zip(s, s[1:]) if t0 <= a and b <= t1]
@@ -126,6 +134,7 @@ def worker(args) -> dict:
     # The union of the prefills: from the first arrival to the last prompt's first token.
     t_last = max(firsts.get(p["name"], t_end) for p in longs)
     base, during = gaps(t_base, t_first), gaps(t_first, t_last)
+    after = gaps(t_end, t_after)
     prompts = [{"tokens": p["tokens"], "arrival_s": p["arrival"] - t_first,
                 "ttft_s": firsts.get(p["name"], float("nan")) - p["arrival"],
                 "prefill_tok_s": p["tokens"] / (firsts.get(p["name"], float("nan"))
@@ -133,11 +142,15 @@ def worker(args) -> dict:
     total = sum(p["tokens"] for p in longs)
     return {
         "baseline_p50_ms": percentile(base, 0.5), "baseline_p99_ms": percentile(base, 0.99),
+        "after_p50_ms": percentile(after, 0.5), "after_p99_ms": percentile(after, 0.99),
+        "finished": sum(p["name"] in firsts for p in longs),
         "during_p50_ms": percentile(during, 0.5), "during_p99_ms": percentile(during, 0.99),
         "during_max_ms": max(during, default=float("nan")), "during_gaps": len(during),
         "long_ttft_s": t_last - t_first, "prefill_tok_s": total / (t_last - t_first),
         "short_ttft_s": firsts.get("short", float("nan")) - t_short,
         "prompt_tokens": total, "prompts": prompts,
+        # the trace's iterations over the same union of the prefills (its clock from attach)
+        "trace_window_s": trace and [t_first - trace.t0, t_last - trace.t0],
         **_fair_share_figures(record, t_first, t_last,
                               {p["request_id"]: i for i, p in enumerate(longs)}),
     }
@@ -160,6 +173,18 @@ def _submit_long_prompts(engine, tok, args, first_token) -> list:
                       "request_id": req.request_id, "arrival": time.perf_counter()})
         engine.submit(req)
     return longs
+
+
+def _attach_trace(engine, path):
+    """``--trace``: one JSON line per scheduler iteration (``server/iteration_trace.py``);
+    None for checkouts without it."""
+    if not path:
+        return None
+    try:
+        from mlx_mtp.server.iteration_trace import IterationTrace
+    except ImportError:
+        return None
+    return IterationTrace.attach(engine, path)
 
 
 def _record_fair_share(engine) -> list:
@@ -228,20 +253,66 @@ def _prompt_figures(chunks: list, prompt_s: float) -> dict:
             "ms_per_token": seconds * 1e3 / tokens if tokens else float("nan")}
 
 
-def run_tree(tree: str, args, streams: int) -> dict:
+def run_tree(tree: str, args, streams: int, trace: str = "") -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--prompt-tokens",
            ",".join(map(str, args.prompt_tokens)), "--prompt-delay-s",
            str(args.prompt_delay_s), "--streams", str(streams), "--k", str(args.k),
            "--prefill-step-size", str(args.prefill_step_size), "--max-batched-tokens",
            str(args.max_batched_tokens), "--baseline-s", str(args.baseline_s),
-           "--short-delay-s", str(args.short_delay_s)]
+           "--short-delay-s", str(args.short_delay_s), "--time-cap-s", str(args.time_cap_s)]
+    if trace:
+        cmd += ["--trace", os.path.abspath(trace)]
     if args.model:
         cmd += ["--model", args.model]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd="/")
     if out.returncode:
         raise RuntimeError(f"{tree}: exit {out.returncode}\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summarize(path: str, window=None, top: int = 12) -> str:
+    """A trace's long iterations (``--trace``) inside ``window`` (seconds on the trace's
+    clock; None: all): the p50/p99 of their wall time, what the ones at or over the p99
+    held, and the longest ``top`` part by part."""
+    with open(path) as f:
+        its = [json.loads(line) for line in f]
+    if window:
+        its = [it for it in its if window[0] <= it["t"] <= window[1]]
+    if not its:
+        return f"{path}: no iterations"
+    walls = [it["wall_ms"] for it in its]
+    p50, p99 = percentile(walls, 0.5), percentile(walls, 0.99)
+    steps = [it["decode"]["ms"] for it in its if it["decode"]]
+    step50 = percentile(steps, 0.5)
+    tail = [it for it in its if it["wall_ms"] >= p99]
+    why = {"a join": lambda it: any(c["joined"] for c in it["chunks"]),
+           "a prefix store": lambda it: any(c["store_ms"] for c in it["chunks"]),
+           "a row leaving": lambda it: it["remove_ms"] > 1,
+           "GC >= 10 ms": lambda it: it["gc_ms"] >= 10,
+           "a step > 2x the median": lambda it: (it["decode"] or {}).get("ms", 0) > 2 * step50,
+           "a chunk > 1.5x its estimate": lambda it: any(
+               c.get("est_ms") and c["ms"] > 1.5 * c["est_ms"] for c in it["chunks"]),
+           "chunks > 1.5 median steps": lambda it: sum(c["ms"] for c in it["chunks"])
+           > 1.5 * step50}
+    lines = [f"{path}: {len(its)} iterations, wall p50 {p50:.0f} ms, p99 {p99:.0f} ms, "
+             f"max {max(walls):.0f} ms; decode step p50 {step50:.0f} ms; of the "
+             f"{len(tail)} at or over the p99: " + ", ".join(
+                 f"{sum(map(test, tail))} {name}" for name, test in why.items())]
+    for it in sorted(its, key=lambda it: -it["wall_ms"])[:top]:
+        d = it["decode"] or {}
+        chunks = " ".join(f"{c['tokens']}@{c['offset']}:{c['ms']:.0f}/{c.get('est_ms')}"
+                          + ("+head" if c.get("run_head") else "")
+                          + (f"+join {c['join_ms']:.0f}" if c["joined"] else "")
+                          + (f"+store {c['store_ms']:.0f}" if c["store_ms"] else "")
+                          for c in it["chunks"])
+        lines.append(
+            f"  #{it['i']} t={it['t']:.1f}s wall {it['wall_ms']:.0f}: chunks [{chunks}] "
+            f"step {d.get('ms', 0):.0f} ({d.get('rows', 0)} rows, ks {d.get('ks')}, "
+            f"{d.get('tokens')} tokens, contexts {d.get('contexts')}, {d.get('cache_mb')} MB) "
+            f"remove {it['remove_ms']:.0f} gc {it['gc_ms']:.0f} admit {it['admit_ms']:.0f} "
+            f"other {it['other_ms']:.0f}")
+    return "\n".join(lines)
 
 
 def token_counts(text: str) -> list:
@@ -272,16 +343,25 @@ def parse_args():
     ap.add_argument("--solo", action="store_true",
                     help="also time the prompts alone: their prefill rates with streams / alone")
     ap.add_argument("--json", default=None, help="write every run to this file")
+    ap.add_argument("--time-cap-s", type=float, default=3600.0,
+                    help="stop waiting for the long prompts after this many seconds")
+    ap.add_argument("--trace", default=None,
+                    help="write each run's scheduler iterations to FILE-<tree>-<pass>[-solo]"
+                         ".jsonl (server/iteration_trace.py) and print the longest ones")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args()
 
 
-def measure(tree: str, args) -> dict:
-    """One run with the streams (and with ``--solo`` one without), compared."""
-    r = run_tree(tree, args, args.streams)
+def measure(tree: str, args, label: str) -> dict:
+    """One run with the streams (and with ``--solo`` one without), compared; ``label``
+    names its traces."""
+    trace = f"{args.trace}-{label}" if args.trace else ""
+    r = run_tree(tree, args, args.streams, trace and trace + ".jsonl")
+    if trace:
+        print(summarize(trace + ".jsonl", r.get("trace_window_s")), flush=True)
     r["itl_p99_vs_solo"] = r["during_p99_ms"] / r["baseline_p99_ms"]
     if args.solo:
-        alone = run_tree(tree, args, 0)
+        alone = run_tree(tree, args, 0, trace and trace + "-solo.jsonl")
         r["solo_prefill_tok_s"] = alone["prefill_tok_s"]
         if "prompt_ms_per_token" in alone:
             r["solo_prompt_ms_per_token"] = alone["prompt_ms_per_token"]
@@ -296,14 +376,14 @@ def report(runs: dict, args):
     print(f"\nload average {os.getloadavg()[0]:.1f}; medians over {args.passes} passes; "
           f"{args.streams} streams, prompts of {args.prompt_tokens} tokens "
           f"{args.prompt_delay_s} s apart; gaps during the union of their prefills")
-    keys = ["baseline_p50_ms", "baseline_p99_ms", "during_p50_ms", "during_p99_ms",
+    keys = ["baseline_p50_ms", "baseline_p99_ms", "after_p99_ms", "during_p50_ms", "during_p99_ms",
             "during_max_ms", "long_ttft_s", "short_ttft_s", "prefill_tok_s", "itl_p99_vs_solo"]
     keys += ["prefill_vs_solo"] if args.solo else []
     print("| tree | " + " | ".join(keys) + " |")
     print("|---|" + "---:|" * len(keys))
     for tree, rs in runs.items():
         print(f"| {tree} | " + " | ".join(
-            f"{statistics.median(r[k] for r in rs):.3g}" for k in keys) + " |")
+            f"{statistics.median(r.get(k, float('nan')) for r in rs):.3g}" for k in keys) + " |")
         for r in rs:  # the scheduler's accounting, per run (with streams, then alone)
             print(f"  {tree}: " + ", ".join(f"{k} {r[k]:.3g}" for k in FAIR_KEYS if k in r))
             print(f"  ms per prompt token by chunk size: {r.get('ms_per_token_by_size')}")
@@ -320,7 +400,7 @@ def main():
     runs = {t: [] for t in args.trees}
     for p in range(args.passes):
         for tree in (args.trees if p % 2 == 0 else args.trees[::-1]):
-            runs[tree].append(measure(tree, args))
+            runs[tree].append(measure(tree, args, f"{args.trees.index(tree)}-{p + 1}"))
             print(f"pass {p + 1} {tree}: " + ", ".join(
                 f"{k} {v:.3g}" for k, v in runs[tree][-1].items() if isinstance(v, float)),
                 flush=True)

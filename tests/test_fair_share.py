@@ -107,6 +107,73 @@ def test_the_prompt_gets_half_of_the_time(noise):
     assert max(s for _, s in chunks) < 1.5 * 3 * typical * math.exp(2 * noise)
 
 
+def test_one_long_step_does_not_lengthen_the_next_chunks():
+    """A long row joining makes one decode round several times the others (0.64 s among
+    0.2 s steps on the demo model, an 8k row joining 4 streams); the prompt's next chunk
+    stays within ``SPEND`` typical rounds (the smoothed round gave it 0.56 s), while the
+    round still counts in the account."""
+    fair = FairShare()
+    for _ in range(10):
+        fair.prefill_ran(0.08, 8, competing=True)  # 10 ms a token
+        fair.decode_ran(0.2, competing=True)
+    fair.decode_ran(0.64, competing=True)  # the join's round
+    assert fair.debt < 0  # the prompts are owed time
+    n = fair.budget(512, LEAST, MOST)
+    assert 0 < n * 0.01 <= FairShare.SPEND * 0.2
+
+
+def test_a_join_round_is_the_prompts_time():
+    """The round after a prompt finishes beside the streams carries its row's join (0.64 s
+    among 0.2 s rounds for an 8k row): what it ran over a typical round counts as the
+    prompts', so the prompt still in prefill waits for a round instead of spending 1.5
+    rounds at once (a 2.5-round gap right after the join's long one)."""
+    def run(finish: bool) -> FairShare:
+        fair = FairShare()
+        for _ in range(10):
+            fair.order({"8k": 1000, "30k": 20000})
+            fair.prefill_ran(0.04, 4, competing=True, prompt="8k")
+            fair.prefill_ran(0.04, 4, competing=True, prompt="30k")
+            fair.decode_ran(0.08, competing=True)
+        fair.order({"8k": 8 if finish else 16, "30k": 19960})
+        fair.prefill_ran(0.08, 8, competing=True, prompt="8k")  # its last chunk, or not
+        prompt_s, decode_s = fair.prompt_s, fair.decode_s
+        fair.decode_ran(0.64, competing=True)
+        extra = 0.64 - 0.08 if finish else 0.0
+        assert fair.prompt_s - prompt_s == pytest.approx(extra)
+        assert fair.decode_s - decode_s == pytest.approx(0.64 - extra)
+        fair.order({"30k": 19960})
+        return fair
+
+    assert run(finish=False).budget(512, LEAST, MOST, "30k") > 0  # owed: it runs at once
+    joined = run(finish=True)
+    assert joined.debt > 0 and joined.budget(512, LEAST, MOST, "30k") == 0
+    waited = 0  # plain rounds until the prompts are no longer ahead (the account's bound)
+    while not joined.budget(512, LEAST, MOST, "30k"):
+        joined.decode_ran(0.08, competing=True)
+        waited += 1
+    assert 1 <= waited <= 4
+
+
+@pytest.mark.parametrize("every, typical", [(25, 0.1), (7, (6 * 0.1 + 0.6) / 7)])
+def test_spiked_rounds_keep_the_split_and_bound_the_chunks(every, typical):
+    """Rounds that spike (joins, pauses: 6x the others) leave the split near one half; no
+    chunk lasts much beyond ``SPEND`` typical rounds (the gap a stream sees), where a rare
+    spike is not typical (1 in 25: 0.1 s) and a frequent one is (1 in 7: the mean)."""
+    fair, ctx, chunks, steps = FairShare(), 0, [], []
+    while ctx < 4000:
+        n = min(fair.budget(112, LEAST, MOST), 4000 - ctx)
+        if n:
+            seconds = 0.01 + n * (0.002 + ctx * 1e-6)
+            fair.prefill_ran(seconds, n, competing=True)
+            ctx += n
+            chunks.append(seconds)
+        steps.append(0.6 if len(steps) % every == every - 1 else 0.1)
+        fair.decode_ran(steps[-1], competing=True)
+    assert 0.45 <= fair.share() <= 0.55, fair.share()
+    longest = max(chunks[1:])  # the first: nothing measured yet
+    assert longest <= 1.1 * FairShare.SPEND * typical, longest
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return load(str(make_tiny(tmp_path_factory.mktemp("fair") / "m", "qwen3_5", "noisy",

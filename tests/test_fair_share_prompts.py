@@ -229,3 +229,52 @@ def test_the_engine_gives_two_prompts_one_share(tiny, monkeypatch):
         while not any(isinstance(e, Done) for e in solo):
             alone.step()
         assert _tokens(events[name]) == _tokens(solo), name
+
+
+def test_the_engine_charges_a_join_to_the_prompts(tiny, monkeypatch):
+    """The round right after a prompt's row joins beside the streams is long (injected: 10x
+    a plain round, as a long row's first step is); the engine tells the share which chunk was
+    a prompt's last (``order``'s tokens left reach 0), so that round's excess is the
+    prompts' time and the prompt still in prefill waits the next iteration instead of
+    running 1.5 rounds at once."""
+    model, tok = tiny
+    clock = [0.0]
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    eng = Engine(model, tok, num_draft_tokens=2, adaptive=False, log_interval=0,
+                 calibrate=False, prefill_step_size=512)
+    chunk, decode_step, rows = eng._prefill_chunk, eng._decode_step, [0]
+
+    def costed_chunk(seq, max_tokens, below_grid=False):
+        context = seq.dec.n_processed
+        n = chunk(seq, max_tokens, below_grid)
+        clock[0] += 0.003 + n * (0.001 + context * 1e-5)
+        return n
+
+    def costed_step(decoding):
+        joined, rows[0] = len(eng.batch) > rows[0], len(eng.batch)
+        decode_step(decoding)
+        clock[0] += 0.6 if joined else 0.06
+
+    monkeypatch.setattr(eng, "_prefill_chunk", costed_chunk)
+    monkeypatch.setattr(eng, "_decode_step", costed_step)
+    streams = [[], []]
+    for i, sink in enumerate(streams):
+        eng.submit(EngineRequest(prompt=[5 + i, 9, 22, 7], max_tokens=10 ** 5,
+                                 on_event=sink.append))
+    while not all(streams):
+        eng.step()
+    names = {}
+    for name, n in (("short", 200), ("long", 900)):
+        req = EngineRequest(prompt=[(7 * j + n) % 3000 + 50 for j in range(n)], max_tokens=2,
+                            on_event=lambda e: None)
+        names[req.request_id] = name
+        eng.submit(req)
+    history = []  # per iteration: prompts in prefill after it, the long one's prefill time
+    while not history or history[-1][0]:
+        eng.step()
+        served = {names[k]: a.served_s for k, a in eng.fair.prompts.items() if k in names}
+        history.append(({names[s.req.request_id] for s in eng.running
+                          if s.prefilling and s.req.request_id in names}, served.get("long")))
+    joined = next(i for i, (prefilling, _) in enumerate(history) if prefilling == {"long"})
+    assert history[joined + 1][1] == history[joined][1]  # the long prompt waited a round
+    assert history[joined + 4][1] > history[joined][1]  # and runs again after it paid back

@@ -317,7 +317,7 @@ class Engine:
         spent, competing = 0, any(not s.prefilling for s in self.running)
         # One share for all prompts, in turns by prefill time (FairShare.order): a short
         # request joins the batch at once and no long prompt waits for another.
-        for key in self.fair.order({k: len(s.req.prompt) - s.dec.n_processed
+        for key in self.fair.order({k: len(s.req.prompt) - 1 - s.dec.n_processed
                                     for k, s in waiting.items()}):
             while waiting[key].prefilling:
                 n, split = self._prefill_budget(key, spent)

@@ -15,21 +15,28 @@ as Linux's CFS starts a task at ``min_vruntime``; on a tie the fewer remaining t
 so two long prompts split the prompts' half evenly, both advance, and a short prompt arriving
 runs at once. Each prompt's chunk is sized by its own per-token cost, which grows with its
 context (here ~14 ms a token at 30k, ~9 at 8k, less at a prompt's start).
+
+Chunks are sized by a typical decode round (``typical_s``), so one long round does not
+lengthen the chunks after it; the round right after a prompt's row joins the batch is
+partly that prompt's (its merge, every row attending over its width), and what it runs over
+a typical round counts as the prompts' time.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Dict, Hashable, List, Optional
+from typing import Deque, Dict, Hashable, List, Optional
 
 
 @dataclass
 class PromptAccount:
-    """One prompt in prefill: its prefill seconds so far (the order of turns) and its
-    latest per-token cost (it grows with the prompt's context)."""
+    """One prompt in prefill: its prefill seconds so far (the order of turns), its latest
+    per-token cost (it grows with the prompt's context) and the tokens it has left."""
 
     served_s: float = 0.0
     token_s: Optional[float] = None
+    left: int = 0
 
 
 class FairShare:
@@ -48,16 +55,19 @@ class FairShare:
     FLOOR = 8  # tokens: fixed cost per call (4-token calls ran at 69 % of 512-token ones)
     BANK = 1.0  # decode steps the account may hold either way
     SPEND = 1.5  # decode steps prompts may run in one iteration (a stream's gap: 2.5)
+    RECENT = 8  # decode rounds the typical one is taken from
 
     def __init__(self):
         self.debt = 0.0
-        self.step_s: Optional[float] = None  # a decode round
+        self.step_s: Optional[float] = None  # a decode round, smoothed: the account's unit
+        self.recent: Deque[float] = deque(maxlen=self.RECENT)  # the last rounds' times
         self.token_s: Optional[float] = None  # one prompt token, any prompt's latest
         self.round_s = 0.0  # prompt seconds since the last decode step
         self.idle_s = 0.0  # decode seconds since prompts last ran beside them
         self.prompt_s = 0.0
         self.decode_s = 0.0
         self.prompts: Dict[Hashable, PromptAccount] = {}
+        self.joined = False  # a prompt finished beside the streams: its row joins the batch
 
     def _mix(self, old: Optional[float], new: float) -> float:
         return new if old is None else old + self.SMOOTH * (new - old)
@@ -75,6 +85,8 @@ class FairShare:
         known = [self.prompts[k].served_s for k in remaining if k in self.prompts]
         start = min(known, default=0.0)
         self.prompts = {k: self.prompts.get(k) or PromptAccount(start) for k in remaining}
+        for k, n in remaining.items():
+            self.prompts[k].left = n
         return sorted(remaining, key=lambda k: (self.prompts[k].served_s, remaining[k]))
 
     def prefill_ran(self, seconds: float, tokens: int, competing: bool,
@@ -88,20 +100,37 @@ class FairShare:
                 own.token_s = self._mix(own.token_s, seconds / tokens)
         if own is not None:
             own.served_s += seconds
+            own.left -= tokens
+            self.joined = self.joined or (competing and own.left <= 0)
         if competing:
             self.debt += seconds
             self.round_s += seconds
             self.idle_s = 0.0
             self.prompt_s += seconds
 
+    def typical_s(self) -> float:
+        """A decode round's typical time: the mean of the last few but the longest, so one
+        long round (a long row joining, a pause) does not lengthen the chunks after it as
+        the smoothed ``step_s`` does (one 0.64 s join among 0.2 s steps had the next chunk
+        run 0.64 s), while rounds often long (drafting ones) still count."""
+        n = len(self.recent)
+        return (sum(self.recent) - max(self.recent)) / (n - 1) if n > 1 else self.recent[0]
+
     def decode_ran(self, seconds: float, competing: bool):
+        # The first round of a row that just joined is partly that prompt's: the merge, and
+        # every row attending over its width (0.64 s among 0.2 s steps for an 8k row). What
+        # it ran over a typical round is the prompts', so they wait instead of being owed.
+        joining = max(0.0, seconds - self.typical_s()) if self.joined and self.recent else 0.0
+        self.joined = False
         self.step_s = self._mix(self.step_s, seconds)
+        self.recent.append(seconds)
         self.round_s = 0.0
         self.idle_s = self.idle_s + seconds if competing else 0.0
         if competing:
-            self.decode_s += seconds
+            self.decode_s += seconds - joining
+            self.prompt_s += joining
             bound = self.BANK * self.step_s
-            self.debt = min(max(self.debt - seconds, -bound), bound)
+            self.debt = min(max(self.debt + joining - (seconds - joining), -bound), bound)
         else:
             self.debt = 0.0
 
@@ -112,7 +141,7 @@ class FairShare:
         outlast ``CELL_ROUNDS`` decode rounds (long contexts), else the cell (short
         contexts: splitting a cheap cell only delays the short prompts queued behind it)."""
         token_s = self._token_s(prompt)
-        if self.step_s is not None and token_s and token_s * cell > self.CELL_ROUNDS * self.step_s:
+        if self.recent and token_s and token_s * cell > self.CELL_ROUNDS * self.typical_s():
             return least
         return cell
 
@@ -134,11 +163,12 @@ class FairShare:
         token_s = self._token_s(prompt)
         if self.step_s is None or not token_s:
             return min(most, max(least, tokens))
-        seconds = min(self.step_s - self.debt, self.SPEND * self.step_s - self.round_s)
+        spend = self.SPEND * self.typical_s()  # what bounds a stream's gap
+        seconds = min(self.step_s - self.debt, spend - self.round_s)
         fits = seconds / token_s
         if fits < least / 2:
             chunk_s = least * token_s
-            never = chunk_s / 2 > self.SPEND * self.step_s  # no credit makes it fit
+            never = chunk_s / 2 > spend  # no credit makes it fit
             return least if never and self.round_s == 0.0 and self.idle_s >= chunk_s else 0
         n = min(tokens, int(fits))
         return min(most, max(least, n - n % least))
