@@ -107,6 +107,29 @@ def test_batched_rows_equal_single_rows(model, ref, k):
     assert rows == want
 
 
+def test_batch_runs_in_one_pass(model, ref, monkeypatch):
+    """Three rows at different phases of their windows verify three positions in one pass
+    (every layer's MoE sees all rows at once); each row's logits and caches are those of
+    its own pass alone."""
+    from mlx_mtp.models.blocks.dsv4 import MoE
+
+    seq = ref["prompt"].tolist() + ref["tokens"].tolist()
+    prompts, nxt = [seq[:21], seq[3:8], seq[10:23]], [seq[21:24], seq[8:11], seq[23:26]]
+    solos = [fc.prefilled_cache(model, p) for p in prompts]
+    merged = [type(cs[0]).merge(list(cs)) for cs in zip(*solos)]
+    rows, call = [], MoE.__call__
+    monkeypatch.setattr(MoE, "__call__", lambda self, x, t: rows.append(x.shape[0]) or
+                        call(self, x, t))
+    got = model.logits(model.trunk(mx.array(nxt), merged, capture=True)[0])
+    assert rows == [3] * len(model.model.layers)
+    for b, cache in enumerate(solos):
+        want = model.logits(model.trunk(mx.array(nxt[b:b + 1]), cache, capture=True)[0])
+        np.testing.assert_allclose(np.array(got[b:b + 1]), np.array(want), atol=1e-5)
+        for c, solo in zip(merged, cache):
+            for x, y in zip(c.extract(b).state, solo.state):
+                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
+
+
 def test_mtp_head_equals_mlx_vlm_drafter(model):
     """mlx-vlm 0.7.10's ``DeepseekV4MTPDraftModel`` on the same ``mtp.0.*`` weights (recorded
     by ``fixtures/deepseek_v4_head_reference.py``): from the four streams and the next
