@@ -110,7 +110,7 @@ def test_batched_rows_equal_single_rows(model, ref, k):
 def test_batch_runs_in_one_pass(model, ref, monkeypatch):
     """Three rows at different phases of their windows verify three positions in one pass
     (every layer's MoE sees all rows at once); each row's logits and caches are those of
-    its own pass alone."""
+    its own pass alone. The head runs rows of as many positions together."""
     from mlx_mtp.models.blocks.dsv4 import MoE
 
     seq = ref["prompt"].tolist() + ref["tokens"].tolist()
@@ -128,6 +128,20 @@ def test_batch_runs_in_one_pass(model, ref, monkeypatch):
         for c, solo in zip(merged, cache):
             for x, y in zip(c.extract(b).state, solo.state):
                 np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
+    # the head: rows of as many positions (right-aligned) in one pass, the others apart
+    streams, tokens, n = model.trunk(mx.array(nxt), merged)[1], mx.array(nxt), [3, 2, 3]
+    heads = [model.make_mtp_cache()[0] for _ in n]
+    for c, m in zip(heads, (5, 9, 2)):  # different phases of the head's window
+        model.mtp_forward(mx.repeat(streams[:1, :1], m, 1), mx.repeat(tokens[:1, :1], m, 1), [c])
+    both = type(heads[0]).merge([c.copy() for c in heads])
+    both.prepare(3, n)
+    del rows[:]
+    got = model.mtp_forward(streams, tokens, [both])
+    assert rows == [1, 2]  # two positions: row 1; three: rows 0 and 2
+    for b, (c, m) in enumerate(zip(heads, n)):
+        want = model.mtp_forward(streams[b:b + 1, 3 - m:], tokens[b:b + 1, 3 - m:], [c])
+        np.testing.assert_allclose(np.array(got[b:b + 1, 3 - m:]), np.array(want), atol=1e-5)
+        assert not np.array(got[b, :3 - m]).any()
 
 
 def test_mtp_head_equals_mlx_vlm_drafter(model):

@@ -215,32 +215,34 @@ class Model(MTPModel):
                     last_only: bool = False):
         """hidden (B, S, hc_mult, H): the trunk's streams at positions i (or the head's own,
         chained); next_tokens (B, S) = t_{i+1} -> the head's streams (B, S, hc_mult, H), whose
-        ``logits`` predict t_{i+2}. Rows run apart, each on its right-aligned positions
-        (``prepare``); a row's padding gives zeros."""
+        ``logits`` predict t_{i+2}. Each row runs on its right-aligned positions
+        (``prepare``), rows of as many positions in one pass; a row's padding gives zeros."""
         cache = mtp_cache[0] if mtp_cache else None
         if cache is None:
             out = self.head_rows(hidden, next_tokens, None)
         else:
-            S, rows = hidden.shape[1], []
-            for b, n in enumerate(cache.row_lengths(S)):
-                pad = mx.zeros((1, S - n) + hidden.shape[2:], hidden.dtype)
-                if n == 0:
-                    rows.append(pad)
-                    continue
-                out = self.head_rows(hidden[b:b + 1, S - n:], next_tokens[b:b + 1, S - n:],
-                                     cache.row(b))
-                rows.append(mx.concatenate([pad, out], axis=1) if n < S else out)
+            S = hidden.shape[1]
+            lengths = cache.row_lengths(S)
+            rows = [mx.zeros((1, S) + hidden.shape[2:], hidden.dtype)] * len(lengths)
+            for n in sorted(set(lengths) - {0}):
+                group = [b for b, m in enumerate(lengths) if m == n]
+                ix = mx.array(group)
+                out = self.head_rows(hidden[ix, S - n:], next_tokens[ix, S - n:],
+                                     [cache.row(b) for b in group])
+                out = mx.pad(out, [(0, 0), (S - n, 0)] + [(0, 0)] * (out.ndim - 2))
+                for i, b in enumerate(group):
+                    rows[b] = out[i:i + 1]
             out = mx.concatenate(rows)
         return out[:, -1:] if last_only else out
 
-    def head_rows(self, hidden, next_tokens, cache) -> mx.array:
+    def head_rows(self, hidden, next_tokens, caches) -> mx.array:
+        """The head over rows with a cache each (or none), all at their own positions."""
         layer = self.mtp.layers[0]
         e = layer.e_proj(layer.enorm(self.model.embed_tokens(next_tokens)))
         x = e[:, :, None] + layer.h_proj(layer.hnorm(hidden))
-        start = cache.lengths()[0] if cache is not None else 0
-        positions = mx.arange(start, start + x.shape[1])[None, None]
-        return layer.block(x, next_tokens, positions, None if cache is None else [cache],
-                           self._freqs["main"])
+        starts = [c.lengths()[0] for c in caches] if caches else [0] * x.shape[0]
+        positions = mx.array(starts)[:, None, None] + mx.arange(x.shape[1])
+        return layer.block(x, next_tokens, positions, caches, self._freqs["main"])
 
     def head_output(self, hidden) -> mx.array:
         """The head's streams (B, S, n, H) -> its post-norm hidden; a post-norm hidden
