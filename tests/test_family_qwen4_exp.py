@@ -172,7 +172,7 @@ def watch_pooling(monkeypatch):
 
 
 def test_complete_blocks_pooled_once(model, monkeypatch):
-    """The indexer's cache keeps the pooled blocks every row completed: one-token decoding
+    """The indexer's cache keeps the pooled blocks each row completed: one-token decoding
     pools at most the block it completes (instead of all of them), and a verify pass whose
     rejected row completed a block un-completes it (the next pass pools it again from the
     kept keys, not the rejected one). Every pass's blocks equal all blocks pooled again."""
@@ -199,7 +199,7 @@ def test_complete_blocks_pooled_once(model, monkeypatch):
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
 
 
-def test_batched_rows_reuse_blocks_complete_in_every_row(model, monkeypatch):
+def test_batched_rows_reuse_their_complete_blocks(model, monkeypatch):
     """Batched rows (joining one per step, holes from rejected drafts, then two leaving)
     keep each row's complete blocks: every pass's blocks equal all blocks pooled again, the
     tokens are each row's alone, and far fewer blocks are pooled than scored."""

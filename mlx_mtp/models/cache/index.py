@@ -164,7 +164,7 @@ class PooledKeyCache(_PooledBlocks, IndexKeyCache):
 
 
 class BatchPooledKeyCache(_PooledBlocks, BatchIndexKeyCache):
-    """Rows of different lengths' QSA indexer keys and the blocks all rows completed."""
+    """Rows of different lengths' QSA indexer keys and each row's pooled complete blocks."""
 
     kind = "batch_pooled_index_kv"
     row_kind = "pooled_index_kv"
