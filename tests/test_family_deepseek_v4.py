@@ -4,15 +4,20 @@
 committed). Four layers: sliding-only, CSA (compress 4, indexer top-2), HCA (compress 8) and a
 hash-MoE layer; an 8-token window, so the 68 tokens cross many compression boundaries.
 Greedy output with the MTP head (K = 1..3) is plain decoding's, across rollbacks over
-compression boundaries."""
+compression boundaries; an oracle head is accepted at every depth, and sampled drafts follow
+the trunk's distribution."""
 
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
 import numpy as np
 import pytest
 
 import family_checks as fc
+from distribution_check import assert_follows, sample_outcomes, two_token_joint
+from mlx_mtp.decode.sampling import SamplingParams
+from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.io.loader import load_model
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepseek_v4"
@@ -102,6 +107,43 @@ def test_batched_rows_equal_single_rows(model, ref, k):
     assert rows == want
 
 
+def test_batch_runs_in_one_pass(model, ref, monkeypatch):
+    """Three rows at different phases of their windows verify three positions in one pass
+    (every layer's MoE sees all rows at once); each row's logits and caches are those of
+    its own pass alone. The head runs rows of as many positions together."""
+    from mlx_mtp.models.blocks.dsv4 import MoE
+
+    seq = ref["prompt"].tolist() + ref["tokens"].tolist()
+    prompts, nxt = [seq[:21], seq[3:8], seq[10:23]], [seq[21:24], seq[8:11], seq[23:26]]
+    solos = [fc.prefilled_cache(model, p) for p in prompts]
+    merged = [type(cs[0]).merge(list(cs)) for cs in zip(*solos)]
+    rows, call = [], MoE.__call__
+    monkeypatch.setattr(MoE, "__call__", lambda self, x, t: rows.append(x.shape[0]) or
+                        call(self, x, t))
+    got = model.logits(model.trunk(mx.array(nxt), merged, capture=True)[0])
+    assert rows == [3] * len(model.model.layers)
+    for b, cache in enumerate(solos):
+        want = model.logits(model.trunk(mx.array(nxt[b:b + 1]), cache, capture=True)[0])
+        np.testing.assert_allclose(np.array(got[b:b + 1]), np.array(want), atol=1e-5)
+        for c, solo in zip(merged, cache):
+            for x, y in zip(c.extract(b).state, solo.state):
+                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
+    # the head: rows of as many positions (right-aligned) in one pass, the others apart
+    streams, tokens, n = model.trunk(mx.array(nxt), merged)[1], mx.array(nxt), [3, 2, 3]
+    heads = [model.make_mtp_cache()[0] for _ in n]
+    for c, m in zip(heads, (5, 9, 2)):  # different phases of the head's window
+        model.mtp_forward(mx.repeat(streams[:1, :1], m, 1), mx.repeat(tokens[:1, :1], m, 1), [c])
+    both = type(heads[0]).merge([c.copy() for c in heads])
+    both.prepare(3, n)
+    del rows[:]
+    got = model.mtp_forward(streams, tokens, [both])
+    assert rows == [1, 2]  # two positions: row 1; three: rows 0 and 2
+    for b, (c, m) in enumerate(zip(heads, n)):
+        want = model.mtp_forward(streams[b:b + 1, 3 - m:], tokens[b:b + 1, 3 - m:], [c])
+        np.testing.assert_allclose(np.array(got[b:b + 1, 3 - m:]), np.array(want), atol=1e-5)
+        assert not np.array(got[b, :3 - m]).any()
+
+
 def test_mtp_head_equals_mlx_vlm_drafter(model):
     """mlx-vlm 0.7.10's ``DeepseekV4MTPDraftModel`` on the same ``mtp.0.*`` weights (recorded
     by ``fixtures/deepseek_v4_head_reference.py``): from the four streams and the next
@@ -170,7 +212,6 @@ def test_bfloat16_drafts_keep_plain_decoding(ref):
 def test_a_saved_session_continues_as_before(model, ref):
     """A prompt's decoder state through the disk-session tensors and back (every layer kind's
     cache, the head's window and its owed four-stream hiddens) decodes the same tokens."""
-    from mlx_mtp.decode.speculative import MTPDecoder, generate_step
     from mlx_mtp.server.session_store import _state_from_tensors, _state_tensors
 
     prompt = ref["prompt"].tolist()
@@ -232,7 +273,6 @@ class _Oracle:
 def test_partial_acceptances_keep_transformers_greedy(model, ref):
     """Drafts right for 0..3 positions, then the head's, end to end through the step."""
     from mlx_mtp.decode.draft_source import DraftSources
-    from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 
     prompt, tokens = ref["prompt"].tolist(), ref["tokens"].tolist()
     k, drafter = DraftSources("both", adaptive=False).for_row(2)
@@ -242,3 +282,83 @@ def test_partial_acceptances_keep_transformers_greedy(model, ref):
     assert got == tokens
     kept = dec.stats.accepted_per_pos  # steps ended after each depth: partial acceptances
     assert kept[0] > kept[1] > kept[2] > 0
+
+
+def oracle_head(model):
+    """The fixture made context-free so the head can copy it: every attention and every MoE
+    but the last layer's writes nothing (``wo_b``, ``w2`` / ``down_proj`` zero), embeddings
+    have RMS 1. The head's block is that last layer (its attention silent too), its
+    ``hc_head`` and norm the trunk's, on ``e_proj = I`` (``h_proj = 0``: the embedding
+    alone). Its draft for t+2 from t+1 is then the trunk's own prediction (up to the
+    streams' Sinkhorn rounding), at every chained depth. The compressors and indexers still
+    run and fill their caches."""
+    last, H = len(model.model.layers) - 1, model.args.hidden_size
+    params = dict(tree_flatten(model.parameters()))
+    for k, v in list(params.items()):
+        if k.endswith(("wo_b.weight", "w2.weight", "down_proj.weight")) and not k.startswith(
+                f"model.layers.{last}.ffn."):
+            params[k] = mx.zeros_like(v)
+    e = params["model.embed_tokens.weight"]
+    params["model.embed_tokens.weight"] = e / mx.sqrt((e * e).mean(axis=-1, keepdims=True))
+    block = "mtp.layers.0.block."
+    for k in [k for k in params if k.startswith(block) and not k.endswith("wo_b.weight")]:
+        params[k] = params[f"model.layers.{last}." + k[len(block):]]
+    for part in ("fn", "base", "scale"):
+        params[f"mtp.layers.0.hc_head.{part}"] = params[f"model.hc_head.{part}"]
+    params["mtp.layers.0.norm.weight"] = params["model.norm.weight"]
+    params["mtp.layers.0.enorm.weight"] = mx.ones((H,))
+    params["mtp.layers.0.e_proj.weight"] = mx.eye(H)
+    params["mtp.layers.0.h_proj.weight"] = mx.zeros((H, H))
+    model.update(tree_unflatten(list(params.items())))
+    return model
+
+
+def test_oracle_head_accepts_everything(ref):
+    """Every draft of an oracle head is accepted at K = 1..3, so every verify pass keeps all
+    its positions (the compressed caches' all-accepted ``accept``), 20 tokens across the
+    4- and 8-position windows' boundaries at every phase: the output is plain decoding's, and
+    each layer's window, pending rows and entries are those of a plain prefill of the same
+    tokens."""
+    model = oracle_head(load_model(FIXTURE)[0])
+    prompt = ref["prompt"].tolist()
+    plain = fc.mtp_tokens(model, prompt, 0, n=20)[0]
+    assert len(set(plain)) > 3  # not one token repeated
+    for k in (1, 2, 3):
+        got, dec = fc.mtp_tokens(model, prompt, k, n=20)
+        assert got == plain, f"K={k}"
+        assert dec.stats.acceptance_rate == 1.0, f"K={k}"
+        n = dec.cache[0].lengths()[0]
+        assert n > len(prompt) + 16
+        for a, b in zip(dec.cache, fc.prefilled_cache(model, (prompt + got)[:n])):
+            assert a.lengths() == b.lengths()
+            for x, y in zip(a.state, b.state):
+                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
+
+
+def test_sampling_follows_the_target(ref):
+    """K = 2 at temperature 1 with the oracle head (drafts accepted almost always): the next
+    two tokens follow the trunk's exact joint distribution (chi-square). The output layer is
+    scaled up so that the joint puts enough mass on few enough pairs to count with 120
+    draws; each draw restores one prefilled state (only the sampling seed differs). Checked
+    able to fail: a verify that believes the head's q sharper than it is (its logprobs
+    doubled before the softmax) gives p < 1e-5 here."""
+    model = oracle_head(load_model(FIXTURE)[0])
+    model.lm_head.weight = model.lm_head.weight * 3
+    prompt, n_samples = ref["prompt"].tolist()[:12], 120
+    prefilled = MTPDecoder(model, 2, adaptive=False)
+    prefilled.prefill(prompt)
+    state = prefilled.snapshot()
+
+    def draw(seed):
+        dec = MTPDecoder(model, 2, SamplingParams(temperature=1.0, seed=seed), adaptive=False)
+        dec.restore(state)
+        return [t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=2)], dec
+
+    # the exact next-token distributions after the prompt and after each first token
+    V = model.args.vocab_size
+    logits = model(mx.array([prompt + [a] for a in range(V)]))[:, -2:].astype(mx.float32)
+    probs = np.array(mx.softmax(logits, axis=-1), np.float64)
+    seen, accepted = sample_outcomes(draw, n_samples)
+    assert accepted > n_samples
+    assert_follows(seen, two_token_joint(lambda p: probs[p[0], 1] if p else probs[0, 0]),
+                   n_samples)

@@ -62,7 +62,7 @@ def test_partial_acceptance_restores_every_cache(model):
     for c in spec:
         c.accept([2])
     assert {type(c).__name__ for c in spec} == {"RecurrentCache", "ShortWindowCache",
-                                                "KVCache", "IndexKeyCache"}
+                                                "KVCache", "PooledKeyCache"}
     for a, b in zip(cache_state_arrays(spec), cache_state_arrays(plain)):
         np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5)
     nxt = mx.array([[GREEDY[2]]])
@@ -146,6 +146,74 @@ def test_batched_rows_equal_single_rows(model, k):
     prompts = [PROMPT[:9], PROMPT[:20], PROMPT[3:7], PROMPT]
     want = [fc.mtp_tokens(model, p, 0, n=12)[0] for p in prompts]
     assert fc.run_batch(model, k, prompts, n=12)[0] == want
+
+
+def watch_pooling(monkeypatch):
+    """Every pass of a QSA indexer with a cache: each row's complete blocks equal those
+    pooled again from its keys (bit for bit), and the pass is recorded as (blocks it
+    scores, blocks it pooled per row)."""
+    from mlx_mtp.models.cache import index
+
+    passes, original = [], index._PooledBlocks.pooled_blocks
+
+    def pooled_blocks(cache, n_blocks, ratio, pool):
+        widths = []
+        got = original(cache, n_blocks, ratio,
+                       lambda first, width: widths.append(width) or pool(first, width))
+        again = pool(mx.zeros((cache.size(), 1), mx.int32), n_blocks)
+        complete = mx.array(cache.lengths())[:, None, None] // ratio
+        own = mx.arange(n_blocks)[None, :, None] < complete
+        assert mx.array_equal(mx.where(own, got, 0), mx.where(own, again, 0)).item()
+        passes.append((n_blocks, sum(widths)))
+        return got
+
+    monkeypatch.setattr(index._PooledBlocks, "pooled_blocks", pooled_blocks)
+    return passes
+
+
+def test_complete_blocks_pooled_once(model, monkeypatch):
+    """The indexer's cache keeps the pooled blocks each row completed: one-token decoding
+    pools at most the block it completes (instead of all of them), and a verify pass whose
+    rejected row completed a block un-completes it (the next pass pools it again from the
+    kept keys, not the rejected one). Every pass's blocks equal all blocks pooled again."""
+    passes = watch_pooling(monkeypatch)
+    n_qsa = sum(not layer.is_linear for layer in model.model.layers)
+    cache = fc.prefilled_cache(model, PROMPT)  # 40 tokens: 20 blocks of 2, pooled once
+    assert passes == [(20, 20)] * n_qsa
+    del passes[:]
+    for t in GREEDY[:6]:
+        model.trunk(mx.array([[t]]), cache)
+    # without the cache each pass would pool every block it scores (20, 21, 21, 22, 22, 23)
+    assert [n for n, _ in passes[::n_qsa]] == [(41 + i) // 2 for i in range(6)]
+    assert sum(p for _, p in passes) == 3 * n_qsa  # blocks 20, 21, 22, once each
+    # keep 1 of 4 verified: block 20 (positions 40, 41) was completed by a rejected row
+    spec = fc.prefilled_cache(model, PROMPT)
+    model.trunk(mx.array([[GREEDY[0], 7, 8, 9]]), spec, capture=True)
+    for c in spec:
+        c.accept([1])
+    plain = fc.prefilled_cache(model, PROMPT + GREEDY[:1])
+    del passes[:]
+    want = model.logits(model.trunk(mx.array([GREEDY[1:2]]), plain)[0])
+    got = model.logits(model.trunk(mx.array([GREEDY[1:2]]), spec)[0])
+    assert passes == [(21, 1)] * 2 * n_qsa  # block 20 pooled in both, from the same keys
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+
+
+def test_batched_rows_reuse_their_complete_blocks(model, monkeypatch):
+    """Batched rows (joining one per step, holes from rejected drafts, then two leaving)
+    keep each row's complete blocks: every pass's blocks equal all blocks pooled again, the
+    tokens are each row's alone, and far fewer blocks are pooled than scored."""
+    prompts = [PROMPT[:9], PROMPT[:20], PROMPT[3:7], PROMPT]
+    want = [fc.mtp_tokens(model, p, 0, n=12)[0] for p in prompts]
+    passes = watch_pooling(monkeypatch)
+    rows, bd = fc.run_batch(model, 2, prompts, n=12)
+    assert rows == want
+    bd.remove(1)
+    bd.remove(2)
+    for _ in range(3):
+        bd.step()
+    pooled, scored = sum(p for _, p in passes), sum(n for n, _ in passes)
+    assert pooled < scored / 5, (pooled, scored)
 
 
 @pytest.fixture(scope="module")

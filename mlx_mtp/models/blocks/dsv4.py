@@ -52,8 +52,8 @@ def inv_freq(dim: int, rope: dict) -> mx.array:
 
 def rope(x: mx.array, positions: mx.array, freqs: mx.array, inverse: bool = False) -> mx.array:
     """Interleaved RoPE on the trailing ``2 * len(freqs)`` channels of ``x`` (..., L, D) at
-    ``positions`` (L,); ``inverse``: the conjugate rotation."""
-    angles = positions.astype(mx.float32)[:, None] * freqs[None]
+    ``positions`` (L,) or per row (B, 1, L); ``inverse``: the conjugate rotation."""
+    angles = positions.astype(mx.float32)[..., None] * freqs
     cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
     sin = -sin if inverse else sin
     rd = 2 * freqs.shape[0]
@@ -172,31 +172,47 @@ class Attention(nn.Module):
             if csa:
                 self.indexer = Indexer(args)
 
-    def __call__(self, x, positions, cache, freqs) -> mx.array:
+    def __call__(self, x, positions, caches, freqs) -> mx.array:
+        """``positions`` (B, 1, L): each row's; ``caches``: each row's cache (None: one
+        pass without a cache, every row at the same positions). Projections and the
+        output run on all rows at once; each row's window and compressed entries are
+        its own, left-padded to one attention over every row."""
         B, L, _ = x.shape
         q_residual = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_residual).reshape(B, L, self.heads, self.head_dim).transpose(0, 2, 1, 3)
         q = rope(rms(q, self.eps), positions, freqs)
         kv = rope(self.norm(self.wkv(x))[:, None], positions, freqs)
-        keys = cache.window_keys(kv) if cache is not None else kv
-        kpos = positions[0] - (keys.shape[2] - L) + mx.arange(keys.shape[2])
-        near = positions[:, None] - kpos[None]
-        bias = mx.where((near >= 0) & (near < self.window), 0.0, -mx.inf)
-        if self.ratio:
-            entries = self.compressor(x, cache, "compressor", freqs)[:, None]
-            seen = visible_entries(positions, entries.shape[2], self.ratio)
-            extra = mx.where(seen, 0.0, -mx.inf)
-            if "indexer" in self:
-                extra = extra + self.indexer(x, q_residual, positions, cache, freqs)[:, None]
-            keys = mx.concatenate([keys, entries.astype(keys.dtype)], axis=2)
-            bias = mx.concatenate([mx.broadcast_to(bias, extra.shape[:-1] + bias.shape[-1:]),
-                                   extra], axis=-1)
+        if caches is None:
+            keys, bias = self.keys_and_bias(x, q_residual, kv, positions[0, 0], None, freqs)
+        else:
+            keys, bias = left_padded([
+                self.keys_and_bias(x[b:b + 1], q_residual[b:b + 1], kv[b:b + 1],
+                                   positions[b, 0], c, freqs) for b, c in enumerate(caches)])
         out = self.attend(q, keys, bias)
         out = rope(out, positions, freqs, inverse=True).transpose(0, 2, 1, 3)
         out = out.reshape(B, L, self.groups, -1)
         w = self.wo_a.weight.reshape(self.groups, -1, out.shape[-1])
         out = mx.einsum("blgi,gri->blgr", out, w).reshape(B, L, -1)
         return self.wo_b(out)
+
+    def keys_and_bias(self, x, q_residual, kv, positions, cache, freqs) -> tuple:
+        """Rows at the same ``positions`` (L,): the keys they read (window, then compressed
+        entries) (b, 1, K, D) and the additive bias over them (b or 1, 1, L, K)."""
+        L = x.shape[1]
+        keys = cache.window_keys(kv) if cache is not None else kv
+        kpos = positions[0] - (keys.shape[2] - L) + mx.arange(keys.shape[2])
+        near = positions[:, None] - kpos[None]
+        bias = mx.where((near >= 0) & (near < self.window), 0.0, -mx.inf)[None, None]
+        if self.ratio:
+            entries = self.compressor(x, cache, "compressor", freqs)[:, None]
+            seen = visible_entries(positions, entries.shape[2], self.ratio)
+            extra = mx.where(seen, 0.0, -mx.inf)[None, None]
+            if "indexer" in self:
+                extra = extra + self.indexer(x, q_residual, positions, cache, freqs)[:, None]
+            keys = mx.concatenate([keys, entries.astype(keys.dtype)], axis=2)
+            bias = mx.concatenate([mx.broadcast_to(bias, extra.shape[:-1] + bias.shape[-1:]),
+                                   extra], axis=-1)
+        return keys, bias
 
     def attend(self, q, keys, bias) -> mx.array:
         """Softmax over the keys and a per-head sink logit (whose value is dropped)."""
@@ -205,6 +221,17 @@ class Attention(nn.Module):
                                scores.shape[:-1] + (1,))
         probs = mx.softmax(mx.concatenate([scores, sink], axis=-1).astype(mx.float32), axis=-1)
         return probs[..., :-1].astype(keys.dtype) @ keys
+
+
+def left_padded(rows) -> tuple:
+    """Rows' (keys (1, 1, K, D), bias (1, 1, L, K)) left-padded to the longest: padded keys
+    are zeros under a -inf bias, so each row attends as it would alone."""
+    K = max(k.shape[2] for k, _ in rows)
+    keys = [mx.pad(k, [(0, 0), (0, 0), (K - k.shape[2], 0), (0, 0)]) for k, _ in rows]
+    bias = [mx.pad(mx.broadcast_to(b, (1, 1) + b.shape[-2:]),
+                   [(0, 0), (0, 0), (0, 0), (K - b.shape[-1], 0)], constant_values=-mx.inf)
+            for _, b in rows]
+    return mx.concatenate(keys), mx.concatenate(bias)
 
 
 class ClampedSwiGLU(nn.Module):
@@ -312,13 +339,14 @@ class Block(nn.Module):
             setattr(self, f"hc_{site}_base", mx.zeros(((2 + n) * n,)))
             setattr(self, f"hc_{site}_scale", mx.ones((3,)))
 
-    def __call__(self, streams, tokens, positions, cache, freqs, capture: bool = False):
-        """``capture``: a verify pass, whose cache keeps what ``accept`` rolls back to."""
-        if cache is not None:
-            cache.begin(streams.shape[1], capture)
+    def __call__(self, streams, tokens, positions, caches, freqs, capture: bool = False):
+        """``positions`` (B, 1, L); ``caches``: each row's (or None); ``capture``: a verify
+        pass, whose caches keep what ``accept`` rolls back to."""
+        for c in caches or ():
+            c.begin(streams.shape[1], capture)
         streams = hc_block(
             streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.args,
-            lambda x: self.attn(self.attn_norm(x), positions, cache, freqs))
+            lambda x: self.attn(self.attn_norm(x), positions, caches, freqs))
         return hc_block(
             streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.args,
             lambda x: self.ffn(self.ffn_norm(x), tokens))

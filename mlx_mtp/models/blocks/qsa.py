@@ -3,10 +3,11 @@ selects for each query.
 
 The indexer keeps one raw key per position (its own cache). For a query at position p the
 complete blocks of ``compress_ratio`` keys among positions 0..p are pooled (mean, then a
-norm and RoPE at the block's first position) and scored, relu(q_h · k) summed over its heads;
-the query attends to the tokens of the ``budget / compress_ratio`` best blocks plus the
-tail of the incomplete block, all of it while there are no more blocks than that. Every
-row is computed from its own position alone, so a verify pass selects what one-token
+norm and RoPE at the block's first position; the cache keeps each row's complete blocks,
+so a pass pools only those its positions complete) and scored, relu(q_h · k) summed over
+its heads; the query attends to the tokens of the ``budget / compress_ratio`` best blocks
+plus the tail of the incomplete block, all of it while there are no more blocks than that.
+Every row is computed from its own position alone, so a verify pass selects what one-token
 decoding selects, exact score ties included (broken by block order; transformers' topk
 breaks them its own way, so references are recorded away from ties).
 Reference: transformers 5.24 ``Qwen4ExpTextQSAIndexer``.
@@ -60,21 +61,31 @@ class QSAIndexer(nn.Module):
             visible = index[None] <= pos[:, :, None]
         else:
             visible = visible[:, 0]
-        return self.select(q, mx.take_along_axis(keys, order[..., None], axis=1), index, pos,
-                           visible)[:, None]
+        return self.select(q, keys, order, index, pos, visible, cache)[:, None]
 
-    def select(self, q, keys, index, pos, visible):
-        """``keys``: each row's keys in its own order (B, T, d); ``index``: each slot's
-        place in its row (B or 1, T); ``pos``: the queries' places (B or 1, L)."""
+    def select(self, q, keys, order, index, pos, visible, cache=None):
+        """``keys`` (B, T, d) as stored; ``order``: each row's slots in its own token order
+        and ``index``: each slot's place in its row (B or 1, T); ``pos``: the queries'
+        places (B or 1, L); ``cache``: keeps the complete blocks pooled between passes."""
         c, n_blocks = self.ratio, keys.shape[1] // self.ratio
         complete = (pos + 1) // c  # each query's complete blocks
         tail = index[:, None] >= (complete * c)[..., None]
         if n_blocks == 0:
             return visible & tail
-        B, d = keys.shape[0], self.head_dim
-        pooled = keys[:, : n_blocks * c].reshape(B, n_blocks, c, d)
-        pooled = self.k_layernorm(pooled.astype(mx.float32).mean(axis=2).astype(keys.dtype))
-        pooled = rope_at(pooled, mx.arange(n_blocks) * c, self.rope_dims, self.base)
+        d = self.head_dim
+
+        def pool(first, width: int) -> mx.array:
+            """(B or 1, width, d): each row's blocks ``first[b] ..``: mean, norm, RoPE at
+            the block's start (slots past the last read as the last)."""
+            slots = mx.minimum(first * c + mx.arange(width * c), keys.shape[1] - 1)
+            rows = mx.take_along_axis(keys, mx.take_along_axis(order, slots, axis=1)[..., None],
+                                      axis=1)
+            blocks = rows.reshape(rows.shape[0], width, c, d)
+            blocks = self.k_layernorm(blocks.astype(mx.float32).mean(axis=2).astype(keys.dtype))
+            return rope_at(blocks, (first + mx.arange(width)) * c, self.rope_dims, self.base)
+
+        pooled = pool(mx.zeros((1, 1), mx.int32), n_blocks) if cache is None else \
+            cache.pooled_blocks(n_blocks, c, pool)
         scores = q.astype(mx.float32) @ pooled.astype(mx.float32)[:, None].swapaxes(-1, -2)
         scores = nn.relu(scores).sum(axis=1) / d ** 0.5  # (B, L, n_blocks)
         scores = mx.where(mx.arange(n_blocks) < complete[..., None], scores + 0.0, -mx.inf)

@@ -12,8 +12,9 @@ None of this can be trimmed: the window drops old keys and entries pool several 
 A verify pass (``begin(L, capture=True)``) keeps the state before it and the pass's new
 rows; ``accept(n_keep)`` rebuilds the state after the kept prefix by slicing, since entries
 of windows complete inside the kept prefix are the ones the pass computed (the same inputs
-as plain decoding). Rows decode one at a time (``merge`` refuses several). The MTP head's
-cache is a window alone, keeping ``spare`` keys past it so a step's drafts can be trimmed.
+as plain decoding). A batch keeps its rows' caches apart (``CompressedRows``). The MTP
+head's cache is a window alone, keeping ``spare`` keys past it so a step's drafts can be
+trimmed.
 """
 
 from __future__ import annotations
@@ -233,7 +234,8 @@ CACHE_KINDS[CompressedWindowCache.kind] = CompressedWindowCache
 
 class CompressedRows(_Cache):
     """Several rows' ``CompressedWindowCache``s, kept apart: rows sit at different phases of
-    their windows, so the model runs each row's layers on its own cache (``row(b)``)."""
+    their windows, so within one pass over all rows the model reads each row's window and
+    entries from its own cache (``row(b)``)."""
 
     kind = "dsv4_rows"
     row_kind = CompressedWindowCache.kind

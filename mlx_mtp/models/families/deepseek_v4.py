@@ -6,7 +6,8 @@ CSA / HCA compressed entries, ``hc_mult`` hyper-connection streams, hash-routed 
 first layers. The output is ``norm(hc_head(streams))``. Each layer's cache is a
 ``CompressedWindowCache`` (none can be trimmed; a verify pass is rolled back by slicing the
 state it recorded, ``cache/compressed.py``). A batch keeps its rows' caches apart
-(``CompressedRows``) and runs each row's layers alone, in one lazy graph.
+(``CompressedRows``) and runs its rows in one pass: each row's window and compressed
+entries are read alone and left-padded into one attention (``blocks/dsv4.Attention``).
 
 Weights keep DeepSeek's released names (``embed``, ``head``, ``hc_head_fn``,
 ``layers.N.attn.wq_a``, ``ffn.experts.E.w1``, ``mtp.0.*``); the experts are stacked for
@@ -193,21 +194,18 @@ class Model(MTPModel):
         return self.model.embed_tokens(inputs)
 
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
-        """The four streams after the last layer (``taps`` unsupported). Each row runs on its
-        own caches (``CompressedRows``): rows sit at different phases of their windows."""
-        if cache is None:
-            return self.row_trunk(inputs, [None] * len(self.model.layers), capture), {}
-        rows = [self.row_trunk(inputs[b:b + 1], [c.row(b) for c in cache], capture)
-                for b in range(inputs.shape[0])]
-        return mx.concatenate(rows), {}
-
-    def row_trunk(self, inputs, cache, capture: bool) -> mx.array:
-        start = cache[0].lengths()[0] if cache[0] is not None else 0
+        """The four streams after the last layer (``taps`` unsupported). All rows run in one
+        pass; each keeps its own caches (``CompressedRows``: rows sit at different phases
+        of their windows), which the attention reads row by row."""
+        B, L = inputs.shape
+        rows = [None] * len(self.model.layers) if cache is None else \
+            [[c.row(b) for b in range(B)] for c in cache]
+        starts = [0] * B if cache is None else [r.lengths()[0] for r in rows[0]]
+        positions = mx.array(starts)[:, None, None] + mx.arange(L)
         h = stream_input(self.embed(inputs), self.args.hc_mult)
-        positions = mx.arange(start, start + inputs.shape[1])
-        for layer, c in zip(self.model.layers, cache):
+        for layer, c in zip(self.model.layers, rows):
             h = layer(h, inputs, positions, c, self.layer_freqs(layer), capture)
-        return h
+        return h, {}
 
     def trunk_outputs(self, h):
         """(``norm(hc_head(streams))``, the streams: what the head takes)."""
@@ -217,31 +215,34 @@ class Model(MTPModel):
                     last_only: bool = False):
         """hidden (B, S, hc_mult, H): the trunk's streams at positions i (or the head's own,
         chained); next_tokens (B, S) = t_{i+1} -> the head's streams (B, S, hc_mult, H), whose
-        ``logits`` predict t_{i+2}. Rows run apart, each on its right-aligned positions
-        (``prepare``); a row's padding gives zeros."""
+        ``logits`` predict t_{i+2}. Each row runs on its right-aligned positions
+        (``prepare``), rows of as many positions in one pass; a row's padding gives zeros."""
         cache = mtp_cache[0] if mtp_cache else None
         if cache is None:
             out = self.head_rows(hidden, next_tokens, None)
         else:
-            S, rows = hidden.shape[1], []
-            for b, n in enumerate(cache.row_lengths(S)):
-                pad = mx.zeros((1, S - n) + hidden.shape[2:], hidden.dtype)
-                if n == 0:
-                    rows.append(pad)
-                    continue
-                out = self.head_rows(hidden[b:b + 1, S - n:], next_tokens[b:b + 1, S - n:],
-                                     cache.row(b))
-                rows.append(mx.concatenate([pad, out], axis=1) if n < S else out)
+            S = hidden.shape[1]
+            lengths = cache.row_lengths(S)
+            rows = [mx.zeros((1, S) + hidden.shape[2:], hidden.dtype)] * len(lengths)
+            for n in sorted(set(lengths) - {0}):
+                group = [b for b, m in enumerate(lengths) if m == n]
+                ix = mx.array(group)
+                out = self.head_rows(hidden[ix, S - n:], next_tokens[ix, S - n:],
+                                     [cache.row(b) for b in group])
+                out = mx.pad(out, [(0, 0), (S - n, 0)] + [(0, 0)] * (out.ndim - 2))
+                for i, b in enumerate(group):
+                    rows[b] = out[i:i + 1]
             out = mx.concatenate(rows)
         return out[:, -1:] if last_only else out
 
-    def head_rows(self, hidden, next_tokens, cache) -> mx.array:
+    def head_rows(self, hidden, next_tokens, caches) -> mx.array:
+        """The head over rows with a cache each (or none), all at their own positions."""
         layer = self.mtp.layers[0]
         e = layer.e_proj(layer.enorm(self.model.embed_tokens(next_tokens)))
         x = e[:, :, None] + layer.h_proj(layer.hnorm(hidden))
-        start = cache.lengths()[0] if cache is not None else 0
-        positions = mx.arange(start, start + x.shape[1])
-        return layer.block(x, next_tokens, positions, cache, self._freqs["main"])
+        starts = [c.lengths()[0] for c in caches] if caches else [0] * x.shape[0]
+        positions = mx.array(starts)[:, None, None] + mx.arange(x.shape[1])
+        return layer.block(x, next_tokens, positions, caches, self._freqs["main"])
 
     def head_output(self, hidden) -> mx.array:
         """The head's streams (B, S, n, H) -> its post-norm hidden; a post-norm hidden

@@ -35,7 +35,7 @@ from mlx.utils import tree_flatten
 from ..blocks import hybrid
 from ..blocks.hyper import HyperConnection, PerLayerEmbedding, inject
 from ..blocks.qsa import IndexedAttention
-from ..cache.index import IndexKeyCache
+from ..cache.index import PooledKeyCache
 from ..cache.recurrent import RecurrentCache
 from ..cache.short import ShortWindowCache
 from ..interface import Capabilities, MTPModel
@@ -145,7 +145,7 @@ class DecoderLayer(nn.Module):
     def make_caches(self, kv_cache) -> list:
         """``kv_cache``: the model's attention cache factory."""
         if not self.is_linear:
-            return [kv_cache(), IndexKeyCache()]
+            return [kv_cache(), PooledKeyCache()]
         return [RecurrentCache()] + ([ShortWindowCache()] if "ple" in self else [])
 
     def __call__(self, x, ids, caches, capture=False):
