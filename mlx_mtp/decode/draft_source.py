@@ -283,4 +283,6 @@ class RowDrafter:
             self.drafter.observe(n, min(n, n_accepted))
         if plan.block:
             self.sources.block_landed(n, min(n, n_accepted))
+            if self._resting and n_accepted:  # a probe landed: the next one is due soon,
+                self._gap = self._wait = self.sources.probe_gap[0]  # as the head's re-checks
         return n, min(n, n_accepted)
