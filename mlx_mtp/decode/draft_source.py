@@ -13,7 +13,9 @@ table, ``costs.StepCosts.predict_plan``: a step with ``k`` positions to verify, 
 them chained through the head, costs ``verify(k) + J * head``, plus ``block_pass`` when the
 block drafter runs, all fitted from steps as they run; a length never measured is tried at
 an optimistic guess, which measuring it corrects). A drafter the estimates turn down is
-paused and re-tried now and then (``probe_gap``), the block drafter as context lookup.
+paused and re-tried now and then (``probe_gap``), the block drafter as context lookup; the
+block drafter also waits for a timed plain step, earns its depth and stops after its first
+misses as the head does (``RowDrafter._plan_block``).
 
 The choice depends only on what earlier steps showed, never on this step's draws: greedy
 output is unchanged, and sampled output keeps the target distribution (``sampling.verify``:
