@@ -220,7 +220,8 @@ class RowDrafter:
                     costs: StepCosts, optimistic: bool = False) -> DraftPlan:
         """The most expected tokens per second of: the block's first n <= ``width`` drafts,
         the whole block (``full`` drafts, reached) extended by the head to ``cap``
-        (``block+mtp``), the head alone, a plain step. Positions not drafted lately read
+        (``block+mtp``), and the head alone at the K policy's ``k_head`` (which beats a
+        plain step, by that policy's estimates) or else a plain step. Positions not drafted lately read
         as the one above (``AcceptanceEstimate.extrapolated``); ``optimistic``: the
         drafter's acceptance at its upper estimate."""
         run, head = self.acceptance[self.drafter.name], self.acceptance[HEAD]
@@ -232,9 +233,10 @@ class RowDrafter:
         if self.uses_head and width == full and cap > full:  # fed every block token: cap passes
             extension = head.expected_tokens(cap - width, start=width) - 1
             candidates.append((DraftPlan(block=cap), expected[-1] + reach * extension, cap))
-        if self.uses_head and k_head:
+        if self.uses_head and k_head:  # the K policy's choice: the head beats a plain step
             candidates.append((DraftPlan([], k_head), head.expected_tokens(k_head), k_head))
-        candidates.append((DraftPlan(), 1.0, 0))
+        else:
+            candidates.append((DraftPlan(), 1.0, 0))
         return max(candidates, key=lambda c: self._rate(c[0], c[1], B, costs, c[2]))[0]
 
     def _best(self, proposal: List[int], mtp: DraftPlan, full: DraftPlan, B: int,
