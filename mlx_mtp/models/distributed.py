@@ -78,7 +78,7 @@ def ranks_are_local() -> bool:
 # Sizes a tensor split divides, among those a family's args name: heads, MLP and expert columns.
 SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "num_attention_groups",
                "linear_num_key_heads", "linear_num_value_heads", "intermediate_size",
-               "ffn_hidden_size")
+               "ffn_hidden_size", "linear_num_heads", "o_groups")
 MOE_SPLIT_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size",
                    "expert_ffn_hidden_size", "share_expert_dim")
 
@@ -250,16 +250,18 @@ class DistributedModel(ModelInterface):
             return self.inner.trunk(inputs, cache, capture)
         text = self.text
         if self.rank < self.size - 1:
-            B, L = inputs.shape
-            template = mx.zeros((B, L, text.args.hidden_size), self.hidden_dtype)
-            inputs = self._issue(mx.distributed.recv_like(template, self.rank + 1,
+            template = mx.zeros(text.stage_shape(*inputs.shape), self.hidden_dtype)
+            hidden = self._issue(mx.distributed.recv_like(template, self.rank + 1,
                                                           group=self.group))
-        h, _ = text.trunk_layers(inputs, cache, capture)
+            h, _ = text.stage_layers(inputs, hidden, cache, capture)
+        else:
+            h, _ = text.trunk_layers(inputs, cache, capture)
         if self.rank > 0:
             h = self._issue(mx.distributed.send(self._after_last(h.astype(self.hidden_dtype)),
                                                 self.rank - 1, group=self.group))
             self._count(h)
-            return h, h
+            # Stand-ins, never read: the output layer's input shape, the streams sent.
+            return mx.zeros((*h.shape[:2], text.args.hidden_size), h.dtype), h
         return text.trunk_outputs(h)
 
     def logits(self, hidden):
@@ -282,7 +284,7 @@ class DistributedModel(ModelInterface):
         for c in mtp_cache:
             z = mx.zeros((B, 1, S, 1), hidden.dtype)
             c.update_and_fetch(z, z)
-        return mx.zeros((B, 1 if last_only else S, hidden.shape[-1]), hidden.dtype)
+        return mx.zeros((B, 1 if last_only else S, self.text.args.hidden_size), hidden.dtype)
 
     def use_kv_quantization(self, quant):
         if quant is not None:
@@ -339,7 +341,8 @@ def _prune_pipeline(text, start: int, end: int, rank: int, size: int, hidden_dty
     if rank != 0:
         for name in ("lm_head", "mtp"):
             _drop(text, name)
-        trunk.pop(_child_name(trunk, trunk.norm))
+        for module in text.output_modules():
+            trunk.pop(_child_name(trunk, module))
         if rank != size - 1:  # the batch reads the model's dtype from the embedding
             stand_in = nn.Embedding(1, 1)
             stand_in.set_dtype(hidden_dtype)

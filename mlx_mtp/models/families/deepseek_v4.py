@@ -33,6 +33,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..blocks.dsv4 import Block, HyperHead, inv_freq, stream_input
+from ..blocks.expert_split import split_parts
+from ..blocks.hybrid_shard import read_share
+from ..blocks.stream_shard import shard_dsv4_attention, shard_moe
 from ..cache.compressed import CompressedWindowCache
 from ..interface import Capabilities, MTPModel
 from ..io import layout
@@ -181,7 +184,9 @@ class Model(MTPModel):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(taps=False)
+        # Pipeline stages hand on the streams with the ids beside them (hash routing);
+        # tensor: ``blocks/stream_shard``; expert: the MoE blocks' ``switch_mlp``.
+        return Capabilities(taps=False, splits=("pipeline", "tensor", "expert"))
 
     def layer_freqs(self, layer: Block) -> mx.array:
         return self._freqs["compress" if layer.attn.ratio else "main"]
@@ -193,20 +198,39 @@ class Model(MTPModel):
         return self.model.embed_tokens(inputs)
 
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
-        """The four streams after the last layer (``taps`` unsupported). Each row runs on its
-        own caches (``CompressedRows``): rows sit at different phases of their windows."""
+        """The four streams after the last layer (``taps`` unsupported)."""
+        streams = stream_input(self.embed(inputs), self.args.hc_mult)
+        return self.stage_layers(inputs, streams, cache, capture)
+
+    def stage_layers(self, ids, hidden, cache=None, capture=False):
+        """The layers from the streams ``hidden``. Each row runs on its own caches
+        (``CompressedRows``): rows sit at different phases of their windows."""
         if cache is None:
-            return self.row_trunk(inputs, [None] * len(self.model.layers), capture), {}
-        rows = [self.row_trunk(inputs[b:b + 1], [c.row(b) for c in cache], capture)
-                for b in range(inputs.shape[0])]
+            return self.row_trunk(ids, hidden, [None] * len(self.model.layers), capture), {}
+        rows = [self.row_trunk(ids[b:b + 1], hidden[b:b + 1], [c.row(b) for c in cache],
+                               capture) for b in range(ids.shape[0])]
         return mx.concatenate(rows), {}
 
-    def row_trunk(self, inputs, cache, capture: bool) -> mx.array:
+    def stage_shape(self, B: int, L: int) -> tuple:
+        return (B, L, self.args.hc_mult, self.args.hidden_size)
+
+    def output_modules(self) -> list:
+        return [self.model.norm, self.model.hc_head]
+
+    def shard(self, group):
+        """By query heads and output groups, expert columns (``blocks/stream_shard``); the
+        mHC mixers, compressors and indexers whole on every rank. One layer read at a time."""
+        for layer in split_parts(self):
+            block = layer.block if isinstance(layer, MTPLayer) else layer
+            shard_dsv4_attention(block.attn, group)
+            shard_moe(block.ffn, group)
+            read_share(layer)
+
+    def row_trunk(self, ids, h, cache, capture: bool) -> mx.array:
         start = cache[0].lengths()[0] if cache[0] is not None else 0
-        h = stream_input(self.embed(inputs), self.args.hc_mult)
-        positions = mx.arange(start, start + inputs.shape[1])
+        positions = mx.arange(start, start + ids.shape[1])
         for layer, c in zip(self.model.layers, cache):
-            h = layer(h, inputs, positions, c, self.layer_freqs(layer), capture)
+            h = layer(h, ids, positions, c, self.layer_freqs(layer), capture)
         return h
 
     def trunk_outputs(self, h):
