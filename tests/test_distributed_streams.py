@@ -1,0 +1,164 @@
+"""The stream families split over two local ranks (mlx.launch, ring backend): Qwen4-Exp
+(``qwen4_exp``), GLM-5.3-Flash (``glm5_next``) and DeepSeek-V4 (``deepseek_v4``), each by
+layers (pipeline: the streams cross the stage boundary, with the token ids beside them for
+PLE and hash routing), by tensors (attention / KDA heads and expert columns; the stream
+mixers, indexers and compressors whole on every rank) and by experts.
+
+Checkpoints are the families' own fixtures, written by transformers 5.24 (or recorded against
+it) and checked there by ``test_family_*.py``: their heads are random ("noisy": drafts are
+rejected, so every rank rolls back its KDA / DeltaNet states, latents, indexer keys, PLE
+windows and DeepSeek-V4's compressed windows with the same accept), and for Qwen4-Exp and
+GLM-5.3-Flash also the oracle heads of those tests (every draft accepted). Qwen4-Exp's one
+key/value head is duplicated into two (the same model: both query heads read a copy), so its
+heads split over two ranks. Each job is checked against the same decode in this process:
+greedy ids at K = 0..3 on both ranks, and the trunk's and the MTP head's logits at the
+prompt's last row (float32, up to the order of the ranks' sums). One launch runs every job.
+"""
+
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from safetensors.numpy import load_file, save_file
+
+from mlx_mtp.decode.sampling import SamplingParams
+from mlx_mtp.decode.speculative import generate_step
+from mlx_mtp.models.distributed import choose_mode
+from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.models.split_plan import open_lazily, rank_shares
+from mlx_mtp.testing.tiny import TOKENIZER_DIR
+from test_distributed import RANK_SCRIPT, launch
+
+pytestmark = pytest.mark.slow
+
+FIXTURES = Path(__file__).parent / "fixtures"
+# Past DeepSeek-V4's window (8) and its compressed windows (4, 8), GLM's pools (4) and
+# Qwen4-Exp's indexer blocks (2), so the sparse selections choose.
+PROMPT = [3, 5, 9, 22, 7, 13, 100, 20, 42, 17, 18, 30, 31, 2, 64, 250, 77, 8, 140, 11]
+MAX_TOKENS = 10
+KS = [0, 1, 2, 3]
+MODES = ("pipeline", "tensor", "expert")
+
+
+def with_tokenizer(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    for f in TOKENIZER_DIR.iterdir():
+        if not (dst / f.name).exists():
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def qwen4_two_kv_heads(dst: Path) -> Path:
+    """The Qwen4-Exp fixture with its key/value head written twice (rows of k_proj and
+    v_proj repeated): two query heads over two identical key/value heads."""
+    path = with_tokenizer(FIXTURES / "qwen4_exp" / "checkpoint", dst)
+    weights = load_file(path / "model.safetensors")
+    for k, v in weights.items():
+        if k.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            weights[k] = np.concatenate([v, v])
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["num_key_value_heads"] = 2
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def with_oracle_head(src: Path, dst: Path, oracle) -> Path:
+    """``src`` with the weights ``oracle(model)`` makes, written in our layout."""
+    model = oracle(load_model(src)[0])
+    path = with_tokenizer(src, dst)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from test_family_glm5_next import oracle as glm5_oracle
+    from test_family_qwen4_exp import oracle as qwen4_oracle
+
+    root = tmp_path_factory.mktemp("streams")
+    qwen4 = qwen4_two_kv_heads(root / "qwen4_exp")
+    glm5 = with_tokenizer(FIXTURES / "glm5_next" / "checkpoint", root / "glm5_next")
+    return {("qwen4_exp", "noisy"): qwen4,
+            ("qwen4_exp", "oracle"): with_oracle_head(qwen4, root / "qwen4_oracle", qwen4_oracle),
+            ("glm5_next", "noisy"): glm5,
+            ("glm5_next", "oracle"): with_oracle_head(glm5, root / "glm5_oracle", glm5_oracle),
+            ("deepseek_v4", "noisy"): FIXTURES / "deepseek_v4"}
+
+
+JOBS = [(fam, head, mode) for fam, head in [("qwen4_exp", "noisy"), ("qwen4_exp", "oracle"),
+                                            ("glm5_next", "noisy"), ("glm5_next", "oracle"),
+                                            ("deepseek_v4", "noisy")] for mode in MODES]
+
+
+@pytest.fixture(scope="module")
+def runs(models, tmp_path_factory):
+    """One launch: every family x head x mode; {(family, head, mode): (rank 0, rank 1)}."""
+    jobs = [{"name": "-".join(j), "model": str(models[j[:2]]), "mode": j[2], "ks": KS,
+             "prompt": PROMPT, "max_tokens": MAX_TOKENS, "logits": j[1] == "noisy"}
+            for j in JOBS]
+    d = tmp_path_factory.mktemp("stream_runs")
+    (d / "jobs.json").write_text(json.dumps(jobs))
+    proc = launch(RANK_SCRIPT, d / "jobs.json", d / "out",
+                  progress=[d / f"out.{r}.log" for r in (0, 1)])
+    if proc.returncode or not all((d / f"out.{r}").exists() for r in (0, 1)):
+        pytest.fail(f"a rank failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    per_rank = [json.loads((d / f"out.{r}").read_text()) for r in (0, 1)]
+    return {j: (per_rank[0][i], per_rank[1][i]) for i, j in enumerate(JOBS)}
+
+
+@cache
+def single_process(path: Path) -> tuple:
+    """(ids per K, accepted drafts per K, the prompt's trunk and head logits) in one process."""
+    from distributed_rank import prompt_logits
+
+    model, _ = load_model(path)
+    tokens, accepted = {}, {}
+    for k in KS:
+        out = list(generate_step(PROMPT, model, num_draft_tokens=k,
+                                 sampling=SamplingParams(temperature=0.0),
+                                 max_tokens=MAX_TOKENS, adaptive=False))
+        tokens[str(k)] = [t for t, _, _ in out]
+        accepted[str(k)] = sum(drafted for _, _, drafted in out)
+    return tokens, accepted, prompt_logits(model, PROMPT)
+
+
+@pytest.mark.parametrize("job", JOBS, ids="-".join)
+def test_greedy_and_logits_equal_single_process(runs, models, job):
+    r0, r1 = runs[job]
+    assert r0["mode"] == r1["mode"] == job[2]
+    tokens, accepted, logits = single_process(models[job[:2]])
+    assert len(set(tokens["0"])) > 2  # not one token repeated
+    assert r0["tokens"] == tokens  # each K: the plain greedy output
+    assert r1["tokens"] == r0["tokens"]  # every rank holds the same tokens
+    if job[1] == "oracle":  # the head drafts across ranks as in one process
+        assert all(r0["accepted"][str(k)] > 0 for k in KS[1:])
+    if job[2] == "pipeline":  # rank 1 runs the first layers, rank 0 the rest and the head
+        assert r1["layer_range"][0] == 0 and r1["layer_range"][1] == r0["layer_range"][0]
+    if r0["logits"] is None:
+        return
+    for r in (r0,) if job[2] == "pipeline" else (r0, r1):  # pipeline: rank 0 holds the head
+        got, want = [np.array(x) for x in r["logits"]], [np.array(x) for x in logits]
+        assert len(got) == len(want) == 2  # trunk and MTP head
+        for g, e in zip(got, want):
+            assert np.allclose(g, e, rtol=1e-4, atol=1e-4 * np.abs(e).max()), \
+                np.abs(g - e).max()
+
+
+def test_every_kind_is_declared_and_planned(models):
+    """Each family offers all three kinds; a pipeline never starts a stage at a GLM layer
+    that reuses the indexer selection of the layer before it."""
+    for (fam, head), path in models.items():
+        model, _ = open_lazily(Path(path))
+        assert model.capabilities.splits == MODES, fam
+        for mode in MODES:
+            assert choose_mode(mode, model.text.args, 2, MODES, fam, model.text) == mode
+        starts = [s.layers[0] for s in rank_shares(model, "pipeline", 2)]
+        assert all(model.text.stage_may_start(i) for i in starts)
+    glm5, _ = open_lazily(Path(models[("glm5_next", "noisy")]))
+    assert not glm5.text.stage_may_start(2)  # the fixture's shared layer
