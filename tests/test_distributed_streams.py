@@ -150,14 +150,35 @@ def test_greedy_and_logits_equal_single_process(runs, models, job):
                 np.abs(g - e).max()
 
 
+@pytest.mark.parametrize("family", ["qwen4_exp", "glm5_next", "deepseek_v4"])
+def test_each_pipeline_rank_holds_its_planned_share(runs, models, family):
+    """Each stage read only its layers (rank 0 also the output side: Qwen4-Exp's stream
+    mixer, DeepSeek-V4's ``hc_head`` and norm, the head; the last rank the embedding): what it
+    holds after loading is what ``rank_shares`` planned from the headers."""
+    model, _ = open_lazily(Path(models[(family, "noisy")]))
+    whole = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    for share, r in zip(rank_shares(model, "pipeline", 2), runs[(family, "noisy", "pipeline")]):
+        assert share.weight_bytes < whole
+        assert abs(r["loaded"]["active"] - share.weight_bytes) <= 0.05 * share.weight_bytes, \
+            (r["loaded"], share)
+
+
 def test_every_kind_is_declared_and_planned(models):
-    """Each family offers all three kinds; a pipeline never starts a stage at a GLM layer
-    that reuses the indexer selection of the layer before it."""
+    """Each family offers all three kinds and ``inspect --ranks`` plans each; a pipeline
+    never starts a stage at a GLM layer that reuses the indexer selection of the layer
+    before it."""
+    from mlx_mtp.models.io.loader import load_config
+    from mlx_mtp.tools.inspect_ranks import rank_plan
+
     for (fam, head), path in models.items():
         model, _ = open_lazily(Path(path))
         assert model.capabilities.splits == MODES, fam
         for mode in MODES:
             assert choose_mode(mode, model.text.args, 2, MODES, fam, model.text) == mode
+            plan = rank_plan(Path(path), load_config(Path(path)), {
+                "kv_bytes_per_1k_tokens": 1000, "state_bytes_per_sequence": 1000}, 2, mode)
+            assert [r["layers"] for r in plan["per_rank"]] == \
+                [list(s.layers) for s in rank_shares(model, mode, 2)]
         starts = [s.layers[0] for s in rank_shares(model, "pipeline", 2)]
         assert all(model.text.stage_may_start(i) for i in starts)
     glm5, _ = open_lazily(Path(models[("glm5_next", "noisy")]))
