@@ -90,7 +90,7 @@ def shared_experts(block: nn.Module) -> List[str]:
     (DeepSeek-V4's ``shared_experts``, whose projections are ``w1``/``w2``/``w3``)."""
     return [name for name, child in block.children().items()
             if name != "switch_mlp" and isinstance(child, nn.Module)
-            and ("down_proj" in child or name.startswith(("shared_expert", "share_expert")))]
+            and ("down_proj" in child or name in ("shared_experts", "shared_expert"))]
 
 
 def has_experts(text) -> bool:
