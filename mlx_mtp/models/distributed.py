@@ -4,11 +4,12 @@ Every rank runs the same decode code (``step.DecodeBatch``); the model it gets i
 ``DistributedModel`` whose engine interface hides the split:
 
 * **pipeline** (every family): rank ``size-1`` holds the first layers (and the
-  embedding), rank 0 the last ones plus the final norm, the output projection, the MTP
-  head(s) and the embedding table the head needs. Each rank's trunk is the model's own
-  cut to its layers, so the family's loop, masks and caches (KV, MLA latents, windows,
-  DSA indexer keys, recurrent states) serve it unchanged; hidden states travel rank
-  ``r+1 -> r`` with send/recv (``trunk_layers`` takes a hidden in place of ids), so
+  embedding), rank 0 the last ones plus the final norm (``output_modules``), the output
+  projection, the MTP head(s) and the embedding table the head needs. Each rank's trunk is
+  the model's own cut to its layers, so the family's loop, masks and caches (KV, MLA
+  latents, windows, DSA indexer keys, recurrent states) serve it unchanged; hidden states
+  (a stream family's streams, ``stage_shape``) travel rank ``r+1 -> r`` with send/recv
+  (``stage_layers`` takes the hidden, and the step's token ids beside it), so
   rank 0 (which also prints and serves HTTP) samples and drafts. On the other ranks
   ``logits`` / ``mtp_forward`` are shape-only stand-ins: their results are never read,
   because everything the step reads goes through ``share``.
