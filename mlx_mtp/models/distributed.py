@@ -149,7 +149,8 @@ class DistributedModel(ModelInterface):
         self._last_comm: Optional[mx.array] = None
         # Taps where every rank runs every layer: each has the whole residual stream, so a
         # block drafter runs whole on every rank, replicated, and needs no message.
-        self.capabilities = replace(self.capabilities, taps=self.whole_step)
+        self.capabilities = replace(self.capabilities,
+                                    taps=self.whole_step and model.capabilities.taps)
         self.bytes_sent = 0  # this rank's payload bytes over the group (benchmarks)
         self.messages = 0
 
