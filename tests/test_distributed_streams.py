@@ -7,9 +7,10 @@ mixers, indexers and compressors whole on every rank) and by experts.
 Checkpoints are the families' own fixtures, written by transformers 5.24 (or recorded against
 it) and checked there by ``test_family_*.py``: their heads are random ("noisy": drafts are
 rejected, so every rank rolls back its KDA / DeltaNet states, latents, indexer keys, PLE
-windows and DeepSeek-V4's compressed windows with the same accept), and for Qwen4-Exp and
-GLM-5.3-Flash also a "partial" head: the oracle head of those tests with noise on its input
-projection, right about half the time, so steps accept all, some or none of their drafts. Qwen4-Exp's one
+windows and DeepSeek-V4's compressed windows with the same accept), and a "partial" head:
+an oracle head (Qwen4-Exp's and GLM-5.3-Flash's from their tests, DeepSeek-V4's below) with
+noise on its input projection, right about half the time, so steps accept all, some or none
+of their drafts. Qwen4-Exp's one
 key/value head is duplicated into two (the same model: both query heads read a copy), so its
 heads split over two ranks. Each job is checked against the same decode in this process:
 greedy ids at K = 0..3 on both ranks, and the trunk's and the MTP head's logits at the
@@ -24,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from safetensors.numpy import load_file, save_file
 
 from mlx_mtp.decode.sampling import SamplingParams
@@ -81,6 +82,35 @@ def with_partial_head(src: Path, dst: Path, oracle, projection: str, noise: floa
     return path
 
 
+def dsv4_oracle(model):
+    """The DeepSeek-V4 fixture made context-free so the head can copy it (as the other
+    families' oracles): every sub-block writes nothing but the last layer's MoE, embeddings
+    have RMS 1; the head's block is that layer (its attention silent too), its ``hc_head`` and
+    norm the trunk's, on ``e_proj = I`` (``h_proj = 0``). Its draft for t+2 from t+1 is then
+    the trunk's own prediction (up to the streams' Sinkhorn rounding)."""
+    last = len(model.model.layers) - 1
+    params = dict(tree_flatten(model.parameters()))
+    for k, v in list(params.items()):
+        if k.endswith(("attn.wo_b.weight", "w2.weight", "down_proj.weight")) and \
+                not k.startswith(f"model.layers.{last}.ffn"):
+            params[k] = mx.zeros_like(v)
+    e = params["model.embed_tokens.weight"]
+    params["model.embed_tokens.weight"] = e / mx.sqrt((e * e).mean(axis=-1, keepdims=True))
+    copied = ("mtp.layers.0.block.", "mtp.layers.0.hc_head.")
+    for k in [k for k in params if k.startswith(copied)]:
+        rest = k.split(".", 4)[4]
+        src = f"model.layers.{last}.{rest}" if ".block." in k else f"model.hc_head.{rest}"
+        if not rest.startswith("attn.") and src in params:
+            params[k] = params[src]
+    H = model.args.hidden_size
+    params["mtp.layers.0.norm.weight"] = params["model.norm.weight"]
+    params["mtp.layers.0.enorm.weight"] = mx.ones((H,))
+    params["mtp.layers.0.e_proj.weight"] = mx.eye(H)
+    params["mtp.layers.0.h_proj.weight"] = mx.zeros((H, H))
+    model.update(tree_unflatten(list(params.items())))
+    return model
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     from test_family_glm5_next import oracle as glm5_oracle
@@ -96,12 +126,14 @@ def models(tmp_path_factory):
             ("glm5_next", "noisy"): glm5,
             ("glm5_next", "partial"): with_partial_head(glm5, root / "glm5_partial", glm5_oracle,
                                                         "mtp.layers.0.eh_proj.weight", 0.06),
-            ("deepseek_v4", "noisy"): FIXTURES / "deepseek_v4"}
+            ("deepseek_v4", "noisy"): FIXTURES / "deepseek_v4",
+            ("deepseek_v4", "partial"): with_partial_head(FIXTURES / "deepseek_v4",
+                                                          root / "dsv4_partial", dsv4_oracle,
+                                                          "mtp.layers.0.e_proj.weight", 0.06)}
 
 
-JOBS = [(fam, head, mode) for fam, head in [("qwen4_exp", "noisy"), ("qwen4_exp", "partial"),
-                                            ("glm5_next", "noisy"), ("glm5_next", "partial"),
-                                            ("deepseek_v4", "noisy")] for mode in MODES]
+JOBS = [(fam, head, mode) for fam in ("qwen4_exp", "glm5_next", "deepseek_v4")
+        for head in ("noisy", "partial") for mode in MODES]
 
 
 @pytest.fixture(scope="module")
