@@ -6,6 +6,11 @@ CPU milliseconds, interleaved (only a direction on a shared machine).
 
     python benchmarks/recurrence_routes.py [--lengths 8 16 32 64] [--reps 7]
         [--heads 2 4 --dims 64 64]   # demo model's GDN shapes (Hk Hv, Dk Dv)
+
+``--model [PATH]`` (default the demo model) instead times a whole trunk pass over L prompt
+tokens after ``--context`` tokens, with the decode steps compiled as the server has them,
+on the route each length takes now and on the per-position loop before (ms per token; the
+fair share's estimate is a per-token cost learnt from 8-token chunks).
 """
 
 import argparse
@@ -20,7 +25,11 @@ import mlx_mtp  # noqa: F401  (first: loads the OpenBLAS shim before MLX, as the
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update
 
+from mlx_mtp.models.blocks import hybrid
 from mlx_mtp.models.blocks.hybrid import _compiled_recurrence
+from mlx_mtp.models.io.loader import load
+
+DEMO = Path(__file__).resolve().parents[1] / "mlx_mtp" / "assets" / "demo-model"
 from mlx_mtp.models.kernels.gated_delta_chunked import gated_delta_chunked
 
 
@@ -78,14 +87,47 @@ def primitive_count(fn, args) -> tuple:
     return len(kinds), sum(kind not in VIEWS for kind in kinds)
 
 
+def trunk_passes(path, lengths, context: int, reps: int):
+    """Best-of ms per token of a trunk pass over L tokens after ``context`` tokens, on the
+    route each L takes now and with every L under 64 on the per-position loop."""
+    model = load(str(path))[0]
+    model.set_compiled(True, 8)
+    prefix = mx.array([[(7 * i) % 1000 + 5 for i in range(context)]])
+    routes = {"now": hybrid.CPU_CHUNKED_MIN_TOKENS, "loop": hybrid.CHUNKED_MIN_TOKENS}
+    best, counts = collections.defaultdict(lambda: float("inf")), {}
+    for rep in range(reps + 1):  # the first round traces and warms up
+        for L in lengths:
+            for name, least in routes.items():
+                hybrid.CPU_CHUNKED_MIN_TOKENS = least
+                cache = model.make_cache()
+                mx.eval(model.trunk(prefix, cache)[0])
+                t0 = time.perf_counter()
+                h = model.trunk(mx.array([[11] * L]), cache)[0]
+                if not rep:
+                    counts[L, name] = primitive_count(lambda: (h,), ())[1]
+                mx.eval(h)
+                if rep:
+                    best[L, name] = min(best[L, name], time.perf_counter() - t0)
+    hybrid.CPU_CHUNKED_MIN_TOKENS = routes["now"]
+    print(f"{'L':>4} " + " ".join(f"{name + ' computing':>16} {name + ' ms/token':>15}"
+                                  for name in routes))
+    for L in lengths:
+        print(f"{L:4d} " + " ".join(f"{counts[L, name]:16d} {best[L, name] * 1e3 / L:15.3f}"
+                                    for name in routes))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--heads", type=int, nargs=2, default=[2, 4], metavar=("Hk", "Hv"))
     p.add_argument("--dims", type=int, nargs=2, default=[64, 64], metavar=("Dk", "Dv"))
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--model", nargs="?", const=DEMO, default=None)
+    p.add_argument("--context", type=int, default=512)
     opts = p.parse_args()
     mx.set_default_device(mx.cpu)
+    if opts.model is not None:
+        return trunk_passes(opts.model, opts.lengths, opts.context, opts.reps)
     fns = routes()
     cases = {L: inputs(L, *opts.heads, *opts.dims) for L in opts.lengths}
     for L, args in cases.items():
