@@ -28,9 +28,9 @@ from mlx_lm.models.gated_delta import compute_g, gated_delta_update
 from mlx_mtp.models.blocks import hybrid
 from mlx_mtp.models.blocks.hybrid import _compiled_recurrence
 from mlx_mtp.models.io.loader import load
+from mlx_mtp.models.kernels.gated_delta_chunked import gated_delta_chunked
 
 DEMO = Path(__file__).resolve().parents[1] / "mlx_mtp" / "assets" / "demo-model"
-from mlx_mtp.models.kernels.gated_delta_chunked import gated_delta_chunked
 
 
 def compiled_pieces(q, k, v, a, b, A_log, dt_bias, state, piece: int):
@@ -78,10 +78,11 @@ def inputs(L, Hk, Hv, Dk, Dv, seed=0):
 VIEWS = {"Broadcast", "ExpandDims", "Reshape", "Slice", "Squeeze", "StopGradient", "Transpose"}
 
 
-def primitive_count(fn, args) -> tuple:
-    """(all primitives, those that compute) in the lazy graph of the outputs."""
-    path = tempfile.mktemp(suffix=".dot")
-    mx.export_to_dot(path, *fn(*args))
+def primitive_count(arrays) -> tuple:
+    """(all primitives, those that compute) in the lazy graph of ``arrays``."""
+    fd, path = tempfile.mkstemp(suffix=".dot")
+    os.close(fd)
+    mx.export_to_dot(path, *arrays)
     kinds = re.findall(r'label ="?([A-Za-z]+)', Path(path).read_text())
     os.unlink(path)
     return len(kinds), sum(kind not in VIEWS for kind in kinds)
@@ -104,7 +105,7 @@ def trunk_passes(path, lengths, context: int, reps: int):
                 t0 = time.perf_counter()
                 h = model.trunk(mx.array([[11] * L]), cache)[0]
                 if not rep:
-                    counts[L, name] = primitive_count(lambda: (h,), ())[1]
+                    counts[L, name] = primitive_count([h])[1]
                 mx.eval(h)
                 if rep:
                     best[L, name] = min(best[L, name], time.perf_counter() - t0)
@@ -144,7 +145,7 @@ def main():
     for L, args in cases.items():
         for name, fn in fns.items():
             ms = best[L, name] * 1e3
-            total, computing = primitive_count(fn, args)
+            total, computing = primitive_count(fn(*args))
             print(f"{L:4d} {name:16} {total:10d} {computing:9d} {ms:8.3f} {ms / L:9.4f}")
 
 

@@ -33,8 +33,7 @@ def model(path):
     return load_model(Path(path))[0]
 
 
-@pytest.fixture
-def per_position_loop(monkeypatch):
+def _per_position_loop(monkeypatch):
     """The route before: every input under 64 positions through ``recurrence``."""
     monkeypatch.setattr(hybrid, "CPU_CHUNKED_MIN_TOKENS", hybrid.CHUNKED_MIN_TOKENS)
 
@@ -53,9 +52,8 @@ def _layer_pass(model, L, B=1, mask=None):
 def test_mid_sized_input_equals_the_per_position_loop(model, monkeypatch, L):
     out, state = _layer_pass(model, L)
     mx.eval(out, state)
-    with monkeypatch.context() as m:
-        m.setattr(hybrid, "CPU_CHUNKED_MIN_TOKENS", hybrid.CHUNKED_MIN_TOKENS)
-        ref_out, ref_state = _layer_pass(model, L)
+    _per_position_loop(monkeypatch)
+    ref_out, ref_state = _layer_pass(model, L)
     assert mx.allclose(out, ref_out, rtol=1e-4, atol=1e-5).item()
     assert mx.allclose(state, ref_state, rtol=1e-4, atol=1e-5).item()
 
@@ -65,7 +63,7 @@ def test_mid_sized_masked_rows_equal_the_per_position_loop(model, monkeypatch):
     mask = mx.array([[True] * 20, [False] * 7 + [True] * 13])
     out, state = _layer_pass(model, 20, B=2, mask=mask)
     mx.eval(out, state)
-    monkeypatch.setattr(hybrid, "CPU_CHUNKED_MIN_TOKENS", hybrid.CHUNKED_MIN_TOKENS)
+    _per_position_loop(monkeypatch)
     ref_out, ref_state = _layer_pass(model, 20, B=2, mask=mask)
     keep = mask[..., None]
     assert mx.allclose(mx.where(keep, out, 0), mx.where(keep, ref_out, 0),
@@ -90,11 +88,11 @@ def _growth(model, short=16, long=48):
     return counts[1] - counts[0]
 
 
-def test_mid_sized_graph_does_not_grow_per_position(model, request):
+def test_mid_sized_graph_does_not_grow_per_position(model, monkeypatch):
     """32 more positions add about one primitive each (the chunked rule: ~18 a 16-position
     chunk); the per-position loop adds over 20 each."""
     assert _growth(model) < 2 * 32
-    request.getfixturevalue("per_position_loop")
+    _per_position_loop(monkeypatch)
     assert _growth(model) > 10 * 32
 
 
