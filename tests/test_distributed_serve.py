@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from server_process import ServerProcess, free_port
-from test_distributed import LAUNCH, free_port_base
+from rank_jobs import free_port_base, rank_pids, yield_cores
+from test_distributed import LAUNCH
 
 START_TIMEOUT = 300.0  # two cold ranks on a loaded 2-core machine
 WATCHDOG = 15.0  # --distributed-timeout of the test servers
@@ -49,25 +50,6 @@ def stream_text(url: str, content: str) -> str:
     return "".join(parts)
 
 
-def rank_pids(launcher_pid: int) -> dict:
-    """{rank: pid} of the launcher's children (each rank's shell execs Python)."""
-    ranks = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher_pid:
-            for var in env:
-                if var.startswith(b"MLX_RANK="):
-                    ranks[int(var[9:])] = int(entry.name)
-    return ranks
-
-
 class Cluster:
     """``mlx.launch -n 2 --backend ring -- mlx-mtp serve --distributed MODE``."""
 
@@ -86,6 +68,7 @@ class Cluster:
         # Its own session: the whole group can be killed whatever a test did to it.
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
+        yield_cores(self.proc)
         deadline = time.time() + START_TIMEOUT
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -137,14 +120,24 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(model, tmp_path_factory):
+def single(model, tmp_path_factory):
+    """The single-process server, started without waiting (the first cluster starts
+    meanwhile)."""
+    server = ServerProcess(model, tmp_path_factory.mktemp("single"), "--temp", "0",
+                           wait=False)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(single):
     """The single-process server's greedy answers."""
-    server = ServerProcess(model, tmp_path_factory.mktemp("single"), "--temp", "0")
+    single.wait()
     try:
-        return {p: chat(server.url, p).json()["choices"][0]["message"]["content"]
+        return {p: chat(single.url, p).json()["choices"][0]["message"]["content"]
                 for p in PROMPTS}
     finally:
-        server.stop()
+        single.stop()
 
 
 # pipeline: always K=2 (every step drafts and rolls back); tensor: K adapts (rank 0's
@@ -153,7 +146,7 @@ FLAGS = {"pipeline": ["--num-draft-tokens", "2", "--fixed-k"], "tensor": []}
 
 
 @pytest.fixture(scope="module", params=["pipeline", "tensor"])
-def cluster(request, model, tmp_path_factory):
+def cluster(request, model, single, tmp_path_factory):  # ``single``: starts first
     c = Cluster(model, tmp_path_factory.mktemp(request.param), request.param,
                 *FLAGS[request.param])
     c.mode = request.param
