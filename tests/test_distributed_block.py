@@ -15,6 +15,7 @@ from distributed_block_rank import single_process
 from mlx_mtp.testing.tiny import make_tiny
 from mlx_mtp.testing.tiny_block import make_tiny_block
 from rank_jobs import RankJobs
+from test_distributed import launch
 
 pytestmark = pytest.mark.slow
 
