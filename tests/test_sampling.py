@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
+from distribution_check import sample_rows
 from mlx_mtp.decode.noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, uniform
 from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs, log_softmax, sample, verify
 
@@ -245,17 +246,17 @@ def test_end_to_end_sampling_distribution(tiny_ckpt):
     joint = (p1[:, None] * p2).ravel()
     joint /= joint.sum()  # float32 softmax: sums to 1 only within ~1e-7
     n_runs = 1000
-    counts = np.zeros(V * V)
-    accepted = 0
-    for i in range(n_runs):
+    seen, accepted, outcomes = sample_rows(model, prompt, 2, n_runs)
+    for i in range(3):  # the batch's rows sample as one decode per seed does
         dec = MTPDecoder(model, 2, SamplingParams(temperature=1.0, seed=i), adaptive=False)
         dec.prefill(prompt)
         toks = []
         while len(toks) < 2:
-            out = dec.step()
-            toks += out.tokens
-        accepted += dec.stats.num_accepted_tokens
-        counts[toks[0] * V + toks[1]] += 1
+            toks += dec.step().tokens
+        assert tuple(toks[:2]) == outcomes[i], i
+    counts = np.zeros(V * V)
+    for (a, b), c in seen.items():
+        counts[a * V + b] = c
     assert accepted > 100  # drafts were accepted, so the test exercises acceptance
     keep = joint * n_runs >= 5
     obs = np.append(counts[keep], counts[~keep].sum())
