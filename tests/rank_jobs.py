@@ -1,10 +1,10 @@
-"""Two local ranks (ring backend) for the distributed tests, and many cases in one pair.
+"""Many distributed cases on one pair of local ranks (ring backend), for the distributed tests.
 
-``Ranks(argv, workdir)`` starts ``python argv...`` on two ranks as ``mlx.launch -n 2 --backend
-ring`` starts them (``MLX_RANK``, and ``MLX_HOSTFILE`` naming one local port per rank) but
-without the launcher process: its output threads poll without sleeping and keep most of a
-core busy for as long as the ranks run (measured on 12 family jobs under a shared load: 110 s
-under mlx.launch, 30 s started directly). mlx.launch itself stays tested where users meet it,
+``RankJobs`` starts a rank script on two ranks as ``mlx.launch -n 2 --backend ring`` starts
+them (``MLX_RANK``, and ``MLX_HOSTFILE`` naming one local port per rank) but without the
+launcher process: its output threads poll without sleeping and keep most of a core busy for
+as long as the ranks run (measured on 12 family jobs under a shared load: 110 s under
+mlx.launch, 30 s started directly). mlx.launch itself stays tested where users meet it,
 ``generate`` and ``serve`` under it (``launch`` in test_distributed.py, ``Cluster`` in
 test_distributed_serve.py); there ``yield_cores`` puts its threads last once the ranks run.
 
@@ -94,76 +94,50 @@ class RankFailed(AssertionError):
     """A rank exited with an error, or the ranks did not finish in time."""
 
 
-class Ranks:
-    """``python *argv`` on two local ranks; ``wait()`` returns each rank's
-    ``CompletedProcess`` (stdout and stderr apart). A rank that fails stops the other (it
-    would wait in a collective forever) and raises ``RankFailed`` with both ranks' stderr."""
+class RankJobs:
+    """``script`` on two local ranks over ``jobs`` (dicts, each with a unique "name"). A rank
+    that fails stops the other (it would wait in a collective forever); ``results()`` then
+    raises ``RankFailed`` with the job each rank was in and its stderr."""
 
-    def __init__(self, argv, workdir: Path, timeout: float = TIMEOUT):
-        self.dir, self.timeout = Path(workdir), timeout
-        self.argv = [sys.executable, *map(str, argv)]
+    def __init__(self, script, jobs: list, workdir: Path, timeout: float = TIMEOUT):
+        names = [j["name"] for j in jobs]
+        assert len(set(names)) == len(names), "job names must be unique"
+        self.jobs, self.dir, self.timeout = jobs, Path(workdir), timeout
+        (self.dir / "jobs.json").write_text(json.dumps(jobs))
         hosts = self.dir / "hosts.json"
         base = free_port_base(RANKS)
         hosts.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(RANKS)]))
+        argv = [sys.executable, str(script), str(self.dir / "jobs.json"), str(self.dir / "out")]
         self.start = time.time()
         self.procs = []
         for r in range(RANKS):
             env = dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hosts))
-            with open(self._out(r, "stdout"), "w") as out, \
-                    open(self._out(r, "stderr"), "w") as err:
-                self.procs.append(subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL,
-                                                   stdout=out, stderr=err))
-
-    def _out(self, rank: int, stream: str) -> Path:
-        return self.dir / f"rank{rank}.{stream}"
+            with open(self.dir / f"rank{r}.stderr", "w") as err:
+                self.procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                                   stdout=subprocess.DEVNULL, stderr=err))
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):  # e.g. a failed reference: no rank outlives the test
-        self.kill()
-
-    def kill(self):
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
 
-    def wait(self, why=lambda rank: "") -> list:
-        """Each rank's ``CompletedProcess``; ``why(rank)``: what to add to a failure."""
-        while True:
-            codes = [p.poll() for p in self.procs]
-            failed = [r for r, c in enumerate(codes) if c]
-            late = time.time() - self.start > self.timeout
-            if failed or late:
-                self.kill()
+    def results(self) -> dict:
+        """Wait for both ranks; {job name: (rank 0 result, rank 1 result)}."""
+        while any(c != 0 for c in (p.poll() for p in self.procs)):
+            failed = [r for r, p in enumerate(self.procs) if p.returncode]
+            if failed or time.time() - self.start > self.timeout:
+                self.__exit__()
                 head = (f"rank(s) {failed} failed" if failed else
                         f"the ranks did not finish in {self.timeout:.0f}s")
                 raise RankFailed("\n".join([head] + [
-                    f"rank {r} (exit {p.returncode}) {why(r)}\n"
-                    f"{self._out(r, 'stderr').read_text()[-2000:]}"
+                    f"rank {r} (exit {p.returncode}) {self._running(r)}:\n"
+                    f"{(self.dir / f'rank{r}.stderr').read_text()[-2000:]}"
                     for r, p in enumerate(self.procs)]))
-            if all(c == 0 for c in codes):
-                return [subprocess.CompletedProcess(self.argv, 0, *(
-                    self._out(r, stream).read_text() for stream in ("stdout", "stderr")))
-                    for r in range(RANKS)]
             time.sleep(0.2)
-
-
-class RankJobs(Ranks):
-    """``script`` on two ranks over ``jobs`` (dicts, each with a unique "name")."""
-
-    def __init__(self, script, jobs: list, workdir: Path, timeout: float = TIMEOUT):
-        names = [j["name"] for j in jobs]
-        assert len(set(names)) == len(names), "job names must be unique"
-        self.jobs = jobs
-        (Path(workdir) / "jobs.json").write_text(json.dumps(jobs))
-        super().__init__([script, Path(workdir) / "jobs.json", Path(workdir) / "out"], workdir,
-                         timeout)
-
-    def results(self) -> dict:
-        """Wait for both ranks; {job name: (rank 0 result, rank 1 result)}."""
-        self.wait(why=self._running)
         per_rank = [json.loads((self.dir / f"out.{r}").read_text()) for r in range(RANKS)]
         return {j["name"]: tuple(r[i] for r in per_rank) for i, j in enumerate(self.jobs)}
 
