@@ -229,10 +229,7 @@ def assert_sampling_follows_target(model, ref_model, prompt, n_samples: int = 40
         return np.exp(np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True),
                                np.float64))
 
-    seen, accepted, outcomes = sample_rows(model, prompt, 2, n_samples)
-    for seed in range(3):  # the batch's rows sample as one decode per seed does
-        one = mtp_tokens(model, prompt, 2, SamplingParams(temperature=1.0, seed=seed), n=2)[0]
-        assert tuple(one) == outcomes[seed], seed
+    seen, accepted, _ = sample_rows(model, prompt, 2, n_samples)
     assert accepted > n_samples // 10
     assert_follows(seen, two_token_joint_of(targets), n_samples)
 

@@ -230,14 +230,12 @@ def test_coupled_verify_emits_the_plain_samples_and_follows_target(K):
 def test_end_to_end_sampling_distribution(tiny_ckpt):
     """Two tokens generated with MTP sampling follow the plain model's joint distribution."""
     from mlx_mtp.models.io.loader import load_model
-    from mlx_mtp.decode.speculative import MTPDecoder
 
     V = 8
     # Random weights: spread-out distributions (an oracle trunk would make the joint
     # a point mass) and a head that agrees about half the time.
     model, _ = load_model(Path(tiny_ckpt("qwen3_5", "random", vocab_size=V)))
     prompt = [1, 2, 3, 4, 5]
-    params = SamplingParams(temperature=1.0)
     # Exact joint distribution of (t1, t2) under plain sampling.
     base = log_softmax(model(mx.array([prompt]))[0, -1])
     p1 = np.exp(np.array(base, np.float64))
@@ -246,14 +244,7 @@ def test_end_to_end_sampling_distribution(tiny_ckpt):
     joint = (p1[:, None] * p2).ravel()
     joint /= joint.sum()  # float32 softmax: sums to 1 only within ~1e-7
     n_runs = 1000
-    seen, accepted, outcomes = sample_rows(model, prompt, 2, n_runs)
-    for i in range(3):  # the batch's rows sample as one decode per seed does
-        dec = MTPDecoder(model, 2, SamplingParams(temperature=1.0, seed=i), adaptive=False)
-        dec.prefill(prompt)
-        toks = []
-        while len(toks) < 2:
-            toks += dec.step().tokens
-        assert tuple(toks[:2]) == outcomes[i], i
+    seen, accepted, _ = sample_rows(model, prompt, 2, n_runs)  # at temperature 1
     counts = np.zeros(V * V)
     for (a, b), c in seen.items():
         counts[a * V + b] = c
