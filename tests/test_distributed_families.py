@@ -175,8 +175,8 @@ def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(
         text_models, tmp_path, family, mode):
     from concurrent.futures import ThreadPoolExecutor
 
-    from server_process import ServerProcess
-    from test_distributed_serve import WATCHDOG, Cluster, chat, eos_ids
+    from server_process import ServerProcess, metric
+    from test_distributed_serve import GENERATED, WATCHDOG, Cluster, chat, decoding, eos_ids
 
     flags = ("--num-draft-tokens", "2", "--fixed-k")
     server = ServerProcess(text_models[family], tmp_path, "--temp", "0", *flags, wait=False)
@@ -200,8 +200,9 @@ def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(
         long = {"max_tokens": 3000,
                 "logit_bias": {str(t): -100 for t in eos_ids(text_models[family])}}
         with ThreadPoolExecutor(1) as pool:
+            before = metric(cluster.url, GENERATED)
             inflight = pool.submit(chat, cluster.url, SERVE_PROMPTS[0], 180.0, **long)
-            time.sleep(2.0)  # the request decodes
+            decoding(cluster.url, before)
             lost = time.time()
             os.kill(cluster.ranks[1], signal.SIGSTOP)
             r = inflight.result()

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_process import ServerProcess, free_port
+from server_process import ServerProcess, free_port, metric
 from rank_jobs import free_port_base, rank_pids, yield_cores
 from test_distributed import LAUNCH
 
@@ -27,6 +27,7 @@ WATCHDOG = 15.0  # --distributed-timeout of the test servers
 EXIT_TIMEOUT = 60.0
 PROMPTS = ["hello there", "def fibonacci(n):", "import os\nimport sys\n"]
 MAX_TOKENS = 12
+GENERATED = "mlx_mtp:generation_tokens_total"
 
 
 def chat(url: str, content: str, timeout: float = 120.0, **extra) -> httpx.Response:
@@ -175,6 +176,16 @@ def test_chat_stream_and_concurrent_equal_single_process(cluster, expected):
     assert httpx.get(cluster.url + "/health", timeout=5).status_code == 200
 
 
+def decoding(url: str, before: float, timeout: float = 120.0):
+    """Return once rank 0 generated tokens past ``before`` (its count before a request):
+    the request in flight decodes. (A fixed sleep raced with fast clusters: a long request
+    can still end within seconds.)"""
+    deadline = time.time() + timeout
+    while metric(url, GENERATED) < before + 2:
+        assert time.time() < deadline, "the request did not start decoding"
+        time.sleep(0.05)
+
+
 def eos_ids(ckpt) -> list:
     from mlx_mtp.models.io.loader import load_config, load_tokenizer
 
@@ -185,9 +196,9 @@ def test_lost_rank_fails_requests_with_503_and_every_rank_exits(cluster, model):
     # A request still decoding when the rank goes: no end of sequence, many tokens.
     long = {"max_tokens": 3000, "logit_bias": {str(t): -100 for t in eos_ids(model)}}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        start = time.time()
+        start, before = time.time(), metric(cluster.url, GENERATED)
         inflight = pool.submit(chat, cluster.url, PROMPTS[0], 180.0, **long)
-        time.sleep(2.0)  # the request decodes
+        decoding(cluster.url, before)
         if cluster.mode == "pipeline":
             # A follower that hangs: the ring blocks, rank 0's watchdog notices.
             os.kill(cluster.ranks[1], signal.SIGSTOP)
@@ -227,8 +238,9 @@ def test_killed_follower_fails_requests_with_503(model, tmp_path):
     try:
         long = {"max_tokens": 3000, "logit_bias": {str(t): -100 for t in eos_ids(model)}}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            before = metric(cluster.url, GENERATED)
             inflight = pool.submit(chat, cluster.url, PROMPTS[0], 180.0, **long)
-            time.sleep(2.0)
+            decoding(cluster.url, before)
             killed = time.time()
             os.kill(cluster.ranks[1], signal.SIGKILL)
             r = inflight.result()
