@@ -169,7 +169,9 @@ def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(tmp_pa
 
     from server_process import ServerProcess
     from test_distributed_families import SERVE_PROMPTS
-    from test_distributed_serve import EXIT_TIMEOUT, WATCHDOG, Cluster, chat, eos_ids
+    from server_process import metric
+    from test_distributed_serve import (EXIT_TIMEOUT, GENERATED, WATCHDOG, Cluster, chat,
+                                        decoding, eos_ids)
 
     # the tokenizer's whole vocabulary; answers that depend on the prompt
     path = BUILDERS["deepseek_v3"](tmp_path / "m", "noisy", vocab_size=4096, trunk_scale=4.0)
@@ -192,8 +194,9 @@ def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(tmp_pa
                 assert r.json()["mtp"]["num_draft_tokens"] > 0  # MTP ran in the batch
         long = {"max_tokens": 3000, "logit_bias": {str(t): -100 for t in eos_ids(path)}}
         with ThreadPoolExecutor(1) as pool:
+            before = metric(cluster.url, GENERATED)
             inflight = pool.submit(chat, cluster.url, SERVE_PROMPTS[0], 180.0, **long)
-            time.sleep(2.0)  # the request decodes
+            decoding(cluster.url, before)  # the request decodes
             lost = time.time()
             os.kill(cluster.ranks[1], signal.SIGSTOP)
             r = inflight.result()
