@@ -1,4 +1,4 @@
-"""The stream families split over two local ranks (mlx.launch, ring backend): Qwen4-Exp
+"""The stream families split over two local ranks (ring backend, started as mlx.launch starts them: tests/rank_jobs.py): Qwen4-Exp
 (``qwen4_exp``), GLM-5.3-Flash (``glm5_next``) and DeepSeek-V4 (``deepseek_v4``), each by
 layers (pipeline: the streams cross the stage boundary, with the token ids beside them for
 PLE and hash routing), by tensors (attention / KDA heads and expert columns; the stream
@@ -34,7 +34,8 @@ from mlx_mtp.models.distributed import choose_mode
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.models.split_plan import open_lazily, rank_shares
 from mlx_mtp.testing.tiny import TOKENIZER_DIR
-from test_distributed import RANK_SCRIPT, launch
+from rank_jobs import RankJobs
+from test_distributed import RANK_SCRIPT
 
 pytestmark = pytest.mark.slow
 
@@ -138,18 +139,13 @@ JOBS = [(fam, head, mode) for fam in ("qwen4_exp", "glm5_next", "deepseek_v4")
 
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory):
-    """One launch: every family x head x mode; {(family, head, mode): (rank 0, rank 1)}."""
+    """One pair of ranks: every family x head x mode; {(family, head, mode): (rank 0, rank 1)}."""
     jobs = [{"name": "-".join(j), "model": str(models[j[:2]]), "mode": j[2], "ks": KS,
              "prompt": PROMPT, "max_tokens": MAX_TOKENS, "logits": j[1] == "noisy"}
             for j in JOBS]
-    d = tmp_path_factory.mktemp("stream_runs")
-    (d / "jobs.json").write_text(json.dumps(jobs))
-    proc = launch(RANK_SCRIPT, d / "jobs.json", d / "out",
-                  progress=[d / f"out.{r}.log" for r in (0, 1)])
-    if proc.returncode or not all((d / f"out.{r}").exists() for r in (0, 1)):
-        pytest.fail(f"a rank failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    per_rank = [json.loads((d / f"out.{r}").read_text()) for r in (0, 1)]
-    return {j: (per_rank[0][i], per_rank[1][i]) for i, j in enumerate(JOBS)}
+    with RankJobs(RANK_SCRIPT, jobs, tmp_path_factory.mktemp("stream_runs")) as ranks:
+        got = ranks.results()
+    return {j: got["-".join(j)] for j in JOBS}
 
 
 @cache
