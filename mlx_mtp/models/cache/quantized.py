@@ -196,7 +196,7 @@ class QuantizedKVCache(KVCache):
         return sum(a.nbytes for q in held for a in q)
 
     def _like(self) -> "QuantizedKVCache":
-        return QuantizedKVCache(self.quant)
+        return type(self)(self.quant)
 
     def copy(self) -> "QuantizedKVCache":
         c = self._like()
@@ -293,12 +293,12 @@ class BatchQuantizedKVCache(BatchKVCache):
         return cls([n], _cut(c.keys, 0, n), _cut(c.values, 0, n), valid, c.quant)
 
     def _share(self) -> "BatchQuantizedKVCache":
-        c = BatchQuantizedKVCache(self.pos, self.keys, self.values, self.valid, self.quant)
+        c = type(self)(self.pos, self.keys, self.values, self.valid, self.quant)
         c.idx, c.first = self.idx, self.first
         return c
 
     def extract(self, row: int) -> QuantizedKVCache:
-        c = QuantizedKVCache(self.quant)
+        c = CACHE_KINDS[self.row_kind](self.quant)
         if self.keys is not None:
             c.state = self.row_state(row)
         c.offset = self.pos[row]
