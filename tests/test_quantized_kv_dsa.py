@@ -15,7 +15,7 @@ import pytest
 from cache_checks import assert_filter_keeps_rows, assert_rows_are, same
 from mlx_mtp.models.cache.index import BatchQuantizedIndexKeyCache, QuantizedIndexKeyCache
 from mlx_mtp.models.cache.kv import CACHE_KINDS, cache_state_arrays
-from mlx_mtp.models.cache.quantized import KVQuantization, QuantizedKVCache
+from mlx_mtp.models.cache.quantized import QuantizedKVCache
 from mlx_mtp.testing import tiny_attention, tiny_special
 from test_quantized_kv import N, PROMPTS, Q4, RNG, run_batch, solo, solo_logprobs
 
@@ -58,3 +58,82 @@ def test_greedy_mtp_equals_plain_decoding_with_the_same_caches(model):
             assert mx.array_equal(lps, ref_lps).item(), (prompt, k)
             accepted += dec.stats.num_accepted_tokens
     assert accepted > 0
+
+
+def test_batched_greedy_equals_solo_plain_decoding(model):
+    refs = [solo(model, 0, p)[0] for p in PROMPTS]
+    for k in (0, 1, 3):
+        assert run_batch(model, k, PROMPTS) == refs, f"K={k}"
+
+
+def test_a_verify_then_rollback_leaves_the_caches_a_plain_decode_writes(model):
+    """Latents and indexer keys past the buffer's 256-position step: a pass of 4 rows keeping 2
+    equals feeding those 2 one at a time, bit for bit."""
+    prompt = [int(x) for x in RNG.integers(0, 128, 254)]
+    x = mx.array([prompt], mx.uint32)
+    drafts = [5, 9, 17, 33]
+    spec, plain = model.make_cache(), model.make_cache()
+    model.trunk(x, spec)
+    model.trunk(x, plain)
+    model.trunk(mx.array([drafts], mx.uint32), spec, capture=True)
+    for c in spec:
+        c.accept([2])
+    for t in drafts[:2]:
+        model.trunk(mx.array([[t]], mx.uint32), plain)
+    assert [c.offset for c in spec] == [c.offset for c in plain] == [256] * len(spec)
+    same(cache_state_arrays(spec), cache_state_arrays(plain))
+    assert all(c.state[0].dtype == mx.uint32 for c in spec)
+
+
+def test_batch_rows_merge_filter_extract_and_roll_back_per_row(model):
+    solos = []
+    for p in PROMPTS[:3]:
+        cache = model.make_cache()
+        model.trunk(mx.array([p], mx.uint32), cache)
+        solos.append(cache)
+    merged = [type(c).merge([s[j] for s in solos]) for j, c in enumerate(solos[0])]
+    assert isinstance(merged[1], BatchQuantizedIndexKeyCache)
+    assert_rows_are(merged, solos)
+    for c in merged:  # a 3-position write; rows keep 1, 3, 1 of it
+        k, k_scales, _, v, v_scales, _ = c.extract(0).state
+        c.prepare(3)
+        c.update_and_fetch(mx.zeros((3, k.shape[1], 3, k_scales.shape[-1] * 32)),
+                           mx.zeros((3, v.shape[1], 3, v_scales.shape[-1] * 32)))
+        c.accept([1, 3, 1])
+        c.trim(1)  # rows 0 and 2 back as they were, row 1 two positions longer
+    for b in (0, 2):
+        same(cache_state_arrays([c.extract(b) for c in merged]), cache_state_arrays(solos[b]))
+    assert_filter_keeps_rows(merged, solos, rows=(2, 0))
+
+
+def test_state_round_trip_keeps_the_quantized_form(model, tmp_path):
+    """What disk sessions and the prefix cache store: ``state``/``meta_state`` through a
+    safetensors file and ``CACHE_KINDS``; decoding on from the restored caches is equal."""
+    from mlx_mtp.decode.sampling import SamplingParams
+    from mlx_mtp.decode.speculative import MTPDecoder
+
+    prompt = PROMPTS[3]
+    ref, _ = solo(model, 2, prompt)
+    dec = MTPDecoder(model, 2, SamplingParams(), adaptive=False)
+    dec.prefill(prompt)
+    arrays = {f"{i}.{n}": a for i, c in enumerate(dec.cache)
+              for n, a in zip(c.state_names, c.state)}
+    mx.save_safetensors(str(tmp_path / "s.safetensors"), arrays)
+    loaded = mx.load(str(tmp_path / "s.safetensors"))
+    for i, c in enumerate(dec.cache):
+        cls = CACHE_KINDS[c.kind]
+        dec.cache[i] = cls.from_state(tuple(loaded[f"{i}.{n}"] for n in cls.state_names),
+                                      c.meta_state)
+        assert type(dec.cache[i]) is type(c) and dec.cache[i].settings() == Q4.meta()
+    out = []
+    while len(out) < N:
+        out += dec.step().tokens
+    assert out[:N] == ref
+
+
+def test_a_group_that_does_not_divide_the_indexer_keys_is_refused():
+    m = tiny_attention.build_model(dict(tiny_special.dsa_config(), qk_rope_head_dim=32), seed=0)
+    with pytest.raises(ValueError, match="--kv-group-size 32 does not divide the attention "
+                                         "head size 16"):  # the tiny indexer's keys
+        m.use_kv_quantization(Q4)
+    assert m.kv_quantization is None
