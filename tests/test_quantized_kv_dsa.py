@@ -137,3 +137,17 @@ def test_a_group_that_does_not_divide_the_indexer_keys_is_refused():
                                          "head size 16"):  # the tiny indexer's keys
         m.use_kv_quantization(Q4)
     assert m.kv_quantization is None
+
+
+def test_inspect_says_what_is_quantized(tmp_path):
+    from mlx_mtp.tools.inspect_model import inspect_model, render
+
+    config = lambda **c: dict(tiny_special.dsa_config("glm_moe_dsa", **c), qk_rope_head_dim=32,
+                              index_head_dim=32)
+    path = tiny_attention.write_tiny(tmp_path / "dsa", config, tiny_attention.to_hf)
+    kvq = inspect_model(str(path), 4, 32)["kv_quantization"]
+    assert kvq["refused"] is None and kvq["kept"] == []
+    assert kvq["quantized"] == ["attention K/V or MLA latents", "DSA indexer keys"]
+    assert "quantized attention K/V or MLA latents, DSA indexer keys" in render(
+        inspect_model(str(path), 4, 32))
+    assert "does not divide" in inspect_model(str(path), 4, 64)["kv_quantization"]["refused"]

@@ -177,6 +177,10 @@ class QuantizedKVCache(KVCache):
     def settings(self) -> tuple:
         return self.quant.meta()
 
+    @property
+    def quantization(self) -> KVQuantization:
+        return self.quant
+
     def snapshot(self):
         # Writes land past ``offset``; growing and the switch make new objects.
         return self.keys, self.values, self.offset
@@ -267,6 +271,10 @@ class BatchQuantizedKVCache(BatchKVCache):
 
     def settings(self) -> tuple:
         return self.quant.meta()
+
+    @property
+    def quantization(self) -> KVQuantization:
+        return self.quant
 
     def arrays(self) -> List[mx.array]:
         return [a for a in self.state if a is not None]
