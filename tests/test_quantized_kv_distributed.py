@@ -1,6 +1,6 @@
 """``--kv-bits`` with ``--distributed pipeline|tensor|expert`` over two local ranks (mlx.launch,
 ring backend): each rank quantizes the caches it holds (its layers', its heads' KV or the
-whole MLA latents, every layer's), and with a noisy head (drafts rejected: every rank rolls
+whole MLA latents, every layer's; DSA: the indexer's keys too), and with a noisy head (drafts rejected: every rank rolls
 its quantized caches back with the shared accept) greedy output of both ranks equals the
 single-process decode with the same quantized caches at K = 0 and 3. The heads follow an
 oracle, so tokens alone would not see the quantization: rank 0's logits (trunk and MTP head)
@@ -23,7 +23,7 @@ from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import generate_step
 from mlx_mtp.models.cache.quantized import KVQuantization
 from mlx_mtp.models.io.loader import load_model
-from mlx_mtp.testing import tiny, tiny_attention
+from mlx_mtp.testing import tiny, tiny_attention, tiny_special
 from distributed_rank import prompt_logits
 from test_distributed import RANK_SCRIPT, launch
 
@@ -50,6 +50,15 @@ def mla_moe(path):
                                qk_rope_head_dim=32), tiny_attention.to_hf, "noisy", seed=3)
 
 
+def dsa_moe(path):
+    """DeepSeek-V3.2: the latents and the indexer's keys (32 wide), a top-k of 6 the prompt
+    crosses."""
+    return tiny_attention.write_tiny(
+        path, lambda **c: dict(tiny_special.dsa_config("deepseek_v32", **c),
+                               qk_rope_head_dim=32, index_head_dim=32),
+        tiny_attention.to_hf, "noisy", seed=4)
+
+
 @cache
 def single_process(path: str) -> tuple:
     """(ids per K, the prompt's logits) with quantized caches, and the logits without."""
@@ -67,7 +76,8 @@ def single_process(path: str) -> tuple:
 def runs(tmp_path_factory):
     """One launch: both families x the three modes; {(family, mode): (job, rank 0, rank 1)}."""
     root = tmp_path_factory.mktemp("kvq_dist")
-    models = {"qwen3_5_moe": qwen_moe(root / "qwen"), "deepseek_v3": mla_moe(root / "mla")}
+    models = {"qwen3_5_moe": qwen_moe(root / "qwen"), "deepseek_v3": mla_moe(root / "mla"),
+              "deepseek_v32": dsa_moe(root / "dsa")}
     jobs = [{"name": f"{fam}-{mode}", "model": str(path), "mode": mode, "ks": KS,
              "kv_bits": list(KV_BITS), "logits": True, "prompt": PROMPT, "max_tokens": MAX_TOKENS}
             for fam, path in models.items() for mode in MODES]
@@ -81,14 +91,15 @@ def runs(tmp_path_factory):
             for i, j in enumerate(jobs)}
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "deepseek_v3", "deepseek_v32"])
 @pytest.mark.parametrize("mode", MODES)
 def test_greedy_over_two_ranks_equals_one_process_with_the_same_quantized_cache(runs, family,
                                                                                  mode):
     job, r0, r1 = runs[(family, mode)]
     assert r0["mode"] == r1["mode"] == mode
-    for r in (r0, r1):  # every rank holds its attention caches quantized
+    for r in (r0, r1):  # every rank holds its attention (and indexer) caches quantized
         assert "quantized_kv" in r["cache_kinds"], r["cache_kinds"]
+        assert ("quantized_index_kv" in r["cache_kinds"]) == (family == "deepseek_v32")
         assert "kv" not in r["cache_kinds"] or mode == "pipeline", r["cache_kinds"]
     tokens, logits, full = single_process(job["model"])
     assert r0["tokens"] == tokens
