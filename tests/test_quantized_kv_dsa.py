@@ -151,3 +151,19 @@ def test_inspect_says_what_is_quantized(tmp_path):
     assert "quantized attention K/V or MLA latents, DSA indexer keys" in render(
         inspect_model(str(path), 4, 32))
     assert "does not divide" in inspect_model(str(path), 4, 64)["kv_quantization"]["refused"]
+
+
+@pytest.mark.parametrize("start", [9, 12])
+def test_the_switch_after_quantized_kv_start_is_exact_under_mtp(start):
+    """Both caches hold full precision until ``start`` tokens (prompt 8), then switch together;
+    a verify pass never crosses the switch, so every row's log-probabilities are a plain
+    step's."""
+    from mlx_mtp.models.cache.quantized import KVQuantization
+
+    model = dsa_model("deepseek_v32")
+    model.use_kv_quantization(KVQuantization(4, 32, start))
+    ref, ref_lps, _ = solo_logprobs(model, 0, PROMPTS[5], n=20)
+    for k in (1, 3):
+        out, lps, dec = solo_logprobs(model, k, PROMPTS[5], n=20)
+        assert out == ref and mx.array_equal(lps, ref_lps).item(), k
+        assert dec.stats.num_accepted_tokens > 0
