@@ -167,3 +167,30 @@ def test_the_switch_after_quantized_kv_start_is_exact_under_mtp(start):
         out, lps, dec = solo_logprobs(model, k, PROMPTS[5], n=20)
         assert out == ref and mx.array_equal(lps, ref_lps).item(), k
         assert dec.stats.num_accepted_tokens > 0
+
+
+def test_the_server_engine_batches_quantized_rows_and_reuses_their_prefixes(tmp_path):
+    """Six concurrent requests (rows joining and leaving), drafting or not, then a turn that
+    extends one of them from the prefix cache: every output is the request's plain
+    single-sequence decode with the same quantized caches."""
+    from engine_events import make_engine, run as run_all
+    from mlx_mtp.models.io.loader import load
+    from mlx_mtp.server.prefix_cache import PrefixCache
+
+    config = lambda **c: dict(tiny_special.dsa_config("deepseek_v32", **c), qk_rope_head_dim=32,
+                              index_head_dim=32)
+    path = tiny_attention.write_tiny(tmp_path / "dsa", config, tiny_attention.to_hf, "noisy",
+                                     vocab_size=4096)  # the test tokenizer's ids
+    model, tok = load(str(path))
+    model.use_kv_quantization(Q4)
+    refs = [solo(model, 0, p, n=12)[0] for p in PROMPTS]
+    for k in (0, 2):
+        engine = make_engine((model, tok), num_draft_tokens=k, adaptive=False,
+                             prefix_cache=PrefixCache(8, 1 << 30), prefill_step_size=8)
+        sinks = run_all(engine, PROMPTS, max_tokens=12)
+        assert [s.tokens for s in sinks] == refs, k
+        run_all(engine, [PROMPTS[3]], max_tokens=12, boundaries=[16])
+        longer = PROMPTS[3] + refs[3] + [7, 8, 9]
+        warm = run_all(engine, [longer], max_tokens=12)[0]
+        assert warm.done.usage["prompt_tokens_details"]["cached_tokens"] == 16
+        assert warm.tokens == solo(model, 0, longer, n=12)[0], k
