@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlx_lm.models import deepseek_v32 as lm
 
 from ..blocks.attention_trunk import (  # noqa: F401
-    Family, ModelArgs, attention_mask, decoding_rows, mlp_after, nextn_prefix)
+    Family, ModelArgs, attention_mask, mlp_after, nextn_prefix)
 from ..blocks.attention_trunk import Model as _Model
 from ..blocks.reference import route_as_reference
 from ..cache.index import IndexKeyCache, QuantizedIndexKeyCache
@@ -64,10 +64,9 @@ class DSAModel(_Model):
         x = layer.eh_proj(mx.concatenate([e, layer.hnorm(hidden)], axis=-1))
         caches = tuple(mtp_cache) if mtp_cache else self.dsa_caches()
         mask = attention_mask(caches[0], x.shape[1], True)
-        if self.kv_quantization is not None:
-            decoding = decoding_rows(caches[0], x.shape[1])
-            return layer.norm(self.quantized_layer(layer.block, x, mask, caches, decoding,
-                                                   last_only))
+        if self.kv_quantization is not None:  # as mlx-lm's layer: several rows, sparse mask
+            return layer.norm(self.quantized_layer(layer.block, x, mask, caches,
+                                                   x.shape[1] == 1, last_only))
         if not last_only:
             return layer.norm(layer.block(x, mask, caches))
         block = layer.block  # the MLP on the last row only; every row fills the caches
@@ -75,8 +74,8 @@ class DSAModel(_Model):
         return layer.norm(mlp_after(block, x, r, last_only=True))
 
     def quantized_layer(self, layer, x, mask, caches, decoding: bool, last_only: bool = False):
-        """A decoder layer over quantized caches: ``decoding`` rows (one token, a verify, the
-        head catching up) each as a one-token step, prompt rows by the multi-token formula."""
+        """A decoder layer over quantized caches: ``decoding`` rows (one token, a verify) each
+        as a one-token step, other rows by the multi-token formula."""
         attend = verify_attention if decoding else prompt_attention
         return mlp_after(layer, x, attend(layer.self_attn, layer.input_layernorm(x), mask, caches),
                          last_only)
