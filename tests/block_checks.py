@@ -1,15 +1,22 @@
 """What the block-drafter decoding tests share, written once: decoding one prompt with a
-draft source, the "oracle" drafter body, a batch of rows joining one per step, and the
-chi-square check of sampled tokens drafted from the drafter's own q."""
+draft source, the "oracle" drafter bodies (DFlash's; EAGLE-3's, also written to disk for
+the command line), a batch of rows joining one per step, and the chi-square check of
+sampled tokens drafted from the drafter's own q."""
+
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from distribution_check import assert_follows, sample_outcomes, two_token_joint
 from family_checks import run_batch
 from mlx_mtp.decode.draft_source import DraftSources
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
+from mlx_mtp.drafters.block.load import attach_block_drafter
+from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.testing.tiny_block import make_tiny_block
 
 
 def decode(model, prompt, k: int, source: str = "block", sampling=SamplingParams(), n=16):
@@ -39,6 +46,44 @@ def make_oracle(model):
         conv.kernel_projection.weight = mx.zeros_like(conv.kernel_projection.weight)
     d.fc.weight = mx.zeros_like(d.fc.weight)
     d.norm.weight = text.model.norm.weight
+
+
+def make_eagle3_oracle(model, sharpness: float = 4.0):
+    """Layer 0's attention sees [normed token embedding, 0] (``hidden_norm`` zeroed, which
+    is also the residual under ``norm_before_residual``); its queries and keys are the
+    token half scaled by ``sharpness``, so with RoPE an entry scores highest against
+    itself; values and output pass the token half through, the MLP adds nothing, and the
+    final norm is the trunk's: the output is scored as the trunk scores that token."""
+    text, d = model.text, model.block_drafter
+    H = text.args.hidden_size
+    token_half = mx.concatenate([mx.eye(H), mx.zeros((H, H))], axis=1)
+    layer = d.layers[0]
+    attn = layer.self_attn
+    attn.q_proj.weight = attn.k_proj.weight = sharpness * token_half
+    attn.v_proj.weight, attn.o_proj.weight = token_half, mx.eye(H)
+    layer.hidden_norm.weight = mx.zeros((H,))
+    layer.input_layernorm.weight = mx.ones((H,))
+    layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    d.norm.weight = text.model.norm.weight
+    mx.eval(d.parameters())
+
+
+def write_eagle3_oracle(trunk, path, block_size: int = 4) -> Path:
+    """``make_eagle3_oracle``'s drafter for the oracle trunk at ``trunk`` (tapping layers 0,
+    2, 3), saved in the speculators layout at ``path``: right at every depth."""
+    model = load_model(trunk)[0]
+    args = model.text.args
+    H = args.hidden_size
+    path = make_tiny_block(path, "eagle3", H, args.vocab_size, [0, 2, 3],
+                           args.num_hidden_layers, block_size=block_size,
+                           num_attention_heads=1, num_key_value_heads=1, head_dim=H,
+                           norm_before_residual=True)
+    attach_block_drafter(model, str(path))
+    make_eagle3_oracle(model)
+    file = str(path / "model.safetensors")
+    params = dict(tree_flatten(model.block_drafter.parameters()))
+    mx.save_safetensors(file, {k: params[k] for k in mx.load(file)}, metadata={"format": "mlx"})
+    return path
 
 
 def decode_batch(model, prompts, sources, k: int, n: int):

@@ -57,7 +57,7 @@ def prompt_logits(model, prompt) -> list:
     out = [model.logits(hidden[:, -1:])]
     if model.num_mtp_layers:
         mtp = model.mtp_forward(head_in[:, :-1], ids[:, 1:], model.make_mtp_cache())
-        out.append(model.logits(mtp[:, -1:]))
+        out.append(model.draft_logits(mtp[:, -1:]))  # a stream family's head mixes first
     return [o.astype(mx.float32).reshape(-1).tolist() for o in out]
 
 

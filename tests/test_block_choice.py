@@ -128,3 +128,60 @@ def test_an_autoregressive_drafter_pays_a_pass_per_draft():
         for _ in range(40):
             row.record(DraftPlan(block=WIDTH), landed)
         assert row.plan(0, True, 1, costs, cap=WIDTH) == DraftPlan(block=landed)
+
+
+def test_a_plain_step_is_timed_before_the_block_drafts():
+    """With no plain step measured at this batch size every plan would cost the same and a
+    useless drafter would never pause: the row waits for one (``block+mtp``: the head at the
+    K policy's choice meanwhile)."""
+    assert _row().plan(0, True, 1, StepCosts(), cap=WIDTH) == DraftPlan()
+    assert _row("block+mtp").plan(2, True, 1, StepCosts(), cap=WIDTH) == DraftPlan([], 2)
+    costs = StepCosts()
+    costs.observe(1, 0, 0, PLAIN)
+    assert _row().plan(0, True, 1, costs, cap=WIDTH) == DraftPlan(block=1)  # depth 1 first
+
+
+def test_depth_is_earned_one_position_past_those_that_landed():
+    row, costs = _row(), _costs(block_pass=1.0)
+    widths = []
+    for _ in range(6):
+        plan = row.plan(0, True, 1, costs, cap=WIDTH)
+        widths.append(plan.block)
+        row.record(plan, plan.block)  # every draft lands
+    assert widths == [1, 2, 3, 4, 4, 4]
+
+
+def test_a_resting_block_row_follows_the_k_policy_and_lets_plain_steps_run_ahead():
+    """``block+mtp`` with a useless drafter: the head alone at the K policy's K (never a plain
+    step the K policy did not choose, whatever the row's own head estimate); a plain step
+    when the K policy chose 0. ``has_proposal`` is False while it rests with no probe due (the
+    driver may launch a plain step ahead), True before every step that drafts the block."""
+    costs = _costs()
+    row = _row("block+mtp")
+    for _ in range(20):
+        row.record(DraftPlan(block=WIDTH), 0)
+        row.record(DraftPlan([], 2), 0)  # the row's own head estimate says it misses too
+    assert row.plan(2, True, 1, costs, cap=WIDTH) == DraftPlan([], 2)
+    plans, ready = [], []
+    for _ in range(40):
+        ready.append(row.has_proposal())
+        plans.append(row.plan(0, True, 1, costs, cap=WIDTH))
+    assert all(r for r, p in zip(ready, plans) if p.total)
+    assert not all(ready) and 1 <= sum(p.block > 0 for p in plans) <= 4  # probes only
+
+
+def test_rows_joining_later_start_at_the_gap_earlier_rows_reached():
+    """The drafter is the same weights for every row: once one row's probes have doubled
+    their gap, a new row rests that long before its first probe, instead of re-learning
+    with drafts of its own that the drafter does not pay."""
+    sources, costs = DraftSources("block"), _costs()
+    first = sources.drafter()
+    first.fit_block(WIDTH)
+    for _ in range(60):
+        first.record(first.plan(0, True, 1, costs, cap=WIDTH), 0)
+    gap = sources.block_gap
+    assert gap >= 16 and not first.has_proposal()
+    later = sources.drafter()
+    later.fit_block(WIDTH)
+    plans = [later.plan(0, True, 1, costs, cap=WIDTH) for _ in range(gap)]
+    assert [p.block > 0 for p in plans] == [False] * (gap - 1) + [True]

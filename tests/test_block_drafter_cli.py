@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from block_checks import write_eagle3_oracle
 from mlx_mtp.testing.tiny_block import make_tiny_dflash
 
 
@@ -47,18 +48,20 @@ def test_generate_inspect_and_a_misfit(tiny_ckpt, tmp_path):
 @pytest.mark.slow
 def test_bench_compares_the_block_drafter_with_the_head(tiny_ckpt, tmp_path):
     """``bench --draft-model D --draft-source mtp,block,block+mtp``: a row per source, each
-    with plain decoding's output (the JSON's lossless flag) and the block drafter's drafts."""
+    with plain decoding's output (the JSON's lossless flag) and the block drafter's drafts.
+    The drafter is the EAGLE-3 oracle (right at every depth: 4 tokens a step at K 3), since
+    one that does not pay pauses (``test_block_pause.py``)."""
     import json
 
     trunk = tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1, vocab_size=4096)
-    drafter = make_tiny_dflash(tmp_path / "dflash", 64, 4096, [1, 3], 4, block_size=4)
+    drafter = write_eagle3_oracle(trunk, tmp_path / "eagle3")
     code, out, err = run("bench", "--model", str(trunk), "--draft-model", str(drafter),
-                         "--draft-source", "mtp,block,block+mtp", "--num-draft-tokens", "0,2",
+                         "--draft-source", "mtp,block,block+mtp", "--num-draft-tokens", "0,3",
                          "--max-tokens", "8", "--repeats", "1", "--no-plots", "--quiet",
                          "-o", str(tmp_path / "out"))
     assert code == 0, err
     rows = {r["setting"]: r for r in
             json.loads((tmp_path / "out" / "inprocess.json").read_text())["settings"]}
-    assert set(rows) >= {"plain", "K=2", "auto", "block", "block+mtp"}
+    assert set(rows) >= {"plain", "K=3", "auto", "block", "block+mtp"}
     assert all(r["outputs_match_plain"] for r in rows.values())
     assert rows["block"]["num_draft_tokens"] > 0

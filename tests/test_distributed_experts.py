@@ -150,14 +150,23 @@ def test_expert_split_refused_clearly(models, tmp_path):
                     dense.text)
 
 
-def test_serve_batch_of_4_equals_single_process(tmp_path):
+def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(tmp_path):
     """DeepSeek-V3 served over two expert ranks: 4 concurrent requests (rows joining at
-    different steps, K = 2 fixed so every step drafts and rolls back) answer as one server."""
+    different steps, K = 2 fixed so every step drafts and rolls back) answer as one server.
+    Then a follower hangs mid-request (its MoE all_sums block rank 0): the watchdog fails the
+    request with a 503 in the API's error shape within the bound the other modes have, new
+    requests and ``/health`` get 503s, and SIGTERM ends rank 0 though its engine thread sits
+    in the blocked collective (as ``test_distributed_serve.py`` checks for a pipeline)."""
+    import os
+    import signal
+    import time
     from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
 
     from server_process import ServerProcess
     from test_distributed_families import SERVE_PROMPTS
-    from test_distributed_serve import Cluster, chat
+    from test_distributed_serve import EXIT_TIMEOUT, WATCHDOG, Cluster, chat, eos_ids
 
     # the tokenizer's whole vocabulary; answers that depend on the prompt
     path = BUILDERS["deepseek_v3"](tmp_path / "m", "noisy", vocab_size=4096, trunk_scale=4.0)
@@ -178,8 +187,38 @@ def test_serve_batch_of_4_equals_single_process(tmp_path):
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["message"]["content"] == expected[p]
                 assert r.json()["mtp"]["num_draft_tokens"] > 0  # MTP ran in the batch
+        long = {"max_tokens": 3000, "logit_bias": {str(t): -100 for t in eos_ids(path)}}
+        with ThreadPoolExecutor(1) as pool:
+            inflight = pool.submit(chat, cluster.url, SERVE_PROMPTS[0], 180.0, **long)
+            time.sleep(2.0)  # the request decodes
+            lost = time.time()
+            os.kill(cluster.ranks[1], signal.SIGSTOP)
+            r = inflight.result()
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "distributed_rank_lost"
+        assert time.time() - lost < WATCHDOG + 60
+        assert httpx.get(cluster.url + "/health", timeout=5).status_code == 503
+        again = chat(cluster.url, SERVE_PROMPTS[1], 30.0)
+        assert again.status_code == 503
+        assert again.json()["error"]["code"] == "distributed_rank_lost"
+        os.kill(cluster.ranks[0], signal.SIGTERM)
+        deadline = time.time() + EXIT_TIMEOUT
+        while not exited(cluster.ranks[0]):
+            assert time.time() < deadline, "rank 0 ignored SIGTERM"
+            time.sleep(0.5)
+        os.kill(cluster.ranks[1], signal.SIGKILL)  # stopped: it cannot exit by itself
+        cluster.wait_exit()
     finally:
-        cluster.kill()
+        if cluster.proc.poll() is None:
+            cluster.kill()
+
+
+def exited(pid: int) -> bool:
+    """The process is gone or a zombie (exited; the launcher has not reaped it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
 
 
 def test_cli_refuses_an_expert_split_of_a_dense_model_in_one_line(tmp_path, capsys):

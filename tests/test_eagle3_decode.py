@@ -23,7 +23,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from block_checks import assert_block_samples_follow_target, decode, decode_batch
+from block_checks import (assert_block_samples_follow_target, decode, decode_batch,
+                          make_eagle3_oracle)
 from family_checks import mlx_lm_model
 from mlx_mtp.decode import block_context
 from mlx_mtp.decode.draft_source import DraftSources
@@ -68,28 +69,8 @@ def _with_eagle(path, tmp, oracle: bool = False, sharpness: float = 4.0):
     attach_block_drafter(model, str(drafter))
     assert model.block_drafter.spec.target_layer_ids == (0, 2, 3)
     if oracle:
-        _make_oracle(model, sharpness)
+        make_eagle3_oracle(model, sharpness)
     return model
-
-
-def _make_oracle(model, sharpness: float):
-    """Layer 0's attention sees [normed token embedding, 0] (``hidden_norm`` zeroed, which
-    is also the residual under ``norm_before_residual``); its queries and keys are the
-    token half scaled by ``sharpness``, so with RoPE an entry scores highest against
-    itself; values and output pass the token half through, the MLP adds nothing, and the
-    final norm is the trunk's: the output is scored as the trunk scores that token."""
-    text, d = model.text, model.block_drafter
-    H = text.args.hidden_size
-    token_half = mx.concatenate([mx.eye(H), mx.zeros((H, H))], axis=1)
-    layer = d.layers[0]
-    attn = layer.self_attn
-    attn.q_proj.weight = attn.k_proj.weight = sharpness * token_half
-    attn.v_proj.weight, attn.o_proj.weight = token_half, mx.eye(H)
-    layer.hidden_norm.weight = mx.zeros((H,))
-    layer.input_layernorm.weight = mx.ones((H,))
-    layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
-    d.norm.weight = text.model.norm.weight
-    mx.eval(d.parameters())
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

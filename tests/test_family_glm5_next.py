@@ -21,7 +21,6 @@ import family_checks as fc
 from mlx_mtp import cli
 from mlx_mtp.models.cache.kv import cache_state_arrays, restore_caches, snapshot_caches
 from mlx_mtp.models.cache.quantized import KVQuantization
-from mlx_mtp.models.distributed import DistributedError, load_distributed
 from mlx_mtp.models.io.layout import CheckpointError
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny import TOKENIZER_DIR
@@ -198,9 +197,7 @@ def test_convert_round_trip(with_tokenizer, tmp_path, reference):
     assert fc.mtp_tokens(model, prompt, 2, n=len(tokens))[0] == tokens
 
 
-def test_distributed_and_kv_bits_are_refused_in_one_line(model):
-    with pytest.raises(DistributedError, match="cannot split glm5_next models yet"):
-        load_distributed(str(CHECKPOINT), mtp=False)
+def test_kv_bits_are_refused_in_one_line(model):
     with pytest.raises(ValueError, match="--kv-bits is not available for glm5_next"):
         model.use_kv_quantization(KVQuantization(bits=8))
 

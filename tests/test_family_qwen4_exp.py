@@ -319,14 +319,6 @@ def test_engine_rows_and_a_restored_turn_equal_plain_decoding(model, with_tokeni
     assert warm.tokens == fc.mtp_tokens(model, longer, 0, n=12)[0]
 
 
-def test_distributed_is_refused_in_one_line():
-    """No split plan covers the stream layers yet: --distributed says so before reading."""
-    from mlx_mtp.models.distributed import DistributedError, load_distributed
-
-    with pytest.raises(DistributedError, match="cannot split qwen4_exp models yet"):
-        load_distributed(str(FIXTURE / "checkpoint"), mtp=False)
-
-
 def test_released_layer_type_names(tmp_path):
     """The release's config names the indexed layers ``full_attention`` (transformers
     renames them when it writes one): the same model."""

@@ -13,7 +13,9 @@ table, ``costs.StepCosts.predict_plan``: a step with ``k`` positions to verify, 
 them chained through the head, costs ``verify(k) + J * head``, plus ``block_pass`` when the
 block drafter runs, all fitted from steps as they run; a length never measured is tried at
 an optimistic guess, which measuring it corrects). A drafter the estimates turn down is
-paused and re-tried now and then (``probe_gap``), the block drafter as context lookup.
+paused and re-tried now and then (``probe_gap``), the block drafter as context lookup; the
+block drafter also waits for a timed plain step, earns its depth and stops after its first
+misses as the head does (``RowDrafter._plan_block``).
 
 The choice depends only on what earlier steps showed, never on this step's draws: greedy
 output is unchanged, and sampled output keeps the target distribution (``sampling.verify``:
@@ -49,6 +51,11 @@ class DraftSources:
         # What every row's steps showed, per source: a new row's prior, its own steps
         # then take over (a server's chat requests rarely copy, its edit requests do).
         self.acceptance = {}  # per source name, filled by ``shared``
+        # The block drafter is the same weights for every row: a new row starts paused at
+        # the gap earlier rows reached (``RowDrafter._paced``), and one none of whose drafts
+        # ever landed drafts ``first_misses`` steps in all, then only probes (as the head).
+        self.block_gap = probe_gap[0]
+        self.first_misses, self.block_dry_steps = 3, 0  # None once a block draft landed
 
     def for_row(self, default_k: int, k: Optional[int] = None, source: Optional[str] = None,
                 has_head: bool = True) -> Tuple[int, Optional["RowDrafter"]]:
@@ -69,6 +76,15 @@ class DraftSources:
         """A row's drafter beside the head (None: the row drafts from the head only)."""
         source = self.source if source is None else check_draft_source(source)
         return None if SOURCES[source].drafter is None else RowDrafter(self, source)
+
+    def block_landed(self, drafted: int, accepted: int):
+        """A row's block drafts of a step: the drafter's first-misses count."""
+        if self.block_dry_steps is not None and drafted:
+            self.block_dry_steps = None if accepted else self.block_dry_steps + 1
+
+    def block_dry(self) -> bool:
+        """The block drafter drafted ``first_misses`` steps and none of it ever landed."""
+        return self.block_dry_steps is not None and self.block_dry_steps >= self.first_misses
 
     def shared(self, name: str, positions: int) -> AcceptanceEstimate:
         """Source ``name``'s acceptance over every row's steps (made on first use)."""
@@ -103,7 +119,8 @@ class RowDrafter:
         sizes = {HEAD: MAX_DRAFTER_TOKENS + MAX_DRAFT_TOKENS, self.drafter.name: MAX_DRAFTER_TOKENS}
         self.acceptance = {name: AcceptanceEstimate(n, 0.97, 3.0, sources.shared(name, n).alpha)
                            for name, n in sizes.items()}
-        self._gap = self._wait = sources.probe_gap[0]
+        self._gap = self._wait = sources.block_gap if self.blocks else sources.probe_gap[0]
+        self._resting = self.blocks and sources.block_gap > sources.probe_gap[0]
 
     @property
     def plans_alike(self) -> bool:
@@ -118,6 +135,10 @@ class RowDrafter:
         self.drafter.extend(tokens)
 
     def has_proposal(self) -> bool:
+        """Whether the next step may draft from the drafter (else a plain step may be
+        launched ahead): the block drafter's unless it rests with no probe due."""
+        if self.blocks:
+            return not self._resting or self._wait <= 1
         return self.drafter.has_proposal()
 
     def fit_block(self, width: int, pass_per_draft: bool = False):
@@ -147,49 +168,75 @@ class RowDrafter:
 
     def _paced(self, best: DraftPlan, drafts: bool, full: DraftPlan) -> DraftPlan:
         """``best``, or now and then (every ``probe_gap`` steps, doubling) ``full`` while
-        the estimates keep the drafter paused (``drafts`` False)."""
+        the estimates keep the drafter paused (``drafts`` False). The block drafter's gap
+        is shared with the rows that join later (``DraftSources.block_gap``)."""
+        first, longest = self.sources.probe_gap
+        self._resting = not drafts
         if drafts:
-            self._gap = self._wait = self.sources.probe_gap[0]
+            self._gap = self._wait = first
+            if self.blocks:
+                self.sources.block_gap = first
             return best
         self._wait -= 1
         if self._wait > 0:
             return best
-        self._gap = self._wait = min(2 * self._gap, self.sources.probe_gap[1])
+        self._gap = self._wait = min(2 * self._gap, longest)
+        if self.blocks:
+            self.sources.block_gap = max(self.sources.block_gap, self._gap)
         return full  # a probe: measures its acceptance and its cost again
 
     def _plan_block(self, k_head: int, can_draft: bool, cap: int, B: int,
                     costs: StepCosts) -> DraftPlan:
         """The block drafter's row: ``DraftPlan(block=n)`` drafts n positions, those past
         the drafter's block chained by the head (``block+mtp``, ``block_context.fit_plans``).
-        Its pass is priced like the head's (``costs.block_pass``): it pauses when its
-        measured acceptance does not pay for it, and re-tries now and then."""
+        Its pass is priced like the head's (``costs.block_pass``) against a plain step
+        measured first: it pauses when its measured acceptance does not pay for it (after
+        ``first_misses`` steps if none of its drafts ever landed), drafts one position past
+        those that landed, and re-tries now and then. A paused row runs no drafter pass;
+        its context still takes every emitted row's taps (``block_context.trunk``)."""
         if not can_draft or not cap:
             return DraftPlan()
         if not self.sources.adaptive:
             return DraftPlan(block=k_head)
-        width = min(cap, self.block_width)
-        best = self._best_block(k_head, cap, width, B, costs)
+        if costs.predict_plan(B, 0, 0) is None:  # time plain steps here first, as the K policy
+            return DraftPlan([], k_head) if self.uses_head and k_head else DraftPlan()
+        full = min(cap, self.block_width)
+        width = min(full, self._landed_depth() + 1)
+        if self.sources.block_dry():  # never landed: the head or a plain step, and probes
+            return self._paced(self._best_block(k_head, cap, 0, full, B, costs), False,
+                               DraftPlan(block=width))
+        best = self._best_block(k_head, cap, width, full, B, costs)
         if not best.block:  # pausing the drafter needs evidence: its upper estimate
-            best = self._best_block(k_head, cap, width, B, costs, optimistic=True)
-        return self._paced(best, bool(best.block), DraftPlan(block=cap))
+            best = self._best_block(k_head, cap, width, full, B, costs, optimistic=True)
+        return self._paced(best, bool(best.block), DraftPlan(block=width))
 
-    def _best_block(self, k_head: int, cap: int, width: int, B: int, costs: StepCosts,
-                    optimistic: bool = False) -> DraftPlan:
-        """The most expected tokens per second of: the block's first n drafts, the whole
-        block extended by the head to ``cap`` (``block+mtp``), the head alone, a plain
-        step. ``optimistic``: the drafter's acceptance at its upper estimate."""
+    def _landed_depth(self) -> int:
+        """Block positions that landed lately, in this row or any (the shared estimate)."""
+        name = self.drafter.name
+        return max(self.acceptance[name].landed_depth(),
+                   self.sources.shared(name, MAX_DRAFTER_TOKENS).landed_depth())
+
+    def _best_block(self, k_head: int, cap: int, width: int, full: int, B: int,
+                    costs: StepCosts, optimistic: bool = False) -> DraftPlan:
+        """The most expected tokens per second of: the block's first n <= ``width`` drafts,
+        the whole block (``full`` drafts, reached) extended by the head to ``cap``
+        (``block+mtp``), and the head alone at the K policy's ``k_head`` (which beats a
+        plain step, by that policy's estimates) or else a plain step. Positions not drafted lately read
+        as the one above (``AcceptanceEstimate.extrapolated``); ``optimistic``: the
+        drafter's acceptance at its upper estimate."""
         run, head = self.acceptance[self.drafter.name], self.acceptance[HEAD]
         expected, reach = [1.0], 1.0
-        for a in (run.upper if optimistic else run.alpha)[:width]:
+        for a in run.means(optimistic, extrapolate=True)[:width]:
             reach *= a
             expected.append(expected[-1] + reach)
         candidates = [(DraftPlan(block=n), expected[n], 0) for n in range(1, width + 1)]
-        if self.uses_head and cap > width:  # the head is fed every block token: cap passes
+        if self.uses_head and width == full and cap > full:  # fed every block token: cap passes
             extension = head.expected_tokens(cap - width, start=width) - 1
             candidates.append((DraftPlan(block=cap), expected[-1] + reach * extension, cap))
-        if self.uses_head and k_head:
+        if self.uses_head and k_head:  # the K policy's choice: the head beats a plain step
             candidates.append((DraftPlan([], k_head), head.expected_tokens(k_head), k_head))
-        candidates.append((DraftPlan(), 1.0, 0))
+        else:
+            candidates.append((DraftPlan(), 1.0, 0))
         return max(candidates, key=lambda c: self._rate(c[0], c[1], B, costs, c[2]))[0]
 
     def _best(self, proposal: List[int], mtp: DraftPlan, full: DraftPlan, B: int,
@@ -238,4 +285,8 @@ class RowDrafter:
                 estimates[HEAD].record(plan.head, [n_accepted], starts=[n])
         if n:
             self.drafter.observe(n, min(n, n_accepted))
+        if plan.block:
+            self.sources.block_landed(n, min(n, n_accepted))
+            if self._resting and n_accepted:  # a probe landed: the next one is due soon,
+                self._gap = self._wait = self.sources.probe_gap[0]  # as the head's re-checks
         return n, min(n, n_accepted)

@@ -97,13 +97,18 @@ class AcceptanceEstimate:
         return [min(1.0, a + self.z * math.sqrt(a * (1 - a) / (t + w + 1)))
                 for a, t, w in zip(means, self.trials, self.weight)]
 
+    def means(self, optimistic: bool = False, extrapolate: bool = False) -> List[float]:
+        """Acceptance per position: ``alpha`` (``extrapolate``: ``extrapolated``), at its
+        upper estimate if ``optimistic``."""
+        means = self.extrapolated if extrapolate else self.alpha
+        return self._upper(means) if optimistic else means
+
     def expected_tokens(self, k: int, start: int = 0, optimistic: bool = False,
                         extrapolate: bool = False) -> float:
         """Tokens a row emits per step with k drafts at positions ``start..``:
         1 + a1 + a1*a2 + ... (``extrapolate``: by ``extrapolated``)."""
-        means = self.extrapolated if extrapolate else self.alpha
         total, run = 1.0, 1.0
-        for a in (self._upper(means) if optimistic else means)[start:start + k]:
+        for a in self.means(optimistic, extrapolate)[start:start + k]:
             run *= a
             total += run
         return total
@@ -230,7 +235,8 @@ class DraftPolicy:
             self.by_context.record(k, accepted, ks, starts, contexts)
         landed = any(n > s for n, s in zip(accepted, starts or [0] * len(accepted)))
         self._landed_once |= landed
-        self._dry_steps += k > 0 and not landed
+        # a step whose drafts were all the block drafter's says nothing about the head
+        self._dry_steps += (k > 0 if ks is None else any(ks)) and not landed
         whole = any(kb and n >= s + kb for n, s, kb in zip(
             accepted, starts or [0] * len(accepted), ks or [k] * len(accepted)))
         if not self._drafting and ((landed and self._could_pay(B, 1))

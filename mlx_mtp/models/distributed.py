@@ -4,11 +4,12 @@ Every rank runs the same decode code (``step.DecodeBatch``); the model it gets i
 ``DistributedModel`` whose engine interface hides the split:
 
 * **pipeline** (every family): rank ``size-1`` holds the first layers (and the
-  embedding), rank 0 the last ones plus the final norm, the output projection, the MTP
-  head(s) and the embedding table the head needs. Each rank's trunk is the model's own
-  cut to its layers, so the family's loop, masks and caches (KV, MLA latents, windows,
-  DSA indexer keys, recurrent states) serve it unchanged; hidden states travel rank
-  ``r+1 -> r`` with send/recv (``trunk_layers`` takes a hidden in place of ids), so
+  embedding), rank 0 the last ones plus the final norm (``output_modules``), the output
+  projection, the MTP head(s) and the embedding table the head needs. Each rank's trunk is
+  the model's own cut to its layers, so the family's loop, masks and caches (KV, MLA
+  latents, windows, DSA indexer keys, recurrent states) serve it unchanged; hidden states
+  (a stream family's streams, ``stage_shape``) travel rank ``r+1 -> r`` with send/recv
+  (``stage_layers`` takes the hidden, and the step's token ids beside it), so
   rank 0 (which also prints and serves HTTP) samples and drafts. On the other ranks
   ``logits`` / ``mtp_forward`` are shape-only stand-ins: their results are never read,
   because everything the step reads goes through ``share``.
@@ -78,7 +79,7 @@ def ranks_are_local() -> bool:
 # Sizes a tensor split divides, among those a family's args name: heads, MLP and expert columns.
 SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "num_attention_groups",
                "linear_num_key_heads", "linear_num_value_heads", "intermediate_size",
-               "ffn_hidden_size")
+               "ffn_hidden_size", "linear_num_heads", "o_groups")
 MOE_SPLIT_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size",
                    "expert_ffn_hidden_size", "share_expert_dim")
 
@@ -148,7 +149,8 @@ class DistributedModel(ModelInterface):
         self._last_comm: Optional[mx.array] = None
         # Taps where every rank runs every layer: each has the whole residual stream, so a
         # block drafter runs whole on every rank, replicated, and needs no message.
-        self.capabilities = replace(self.capabilities, taps=self.whole_step)
+        self.capabilities = replace(self.capabilities,
+                                    taps=self.whole_step and model.capabilities.taps)
         self.bytes_sent = 0  # this rank's payload bytes over the group (benchmarks)
         self.messages = 0
 
@@ -250,16 +252,18 @@ class DistributedModel(ModelInterface):
             return self.inner.trunk(inputs, cache, capture)
         text = self.text
         if self.rank < self.size - 1:
-            B, L = inputs.shape
-            template = mx.zeros((B, L, text.args.hidden_size), self.hidden_dtype)
-            inputs = self._issue(mx.distributed.recv_like(template, self.rank + 1,
+            template = mx.zeros(text.stage_shape(*inputs.shape), self.hidden_dtype)
+            hidden = self._issue(mx.distributed.recv_like(template, self.rank + 1,
                                                           group=self.group))
-        h, _ = text.trunk_layers(inputs, cache, capture)
+            h, _ = text.stage_layers(inputs, hidden, cache, capture)
+        else:
+            h, _ = text.trunk_layers(inputs, cache, capture)
         if self.rank > 0:
             h = self._issue(mx.distributed.send(self._after_last(h.astype(self.hidden_dtype)),
                                                 self.rank - 1, group=self.group))
             self._count(h)
-            return h, h
+            # Stand-ins, never read: the output layer's input shape, the streams sent.
+            return mx.zeros((*h.shape[:2], text.args.hidden_size), h.dtype), h
         return text.trunk_outputs(h)
 
     def logits(self, hidden):
@@ -282,7 +286,7 @@ class DistributedModel(ModelInterface):
         for c in mtp_cache:
             z = mx.zeros((B, 1, S, 1), hidden.dtype)
             c.update_and_fetch(z, z)
-        return mx.zeros((B, 1 if last_only else S, hidden.shape[-1]), hidden.dtype)
+        return mx.zeros((B, 1 if last_only else S, self.text.args.hidden_size), hidden.dtype)
 
     def use_kv_quantization(self, quant):
         """Each rank quantizes the caches it holds (its layers' in a pipeline, its heads' KV
@@ -342,7 +346,8 @@ def _prune_pipeline(text, start: int, end: int, rank: int, size: int, hidden_dty
     if rank != 0:
         for name in ("lm_head", "mtp"):
             _drop(text, name)
-        trunk.pop(_child_name(trunk, trunk.norm))
+        for module in text.output_modules():
+            trunk.pop(_child_name(trunk, module))
         if rank != size - 1:  # the batch reads the model's dtype from the embedding
             stand_in = nn.Embedding(1, 1)
             stand_in.set_dtype(hidden_dtype)

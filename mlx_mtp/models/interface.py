@@ -227,6 +227,25 @@ class MTPModel(ModelInterface, nn.Module):
         the hidden state a previous pipeline stage sent (``models/distributed.py``): as is."""
         return inputs if inputs.ndim == 3 else self.model.embed_tokens(inputs)
 
+    # --- a pipeline stage (models/distributed.py) ---------------------------
+    def stage_layers(self, ids, hidden, cache=None, capture: bool = False):
+        """``trunk_layers`` of a stage after the first: from the previous stage's ``hidden``
+        (``stage_shape``); ``ids``, the tokens of the same rows, for layers that read them."""
+        return self.trunk_layers(hidden, cache, capture)
+
+    def stage_shape(self, B: int, L: int) -> tuple:
+        """The shape of the hidden one stage hands the next (a stream family: its streams)."""
+        return (B, L, self.args.hidden_size)
+
+    def output_modules(self) -> list:
+        """The trunk's modules only ``trunk_outputs`` reads (held by the head's stage)."""
+        return [self.model.norm]
+
+    def stage_may_start(self, layer: int) -> bool:
+        """Whether a stage may begin at trunk layer ``layer`` (not where it reads what the
+        layer before it computed besides the hidden)."""
+        return True
+
     def shard(self, group):
         """Split the trunk and MTP layers across ``group`` by heads / columns, reading one
         layer at a time (``capabilities.splits`` has "tensor")."""

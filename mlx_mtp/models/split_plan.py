@@ -88,9 +88,13 @@ def rank_shares(model, mode: str, size: int) -> List[RankShare]:
         return [RankShare(r, (0, n), total - bytes_not_held(text, r, size), True)
                 for r in range(size)]
     embed = parameter_bytes(text.model.embed_tokens)
-    head = embed + parameter_bytes(text.model.norm)
+    head = embed + sum(parameter_bytes(m) for m in text.output_modules())
     head += sum(parameter_bytes(text[name]) for name in ("lm_head", "mtp") if name in text)
-    ranges = split_layers(layer_bytes, head, size)
+    # Layers a stage may not begin at ride with the layer before them.
+    starts = [i for i in range(n) if i == 0 or text.stage_may_start(i)]
+    ends = starts[1:] + [n]
+    units = split_layers([sum(layer_bytes[a:b]) for a, b in zip(starts, ends)], head, size)
+    ranges = [(starts[a], ends[b - 1]) for a, b in units]
     shares = []
     for rank, (start, end) in enumerate(ranges):
         own = sum(layer_bytes[start:end])

@@ -46,12 +46,15 @@ def _cache_shares(config: dict, memory: dict, layers: List[tuple], mtp_layers: i
         return [(None if kv is None else kv // div, None if not state else state // div)] * n
     linear = linear_layers(config) or [False] * layers[0][1]  # rank 0 ends at the last
     attention = linear.count(False) + mtp_layers
+    # State per sequence: the recurrent layers', else every layer's (DeepSeek-V4's windows).
+    stateful = linear if any(linear) else [True] * len(linear)
     out = []
     for rank, (start, end) in enumerate(layers):
         own = linear[start:end]
         n_attention = own.count(False) + (mtp_layers if rank == 0 else 0)
         out.append((None if kv is None else kv * n_attention // attention,
-                    None if not state else state * own.count(True) // linear.count(True)))
+                    None if not state else
+                    state * stateful[start:end].count(True) // stateful.count(True)))
     return out
 
 

@@ -60,15 +60,15 @@ class NoSharedExpert(nn.Module):
 
 
 @lru_cache(maxsize=None)
-def _summed(block_cls: type) -> type:
-    """``block_cls`` whose output is summed over ``expert_group`` (a block without
-    mlx-lm's ``sharding_group``)."""
+def summed(block_cls: type) -> type:
+    """``block_cls`` whose output is summed over ``sum_group`` (a block without mlx-lm's
+    ``sharding_group``; a tensor split's MoE block, ``stream_shard``)."""
 
     class Summed(block_cls):
-        def __call__(self, x):
-            return mx.distributed.all_sum(super().__call__(x), group=self.expert_group)
+        def __call__(self, x, *args):  # DeepSeek-V4's block also takes the token ids
+            return mx.distributed.all_sum(super().__call__(x, *args), group=self.sum_group)
 
-    Summed.__name__ = f"ExpertSummed{block_cls.__name__}"
+    Summed.__name__ = f"Summed{block_cls.__name__}"
     return Summed
 
 
@@ -86,9 +86,11 @@ def moe_blocks(module: nn.Module) -> Iterator[nn.Module]:
 
 def shared_experts(block: nn.Module) -> List[str]:
     """The names of a block's shared experts: its other children that end in a
-    ``down_proj`` (``shared_experts``, ``shared_expert``, ``share_expert``)."""
+    ``down_proj`` (``shared_experts``, ``shared_expert``, ``share_expert``) or are named so
+    (DeepSeek-V4's ``shared_experts``, whose projections are ``w1``/``w2``/``w3``)."""
     return [name for name, child in block.children().items()
-            if name != "switch_mlp" and isinstance(child, nn.Module) and "down_proj" in child]
+            if name != "switch_mlp" and isinstance(child, nn.Module)
+            and ("down_proj" in child or name in ("shared_experts", "shared_expert"))]
 
 
 def has_experts(text) -> bool:
@@ -132,8 +134,8 @@ def place_experts(block: nn.Module, group):
     if hasattr(block, "sharding_group"):  # mlx-lm's sum point
         block.sharding_group = group
     else:
-        block.__class__ = _summed(type(block))
-        block.expert_group = group
+        block.__class__ = summed(type(block))
+        block.sum_group = group
 
 
 def split_experts(text, group):

@@ -34,6 +34,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..blocks.dsv4 import Block, HyperHead, inv_freq, stream_input
+from ..blocks.expert_split import split_parts
+from ..blocks.hybrid_shard import read_share
+from ..blocks.stream_shard import shard_dsv4_attention, shard_moe
 from ..cache.compressed import CompressedWindowCache
 from ..interface import Capabilities, MTPModel
 from ..io import layout
@@ -182,7 +185,9 @@ class Model(MTPModel):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(taps=False)
+        # Pipeline stages hand on the streams with the ids beside them (hash routing);
+        # tensor: ``blocks/stream_shard``; expert: the MoE blocks' ``switch_mlp``.
+        return Capabilities(taps=False, splits=("pipeline", "tensor", "expert"))
 
     def layer_freqs(self, layer: Block) -> mx.array:
         return self._freqs["compress" if layer.attn.ratio else "main"]
@@ -194,18 +199,38 @@ class Model(MTPModel):
         return self.model.embed_tokens(inputs)
 
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
-        """The four streams after the last layer (``taps`` unsupported). All rows run in one
-        pass; each keeps its own caches (``CompressedRows``: rows sit at different phases
-        of their windows), which the attention reads row by row."""
-        B, L = inputs.shape
+        """The four streams after the last layer (``taps`` unsupported)."""
+        streams = stream_input(self.embed(inputs), self.args.hc_mult)
+        return self.stage_layers(inputs, streams, cache, capture)
+
+    def stage_layers(self, ids, hidden, cache=None, capture=False):
+        """The layers from the streams ``hidden``. All rows run in one pass; each keeps its
+        own caches (``CompressedRows``: rows sit at different phases of their windows),
+        which the attention reads row by row."""
+        B, L = ids.shape
         rows = [None] * len(self.model.layers) if cache is None else \
             [[c.row(b) for b in range(B)] for c in cache]
         starts = [0] * B if cache is None else [r.lengths()[0] for r in rows[0]]
         positions = mx.array(starts)[:, None, None] + mx.arange(L)
-        h = stream_input(self.embed(inputs), self.args.hc_mult)
+        h = hidden
         for layer, c in zip(self.model.layers, rows):
-            h = layer(h, inputs, positions, c, self.layer_freqs(layer), capture)
+            h = layer(h, ids, positions, c, self.layer_freqs(layer), capture)
         return h, {}
+
+    def stage_shape(self, B: int, L: int) -> tuple:
+        return (B, L, self.args.hc_mult, self.args.hidden_size)
+
+    def output_modules(self) -> list:
+        return [self.model.norm, self.model.hc_head]
+
+    def shard(self, group):
+        """By query heads and output groups, expert columns (``blocks/stream_shard``); the
+        mHC mixers, compressors and indexers whole on every rank. One layer read at a time."""
+        for layer in split_parts(self):
+            block = layer.block if isinstance(layer, MTPLayer) else layer
+            shard_dsv4_attention(block.attn, group)
+            shard_moe(block.ffn, group)
+            read_share(layer)
 
     def trunk_outputs(self, h):
         """(``norm(hc_head(streams))``, the streams: what the head takes)."""

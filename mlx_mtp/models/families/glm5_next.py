@@ -39,8 +39,11 @@ from mlx_lm.models.deepseek_v3 import group_expert_select
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..blocks.dsv4 import ClampedSwiGLU
+from ..blocks.expert_split import split_parts
+from ..blocks.hybrid_shard import read_share
 from ..blocks.kpool import KPoolIndexer
 from ..blocks.mhc import HyperConnection, expand
+from ..blocks.stream_shard import shard_kda, shard_mlp, shard_moe, shard_nope_mla
 from ..cache.index import IndexKeyCache
 from ..cache.kv import KVCache
 from ..cache.recurrent import RecurrentCache
@@ -308,10 +311,8 @@ class Trunk(nn.Module):
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, h, cache=None, capture=False, taps=()):
-        """(the streams' mean after the last layer, {tapped layer: its streams' mean})."""
-        B, L, H = h.shape
-        streams = mx.broadcast_to(h[:, :, None], (B, L, self.hc, H))
+    def __call__(self, streams, cache=None, capture=False, taps=()):
+        """(the streams after the last layer, {tapped layer: its streams' mean})."""
         tapped, i, selection = {}, 0, None
         for n, layer in enumerate(self.layers):
             width = 1 if layer.is_linear else 1 + (not layer.shared)
@@ -320,7 +321,7 @@ class Trunk(nn.Module):
             streams, selection = layer(streams, caches, selection, capture)
             if n in taps:
                 tapped[n] = streams.mean(axis=2)
-        return streams.mean(axis=2), tapped
+        return streams, tapped
 
 
 class MTPLayer(nn.Module):
@@ -361,7 +362,9 @@ class MTPHead(nn.Module):
 
 
 class Model(MTPModel):
-    capabilities = Capabilities(splits=(), taps=True)
+    # Pipeline stages hand on the streams; tensor: ``blocks/stream_shard``; expert: the MoE
+    # blocks' ``switch_mlp`` (``blocks/expert_split``).
+    capabilities = Capabilities(splits=("pipeline", "tensor", "expert"), taps=True)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -374,7 +377,32 @@ class Model(MTPModel):
             self.mtp = MTPHead(args)
 
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
-        return self.model(self.embed(inputs), cache, capture, taps)
+        h = self.embed(inputs)
+        B, L, H = h.shape
+        return self.model(mx.broadcast_to(h[:, :, None], (B, L, self.model.hc, H)), cache,
+                          capture, taps)
+
+    def stage_layers(self, ids, hidden, cache=None, capture=False):
+        return self.model(hidden, cache, capture)
+
+    def stage_shape(self, B: int, L: int) -> tuple:
+        return (B, L, self.args.hc_mult, self.args.hidden_size)
+
+    def stage_may_start(self, layer: int) -> bool:
+        return not self.args.shares_selection(layer)  # it reads the layer before's selection
+
+    def trunk_outputs(self, streams):
+        """The output is the streams' plain mean, then the final norm."""
+        return super().trunk_outputs(streams.mean(axis=2))
+
+    def shard(self, group):
+        """By KDA and MLA heads, MLP and expert columns (``blocks/stream_shard``); the mHC
+        mixers and indexers whole on every rank. One layer read at a time."""
+        for layer in split_parts(self):
+            attn = layer.self_attn
+            (shard_kda if isinstance(attn, KDA) else shard_nope_mla)(attn, group)
+            (shard_moe if isinstance(layer.mlp, MoE) else shard_mlp)(layer.mlp, group)
+            read_share(layer)
 
     def mtp_forward(self, hidden, next_tokens, mtp_cache, depth: int = 0,
                     last_only: bool = False):

@@ -33,6 +33,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..blocks import hybrid
+from ..blocks.expert_split import split_parts
+from ..blocks.hybrid_shard import read_share, shard_layer
 from ..blocks.hyper import HyperConnection, PerLayerEmbedding, inject
 from ..blocks.qsa import IndexedAttention
 from ..cache.index import PooledKeyCache
@@ -164,7 +166,6 @@ class DecoderLayer(nn.Module):
 class Trunk(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.hc = args.hc_count
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         ple = {layer_id - 1: i for i, layer_id in enumerate(args.ple_layer_ids)}  # one-indexed
         self.layers = [DecoderLayer(args, args.is_linear(i), ple.get(i))
@@ -172,9 +173,8 @@ class Trunk(nn.Module):
         self.hyper_connection_mixer = HyperConnection(
             args.hidden_size, args.hc_count, args.hc_lowrank, args.rms_norm_eps, combine=False)
 
-    def __call__(self, h, ids, cache=None, capture=False, taps=()):
+    def __call__(self, x, ids, cache=None, capture=False, taps=()):
         """(the streams after the last layer, {tapped layer: its streams' mixture})."""
-        x = mx.tile(h, (1, 1, self.hc))
         tapped, i = {}, 0
         for n, layer in enumerate(self.layers):
             caches = cache[i: i + layer.num_caches] if cache is not None else None
@@ -211,7 +211,9 @@ class MTPHead(nn.Module):
 
 
 class Model(MTPModel):
-    capabilities = Capabilities(splits=(), taps=True)
+    # Pipeline stages hand on the streams and read the ids beside them (PLE); tensor: Qwen3.5's
+    # split (``blocks/hybrid_shard``); expert: the MoE blocks' ``switch_mlp``.
+    capabilities = Capabilities(splits=("pipeline", "tensor", "expert"), taps=True)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -225,7 +227,24 @@ class Model(MTPModel):
             self.mtp = MTPHead(args)
 
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
-        return self.model(self.embed(inputs), inputs, cache, capture, taps)
+        streams = mx.tile(self.embed(inputs), (1, 1, self.args.hc_count))
+        return self.model(streams, inputs, cache, capture, taps)
+
+    def stage_layers(self, ids, hidden, cache=None, capture=False):
+        return self.model(hidden, ids, cache, capture)
+
+    def stage_shape(self, B: int, L: int) -> tuple:
+        return (B, L, self.args.hc_count * self.args.hidden_size)
+
+    def output_modules(self) -> list:
+        return [self.model.hyper_connection_mixer]
+
+    def shard(self, group):
+        """Qwen3.5's split by heads and columns, one layer read at a time; the stream mixers,
+        PLE and the QSA indexers whole on every rank."""
+        for layer in split_parts(self):
+            shard_layer(layer, group)
+            read_share(layer)
 
     def trunk_outputs(self, streams):
         """(the streams' final mixture, the streams: what the head reads)."""

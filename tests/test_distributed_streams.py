@@ -1,0 +1,227 @@
+"""The stream families split over two local ranks (mlx.launch, ring backend): Qwen4-Exp
+(``qwen4_exp``), GLM-5.3-Flash (``glm5_next``) and DeepSeek-V4 (``deepseek_v4``), each by
+layers (pipeline: the streams cross the stage boundary, with the token ids beside them for
+PLE and hash routing), by tensors (attention / KDA heads and expert columns; the stream
+mixers, indexers and compressors whole on every rank) and by experts.
+
+Checkpoints are the families' own fixtures, written by transformers 5.24 (or recorded against
+it) and checked there by ``test_family_*.py``: their heads are random ("noisy": drafts are
+rejected, so every rank rolls back its KDA / DeltaNet states, latents, indexer keys, PLE
+windows and DeepSeek-V4's compressed windows with the same accept), and a "partial" head:
+an oracle head (Qwen4-Exp's and GLM-5.3-Flash's from their tests, DeepSeek-V4's below) with
+noise on its input projection, right about half the time, so steps accept all, some or none
+of their drafts. Qwen4-Exp's one
+key/value head is duplicated into two (the same model: both query heads read a copy), so its
+heads split over two ranks. Each job is checked against the same decode in this process:
+greedy ids at K = 0..3 on both ranks, and the trunk's and the MTP head's logits at the
+prompt's last row (float32, up to the order of the ranks' sums). One launch runs every job.
+"""
+
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+from safetensors.numpy import load_file, save_file
+
+from mlx_mtp.decode.sampling import SamplingParams
+from mlx_mtp.decode.speculative import generate_step
+from mlx_mtp.models.distributed import choose_mode
+from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.models.split_plan import open_lazily, rank_shares
+from mlx_mtp.testing.tiny import TOKENIZER_DIR
+from test_distributed import RANK_SCRIPT, launch
+
+pytestmark = pytest.mark.slow
+
+FIXTURES = Path(__file__).parent / "fixtures"
+# Past DeepSeek-V4's window (8) and its compressed windows (4, 8), GLM's pools (4) and
+# Qwen4-Exp's indexer blocks (2), so the sparse selections choose.
+PROMPT = [3, 5, 9, 22, 7, 13, 100, 20, 42, 17, 18, 30, 31, 2, 64, 250, 77, 8, 140, 11]
+MAX_TOKENS = 10
+KS = [0, 1, 2, 3]
+MODES = ("pipeline", "tensor", "expert")
+
+
+def with_tokenizer(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    for f in TOKENIZER_DIR.iterdir():
+        if not (dst / f.name).exists():
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def qwen4_two_kv_heads(dst: Path) -> Path:
+    """The Qwen4-Exp fixture with its key/value head written twice (rows of k_proj and
+    v_proj repeated): two query heads over two identical key/value heads."""
+    path = with_tokenizer(FIXTURES / "qwen4_exp" / "checkpoint", dst)
+    weights = load_file(path / "model.safetensors")
+    for k, v in weights.items():
+        if k.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            weights[k] = np.concatenate([v, v])
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["num_key_value_heads"] = 2
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def with_partial_head(src: Path, dst: Path, oracle, projection: str, noise: float) -> Path:
+    """``src`` with the weights ``oracle(model)`` makes and ``noise`` (times its largest
+    weight) on the head's input ``projection``, written in our layout."""
+    weights = dict(tree_flatten(oracle(load_model(src)[0]).parameters()))
+    w = weights[projection]
+    normal = np.random.default_rng(0).standard_normal(w.shape).astype(np.float32)
+    weights[projection] = w + noise * mx.abs(w).max() * mx.array(normal)
+    path = with_tokenizer(src, dst)
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    return path
+
+
+def dsv4_oracle(model):
+    """The DeepSeek-V4 fixture made context-free so the head can copy it (as the other
+    families' oracles): every sub-block writes nothing but the last layer's MoE, embeddings
+    have RMS 1; the head's block is that layer (its attention silent too), its ``hc_head`` and
+    norm the trunk's, on ``e_proj = I`` (``h_proj = 0``). Its draft for t+2 from t+1 is then
+    the trunk's own prediction (up to the streams' Sinkhorn rounding)."""
+    last = len(model.model.layers) - 1
+    params = dict(tree_flatten(model.parameters()))
+    for k, v in list(params.items()):
+        if k.endswith(("attn.wo_b.weight", "w2.weight", "down_proj.weight")) and \
+                not k.startswith(f"model.layers.{last}.ffn"):
+            params[k] = mx.zeros_like(v)
+    e = params["model.embed_tokens.weight"]
+    params["model.embed_tokens.weight"] = e / mx.sqrt((e * e).mean(axis=-1, keepdims=True))
+    copied = ("mtp.layers.0.block.", "mtp.layers.0.hc_head.")
+    for k in [k for k in params if k.startswith(copied)]:
+        rest = k.split(".", 4)[4]
+        src = f"model.layers.{last}.{rest}" if ".block." in k else f"model.hc_head.{rest}"
+        if not rest.startswith("attn.") and src in params:
+            params[k] = params[src]
+    H = model.args.hidden_size
+    params["mtp.layers.0.norm.weight"] = params["model.norm.weight"]
+    params["mtp.layers.0.enorm.weight"] = mx.ones((H,))
+    params["mtp.layers.0.e_proj.weight"] = mx.eye(H)
+    params["mtp.layers.0.h_proj.weight"] = mx.zeros((H, H))
+    model.update(tree_unflatten(list(params.items())))
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from test_family_glm5_next import oracle as glm5_oracle
+    from test_family_qwen4_exp import oracle as qwen4_oracle
+
+    root = tmp_path_factory.mktemp("streams")
+    qwen4 = qwen4_two_kv_heads(root / "qwen4_exp")
+    glm5 = with_tokenizer(FIXTURES / "glm5_next" / "checkpoint", root / "glm5_next")
+    return {("qwen4_exp", "noisy"): qwen4,
+            ("qwen4_exp", "partial"): with_partial_head(qwen4, root / "qwen4_partial",
+                                                        qwen4_oracle, "mtp.fc_embedding.weight",
+                                                        0.15),
+            ("glm5_next", "noisy"): glm5,
+            ("glm5_next", "partial"): with_partial_head(glm5, root / "glm5_partial", glm5_oracle,
+                                                        "mtp.layers.0.eh_proj.weight", 0.06),
+            ("deepseek_v4", "noisy"): FIXTURES / "deepseek_v4",
+            ("deepseek_v4", "partial"): with_partial_head(FIXTURES / "deepseek_v4",
+                                                          root / "dsv4_partial", dsv4_oracle,
+                                                          "mtp.layers.0.e_proj.weight", 0.06)}
+
+
+JOBS = [(fam, head, mode) for fam in ("qwen4_exp", "glm5_next", "deepseek_v4")
+        for head in ("noisy", "partial") for mode in MODES]
+
+
+@pytest.fixture(scope="module")
+def runs(models, tmp_path_factory):
+    """One launch: every family x head x mode; {(family, head, mode): (rank 0, rank 1)}."""
+    jobs = [{"name": "-".join(j), "model": str(models[j[:2]]), "mode": j[2], "ks": KS,
+             "prompt": PROMPT, "max_tokens": MAX_TOKENS, "logits": j[1] == "noisy"}
+            for j in JOBS]
+    d = tmp_path_factory.mktemp("stream_runs")
+    (d / "jobs.json").write_text(json.dumps(jobs))
+    proc = launch(RANK_SCRIPT, d / "jobs.json", d / "out",
+                  progress=[d / f"out.{r}.log" for r in (0, 1)])
+    if proc.returncode or not all((d / f"out.{r}").exists() for r in (0, 1)):
+        pytest.fail(f"a rank failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    per_rank = [json.loads((d / f"out.{r}").read_text()) for r in (0, 1)]
+    return {j: (per_rank[0][i], per_rank[1][i]) for i, j in enumerate(JOBS)}
+
+
+@cache
+def single_process(path: Path) -> tuple:
+    """(ids per K, accepted drafts per K, the prompt's trunk and head logits) in one process."""
+    from distributed_rank import prompt_logits
+
+    model, _ = load_model(path)
+    tokens, accepted = {}, {}
+    for k in KS:
+        out = list(generate_step(PROMPT, model, num_draft_tokens=k,
+                                 sampling=SamplingParams(temperature=0.0),
+                                 max_tokens=MAX_TOKENS, adaptive=False))
+        tokens[str(k)] = [t for t, _, _ in out]
+        accepted[str(k)] = sum(drafted for _, _, drafted in out)
+    return tokens, accepted, prompt_logits(model, PROMPT)
+
+
+@pytest.mark.parametrize("job", JOBS, ids="-".join)
+def test_greedy_and_logits_equal_single_process(runs, models, job):
+    r0, r1 = runs[job]
+    assert r0["mode"] == r1["mode"] == job[2]
+    tokens, accepted, logits = single_process(models[job[:2]])
+    assert len(set(tokens["0"])) > 2  # not one token repeated
+    assert r0["tokens"] == tokens  # each K: the plain greedy output
+    assert r1["tokens"] == r0["tokens"]  # every rank holds the same tokens
+    if job[1] == "partial":  # drafts accepted and rejected (K = 1: fewer than one a step)
+        assert all(r0["accepted"][str(k)] > 0 for k in KS[1:])
+        assert r0["accepted"]["1"] < MAX_TOKENS // 2
+    if job[2] == "pipeline":  # rank 1 runs the first layers, rank 0 the rest and the head
+        assert r1["layer_range"][0] == 0 and r1["layer_range"][1] == r0["layer_range"][0]
+        assert r0["accepted"] == accepted  # the same head on the same hiddens
+    if r0["logits"] is None:
+        return
+    for r in (r0,) if job[2] == "pipeline" else (r0, r1):  # pipeline: rank 0 holds the head
+        got, want = [np.array(x) for x in r["logits"]], [np.array(x) for x in logits]
+        assert len(got) == len(want) == 2  # trunk and MTP head
+        for g, e in zip(got, want):
+            assert np.allclose(g, e, rtol=1e-4, atol=1e-4 * np.abs(e).max()), \
+                np.abs(g - e).max()
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "glm5_next", "deepseek_v4"])
+def test_each_pipeline_rank_holds_its_planned_share(runs, models, family):
+    """Each stage read only its layers (rank 0 also the output side: Qwen4-Exp's stream
+    mixer, DeepSeek-V4's ``hc_head`` and norm, the head; the last rank the embedding): what it
+    holds after loading is what ``rank_shares`` planned from the headers."""
+    model, _ = open_lazily(Path(models[(family, "noisy")]))
+    whole = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    for share, r in zip(rank_shares(model, "pipeline", 2), runs[(family, "noisy", "pipeline")]):
+        assert share.weight_bytes < whole
+        assert abs(r["loaded"]["active"] - share.weight_bytes) <= 0.05 * share.weight_bytes, \
+            (r["loaded"], share)
+
+
+def test_every_kind_is_declared_and_planned(models):
+    """Each family offers all three kinds and ``inspect --ranks`` plans each; a pipeline
+    never starts a stage at a GLM layer that reuses the indexer selection of the layer
+    before it."""
+    from mlx_mtp.models.io.loader import load_config
+    from mlx_mtp.tools.inspect_ranks import rank_plan
+
+    for (fam, head), path in models.items():
+        model, _ = open_lazily(Path(path))
+        assert model.capabilities.splits == MODES, fam
+        for mode in MODES:
+            assert choose_mode(mode, model.text.args, 2, MODES, fam, model.text) == mode
+            plan = rank_plan(Path(path), load_config(Path(path)), {
+                "kv_bytes_per_1k_tokens": 1000, "state_bytes_per_sequence": 1000}, 2, mode)
+            assert [r["layers"] for r in plan["per_rank"]] == \
+                [list(s.layers) for s in rank_shares(model, mode, 2)]
+        starts = [s.layers[0] for s in rank_shares(model, "pipeline", 2)]
+        assert all(model.text.stage_may_start(i) for i in starts)
+    glm5, _ = open_lazily(Path(models[("glm5_next", "noisy")]))
+    assert not glm5.text.stage_may_start(2)  # the fixture's shared layer
