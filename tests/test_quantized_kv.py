@@ -410,6 +410,15 @@ def test_families_without_a_quantized_kind_refuse_clearly():
         Q4.__class__(4, 32, 8).check_batchable()
 
 
+def test_deepseek_v4_refuses_with_its_reason_in_one_line():
+    """Its compressed caches are read in full precision by its attention: no quantized kind."""
+    v4, _ = load_model(Path(__file__).parent / "fixtures" / "deepseek_v4")
+    with pytest.raises(ValueError, match="^--kv-bits is not available for deepseek_v4: its "
+                                         "compressed attention caches .* no quantized kind yet$"):
+        v4.use_kv_quantization(Q4)
+    assert v4.kv_quantization is None
+
+
 def test_the_flags_reach_the_model_and_bad_ones_are_one_line_user_errors():
     import argparse
 

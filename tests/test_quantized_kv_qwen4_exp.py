@@ -79,3 +79,4 @@ def test_a_verify_then_rollback_leaves_the_caches_a_plain_decode_writes(model):
     assert attention and all(spec[i].state[0].dtype == mx.uint32 for i in attention)
     same(cache_state_arrays([spec[i] for i in attention]),
          cache_state_arrays([plain[i] for i in attention]))
+
