@@ -32,7 +32,7 @@ def main():
     outs = {}
     for _ in range(a.repeats):  # interleaved
         for name, threshold in (("recurrent", 10**9), ("chunked", 64)):
-            hybrid.CHUNKED_MIN_TOKENS = threshold
+            hybrid.CHUNKED_MIN_TOKENS = hybrid.CPU_CHUNKED_MIN_TOKENS = threshold
             cache = model.make_cache()
             t = time.perf_counter()
             h, _ = model.trunk(tokens, cache)

@@ -1,15 +1,12 @@
 """One rank of block-drafter decodes over a split model, for tests/test_distributed_block.py
-(run under mlx.launch).
+(run on two ranks by ``rank_jobs.RankJobs``).
 
-argv[1]: a JSON file holding a list of jobs {"model", "mode", "drafter" (a block drafter's
-directory), "oracle" (make the drafter an oracle, ``block_checks.make_oracle``), "runs"
-([source, K] pairs), "prompt" (ids), "max_tokens"}; argv[2]: where each rank writes its
+argv[1]: a JSON file holding a list of jobs {"name", "model", "mode", "drafter" (a block
+drafter's directory), "oracle" (make the drafter an oracle, ``block_checks.make_oracle``),
+"runs" ([source, K] pairs), "prompt" (ids), "max_tokens"}; argv[2]: where each rank writes its
 results (``<argv[2]>.<rank>``): per job the mode, and per run the ids and the block and head
 drafts accepted.
 """
-
-import json
-import sys
 
 import mlx.core as mx
 
@@ -17,6 +14,7 @@ from block_checks import decode, make_oracle
 from mlx_mtp.drafters.block.load import attach_block_drafter
 from mlx_mtp.models.distributed import load_distributed
 from mlx_mtp.models.io.loader import load_model
+from rank_jobs import serve_jobs
 
 
 def decodes(model, job) -> list:
@@ -46,19 +44,5 @@ def run(job, group) -> dict:
     return result
 
 
-def main():
-    group = mx.distributed.init()
-    with open(sys.argv[1]) as f:
-        jobs = json.load(f)
-    results = []
-    with open(f"{sys.argv[2]}.{group.rank()}.log", "w") as log:  # progress, for a timeout
-        for job in jobs:
-            log.write(f"start {job['name']}\n")
-            log.flush()
-            results.append(run(job, group))
-    with open(f"{sys.argv[2]}.{group.rank()}", "w") as f:
-        json.dump(results, f)
-
-
 if __name__ == "__main__":
-    main()
+    serve_jobs(run)

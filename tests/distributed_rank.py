@@ -1,6 +1,7 @@
-"""One rank of distributed decodes, for tests/test_distributed.py (run under mlx.launch).
+"""One rank of distributed decodes, for the tests/test_distributed*.py modules (run on
+two ranks by ``rank_jobs.RankJobs``).
 
-argv[1]: a JSON file holding a list of jobs {"model", "mode", "ks", "prompt" (ids),
+argv[1]: a JSON file holding a list of jobs {"name", "model", "mode", "ks", "prompt" (ids),
 "max_tokens", "temp", "seed", "memory_limit" (bytes, optional), "mtp_model" (a split
 drafter, optional), "logits" (optional: also the prompt's last-row logits and the MTP
 head's), "kv_bits" (optional: [bits, group size], ``--kv-bits``)}; argv[2]: where each rank
@@ -9,15 +10,13 @@ drafts per K, its layer range, memory after loading, bytes and messages it sent,
 of the caches it makes.
 """
 
-import json
-import sys
-
 import mlx.core as mx
 
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import generate_step
 from mlx_mtp.models.cache.quantized import KVQuantization
 from mlx_mtp.models.distributed import load_distributed
+from rank_jobs import serve_jobs
 
 
 def run(job, group) -> dict:
@@ -61,19 +60,5 @@ def prompt_logits(model, prompt) -> list:
     return [o.astype(mx.float32).reshape(-1).tolist() for o in out]
 
 
-def main():
-    group = mx.distributed.init()
-    with open(sys.argv[1]) as f:
-        jobs = json.load(f)
-    results = []
-    with open(f"{sys.argv[2]}.{group.rank()}.log", "w") as log:  # progress, for a timeout
-        for job in jobs:
-            log.write(f"start {job.get('name')}\n")
-            log.flush()
-            results.append(run(job, group))
-    with open(f"{sys.argv[2]}.{group.rank()}", "w") as f:
-        json.dump(results, f)
-
-
 if __name__ == "__main__":
-    main()
+    serve_jobs(run)

@@ -27,12 +27,18 @@ def assert_follows(seen, joint, n_samples: int):
 def two_token_joint(target):
     """``target(prefix)``: next-token probabilities (numpy, V) after ``prefix`` (a list of
     ids). Returns (first, second) -> probability over every pair with nonzero mass."""
-    p1 = target([])
+    return two_token_joint_of(lambda prefixes: [target(p) for p in prefixes])
+
+
+def two_token_joint_of(targets):
+    """``two_token_joint`` from ``targets(prefixes)``: the next-token probabilities after
+    each prefix at once (e.g. one batched forward; rows of numpy, V)."""
+    p1 = targets([[]])[0]
+    firsts = [int(a) for a in np.nonzero(p1 > 0)[0]]
     joint = {}
-    for a in np.nonzero(p1 > 0)[0]:
-        p2 = target([int(a)])
+    for a, p2 in zip(firsts, targets([[a] for a in firsts])):
         for b in np.nonzero(p2 > 0)[0]:
-            joint[(int(a), int(b))] = p1[a] * p2[b]
+            joint[(a, int(b))] = p1[a] * p2[b]
     return joint
 
 
@@ -45,3 +51,40 @@ def sample_outcomes(draw, n_samples: int):
         seen[tuple(got)] += 1
         accepted += dec.stats.num_accepted_tokens
     return seen, accepted
+
+
+def sample_rows(model, prompt, k: int, n_samples: int, n: int = 2, rows: int = 25):
+    """The first ``n`` tokens sampled at temperature 1 with K = ``k`` for seeds
+    0..n_samples-1, ``rows`` seeds at a time as the rows of one batch (each prompt prefilled
+    alone). A seeded row's tokens do not depend on its batch
+    (``decode/noise.py``), so the outcomes are those of one decode per seed, a few times
+    faster; the first seeds are checked against one decoder each. Returns outcome -> count,
+    the drafts accepted in all, and each seed's outcome."""
+    from mlx_mtp.decode.batch import BatchDecoder
+    from mlx_mtp.decode.sampling import SamplingParams
+    from mlx_mtp.decode.sequence import Sequence
+    from mlx_mtp.decode.speculative import MTPDecoder, generate_step
+
+    def params(seed):
+        return SamplingParams(temperature=1.0, seed=seed)
+
+    got, accepted = {}, 0
+    for first in range(0, n_samples, rows):
+        batch = BatchDecoder(model, k > 0, adaptive=False)
+        for seed in range(first, min(first + rows, n_samples)):
+            seq = Sequence(model, k, params(seed), adaptive=False)
+            seq.prefill(prompt)
+            batch.add(seed, seq)
+            got[seed] = []
+        while len(batch):
+            for seed, out in batch.step().items():
+                got[seed] += out.tokens
+                accepted += out.num_accepted
+                if len(got[seed]) >= n:
+                    batch.remove(seed)
+    outcomes = {seed: tuple(t[:n]) for seed, t in got.items()}
+    for seed in range(min(3, n_samples)):
+        dec = MTPDecoder(model, k, params(seed), adaptive=False)
+        alone = tuple(t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=n))
+        assert alone == outcomes[seed], (seed, alone, outcomes[seed])
+    return Counter(outcomes.values()), accepted, outcomes

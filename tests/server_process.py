@@ -24,6 +24,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def metric(url: str, name: str, **labels) -> float:
+    """One sample of the server's ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items()):
+                return s.value
+    raise KeyError(name)
+
+
 class ServerProcess:
     def __init__(self, ckpt: Path, workdir: Path, *flags, wait: bool = True,
                  timeout: float = START_TIMEOUT):
@@ -64,14 +76,7 @@ class ServerProcess:
         return self.log_path.read_text()
 
     def metric(self, name: str, **labels) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items()):
-                    return s.value
-        raise KeyError(name)
+        return metric(self.url, name, **labels)
 
     def stop(self, sig=signal.SIGINT, timeout=20) -> int:
         """Send ``sig`` and wait for the exit code (AssertionError if it is ignored)."""

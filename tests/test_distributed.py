@@ -5,8 +5,6 @@ ranks costs more than the tiny decodes. Every distributed output is compared wit
 same decode in this (single) process.
 """
 
-import json
-import socket
 import subprocess
 import sys
 from functools import cache
@@ -23,6 +21,7 @@ from mlx_mtp.models.split_plan import split_layers
 from mlx_mtp.models.blocks.hybrid import HybridArgs
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny import make_tiny
+from rank_jobs import RankJobs, free_port_base, yield_cores
 
 RANK_SCRIPT = Path(__file__).parent / "distributed_rank.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -34,37 +33,22 @@ FAMILIES = ("dense", "moe", "next", "q8", "tied")  # q8: MLX layout, 8-bit
 MEMORY_MODEL_BYTES_FRACTION = 0.7  # per-rank cap, as a fraction of the whole model
 
 
-def free_port_base(n: int = 4) -> int:
-    """A base port with ``n`` free ports after it (other engineers launch rings too)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
-
-
 def launch(*argv, timeout=TIMEOUT, progress=None) -> subprocess.CompletedProcess:
+    """``mlx.launch -n 2 --backend ring -- python argv...``, as users run it (cases run in
+    bulk: ``rank_jobs.RankJobs``)."""
     cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port",
            str(free_port_base()), "--", sys.executable, *map(str, argv)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
+        yield_cores(proc)
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         logs = {p.name: p.read_text()[-300:] for p in progress or [] if p.exists()}
         pytest.fail(f"mlx.launch did not finish in {timeout}s; ranks' progress: {logs}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def single_process(path, ks, temp=0.0, seed=None, mtp_model=None, accepted=False) -> dict:
@@ -119,7 +103,8 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory):
-    """One launch: every distributed job; returns [(job, rank 0 result, rank 1 result)]."""
+    """One run of two ranks: every distributed job; {name: (job, rank 0 result, rank 1
+    result)}. The single-process references are decoded while the ranks run."""
     jobs = [{"name": f"{fam}-{mode}", "model": str(models[fam]), "mode": mode, "ks": KS}
             for fam in FAMILIES for mode in ("pipeline", "tensor")]
     jobs += [{"name": f"seeded-{mode}", "model": str(models["moe"]), "mode": mode,
@@ -131,15 +116,13 @@ def runs(models, tmp_path_factory):
               "ks": KS, "mtp_model": str(models["pair-mtp"])} for mode in ("pipeline", "tensor")]
     for j in jobs:
         j.update(prompt=PROMPT, max_tokens=MAX_TOKENS)
-    d = tmp_path_factory.mktemp("runs")
-    (d / "jobs.json").write_text(json.dumps(jobs))
-    proc = launch(RANK_SCRIPT, d / "jobs.json", d / "out",
-                  progress=[d / f"out.{r}.log" for r in (0, 1)])
-    # mlx.launch exits 0 even when a rank failed: the ranks' result files tell
-    if proc.returncode or not all((d / f"out.{r}").exists() for r in (0, 1)):
-        pytest.fail(f"a rank failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    per_rank = [json.loads((d / f"out.{r}").read_text()) for r in (0, 1)]
-    return {j["name"]: (j, per_rank[0][i], per_rank[1][i]) for i, j in enumerate(jobs)}
+    with RankJobs(RANK_SCRIPT, jobs, tmp_path_factory.mktemp("runs")) as ranks:
+        for j in jobs:  # the tests' calls of single_process, then answered from its cache
+            single_process(j["model"], j["ks"], j.get("temp", 0.0), j.get("seed"),
+                           j.get("mtp_model"))
+        single_process(models["pair"], [0])
+        results = ranks.results()
+    return {j["name"]: (j, *results[j["name"]]) for j in jobs}
 
 
 GREEDY = [f"{fam}-{mode}" for fam in FAMILIES for mode in ("pipeline", "tensor")]

@@ -9,61 +9,62 @@ trunks with oracle drafters (drafts accepted), at block widths 1..3
 and with the head chained past the block. A pipeline is refused in one line (its tapped
 layers sit on several ranks)."""
 
-import json
-
 import pytest
 
 from distributed_block_rank import single_process
 from mlx_mtp.testing.tiny import make_tiny
 from mlx_mtp.testing.tiny_block import make_tiny_block
+from rank_jobs import RankJobs
 from test_distributed import launch
 
 pytestmark = pytest.mark.slow
 
 PROMPT = [5, 60, 11, 7, 9, 3, 41, 17]
 RUNS = [["block", 1], ["block", 2], ["block", 3], ["block+mtp", 4]]
+KINDS = ("dflash", "dspark")
+# (trunk family, its split, head): the dense trunk split by heads, the MoE one by experts
+TRUNKS = [(fam, mode, head) for fam, mode in (("qwen3_5", "tensor"), ("qwen3_5_moe", "expert"))
+          for head in ("random", "oracle")]
+NAMES = [f"{kind}-{mode}-{head}" for kind in KINDS for _, mode, head in TRUNKS]
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist_block")
     trunks = {(fam, head): make_tiny(root / f"{fam}-{head}", fam, head, seed=1)
-              for fam in ("qwen3_5", "qwen3_5_moe") for head in ("random", "oracle")}
+              for fam, _, head in TRUNKS}
     out = []
-    for kind in ("dflash", "dspark"):
+    for kind in KINDS:
         drafter = make_tiny_block(root / kind, kind, 64, 512, [0, 2], 4, own_embed_head=False,
                                   block_size=4, num_key_value_heads=4)
-        for (fam, head), trunk in trunks.items():
-            mode = "expert" if fam.endswith("moe") else "tensor"
-            out.append({"name": f"{kind}-{mode}-{head}", "model": str(trunk), "mode": mode,
-                        "oracle": head == "oracle", "drafter": str(drafter)})
+        for fam, mode, head in TRUNKS:
+            out.append({"name": f"{kind}-{mode}-{head}", "model": str(trunks[(fam, head)]),
+                        "mode": mode, "oracle": head == "oracle", "drafter": str(drafter)})
     for j in out:
         j.update(runs=RUNS, prompt=PROMPT, max_tokens=12)
     return out
 
 
 @pytest.fixture(scope="module")
-def ranks(jobs, tmp_path_factory):
-    d = tmp_path_factory.mktemp("runs")
-    (d / "jobs.json").write_text(json.dumps(jobs))
+def runs(jobs, tmp_path_factory):
+    """{job name: (job, one process's runs, rank 0's result, rank 1's)}: one run of two
+    ranks, the single-process references decoded while the ranks run."""
     script = __import__("distributed_block_rank").__file__
-    proc = launch(script, d / "jobs.json", d / "out",
-                  progress=[d / f"out.{r}.log" for r in (0, 1)])
-    if proc.returncode or not all((d / f"out.{r}").exists() for r in (0, 1)):
-        pytest.fail(f"a rank failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return [json.loads((d / f"out.{r}").read_text()) for r in (0, 1)]
+    with RankJobs(script, jobs, tmp_path_factory.mktemp("runs")) as ranks:
+        want = [single_process(job) for job in jobs]
+        results = ranks.results()
+    return {job["name"]: (job, w, *results[job["name"]]) for job, w in zip(jobs, want)}
 
 
-def test_split_runs_equal_one_process(jobs, ranks):
-    for i, job in enumerate(jobs):
-        want = single_process(job)
-        for rank in (0, 1):
-            got = ranks[rank][i]
-            assert got["mode"] == job["mode"], job["name"]
-            assert got["runs"] == want, (job["name"], rank)
-        drafted, accepted = (sum(r["block"][i] for r in want) for i in (0, 1))
-        assert 0 < accepted if job["oracle"] else accepted < drafted, job["name"]
-        assert all(r["block"][0] > 0 for r in want), job["name"]
+@pytest.mark.parametrize("name", NAMES)
+def test_split_runs_equal_one_process(runs, name):
+    job, want, *ranks = runs[name]
+    for rank, got in enumerate(ranks):
+        assert got["mode"] == job["mode"]
+        assert got["runs"] == want, rank
+    drafted, accepted = (sum(r["block"][i] for r in want) for i in (0, 1))
+    assert 0 < accepted if job["oracle"] else accepted < drafted
+    assert all(r["block"][0] > 0 for r in want)
 
 
 def test_pipeline_is_refused_in_one_line(tmp_path, capsys):

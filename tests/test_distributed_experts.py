@@ -14,7 +14,7 @@ same decode in this process (itself checked against mlx-lm by each family's own 
 batch of 4 served over two expert ranks equals one server's answers.
 """
 
-import json
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,8 @@ from mlx_mtp.models.distributed import DistributedError, choose_mode
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.models.split_plan import open_lazily, rank_shares
 from mlx_mtp.testing.tiny import make_tiny
-from test_distributed import RANK_SCRIPT, launch
+from rank_jobs import RankJobs
+from test_distributed import RANK_SCRIPT
 from test_distributed_families import (BUILDERS, DENSE, KS, MAX_TOKENS, PROMPT, checkpoint,
                                        single_process)
 
@@ -67,18 +68,19 @@ JOBS = [(fam, head) for fam in list(MOE) + ["q8"] for head in HEADS
 
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory):
-    """One launch: every family x head, expert split; {(family, head): (rank 0, rank 1)}."""
+    """One run of two ranks: every family x head, expert split; {(family, head): (rank 0,
+    rank 1)}. The single-process references are decoded while the ranks run."""
     jobs = [{"name": "-".join(j), "model": str(models[j]), "mode": "expert",
              "ks": [0, 1] if j[1] == "random" else KS, "logits": j[1] == "random",
              "prompt": PROMPT, "max_tokens": MAX_TOKENS} for j in JOBS]
-    d = tmp_path_factory.mktemp("expert_runs")
-    (d / "jobs.json").write_text(json.dumps(jobs))
-    proc = launch(RANK_SCRIPT, d / "jobs.json", d / "out",
-                  progress=[d / f"out.{r}.log" for r in (0, 1)])
-    if proc.returncode or not all((d / f"out.{r}").exists() for r in (0, 1)):
-        pytest.fail(f"a rank failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    per_rank = [json.loads((d / f"out.{r}").read_text()) for r in (0, 1)]
-    return {j: (per_rank[0][i], per_rank[1][i]) for i, j in enumerate(JOBS)}
+    with RankJobs(RANK_SCRIPT, jobs, tmp_path_factory.mktemp("expert_runs")) as ranks:
+        for j in JOBS:
+            if j[1] == "random":
+                single_logits(models[j])
+            else:
+                single_process(models[j])
+        results = ranks.results()
+    return {j: results["-".join(j)] for j in JOBS}
 
 
 GREEDY = [j for j in JOBS if j[1] != "random"]
@@ -95,6 +97,7 @@ def test_greedy_equals_single_process(runs, models, job):
         assert all(r0["accepted"][str(k)] > 0 for k in KS[1:])
 
 
+@cache
 def single_logits(path) -> list:
     from distributed_rank import prompt_logits
 

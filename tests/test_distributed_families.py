@@ -11,7 +11,6 @@ batch of 4 equals one server's answers, and a follower that hangs fails the requ
 503 within the watchdog's bound, as for Qwen (``test_distributed_serve.py``).
 """
 
-import json
 import os
 import signal
 import time
@@ -31,7 +30,8 @@ from mlx_mtp.testing.tiny_next import make_tiny_mellum, make_tiny_step3p7
 from mlx_mtp.testing.tiny_special import (chained_oracle, make_tiny_dsa, make_tiny_longcat_flash,
                                           make_tiny_mimo_v2_flash, make_tiny_nemotron_h,
                                           step3p5_config, step3p5_to_hf)
-from test_distributed import RANK_SCRIPT, launch
+from rank_jobs import RankJobs
+from test_distributed import RANK_SCRIPT
 
 pytestmark = pytest.mark.slow
 
@@ -109,17 +109,15 @@ def single_process(path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory):
-    """One launch: every family x head x mode; {(family, head, mode): (rank 0, rank 1)}."""
+    """One run of two ranks: every family x head x mode; {(family, head, mode): (rank 0,
+    rank 1)}. The single-process references are decoded while the ranks run."""
     jobs = [{"name": "-".join(j), "model": str(models[j[:2]]), "mode": j[2], "ks": KS,
              "prompt": PROMPT, "max_tokens": MAX_TOKENS} for j in JOBS]
-    d = tmp_path_factory.mktemp("family_runs")
-    (d / "jobs.json").write_text(json.dumps(jobs))
-    proc = launch(RANK_SCRIPT, d / "jobs.json", d / "out",
-                  progress=[d / f"out.{r}.log" for r in (0, 1)])
-    if proc.returncode or not all((d / f"out.{r}").exists() for r in (0, 1)):
-        pytest.fail(f"a rank failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    per_rank = [json.loads((d / f"out.{r}").read_text()) for r in (0, 1)]
-    return {j: (per_rank[0][i], per_rank[1][i]) for i, j in enumerate(JOBS)}
+    with RankJobs(RANK_SCRIPT, jobs, tmp_path_factory.mktemp("family_runs")) as ranks:
+        for path in models.values():
+            single_process(path)
+        results = ranks.results()
+    return {j: results["-".join(j)] for j in JOBS}
 
 
 @pytest.mark.parametrize("family", list(BUILDERS))
@@ -177,19 +175,19 @@ def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(
         text_models, tmp_path, family, mode):
     from concurrent.futures import ThreadPoolExecutor
 
-    from server_process import ServerProcess
-    from test_distributed_serve import WATCHDOG, Cluster, chat, eos_ids
+    from server_process import ServerProcess, metric
+    from test_distributed_serve import GENERATED, WATCHDOG, Cluster, chat, decoding, eos_ids
 
     flags = ("--num-draft-tokens", "2", "--fixed-k")
-    server = ServerProcess(text_models[family], tmp_path, "--temp", "0", *flags)
+    server = ServerProcess(text_models[family], tmp_path, "--temp", "0", *flags, wait=False)
+    cluster = None
     try:
+        cluster = Cluster(text_models[family], tmp_path, mode, *flags)  # while the server starts
+        server.wait()
         expected = {p: chat(server.url, p).json()["choices"][0]["message"]["content"]
                     for p in SERVE_PROMPTS}
-    finally:
         server.stop()
-    assert len(set(expected.values())) > 1  # answers tell prompts apart
-    cluster = Cluster(text_models[family], tmp_path, mode, *flags)
-    try:
+        assert len(set(expected.values())) > 1  # answers tell prompts apart
         with ThreadPoolExecutor(4) as pool:
             jobs = [(p, pool.submit(chat, cluster.url, p)) for p in SERVE_PROMPTS]
             for p, job in jobs:
@@ -202,8 +200,9 @@ def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(
         long = {"max_tokens": 3000,
                 "logit_bias": {str(t): -100 for t in eos_ids(text_models[family])}}
         with ThreadPoolExecutor(1) as pool:
+            before = metric(cluster.url, GENERATED)
             inflight = pool.submit(chat, cluster.url, SERVE_PROMPTS[0], 180.0, **long)
-            time.sleep(2.0)  # the request decodes
+            decoding(cluster.url, before)
             lost = time.time()
             os.kill(cluster.ranks[1], signal.SIGSTOP)
             r = inflight.result()
@@ -212,4 +211,6 @@ def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(
         assert time.time() - lost < WATCHDOG + 60
         assert httpx.get(cluster.url + "/health", timeout=5).status_code == 503
     finally:
-        cluster.kill()
+        server.stop()
+        if cluster is not None:
+            cluster.kill()

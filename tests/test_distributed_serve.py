@@ -18,14 +18,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_process import ServerProcess, free_port
-from test_distributed import LAUNCH, free_port_base
+from server_process import ServerProcess, free_port, metric
+from rank_jobs import free_port_base, rank_pids, yield_cores
+from test_distributed import LAUNCH
 
 START_TIMEOUT = 300.0  # two cold ranks on a loaded 2-core machine
 WATCHDOG = 15.0  # --distributed-timeout of the test servers
 EXIT_TIMEOUT = 60.0
 PROMPTS = ["hello there", "def fibonacci(n):", "import os\nimport sys\n"]
 MAX_TOKENS = 12
+GENERATED = "mlx_mtp:generation_tokens_total"
 
 
 def chat(url: str, content: str, timeout: float = 120.0, **extra) -> httpx.Response:
@@ -49,25 +51,6 @@ def stream_text(url: str, content: str) -> str:
     return "".join(parts)
 
 
-def rank_pids(launcher_pid: int) -> dict:
-    """{rank: pid} of the launcher's children (each rank's shell execs Python)."""
-    ranks = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher_pid:
-            for var in env:
-                if var.startswith(b"MLX_RANK="):
-                    ranks[int(var[9:])] = int(entry.name)
-    return ranks
-
-
 class Cluster:
     """``mlx.launch -n 2 --backend ring -- mlx-mtp serve --distributed MODE``."""
 
@@ -86,6 +69,7 @@ class Cluster:
         # Its own session: the whole group can be killed whatever a test did to it.
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
+        yield_cores(self.proc)
         deadline = time.time() + START_TIMEOUT
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -137,14 +121,24 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(model, tmp_path_factory):
+def single(model, tmp_path_factory):
+    """The single-process server, started without waiting (the first cluster starts
+    meanwhile)."""
+    server = ServerProcess(model, tmp_path_factory.mktemp("single"), "--temp", "0",
+                           wait=False)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(single):
     """The single-process server's greedy answers."""
-    server = ServerProcess(model, tmp_path_factory.mktemp("single"), "--temp", "0")
+    single.wait()
     try:
-        return {p: chat(server.url, p).json()["choices"][0]["message"]["content"]
+        return {p: chat(single.url, p).json()["choices"][0]["message"]["content"]
                 for p in PROMPTS}
     finally:
-        server.stop()
+        single.stop()
 
 
 # pipeline: always K=2 (every step drafts and rolls back); tensor: K adapts (rank 0's
@@ -153,7 +147,7 @@ FLAGS = {"pipeline": ["--num-draft-tokens", "2", "--fixed-k"], "tensor": []}
 
 
 @pytest.fixture(scope="module", params=["pipeline", "tensor"])
-def cluster(request, model, tmp_path_factory):
+def cluster(request, model, single, tmp_path_factory):  # ``single``: starts first
     c = Cluster(model, tmp_path_factory.mktemp(request.param), request.param,
                 *FLAGS[request.param])
     c.mode = request.param
@@ -182,6 +176,16 @@ def test_chat_stream_and_concurrent_equal_single_process(cluster, expected):
     assert httpx.get(cluster.url + "/health", timeout=5).status_code == 200
 
 
+def decoding(url: str, before: float, timeout: float = 120.0):
+    """Return once rank 0 generated tokens past ``before`` (its count before a request):
+    the request in flight decodes. (A fixed sleep raced with fast clusters: a long request
+    can still end within seconds.)"""
+    deadline = time.time() + timeout
+    while metric(url, GENERATED) < before + 2:
+        assert time.time() < deadline, "the request did not start decoding"
+        time.sleep(0.05)
+
+
 def eos_ids(ckpt) -> list:
     from mlx_mtp.models.io.loader import load_config, load_tokenizer
 
@@ -192,9 +196,9 @@ def test_lost_rank_fails_requests_with_503_and_every_rank_exits(cluster, model):
     # A request still decoding when the rank goes: no end of sequence, many tokens.
     long = {"max_tokens": 3000, "logit_bias": {str(t): -100 for t in eos_ids(model)}}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        start = time.time()
+        start, before = time.time(), metric(cluster.url, GENERATED)
         inflight = pool.submit(chat, cluster.url, PROMPTS[0], 180.0, **long)
-        time.sleep(2.0)  # the request decodes
+        decoding(cluster.url, before)
         if cluster.mode == "pipeline":
             # A follower that hangs: the ring blocks, rank 0's watchdog notices.
             os.kill(cluster.ranks[1], signal.SIGSTOP)
@@ -234,8 +238,9 @@ def test_killed_follower_fails_requests_with_503(model, tmp_path):
     try:
         long = {"max_tokens": 3000, "logit_bias": {str(t): -100 for t in eos_ids(model)}}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            before = metric(cluster.url, GENERATED)
             inflight = pool.submit(chat, cluster.url, PROMPTS[0], 180.0, **long)
-            time.sleep(2.0)
+            decoding(cluster.url, before)
             killed = time.time()
             os.kill(cluster.ranks[1], signal.SIGKILL)
             r = inflight.result()

@@ -250,7 +250,7 @@ def _greedy(engine, prompt, n=6, boundaries=()):
 
 def test_chunks_below_a_grid_cell_beside_streams_keep_the_answer(tiny):
     """Beside decoding streams a prompt runs in chunks shorter than a 64-token cell (the
-    Gated DeltaNet layers' per-token recurrence): it still stops exactly at its prefix-cache
+    Gated DeltaNet recurrence in other pieces than the grid's): it still stops exactly at its prefix-cache
     boundary, its snapshot there matches the grid-computed one to float rounding, and its
     greedy output is the output alone."""
     model, tok = tiny

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
+from distribution_check import sample_rows
 from mlx_mtp.decode.noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, uniform
 from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs, log_softmax, sample, verify
 
@@ -229,14 +230,12 @@ def test_coupled_verify_emits_the_plain_samples_and_follows_target(K):
 def test_end_to_end_sampling_distribution(tiny_ckpt):
     """Two tokens generated with MTP sampling follow the plain model's joint distribution."""
     from mlx_mtp.models.io.loader import load_model
-    from mlx_mtp.decode.speculative import MTPDecoder
 
     V = 8
     # Random weights: spread-out distributions (an oracle trunk would make the joint
     # a point mass) and a head that agrees about half the time.
     model, _ = load_model(Path(tiny_ckpt("qwen3_5", "random", vocab_size=V)))
     prompt = [1, 2, 3, 4, 5]
-    params = SamplingParams(temperature=1.0)
     # Exact joint distribution of (t1, t2) under plain sampling.
     base = log_softmax(model(mx.array([prompt]))[0, -1])
     p1 = np.exp(np.array(base, np.float64))
@@ -245,17 +244,10 @@ def test_end_to_end_sampling_distribution(tiny_ckpt):
     joint = (p1[:, None] * p2).ravel()
     joint /= joint.sum()  # float32 softmax: sums to 1 only within ~1e-7
     n_runs = 1000
+    seen, accepted, _ = sample_rows(model, prompt, 2, n_runs)  # at temperature 1
     counts = np.zeros(V * V)
-    accepted = 0
-    for i in range(n_runs):
-        dec = MTPDecoder(model, 2, SamplingParams(temperature=1.0, seed=i), adaptive=False)
-        dec.prefill(prompt)
-        toks = []
-        while len(toks) < 2:
-            out = dec.step()
-            toks += out.tokens
-        accepted += dec.stats.num_accepted_tokens
-        counts[toks[0] * V + toks[1]] += 1
+    for (a, b), c in seen.items():
+        counts[a * V + b] = c
     assert accepted > 100  # drafts were accepted, so the test exercises acceptance
     keep = joint * n_runs >= 5
     obs = np.append(counts[keep], counts[~keep].sum())

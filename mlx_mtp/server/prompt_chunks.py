@@ -30,8 +30,8 @@ class ChunkGrid:
             below_grid: bool) -> int:
         """The end of the chunk from ``start`` (about ``max_tokens``) in the segment
         ``[seg_start, seg_end]``. ``below_grid`` (streams decode): under a cell,
-        ``max_tokens`` (to a boundary, taking in a remainder under the floor) run through
-        the per-token recurrence, equal up to float rounding; then back on the grid."""
+        ``max_tokens`` (to a boundary, taking in a remainder under the floor) run the
+        recurrence in other pieces, equal up to float rounding; then back on the grid."""
         grid = self.grid
         cells = max(1, min(max_tokens, self.step_size) // grid)
         end = seg_start + ((start - seg_start) // grid + cells) * grid

@@ -31,6 +31,10 @@ from .mrope import MultimodalRoPE
 CHUNKED_MIN_TOKENS = 64
 # Compiled decode steps (set_compiled) cover plain steps and verify passes up to K = 8.
 MAX_COMPILED_TOKENS = 9
+# On the CPU every longer input takes the chunked rule: ~60-90 primitives for any length up
+# to 64, against ~7 a position for the per-position loop, compiled whole or in pieces
+# (benchmarks/recurrence_routes.py). The Metal kernel is one dispatch whatever the length.
+CPU_CHUNKED_MIN_TOKENS = MAX_COMPILED_TOKENS + 1
 # CPU decode steps and verify passes run the recurrence as one compiled graph (False:
 # mlx-lm's per-position op loop; benchmarks/verify_cost.py compares the two).
 COMPILE_RECURRENCE = True
@@ -203,6 +207,10 @@ class SparseMoeBlock(nn.Module):
         return y + shared
 
 
+def _chunked_min_tokens() -> int:
+    return CPU_CHUNKED_MIN_TOKENS if mx.default_device() == mx.cpu else CHUNKED_MIN_TOKENS
+
+
 def _chunked_impl():
     try:
         from ..kernels.gated_delta_chunked import gated_delta_chunked
@@ -303,7 +311,8 @@ class GatedDeltaNetBase(nn.Module):
 
         # A verify pass (capture) makes the same call as plain decoding; the cache
         # keeps what it needs to replay the accepted prefix (see RecurrentCache).
-        if not capture and S >= CHUNKED_MIN_TOKENS and (chunked := _chunked_impl()) is not None:
+        if (not capture and S >= _chunked_min_tokens()
+                and (chunked := _chunked_impl()) is not None):
             g = compute_g(self.A_log, a, self.dt_bias)
             out, new_state = chunked(q, k, v, g, mx.sigmoid(b), state, mask)
         else:
