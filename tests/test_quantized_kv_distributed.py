@@ -1,18 +1,17 @@
-"""``--kv-bits`` with ``--distributed pipeline|tensor|expert`` over two local ranks (mlx.launch,
-ring backend): each rank quantizes the caches it holds (its layers', its heads' KV or the
-whole MLA latents, every layer's; DSA: the indexer's keys too), and with a noisy head (drafts rejected: every rank rolls
-its quantized caches back with the shared accept) greedy output of both ranks equals the
-single-process decode with the same quantized caches at K = 0 and 3. The heads follow an
-oracle, so tokens alone would not see the quantization: rank 0's logits (trunk and MTP head)
-after the prompt equal one process's with the same quantized caches, and differ from the
-full-precision ones by far more than the tolerance.
+"""``--kv-bits`` with ``--distributed pipeline|tensor|expert`` over two local ranks (ring
+backend): each rank quantizes the caches it holds (its layers', its heads' KV or the whole
+MLA latents, every layer's; DSA: the indexer's keys too), and with a noisy head (drafts
+rejected: every rank rolls its quantized caches back with the shared accept) greedy output of
+both ranks equals the single-process decode with the same quantized caches at K = 0 and 3.
+The heads follow an oracle, so tokens alone would not see the quantization: rank 0's logits
+(trunk and MTP head) after the prompt equal one process's with the same quantized caches,
+and differ from the full-precision ones by far more than the tolerance.
 
-One launch runs every job; the reference is this process's decode (itself equal to plain
-decoding and to mlx-lm's quantized generation: ``test_quantized_kv.py``). Heads 32 wide,
-4-bit caches in groups of 32.
+One pair of ranks runs every job (``rank_jobs.RankJobs``); the reference is this process's
+decode (itself equal to plain decoding and to mlx-lm's quantized generation:
+``test_quantized_kv.py``). Heads 32 wide, 4-bit caches in groups of 32.
 """
 
-import json
 from functools import cache
 from pathlib import Path
 
@@ -25,7 +24,8 @@ from mlx_mtp.models.cache.quantized import KVQuantization
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing import tiny, tiny_attention, tiny_special
 from distributed_rank import prompt_logits
-from test_distributed import RANK_SCRIPT, launch
+from rank_jobs import RankJobs
+from test_distributed import RANK_SCRIPT
 
 pytestmark = pytest.mark.slow
 
@@ -74,21 +74,19 @@ def single_process(path: str) -> tuple:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One launch: both families x the three modes; {(family, mode): (job, rank 0, rank 1)}."""
+    """One pair of ranks: the three families x the three modes; {(family, mode): (job, rank 0,
+    rank 1)}. The single-process references are decoded while the ranks run."""
     root = tmp_path_factory.mktemp("kvq_dist")
     models = {"qwen3_5_moe": qwen_moe(root / "qwen"), "deepseek_v3": mla_moe(root / "mla"),
               "deepseek_v32": dsa_moe(root / "dsa")}
     jobs = [{"name": f"{fam}-{mode}", "model": str(path), "mode": mode, "ks": KS,
              "kv_bits": list(KV_BITS), "logits": True, "prompt": PROMPT, "max_tokens": MAX_TOKENS}
             for fam, path in models.items() for mode in MODES]
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    proc = launch(RANK_SCRIPT, root / "jobs.json", root / "out",
-                  progress=[root / f"out.{r}.log" for r in (0, 1)])
-    if proc.returncode or not all((root / f"out.{r}").exists() for r in (0, 1)):
-        pytest.fail(f"a rank failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    per_rank = [json.loads((root / f"out.{r}").read_text()) for r in (0, 1)]
-    return {tuple(j["name"].rsplit("-", 1)): (j, per_rank[0][i], per_rank[1][i])
-            for i, j in enumerate(jobs)}
+    with RankJobs(RANK_SCRIPT, jobs, root) as ranks:
+        for path in models.values():
+            single_process(str(path))
+        results = ranks.results()
+    return {tuple(j["name"].rsplit("-", 1)): (j, *results[j["name"]]) for j in jobs}
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "deepseek_v3", "deepseek_v32"])
