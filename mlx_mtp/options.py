@@ -250,8 +250,8 @@ def add_kv_cache_arguments(p):
                         "(mlx-lm's --kv-bits; ~0.28x / 0.53x of 16-bit at group size 64). "
                         "Decoding stays exact against plain decoding with the same cache; "
                         "recurrent states (DeltaNet, Mamba-2) and sliding windows keep their "
-                        "precision; DSA models refuse it (docs/quantized-kv.md). Off by "
-                        "default")
+                        "precision; DSA indexer keys are quantized too (docs/quantized-kv.md). "
+                        "Off by default")
     p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
                    help="Values per quantization scale of --kv-bits (default 64)")
     p.add_argument("--quantized-kv-start", type=int, default=0, metavar="N",

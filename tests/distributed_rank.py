@@ -4,15 +4,17 @@ two ranks by ``rank_jobs.RankJobs``).
 argv[1]: a JSON file holding a list of jobs {"name", "model", "mode", "ks", "prompt" (ids),
 "max_tokens", "temp", "seed", "memory_limit" (bytes, optional), "mtp_model" (a split
 drafter, optional), "logits" (optional: also the prompt's last-row logits and the MTP
-head's)}; argv[2]: where each rank writes its results (``<argv[2]>.<rank>``, one entry per
-job): the mode, the ids and accepted drafts per K, its layer range, memory after loading,
-bytes and messages it sent.
+head's), "kv_bits" (optional: [bits, group size], ``--kv-bits``)}; argv[2]: where each rank
+writes its results (``<argv[2]>.<rank>``, one entry per job): the mode, the ids and accepted
+drafts per K, its layer range, memory after loading, bytes and messages it sent, the kinds
+of the caches it makes.
 """
 
 import mlx.core as mx
 
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import generate_step
+from mlx_mtp.models.cache.quantized import KVQuantization
 from mlx_mtp.models.distributed import load_distributed
 from rank_jobs import serve_jobs
 
@@ -27,6 +29,8 @@ def run(job, group) -> dict:
     model, _ = load_distributed(job["model"], job.get("mode"), group, mtp=max(job["ks"]) > 0,
                                 mtp_model=job.get("mtp_model"))
     loaded = {"active": mx.get_active_memory() - base, "peak": mx.get_peak_memory() - base}
+    if job.get("kv_bits"):
+        model.use_kv_quantization(KVQuantization(*job["kv_bits"]))
     logits = prompt_logits(model, job["prompt"]) if job.get("logits") else None
     sampling = SamplingParams(temperature=job.get("temp", 0.0), seed=job.get("seed"))
     tokens, accepted = {}, {}
@@ -41,7 +45,8 @@ def run(job, group) -> dict:
     return {"mode": model.mode, "tokens": tokens, "accepted": accepted,
             "layer_range": model.layer_range,
             "loaded": loaded, "bytes_sent": model.bytes_sent, "messages": model.messages,
-            "logits": logits}
+            "logits": logits,
+            "cache_kinds": sorted({c.kind for c in model.make_cache() + model.make_mtp_cache()})}
 
 
 def prompt_logits(model, prompt) -> list:

@@ -197,9 +197,12 @@ def test_convert_round_trip(with_tokenizer, tmp_path, reference):
     assert fc.mtp_tokens(model, prompt, 2, n=len(tokens))[0] == tokens
 
 
-def test_kv_bits_are_refused_in_one_line(model):
-    with pytest.raises(ValueError, match="--kv-bits is not available for glm5_next"):
+def test_kv_bits_refuse_a_group_wider_than_the_latents_in_one_line(model):
+    """Quantized latents: ``tests/test_quantized_kv_glm5_next.py``."""
+    with pytest.raises(ValueError, match="^--kv-group-size 64 does not divide the attention "
+                                         "head size 16$"):
         model.use_kv_quantization(KVQuantization(bits=8))
+    assert model.kv_quantization is None
 
 
 def test_cache_protocol(model, reference):

@@ -331,12 +331,14 @@ def test_released_layer_type_names(tmp_path):
     assert fc.mtp_tokens(model, PROMPT, 2, n=12)[0] == GREEDY[:12]
 
 
-def test_kv_bits_refused_in_one_line(model):
-    """Quantized KV under the QSA selection is not tested yet: refused, not guessed."""
+def test_kv_bits_refuse_a_group_wider_than_the_heads_in_one_line(model):
+    """Quantized KV under the QSA selection: ``tests/test_quantized_kv_qwen4_exp.py``."""
     from mlx_mtp.models.cache.quantized import KVQuantization
 
-    with pytest.raises(ValueError, match="--kv-bits is not available for qwen4_exp"):
+    with pytest.raises(ValueError, match="^--kv-group-size 64 does not divide the attention "
+                                         "head size 16$"):
         model.use_kv_quantization(KVQuantization(bits=8))
+    assert model.kv_quantization is None
 
 
 def oracle(model):

@@ -25,6 +25,7 @@ from mlx_mtp.models.cache.kv import CACHE_KINDS, cache_state_arrays
 from mlx_mtp.models.cache.quantized import BatchQuantizedKVCache, KVQuantization, QuantizedKVCache
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing import tiny, tiny_attention, tiny_special
+from mlx_mtp.testing.tiny_bailing import bailing_hybrid_config
 
 Q4 = KVQuantization(bits=4, group_size=32)
 RNG = np.random.default_rng(0)
@@ -394,7 +395,8 @@ def test_families_without_a_quantized_kind_refuse_clearly():
         m.use_kv_quantization(Q4)
     sinks = dict(tiny_special.mimo_v2_flash_config(), head_dim=32, v_head_dim=32,
                  add_full_attention_sink_bias=True)
-    for config, why in ((tiny_special.dsa_config(), "indexer"), (sinks, "attention sinks")):
+    for config, why in ((bailing_hybrid_config(), "caches have no quantized kind"),
+                        (sinks, "attention sinks")):
         m = tiny_attention.build_model(config, seed=0)
         with pytest.raises(ValueError, match=f"--kv-bits is not available for .*{why}"):
             m.use_kv_quantization(Q4)
@@ -406,6 +408,15 @@ def test_families_without_a_quantized_kind_refuse_clearly():
         KVQuantization(3)
     with pytest.raises(ValueError, match="one sequence"):
         Q4.__class__(4, 32, 8).check_batchable()
+
+
+def test_deepseek_v4_refuses_with_its_reason_in_one_line():
+    """Its compressed caches are read in full precision by its attention: no quantized kind."""
+    v4, _ = load_model(Path(__file__).parent / "fixtures" / "deepseek_v4")
+    with pytest.raises(ValueError, match="^--kv-bits is not available for deepseek_v4: its "
+                                         "compressed attention caches .* no quantized kind yet$"):
+        v4.use_kv_quantization(Q4)
+    assert v4.kv_quantization is None
 
 
 def test_the_flags_reach_the_model_and_bad_ones_are_one_line_user_errors():
@@ -422,9 +433,9 @@ def test_the_flags_reach_the_model_and_bad_ones_are_one_line_user_errors():
     with pytest.raises(UserError, match="^--kv-group-size 64 does not divide the attention "
                                         "head size 32$"):
         apply_kv_cache_options(model, p.parse_args(["--kv-bits", "4"]))
-    dsa = tiny_attention.build_model(tiny_special.dsa_config(), seed=0)
-    with pytest.raises(UserError, match="^--kv-bits is not available for deepseek_v32: its "):
-        apply_kv_cache_options(dsa, p.parse_args(["--kv-bits", "4", "--kv-group-size", "32"]))
+    kda = tiny_attention.build_model(bailing_hybrid_config(), seed=0)
+    with pytest.raises(UserError, match="^--kv-bits is not available for bailing_hybrid: its "):
+        apply_kv_cache_options(kda, p.parse_args(["--kv-bits", "4", "--kv-group-size", "32"]))
     with pytest.raises(UserError, match="--quantized-kv-start must be >= 0"):
         apply_kv_cache_options(model, p.parse_args(["--kv-bits", "4", "--kv-group-size", "32",
                                                     "--quantized-kv-start", "-1"]))

@@ -289,8 +289,11 @@ class DistributedModel(ModelInterface):
         return mx.zeros((B, 1 if last_only else S, self.text.args.hidden_size), hidden.dtype)
 
     def use_kv_quantization(self, quant):
-        if quant is not None:
-            raise ValueError("--kv-bits is not available with --distributed yet")
+        """Each rank quantizes the caches it holds (its layers' in a pipeline, its heads' KV
+        or the whole latents in a tensor split, every layer's in an expert split) by the
+        family's own rule; the shared accept rolls every rank's back alike. A head-less
+        pipeline rank's MTP caches only track positions and stay as they are."""
+        self.inner.use_kv_quantization(quant)
 
     def make_mtp_cache(self):
         if self.is_head:

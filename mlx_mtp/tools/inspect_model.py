@@ -231,17 +231,32 @@ def check_loadable(where: Path, config: dict, layout_name: str) -> None:
     return build_model(copy.deepcopy(config), where / "config.json")
 
 
-def kv_quantization_refusal(model, bits: Optional[int], group_size: int) -> Optional[str]:
-    """Why the model refuses ``--kv-bits`` (None: it takes it, or no bits asked)."""
+# What each cache kind holds, in words (``inspect --kv-bits``: what is quantized, what not).
+CACHE_WORDS = {"quantized_kv": "attention K/V or MLA latents", "kv": "attention K/V",
+               "quantized_index_kv": "DSA indexer keys", "index_kv": "DSA indexer keys",
+               "pooled_index_kv": "QSA indexer keys", "rec": "recurrent states",
+               "window_kv": "sliding windows", "short": "short windows",
+               "chain": "chained MTP layers"}
+
+
+def kv_quantization_caches(model, bits: Optional[int], group_size: int) -> dict:
+    """``refused``: why the model refuses ``--kv-bits`` (None: it takes it, or no bits
+    asked); else ``quantized`` and ``kept``: the caches it makes then, in words."""
+    out = {"refused": None, "quantized": [], "kept": []}
     if bits is None or model is None:
-        return None
+        return out
     from ..models.cache.quantized import KVQuantization
 
     try:
         model.use_kv_quantization(KVQuantization(bits, group_size))
     except ValueError as e:
-        return str(e)
-    return None
+        return dict(out, refused=str(e))
+    for c in model.make_cache() + model.make_mtp_cache():
+        words = CACHE_WORDS.get(c.kind, c.kind)
+        where = out["kept" if c.quantization is None else "quantized"]
+        if words not in where:
+            where.append(words)
+    return out
 
 
 def inspect_model(path: Optional[str], kv_bits: Optional[int] = None,
@@ -278,7 +293,7 @@ def inspect_model(path: Optional[str], kv_bits: Optional[int] = None,
         "memory": memory_estimate(config, tensors, kv_bits, kv_group_size),
         "kv_quantization": None if kv_bits is None else {
             "bits": kv_bits, "group_size": kv_group_size,
-            "refused": kv_quantization_refusal(model, kv_bits, kv_group_size),
+            **kv_quantization_caches(model, kv_bits, kv_group_size),
             "recurrent_states": "kept in their own precision (DeltaNet, Mamba-2)"},
     }
 
@@ -363,7 +378,11 @@ def render(report: dict) -> str:
 def _kv_quantization(kvq: dict, mem: dict) -> str:
     if kvq["refused"]:
         return f"--kv-bits {kvq['bits']} refused: {kvq['refused']}"
-    line = f"--kv-bits {kvq['bits']} (group {kvq['group_size']}): attention K/V quantized"
+    line = f"--kv-bits {kvq['bits']} (group {kvq['group_size']}): quantized " + (
+        ", ".join(kvq["quantized"]) or "attention K/V")
+    kept = [k for k in kvq["kept"] if k != "recurrent states"]  # said below, with their kinds
+    if kept:
+        line += f" (kept in their precision: {', '.join(kept)})"
     q, full = mem["kv_bytes_per_1k_tokens_quantized"], mem["kv_bytes_per_1k_tokens"]
     if q is not None:
         line += f", {_size(q)} per 1k tokens ({q / full:.2f}x of 16-bit)"

@@ -301,11 +301,10 @@ class TextModel(MTPModel):
 
     def use_kv_quantization(self, quant):
         """Full attention and MLA latents (the latent and its RoPE part, both quantized);
-        a family that makes its own caches says what it quantizes (DeepSeek-V3.2's and
-        GLM-5's DSA indexer caches have no quantized kind yet)."""
+        a family that makes its own caches says what it quantizes."""
         if quant is not None and type(self).make_cache is not TextModel.make_cache:
-            raise ValueError(f"--kv-bits is not available for {self.model_type}: its DSA "
-                             "indexer caches have no quantized kind yet")
+            raise ValueError(f"--kv-bits is not available for {self.model_type}: its "
+                             "caches have no quantized kind yet")
         self.quantize_attention_caches(quant, *self.cached_head_dims())
 
     def cached_head_dims(self) -> tuple:

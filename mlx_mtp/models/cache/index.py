@@ -7,6 +7,11 @@ that evaluating the layer's caches evaluates them (their graph never grows uneva
 mlx-lm's own DSA layers (plain decoding) write both fields themselves; our verify pass
 calls ``update_keys``. Kinds ``index_kv`` (one row) and ``batch_index_kv``.
 
+With ``--kv-bits`` the keys are quantized as the latents are (``quantized.py``: each position
+on its own, so rollback stays exact), and every pass runs our DSA attention (``blocks/dsa.py``),
+mlx-lm's layers reading no quantized cache. The values placeholder is then one quantization
+group wide, never read. Kinds ``quantized_index_kv`` and ``batch_quantized_index_kv``.
+
 Qwen4-Exp's QSA indexer (``blocks/qsa.py``) keeps its raw keys the same way and, beside
 them, the pooled keys of the blocks each row has completed (``pooled_blocks``), so a pass
 pools only the blocks its positions complete. A rollback un-completes the blocks whose
@@ -23,6 +28,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from .kv import CACHE_KINDS, BatchKVCache, KVCache
+from .quantized import BatchQuantizedKVCache, QuantizedKVCache
 
 
 class _IndexKeys:
@@ -34,6 +40,40 @@ class _IndexKeys:
         self.values = mx.zeros_like(self.keys)
         latent_cache.keys = mx.depends(latent_cache.keys, (self.keys, self.values))
         return out
+
+
+class _QuantizedIndexKeys:
+    """``update_keys`` for the quantized index caches: keys as quantized triples, values a
+    one-group placeholder (the values are never read)."""
+
+    def update_keys(self, keys: mx.array, latent_cache) -> tuple:
+        """Write the new positions' keys (B, 1, S, D); returns every cached key (a quantized
+        triple, or full precision before ``--quantized-kv-start``)."""
+        out, _ = self.update_and_fetch(keys, keys[..., : self.quant.group_size])
+        held = self.arrays()
+        k = latent_cache.keys  # evaluated on every step: so are the arrays written here
+        if isinstance(k, tuple):
+            latent_cache.keys = (mx.depends(k[0], held), *k[1:])
+        else:
+            latent_cache.keys = mx.depends(k, held)
+        return out
+
+
+class QuantizedIndexKeyCache(_QuantizedIndexKeys, QuantizedKVCache):
+    """One sequence's indexer keys, quantized (``--kv-bits``)."""
+
+    kind = "quantized_index_kv"
+
+    @classmethod
+    def merge(cls, caches) -> "BatchQuantizedIndexKeyCache":
+        return BatchQuantizedIndexKeyCache.merge(caches)
+
+
+class BatchQuantizedIndexKeyCache(_QuantizedIndexKeys, BatchQuantizedKVCache):
+    """Rows of different lengths' quantized indexer keys."""
+
+    kind = "batch_quantized_index_kv"
+    row_kind = QuantizedIndexKeyCache.kind
 
 
 class IndexKeyCache(_IndexKeys, KVCache):
@@ -211,4 +251,5 @@ class BatchPooledKeyCache(_PooledBlocks, BatchIndexKeyCache):
 
 
 CACHE_KINDS.update({c.kind: c for c in (IndexKeyCache, BatchIndexKeyCache, PooledKeyCache,
-                                        BatchPooledKeyCache)})
+                                        BatchPooledKeyCache, QuantizedIndexKeyCache,
+                                        BatchQuantizedIndexKeyCache)})

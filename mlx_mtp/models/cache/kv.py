@@ -94,6 +94,11 @@ class _Cache:
         """What a cache of this kind is built with (a window), equal across a batch."""
         return ()
 
+    @property
+    def quantization(self):
+        """A quantized kind's ``KVQuantization`` (``--kv-bits``); None: its own precision."""
+        return None
+
     def check_joins(self, row):
         """Raise ValueError unless ``row``, one sequence's cache, can join this cache's rows
         (or an empty cache of the model's): same kind and settings, one row, and each state

@@ -177,6 +177,10 @@ class QuantizedKVCache(KVCache):
     def settings(self) -> tuple:
         return self.quant.meta()
 
+    @property
+    def quantization(self) -> KVQuantization:
+        return self.quant
+
     def snapshot(self):
         # Writes land past ``offset``; growing and the switch make new objects.
         return self.keys, self.values, self.offset
@@ -196,7 +200,7 @@ class QuantizedKVCache(KVCache):
         return sum(a.nbytes for q in held for a in q)
 
     def _like(self) -> "QuantizedKVCache":
-        return QuantizedKVCache(self.quant)
+        return type(self)(self.quant)
 
     def copy(self) -> "QuantizedKVCache":
         c = self._like()
@@ -268,6 +272,10 @@ class BatchQuantizedKVCache(BatchKVCache):
     def settings(self) -> tuple:
         return self.quant.meta()
 
+    @property
+    def quantization(self) -> KVQuantization:
+        return self.quant
+
     def arrays(self) -> List[mx.array]:
         return [a for a in self.state if a is not None]
 
@@ -293,12 +301,12 @@ class BatchQuantizedKVCache(BatchKVCache):
         return cls([n], _cut(c.keys, 0, n), _cut(c.values, 0, n), valid, c.quant)
 
     def _share(self) -> "BatchQuantizedKVCache":
-        c = BatchQuantizedKVCache(self.pos, self.keys, self.values, self.valid, self.quant)
+        c = type(self)(self.pos, self.keys, self.values, self.valid, self.quant)
         c.idx, c.first = self.idx, self.first
         return c
 
     def extract(self, row: int) -> QuantizedKVCache:
-        c = QuantizedKVCache(self.quant)
+        c = CACHE_KINDS[self.row_kind](self.quant)
         if self.keys is not None:
             c.state = self.row_state(row)
         c.offset = self.pos[row]

@@ -300,6 +300,12 @@ class Model(MTPModel):
             return []
         return [CompressedWindowCache(self.args.sliding_window, spare=HEAD_SPARE_KEYS)]
 
+    def use_kv_quantization(self, quant):
+        if quant is not None:  # its attention reads the window and entries in full precision
+            raise ValueError("--kv-bits is not available for deepseek_v4: its compressed "
+                             "attention caches (window, compressed entries) have no quantized "
+                             "kind yet")
+
     @staticmethod
     def cast_predicate(path: str) -> bool:
         """What transformers keeps in float32: mHC weights, sinks, window biases, the router

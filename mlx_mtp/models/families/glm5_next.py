@@ -38,6 +38,7 @@ from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.deepseek_v3 import group_expert_select
 from mlx_lm.models.switch_layers import SwitchGLU
 
+from ..blocks.attention_trunk import quantized_latent_attention
 from ..blocks.dsv4 import ClampedSwiGLU
 from ..blocks.expert_split import split_parts
 from ..blocks.hybrid_shard import read_share
@@ -258,8 +259,16 @@ class IndexedMLA(nn.Module):
         # Absorbed: queries and outputs go through kv_b_proj's halves, so attention runs on
         # the cached latents (one key/value head) instead of expanding every position.
         w = self.kv_b_weight().reshape(self.heads, self.nope + self.v_dim, -1)
-        out = mx.fast.scaled_dot_product_attention(q @ w[:, : self.nope], latent, latent,
-                                                   scale=self.nope**-0.5, mask=selection)
+        if isinstance(latent, tuple):  # --kv-bits: the cache's quantized triples
+            quant = dict(group_size=latent_cache.group_size, bits=latent_cache.bits)
+            dtype = latent[1].dtype  # the scales': the cached latents' dtype
+            bias = 0.0 if selection is None else mx.where(
+                selection, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+            out = quantized_latent_attention(q @ w[:, : self.nope], latent, bias,
+                                             self.nope**-0.5, quant)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q @ w[:, : self.nope], latent, latent,
+                                                       scale=self.nope**-0.5, mask=selection)
         out = out @ w[:, self.nope:].swapaxes(-1, -2)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), selection
 
@@ -285,10 +294,12 @@ class DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(args)
         self.ffn_hc = HyperConnection(args)
 
-    def make_caches(self) -> list:
+    def make_caches(self, kv_cache=KVCache) -> list:
+        """``kv_cache``: the latents' cache factory (the model's, quantized with ``--kv-bits``;
+        the k-pool indexer's keys keep their precision)."""
         if self.is_linear:
             return [RecurrentCache()]
-        return [KVCache()] + ([] if self.shared else [IndexKeyCache()])
+        return [kv_cache()] + ([] if self.shared else [IndexKeyCache()])
 
     def __call__(self, streams, caches, selection, capture: bool = False):
         """streams (B, L, hc, H) -> (streams, the selection a next shared layer reuses)."""
@@ -419,10 +430,16 @@ class Model(MTPModel):
         return 2 * self.num_mtp_layers  # latents, indexer keys
 
     def make_cache(self):
-        return [c for layer in self.model.layers for c in layer.make_caches()]
+        return [c for layer in self.model.layers
+                for c in layer.make_caches(self.full_attention_cache)]
+
+    def use_kv_quantization(self, quant):
+        """The MLA latents; KDA states and the k-pool indexer's keys keep their precision."""
+        self.quantize_attention_caches(quant, self.args.kv_lora_rank)
 
     def make_mtp_cache(self):
-        return [c for _ in range(self.num_mtp_layers) for c in (KVCache(), IndexKeyCache())]
+        return [c for _ in range(self.num_mtp_layers)
+                for c in (self.full_attention_cache(), IndexKeyCache())]
 
     @staticmethod
     def cast_predicate(path: str) -> bool:

@@ -274,6 +274,11 @@ class Model(MTPModel):
         return [c for layer in (self.mtp.layers if "mtp" in self else [])
                 for c in layer.make_caches(self.full_attention_cache)]
 
+    def use_kv_quantization(self, quant):
+        """The gated attention's K/V (read by mlx-lm's attention under the QSA selection mask);
+        DeltaNet states, the QSA indexer's keys and the short windows keep their precision."""
+        self.quantize_attention_caches(quant, self.args.head_dim)
+
     def sanitize(self, weights: dict):
         return sanitize(self, layout.text_weight_names(weights))
 
