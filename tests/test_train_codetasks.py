@@ -127,3 +127,13 @@ def test_instruct_cache_is_its_own(tmp_path):
     first = tok.decode(ids[starts[0]:starts[1]].tolist())
     flagged = tok.decode(ids[starts[0]:starts[1]][answer[starts[0]:starts[1]] == 1].tolist())
     assert "```python" in first and flagged.strip() and flagged in first
+
+
+def test_repeat_anneal_mix_is_half_verbatim_repeats_and_never_drops_lines():
+    docs = C.build_documents([CODE * 3], 400, seed=0, mix="repeat-anneal")
+    repeats = [d for d in docs if any(a in d for a in C._ASK_REPEAT)]
+    assert abs(len(repeats) / len(docs) - K.MIXES["repeat-anneal"]["repeat"]) < 0.08
+    for d in repeats:  # the answer is the code given, character for character
+        user, answer = _turns(d)
+        assert answer in user
+    assert not any("Remove the comment lines" in d for d in docs)

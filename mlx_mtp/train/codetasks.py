@@ -118,4 +118,8 @@ MIXES = {
     # from the copy fine-tune: a quarter requests, verbatim repeats the largest kind
     "mostly-copy": {"write": 0.15, "complete": 0.1, "continue": 0.1, "repeat": 0.35,
                     "rename": 0.075, "reindent": 0.075, "uncomment": 0.05, "block": 0.1},
+    # from an instruction-tuned checkpoint: verbatim repeats half the rows, no "uncomment"
+    # (the tuned models' copies drop or rewrite whole lines where their own code is likelier)
+    "repeat-anneal": {"write": 0.1, "complete": 0.15, "continue": 0.1, "repeat": 0.45,
+                      "rename": 0.05, "reindent": 0.05, "block": 0.1},
 }
