@@ -408,7 +408,8 @@ def describe() -> str:
         rows = int(_shim.mlx_mtp_shim_gemv_rows())
         if rows:
             return (f"CPU matmuls: OpenBLAS, float32 products of up to {rows} "
-                    f"row{'s' * (rows > 1)} as sgemv ({lib})")
+                    f"row{'s' * (rows > 1)} as sgemv or a weight shape's measured limit "
+                    f"({lib})")
         return (f"CPU matmuls: OpenBLAS except single rows times large x @ W weights "
                 f"(reference BLAS; {lib})")
     if not reference_blas_in_use():
