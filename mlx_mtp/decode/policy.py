@@ -410,9 +410,8 @@ class DraftPolicy:
         paused. A re-check costs ``t(B, k) / t(B, 0) - 1`` plain steps; the intervals
         double up to where one per interval stays within ``probe_budget``. Where only
         drafts deeper than one can pay and none has landed yet, the first comes after ten
-        times that many steps
-        (the real shape's K=1 re-check, 0.97 plain steps more than a plain one, after 10
-        steps, not 4: a head that is never right keeps 0.97 of plain speed in 64 tokens)."""
+        times that many steps (the real shape's K=1 re-check, 0.97 plain steps more than a
+        plain one, after 10 steps, not 4: a never-right head keeps more of plain speed)."""
         first, shortest, longest = self.recheck_gap
         t0, t = self.costs.predict(B, 0), self.costs.predict(B, k)
         if not t0 or t is None:
