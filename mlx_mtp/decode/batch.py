@@ -161,16 +161,14 @@ class BatchDecoder:
     # -- decoding ----------------------------------------------------------
     def choose_ks(self, load: int = 0) -> List[int]:
         """Drafts per row for the next step. ``load``: rows expected soon (prompts being
-        processed or queued); while they wait K must win by a wider margin, since a slower
-        step delays them too. K is chosen for the rows there are: a batch size that only
-        waiting prompts make is never measured, so its optimistic estimate would never be
-        corrected (K=3 beside an 8k and a 30k prompt for minutes, steps 3-4x a plain one)."""
+        processed or queued); K is chosen for that batch size, and by a wider margin
+        while they wait, since a slower step delays them too."""
         if self._next_ks is not None:
             ks, self._next_ks = self._next_ks, None
             return ks
         rows = self.core.rows
         B = len(rows)
-        ks = (self.policy.row_ks(rows, B, load > B, self._contexts()) if self.mtp
+        ks = (self.policy.row_ks(rows, max(B, load), load > B, self._contexts()) if self.mtp
               else [0] * B)
         room = draft_room(self.core.cache or [])  # a verify must not cross --quantized-kv-start
         return ks if room is None else [min(k, room) for k in ks]
