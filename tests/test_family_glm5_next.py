@@ -198,7 +198,7 @@ def test_convert_round_trip(with_tokenizer, tmp_path, reference):
 
 
 def test_kv_bits_refuse_a_group_wider_than_the_latents_in_one_line(model):
-    """Quantized latents: ``tests/test_quantized_kv_glm5_next.py``."""
+    """Quantized latents: ``tests/test_quantized_kv_streams.py``."""
     with pytest.raises(ValueError, match="^--kv-group-size 64 does not divide the attention "
                                          "head size 16$"):
         model.use_kv_quantization(KVQuantization(bits=8))

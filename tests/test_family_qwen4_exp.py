@@ -332,7 +332,7 @@ def test_released_layer_type_names(tmp_path):
 
 
 def test_kv_bits_refuse_a_group_wider_than_the_heads_in_one_line(model):
-    """Quantized KV under the QSA selection: ``tests/test_quantized_kv_qwen4_exp.py``."""
+    """Quantized KV under the QSA selection: ``tests/test_quantized_kv_streams.py``."""
     from mlx_mtp.models.cache.quantized import KVQuantization
 
     with pytest.raises(ValueError, match="^--kv-group-size 64 does not divide the attention "
