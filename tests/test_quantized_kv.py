@@ -410,12 +410,18 @@ def test_families_without_a_quantized_kind_refuse_clearly():
         Q4.__class__(4, 32, 8).check_batchable()
 
 
-def test_deepseek_v4_refuses_with_its_reason_in_one_line():
-    """Its compressed caches are read in full precision by its attention: no quantized kind."""
+def test_deepseek_v4_refuses_what_its_caches_cannot_take_in_one_line():
+    """Its indexers' keys (16 wide in the fixture) are quantized too, so the group must divide
+    them; its caches are quantized from the first token (no ``--quantized-kv-start``). Taken:
+    ``test_quantized_kv_streams.py``."""
     v4, _ = load_model(Path(__file__).parent / "fixtures" / "deepseek_v4")
-    with pytest.raises(ValueError, match="^--kv-bits is not available for deepseek_v4: its "
-                                         "compressed attention caches .* no quantized kind yet$"):
+    with pytest.raises(ValueError, match="^--kv-group-size 32 does not divide the attention "
+                                         "head size 16$"):
         v4.use_kv_quantization(Q4)
+    with pytest.raises(ValueError, match="^--quantized-kv-start is not available for "
+                                         "deepseek_v4: its caches are quantized from the first "
+                                         "token$"):
+        v4.use_kv_quantization(KVQuantization(8, 32, 8))
     assert v4.kv_quantization is None
 
 

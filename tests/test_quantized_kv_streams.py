@@ -1,15 +1,18 @@
-"""``--kv-bits`` for the two stream trunks that take it: Qwen4-Exp (``qwen4_exp``: the gated
-attention's K/V quantized, mlx-lm's quantized attention under the QSA selection mask; DeltaNet
-states, the QSA indexer's keys and pooled blocks and the short windows kept in their precision)
-and GLM-5.3-Flash (``glm5_next``: its NoPE MLA latents quantized, the absorbed attention through
+"""``--kv-bits`` for the stream trunks: Qwen4-Exp (``qwen4_exp``: the gated attention's K/V
+quantized, mlx-lm's quantized attention under the QSA selection mask; DeltaNet states, the QSA
+indexer's keys and pooled blocks and the short windows kept in their precision), GLM-5.3-Flash
+(``glm5_next``: its NoPE MLA latents quantized, the absorbed attention through
 ``mx.quantized_matmul`` under the indexer's selection; KDA states and the k-pool indexer's keys
-kept). Exact against plain decoding with the same quantized caches: greedy MTP at K = 1..3
-(bit-equal log-probabilities), batches with rows joining and leaving, a verify's rollback.
+kept) and DeepSeek-V4 (``deepseek_v4``: every layer's window keys and compressed entries, the
+indexers' included, quantized; the compressors' pending raw rows kept). Exact against plain
+decoding with the same quantized caches: greedy MTP at K = 1..3 (bit-equal log-probabilities),
+batches with rows joining and leaving, a verify's rollback (DeepSeek-V4: at every phase of its
+windows, across their completion), and the state a disk session stores.
 
 Each family's fixture config (``fixtures/<type>``) widened to 32 (``mx.quantize``'s smallest
-group: Qwen4-Exp's head_dim, GLM-5.3's latent rank) with random weights, so that attention (and
-its quantization) moves the logits; the random head's drafts are rejected, so every step rolls
-back.
+group: Qwen4-Exp's head_dim, GLM-5.3's latent rank, DeepSeek-V4's indexer keys) with random
+weights (DeepSeek-V4: its fixture's, the widened indexers' random), so that attention (and its
+quantization) moves the logits; the random heads' drafts are rejected, so every step rolls back.
 """
 
 import json
@@ -17,32 +20,57 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
+import family_checks as fc
 from cache_checks import same
-from mlx_mtp.models.cache.kv import cache_state_arrays
-from mlx_mtp.models.cache.quantized import QuantizedKVCache
+from mlx_mtp.models.cache.kv import CACHE_KINDS, cache_state_arrays
+from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing import tiny_attention
 from test_quantized_kv import PROMPTS, Q4, RNG, run_batch, solo, solo_logprobs
 
 FIXTURES = Path(__file__).parent / "fixtures"
-# family: (the config entry widened to 32, the indexer's cache kind, kept in its precision)
-FAMILIES = {"qwen4_exp": ("head_dim", "pooled_index_kv"),
-            "glm5_next": ("kv_lora_rank", "index_kv")}
+# family: (the config entry widened to 32, the cache kinds made: quantized ones first, then
+# those kept in their precision)
+FAMILIES = {"qwen4_exp": ("head_dim", {"quantized_kv"}, {"pooled_index_kv", "rec"}),
+            "glm5_next": ("kv_lora_rank", {"quantized_kv"}, {"index_kv", "rec"}),
+            "deepseek_v4": ("index_head_dim", {"quantized_dsv4"}, set())}
+
+
+def dsv4_model(config: dict):
+    """The DeepSeek-V4 fixture's weights; the indexers, widened, keep their random ones."""
+    fixture, _ = load_model(FIXTURES / "deepseek_v4")
+    model = tiny_attention.build_model(config, seed=0)
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    model.load_weights([(k, v) for k, v in tree_flatten(fixture.parameters())
+                        if shapes[k] == v.shape], strict=False)
+    return model
+
+
+def quantized_model(family: str):
+    if family == "deepseek_v4":
+        config = json.loads((FIXTURES / family / "config.json").read_text())
+        config[FAMILIES[family][0]] = 32
+        m = dsv4_model(config)
+    else:
+        config = json.loads((FIXTURES / family / "checkpoint" / "config.json").read_text())
+        config["text_config"][FAMILIES[family][0]] = 32
+        m = tiny_attention.build_model(config, seed=0)
+    m.use_kv_quantization(Q4)
+    return m
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_model(request):
-    config = json.loads((FIXTURES / request.param / "checkpoint" / "config.json").read_text())
-    config["text_config"][FAMILIES[request.param][0]] = 32
-    m = tiny_attention.build_model(config, seed=0)
-    m.use_kv_quantization(Q4)
-    return request.param, m
+    return request.param, quantized_model(request.param)
 
 
 def test_the_attention_caches_are_quantized_and_change_the_logits(family_model):
     family, model = family_model
-    kinds = {c.kind for c in model.make_cache() + model.make_mtp_cache()}
-    assert {"quantized_kv", FAMILIES[family][1], "rec"} <= kinds and "kv" not in kinds
+    caches = model.make_cache() + model.make_mtp_cache()
+    _, quantized, kept = FAMILIES[family]
+    assert {c.kind for c in caches if c.quantization == Q4} == quantized
+    assert {c.kind for c in caches if c.quantization is None} == kept
     x = mx.array([PROMPTS[3]], mx.uint32)  # 20 tokens: the indexers select
     quantized = model.logits(model.trunk(x, model.make_cache())[0])
     model.use_kv_quantization(None)
@@ -85,7 +113,65 @@ def test_a_verify_then_rollback_leaves_the_caches_a_plain_decode_writes(family_m
         c.accept([2])
     for t in drafts[:2]:
         model.trunk(mx.array([[t]], mx.uint32), plain)
-    quantized = [i for i, c in enumerate(spec) if isinstance(c, QuantizedKVCache)]
+    quantized = [i for i, c in enumerate(spec) if c.quantization is not None]
     assert quantized and all(spec[i].state[0].dtype == mx.uint32 for i in quantized)
     same(cache_state_arrays([spec[i] for i in quantized]),
          cache_state_arrays([plain[i] for i in quantized]))
+
+
+@pytest.fixture(scope="module")
+def dsv4():
+    return quantized_model("deepseek_v4")
+
+
+@pytest.mark.parametrize("start", range(17, 25))
+def test_deepseek_v4_rollback_across_window_completions_is_exact(dsv4, start):
+    """A verify of 4 positions after ``start`` tokens (every phase of the 4- and 8-position
+    windows), keeping 1..4: every layer's quantized window, entries and pending rows are bit
+    for bit those of feeding the kept tokens one at a time, and so are the next logits."""
+    seq = [int(x) for x in RNG.integers(0, 256, start + 5)]
+    prefix, rows, after = seq[:start], seq[start:start + 4], seq[start + 4]
+    for keep in range(1, 5):
+        plain = fc.prefilled_cache(dsv4, prefix)
+        for t in rows[:keep]:
+            dsv4.trunk(mx.array([[t]]), plain)
+        spec = fc.prefilled_cache(dsv4, prefix)
+        dsv4.trunk(mx.array([rows]), spec, capture=True)
+        for c in spec:
+            c.accept([keep])
+        same(cache_state_arrays(spec), cache_state_arrays(plain))
+        nxt = mx.array([[rows[keep] if keep < 4 else after]])
+        same([dsv4.logits(dsv4.trunk(nxt, spec)[0])], [dsv4.logits(dsv4.trunk(nxt, plain)[0])])
+
+
+def test_deepseek_v4_state_round_trip_keeps_the_quantized_form(dsv4, tmp_path):
+    """What disk sessions and the prefix cache store: ``state``/``meta_state`` through a
+    safetensors file and ``CACHE_KINDS``; the head's window trimmed as a step's drafts are;
+    decoding on from the restored caches is equal to decoding on from the live ones."""
+    prompt = PROMPTS[3]
+    live = fc.prefilled_cache(dsv4, prompt)
+    arrays, layout = {}, []
+    for i, c in enumerate(live):
+        arrays.update({f"{i}.{n}": a for n, a in zip(c.state_names, c.state)})
+        layout.append((c.kind, c.meta_state))
+    mx.save_safetensors(str(tmp_path / "s.safetensors"), arrays)
+    loaded = mx.load(str(tmp_path / "s.safetensors"))
+    restored = [CACHE_KINDS[kind].from_state(
+        tuple(loaded[f"{i}.{n}"] for n in CACHE_KINDS[kind].state_names), meta)
+        for i, (kind, meta) in enumerate(layout)]
+    assert all(c.settings()[-3:] == Q4.meta() and c.state[0].dtype == mx.uint32
+               for c in restored)
+    same(cache_state_arrays(restored), cache_state_arrays(live))
+    for t in (7, 99, 3, 250, 41):
+        x = mx.array([[t]])
+        same([dsv4.logits(dsv4.trunk(x, restored)[0])], [dsv4.logits(dsv4.trunk(x, live)[0])])
+    head = dsv4.make_mtp_cache()[0]
+    hidden = dsv4.trunk(mx.array([prompt]), dsv4.make_cache())[1]
+    dsv4.mtp_forward(hidden[:, :-1], mx.array([prompt[1:]]), [head])
+    kept = head.copy()
+    for t in (5, 6):  # two drafts' entries, past the window's spare keys
+        dsv4.mtp_forward(hidden[:, -1:], mx.array([[t]]), [head])
+    assert head.trim(2) == 2 and head.lengths() == kept.lengths()
+    n = head.state[0].shape[2]  # the window kept its last keys
+    assert n >= dsv4.args.sliding_window - 1
+    same([a[:, :, -n:] for a in head.state[:3]], [a[:, :, -n:] for a in kept.state[:3]])

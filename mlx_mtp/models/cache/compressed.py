@@ -46,8 +46,24 @@ class Pending(NamedTuple):
     prior_gate: Optional[mx.array]
 
 
-def _cat(a: Optional[mx.array], b: mx.array, axis: int) -> mx.array:
-    return b if a is None else mx.concatenate([a, b], axis=axis)
+def _cat(a, b, axis: int):
+    """``b`` after ``a`` (None: nothing yet) along ``axis``; quantized triples part by part."""
+    if a is None:
+        return b
+    if isinstance(b, tuple):
+        return tuple(mx.concatenate([x, y], axis=axis) for x, y in zip(a, b))
+    return mx.concatenate([a, b], axis=axis)
+
+
+def _span(a, axis: int, start: int = 0, stop: Optional[int] = None):
+    """Positions ``start:stop`` along ``axis`` of an array or a quantized triple."""
+    if isinstance(a, tuple):
+        return tuple(_span(x, axis, start, stop) for x in a)
+    return a[(slice(None),) * axis + (slice(start, stop),)]
+
+
+def _length(a, axis: int) -> int:
+    return (a[0] if isinstance(a, tuple) else a).shape[axis]
 
 
 class CompressedWindowCache(_Cache):
@@ -137,12 +153,12 @@ class CompressedWindowCache(_Cache):
     def window_keys(self, kv: mx.array) -> mx.array:
         """The kept window followed by the pass's keys ``kv`` (B, 1, L, D); keeps the last
         ``window - 1``."""
-        full = _cat(self.keys, kv, axis=2)
+        full = _cat(self.keys, self._stored(kv), axis=2)
         keep = self.window_size - 1 + self.spare
-        self.keys = full[:, :, max(0, full.shape[2] - keep):]
+        self.keys = _span(full, 2, max(0, _length(full, 2) - keep))
         if self.pass_rows is not None:
             self.pass_rows["keys"] = kv
-        return full
+        return self._read(full)
 
     def pending(self, name: str, kv: mx.array, gate: mx.array) -> Pending:
         """Series ``name`` takes the pass's raw rows; returns the windows they complete."""
@@ -166,8 +182,16 @@ class CompressedWindowCache(_Cache):
     def add_entries(self, name: str, entries: mx.array) -> mx.array:
         """Append series ``name``'s new entries (B, n, d); returns all of them."""
         s = self.series[name]
-        self.series[name] = s._replace(entries=_cat(s.entries, entries, 1))
-        return self.series[name].entries
+        self.series[name] = s._replace(entries=_cat(s.entries, self._stored(entries), 1))
+        return self._read(self.series[name].entries)
+
+    def _stored(self, x: mx.array):
+        """Keys or entries as this cache holds them (a quantized kind: quantized triples)."""
+        return x
+
+    def _read(self, held) -> mx.array:
+        """What the attention reads of held keys or entries."""
+        return held
 
     def _rows_start(self, offset: int) -> int:
         return max(0, (offset // self.ratio - 1) * self.ratio)
@@ -198,7 +222,7 @@ class CompressedWindowCache(_Cache):
             self.pending(name, kv[:, :n], gate[:, :n])
             kept = self.offset // self.ratio
             self.series[name] = self.series[name]._replace(
-                entries=after[name].entries[:, :kept])
+                entries=_span(after[name].entries, 1, 0, kept))
 
     # --- batch ------------------------------------------------------------
     @classmethod
@@ -213,18 +237,24 @@ class CompressedWindowCache(_Cache):
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` positions (at most the spare keys: a window's only)."""
-        if not self.is_trimmable() or self.keys is None:
+        if not self.is_trimmable():
             raise ValueError("this DeepSeek-V4 cache cannot be trimmed")
+        if self.keys is None:  # a head that has not run (a row of a one-token prompt)
+            return 0
         n = min(n, self.offset, self.spare)
-        self.keys = self.keys[:, :, : self.keys.shape[2] - n]
+        self.keys = _span(self.keys, 2, 0, _length(self.keys, 2) - n)
         self.offset -= n
         return n
 
     def max_positions(self) -> Optional[int]:
         return None if self.names else self.window_size - 1 + self.spare
 
+    def _like(self) -> "CompressedWindowCache":
+        """An empty cache of the same settings."""
+        return CompressedWindowCache(self.window_size, self.ratio, self.names, self.spare)
+
     def copy(self) -> "CompressedWindowCache":
-        c = CompressedWindowCache(self.window_size, self.ratio, self.names, self.spare)
+        c = self._like()
         c.keys, c.series, c.offset = self.keys, dict(self.series), self.offset
         return c
 

@@ -38,6 +38,7 @@ from ..blocks.expert_split import split_parts
 from ..blocks.hybrid_shard import read_share
 from ..blocks.stream_shard import shard_dsv4_attention, shard_moe
 from ..cache.compressed import CompressedWindowCache
+from ..cache.quantized_compressed import QuantizedCompressedWindowCache
 from ..interface import Capabilities, MTPModel
 from ..io import layout
 
@@ -285,9 +286,15 @@ class Model(MTPModel):
 
     def make_cache(self):
         args = self.args
-        return [CompressedWindowCache(args.sliding_window, layer.attn.ratio,
-                                      self.series_names(layer))
+        return [self.window_cache(args.sliding_window, layer.attn.ratio,
+                                  self.series_names(layer))
                 for layer in self.model.layers]
+
+    def window_cache(self, *settings, **kw) -> CompressedWindowCache:
+        """A layer's cache (trunk or head): quantized after ``use_kv_quantization``."""
+        q = self.kv_quantization
+        return CompressedWindowCache(*settings, **kw) if q is None else \
+            QuantizedCompressedWindowCache(*settings, **kw, quant=q)
 
     @staticmethod
     def series_names(layer: Block) -> tuple:
@@ -298,13 +305,17 @@ class Model(MTPModel):
     def make_mtp_cache(self):
         if not self.num_mtp_layers:
             return []
-        return [CompressedWindowCache(self.args.sliding_window, spare=HEAD_SPARE_KEYS)]
+        return [self.window_cache(self.args.sliding_window, spare=HEAD_SPARE_KEYS)]
 
     def use_kv_quantization(self, quant):
-        if quant is not None:  # its attention reads the window and entries in full precision
-            raise ValueError("--kv-bits is not available for deepseek_v4: its compressed "
-                             "attention caches (window, compressed entries) have no quantized "
-                             "kind yet")
+        """The windows' keys and the compressed entries (compressors' and indexers'); the
+        compressors' pending raw rows keep their precision."""
+        if quant is not None and quant.start:  # no switch to quantized form mid-sequence
+            raise ValueError("--quantized-kv-start is not available for deepseek_v4: its "
+                             "caches are quantized from the first token")
+        csa = any("indexer" in layer.attn for layer in self.model.layers)
+        dims = (self.args.head_dim, self.args.index_head_dim) if csa else (self.args.head_dim,)
+        self.quantize_attention_caches(quant, *dims)
 
     @staticmethod
     def cast_predicate(path: str) -> bool:
