@@ -16,6 +16,7 @@ quantization) moves the logits; the random heads' drafts are rejected, so every 
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -32,7 +33,7 @@ from test_quantized_kv import PROMPTS, Q4, RNG, run_batch, solo, solo_logprobs
 FIXTURES = Path(__file__).parent / "fixtures"
 # family: (the config entry widened to 32, the cache kinds made: quantized ones first, then
 # those kept in their precision)
-FAMILIES = {"qwen4_exp": ("head_dim", {"quantized_kv"}, {"pooled_index_kv", "rec"}),
+FAMILIES = {"qwen4_exp": ("head_dim", {"quantized_kv"}, {"pooled_index_kv", "rec", "short"}),
             "glm5_next": ("kv_lora_rank", {"quantized_kv"}, {"index_kv", "rec"}),
             "deepseek_v4": ("index_head_dim", {"quantized_dsv4"}, set())}
 
@@ -175,3 +176,32 @@ def test_deepseek_v4_state_round_trip_keeps_the_quantized_form(dsv4, tmp_path):
     n = head.state[0].shape[2]  # the window kept its last keys
     assert n >= dsv4.args.sliding_window - 1
     same([a[:, :, -n:] for a in head.state[:3]], [a[:, :, -n:] for a in kept.state[:3]])
+
+
+def test_deepseek_v4_inspect_lists_the_kinds_and_sizes_the_quantized_entries(dsv4, tmp_path):
+    """``inspect --kv-bits 4``: windows and compressed entries quantized, the compressors'
+    pending rows kept; its 4-bit bytes per token are what the quantized entries grow by over
+    64 tokens (a float32 model's scales and biases counted at 16 bits, as inspect counts
+    them), under 0.3x of 16-bit at group 64."""
+    from mlx_mtp.tools.inspect_model import inspect_model, render
+
+    path = shutil.copytree(FIXTURES / "deepseek_v4", tmp_path / "v4")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(config, index_head_dim=32)))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(dsv4.parameters())))
+    report = inspect_model(str(path), 4, 32)
+    kvq = report["kv_quantization"]
+    assert kvq["refused"] is None
+    assert kvq["quantized"] == ["DeepSeek-V4 windows and compressed entries"]
+    assert kvq["kept"] == ["DeepSeek-V4 compressors' pending rows"]
+    assert "kept in their precision: DeepSeek-V4 compressors' pending rows" in render(report)
+    assert "recurrent states" not in render(report).split("kv cache")[1]
+    cache = fc.prefilled_cache(dsv4, [int(x) for x in RNG.integers(0, 256, 64)])
+    entries = 0
+    for c in cache:
+        for name, a in zip(c.state_names, c.state):
+            if ".entries" in name:
+                entries += a.nbytes if a.dtype == mx.uint32 else a.nbytes // 2
+    assert report["memory"]["kv_bytes_per_1k_tokens_quantized"] == 1024 * entries // 64
+    mem = inspect_model(str(path), 4, 64)["memory"]
+    assert mem["kv_bytes_per_1k_tokens_quantized"] / mem["kv_bytes_per_1k_tokens"] <= 0.3

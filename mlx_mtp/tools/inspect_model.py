@@ -50,6 +50,8 @@ DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "f
 # cache bytes per token, recurrent state bytes per sequence).
 FAMILY_CACHE_BYTES = {"bailing_hybrid": bailing_hybrid.cache_bytes,
                       "deepseek_v4": deepseek_v4.cache_bytes}
+# Those whose per-token cache (DeepSeek-V4: compressed entries) ``--kv-bits`` quantizes whole.
+QUANTIZED_PER_TOKEN = ("deepseek_v4",)
 # A split drafter's tensors are the head's own, with the ``mtp.`` prefix stripped.
 _SPLIT_KEYS = ("fc.weight", "pre_fc_norm_hidden.weight", "pre_fc_norm_embedding.weight")
 
@@ -156,7 +158,11 @@ def memory_estimate(config: dict, tensors: Dict[str, Tensor], kv_bits: Optional[
            "kv_bytes_per_1k_tokens_quantized": None, "state_bytes_per_sequence": None}
     if config.get("model_type") in FAMILY_CACHE_BYTES:
         per_token, state = FAMILY_CACHE_BYTES[config["model_type"]](text_config(config))
-        return dict(out, kv_bytes_per_1k_tokens=1024 * per_token, state_bytes_per_sequence=state)
+        out = dict(out, kv_bytes_per_1k_tokens=1024 * per_token, state_bytes_per_sequence=state)
+        if kv_bits is not None and config["model_type"] in QUANTIZED_PER_TOKEN:
+            out["kv_bytes_per_1k_tokens_quantized"] = int(
+                1024 * per_token / 2 * _quantized_value_bytes(kv_bits, kv_group_size))
+        return out
     try:
         args = HybridArgs.from_dict(args_dict(config))
     except (CheckpointError, ValueError, TypeError, KeyError, ZeroDivisionError):
@@ -171,7 +177,7 @@ def memory_estimate(config: dict, tensors: Dict[str, Tensor], kv_bits: Optional[
     out["kv_bytes_per_1k_tokens"] = n_attention * per_layer * 2
     if kv_bits is not None:
         out["kv_bytes_per_1k_tokens_quantized"] = int(
-            n_attention * per_layer * (kv_bits / 8 + 2 * 2 / kv_group_size))
+            n_attention * per_layer * _quantized_value_bytes(kv_bits, kv_group_size))
     if n_linear:
         conv_dim = (2 * args.linear_num_key_heads * args.linear_key_head_dim
                     + args.linear_num_value_heads * args.linear_value_head_dim)
@@ -180,6 +186,11 @@ def memory_estimate(config: dict, tensors: Dict[str, Tensor], kv_bits: Optional[
         out["state_bytes_per_sequence"] = n_linear * (
             4 * ssm + 2 * (args.linear_conv_kernel_dim - 1) * conv_dim)
     return out
+
+
+def _quantized_value_bytes(bits: int, group_size: int) -> float:
+    """Bytes per cached value at ``bits``, with a 16-bit scale and bias per group."""
+    return bits / 8 + 2 * 2 / group_size
 
 
 def _draft_vocab_info(path: Path) -> Optional[dict]:
@@ -236,7 +247,11 @@ CACHE_WORDS = {"quantized_kv": "attention K/V or MLA latents", "kv": "attention 
                "quantized_index_kv": "DSA indexer keys", "index_kv": "DSA indexer keys",
                "pooled_index_kv": "QSA indexer keys", "rec": "recurrent states",
                "window_kv": "sliding windows", "short": "short windows",
-               "chain": "chained MTP layers"}
+               "chain": "chained MTP layers",
+               "dsv4": "DeepSeek-V4 windows and compressed entries",
+               "quantized_dsv4": "DeepSeek-V4 windows and compressed entries"}
+# Quantized kinds that keep a part in its precision: that part, in words.
+KEPT_PARTS = {"quantized_dsv4": "DeepSeek-V4 compressors' pending rows"}
 
 
 def kv_quantization_caches(model, bits: Optional[int], group_size: int) -> dict:
@@ -252,10 +267,10 @@ def kv_quantization_caches(model, bits: Optional[int], group_size: int) -> dict:
     except ValueError as e:
         return dict(out, refused=str(e))
     for c in model.make_cache() + model.make_mtp_cache():
-        words = CACHE_WORDS.get(c.kind, c.kind)
-        where = out["kept" if c.quantization is None else "quantized"]
-        if words not in where:
-            where.append(words)
+        for key, words in (("kept" if c.quantization is None else "quantized",
+                            CACHE_WORDS.get(c.kind, c.kind)), ("kept", KEPT_PARTS.get(c.kind))):
+            if words is not None and words not in out[key]:
+                out[key].append(words)
     return out
 
 
@@ -386,7 +401,7 @@ def _kv_quantization(kvq: dict, mem: dict) -> str:
     q, full = mem["kv_bytes_per_1k_tokens_quantized"], mem["kv_bytes_per_1k_tokens"]
     if q is not None:
         line += f", {_size(q)} per 1k tokens ({q / full:.2f}x of 16-bit)"
-    if mem["state_bytes_per_sequence"]:
+    if "recurrent states" in kvq["kept"]:
         line += f"; recurrent states {kvq['recurrent_states']}"
     return line
 
