@@ -48,15 +48,22 @@ def dsv4_model(config: dict):
     return model
 
 
-def quantized_model(family: str):
+def fixture_checkpoint(family: str) -> Path:
+    return FIXTURES / family / ("" if family == "deepseek_v4" else "checkpoint")
+
+
+def widened(family: str, **more) -> tuple:
+    """(The fixture's config with its entry widened to 32 and ``more``, a model of it)."""
+    config = json.loads((fixture_checkpoint(family) / "config.json").read_text())
+    text = config if family == "deepseek_v4" else config["text_config"]
+    text.update({FAMILIES[family][0]: 32, **more})
     if family == "deepseek_v4":
-        config = json.loads((FIXTURES / family / "config.json").read_text())
-        config[FAMILIES[family][0]] = 32
-        m = dsv4_model(config)
-    else:
-        config = json.loads((FIXTURES / family / "checkpoint" / "config.json").read_text())
-        config["text_config"][FAMILIES[family][0]] = 32
-        m = tiny_attention.build_model(config, seed=0)
+        return config, dsv4_model(config)
+    return config, tiny_attention.build_model(config, seed=0)
+
+
+def quantized_model(family: str):
+    m = widened(family)[1]
     m.use_kv_quantization(Q4)
     return m
 
