@@ -24,7 +24,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 import family_checks as fc
-from cache_checks import same
+from cache_checks import assert_filter_keeps_rows, assert_rows_are, merged_solos, same
+from cache_checks import solo as cache_solo
 from mlx_mtp.models.cache.kv import CACHE_KINDS, cache_state_arrays
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing import tiny_attention
@@ -150,6 +151,22 @@ def test_deepseek_v4_rollback_across_window_completions_is_exact(dsv4, start):
         same(cache_state_arrays(spec), cache_state_arrays(plain))
         nxt = mx.array([[rows[keep] if keep < 4 else after]])
         same([dsv4.logits(dsv4.trunk(nxt, spec)[0])], [dsv4.logits(dsv4.trunk(nxt, plain)[0])])
+
+
+def test_deepseek_v4_batch_rows_merge_filter_extract_and_roll_back_per_row(dsv4):
+    """Three prompts' quantized caches merged into one batch (rows at different window
+    phases): a verify of 3 positions keeping 1, 3, 2 leaves each row as its own plain decode
+    of those tokens; extract and filter give back each row's caches bit for bit."""
+    prompts, drafts = PROMPTS[:3], [[7, 8, 9], [40, 41, 42], [90, 91, 92]]
+    merged = merged_solos(dsv4, prompts)[1]
+    assert {c.kind for c in merged} == {"dsv4_rows"}
+    dsv4.trunk(mx.array(drafts, mx.uint32), merged, capture=True)
+    for c in merged:
+        c.accept([1, 3, 2])
+    plain = [cache_solo(dsv4, p + d[:n]) for p, d, n in zip(prompts, drafts, (1, 3, 2))]
+    assert_rows_are(merged, plain)
+    assert all(c.extract(1).quantization == Q4 for c in merged)
+    assert_filter_keeps_rows(merged, plain, rows=(2, 0))
 
 
 def test_deepseek_v4_state_round_trip_keeps_the_quantized_form(dsv4, tmp_path):
