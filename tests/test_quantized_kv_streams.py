@@ -7,7 +7,7 @@ kept) and DeepSeek-V4 (``deepseek_v4``: every layer's window keys and compressed
 indexers' included, quantized; the compressors' pending raw rows kept). Exact against plain
 decoding with the same quantized caches: greedy MTP at K = 1..3 (bit-equal log-probabilities),
 batches with rows joining and leaving, a verify's rollback (DeepSeek-V4: at every phase of its
-windows, across their completion), and the state a disk session stores.
+windows, across their completion), and a disk session (the server's store).
 
 Each family's fixture config (``fixtures/<type>``) widened to 32 (``mx.quantize``'s smallest
 group: Qwen4-Exp's head_dim, GLM-5.3's latent rank, DeepSeek-V4's indexer keys) with random
@@ -26,7 +26,9 @@ from mlx.utils import tree_flatten
 import family_checks as fc
 from cache_checks import assert_filter_keeps_rows, assert_rows_are, merged_solos, same
 from cache_checks import solo as cache_solo
-from mlx_mtp.models.cache.kv import CACHE_KINDS, cache_state_arrays
+from mlx_mtp.decode.sampling import SamplingParams
+from mlx_mtp.decode.speculative import MTPDecoder
+from mlx_mtp.models.cache.kv import cache_state_arrays
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing import tiny_attention
 from test_quantized_kv import PROMPTS, Q4, RNG, run_batch, solo, solo_logprobs
@@ -169,27 +171,50 @@ def test_deepseek_v4_batch_rows_merge_filter_extract_and_roll_back_per_row(dsv4)
     assert_filter_keeps_rows(merged, plain, rows=(2, 0))
 
 
-def test_deepseek_v4_state_round_trip_keeps_the_quantized_form(dsv4, tmp_path):
-    """What disk sessions and the prefix cache store: ``state``/``meta_state`` through a
-    safetensors file and ``CACHE_KINDS``; the head's window trimmed as a step's drafts are;
-    decoding on from the restored caches is equal to decoding on from the live ones."""
+def test_deepseek_v4_a_disk_session_keeps_the_quantized_form_and_decodes_on(dsv4, tmp_path):
+    """The server's ``SessionStore`` (safetensors on disk, checked against the model's
+    reference state): the restored trunk and head caches are quantized, equal to the stored
+    ones, and decode on as the sequence that never left memory; a store of the same weights
+    without ``--kv-bits`` does not take the entry."""
+    from mlx_mtp.decode.sequence import reference_state
+    from mlx_mtp.server.session_store import SessionStore, model_fingerprint
+
+    prompt = [int(x) for x in RNG.integers(0, 256, 40)]
+
+    def store():
+        return SessionStore(tmp_path, model_fingerprint(dsv4), min_tokens=16,
+                            reference=reference_state(dsv4))
+
+    dec = MTPDecoder(dsv4, 2, SamplingParams(), adaptive=False)
+    dec.prefill(prompt)
+    fresh = dec.snapshot()
+    saving = store()
+    assert saving.put(prompt, fresh, has_mtp=True)
+    saving.flush()
+    key, restored = store().lookup(prompt, need_mtp=True)
+    caches = restored.cache + restored.mtp_cache
+    assert key == tuple(prompt) and {c.kind for c in caches} == {"quantized_dsv4"}
+    assert all(c.quantization == Q4 and c.state[0].dtype == mx.uint32 for c in caches)
+    same(cache_state_arrays(caches), cache_state_arrays(fresh.cache + fresh.mtp_cache))
+    warm = MTPDecoder(dsv4, 2, SamplingParams(), adaptive=False)
+    warm.restore(restored)
+    warm.prefill(prompt)
+    out = []
+    while len(out) < 14:
+        out += warm.step().tokens
+    assert out[:14] == solo(dsv4, 0, prompt)[0]
+    dsv4.use_kv_quantization(None)
+    try:
+        assert SessionStore(tmp_path, model_fingerprint(dsv4), min_tokens=16).lookup(
+            prompt, need_mtp=True) is None
+    finally:
+        dsv4.use_kv_quantization(Q4)
+
+
+def test_deepseek_v4_head_window_drops_a_steps_drafts_exactly(dsv4):
+    """The head's quantized window keeps spare keys past the window: trimming two drafts'
+    keys leaves the keys it held before them (those still in its window) bit for bit."""
     prompt = PROMPTS[3]
-    live = fc.prefilled_cache(dsv4, prompt)
-    arrays, layout = {}, []
-    for i, c in enumerate(live):
-        arrays.update({f"{i}.{n}": a for n, a in zip(c.state_names, c.state)})
-        layout.append((c.kind, c.meta_state))
-    mx.save_safetensors(str(tmp_path / "s.safetensors"), arrays)
-    loaded = mx.load(str(tmp_path / "s.safetensors"))
-    restored = [CACHE_KINDS[kind].from_state(
-        tuple(loaded[f"{i}.{n}"] for n in CACHE_KINDS[kind].state_names), meta)
-        for i, (kind, meta) in enumerate(layout)]
-    assert all(c.settings()[-3:] == Q4.meta() and c.state[0].dtype == mx.uint32
-               for c in restored)
-    same(cache_state_arrays(restored), cache_state_arrays(live))
-    for t in (7, 99, 3, 250, 41):
-        x = mx.array([[t]])
-        same([dsv4.logits(dsv4.trunk(x, restored)[0])], [dsv4.logits(dsv4.trunk(x, live)[0])])
     head = dsv4.make_mtp_cache()[0]
     hidden = dsv4.trunk(mx.array([prompt]), dsv4.make_cache())[1]
     dsv4.mtp_forward(hidden[:, :-1], mx.array([prompt[1:]]), [head])
@@ -198,7 +223,7 @@ def test_deepseek_v4_state_round_trip_keeps_the_quantized_form(dsv4, tmp_path):
         dsv4.mtp_forward(hidden[:, -1:], mx.array([[t]]), [head])
     assert head.trim(2) == 2 and head.lengths() == kept.lengths()
     n = head.state[0].shape[2]  # the window kept its last keys
-    assert n >= dsv4.args.sliding_window - 1
+    assert n >= dsv4.args.sliding_window - 1 and head.state[0].dtype == mx.uint32
     same([a[:, :, -n:] for a in head.state[:3]], [a[:, :, -n:] for a in kept.state[:3]])
 
 
