@@ -1,16 +1,21 @@
 """Block drafters over a model split across two local ranks (``mlx.launch -n 2 --backend
-ring``), tensor and expert: every rank has the whole residual stream, so each runs the
-drafter whole (replicated) on its own taps; rank 0's drafts are the ones every rank verifies
-(the step's one draft message) and acceptance is decided once. Greedy output, and the drafts
-accepted from the drafter and from the head, equal one process's (``distributed_block_rank.
-single_process``) for DFlash and DSpark drafters on the Qwen3.5 hybrid (dense, tensor; MoE,
-expert), on random trunks with random drafters (drafts rejected, varied ids) and on oracle
-trunks with oracle drafters (drafts accepted), at block widths 1..3
-and with the head chained past the block. A pipeline is refused in one line (its tapped
-layers sit on several ranks)."""
+ring``). Tensor and expert: every rank has the whole residual stream, so each runs the
+drafter whole (replicated) on its own taps. Pipeline: the drafter runs on rank 0 (the
+output's), and the first stage's taps reach it with the hidden it sends (one array); the
+other rank holds a stand-in. Either way rank 0's drafts are the ones every rank verifies
+(the step's one draft message) and acceptance is decided once. Greedy output, which ids
+came from accepted drafts, and the drafts made and accepted from the drafter and from the
+head equal one process's (``distributed_block_rank.single_process``) on the Qwen3.5 hybrid
+(dense, tensor and pipeline; MoE, expert), on random trunks with random drafters (drafts
+rejected, varied ids) and on oracle trunks with oracle drafters (drafts accepted), at block
+widths 1..3 and with the head chained past the block: DFlash and DSpark in every split;
+over the pipeline (rank 0: layer 3, rank 1: layers 0-2) also taps on both stages (DFlash
+tapping 1 and 3) and EAGLE-3 (0, 2, 3; random, and ``block_checks.write_eagle3_oracle``'s
+oracle), the other drafters tapping the first stage only (0, 2)."""
 
 import pytest
 
+from block_checks import write_eagle3_oracle
 from distributed_block_rank import single_process
 from mlx_mtp.testing.tiny import make_tiny
 from mlx_mtp.testing.tiny_block import make_tiny_block
@@ -23,9 +28,16 @@ PROMPT = [5, 60, 11, 7, 9, 3, 41, 17]
 RUNS = [["block", 1], ["block", 2], ["block", 3], ["block+mtp", 4]]
 KINDS = ("dflash", "dspark")
 # (trunk family, its split, head): the dense trunk split by heads, the MoE one by experts
-TRUNKS = [(fam, mode, head) for fam, mode in (("qwen3_5", "tensor"), ("qwen3_5_moe", "expert"))
+TRUNKS = [(fam, mode, head) for fam, mode in (("qwen3_5", "tensor"), ("qwen3_5_moe", "expert"),
+                                               ("qwen3_5", "pipeline"))
           for head in ("random", "oracle")]
-NAMES = [f"{kind}-{mode}-{head}" for kind in KINDS for _, mode, head in TRUNKS]
+# Over the pipeline only: (name, kind, taps, head); taps on both stages.
+PIPELINE_ONLY = [("dflash-both-stages-pipeline-random", "dflash", [1, 3], "random"),
+                 ("dflash-both-stages-pipeline-oracle", "dflash", [1, 3], "oracle"),
+                 ("eagle3-pipeline-random", "eagle3", [0, 2, 3], "random"),
+                 ("eagle3-pipeline-oracle", "eagle3", [0, 2, 3], "oracle")]
+NAMES = ([f"{kind}-{mode}-{head}" for kind in KINDS for _, mode, head in TRUNKS]
+         + [name for name, *_ in PIPELINE_ONLY])
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +52,17 @@ def jobs(tmp_path_factory):
         for fam, mode, head in TRUNKS:
             out.append({"name": f"{kind}-{mode}-{head}", "model": str(trunks[(fam, head)]),
                         "mode": mode, "oracle": head == "oracle", "drafter": str(drafter)})
+    for name, kind, taps, head in PIPELINE_ONLY:
+        trunk = trunks[("qwen3_5", head)]
+        if kind == "eagle3" and head == "oracle":  # its oracle is written, not made per rank
+            drafter = write_eagle3_oracle(trunk, root / name)
+        else:
+            drafter = make_tiny_block(root / name, kind, 64, 512, taps, 4, own_embed_head=False,
+                                      block_size=4, **({} if kind == "eagle3" else
+                                                       {"num_key_value_heads": 4}))
+        out.append({"name": name, "model": str(trunk), "mode": "pipeline",
+                    "oracle": head == "oracle" and kind != "eagle3", "drafter": str(drafter),
+                    "accepts": head == "oracle"})
     for j in out:
         j.update(runs=RUNS, prompt=PROMPT, max_tokens=12)
     return out
@@ -62,25 +85,16 @@ def test_split_runs_equal_one_process(runs, name):
     for rank, got in enumerate(ranks):
         assert got["mode"] == job["mode"]
         assert got["runs"] == want, rank
+    if job["mode"] == "pipeline":  # the stages the taps were placed for
+        assert [r["stage"] for r in ranks] == [[3, 4], [0, 3]]
     drafted, accepted = (sum(r["block"][i] for r in want) for i in (0, 1))
-    assert 0 < accepted if job["oracle"] else accepted < drafted
+    assert 0 < accepted if job.get("accepts", job["oracle"]) else accepted < drafted
     assert all(r["block"][0] > 0 for r in want)
 
 
-def test_pipeline_is_refused_in_one_line(tmp_path, capsys):
-    from mlx_mtp.cli import main
-
-    trunk = make_tiny(tmp_path / "trunk", "qwen3_5", "random", vocab_size=4096)
-    dflash = make_tiny_block(tmp_path / "dflash", "dflash", 64, 4096, [0, 2], 4)
-    code = main(["generate", "--model", str(trunk), "--prompt", "hi", "-m", "2",
-                 "--distributed", "pipeline", "--draft-model", str(dflash)])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
-    assert "pipeline mode" in err and "--distributed tensor or expert" in err
-
-
-def test_cli_generate_tensor_with_a_block_drafter(tmp_path):
-    """``generate --distributed tensor --draft-model DRAFTER`` (the flags' path: the default
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_cli_generate_split_with_a_block_drafter(tmp_path, mode):
+    """``generate --distributed MODE --draft-model DRAFTER`` (the flags' path: the default
     source block+mtp, K fixed) prints what one process prints, with the drafter's drafts."""
     import subprocess
     import sys
@@ -96,7 +110,7 @@ def test_cli_generate_tensor_with_a_block_drafter(tmp_path):
     single = subprocess.run([sys.executable, *args], capture_output=True, text=True,
                             timeout=TIMEOUT)
     assert single.returncode == 0, single.stderr
-    dist = launch(*args, "--distributed", "tensor")
+    dist = launch(*args, "--distributed", mode)
     assert dist.returncode == 0, dist.stderr[-3000:]
     def text_and_drafts(out):  # the generated text, and the drafts accepted per source
         return out.split("==========")[1], [x for x in out.splitlines() if x.startswith("MTP:")]
