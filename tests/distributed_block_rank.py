@@ -6,7 +6,8 @@ drafter's directory), "oracle" (make the drafter an oracle, ``block_checks.make_
 on a pipeline rank without the drafter, only its change to the embedding),
 "runs" ([source, K] pairs), "prompt" (ids), "max_tokens"}; argv[2]: where each rank writes its
 results (``<argv[2]>.<rank>``): per job the mode, the pipeline stage's layers, and per run the
-ids and the block and head drafts accepted.
+ids, the block and head drafts made and accepted, and the drafter's proposals (None on a
+pipeline rank without the drafter).
 """
 
 import mlx.core as mx
@@ -20,13 +21,16 @@ from mlx_mtp.models.io.loader import load_model
 from rank_jobs import serve_jobs
 
 
-def decodes(model, job) -> list:
-    """Per run: the ids, whether each came from an accepted draft, and the drafts made and
-    accepted from the drafter and from the head."""
+def decodes(model, job, drafts: bool = True) -> list:
+    """Per run: the ids, whether each came from an accepted draft, the drafts made and
+    accepted from the drafter and from the head, and (``drafts``: where the drafter runs)
+    every drafter pass's proposals."""
     if job.get("oracle"):
         make_oracle(model)
+    proposed = record_proposals(model.block_drafter) if drafts else []
     out = []
     for source, k in job["runs"]:
+        proposed.clear()
         kk, drafter = DraftSources(source, adaptive=False).for_row(k)
         dec = MTPDecoder(model, kk, adaptive=False, drafter=drafter)
         steps = list(generate_step(job["prompt"], model, decoder=dec,
@@ -35,8 +39,23 @@ def decodes(model, job) -> list:
         out.append({"tokens": [t for t, _, _ in steps],
                     "from_draft": [bool(d) for _, _, d in steps],  # each step's accepted run
                     "block": [s.block_draft_tokens, s.block_accepted_tokens],
-                    "head": [s.head_draft_tokens, s.head_accepted_tokens]})
+                    "head": [s.head_draft_tokens, s.head_accepted_tokens],
+                    "proposed": [p.tolist() for p in proposed] if drafts else None})
     return out
+
+
+def record_proposals(drafter) -> list:
+    """A list that gets every pass's proposals (B, n) of ``drafter`` (read after the step,
+    whose sync computed them)."""
+    proposed, propose = [], drafter.propose
+
+    def recorded(anchor, cache, n, draw):
+        picks, log_qs = propose(anchor, cache, n, draw)
+        proposed.append(picks)
+        return picks, log_qs
+
+    drafter.propose = recorded
+    return proposed
 
 
 def zero_mask_embedding(model):
@@ -61,7 +80,7 @@ def run(job, group) -> dict:
     if job.get("oracle") and not model.is_head:  # a pipeline stage: the trunk's part only
         job = dict(job, oracle=False)
         zero_mask_embedding(model)
-    result = {"mode": model.mode, "runs": decodes(model, job),
+    result = {"mode": model.mode, "runs": decodes(model, job, drafts=model.is_head),
               "stage": list(model.layer_range or ())}
     mx.synchronize()
     return result
