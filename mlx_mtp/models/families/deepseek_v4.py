@@ -182,6 +182,9 @@ class Model(MTPModel):
             self.mtp = MTPStack([MTPLayer(args)])
         dim = args.rope_head_dim
         self._freqs = {k: inv_freq(dim, v) for k, v in args.rope_parameters.items()}
+        # Not a parameter, so loading does not evaluate it: a graph left lazy here cannot be
+        # evaluated on another thread (the server's engine: "no Stream(cpu, 0)").
+        mx.eval(self._freqs)
 
     @property
     def capabilities(self) -> Capabilities:
