@@ -11,7 +11,10 @@ rejected, varied ids) and on oracle trunks with oracle drafters (drafts accepted
 widths 1..3 and with the head chained past the block: DFlash and DSpark in every split;
 over the pipeline (rank 0: layer 3, rank 1: layers 0-2) also taps on both stages (DFlash
 tapping 1 and 3) and EAGLE-3 (0, 2, 3; random, and ``block_checks.write_eagle3_oracle``'s
-oracle), the other drafters tapping the first stage only (0, 2)."""
+oracle), the other drafters tapping the first stage only (0, 2); and the stream families
+GLM-5.3-Flash (taps on both stages) and Qwen4-Exp (on rank 0's) with a random DFlash."""
+
+import shutil
 
 import pytest
 
@@ -21,6 +24,7 @@ from mlx_mtp.testing.tiny import make_tiny
 from mlx_mtp.testing.tiny_block import make_tiny_block
 from rank_jobs import RankJobs
 from test_distributed import launch
+from test_distributed_streams import FIXTURES, byte_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -36,8 +40,13 @@ PIPELINE_ONLY = [("dflash-both-stages-pipeline-random", "dflash", [1, 3], "rando
                  ("dflash-both-stages-pipeline-oracle", "dflash", [1, 3], "oracle"),
                  ("eagle3-pipeline-random", "eagle3", [0, 2, 3], "random"),
                  ("eagle3-pipeline-oracle", "eagle3", [0, 2, 3], "oracle")]
+# Stream families over the pipeline, a random DFlash on their own fixtures: (family, taps,
+# the stages' layers). GLM-5.3-Flash taps both stages; Qwen4-Exp only rank 0's, whose
+# stream mixer makes its taps (the first stage does not hold it).
+STREAMS = [("glm5_next", [1, 3], [[3, 5], [0, 3]]), ("qwen4_exp", [5, 7], [[4, 8], [0, 4]])]
 NAMES = ([f"{kind}-{mode}-{head}" for kind in KINDS for _, mode, head in TRUNKS]
-         + [name for name, *_ in PIPELINE_ONLY])
+         + [name for name, *_ in PIPELINE_ONLY]
+         + [f"dflash-{fam}-pipeline" for fam, *_ in STREAMS])
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +72,14 @@ def jobs(tmp_path_factory):
         out.append({"name": name, "model": str(trunk), "mode": "pipeline",
                     "oracle": head == "oracle" and kind != "eagle3", "drafter": str(drafter),
                     "accepts": head == "oracle"})
+    for fam, taps, stages in STREAMS:
+        trunk = root / fam
+        shutil.copytree(FIXTURES / fam / "checkpoint", trunk)
+        byte_tokenizer(trunk)
+        drafter = make_tiny_block(root / f"{fam}-dflash", "dflash", 32, 256, taps,
+                                  stages[0][1], own_embed_head=False, block_size=4)
+        out.append({"name": f"dflash-{fam}-pipeline", "model": str(trunk), "mode": "pipeline",
+                    "oracle": False, "drafter": str(drafter), "stages": stages})
     for j in out:
         j.update(runs=RUNS, prompt=PROMPT, max_tokens=12)
     return out
@@ -89,7 +106,7 @@ def test_split_runs_equal_one_process(runs, name):
             want = [{k: v for k, v in r.items() if k != "proposed"} for r in want]
         assert got["runs"] == want, rank
     if job["mode"] == "pipeline":  # the stages the taps were placed for
-        assert [r["stage"] for r in ranks] == [[3, 4], [0, 3]]
+        assert [r["stage"] for r in ranks] == job.get("stages", [[3, 4], [0, 3]])
     drafted, accepted = (sum(r["block"][i] for r in want) for i in (0, 1))
     assert 0 < accepted if job.get("accepts", job["oracle"]) else accepted < drafted
     assert all(r["block"][0] > 0 for r in want)
