@@ -138,3 +138,53 @@ def test_cli_generate_split_with_a_block_drafter(tmp_path, mode):
     text, drafts = text_and_drafts(single.stdout)
     assert text.strip() and ", block 0/24" in drafts[0], single.stdout  # 8 steps of 3
     assert text_and_drafts(dist.stdout) == (text, drafts), dist.stdout
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3-oracle"])
+def test_serve_pipeline_batch_of_4_with_a_block_drafter(tmp_path, drafter):
+    """``serve --distributed pipeline --draft-model DRAFTER``: 4 concurrent greedy chats (one
+    batch, rows joining at different steps) equal one server's answers, with the drafter's
+    drafts counted alike. A random DFlash tapping both stages on a trunk whose answers tell
+    the prompts apart (drafts rejected), and EAGLE-3's oracle on the oracle trunk (every
+    draft accepted)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_process import ServerProcess
+    from test_distributed_families import SERVE_PROMPTS
+    from test_distributed_serve import Cluster, chat
+
+    if drafter == "dflash":
+        trunk = make_tiny(tmp_path / "trunk", "qwen3_5", "noisy", trunk_scale=4.0, seed=5,
+                          vocab_size=4096)
+        path = make_tiny_block(tmp_path / "dflash", "dflash", 64, 4096, [1, 3], 4,
+                               block_size=4, num_key_value_heads=4)
+    else:
+        trunk = make_tiny(tmp_path / "trunk", "qwen3_5", "oracle", vocab_size=4096)
+        path = write_eagle3_oracle(trunk, tmp_path / "eagle3")
+    flags = ("--temp", "0", "--draft-model", str(path), "--num-draft-tokens", "3", "--fixed-k")
+    server = ServerProcess(trunk, tmp_path, *flags, wait=False)
+    cluster = None
+
+    def answer(url, prompt):
+        r = chat(url, prompt)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"], r.json()["usage"]
+
+    try:
+        cluster = Cluster(trunk, tmp_path, "pipeline", *flags[2:])  # while the server starts
+        server.wait()
+        expected = {p: answer(server.url, p) for p in SERVE_PROMPTS}
+        server.stop()
+        block = [u["draft_tokens_by_source"]["block"] for _, u in expected.values()]
+        assert all(b["drafted"] > 0 for b in block)
+        if drafter == "dflash":
+            assert len({text for text, _ in expected.values()}) == len(SERVE_PROMPTS)
+        else:
+            assert all(b["accepted"] == b["drafted"] for b in block)
+        with ThreadPoolExecutor(4) as pool:
+            got = {p: pool.submit(answer, cluster.url, p) for p in SERVE_PROMPTS}
+            assert {p: a.result() for p, a in got.items()} == expected
+    finally:
+        server.stop()
+        if cluster is not None:
+            cluster.kill()

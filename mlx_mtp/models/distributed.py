@@ -272,8 +272,7 @@ class DistributedModel(ModelInterface):
                                                              group=self.group))
             hidden, *upstream = (mx.split(received, [width + i * H for i in range(len(before))],
                                           axis=-1) if before else (received,))
-            h, tapped = text.stage_layers(inputs, hidden.reshape(shape), cache, capture,
-                                          **({"taps": own} if own else {}))
+            h, tapped = text.stage_layers(inputs, hidden.reshape(shape), cache, capture, own)
         else:
             upstream = []
             h, tapped = text.trunk_layers(inputs, cache, capture, own)

@@ -206,7 +206,7 @@ class Model(MTPModel):
         streams = stream_input(self.embed(inputs), self.args.hc_mult)
         return self.stage_layers(inputs, streams, cache, capture)
 
-    def stage_layers(self, ids, hidden, cache=None, capture=False):
+    def stage_layers(self, ids, hidden, cache=None, capture=False, taps=()):
         """The layers from the streams ``hidden``. All rows run in one pass; each keeps its
         own caches (``CompressedRows``: rows sit at different phases of their windows),
         which the attention reads row by row."""
