@@ -12,7 +12,7 @@ widths 1..3 and with the head chained past the block: DFlash and DSpark in every
 over the pipeline (rank 0: layer 3, rank 1: layers 0-2) also taps on both stages (DFlash
 tapping 1 and 3) and EAGLE-3 (0, 2, 3; random, and ``block_checks.write_eagle3_oracle``'s
 oracle), the other drafters tapping the first stage only (0, 2); and the stream families
-GLM-5.3-Flash (taps on both stages) and Qwen4-Exp (on rank 0's) with a random DFlash."""
+GLM-5.3-Flash and Qwen4-Exp with a random DFlash tapping both stages."""
 
 import shutil
 
@@ -40,10 +40,10 @@ PIPELINE_ONLY = [("dflash-both-stages-pipeline-random", "dflash", [1, 3], "rando
                  ("dflash-both-stages-pipeline-oracle", "dflash", [1, 3], "oracle"),
                  ("eagle3-pipeline-random", "eagle3", [0, 2, 3], "random"),
                  ("eagle3-pipeline-oracle", "eagle3", [0, 2, 3], "oracle")]
-# Stream families over the pipeline, a random DFlash on their own fixtures: (family, taps,
-# the stages' layers). GLM-5.3-Flash taps both stages; Qwen4-Exp only rank 0's, whose
-# stream mixer makes its taps (the first stage does not hold it).
-STREAMS = [("glm5_next", [1, 3], [[3, 5], [0, 3]]), ("qwen4_exp", [5, 7], [[4, 8], [0, 4]])]
+# Stream families over the pipeline, a random DFlash tapping both stages on their own
+# fixtures: (family, taps, the stages' layers). A Qwen4-Exp tap is its stream mixer's
+# output: the first stage holds the mixer too (``tap_modules``).
+STREAMS = [("glm5_next", [1, 3], [[3, 5], [0, 3]]), ("qwen4_exp", [1, 5], [[4, 8], [0, 4]])]
 NAMES = ([f"{kind}-{mode}-{head}" for kind in KINDS for _, mode, head in TRUNKS]
          + [name for name, *_ in PIPELINE_ONLY]
          + [f"dflash-{fam}-pipeline" for fam, *_ in STREAMS])

@@ -404,15 +404,16 @@ def _drop(module: nn.Module, name: str):
 
 def _prune_pipeline(text, start: int, end: int, rank: int, size: int, hidden_dtype):
     """Keep only what this pipeline rank runs: its trunk layers (the trunk's list cut to
-    them, so the family's own loop, masks and caches cover just these), and on rank 0 the
-    head. Parameters are still lazy: nothing dropped is ever read."""
+    them, so the family's own loop, masks and caches cover just these, and what a tap reads),
+    and on rank 0 the head. Parameters are still lazy: nothing dropped is ever read."""
     trunk = text.model
     trunk.layers = trunk.layers[start:end]
     if rank != 0:
         for name in ("lm_head", "mtp"):
             _drop(text, name)
         for module in text.output_modules():
-            trunk.pop(_child_name(trunk, module))
+            if not any(module is m for m in text.tap_modules()):
+                trunk.pop(_child_name(trunk, module))
         if rank != size - 1:  # the batch reads the model's dtype from the embedding
             stand_in = nn.Embedding(1, 1)
             stand_in.set_dtype(hidden_dtype)

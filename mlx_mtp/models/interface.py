@@ -246,6 +246,10 @@ class MTPModel(ModelInterface, nn.Module):
         """The trunk's modules only ``trunk_outputs`` reads (held by the head's stage)."""
         return [self.model.norm]
 
+    def tap_modules(self) -> list:
+        """The trunk's modules outside its layers that a tap reads (held by every stage)."""
+        return []
+
     def stage_may_start(self, layer: int) -> bool:
         """Whether a stage may begin at trunk layer ``layer`` (not where it reads what the
         layer before it computed besides the hidden)."""

@@ -239,6 +239,9 @@ class Model(MTPModel):
     def output_modules(self) -> list:
         return [self.model.hyper_connection_mixer]
 
+    def tap_modules(self) -> list:
+        return [self.model.hyper_connection_mixer]  # a tap is the streams' mixture
+
     def shard(self, group):
         """Qwen3.5's split by heads and columns, one layer read at a time; the stream mixers,
         PLE and the QSA indexers whole on every rank."""
