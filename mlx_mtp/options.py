@@ -189,14 +189,6 @@ def block_drafter_from_args(args):
     return path, kind
 
 
-def _refuse_pipeline_taps(mode):
-    """A pipeline spreads the tapped layers over ranks: its taps do not travel yet."""
-    if mode == "pipeline":
-        raise UserError("--draft-model with a block drafter cannot be combined with a "
-                        "distributed run in pipeline mode yet (its tapped layers sit on "
-                        "several ranks); use --distributed tensor or expert")
-
-
 def mtp_model_from_args(args):
     """The split drafter ``--mtp-model`` names (None: the model's own head)."""
     path = getattr(args, "mtp_model", None)
@@ -312,14 +304,10 @@ def load_from_args(args, mtp: bool, group=None):
     else:
         from .models.distributed import load_distributed
 
-        if block is not None:
-            _refuse_pipeline_taps(args.distributed)  # before reading any weights
         model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=mtp,
                                             mtp_hidden=args.mtp_hidden, dtype=args.dtype,
                                             mtp_model=None if block else mtp_model_from_args(args))
-        if block is not None:
-            _refuse_pipeline_taps(model.mode)  # the mode chosen by default
-    if block is not None:  # split: every rank runs it whole (tensor, expert)
+    if block is not None:  # split: see DistributedModel.use_block_drafter
         from .drafters.block.load import attach_block_drafter
 
         attach_block_drafter(model, *block)

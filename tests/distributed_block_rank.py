@@ -2,32 +2,70 @@
 (run on two ranks by ``rank_jobs.RankJobs``).
 
 argv[1]: a JSON file holding a list of jobs {"name", "model", "mode", "drafter" (a block
-drafter's directory), "oracle" (make the drafter an oracle, ``block_checks.make_oracle``),
+drafter's directory), "oracle" (make the drafter an oracle, ``block_checks.make_oracle``:
+on a pipeline rank without the drafter, only its change to the embedding),
 "runs" ([source, K] pairs), "prompt" (ids), "max_tokens"}; argv[2]: where each rank writes its
-results (``<argv[2]>.<rank>``): per job the mode, and per run the ids and the block and head
-drafts accepted.
+results (``<argv[2]>.<rank>``): per job the mode, the pipeline stage's layers, and per run the
+ids, the block and head drafts made and accepted, and the drafter's proposals (None on a
+pipeline rank without the drafter).
 """
 
 import mlx.core as mx
 
-from block_checks import decode, make_oracle
+from block_checks import make_oracle
+from mlx_mtp.decode.draft_source import DraftSources
+from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.drafters.block.load import attach_block_drafter
 from mlx_mtp.models.distributed import load_distributed
 from mlx_mtp.models.io.loader import load_model
 from rank_jobs import serve_jobs
 
 
-def decodes(model, job) -> list:
-    """Per run: the ids, and the drafts accepted from the drafter and from the head."""
+def decodes(model, job, drafts: bool = True) -> list:
+    """Per run: the ids, whether each came from an accepted draft, the drafts made and
+    accepted from the drafter and from the head, and (``drafts``: where the drafter runs)
+    every drafter pass's proposals."""
     if job.get("oracle"):
         make_oracle(model)
+    proposed = record_proposals(model.block_drafter) if drafts else []
     out = []
     for source, k in job["runs"]:
-        tokens, dec = decode(model, job["prompt"], k, source, n=job["max_tokens"])
+        proposed.clear()
+        kk, drafter = DraftSources(source, adaptive=False).for_row(k)
+        dec = MTPDecoder(model, kk, adaptive=False, drafter=drafter)
+        steps = list(generate_step(job["prompt"], model, decoder=dec,
+                                   max_tokens=job["max_tokens"]))
         s = dec.stats
-        out.append({"tokens": tokens, "block": [s.block_draft_tokens, s.block_accepted_tokens],
-                    "head": [s.head_draft_tokens, s.head_accepted_tokens]})
+        out.append({"tokens": [t for t, _, _ in steps],
+                    "from_draft": [bool(d) for _, _, d in steps],  # each step's accepted run
+                    "block": [s.block_draft_tokens, s.block_accepted_tokens],
+                    "head": [s.head_draft_tokens, s.head_accepted_tokens],
+                    "proposed": [p.tolist() for p in proposed] if drafts else None})
     return out
+
+
+def record_proposals(drafter) -> list:
+    """A list that gets every pass's proposals (B, n) of ``drafter`` (read after the step,
+    whose sync computed them)."""
+    proposed, propose = [], drafter.propose
+
+    def recorded(anchor, cache, n, draw):
+        picks, log_qs = propose(anchor, cache, n, draw)
+        proposed.append(picks)
+        return picks, log_qs
+
+    drafter.propose = recorded
+    return proposed
+
+
+def zero_mask_embedding(model):
+    """``make_oracle``'s change to the trunk on a pipeline rank without the drafter (which
+    holds a stand-in): the mask token embeds to zero, on the rank that embeds tokens."""
+    text, mask = model.text, model.block_drafter.spec.mask_token_id
+    if model.layer_range[0] == 0:
+        emb = text.model.embed_tokens.weight
+        V = emb.shape[0]
+        text.model.embed_tokens.weight = mx.where(mx.arange(V)[:, None] == mask, 0.0, emb)
 
 
 def single_process(job) -> list:
@@ -39,7 +77,11 @@ def single_process(job) -> list:
 def run(job, group) -> dict:
     model, _ = load_distributed(job["model"], job["mode"], group)
     attach_block_drafter(model, job["drafter"])
-    result = {"mode": model.mode, "runs": decodes(model, job)}
+    if job.get("oracle") and not model.is_head:  # a pipeline stage: the trunk's part only
+        job = dict(job, oracle=False)
+        zero_mask_embedding(model)
+    result = {"mode": model.mode, "runs": decodes(model, job, drafts=model.is_head),
+              "stage": list(model.layer_range or ())}
     mx.synchronize()
     return result
 

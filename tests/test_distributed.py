@@ -220,14 +220,3 @@ def test_serve_rejects_a_bad_distributed_timeout_clearly():
     assert "--distributed-timeout must be > 0" in proc.stderr
     assert "Traceback" not in proc.stderr
 
-
-def test_block_drafter_is_refused_with_distributed_in_one_line(models, tmp_path, capsys):
-    from mlx_mtp.cli import main
-    from mlx_mtp.testing.tiny_block import make_tiny_dflash
-
-    dflash = make_tiny_dflash(tmp_path / "dflash", 64, 4096, [0, 2], 4)
-    code = main(["generate", "--model", str(models["text"]), "--prompt", "hi", "-m", "2",
-                 "--distributed", "pipeline", "--draft-model", str(dflash)])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
-    assert "block drafter cannot be combined with a distributed run" in err

@@ -1,21 +1,30 @@
 """Block drafters over a model split across two local ranks (``mlx.launch -n 2 --backend
-ring``), tensor and expert: every rank has the whole residual stream, so each runs the
-drafter whole (replicated) on its own taps; rank 0's drafts are the ones every rank verifies
-(the step's one draft message) and acceptance is decided once. Greedy output, and the drafts
-accepted from the drafter and from the head, equal one process's (``distributed_block_rank.
-single_process``) for DFlash and DSpark drafters on the Qwen3.5 hybrid (dense, tensor; MoE,
-expert), on random trunks with random drafters (drafts rejected, varied ids) and on oracle
-trunks with oracle drafters (drafts accepted), at block widths 1..3
-and with the head chained past the block. A pipeline is refused in one line (its tapped
-layers sit on several ranks)."""
+ring``). Tensor and expert: every rank has the whole residual stream, so each runs the
+drafter whole (replicated) on its own taps. Pipeline: the drafter runs on rank 0 (the
+output's), and the first stage's taps reach it with the hidden it sends (one array); the
+other rank holds a stand-in. Either way rank 0's drafts are the ones every rank verifies
+(the step's one draft message) and acceptance is decided once. Greedy output, which ids
+came from accepted drafts, the drafts made and accepted from the drafter and from the head,
+and every drafter pass's proposals (rank 0's, in a pipeline) equal one process's (``distributed_block_rank.single_process``) on the Qwen3.5 hybrid
+(dense, tensor and pipeline; MoE, expert), on random trunks with random drafters (drafts
+rejected, varied ids) and on oracle trunks with oracle drafters (drafts accepted), at block
+widths 1..3 and with the head chained past the block: DFlash and DSpark in every split;
+over the pipeline (rank 0: layer 3, rank 1: layers 0-2) also taps on both stages (DFlash
+tapping 1 and 3) and EAGLE-3 (0, 2, 3; random, and ``block_checks.write_eagle3_oracle``'s
+oracle), the other drafters tapping the first stage only (0, 2); and the stream families
+GLM-5.3-Flash and Qwen4-Exp with a random DFlash tapping both stages."""
+
+import shutil
 
 import pytest
 
+from block_checks import write_eagle3_oracle
 from distributed_block_rank import single_process
 from mlx_mtp.testing.tiny import make_tiny
 from mlx_mtp.testing.tiny_block import make_tiny_block
 from rank_jobs import RankJobs
 from test_distributed import launch
+from test_distributed_streams import FIXTURES, byte_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -23,9 +32,21 @@ PROMPT = [5, 60, 11, 7, 9, 3, 41, 17]
 RUNS = [["block", 1], ["block", 2], ["block", 3], ["block+mtp", 4]]
 KINDS = ("dflash", "dspark")
 # (trunk family, its split, head): the dense trunk split by heads, the MoE one by experts
-TRUNKS = [(fam, mode, head) for fam, mode in (("qwen3_5", "tensor"), ("qwen3_5_moe", "expert"))
+TRUNKS = [(fam, mode, head) for fam, mode in (("qwen3_5", "tensor"), ("qwen3_5_moe", "expert"),
+                                               ("qwen3_5", "pipeline"))
           for head in ("random", "oracle")]
-NAMES = [f"{kind}-{mode}-{head}" for kind in KINDS for _, mode, head in TRUNKS]
+# Over the pipeline only: (name, kind, taps, head); taps on both stages.
+PIPELINE_ONLY = [("dflash-both-stages-pipeline-random", "dflash", [1, 3], "random"),
+                 ("dflash-both-stages-pipeline-oracle", "dflash", [1, 3], "oracle"),
+                 ("eagle3-pipeline-random", "eagle3", [0, 2, 3], "random"),
+                 ("eagle3-pipeline-oracle", "eagle3", [0, 2, 3], "oracle")]
+# Stream families over the pipeline, a random DFlash tapping both stages on their own
+# fixtures: (family, taps, the stages' layers). A Qwen4-Exp tap is its stream mixer's
+# output: the first stage holds the mixer too (``tap_modules``).
+STREAMS = [("glm5_next", [1, 3], [[3, 5], [0, 3]]), ("qwen4_exp", [1, 5], [[4, 8], [0, 4]])]
+NAMES = ([f"{kind}-{mode}-{head}" for kind in KINDS for _, mode, head in TRUNKS]
+         + [name for name, *_ in PIPELINE_ONLY]
+         + [f"dflash-{fam}-pipeline" for fam, *_ in STREAMS])
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +61,25 @@ def jobs(tmp_path_factory):
         for fam, mode, head in TRUNKS:
             out.append({"name": f"{kind}-{mode}-{head}", "model": str(trunks[(fam, head)]),
                         "mode": mode, "oracle": head == "oracle", "drafter": str(drafter)})
+    for name, kind, taps, head in PIPELINE_ONLY:
+        trunk = trunks[("qwen3_5", head)]
+        if kind == "eagle3" and head == "oracle":  # its oracle is written, not made per rank
+            drafter = write_eagle3_oracle(trunk, root / name)
+        else:
+            drafter = make_tiny_block(root / name, kind, 64, 512, taps, 4, own_embed_head=False,
+                                      block_size=4, **({} if kind == "eagle3" else
+                                                       {"num_key_value_heads": 4}))
+        out.append({"name": name, "model": str(trunk), "mode": "pipeline",
+                    "oracle": head == "oracle" and kind != "eagle3", "drafter": str(drafter),
+                    "accepts": head == "oracle"})
+    for fam, taps, stages in STREAMS:
+        trunk = root / fam
+        shutil.copytree(FIXTURES / fam / "checkpoint", trunk)
+        byte_tokenizer(trunk)
+        drafter = make_tiny_block(root / f"{fam}-dflash", "dflash", 32, 256, taps,
+                                  stages[0][1], own_embed_head=False, block_size=4)
+        out.append({"name": f"dflash-{fam}-pipeline", "model": str(trunk), "mode": "pipeline",
+                    "oracle": False, "drafter": str(drafter), "stages": stages})
     for j in out:
         j.update(runs=RUNS, prompt=PROMPT, max_tokens=12)
     return out
@@ -61,26 +101,20 @@ def test_split_runs_equal_one_process(runs, name):
     job, want, *ranks = runs[name]
     for rank, got in enumerate(ranks):
         assert got["mode"] == job["mode"]
+        if job["mode"] == "pipeline" and rank > 0:  # a stand-in drafter: rank 0's drafts
+            assert all(r.pop("proposed") is None for r in got["runs"])
+            want = [{k: v for k, v in r.items() if k != "proposed"} for r in want]
         assert got["runs"] == want, rank
+    if job["mode"] == "pipeline":  # the stages the taps were placed for
+        assert [r["stage"] for r in ranks] == job.get("stages", [[3, 4], [0, 3]])
     drafted, accepted = (sum(r["block"][i] for r in want) for i in (0, 1))
-    assert 0 < accepted if job["oracle"] else accepted < drafted
+    assert 0 < accepted if job.get("accepts", job["oracle"]) else accepted < drafted
     assert all(r["block"][0] > 0 for r in want)
 
 
-def test_pipeline_is_refused_in_one_line(tmp_path, capsys):
-    from mlx_mtp.cli import main
-
-    trunk = make_tiny(tmp_path / "trunk", "qwen3_5", "random", vocab_size=4096)
-    dflash = make_tiny_block(tmp_path / "dflash", "dflash", 64, 4096, [0, 2], 4)
-    code = main(["generate", "--model", str(trunk), "--prompt", "hi", "-m", "2",
-                 "--distributed", "pipeline", "--draft-model", str(dflash)])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
-    assert "pipeline mode" in err and "--distributed tensor or expert" in err
-
-
-def test_cli_generate_tensor_with_a_block_drafter(tmp_path):
-    """``generate --distributed tensor --draft-model DRAFTER`` (the flags' path: the default
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_cli_generate_split_with_a_block_drafter(tmp_path, mode):
+    """``generate --distributed MODE --draft-model DRAFTER`` (the flags' path: the default
     source block+mtp, K fixed) prints what one process prints, with the drafter's drafts."""
     import subprocess
     import sys
@@ -96,7 +130,7 @@ def test_cli_generate_tensor_with_a_block_drafter(tmp_path):
     single = subprocess.run([sys.executable, *args], capture_output=True, text=True,
                             timeout=TIMEOUT)
     assert single.returncode == 0, single.stderr
-    dist = launch(*args, "--distributed", "tensor")
+    dist = launch(*args, "--distributed", mode)
     assert dist.returncode == 0, dist.stderr[-3000:]
     def text_and_drafts(out):  # the generated text, and the drafts accepted per source
         return out.split("==========")[1], [x for x in out.splitlines() if x.startswith("MTP:")]
@@ -104,3 +138,53 @@ def test_cli_generate_tensor_with_a_block_drafter(tmp_path):
     text, drafts = text_and_drafts(single.stdout)
     assert text.strip() and ", block 0/24" in drafts[0], single.stdout  # 8 steps of 3
     assert text_and_drafts(dist.stdout) == (text, drafts), dist.stdout
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3-oracle"])
+def test_serve_pipeline_batch_of_4_with_a_block_drafter(tmp_path, drafter):
+    """``serve --distributed pipeline --draft-model DRAFTER``: 4 concurrent greedy chats (one
+    batch, rows joining at different steps) equal one server's answers, with the drafter's
+    drafts counted alike. A random DFlash tapping both stages on a trunk whose answers tell
+    the prompts apart (drafts rejected), and EAGLE-3's oracle on the oracle trunk (every
+    draft accepted)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_process import ServerProcess
+    from test_distributed_families import SERVE_PROMPTS
+    from test_distributed_serve import Cluster, chat
+
+    if drafter == "dflash":
+        trunk = make_tiny(tmp_path / "trunk", "qwen3_5", "noisy", trunk_scale=4.0, seed=5,
+                          vocab_size=4096)
+        path = make_tiny_block(tmp_path / "dflash", "dflash", 64, 4096, [1, 3], 4,
+                               block_size=4, num_key_value_heads=4)
+    else:
+        trunk = make_tiny(tmp_path / "trunk", "qwen3_5", "oracle", vocab_size=4096)
+        path = write_eagle3_oracle(trunk, tmp_path / "eagle3")
+    flags = ("--temp", "0", "--draft-model", str(path), "--num-draft-tokens", "3", "--fixed-k")
+    server = ServerProcess(trunk, tmp_path, *flags, wait=False)
+    cluster = None
+
+    def answer(url, prompt):
+        r = chat(url, prompt)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"], r.json()["usage"]
+
+    try:
+        cluster = Cluster(trunk, tmp_path, "pipeline", *flags[2:])  # while the server starts
+        server.wait()
+        expected = {p: answer(server.url, p) for p in SERVE_PROMPTS}
+        server.stop()
+        block = [u["draft_tokens_by_source"]["block"] for _, u in expected.values()]
+        assert all(b["drafted"] > 0 for b in block)
+        if drafter == "dflash":
+            assert len({text for text, _ in expected.values()}) == len(SERVE_PROMPTS)
+        else:
+            assert all(b["accepted"] == b["drafted"] for b in block)
+        with ThreadPoolExecutor(4) as pool:
+            got = {p: pool.submit(answer, cluster.url, p) for p in SERVE_PROMPTS}
+            assert {p: a.result() for p, a in got.items()} == expected
+    finally:
+        server.stop()
+        if cluster is not None:
+            cluster.kill()

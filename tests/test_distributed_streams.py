@@ -221,3 +221,76 @@ def test_every_kind_is_declared_and_planned(models):
         assert all(model.text.stage_may_start(i) for i in starts)
     glm5, _ = open_lazily(Path(models[("glm5_next", "noisy")]))
     assert not glm5.text.stage_may_start(2)  # the fixture's shared layer
+
+
+# Served over two ranks, one launch per family in one of its modes (K = 2 fixed: every step
+# drafts and rolls back): a batch of 4 concurrent greedy chats (rows joining at different
+# steps) equals one server's answers, token for token. The fixtures' vocabulary (256) takes a
+# byte-level tokenizer that fits it (``byte_tokenizer``).
+SERVE = [("qwen4_exp", "pipeline"), ("glm5_next", "tensor"), ("deepseek_v4", "expert")]
+SERVE_PROMPTS = ["hello there, how are you?", "def fibonacci(n):\n    return",
+                 "import os\nimport sys\nimport re\n", "1, 2, 3, 5, 8, 13, 21,"]
+
+
+def byte_tokenizer(dst: Path) -> Path:
+    """``dst`` with a byte-level tokenizer whose ids fit a 256-row vocabulary: three specials
+    (ids 0-2; ``<|endoftext|>``, id 1, is the fixtures' eos) and every byte but three that
+    text prompts never hold (0x9f, 0xa0, 0xad: the alphabet's last), ids 3-255, no merges;
+    a chat template that joins the messages. Qwen's tokenizer class (which transformers uses
+    for ``qwen4_exp`` whatever the config says) reads it as the generic one does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<|im_start|>", "<|endoftext|>", "<|im_end|>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=ord)[:-3]
+    vocab = {t: i for i, t in enumerate(specials + alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    tok.save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}))
+    return dst
+
+
+def answer(url: str, prompt: str) -> tuple:
+    """A greedy chat answer: its text and each token's bytes (which the text hides where a
+    lone byte decodes to U+FFFD)."""
+    from test_distributed_serve import chat
+
+    r = chat(url, prompt, 180.0, logprobs=True)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert r.json()["mtp"]["num_draft_tokens"] > 0  # MTP ran
+    return choice["message"]["content"], [t["bytes"] for t in choice["logprobs"]["content"]]
+
+
+@pytest.mark.parametrize("family,mode", SERVE)
+def test_serve_batch_of_4_equals_single_process(tmp_path, family, mode):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_process import ServerProcess
+    from test_distributed_serve import Cluster
+
+    src = FIXTURES / family
+    ckpt = tmp_path / family
+    shutil.copytree(src / "checkpoint" if (src / "checkpoint").is_dir() else src, ckpt)
+    byte_tokenizer(ckpt)
+    flags = ("--temp", "0", "--num-draft-tokens", "2", "--fixed-k")
+    server = ServerProcess(ckpt, tmp_path, *flags, wait=False)
+    cluster = None
+    try:
+        cluster = Cluster(ckpt, tmp_path, mode, *flags[2:])  # while the server starts
+        server.wait()
+        expected = {p: answer(server.url, p) for p in SERVE_PROMPTS}
+        server.stop()
+        assert len(set(str(a) for a in expected.values())) > 1  # answers tell prompts apart
+        with ThreadPoolExecutor(4) as pool:  # one batch
+            got = {p: pool.submit(answer, cluster.url, p) for p in SERVE_PROMPTS}
+            assert {p: a.result() for p, a in got.items()} == expected
+    finally:
+        server.stop()
+        if cluster is not None:
+            cluster.kill()

@@ -35,6 +35,7 @@ peer has not reached.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
@@ -132,13 +133,15 @@ class DistributedModel(ModelInterface):
     change is the loaded model's (``inner``)."""
 
     # Ranks hold different parts of the model: nothing is compiled or sized per rank.
-    capabilities = Capabilities(shares=True, distributed=True, draft_vocab=False, taps=False)
+    capabilities = Capabilities(shares=True, distributed=True, draft_vocab=False)
 
     def __init__(self, model, mode: str, group, layer_range: Optional[Tuple[int, int]] = None,
-                 hidden_dtype=mx.float32, mtp_counts: Tuple[int, int] = (0, 0)):
+                 hidden_dtype=mx.float32, mtp_counts: Tuple[int, int] = (0, 0),
+                 num_layers: int = 0):
         """``layer_range``: the pipeline stage's trunk layers (``inner`` holds only them);
         ``hidden_dtype``: the dtype hiddens travel in; ``mtp_counts``: the head's MTP layers
-        and caches (counted before a pipeline rank dropped its head)."""
+        and caches (counted before a pipeline rank dropped its head); ``num_layers``: the
+        whole trunk's."""
         self.inner = model
         self.mode = mode
         self.group = group
@@ -146,11 +149,12 @@ class DistributedModel(ModelInterface):
         self.layer_range = layer_range
         self.hidden_dtype = hidden_dtype
         self.mtp_counts = mtp_counts
+        self.num_layers = num_layers
         self._last_comm: Optional[mx.array] = None
-        # Taps where every rank runs every layer: each has the whole residual stream, so a
-        # block drafter runs whole on every rank, replicated, and needs no message.
-        self.capabilities = replace(self.capabilities,
-                                    taps=self.whole_step and model.capabilities.taps)
+        # Taps: where every rank runs every layer, each has the whole residual stream and
+        # runs a block drafter whole, replicated, with no message; a pipeline sends them
+        # to rank 0 with the hidden.
+        self.capabilities = replace(self.capabilities, taps=model.capabilities.taps)
         self.bytes_sent = 0  # this rank's payload bytes over the group (benchmarks)
         self.messages = 0
 
@@ -246,25 +250,43 @@ class DistributedModel(ModelInterface):
 
     # engine interface
     def trunk(self, inputs, cache=None, capture=False):
-        """Pipeline: this stage's layers (the model's trunk cut to them) from the tokens
-        (the first stage) or the hidden the previous stage sends."""
         if self.whole_step:
             return self.inner.trunk(inputs, cache, capture)
-        text = self.text
+        return self._stage(inputs, cache, capture)[:2]
+
+    def _stage(self, inputs, cache, capture, taps: Sequence[int] = ()):
+        """Pipeline: this stage's layers (the model's trunk cut to them) from the tokens
+        (the first stage) or what the previous stage sends: its hidden, then the taps (in
+        ``taps`` order) of the layers before this stage, flattened into one array, so the
+        taps reach rank 0 (the drafter's) in the pipeline's own messages."""
+        text, (start, end) = self.text, self.layer_range
+        before = [t for t in taps if t < start]  # tapped on the stages before this one
+        own = [t - start for t in taps if start <= t < end]  # ids into this stage's layers
+        B, L = inputs.shape
         if self.rank < self.size - 1:
-            template = mx.zeros(text.stage_shape(*inputs.shape), self.hidden_dtype)
-            hidden = self._issue(mx.distributed.recv_like(template, self.rank + 1,
-                                                          group=self.group))
-            h, _ = text.stage_layers(inputs, hidden, cache, capture)
+            shape, H = text.stage_shape(B, L), text.args.hidden_size
+            width = math.prod(shape[2:])  # the hidden's, flattened; then H per tap
+            template = mx.zeros((B, L, width + len(before) * H) if before else shape,
+                                self.hidden_dtype)
+            received = self._issue(mx.distributed.recv_like(template, self.rank + 1,
+                                                             group=self.group))
+            hidden, *upstream = (mx.split(received, [width + i * H for i in range(len(before))],
+                                          axis=-1) if before else (received,))
+            h, tapped = text.stage_layers(inputs, hidden.reshape(shape), cache, capture, own)
         else:
-            h, _ = text.trunk_layers(inputs, cache, capture)
+            upstream = []
+            h, tapped = text.trunk_layers(inputs, cache, capture, own)
+        tapped = {**dict(zip(before, upstream)), **{start + i: v for i, v in tapped.items()}}
         if self.rank > 0:
-            h = self._issue(mx.distributed.send(self._after_last(h.astype(self.hidden_dtype)),
-                                                self.rank - 1, group=self.group))
-            self._count(h)
-            # Stand-ins, never read: the output layer's input shape, the streams sent.
-            return mx.zeros((*h.shape[:2], text.args.hidden_size), h.dtype), h
-        return text.trunk_outputs(h)
+            sent = [tapped[t] for t in taps if t < end]
+            out = (h if not sent else
+                   mx.concatenate([h.reshape(B, L, -1), *sent], axis=-1))
+            out = self._issue(mx.distributed.send(self._after_last(out.astype(self.hidden_dtype)),
+                                                  self.rank - 1, group=self.group))
+            self._count(out)
+            # Stand-ins, never read: the output layer's input shape, what was sent, no taps.
+            return mx.zeros((B, L, text.args.hidden_size), h.dtype), out, []
+        return (*text.trunk_outputs(h), [tapped[t] for t in taps])
 
     def logits(self, hidden):
         if self.is_head:
@@ -318,9 +340,27 @@ class DistributedModel(ModelInterface):
             self.inner.set_draft_head(bits, group_size, vocab)
 
     def trunk_with_taps(self, inputs, taps, cache=None, capture=False):
+        """Pipeline: every stage's taps reach rank 0 with the hidden (``_stage``); the
+        other ranks' taps are empty stand-ins (their drafter is a ``StageDrafter``)."""
         if self.whole_step:
             return self.inner.trunk_with_taps(inputs, taps, cache, capture)
-        raise NotImplementedError("hidden-state taps on a pipeline split across processes")
+        return self._stage(inputs, cache, capture, taps)
+
+    def check_taps(self, taps: Sequence[int]):
+        """Pipeline: against the whole trunk's layers, with no message (a stage holds only
+        its own)."""
+        if self.whole_step:
+            return self.inner.check_taps(taps)
+        missing = sorted(t for t in set(taps) if not 0 <= t < self.num_layers)
+        if missing:
+            raise ValueError(f"no trunk layer {missing} to tap ({self.num_layers} layers)")
+
+    def use_block_drafter(self, drafter):
+        """A pipeline rank without the output holds a ``StageDrafter`` in its place: the
+        drafter runs on rank 0, which receives every tap."""
+        if drafter is not None and not self.is_head:
+            drafter = StageDrafter(drafter.spec, self.text.args.vocab_size)
+        self.inner.use_block_drafter(drafter)
 
     def set_compiled(self, on: bool, max_k: Optional[int] = None):
         """Not compiled (``capabilities.compilable`` is off)."""
@@ -328,6 +368,31 @@ class DistributedModel(ModelInterface):
     @property
     def compiled(self) -> bool:
         return False
+
+
+class StageDrafter:
+    """A block drafter's stand-in on a pipeline rank without the output: the drafter runs on
+    rank 0, and every rank verifies rank 0's drafts (the step's draft message), so here the
+    drafts are shape-only, never read, and no context is kept (no caches; taps ignored)."""
+
+    num_caches = 0
+
+    def __init__(self, spec, vocab_size: int):
+        self.spec, self.vocab_size = spec, vocab_size
+
+    def bind(self, embed, head):
+        """Nothing to bind: it reads neither."""
+
+    def make_cache(self) -> list:
+        return []
+
+    def add_context(self, taps, cache, tokens=None, lengths=None):
+        """No context on this rank."""
+
+    def propose(self, anchor: mx.array, cache: list, n: int, draw):
+        zeros = mx.zeros((anchor.shape[0], self.vocab_size), mx.float32)
+        picks, log_qs = zip(*(draw(zeros, j) for j in range(n)))
+        return mx.stack(picks, axis=1), list(log_qs)
 
 
 # -- loading --------------------------------------------------------------------------
@@ -339,15 +404,16 @@ def _drop(module: nn.Module, name: str):
 
 def _prune_pipeline(text, start: int, end: int, rank: int, size: int, hidden_dtype):
     """Keep only what this pipeline rank runs: its trunk layers (the trunk's list cut to
-    them, so the family's own loop, masks and caches cover just these), and on rank 0 the
-    head. Parameters are still lazy: nothing dropped is ever read."""
+    them, so the family's own loop, masks and caches cover just these, and what a tap reads),
+    and on rank 0 the head. Parameters are still lazy: nothing dropped is ever read."""
     trunk = text.model
     trunk.layers = trunk.layers[start:end]
     if rank != 0:
         for name in ("lm_head", "mtp"):
             _drop(text, name)
         for module in text.output_modules():
-            trunk.pop(_child_name(trunk, module))
+            if not any(module is m for m in text.tap_modules()):
+                trunk.pop(_child_name(trunk, module))
         if rank != size - 1:  # the batch reads the model's dtype from the embedding
             stand_in = nn.Embedding(1, 1)
             stand_in.set_dtype(hidden_dtype)
@@ -390,6 +456,7 @@ def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None
                       "launch more ranks (docs/distributed.md)")
     hidden_dtype = _hidden_dtype(text)
     mtp_counts = (text.num_mtp_layers, len(text.make_mtp_cache()))
+    num_layers = len(text.model.layers)
     layer_range = None
     if mode == "pipeline":
         layer_range = share.layers
@@ -401,7 +468,8 @@ def load_distributed(path: Optional[str], mode: Optional[str] = None, group=None
     elif mode == "expert":
         split_experts(text, group)
     mx.eval(model.parameters())
-    return (DistributedModel(model, mode, group, layer_range, hidden_dtype, mtp_counts),
+    return (DistributedModel(model, mode, group, layer_range, hidden_dtype, mtp_counts,
+                             num_layers),
             load_tokenizer(p, config))
 
 

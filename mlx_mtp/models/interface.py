@@ -88,6 +88,11 @@ class ModelInterface:
         (ids into the trunk's layers, in the order given)."""
         raise NotImplementedError("this model offers no hidden-state taps")
 
+    def check_taps(self, taps: Sequence[int]):
+        """ValueError (one line) when a layer in ``taps`` cannot be tapped: builds the graph
+        of a one-token pass, never evaluated."""
+        self.trunk_with_taps(mx.zeros((1, 1), mx.uint32), taps, self.make_cache())
+
     def trunk_with_images(self, inputs, images, start: int, cache=None
                           ) -> Tuple[mx.array, mx.array]:
         """``trunk`` over rows ``start..start+S`` of a prompt with images
@@ -228,10 +233,10 @@ class MTPModel(ModelInterface, nn.Module):
         return inputs if inputs.ndim == 3 else self.model.embed_tokens(inputs)
 
     # --- a pipeline stage (models/distributed.py) ---------------------------
-    def stage_layers(self, ids, hidden, cache=None, capture: bool = False):
+    def stage_layers(self, ids, hidden, cache=None, capture: bool = False, taps=()):
         """``trunk_layers`` of a stage after the first: from the previous stage's ``hidden``
         (``stage_shape``); ``ids``, the tokens of the same rows, for layers that read them."""
-        return self.trunk_layers(hidden, cache, capture)
+        return self.trunk_layers(hidden, cache, capture, taps)
 
     def stage_shape(self, B: int, L: int) -> tuple:
         """The shape of the hidden one stage hands the next (a stream family: its streams)."""
@@ -240,6 +245,10 @@ class MTPModel(ModelInterface, nn.Module):
     def output_modules(self) -> list:
         """The trunk's modules only ``trunk_outputs`` reads (held by the head's stage)."""
         return [self.model.norm]
+
+    def tap_modules(self) -> list:
+        """The trunk's modules outside its layers that a tap reads (held by every stage)."""
+        return []
 
     def stage_may_start(self, layer: int) -> bool:
         """Whether a stage may begin at trunk layer ``layer`` (not where it reads what the

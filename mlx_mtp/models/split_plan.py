@@ -72,7 +72,8 @@ def open_lazily(path: Path, mtp: bool = True, mtp_hidden: Optional[str] = None,
 def rank_shares(model, mode: str, size: int) -> List[RankShare]:
     """Every rank's layers and weight bytes. Pipeline: contiguous layers balanced by
     bytes, rank 0 also holding everything outside the layers (embedding, final norm,
-    output projection, MTP head), the last rank the embedding too. Tensor: every layer
+    output projection, MTP head), the others what a tap reads (``tap_modules``), the last
+    rank the embedding too. Tensor: every layer
     on every rank, each layer's bytes divided by ``size`` (an estimate: norms, routers
     and DSA indexers stay whole), the rest whole on every rank. Expert: every layer on
     every rank, less the routed experts other ranks hold (and, but on rank 0, the shared
@@ -95,9 +96,10 @@ def rank_shares(model, mode: str, size: int) -> List[RankShare]:
     ends = starts[1:] + [n]
     units = split_layers([sum(layer_bytes[a:b]) for a, b in zip(starts, ends)], head, size)
     ranges = [(starts[a], ends[b - 1]) for a, b in units]
+    taps = sum(parameter_bytes(m) for m in text.tap_modules())  # held by every stage
     shares = []
     for rank, (start, end) in enumerate(ranges):
         own = sum(layer_bytes[start:end])
-        own += outside if rank == 0 else embed if rank == size - 1 else 0
+        own += outside if rank == 0 else taps + (embed if rank == size - 1 else 0)
         shares.append(RankShare(rank, (start, end), own, rank == 0))
     return shares

@@ -98,9 +98,8 @@ def check_fits(drafter: BlockDraftModel, model, where: str = "the drafter"):
         problems.append(f"hidden size {spec.hidden_size} != the model's {args.hidden_size}")
     if spec.vocab_size != args.vocab_size:
         problems.append(f"vocabulary {spec.vocab_size} != the model's {args.vocab_size}")
-    try:  # builds the graph of a one-token pass, never evaluated: the taps' ids are checked
-        model.trunk_with_taps(mx.zeros((1, 1), mx.uint32), spec.target_layer_ids,
-                              model.make_cache())
+    try:
+        model.check_taps(spec.target_layer_ids)
     except ValueError as e:
         problems.append(f"taps layers {list(spec.target_layer_ids)}: {e}")
     if spec.mask_token_id is not None and not 0 <= spec.mask_token_id < args.vocab_size:

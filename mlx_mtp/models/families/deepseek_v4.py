@@ -183,6 +183,9 @@ class Model(MTPModel):
             self.mtp = MTPStack([MTPLayer(args)])
         dim = args.rope_head_dim
         self._freqs = {k: inv_freq(dim, v) for k, v in args.rope_parameters.items()}
+        # Not a parameter, so loading does not evaluate it: a graph left lazy here cannot be
+        # evaluated on another thread (the server's engine: "no Stream(cpu, 0)").
+        mx.eval(self._freqs)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -204,7 +207,7 @@ class Model(MTPModel):
         streams = stream_input(self.embed(inputs), self.args.hc_mult)
         return self.stage_layers(inputs, streams, cache, capture)
 
-    def stage_layers(self, ids, hidden, cache=None, capture=False):
+    def stage_layers(self, ids, hidden, cache=None, capture=False, taps=()):
         """The layers from the streams ``hidden``. All rows run in one pass; each keeps its
         own caches (``CompressedRows``: rows sit at different phases of their windows),
         which the attention reads row by row."""

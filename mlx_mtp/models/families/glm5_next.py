@@ -393,8 +393,8 @@ class Model(MTPModel):
         return self.model(mx.broadcast_to(h[:, :, None], (B, L, self.model.hc, H)), cache,
                           capture, taps)
 
-    def stage_layers(self, ids, hidden, cache=None, capture=False):
-        return self.model(hidden, cache, capture)
+    def stage_layers(self, ids, hidden, cache=None, capture=False, taps=()):
+        return self.model(hidden, cache, capture, taps)
 
     def stage_shape(self, B: int, L: int) -> tuple:
         return (B, L, self.args.hc_mult, self.args.hidden_size)

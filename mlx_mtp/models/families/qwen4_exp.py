@@ -230,14 +230,17 @@ class Model(MTPModel):
         streams = mx.tile(self.embed(inputs), (1, 1, self.args.hc_count))
         return self.model(streams, inputs, cache, capture, taps)
 
-    def stage_layers(self, ids, hidden, cache=None, capture=False):
-        return self.model(hidden, ids, cache, capture)
+    def stage_layers(self, ids, hidden, cache=None, capture=False, taps=()):
+        return self.model(hidden, ids, cache, capture, taps)
 
     def stage_shape(self, B: int, L: int) -> tuple:
         return (B, L, self.args.hc_count * self.args.hidden_size)
 
     def output_modules(self) -> list:
         return [self.model.hyper_connection_mixer]
+
+    def tap_modules(self) -> list:
+        return [self.model.hyper_connection_mixer]  # a tap is the streams' mixture
 
     def shard(self, group):
         """Qwen3.5's split by heads and columns, one layer read at a time; the stream mixers,
