@@ -4,7 +4,7 @@ Importing any of them imports them all, so ``kv.CACHE_KINDS`` names every kind: 
 kind is a module here that registers itself, listed below.
 """
 
-from . import chain, compressed, context, index, kv, quantized, recurrent, short, window  # noqa: F401  (each registers)
+from . import chain, compressed, context, index, kv, quantized, recurrent, short, taps, window  # noqa: F401  (each registers)
 
 
 def prepare_chunk(caches: list, S: int, lengths=None):
