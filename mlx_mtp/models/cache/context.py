@@ -113,6 +113,10 @@ class ContextChainCache(ChainCache):
     def empty(cls, B: int = 1) -> "ContextChainCache":
         return cls(ContextCache.empty(B))
 
+    def prepare(self, S: int, lengths=None):
+        super().prepare(S, lengths)
+        self.taken = None  # a pass that defers its taps takes none: ``accept`` keeps the pending
+
     def select(self, rows: List[int]) -> "ContextChainCache":
         """A cache of ``rows`` only, over the same arrays (a drafter pass over some rows)."""
         pending = None if self.pending is None else self.pending[mx.array(rows)]
