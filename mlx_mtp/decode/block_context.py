@@ -5,13 +5,12 @@ deferred taps (``models/cache/taps.DeferredTaps``): the trunk's layers read only
 entries, and every place that moves a sequence's caches (a batch's merge and filter,
 snapshots, prefix states, a verify's ``accept``) moves the context with them, so it stays
 aligned with each row's emitted tokens. Every trunk pass goes through ``trunk``: with a
-drafter it taps the trunk and projects the taps of every row it ran, with the tokens it
-read there (EAGLE-3 pairs them), into the context at once (prompt chunks at prefill; every
-verify row of a step that drafted from the block, of which ``accept`` keeps the accepted
-ones and the one after). A step where no drafter pass ran (plain, or drafted by the head or
-context lookup alone) defers its taps instead: kept by reference, no graph node, until the
-next drafter pass projects them in one chunk (``settle``), so a resting drafter costs a
-plain step nothing.
+drafter it taps the trunk and hands the taps of every row it ran, with the tokens it read
+there (EAGLE-3 pairs them), to the context. A prompt chunk's are projected at once; a decode
+step's (a plain step's row, a verify's rows, of which ``accept`` keeps the accepted ones and
+the one after) wait as they are, kept by reference with no graph node, until the next
+drafter pass projects them in one chunk (``settle``): a resting drafter costs a step
+nothing, and a drafting one projects each step's kept rows once, as before.
 
 In a step (``step.py``): ``fit_plans`` caps each row's block drafts at the drafter's block
 (the head extends past it for ``block+mtp``), ``draft`` runs the drafter once over the rows
@@ -35,9 +34,9 @@ NO_IMAGES = ("images cannot be combined with a block drafter yet (its context wo
              "image rows): drop the images or --draft-model")
 
 
-# Positions of raw taps a row may keep deferred (``trunk``): past them the next pass projects
-# them, one pass per this many deferred steps, whose memory it bounds (a resting drafter
-# probes at gaps of up to 256 steps; a row that never drafts from the block still has taps).
+# Positions of raw taps a batch keeps deferred (``trunk``): past them the next trunk pass
+# projects them, once per this many positions, which bounds their memory (a resting drafter
+# probes at gaps of up to 256 steps; rows that never draft from the block still have taps).
 MAX_DEFERRED = 256
 
 
@@ -58,8 +57,8 @@ def context(model, cache: list) -> Optional[list]:
 
 def trunk(model, inputs, cache: list, capture: bool = False, defer: bool = False):
     """``model.trunk``; with a block drafter, these rows' taps also enter its context, or
-    (``defer``: no drafter pass reads the context before the next step) wait as they are
-    until one does (``settle``)."""
+    (``defer``: a decode step's) wait as they are until its next pass (``settle``), up to
+    ``MAX_DEFERRED`` positions."""
     drafter = model.block_drafter
     if drafter is None:
         return model.trunk(inputs, cache, capture)

@@ -227,7 +227,7 @@ class DecodeBatch:
         self._check_drafting(plans)
         groups, transforms = self._groups(), self._transforms()
         proposal = self._propose(k, plans, groups, transforms)
-        raw, h_mtp = self._verify(proposal.drafts, transforms, not any(p.block for p in plans))
+        raw, h_mtp = self._verify(proposal.drafts, transforms)
         n_acc, nxt = self._accept(groups, raw, proposal, ks)
         return _Pending(k, ks, nxt.astype(mx.uint32), raw, n_acc, proposal.drafts, h_mtp, plans,
                         proposal.head_steps)
@@ -467,14 +467,12 @@ class DecodeBatch:
         drafts, = self.model.share(mx.stack(drafts, axis=1))  # what every rank verifies
         return _Proposal(drafts, draft_lps, where, J, noises[0] if noises else None)
 
-    def _verify(self, drafts: mx.array, transforms, defer_taps: bool):
+    def _verify(self, drafts: mx.array, transforms):
         """2. One trunk pass over every row's ``[y, d_1..d_k]``: the target's log-probs
-        (B, k+1, V) and the hiddens the accepted positions owe the head. ``defer_taps``: no
-        block drafter ran (``block_context.trunk``)."""
+        (B, k+1, V) and the hiddens the accepted positions owe the head."""
         inputs = mx.concatenate([mx.stack([r.y for r in self.rows]), drafts], axis=1)
         prepare_chunk(self.cache, inputs.shape[1])
-        h_norm, h_mtp = block_context.trunk(self.model, inputs, self.cache, capture=True,
-                                            defer=defer_taps)
+        h_norm, h_mtp = block_context.trunk(self.model, inputs, self.cache, capture=True, defer=True)
         return log_softmax(transforms(self.model.logits(h_norm), 0, drafts)), h_mtp
 
     def _accept(self, groups, raw: mx.array, proposal: _Proposal, ks: List[int]):
