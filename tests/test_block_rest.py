@@ -1,6 +1,6 @@
-"""A resting block drafter costs a step nothing (issue 36, "No harm"): a step where no
-drafter pass runs keeps its taps by reference (``models/cache/taps.DeferredTaps``) and the
-next pass projects them in one chunk (``block_context.settle``).
+"""A resting block drafter costs a step nothing (issue 36, "No harm"): a decode step keeps
+its taps by reference (``models/cache/taps.DeferredTaps``) and the drafter's next pass
+projects them in one chunk (``block_context.settle``).
 
 Counted, never timed, on the tiny Qwen3.5 hybrid whose head is partly right ("noisy": its
 verifies keep some drafts and reject others) with a random DFlash and a random EAGLE-3

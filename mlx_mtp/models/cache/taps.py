@@ -1,11 +1,12 @@
 """A block drafter's deferred taps (``drafters/block/``): the raw taps of emitted rows whose
 projection into the drafter's context waits until the drafter next runs.
 
-While every row's drafter rests, projecting each step's taps into every drafter layer's K/V
-(``ContextCache``) is work no pass reads yet. A pass that defers (``decode/block_context.py``)
-keeps its taps here by reference instead: they are the trunk's own residuals, evaluated with
-the step, so keeping them adds no graph node. ``take`` hands them back as one right-aligned
-chunk per row, in order, to be projected in one pass when the drafter resumes or probes.
+Projecting each decode step's taps into every drafter layer's K/V (``ContextCache``) is work
+no pass reads while the drafter rests. A decode step (``decode/block_context.py``) keeps its
+taps here by reference instead: they are the trunk's own residuals, evaluated with the step,
+so keeping them adds no graph node. ``take`` hands every row's back as one right-aligned
+chunk, in order, projected in one pass when the drafter resumes or probes (or, in a drafting
+step, the previous step's kept rows).
 
 Each deferring pass is one chunk; a verify's ``accept`` keeps each row's leading positions of
 the last chunk (``prepare`` announces a pass: a pass that projected its taps instead leaves
@@ -31,9 +32,13 @@ class _Chunk(NamedTuple):
     tokens: mx.array
     lo: Tuple[int, ...]
     hi: Tuple[int, ...]
+    width: int  # S
 
 
 class DeferredTaps(_Cache):
+    """Each row's deferred taps, as chunks of the passes that deferred them (see the module
+    doc)."""
+
     kind = "block_taps"
     state_names = ("taps", "tokens")
     free_axes = (0, 1)  # rows, positions
@@ -56,7 +61,7 @@ class DeferredTaps(_Cache):
 
     def columns(self) -> int:
         """Positions held per row, rejected ones included (what the memory holds)."""
-        return sum(c.tokens.shape[1] for c in self.chunks)
+        return sum(c.width for c in self.chunks)
 
     def prepare(self, S: int, lengths=None):
         self._wrote = False
@@ -65,7 +70,7 @@ class DeferredTaps(_Cache):
         """A pass's taps (one (B, S, H) per tapped layer) and the tokens (B, S) it read,
         every position real for every row (the trunk's passes are)."""
         S = tokens.shape[1]
-        self.chunks.append(_Chunk(tuple(taps), tokens, (0,) * self.B, (S,) * self.B))
+        self.chunks.append(_Chunk(tuple(taps), tokens, (0,) * self.B, (S,) * self.B, S))
         self._wrote = True
 
     def accept(self, n_keep):
@@ -96,7 +101,7 @@ class DeferredTaps(_Cache):
             cols, start = [], 0
             for c in self.chunks:
                 cols += range(start + c.lo[b], start + c.hi[b])
-                start += c.tokens.shape[1]
+                start += c.width
             index.append([cols[0] if cols else 0] * (P - len(cols)) + cols)
         if any(row != list(range(x.shape[1])) for row in index):
             ix = mx.array(index)
@@ -109,7 +114,7 @@ class DeferredTaps(_Cache):
             return []
         x, tokens, counts = compact
         P = x.shape[1]
-        return [_Chunk((x,), tokens, tuple(P - n for n in counts), (P,) * len(counts))]
+        return [_Chunk((x,), tokens, tuple(P - n for n in counts), (P,) * len(counts), P)]
 
     # --- the protocol -----------------------------------------------------
     def arrays(self) -> List[mx.array]:
