@@ -152,3 +152,19 @@ def test_deferred_taps_follow_their_rows_through_a_batch_and_a_saved_state(model
         cache[-1] = DeferredTaps.from_state(saved.state, saved.meta_state)
         block_context.settle(model, cache)
         _assert_context_of(model, cache, 0, PROMPTS[key] + tokens[key][:-1])
+
+
+def test_a_state_whose_deferred_tokens_leave_the_vocabulary_is_refused(models):
+    """A saved state whose deferred taps name a token past the vocabulary (EAGLE-3 would
+    embed it, reading out of bounds) is refused in one line; the state as saved restores."""
+    model = models["eagle3"]
+    _, dec = _decode(model, PROMPT, 4)
+    state = dec.snapshot()
+    saved = state.cache[-1]
+    taps, tokens = saved.state
+    forged = mx.full(tokens.shape, model.text.args.vocab_size, tokens.dtype)
+    state.cache[-1] = DeferredTaps.from_state((taps, forged), saved.meta_state)
+    with pytest.raises(ValueError, match="deferred drafter taps"):
+        MTPDecoder(model, 3, adaptive=False).restore(state)
+    state.cache[-1] = saved
+    MTPDecoder(model, 3, adaptive=False).restore(state)

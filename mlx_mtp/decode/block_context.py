@@ -82,6 +82,13 @@ def settle(model, cache: list):
         drafter.add_context([taps], context(model, cache), tokens, lengths)
 
 
+def check_restored(model, cache: list):
+    """ValueError unless the deferred taps in ``cache``, a state read from elsewhere, hold
+    token ids of the vocabulary."""
+    if model.block_drafter is not None and not cache[-1].ids_below(model.text.args.vocab_size):
+        raise ValueError("The prefix state's deferred drafter taps do not fit the model.")
+
+
 def fit_plans(batch, plans: List[DraftPlan]) -> List[DraftPlan]:
     """A step's plans (``batch``: its ``step.DecodeBatch``) with block drafts capped at the
     drafter's block, the head extending past it for a source that chains it (``block+mtp``);

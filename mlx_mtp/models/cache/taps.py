@@ -116,6 +116,15 @@ class DeferredTaps(_Cache):
         P = x.shape[1]
         return [_Chunk((x,), tokens, tuple(P - n for n in counts), (P,) * len(counts), P)]
 
+    def ids_below(self, vocab_size: int) -> bool:
+        """Whether every deferred token is an id of the vocabulary (a state read from
+        elsewhere: EAGLE-3 embeds them, and an id past the table is read out of bounds)."""
+        ids = [c.tokens.reshape(-1).astype(mx.int64) for c in self.chunks]
+        if not ids:
+            return True
+        ids = mx.concatenate(ids)
+        return bool(((ids >= 0) & (ids < vocab_size)).all().item())
+
     # --- the protocol -----------------------------------------------------
     def arrays(self) -> List[mx.array]:
         """What it holds, as held (no compaction: evaluating them builds nothing)."""
