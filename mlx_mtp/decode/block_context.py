@@ -73,8 +73,8 @@ def trunk(model, inputs, cache: list, capture: bool = False, defer: bool = False
 
 
 def settle(model, cache: list):
-    """Project the taps deferred while the drafter rested into its context, in one pass
-    (each row's, right-aligned): the context then equals one that took every row at once."""
+    """Project the taps decode steps deferred into the drafter's context, in one pass (each
+    row's, right-aligned): the context then equals one that took every row at once."""
     drafter = model.block_drafter
     deferred = None if drafter is None else cache[-1].take()
     if deferred is not None:
@@ -140,8 +140,8 @@ class BlockDrafts:
 
 def draft(model, cache: list, rows, plans: List[DraftPlan], k: int, draw, merge) -> BlockDrafts:
     """The block drafter's drafts for the rows whose plan takes them (``plans[b].block``):
-    one pass over those rows' contexts after their last tokens (the taps deferred while the
-    drafter rested projected first, ``settle``; a resting row's context is not read), each
+    one pass over those rows' contexts after their last tokens (the taps decode steps
+    deferred projected first, ``settle``; a resting row's context is not read), each
     position drawn by the step's ``draw`` for every row (as the head's are: position
     transforms, each group's filter, noise by output position; ``merge`` puts per-group
     results in row order; a resting row's draws are discarded), kept with its q."""

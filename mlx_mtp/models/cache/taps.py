@@ -35,6 +35,10 @@ class _Chunk(NamedTuple):
     width: int  # S
 
 
+def _joined(arrays: List[mx.array], axis: int) -> mx.array:
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=axis)
+
+
 class DeferredTaps(_Cache):
     """Each row's deferred taps, as chunks of the passes that deferred them (see the module
     doc)."""
@@ -93,9 +97,8 @@ class DeferredTaps(_Cache):
         P = max(counts, default=0)
         if P == 0:
             return None
-        x = mx.concatenate([mx.concatenate(c.taps, axis=-1) if len(c.taps) > 1 else c.taps[0]
-                            for c in self.chunks], axis=1)
-        tokens = mx.concatenate([c.tokens for c in self.chunks], axis=1)
+        x = _joined([_joined(list(c.taps), -1) for c in self.chunks], 1)
+        tokens = _joined([c.tokens for c in self.chunks], 1)
         index = []  # per row: its deferred columns in order, left-padded with its first
         for b in range(self.B):
             cols, start = [], 0
