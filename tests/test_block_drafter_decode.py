@@ -115,6 +115,7 @@ def test_the_context_holds_every_emitted_row_as_a_fresh_prefill_would(qwen):
     got = [t for _ in range(4) for t in dec.step().tokens]
     dec.finish_pending()
     seq = PROMPT + got[:-1]  # the last token is not in the trunk yet
+    block_context.settle(model, dec.cache)  # the last verify's rows wait for the next pass
     ctx = block_context.context(model, dec.cache)
     fresh = block_context.make_cache(model)
     block_context.trunk(model, mx.array([seq]), fresh)

@@ -89,6 +89,7 @@ def _assert_same_context(model, dec, tokens):
     seq = PROMPT + tokens[:-1]
     fresh = block_context.make_cache(model)
     block_context.trunk(model, mx.array([seq]), fresh)
+    block_context.settle(model, dec.cache)  # the taps deferred since the last drafter pass
     ours, want = block_context.context(model, dec.cache), block_context.context(model, fresh)
     for a, b in zip(ours, want):
         assert a.lengths() == b.lengths()
@@ -148,12 +149,21 @@ def test_greedy_and_the_context_stay_exact_across_a_pause_and_a_resume(models, n
     _assert_same_context(model, dec, got)
 
 
-def test_batch_rows_choose_for_themselves(models):
+def test_batch_rows_choose_for_themselves(models, monkeypatch):
     """Eight rows on the oracle: four whose own steps showed the drafter landing, four whose
     steps showed it missing. In one step the first draft and the others rest (no clamping
-    to the batch); the resting rows' probes land and they draft again; every row decodes
-    its plain tokens and keeps its own acceptance."""
+    to the batch; the drafter's pass runs over the drafting rows only); the resting rows'
+    probes land and they draft again; every row decodes its plain tokens and keeps its own
+    acceptance."""
     model = models["oracle"]
+    passes = []  # rows of each drafter pass
+    propose = model.block_drafter.propose
+
+    def counted(anchor, cache, n, draw):
+        passes.append(anchor.shape[0])
+        return propose(anchor, cache, n, draw)
+
+    monkeypatch.setattr(model.block_drafter, "propose", counted)
     sources = DraftSources("block")
     rows = [sources.for_row(BLOCK - 1) for _ in PROMPTS]
     for i, (_, drafter) in enumerate(rows):
@@ -168,6 +178,7 @@ def test_batch_rows_choose_for_themselves(models):
     steps = [[o[i].block_drafted for i in range(len(PROMPTS))] for o in outs]
     split = [s for s in steps if all(s[0::2]) and not any(s[1::2])]
     assert len(split) >= 2, steps  # the rows that land draft while the others rest
+    assert passes == [sum(map(bool, s)) for s in steps if any(s)]
     assert all(steps[-1]), steps  # the others' probes landed: they draft again
     for i, p in enumerate(PROMPTS):
         want, _ = decode(model, p, 0, n=N_BATCH)

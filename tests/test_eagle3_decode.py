@@ -129,6 +129,7 @@ def _assert_same_context(model, cache, seq):
     in the trunk): each layer's K/V, entry for entry, and the pending tap."""
     fresh = block_context.make_cache(model)
     block_context.trunk(model, mx.array([seq]), fresh)
+    block_context.settle(model, cache)  # the rows decode steps ran wait for the next pass
     ours, want = block_context.context(model, cache), block_context.context(model, fresh)
     for a, b in zip(ours, want):
         assert a.lengths() == b.lengths() == [len(seq) - 1]  # (tap t, token t+1) pairs

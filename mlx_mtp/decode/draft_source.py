@@ -193,7 +193,7 @@ class RowDrafter:
         measured first: it pauses when its measured acceptance does not pay for it (after
         ``first_misses`` steps if none of its drafts ever landed), drafts one position past
         those that landed, and re-tries now and then. A paused row runs no drafter pass;
-        its context still takes every emitted row's taps (``block_context.trunk``)."""
+        its taps wait for the next one (``block_context.trunk``)."""
         if not can_draft or not cap:
             return DraftPlan()
         if not self.sources.adaptive:

@@ -220,9 +220,10 @@ class Sequence:
         """Continue from a snapshot (copied again, so the snapshot stays reusable).
 
         A state that does not fit this sequence's caches (kinds, settings, layer count) or
-        the model (owed MTP pairs): a damaged or forged entry, raises ValueError and
-        changes nothing."""
+        the model (owed MTP pairs, deferred drafter taps): a damaged or forged entry,
+        raises ValueError and changes nothing."""
         check_state_fits(state, self.cache, self.mtp_cache)
+        block_context.check_restored(self.model, state.cache)
         if self.mtp_cache is not None:
             self._check_owed(state.owed, state.last_hidden)
         self.n_processed = state.n_processed

@@ -354,7 +354,7 @@ class DecodeBatch:
         model, rows = self.model, self.rows
         y = mx.stack([r.y for r in rows])  # (B, 1)
         prepare_chunk(self.cache, 1)
-        h_norm, h_mtp = block_context.trunk(model, y, self.cache)
+        h_norm, h_mtp = block_context.trunk(model, y, self.cache, defer=True)
         logits = self._transforms()(model.logits(h_norm[:, -1:]))  # (B, 1, V)
         lp = log_softmax(logits[:, 0])  # (B, V)
         V = lp.shape[-1]
@@ -472,7 +472,7 @@ class DecodeBatch:
         (B, k+1, V) and the hiddens the accepted positions owe the head."""
         inputs = mx.concatenate([mx.stack([r.y for r in self.rows]), drafts], axis=1)
         prepare_chunk(self.cache, inputs.shape[1])
-        h_norm, h_mtp = block_context.trunk(self.model, inputs, self.cache, capture=True)
+        h_norm, h_mtp = block_context.trunk(self.model, inputs, self.cache, capture=True, defer=True)
         return log_softmax(transforms(self.model.logits(h_norm), 0, drafts)), h_mtp
 
     def _accept(self, groups, raw: mx.array, proposal: _Proposal, ks: List[int]):

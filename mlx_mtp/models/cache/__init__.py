@@ -5,7 +5,7 @@ kind is a module here that registers itself, listed below.
 """
 
 from . import chain, compressed, context, index, kv, quantized  # noqa: F401  (each registers)
-from . import quantized_compressed, recurrent, short, window  # noqa: F401
+from . import quantized_compressed, recurrent, short, taps, window  # noqa: F401
 
 
 def prepare_chunk(caches: list, S: int, lengths=None):

@@ -26,6 +26,7 @@ class ContextCache(BatchKVCache):
     kind = "block_context"
     row_kind = ""  # rows join as context caches of one row (``valid`` included)
     free_axes = (0, 1, 2)  # rows and positions: axis 2 of k/v, axis 1 of ``valid``
+    last_write = 0  # positions the pass ``prepare`` announced wrote (0: none yet)
 
     @classmethod
     def empty(cls, B: int = 1) -> "ContextCache":
@@ -50,6 +51,21 @@ class ContextCache(BatchKVCache):
         c = self.copy()
         c.filter([row])
         return c
+
+    def select(self, rows: List[int]) -> "ContextCache":
+        """A cache of ``rows`` only, over the same arrays (a drafter pass over some rows)."""
+        c = self._share()
+        c.filter(rows)
+        return c
+
+    def prepare(self, S: int, lengths=None):
+        super().prepare(S, lengths)
+        self.last_write = 0  # a pass may defer its taps (``taps.DeferredTaps``): none here
+
+    def accept(self, n_keep):
+        """As ``BatchKVCache.accept``, for a pass that wrote here (else nothing to keep)."""
+        if self.last_write:
+            super().accept(n_keep)
 
     def prefixes(self, rows: List[int], lengths: List[int]) -> "ContextCache":
         """Training (``train/dflash.py``): a cache whose row i is the first ``lengths[i]``
@@ -96,6 +112,15 @@ class ContextChainCache(ChainCache):
     @classmethod
     def empty(cls, B: int = 1) -> "ContextChainCache":
         return cls(ContextCache.empty(B))
+
+    def prepare(self, S: int, lengths=None):
+        super().prepare(S, lengths)
+        self.taken = None  # a pass that defers its taps takes none: ``accept`` keeps the pending
+
+    def select(self, rows: List[int]) -> "ContextChainCache":
+        """A cache of ``rows`` only, over the same arrays (a drafter pass over some rows)."""
+        pending = None if self.pending is None else self.pending[mx.array(rows)]
+        return type(self)(self.inner.select(rows), pending, [self.has_pending[r] for r in rows])
 
 
 CACHE_KINDS[ContextCache.kind] = ContextCache
