@@ -390,3 +390,21 @@ def test_sampling_follows_the_target():
     model = oracle(load_model(FIXTURE / "checkpoint")[0])
     model.lm_head.weight = model.lm_head.weight * 4
     fc.assert_sampling_follows_target(model, model, PROMPT[:12])
+
+
+def test_one_token_prompts_join_a_batch(model, with_tokenizer):
+    """A one-token prompt runs no pass before it decodes, so its PLE windows hold their
+    start values when it joins a batch (they once could not join): through the server
+    engine (K = 2) beside two longer prompts, and through the batch decoder first and
+    last, at K = 0 and 2, each row decodes as it does alone."""
+    from engine_events import make_engine, run
+    from mlx_mtp.models.io.loader import load_config, load_tokenizer
+
+    model_tok = (model, load_tokenizer(with_tokenizer, load_config(with_tokenizer)))
+    prompts = [PROMPT, PROMPT[:1], PROMPT[7:20]]
+    want = [fc.mtp_tokens(model, p, 0, n=12)[0] for p in prompts]
+    sinks = run(make_engine(model_tok, num_draft_tokens=2), prompts)
+    assert [s.tokens for s in sinks] == want
+    for k in (0, 2):
+        assert fc.run_batch(model, k, [[GREEDY[3]]] + prompts, n=12)[0] == \
+            [fc.mtp_tokens(model, [GREEDY[3]], 0, n=12)[0]] + want
