@@ -27,7 +27,7 @@ from test_quantized_kv import PROMPTS, Q4, RNG, run_batch, solo, solo_logprobs
 FIXTURES = Path(__file__).parent / "fixtures"
 # family: (the config entry widened to 32, the indexer's cache kind, kept in its precision)
 FAMILIES = {"qwen4_exp": ("head_dim", "pooled_index_kv"),
-            "glm5_next": ("kv_lora_rank", "index_kv")}
+            "glm5_next": ("kv_lora_rank", "pooled_index_kv")}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
