@@ -1,12 +1,13 @@
 """A one-token prompt runs no trunk pass before it decodes (prefill stops before the last
 token), so every cache of its row is as made when it joins a batch. In every family with an
-MTP head, such a row joining a batch of two (MTP on, K = 2, a noisy head: drafts rejected
-and rolled back around it), or starting one that two rows then join, decodes what it
-decodes alone, and so do the rows beside it.
-Qwen4-Exp's PLE windows once refused to join (``test_family_qwen4_exp.py`` also checks it
-through the server engine); the three newest trunks are checked on their reference
-fixtures, the others on tiny checkpoints in their released layouts. MiniMax-M3 decodes
-plainly (no head) and is left out."""
+MTP head, such a row joining a batch of two (MTP on, K = 1..3, a noisy head: drafts
+rejected and rolled back around it), or starting one that two rows then join (K = 2),
+decodes what it decodes alone, and so do the rows beside it. Qwen4-Exp's PLE windows once
+refused to join (``test_family_qwen4_exp.py`` also checks it through the server engine), and
+at K = 1 DeepSeek-V4's head window, still empty, refused the step's trim of no positions;
+the three newest trunks are checked on their reference fixtures, the others on tiny
+checkpoints in their released layouts. MiniMax-M3 decodes plainly (no head) and is left
+out."""
 
 from pathlib import Path
 
@@ -39,5 +40,6 @@ def test_a_one_token_prompt_joins_a_batch(tmp_path, family):
     model = load_model(checkpoint(tmp_path, family))[0]
     assert model.num_mtp_layers > 0
     want = [fc.mtp_tokens(model, p, 0, n=8)[0] for p in PROMPTS]
-    assert fc.run_batch(model, 2, PROMPTS, n=8)[0] == want
+    for k in (1, 2, 3):
+        assert fc.run_batch(model, k, PROMPTS, n=8)[0] == want, f"K={k}"
     assert fc.run_batch(model, 2, PROMPTS[::-1], n=8)[0] == want[::-1]

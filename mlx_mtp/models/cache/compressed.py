@@ -212,12 +212,14 @@ class CompressedWindowCache(_Cache):
         return self.spare > 0  # a window alone (the MTP head's), with spare keys
 
     def trim(self, n: int) -> int:
-        """Drop the last ``n`` positions (at most the spare keys: a window's only)."""
-        if not self.is_trimmable() or self.keys is None:
+        """Drop the last ``n`` positions (at most the spare keys: a window's only; none
+        before its first pass, as a one-token prompt's head in its first step)."""
+        if not self.is_trimmable():
             raise ValueError("this DeepSeek-V4 cache cannot be trimmed")
         n = min(n, self.offset, self.spare)
-        self.keys = self.keys[:, :, : self.keys.shape[2] - n]
-        self.offset -= n
+        if n:
+            self.keys = self.keys[:, :, : self.keys.shape[2] - n]
+            self.offset -= n
         return n
 
     def max_positions(self) -> Optional[int]:
