@@ -42,3 +42,26 @@ def assert_filter_keeps_rows(merged, solos, rows=(2, 0)):
     for c in merged:
         c.filter(list(rows))
     assert_rows_are(merged, solos, rows)
+
+
+def watch_pooling(monkeypatch):
+    """Every pass of a pooling indexer with a cache (Qwen4-Exp's QSA, GLM-5.3's k-pool):
+    each row's complete blocks equal those pooled again from its keys (bit for bit), and
+    the pass is recorded as (blocks it scores, blocks it pooled per row)."""
+    from mlx_mtp.models.cache import index
+
+    passes, original = [], index._PooledBlocks.pooled_blocks
+
+    def pooled_blocks(cache, n_blocks, ratio, pool):
+        widths = []
+        got = original(cache, n_blocks, ratio,
+                       lambda first, width: widths.append(width) or pool(first, width))
+        again = pool(mx.zeros((cache.size(), 1), mx.int32), n_blocks)
+        complete = mx.array(cache.lengths())[:, None, None] // ratio
+        own = mx.arange(n_blocks)[None, :, None] < complete
+        assert mx.array_equal(mx.where(own, got, 0), mx.where(own, again, 0)).item()
+        passes.append((n_blocks, sum(widths)))
+        return got
+
+    monkeypatch.setattr(index._PooledBlocks, "pooled_blocks", pooled_blocks)
+    return passes

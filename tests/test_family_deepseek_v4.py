@@ -144,6 +144,59 @@ def test_batch_runs_in_one_pass(model, ref, monkeypatch):
         assert not np.array(got[b, :3 - m]).any()
 
 
+def attention_matmuls(monkeypatch, tmp_path) -> list:
+    """Each attention call's count of matrix products in its own graph (its inputs and the
+    rows' caches evaluated first), appended as the layers run."""
+    from mlx_mtp.models.blocks.dsv4 import Attention
+
+    counts, call = [], Attention.__call__
+
+    def counted(self, x, positions, caches, freqs):
+        mx.eval(x, [c.arrays() for c in caches or ()])
+        out = call(self, x, positions, caches, freqs)
+        mx.export_to_dot(str(tmp_path / "attention.dot"), out,
+                         *[a for c in caches or () for a in c.arrays()])
+        counts.append((tmp_path / "attention.dot").read_text().count('label ="Matmul"'))
+        return out
+
+    monkeypatch.setattr(Attention, "__call__", counted)
+    return counts
+
+
+def test_rows_read_together_by_phase(model, ref, monkeypatch, tmp_path):
+    """Four rows at different phases verify three positions in one pass. Each row's window,
+    raw rows and entries still come from its own cache, but the compressors pool rows
+    completing as many windows together (CSA: the three with a window before theirs apart
+    from the one completing its first; HCA: the three completing one), and the pass's
+    attention runs as many matrix products as one row's (projections, indexer scores and
+    attention over all rows at once, where they once ran row by row: 92 for these four
+    rows). Each row's logits and caches are those of its own pass alone."""
+    from mlx_mtp.models.blocks.dsv4 import Compressor
+
+    seq = ref["prompt"].tolist() + ref["tokens"].tolist()
+    prompts = [seq[:21], seq[3:8], seq[10:23], seq[30:32]]
+    nxt = [seq[21:24], seq[8:11], seq[23:26], seq[32:35]]
+    solos = [fc.prefilled_cache(model, p) for p in prompts]
+    merged = [type(cs[0]).merge(list(cs)) for cs in zip(*solos)]
+    pooled, pool = [], Compressor.pool
+    monkeypatch.setattr(Compressor, "pool", lambda self, kv, gate, prior: pooled.append(
+        (self.ratio, kv.shape[0])) or pool(self, kv, gate, prior))
+    matmuls = attention_matmuls(monkeypatch, tmp_path)
+    got = model.logits(model.trunk(mx.array(nxt), merged, capture=True)[0])
+    ratios = [layer.attn.ratio for layer in model.model.layers]
+    csa = [(4, 3), (4, 1)] * 2  # compressor and indexer series
+    assert pooled == [p for r in ratios if r for p in (csa if r == 4 else [(r, 3)])]
+    batched = list(matmuls)
+    del matmuls[:]
+    for b, cache in enumerate(solos):
+        want = model.logits(model.trunk(mx.array(nxt[b:b + 1]), cache, capture=True)[0])
+        np.testing.assert_allclose(np.array(got[b:b + 1]), np.array(want), atol=1e-5)
+        for c, solo in zip(merged, cache):
+            for x, y in zip(c.extract(b).state, solo.state):
+                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
+    assert batched == matmuls[: len(batched)]
+
+
 def test_mtp_head_equals_mlx_vlm_drafter(model):
     """mlx-vlm 0.7.10's ``DeepseekV4MTPDraftModel`` on the same ``mtp.0.*`` weights (recorded
     by ``fixtures/deepseek_v4_head_reference.py``): from the four streams and the next

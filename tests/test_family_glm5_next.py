@@ -168,6 +168,53 @@ def test_batched_rows_equal_single_rows(model, reference, k):
     assert fc.run_batch(model, k, prompts, n=12)[0] == want
 
 
+def test_complete_pools_pooled_once(model, reference, monkeypatch):
+    """The indexer's cache keeps the pools each row completed (``PooledKeyCache``, as
+    Qwen4-Exp's): one-token decoding pools at most the pool it completes, where it re-pooled
+    every complete pool (10 or 11 here) on every pass; a verify pass whose rejected rows
+    completed a pool un-completes it, and the next pass pools it again from the kept keys.
+    Every pass's pools equal all pools pooled again, bit for bit."""
+    passes = cc.watch_pooling(monkeypatch)
+    n_indexed = sum("indexer" in layer.self_attn for layer in model.model.layers)
+    prompt = reference["prompt"].tolist()  # 40 tokens: 10 pools of 4, pooled once
+    cache = fc.prefilled_cache(model, prompt)
+    assert passes == [(10, 10)] * n_indexed
+    del passes[:]
+    for t in reference["tokens"].tolist()[:6]:
+        model.trunk(mx.array([[t]]), cache)
+    assert [n for n, _ in passes[::n_indexed]] == [10, 10, 10, 11, 11, 11]  # re-pooled before
+    assert sum(p for _, p in passes) == n_indexed  # pool 10, once
+    # keep 1 of 4 verified at 38..41: pool 9 (36..39) was completed by a rejected row
+    spec = fc.prefilled_cache(model, prompt[:38])
+    model.trunk(mx.array([[prompt[38], 7, 8, 9]]), spec, capture=True)
+    for c in spec:
+        c.accept([1])
+    plain = fc.prefilled_cache(model, prompt[:39])
+    del passes[:]
+    want = model.logits(model.trunk(mx.array([prompt[39:40]]), plain)[0])
+    got = model.logits(model.trunk(mx.array([prompt[39:40]]), spec)[0])
+    assert passes == [(10, 1)] * 2 * n_indexed  # pool 9 pooled in both, from the same keys
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+def test_batched_rows_reuse_their_complete_pools(model, reference, monkeypatch):
+    """Batched rows (joining one per step, holes from rejected drafts, then two leaving)
+    keep each row's complete pools: every pass's pools equal all pools pooled again, the
+    tokens are each row's alone, and far fewer pools are pooled than scored."""
+    prompt = reference["prompt"].tolist()
+    prompts = [prompt[:9], prompt[:30], prompt[3:7], prompt]
+    want = [fc.mtp_tokens(model, p, 0, n=12)[0] for p in prompts]
+    passes = cc.watch_pooling(monkeypatch)
+    rows, bd = fc.run_batch(model, 2, prompts, n=12)
+    assert rows == want
+    bd.remove(1)
+    bd.remove(2)
+    for _ in range(3):
+        bd.step()
+    pooled, scored = sum(p for _, p in passes), sum(n for n, _ in passes)
+    assert pooled < scored / 4, (pooled, scored)
+
+
 @pytest.fixture(scope="module")
 def with_tokenizer(tmp_path_factory):
     """The fixture checkpoint plus the package's tiny tokenizer (the CLI verbs want one)."""

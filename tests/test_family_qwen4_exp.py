@@ -148,35 +148,12 @@ def test_batched_rows_equal_single_rows(model, k):
     assert fc.run_batch(model, k, prompts, n=12)[0] == want
 
 
-def watch_pooling(monkeypatch):
-    """Every pass of a QSA indexer with a cache: each row's complete blocks equal those
-    pooled again from its keys (bit for bit), and the pass is recorded as (blocks it
-    scores, blocks it pooled per row)."""
-    from mlx_mtp.models.cache import index
-
-    passes, original = [], index._PooledBlocks.pooled_blocks
-
-    def pooled_blocks(cache, n_blocks, ratio, pool):
-        widths = []
-        got = original(cache, n_blocks, ratio,
-                       lambda first, width: widths.append(width) or pool(first, width))
-        again = pool(mx.zeros((cache.size(), 1), mx.int32), n_blocks)
-        complete = mx.array(cache.lengths())[:, None, None] // ratio
-        own = mx.arange(n_blocks)[None, :, None] < complete
-        assert mx.array_equal(mx.where(own, got, 0), mx.where(own, again, 0)).item()
-        passes.append((n_blocks, sum(widths)))
-        return got
-
-    monkeypatch.setattr(index._PooledBlocks, "pooled_blocks", pooled_blocks)
-    return passes
-
-
 def test_complete_blocks_pooled_once(model, monkeypatch):
     """The indexer's cache keeps the pooled blocks each row completed: one-token decoding
     pools at most the block it completes (instead of all of them), and a verify pass whose
     rejected row completed a block un-completes it (the next pass pools it again from the
     kept keys, not the rejected one). Every pass's blocks equal all blocks pooled again."""
-    passes = watch_pooling(monkeypatch)
+    passes = cc.watch_pooling(monkeypatch)
     n_qsa = sum(not layer.is_linear for layer in model.model.layers)
     cache = fc.prefilled_cache(model, PROMPT)  # 40 tokens: 20 blocks of 2, pooled once
     assert passes == [(20, 20)] * n_qsa
@@ -205,7 +182,7 @@ def test_batched_rows_reuse_their_complete_blocks(model, monkeypatch):
     tokens are each row's alone, and far fewer blocks are pooled than scored."""
     prompts = [PROMPT[:9], PROMPT[:20], PROMPT[3:7], PROMPT]
     want = [fc.mtp_tokens(model, p, 0, n=12)[0] for p in prompts]
-    passes = watch_pooling(monkeypatch)
+    passes = cc.watch_pooling(monkeypatch)
     rows, bd = fc.run_batch(model, 2, prompts, n=12)
     assert rows == want
     bd.remove(1)
@@ -390,3 +367,21 @@ def test_sampling_follows_the_target():
     model = oracle(load_model(FIXTURE / "checkpoint")[0])
     model.lm_head.weight = model.lm_head.weight * 4
     fc.assert_sampling_follows_target(model, model, PROMPT[:12])
+
+
+def test_one_token_prompts_join_a_batch(model, with_tokenizer):
+    """A one-token prompt runs no pass before it decodes, so its PLE windows hold their
+    start values when it joins a batch (they once could not join): through the server
+    engine (K = 2) beside two longer prompts, and through the batch decoder first and
+    last, at K = 0 and 2, each row decodes as it does alone."""
+    from engine_events import make_engine, run
+    from mlx_mtp.models.io.loader import load_config, load_tokenizer
+
+    model_tok = (model, load_tokenizer(with_tokenizer, load_config(with_tokenizer)))
+    prompts = [PROMPT, PROMPT[:1], PROMPT[7:20]]
+    want = [fc.mtp_tokens(model, p, 0, n=12)[0] for p in prompts]
+    sinks = run(make_engine(model_tok, num_draft_tokens=2), prompts)
+    assert [s.tokens for s in sinks] == want
+    for k in (0, 2):
+        assert fc.run_batch(model, k, [[GREEDY[3]]] + prompts, n=12)[0] == \
+            [fc.mtp_tokens(model, [GREEDY[3]], 0, n=12)[0]] + want

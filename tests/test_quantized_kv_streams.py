@@ -37,7 +37,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # family: (the config entry widened to 32, the cache kinds made: quantized ones first, then
 # those kept in their precision)
 FAMILIES = {"qwen4_exp": ("head_dim", {"quantized_kv"}, {"pooled_index_kv", "rec", "short"}),
-            "glm5_next": ("kv_lora_rank", {"quantized_kv"}, {"index_kv", "rec"}),
+            "glm5_next": ("kv_lora_rank", {"quantized_kv"}, {"pooled_index_kv", "rec"}),
             "deepseek_v4": ("index_head_dim", {"quantized_dsv4"}, set())}
 
 

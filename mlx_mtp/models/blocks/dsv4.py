@@ -65,9 +65,9 @@ def rope(x: mx.array, positions: mx.array, freqs: mx.array, inverse: bool = Fals
 
 
 def visible_entries(positions: mx.array, count: int, ratio: int) -> mx.array:
-    """(L, count): whether the query at each position may read each entry (its window is
-    complete by then)."""
-    return mx.arange(count)[None] < ((positions + 1) // ratio)[:, None]
+    """(..., L, count): whether the query at each position (..., L) may read each entry (its
+    window is complete by then)."""
+    return mx.arange(count) < ((positions + 1) // ratio)[..., None]
 
 
 class Compressor(nn.Module):
@@ -84,23 +84,44 @@ class Compressor(nn.Module):
         self.ape = mx.zeros((ratio, width))
         self.norm = nn.RMSNorm(dim, eps=eps)
 
-    def __call__(self, x, cache, name: str, freqs: mx.array) -> mx.array:
+    def __call__(self, x, caches, name: str, freqs: mx.array) -> mx.array:
+        """(B, L', d): each row's entries so far, a row with fewer right-padded with zeros
+        (entries no query of it sees). ``caches``: each row's (None: one pass without a
+        cache). The projections run over all rows at once, each row's raw rows go through
+        its own cache, and rows completing as many windows are pooled together."""
         B, L, _ = x.shape
         kv, gate = self.wkv(x), self.wgate(x)
-        if cache is not None:
-            p = cache.pending(name, kv, gate)
-            kv, gate, first, prior = p.kv, p.gate, p.first, (p.prior_kv, p.prior_gate)
-        else:
+        if caches is None:
             usable = L // self.ratio * self.ratio
-            kv, gate, first, prior = kv[:, :usable], gate[:, :usable], 0, (None, None)
-        n = kv.shape[1] // self.ratio
+            return self.entries(kv[:, :usable], gate[:, :usable], 0, (None, None), freqs)
+        pending = [c.pending(name, kv[b:b + 1], gate[b:b + 1]) for b, c in enumerate(caches)]
+        groups, new = {}, [None] * B
+        for b, p in enumerate(pending):  # only an overlapping series reads the prior window
+            groups.setdefault((p.kv.shape[1], self.overlap and p.prior_kv is not None),
+                              []).append(b)
+        for (_, with_prior), rows in groups.items():
+            ps = [pending[b] for b in rows]
+            prior = (mx.concatenate([p.prior_kv for p in ps]),
+                     mx.concatenate([p.prior_gate for p in ps])) if with_prior else (None, None)
+            first = mx.array([p.first for p in ps])[:, None]
+            out = self.entries(mx.concatenate([p.kv for p in ps]),
+                               mx.concatenate([p.gate for p in ps]), first, prior, freqs)
+            for i, b in enumerate(rows):
+                new[b] = out[i:i + 1]
+        entries = [c.add_entries(name, e) for c, e in zip(caches, new)]
+        T = max(e.shape[1] for e in entries)
+        return mx.concatenate([mx.pad(e, [(0, 0), (0, T - e.shape[1]), (0, 0)])
+                               for e in entries])
+
+    def entries(self, kv, gate, first, prior, freqs) -> mx.array:
+        """(b, n, d): the entries of rows' whole windows ``kv``/``gate`` (b, n · ratio,
+        width), whose first windows start at ``first`` (b, 1) (or one int for all)."""
+        B, n = kv.shape[0], kv.shape[1] // self.ratio
         if n == 0:
-            entries = mx.zeros((B, 0, self.dim), x.dtype)
-        else:
-            entries = self.pool(kv.reshape(B, n, self.ratio, -1),
-                                gate.reshape(B, n, self.ratio, -1) + self.ape, prior)
-            entries = rope(entries, mx.arange(n) * self.ratio + first, freqs)
-        return entries if cache is None else cache.add_entries(name, entries)
+            return mx.zeros((B, 0, self.dim), kv.dtype)
+        entries = self.pool(kv.reshape(B, n, self.ratio, -1),
+                            gate.reshape(B, n, self.ratio, -1) + self.ape, prior)
+        return rope(entries, mx.arange(n) * self.ratio + first, freqs)
 
     def pool(self, kv, gate, prior) -> mx.array:
         if self.overlap:
@@ -132,10 +153,11 @@ class Indexer(nn.Module):
         self.compressor = Compressor(args.hidden_size, self.dim, args.csa_ratio, True,
                                      args.rms_norm_eps)
 
-    def __call__(self, x, q_residual, positions, cache, freqs) -> mx.array:
-        """(B, L, T) additive bias over the compressor's T entries: 0 where read."""
+    def __call__(self, x, q_residual, positions, caches, freqs) -> mx.array:
+        """(B, L, T) additive bias over the compressor's T entries: 0 where read.
+        ``positions`` (B, 1, L); ``caches``: each row's (or None)."""
         B, L, _ = x.shape
-        keys = self.compressor(x, cache, "indexer", freqs)
+        keys = self.compressor(x, caches, "indexer", freqs)
         q = self.wq_b(q_residual).reshape(B, L, self.heads, self.dim).transpose(0, 2, 1, 3)
         q = rope(q, positions, freqs)
         scores = mx.maximum(q.astype(mx.float32) @ keys.astype(mx.float32)[:, None]
@@ -143,7 +165,8 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x).astype(mx.float32) * self.heads**-0.5
         scores = (scores * weights.transpose(0, 2, 1)[..., None]).sum(axis=1)  # (B, L, T)
         T = keys.shape[1]
-        scores = mx.where(visible_entries(positions, T, self.compressor.ratio), scores, -mx.inf)
+        scores = mx.where(visible_entries(positions[:, 0], T, self.compressor.ratio), scores,
+                          -mx.inf)
         if T == 0:
             return scores
         kth = mx.topk(scores, min(self.topk, T), axis=-1).min(axis=-1, keepdims=True)
@@ -174,20 +197,13 @@ class Attention(nn.Module):
 
     def __call__(self, x, positions, caches, freqs) -> mx.array:
         """``positions`` (B, 1, L): each row's; ``caches``: each row's cache (None: one
-        pass without a cache, every row at the same positions). Projections and the
-        output run on all rows at once; each row's window and compressed entries are
-        its own, left-padded to one attention over every row."""
+        pass without a cache, every row at the same positions)."""
         B, L, _ = x.shape
         q_residual = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_residual).reshape(B, L, self.heads, self.head_dim).transpose(0, 2, 1, 3)
         q = rope(rms(q, self.eps), positions, freqs)
         kv = rope(self.norm(self.wkv(x))[:, None], positions, freqs)
-        if caches is None:
-            keys, bias = self.keys_and_bias(x, q_residual, kv, positions[0, 0], None, freqs)
-        else:
-            keys, bias = left_padded([
-                self.keys_and_bias(x[b:b + 1], q_residual[b:b + 1], kv[b:b + 1],
-                                   positions[b, 0], c, freqs) for b, c in enumerate(caches)])
+        keys, bias = self.keys_and_bias(x, q_residual, kv, positions, caches, freqs)
         out = self.attend(q, keys, bias)
         out = rope(out, positions, freqs, inverse=True).transpose(0, 2, 1, 3)
         out = out.reshape(B, L, self.groups, -1)
@@ -195,23 +211,30 @@ class Attention(nn.Module):
         out = mx.einsum("blgi,gri->blgr", out, w).reshape(B, L, -1)
         return self.wo_b(out)
 
-    def keys_and_bias(self, x, q_residual, kv, positions, cache, freqs) -> tuple:
-        """Rows at the same ``positions`` (L,): the keys they read (window, then compressed
-        entries) (b, 1, K, D) and the additive bias over them (b or 1, 1, L, K)."""
+    def keys_and_bias(self, x, q_residual, kv, positions, caches, freqs) -> tuple:
+        """The keys the rows read (B, 1, K, D) and the additive bias over them (B, 1, L, K):
+        each row's window (its own cache's: rows sit at different phases, so each is read
+        alone and left-padded to the longest), then its compressed entries (right-padded);
+        padding is masked, so each row attends as it would alone. The bias, the compressors'
+        pooling and the indexer's scores run over all rows at once."""
         L = x.shape[1]
-        keys = cache.window_keys(kv) if cache is not None else kv
-        kpos = positions[0] - (keys.shape[2] - L) + mx.arange(keys.shape[2])
-        near = positions[:, None] - kpos[None]
-        bias = mx.where((near >= 0) & (near < self.window), 0.0, -mx.inf)[None, None]
+        if caches is None:
+            keys, pad = kv, mx.zeros((1, 1), mx.int32)
+        else:
+            keys, pad = left_padded([c.window_keys(kv[b:b + 1]) for b, c in enumerate(caches)])
+        K, pos = keys.shape[2], positions[:, 0]
+        kpos = pos[:, :1] - (K - L) + mx.arange(K)  # (B, K): each column's position
+        near = pos[..., None] - kpos[:, None]
+        seen = (near >= 0) & (near < self.window) & (mx.arange(K) >= pad)[:, None]
+        bias = mx.where(seen, 0.0, -mx.inf)[:, None]
         if self.ratio:
-            entries = self.compressor(x, cache, "compressor", freqs)[:, None]
-            seen = visible_entries(positions, entries.shape[2], self.ratio)
-            extra = mx.where(seen, 0.0, -mx.inf)[None, None]
+            entries = self.compressor(x, caches, "compressor", freqs)[:, None]
+            seen = visible_entries(pos, entries.shape[2], self.ratio)
+            extra = mx.where(seen, 0.0, -mx.inf)[:, None]
             if "indexer" in self:
-                extra = extra + self.indexer(x, q_residual, positions, cache, freqs)[:, None]
+                extra = extra + self.indexer(x, q_residual, positions, caches, freqs)[:, None]
             keys = mx.concatenate([keys, entries.astype(keys.dtype)], axis=2)
-            bias = mx.concatenate([mx.broadcast_to(bias, extra.shape[:-1] + bias.shape[-1:]),
-                                   extra], axis=-1)
+            bias = mx.concatenate([bias, extra], axis=-1)
         return keys, bias
 
     def attend(self, q, keys, bias) -> mx.array:
@@ -223,15 +246,12 @@ class Attention(nn.Module):
         return probs[..., :-1].astype(keys.dtype) @ keys
 
 
-def left_padded(rows) -> tuple:
-    """Rows' (keys (1, 1, K, D), bias (1, 1, L, K)) left-padded to the longest: padded keys
-    are zeros under a -inf bias, so each row attends as it would alone."""
-    K = max(k.shape[2] for k, _ in rows)
-    keys = [mx.pad(k, [(0, 0), (0, 0), (K - k.shape[2], 0), (0, 0)]) for k, _ in rows]
-    bias = [mx.pad(mx.broadcast_to(b, (1, 1) + b.shape[-2:]),
-                   [(0, 0), (0, 0), (0, 0), (K - b.shape[-1], 0)], constant_values=-mx.inf)
-            for _, b in rows]
-    return mx.concatenate(keys), mx.concatenate(bias)
+def left_padded(windows) -> tuple:
+    """Rows' window keys (1, 1, K_b, D) left-padded with zeros to the longest: (keys
+    (B, 1, K, D), each row's padding columns (B, 1))."""
+    K = max(k.shape[2] for k in windows)
+    keys = [mx.pad(k, [(0, 0), (0, 0), (K - k.shape[2], 0), (0, 0)]) for k in windows]
+    return mx.concatenate(keys), mx.array([K - k.shape[2] for k in windows])[:, None]
 
 
 class ClampedSwiGLU(nn.Module):

@@ -149,7 +149,7 @@ class PerLayerEmbedding(nn.Module):
         super().__init__()
         H, hc, D = args.hidden_size, args.hc_count, args.ple_embed_dim
         self.ple_embedding = NGramEmbedding(args, ple_index)
-        self.eos = args.eos_id
+        self.start_values = (0, args.eos_id)  # the windows before any token: zeros, EOS
         self.hidden, self.hc = H, hc
         self.context = args.ngram_size - 1
         self.conv_window = (args.ple_conv_kernel_size - 1) * args.ngram_size
@@ -166,8 +166,9 @@ class PerLayerEmbedding(nn.Module):
         B, L, _ = streams.shape
         windows = cache.state if cache is not None else ()
         if not windows:
-            windows = (mx.zeros((B, self.conv_window, streams.shape[-1]), streams.dtype),
-                       mx.full((B, self.context), self.eos, ids.dtype))
+            conv, token = self.start_values
+            windows = (mx.full((B, self.conv_window, streams.shape[-1]), conv, streams.dtype),
+                       mx.full((B, self.context), token, ids.dtype))
         history = mx.concatenate([windows[1].astype(ids.dtype), ids], axis=1)
         emb = self.ple_embedding(history, L)
         split = (B, L, self.hc, self.hidden)

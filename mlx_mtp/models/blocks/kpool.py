@@ -7,7 +7,9 @@ sum over heads of weight_h · relu(q_h · pool) / sqrt(d), and attends to the to
 ``index_topk / index_kpool`` best plus the incomplete tail (p's own group). Every row is
 computed from its own position alone, so a verify pass selects what one-token decoding
 selects, and batch rows with holes pool their own tokens; exact score ties are broken by pool order (``qsa.tie_broken``), where transformers'
-topk breaks them its own way (references are recorded away from ties).
+topk breaks them its own way (references are recorded away from ties). The cache keeps each
+row's complete pools (``cache.index.PooledKeyCache``, as Qwen4-Exp's QSA blocks), so a pass
+pools only the pools its positions complete.
 Reference: transformers 5.24 ``Glm5NextTextIndexer`` (no RoPE: the MLA is NoPE).
 """
 
@@ -50,19 +52,34 @@ class KPoolIndexer(nn.Module):
             visible = index[:, None] <= pos[:, :, None]
         else:
             visible = visible[:, 0]
-        packed = mx.take_along_axis(packed[:, 0], order[..., None], axis=1)
-        return self.select(x, q, *mx.split(packed, 2, axis=-1), index, pos, visible)[:, None]
+        return self.select(x, q, packed[:, 0], order, index, pos, visible, cache)[:, None]
 
-    def select(self, x, q, keys, gates, index, pos, visible):
-        """``keys``/``gates``: each row's in its own order (B, T, d); ``index``: each slot's
-        place in its row (B or 1, T); ``pos``: the queries' places (B or 1, L)."""
+    def select(self, x, q, packed, order, index, pos, visible, cache=None):
+        """``packed``: each position's key and gate as stored (B, T, 2d); ``order``: each
+        row's slots in its own token order and ``index``: each slot's place in its row
+        (B or 1, T); ``pos``: the queries' places (B or 1, L); ``cache``: keeps the complete
+        pools between passes (``cache.index.PooledKeyCache``)."""
         c = self.pool
         complete = (pos + 1) // c
         tail = index[:, None] >= (complete * c)[..., None]
-        n = keys.shape[1] // c
+        n = packed.shape[1] // c
         if n == 0:
             return visible & tail
-        scores = self.pool_scores(x, q, keys, gates, n)
+
+        def pool(first, width: int) -> mx.array:
+            """(B or 1, width, d): each row's pools ``first[b] ..``, its keys weighted by a
+            softmax of gate + slot bias over the pool (slots past the last read as the last)."""
+            slots = mx.minimum(first * c + mx.arange(width * c), packed.shape[1] - 1)
+            rows = mx.take_along_axis(packed, mx.take_along_axis(order, slots, axis=1)[..., None],
+                                      axis=1)
+            keys, gates = mx.split(rows.reshape(rows.shape[0], width, c, -1), 2, axis=-1)
+            weights = mx.softmax(gates.astype(mx.float32)
+                                 + self.index_kpool_compress_ape.astype(mx.float32), axis=2)
+            return (weights.astype(keys.dtype) * keys).sum(axis=2)
+
+        pooled = pool(mx.zeros((1, 1), mx.int32), n) if cache is None else \
+            cache.pooled_blocks(n, c, pool)
+        scores = self.pool_scores(x, q, pooled)
         scores = mx.where(mx.arange(n) < complete[..., None], scores, -mx.inf)
         k = min(self.top_pools, n)
         best = mx.argpartition(tie_broken(scores), n - k, axis=-1)[..., n - k:]
@@ -73,12 +90,9 @@ class KPoolIndexer(nn.Module):
             axis=-1)
         return visible & (in_pool | tail)
 
-    def pool_scores(self, x, q, keys, gates, n: int):
-        """(B, L, n): each query's score of each complete pool."""
-        B, c, d = keys.shape[0], self.pool, self.head_dim
-        logits = gates[:, : n * c].reshape(B, n, c, d).astype(mx.float32)
-        weights = mx.softmax(logits + self.index_kpool_compress_ape.astype(mx.float32), axis=2)
-        pooled = (weights.astype(keys.dtype) * keys[:, : n * c].reshape(B, n, c, d)).sum(axis=2)
+    def pool_scores(self, x, q, pooled):
+        """(B, L, n): each query's score of each complete pool (``pooled``: (B, n, d))."""
+        d = self.head_dim
         scores = q.astype(mx.float32) @ pooled.astype(mx.float32)[:, None].swapaxes(-1, -2)
         scores = nn.relu(scores * d**-0.5)  # (B, L, heads, n)
         head_weights = self.weights_proj(x).astype(mx.float32) * self.n_heads**-0.5

@@ -236,7 +236,8 @@ class CompressedWindowCache(_Cache):
         return self.spare > 0  # a window alone (the MTP head's), with spare keys
 
     def trim(self, n: int) -> int:
-        """Drop the last ``n`` positions (at most the spare keys: a window's only)."""
+        """Drop the last ``n`` positions (at most the spare keys: a window's only; none
+        before its first pass, as a one-token prompt's head in its first step)."""
         if not self.is_trimmable():
             raise ValueError("this DeepSeek-V4 cache cannot be trimmed")
         if self.keys is None:  # a head that has not run (a row of a one-token prompt)

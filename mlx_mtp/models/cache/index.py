@@ -12,9 +12,10 @@ on its own, so rollback stays exact), and every pass runs our DSA attention (``b
 mlx-lm's layers reading no quantized cache. The values placeholder is then one quantization
 group wide, never read. Kinds ``quantized_index_kv`` and ``batch_quantized_index_kv``.
 
-Qwen4-Exp's QSA indexer (``blocks/qsa.py``) keeps its raw keys the same way and, beside
-them, the pooled keys of the blocks each row has completed (``pooled_blocks``), so a pass
-pools only the blocks its positions complete. A rollback un-completes the blocks whose
+Qwen4-Exp's QSA indexer (``blocks/qsa.py``) and GLM-5.3's k-pool indexer (``blocks/kpool.py``)
+keep their keys the same way and, beside them, the pooled keys of the blocks each row has
+completed (``pooled_blocks``; the indexer passes its own pooling), so a pass pools only the
+blocks its positions complete. A rollback un-completes the blocks whose
 keys it drops (a rejected verify row may have completed one). The pooled keys are derived
 from the keys: ``state`` leaves them out (a loaded cache pools again); snapshots, copies,
 merge, extract and filter carry each row's. Kinds ``pooled_index_kv`` and
@@ -176,7 +177,7 @@ def _joined_memo(parts: list) -> tuple:
 
 
 class PooledKeyCache(_PooledBlocks, IndexKeyCache):
-    """One sequence's QSA indexer keys and pooled complete blocks."""
+    """One sequence's pooling indexer keys (QSA, k-pool) and pooled complete blocks."""
 
     kind = "pooled_index_kv"
 
@@ -204,7 +205,8 @@ class PooledKeyCache(_PooledBlocks, IndexKeyCache):
 
 
 class BatchPooledKeyCache(_PooledBlocks, BatchIndexKeyCache):
-    """Rows of different lengths' QSA indexer keys and each row's pooled complete blocks."""
+    """Rows of different lengths' pooling indexer keys and each row's pooled complete
+    blocks."""
 
     kind = "batch_pooled_index_kv"
     row_kind = "pooled_index_kv"

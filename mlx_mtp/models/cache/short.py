@@ -5,7 +5,9 @@ last n-1 token ids its hashed n-grams continue from).
 A pass of ``T`` positions hands each window its old rows followed by the new ones
 (``advance``); the window keeps the last rows. A verify pass (``capture``) also keeps those
 inputs, so ``accept(n_keep)`` cuts row ``b``'s windows after its ``n_keep[b]`` positions:
-the same rows plain decoding would hold, no recomputation. Kind ``short``.
+the same rows plain decoding would hold, no recomputation. A cache that has seen no pass
+(a one-token prompt runs none before it decodes) holds its layer's start values (``fills``),
+made in a batch's shapes when it joins one. Kind ``short``.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from .kv import CACHE_KINDS, _Cache
 
 class ShortWindowCache(_Cache):
     """A layer's convolution window (B, n, D) and token window (B, m); None until the
-    first pass (the layer's start values: zeros, its padding token)."""
+    first pass. ``fills``: each window's start value (zeros, the padding token), given by the
+    layer that makes the cache."""
 
     kind = "short"
     state_names = ("conv", "tokens")
 
-    def __init__(self, rows: int = 1):
+    def __init__(self, rows: int = 1, fills: Optional[Tuple[float, ...]] = None):
+        self.fills = fills
         self.windows: Optional[Tuple[mx.array, ...]] = None
         self.offset = 0
         self.pending: Optional[Tuple[Tuple[mx.array, ...], int]] = None  # verify inputs, T
@@ -93,13 +97,23 @@ class ShortWindowCache(_Cache):
 
     @classmethod
     def merge(cls, caches: List["ShortWindowCache"]) -> "ShortWindowCache":
-        """The caches' rows in order; every cache must have seen a pass (a prompt)."""
-        if any(c.windows is None for c in caches):
-            raise ValueError("a short-window cache joins a batch only after its prompt")
-        out = cls(sum(c.size() for c in caches))
+        """The caches' rows in order; a cache that has seen no pass joins with its start
+        values, shaped like the windows of one that has."""
+        out = cls(sum(c.size() for c in caches), caches[0].fills)
         out.offset = max(c.offset for c in caches)
-        out.windows = tuple(mx.concatenate(ws) for ws in zip(*(c.windows for c in caches)))
+        like = next((c.windows for c in caches if c.windows is not None), None)
+        if like is not None:
+            out.windows = tuple(mx.concatenate(ws) for ws in zip(
+                *(c.windows if c.windows is not None else c._start(like) for c in caches)))
         return out
+
+    def _start(self, like: Tuple[mx.array, ...]) -> Tuple[mx.array, ...]:
+        """This cache's rows at their start values, in ``like``'s window shapes and dtypes."""
+        if self.fills is None:  # only a loaded cache, and one saved before any pass
+            raise ValueError("a short-window cache without its start values joins a batch "
+                             "only after a pass")
+        return tuple(mx.full((self.size(), *w.shape[1:]), f, w.dtype)
+                     for w, f in zip(like, self.fills))
 
     def filter(self, rows: List[int]):
         self.pending = None
@@ -109,14 +123,14 @@ class ShortWindowCache(_Cache):
             self.windows = tuple(w[ix] for w in self.windows)
 
     def extract(self, row: int) -> "ShortWindowCache":
-        c = ShortWindowCache()
+        c = ShortWindowCache(fills=self.fills)
         if self.windows is not None:
             c.windows = tuple(w[row: row + 1] for w in self.windows)
         c.offset = self.offset
         return c
 
     def copy(self) -> "ShortWindowCache":
-        c = ShortWindowCache(self._rows)
+        c = ShortWindowCache(self._rows, self.fills)
         c.windows = None if self.windows is None else tuple(mx.array(w) for w in self.windows)
         c.offset = self.offset
         return c

@@ -45,7 +45,7 @@ from ..blocks.hybrid_shard import read_share
 from ..blocks.kpool import KPoolIndexer
 from ..blocks.mhc import HyperConnection, expand
 from ..blocks.stream_shard import shard_kda, shard_mlp, shard_moe, shard_nope_mla
-from ..cache.index import IndexKeyCache
+from ..cache.index import PooledKeyCache
 from ..cache.kv import KVCache
 from ..cache.recurrent import RecurrentCache
 from ..interface import Capabilities, MTPModel
@@ -299,7 +299,7 @@ class DecoderLayer(nn.Module):
         the k-pool indexer's keys keep their precision)."""
         if self.is_linear:
             return [RecurrentCache()]
-        return [kv_cache()] + ([] if self.shared else [IndexKeyCache()])
+        return [kv_cache()] + ([] if self.shared else [PooledKeyCache()])
 
     def __call__(self, streams, caches, selection, capture: bool = False):
         """streams (B, L, hc, H) -> (streams, the selection a next shared layer reuses)."""
@@ -439,7 +439,7 @@ class Model(MTPModel):
 
     def make_mtp_cache(self):
         return [c for _ in range(self.num_mtp_layers)
-                for c in (self.full_attention_cache(), IndexKeyCache())]
+                for c in (self.full_attention_cache(), PooledKeyCache())]
 
     @staticmethod
     def cast_predicate(path: str) -> bool:

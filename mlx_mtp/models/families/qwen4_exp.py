@@ -148,7 +148,9 @@ class DecoderLayer(nn.Module):
         """``kv_cache``: the model's attention cache factory."""
         if not self.is_linear:
             return [kv_cache(), PooledKeyCache()]
-        return [RecurrentCache()] + ([ShortWindowCache()] if "ple" in self else [])
+        if "ple" not in self:
+            return [RecurrentCache()]
+        return [RecurrentCache(), ShortWindowCache(fills=self.ple.start_values)]
 
     def __call__(self, x, ids, caches, capture=False):
         if "ple" in self:
