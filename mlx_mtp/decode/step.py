@@ -50,6 +50,11 @@ from .owed import OwedPairs
 from .sampling import Sampler, SamplingParams, log_softmax, sample, verify
 from .stats import SpecStats
 
+# A speculative step builds its recurrent rollback (a masked replay over the pass) before
+# its sync and starts it with the step (False: ``finish`` builds the replay of the kept
+# prefix after the sync; ``benchmarks/after_sync.py`` compares the two).
+ROLLBACK_BEFORE_SYNC = True
+
 @dataclass
 class StepOutput:
     tokens: List[int]  # accepted drafts then the recovered/bonus token
@@ -185,7 +190,8 @@ class DecodeBatch:
         # The rollback's replay is queued after what the sync reads, so it runs while the
         # host commits the step and builds the next one.
         mx.async_eval(read, raw)
-        mx.async_eval(*(a for c in self.cache for a in c.accept_later(n_acc + 1)))
+        if ROLLBACK_BEFORE_SYNC:
+            mx.async_eval(*(a for c in self.cache for a in c.accept_later(n_acc + 1)))
         return _Pending(k, ks, nxt, raw, n_acc, proposal.drafts, h_mtp, plans,
                         proposal.head_steps, read)
 
