@@ -20,7 +20,6 @@ import mlx.core as mx
 
 from ..models.cache.kv import cache_state_arrays, restore_caches, snapshot_caches
 from ..models.blocks.hybrid import GatedDeltaNetBase
-from ..models.cache.recurrent import RecurrentCache
 
 
 def count_nodes(arrays: Sequence[mx.array]) -> int:
@@ -45,12 +44,12 @@ class _RecurrenceNodes:
     def __init__(self):
         self.calls = 0
         self.nodes = 0
-        self.replay = [0, 0]  # the calls and nodes of them made by ``accept_later``
+        self.replay = (0, 0)  # of them, the calls and nodes outside a layer's forward
 
     @contextlib.contextmanager
     def patch(self):
-        real, real_later = GatedDeltaNetBase.recurrence, RecurrentCache.accept_later
-        in_replay = []
+        real, real_forward = GatedDeltaNetBase.recurrence, GatedDeltaNetBase.__call__
+        forwards = []  # the layer forwards running: a call outside one is a replay
 
         def counted(layer, q, k, v, a, b, state, mask=None):
             stand_in = [mx.zeros(x.shape, x.dtype) for x in (q, k, v, a, b)]
@@ -59,22 +58,22 @@ class _RecurrenceNodes:
             mx.eval(*stand_in, *(x for x in (s, m) if x is not None))
             nodes = count_nodes(list(real(layer, *stand_in, s, m)))
             self.calls, self.nodes = self.calls + 1, self.nodes + nodes
-            if in_replay:
-                self.replay = [self.replay[0] + 1, self.replay[1] + nodes]
+            if not forwards:
+                self.replay = (self.replay[0] + 1, self.replay[1] + nodes)
             return real(layer, q, k, v, a, b, state, mask)
 
-        def later(cache, n_keep):  # the replay a step builds before its sync
-            in_replay.append(True)
+        def forward(layer, *args, **kwargs):
+            forwards.append(layer)
             try:
-                return real_later(cache, n_keep)
+                return real_forward(layer, *args, **kwargs)
             finally:
-                in_replay.pop()
+                forwards.pop()
 
-        GatedDeltaNetBase.recurrence, RecurrentCache.accept_later = counted, later
+        GatedDeltaNetBase.recurrence, GatedDeltaNetBase.__call__ = counted, forward
         try:
             yield self
         finally:
-            GatedDeltaNetBase.recurrence, RecurrentCache.accept_later = real, real_later
+            GatedDeltaNetBase.recurrence, GatedDeltaNetBase.__call__ = real, real_forward
 
 
 def _state_bytes(caches) -> int:
@@ -146,20 +145,18 @@ def step_graphs(dec, ks: Sequence[int]) -> dict:
                 draft = count_nodes([p.drafts])  # the MTP head has no recurrence
                 total = count_nodes(outputs)
                 verify_bytes = _state_bytes(dec.cache)
-                launched = rec.replay  # built by the launch (ROLLBACK_BEFORE_SYNC)
-                verify = _part(total - draft, rec.calls - launched[0], rec.nodes - launched[1])
-                calls0, nodes0 = rec.calls, rec.nodes
+                # the launch may have built the replay already (ROLLBACK_BEFORE_SYNC)
+                verify = _part(total - draft, rec.calls - rec.replay[0],
+                               rec.nodes - rec.replay[1])
                 for c in dec.cache:
                     c.accept([1])
                 replayed = cache_state_arrays(c for c in dec.cache if not c.is_trimmable())
                 with_replay = count_nodes(outputs + replayed)
-                replay_calls = rec.calls - calls0 + launched[0]
                 row = {"draft": _part(draft, 0, 0), "verify": verify,
-                       "replay": _part(with_replay - total, replay_calls,
-                                       rec.nodes - nodes0 + launched[1]),
+                       "replay": _part(with_replay - total, *rec.replay),
                        "replay_every_step": ROLLBACK_BEFORE_SYNC,
                        "state_bytes_verify": verify_bytes,
-                       "state_bytes_replay": _state_bytes(dec.cache) if replay_calls else 0}
+                       "state_bytes_replay": _state_bytes(dec.cache) if rec.replay[0] else 0}
                 out[k] = row
         finally:
             _restore(dec, snap)
