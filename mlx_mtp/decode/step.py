@@ -55,6 +55,7 @@ from .stats import SpecStats
 # prefix after the sync; ``benchmarks/after_sync.py`` compares the two).
 ROLLBACK_BEFORE_SYNC = True
 
+
 @dataclass
 class StepOutput:
     tokens: List[int]  # accepted drafts then the recovered/bonus token
@@ -215,7 +216,7 @@ class DecodeBatch:
         B, k = len(self.rows), p.k
         values = p.read.tolist()
         n_acc, next_ids, draft_ids = values[:B], values[B : 2 * B], values[2 * B :]
-        for c in self.cache:  # 4. keep the accepted positions and the one after (launched)
+        for c in self.cache:  # 4. keep the accepted positions and the one after them
             c.accept([n + 1 for n in n_acc])
         if p.head_steps:  # entries conditioned on drafts, not on trunk hiddens
             drop_drafted(self.model, self.mtp_cache, p.head_steps)
