@@ -19,7 +19,8 @@ from ..models.vision.images import ImageError
 from .policy import SeededSchedule, needs_schedule
 from .sampling import Sampler, SamplingParams
 from .stats import SpecStats
-from .step import OwedPairs, Row
+from .owed import OwedPairs
+from .step import Row
 
 
 @dataclass
