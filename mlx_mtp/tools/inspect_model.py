@@ -353,8 +353,8 @@ def render(report: dict) -> str:
     if mem["kv_bytes_per_1k_tokens"] is not None:
         memory += f"; KV cache {_size(mem['kv_bytes_per_1k_tokens'])} per 1k tokens"
     if mem["state_bytes_per_sequence"]:
-        memory += (f"; {_size(mem['state_bytes_per_sequence'])} per sequence at any length "
-                   f"({', '.join(mem['state_caches'])})")
+        memory += (f"; {_size(mem['state_bytes_per_sequence'])} per sequence at any length: "
+                   f"{', '.join(mem['state_caches'])}")
     rows.append(("memory", memory))
     if "ranks" in report:
         from .inspect_ranks import render_plan
