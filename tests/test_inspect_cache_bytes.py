@@ -1,11 +1,10 @@
-"""``inspect``'s KV figures are what the caches hold, for every family that takes ``--kv-bits``
-(issue 38): its bytes per 1k tokens at 16 bits and at ``--kv-bits 4`` equal what a 16-bit
-model's own caches (trunk and MTP head), prefilled and evaluated, grow by per token (twice
-what they hold after 1024 prompt tokens less after 512, inspect's being 2048 less 1024:
-the caches that grow do so linearly; windows, recurrent states and pending rows are bounded
-and drop out). Exact: no tolerance. ``inspect`` computes its figures on shapes alone, from a model built
-lazily from the config: nothing is evaluated (peak memory stays under what one layer's
-cache would take).
+"""``inspect``'s KV figures are what the caches hold, for every family (issue 38): its bytes
+per 1k tokens at 16 bits and at ``--kv-bits 4`` equal what a 16-bit model's own caches (trunk
+and MTP head), prefilled and evaluated, grow by: twice what they hold after 1024 prompt
+tokens less after 512 (inspect's: 2048 less 1024; the caches that grow do so linearly, and
+windows, recurrent states and pending rows are bounded and drop out). Exact: no tolerance.
+``inspect`` computes its figures on shapes alone, from a model built lazily from the config:
+nothing is evaluated (peak memory stays under what one layer's cache would take).
 
 The families that take ``--kv-bits`` have every cached width 64 (``mlx_mtp.testing.kv_widths``,
 the configs ``benchmarks/kv_cache_bytes.py`` measures for docs/quantized-kv.md's table); the
