@@ -51,7 +51,7 @@ def main(families):
             continue
         model = tiny_attention.build_model(config, seed=0)
         full, q4 = per_1k_tokens(model, None), per_1k_tokens(model, KVQuantization(4, 64))
-        est = memory_estimate(config, {}, build_model(dict(config)), 4, 64)
+        est = memory_estimate({}, build_model(dict(config)), 4, 64)
         shown = [est["kv_bytes_per_1k_tokens"], est["kv_bytes_per_1k_tokens_quantized"]]
         shown = ["-" if x is None else x for x in shown]
         print(f"| {family} | {full} | {q4} | {q4 / full:.3f} | {shown[0]} | {shown[1]} |",

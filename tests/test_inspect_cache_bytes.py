@@ -62,7 +62,7 @@ def measured_per_1k_tokens(config: dict, quant) -> int:
 def test_inspect_bytes_per_1k_tokens_equal_the_caches_growth(family):
     config = CONFIGS[family]
     held, _ = mx.get_active_memory(), mx.reset_peak_memory()
-    memory = memory_estimate(config, {}, build_model(dict(config)), 4, 64)
+    memory = memory_estimate({}, build_model(dict(config)), 4, 64)
     assert mx.get_peak_memory() - held < 1 << 18  # shapes only: no weight, no cache evaluated
     assert memory["kv_bytes_per_1k_tokens"] == measured_per_1k_tokens(config, None)
     try:
@@ -76,6 +76,6 @@ def test_inspect_bytes_per_1k_tokens_equal_the_caches_growth(family):
 def test_deepseek_v4_at_4_bits_is_under_0_3_of_16_bits():
     """Every cache of DeepSeek-V4 that grows is quantized: the issue's target holds there."""
     config = CONFIGS["deepseek_v4"]
-    memory = memory_estimate(config, {}, build_model(dict(config)), 4, 64)
+    memory = memory_estimate({}, build_model(dict(config)), 4, 64)
     assert memory["kv_bytes_per_1k_tokens_quantized"] / memory["kv_bytes_per_1k_tokens"] <= 0.3
     assert memory["state_caches"] == ["DeepSeek-V4 windows and compressors' pending rows"]

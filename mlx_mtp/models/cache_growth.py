@@ -42,7 +42,8 @@ def cache_growth(model, quant: Optional[KVQuantization] = None,
                  dtype: mx.Dtype = mx.bfloat16) -> CacheGrowth:
     """The caches of ``model`` (its float weights cast to ``dtype`` as the loader casts them,
     ``quant`` applied through ``use_kv_quantization``, whose ValueError passes through) after
-    ``n`` and ``n + 1024`` tokens, on shapes only (ValueError if a pass needs a value)."""
+    ``n`` and ``n + 1024`` tokens, on shapes only (ValueError if a pass needs a value). The
+    model is left so cast and quantized: pass one built to be measured (``inspect``'s)."""
     model.use_kv_quantization(quant)
     model.update(tree_map_with_path(
         lambda path, v: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)

@@ -143,7 +143,7 @@ def _common_prefix(keys: List[str]) -> str:
     return ".".join(common) + "." if common else ""
 
 
-def memory_estimate(config: dict, tensors: Dict[str, Tensor], model=None,
+def memory_estimate(tensors: Dict[str, Tensor], model=None,
                     kv_bits: Optional[int] = None, kv_group_size: int = 64) -> dict:
     """Bytes the text weights take once loaded, and what one sequence's caches (trunk and MTP
     head) hold as a 16-bit model's: per 1k tokens (``kv_bits``: also quantized so) and per
@@ -284,7 +284,7 @@ def inspect_model(path: Optional[str], kv_bits: Optional[int] = None,
                           and mtp["present_layers"] == 0),
         "advice": _advice(where, layout_name, mtp, model_type in MODEL_TYPES),
         "draft_vocab": _draft_vocab_info(where),
-        "memory": memory_estimate(config, tensors, model, kv_bits, kv_group_size),
+        "memory": memory_estimate(tensors, model, kv_bits, kv_group_size),
         "kv_quantization": None if kv_bits is None else {
             "bits": kv_bits, "group_size": kv_group_size,
             **kv_quantization_caches(model, kv_bits, kv_group_size),
