@@ -26,10 +26,10 @@ from ..drafters.block import load as block_drafter
 from ..models import MODEL_TYPES, refuse_not_yet
 from ..models.draft import vocab as draft_vocab
 from ..models.blocks.attention_trunk import count_checkpoint_mtp_layers, mtp_key_predicate
-from ..models.blocks.hybrid import HybridArgs
-from ..models.families import bailing_hybrid, deepseek_v4
-from ..models.io.layout import (VISION_PREFIXES, CheckpointError, args_dict, config_mtp_layers,
-                                config_quantization, count_mtp_layers, family, text_config)
+from ..models.cache.quantized import KVQuantization
+from ..models.cache_growth import cache_growth
+from ..models.io.layout import (VISION_PREFIXES, CheckpointError, config_mtp_layers,
+                                config_quantization, count_mtp_layers, family)
 from ..models.io.config_checks import check_fits_weights
 from ..models.io.files import read_safetensors_header
 from ..models.io.loader import (build_model, check_tokenizer_files, load_config,
@@ -46,12 +46,6 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16
                "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
                "F8_E4M3": "fp8 (e4m3)", "F8_E5M2": "fp8 (e5m2)"}
-# Families whose caches the Qwen-hybrid estimate does not describe: config -> (16-bit
-# cache bytes per token, recurrent state bytes per sequence).
-FAMILY_CACHE_BYTES = {"bailing_hybrid": bailing_hybrid.cache_bytes,
-                      "deepseek_v4": deepseek_v4.cache_bytes}
-# Those whose per-token cache (DeepSeek-V4: compressed entries) ``--kv-bits`` quantizes whole.
-QUANTIZED_PER_TOKEN = ("deepseek_v4",)
 # A split drafter's tensors are the head's own, with the ``mtp.`` prefix stripped.
 _SPLIT_KEYS = ("fc.weight", "pre_fc_norm_hidden.weight", "pre_fc_norm_embedding.weight")
 
@@ -149,48 +143,30 @@ def _common_prefix(keys: List[str]) -> str:
     return ".".join(common) + "." if common else ""
 
 
-def memory_estimate(config: dict, tensors: Dict[str, Tensor], kv_bits: Optional[int] = None,
-                    kv_group_size: int = 64) -> dict:
-    """Bytes the text weights take once loaded, plus the cache per sequence (K/V in 16-bit;
-    ``kv_bits``: also quantized, with 16-bit scales and biases per group)."""
+def memory_estimate(tensors: Dict[str, Tensor], model=None,
+                    kv_bits: Optional[int] = None, kv_group_size: int = 64) -> dict:
+    """Bytes the text weights take once loaded, and what one sequence's caches (trunk and MTP
+    head) hold as a 16-bit model's: per 1k tokens (``kv_bits``: also quantized so) and per
+    sequence whatever its length, with the cache kinds holding that, in words. Measured from
+    the caches of ``model`` (built lazily from the config; None: a type mlx-mtp does not
+    run, no cache figures) on shapes alone (``models.cache_growth``)."""
     weights = sum(t.nbytes for k, t in tensors.items() if not k.startswith(VISION_PREFIXES))
     out = {"weights_bytes": weights, "kv_bytes_per_1k_tokens": None,
-           "kv_bytes_per_1k_tokens_quantized": None, "state_bytes_per_sequence": None}
-    if config.get("model_type") in FAMILY_CACHE_BYTES:
-        per_token, state = FAMILY_CACHE_BYTES[config["model_type"]](text_config(config))
-        out = dict(out, kv_bytes_per_1k_tokens=1024 * per_token, state_bytes_per_sequence=state)
-        if kv_bits is not None and config["model_type"] in QUANTIZED_PER_TOKEN:
-            out["kv_bytes_per_1k_tokens_quantized"] = int(
-                1024 * per_token / 2 * _quantized_value_bytes(kv_bits, kv_group_size))
+           "kv_bytes_per_1k_tokens_quantized": None, "state_bytes_per_sequence": None,
+           "state_caches": []}
+    if model is None:
         return out
-    try:
-        args = HybridArgs.from_dict(args_dict(config))
-    except (CheckpointError, ValueError, TypeError, KeyError, ZeroDivisionError):
-        return out
-    text = text_config(config)
-    hybrid = any(k in text for k in ("layer_types", "full_attention_interval",
-                                     "linear_num_value_heads"))
-    layers = range(args.num_hidden_layers)
-    n_linear = sum(1 for i in layers if args.is_linear(i)) if hybrid else 0
-    n_attention = args.num_hidden_layers - n_linear + config_mtp_layers(config)
-    per_layer = 1024 * 2 * args.num_key_value_heads * args.head_dim  # K/V values per 1k tokens
-    out["kv_bytes_per_1k_tokens"] = n_attention * per_layer * 2
+    full = cache_growth(model)
+    out.update(kv_bytes_per_1k_tokens=full.per_1k_tokens,
+               state_bytes_per_sequence=full.per_sequence,
+               state_caches=[STATE_WORDS.get(k) or CACHE_WORDS.get(k, k) for k in full.kinds])
     if kv_bits is not None:
-        out["kv_bytes_per_1k_tokens_quantized"] = int(
-            n_attention * per_layer * _quantized_value_bytes(kv_bits, kv_group_size))
-    if n_linear:
-        conv_dim = (2 * args.linear_num_key_heads * args.linear_key_head_dim
-                    + args.linear_num_value_heads * args.linear_value_head_dim)
-        ssm = args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim
-        # The recurrent state is float32; the conv window is 16-bit.
-        out["state_bytes_per_sequence"] = n_linear * (
-            4 * ssm + 2 * (args.linear_conv_kernel_dim - 1) * conv_dim)
+        try:
+            out["kv_bytes_per_1k_tokens_quantized"] = cache_growth(
+                model, KVQuantization(kv_bits, kv_group_size)).per_1k_tokens
+        except ValueError:  # refused: ``kv_quantization_caches`` says why
+            pass
     return out
-
-
-def _quantized_value_bytes(bits: int, group_size: int) -> float:
-    """Bytes per cached value at ``bits``, with a 16-bit scale and bias per group."""
-    return bits / 8 + 2 * 2 / group_size
 
 
 def _draft_vocab_info(path: Path) -> Optional[dict]:
@@ -250,6 +226,11 @@ CACHE_WORDS = {"quantized_kv": "attention K/V or MLA latents", "kv": "attention 
                "chain": "chained MTP layers",
                "dsv4": "DeepSeek-V4 windows and compressed entries",
                "quantized_dsv4": "DeepSeek-V4 windows and compressed entries"}
+# What a kind holds whatever the sequence's length, where its words above say more.
+STATE_WORDS = {"rec": "recurrent states (float32 at any weight precision)",
+               "chain": "chained MTP layers' windows",
+               "dsv4": "DeepSeek-V4 windows and compressors' pending rows",
+               "quantized_dsv4": "DeepSeek-V4 windows and compressors' pending rows"}
 # Quantized kinds that keep a part in its precision: that part, in words.
 KEPT_PARTS = {"quantized_dsv4": "DeepSeek-V4 compressors' pending rows"}
 
@@ -260,8 +241,6 @@ def kv_quantization_caches(model, bits: Optional[int], group_size: int) -> dict:
     out = {"refused": None, "quantized": [], "kept": []}
     if bits is None or model is None:
         return out
-    from ..models.cache.quantized import KVQuantization
-
     try:
         model.use_kv_quantization(KVQuantization(bits, group_size))
     except ValueError as e:
@@ -305,7 +284,7 @@ def inspect_model(path: Optional[str], kv_bits: Optional[int] = None,
                           and mtp["present_layers"] == 0),
         "advice": _advice(where, layout_name, mtp, model_type in MODEL_TYPES),
         "draft_vocab": _draft_vocab_info(where),
-        "memory": memory_estimate(config, tensors, kv_bits, kv_group_size),
+        "memory": memory_estimate(tensors, model, kv_bits, kv_group_size),
         "kv_quantization": None if kv_bits is None else {
             "bits": kv_bits, "group_size": kv_group_size,
             **kv_quantization_caches(model, kv_bits, kv_group_size),
@@ -374,8 +353,8 @@ def render(report: dict) -> str:
     if mem["kv_bytes_per_1k_tokens"] is not None:
         memory += f"; KV cache {_size(mem['kv_bytes_per_1k_tokens'])} per 1k tokens"
     if mem["state_bytes_per_sequence"]:
-        memory += (f"; recurrent state {_size(mem['state_bytes_per_sequence'])} per sequence "
-                   "(float32 at any weight precision)")
+        memory += (f"; {_size(mem['state_bytes_per_sequence'])} per sequence at any length: "
+                   f"{', '.join(mem['state_caches'])}")
     rows.append(("memory", memory))
     if "ranks" in report:
         from .inspect_ranks import render_plan

@@ -21,14 +21,12 @@ copy of ``word_embeddings`` (the trunk's is used).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import bailing_moe_v3 as lm
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from ..io import layout
 from ..blocks.attention_trunk import Family, ModelArgs, attention_mask  # noqa: F401
 from ..blocks.attention_trunk import Model as _Model
 from ..blocks.attention_trunk import mla_heads, mlp_after, mlx_lm_sanitize, nextn_prefix
@@ -37,21 +35,6 @@ from ..cache.recurrent import RecurrentCache, VerifyRecord
 
 # The tensors around the MTP block, as SGLang's Bailing NextN loader names them -> ours.
 MTP_KEYS = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_layernorm": "norm"}
-
-
-def cache_bytes(config: dict) -> Tuple[int, int]:
-    """(cache bytes per token, recurrent bytes per sequence) for ``inspect``: each MLA layer
-    (the MTP layer too) keeps a 16-bit latent and rope key per token; each KDA layer its
-    float32 delta-rule state and three 16-bit conv windows."""
-    args = lm.ModelArgs.from_dict(config)
-    kda_layers = sum(lm._is_kda_layer(i, args.layer_group_size, args.num_hidden_layers)
-                     for i in range(args.num_hidden_layers))
-    mla_layers = args.num_hidden_layers - kda_layers + layout.config_mtp_layers(config)
-    P = args.num_attention_heads * args.head_dim
-    state = 4 * args.num_attention_heads * args.head_dim**2
-    conv = 2 * (args.short_conv_kernel_size - 1) * 3 * P
-    return (mla_layers * 2 * (args.kv_lora_rank + args.qk_rope_head_dim),
-            kda_layers * (state + conv))
 
 
 class Trunk(lm.BailingModel):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -120,25 +120,6 @@ class ModelArgs:
 
     def compress_ratio(self, layer_type: str) -> int:
         return 0 if layer_type == "sliding_attention" else self.compress_rates[layer_type]
-
-
-def cache_bytes(config: dict) -> Tuple[int, int]:
-    """(16-bit cache bytes per token, bytes per sequence) for ``inspect``: per token, each
-    compressed layer's entries (CSA: one per 4 positions, with its indexer's keys; HCA: one
-    per 128); per sequence, every layer's window of keys (the head's too) and the raw rows
-    a compressed series keeps (at most two windows)."""
-    args = ModelArgs.from_dict(config)
-    per_token, state = 0.0, 0
-    for t in args.layer_types:
-        m = args.compress_ratio(t)
-        widths = [] if not m else [(2 * args.head_dim, args.head_dim)] if t != \
-            "compressed_sparse_attention" else [(4 * args.head_dim, args.head_dim),
-                                                (4 * args.index_head_dim, args.index_head_dim)]
-        per_token += sum(d / m for _, d in widths)
-        state += args.sliding_window * args.head_dim + sum(2 * m * w for w, _ in widths)
-    state += (args.sliding_window + HEAD_SPARE_KEYS) * args.head_dim * (
-        args.num_nextn_predict_layers > 0)
-    return round(2 * per_token), 2 * state
 
 
 class Trunk(nn.Module):
