@@ -137,3 +137,47 @@ def test_repeat_anneal_mix_is_half_verbatim_repeats_and_never_drops_lines():
         user, answer = _turns(d)
         assert answer in user
     assert not any("Remove the comment lines" in d for d in docs)
+
+
+PLAIN = "".join(f"value_{i} = {i}\n" for i in range(40))  # no phrase occurs twice
+MEMO = """\
+def _deepcopy_method(x, memo):  # copy instance methods
+    return type(x)(x.__func__, deepcopy(x.__self__, memo))
+
+
+def _keep_alive(x, memo):
+    \"\"\"Keeps a reference to the object x in the memo.\"\"\"
+    try:
+        memo[id(memo)].append(x)
+    except KeyError:
+        memo[id(memo)] = [x]
+"""
+
+
+def test_ambiguous_phrase_is_a_run_seen_twice_with_different_continuations():
+    assert C.ambiguous_phrase(MEMO)
+    # the same run continued the same way both times leaves a copy nothing to confuse
+    assert not C.ambiguous_phrase("def f(x, memo):\n    return x\ndef g(x, memo):\n    return x\n")
+    assert not C.ambiguous_phrase(PLAIN)
+
+
+def test_recall_anneal_mix_adds_ambiguous_repeats_and_requests():
+    """Against repeat-anneal on the same texts (as many verbatim repeats): more of the
+    repeats are of code with an ambiguous phrase, and twice the share of one-line requests."""
+    def ambiguous_repeats(mix):
+        docs = C.build_documents([MEMO, PLAIN], 600, seed=0, mix=mix)
+        repeats = [_turns(d) for d in docs if any(a in d for a in C._ASK_REPEAT)]
+        assert all(answer in user for user, answer in repeats)
+        return sum(C.ambiguous_phrase(answer) for _, answer in repeats) / len(repeats)
+
+    new, old = ambiguous_repeats("recall-anneal"), ambiguous_repeats("repeat-anneal")
+    assert new > old + 0.15, (new, old)
+
+    def requests(mix):  # a one-line request (not a pasted header) answered by a unit
+        docs = [_turns(d) for d in C.build_documents([CODE * 3, MEMO], 400, seed=0, mix=mix)
+                if DOC.match(d)]
+        return sum(user.count("\n") == 0 and answer in units
+                   and not user.startswith(("def ", "class ", "@")) for user, answer in docs)
+
+    units = set(K.units(CODE)) | set(K.units(MEMO))
+    assert requests("recall-anneal") > 1.5 * requests("repeat-anneal") > 0

@@ -122,4 +122,9 @@ MIXES = {
     # (the tuned models' copies drop or rewrite whole lines where their own code is likelier)
     "repeat-anneal": {"write": 0.1, "complete": 0.15, "continue": 0.1, "repeat": 0.45,
                       "rename": 0.05, "reindent": 0.05, "block": 0.1},
+    # from repeat-anneal: its copies jumped to a phrase's second occurrence and its short
+    # requests looped: most repeats have such a phrase, and requests weigh twice as much
+    "recall-anneal": {"write": 0.2, "complete": 0.1, "continue": 0.1, "repeat": 0.2,
+                      "repeat-ambiguous": 0.25, "rename": 0.05, "reindent": 0.05,
+                      "block": 0.05},
 }

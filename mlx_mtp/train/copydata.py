@@ -6,6 +6,9 @@ Kinds (each a seeded choice per document, from a code snippet of 6-40 lines):
 
 * ``block``: the snippet, a separator comment, the snippet again (no chat).
 * ``repeat``: a user turn giving the snippet and asking for it verbatim; the answer is it.
+* ``repeat-ambiguous`` (task mixes only): a ``repeat`` of a snippet in which a phrase occurs
+  twice with different continuations (``ambiguous_phrase``): a copy that matches only its
+  last few tokens jumps to the other occurrence and continues from there.
 * ``rename``: asks to rename an identifier the snippet uses; the answer is the renamed code.
 * ``reindent``: the snippet with 2-space indentation, asked back with 4 spaces.
 * ``uncomment``: asks for the snippet without its comment lines.
@@ -32,6 +35,7 @@ import numpy as np
 KINDS = ("block", "repeat", "rename", "reindent", "uncomment", "continue")
 MIN_LINES, MAX_LINES, MAX_CHARS = 6, 40, 1400
 _IDENT = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
+_WORD = re.compile(r"\w+|[^\w\s]")
 _ASK_REPEAT = ("Repeat this module verbatim.", "Return the code below exactly as it is.",
                "Copy this code without changing anything.", "Repeat the following code.",
                "Please write this Python code back to me unchanged.",
@@ -77,6 +81,17 @@ def renamable(code: str) -> List[str]:
     return sorted(n for n, c in counts.items() if c >= 2)
 
 
+def ambiguous_phrase(code: str, n: int = 6) -> bool:
+    """Whether a run of ``n`` words/punctuation marks occurs twice in ``code`` followed by
+    different words (``def f(x, memo):`` then ``def g(x, memo):``)."""
+    words = _WORD.findall(code)
+    follows: dict = {}
+    for i in range(len(words) - n):
+        if follows.setdefault(tuple(words[i:i + n]), words[i + n]) != words[i + n]:
+            return True
+    return False
+
+
 def rename(code: str, old: str, new: str) -> str:
     return re.sub(rf"\b{re.escape(old)}\b", new, code)
 
@@ -92,7 +107,7 @@ def make_document(code: str, kind: str, rng: np.random.Generator) -> str:
     """One training document of ``kind`` built from ``code`` (a snippet)."""
     if kind == "block":
         return f"{code}\n{_SEPARATOR}{code}"
-    if kind == "repeat":
+    if kind in ("repeat", "repeat-ambiguous"):
         return chat(_ask(rng, _ASK_REPEAT[int(rng.integers(len(_ASK_REPEAT)))], code), code)
     if kind == "rename":
         names = renamable(code)
@@ -128,6 +143,16 @@ def _draw_kind(rng: np.random.Generator, mix: str) -> str:
     return kinds[int(rng.choice(len(kinds), p=np.asarray(weights) / sum(weights)))]
 
 
+def _ambiguous_snippet(texts: Sequence[str], rng: np.random.Generator, tries: int = 20) -> str:
+    """A snippet with an ambiguous phrase, from the first of ``tries`` drawn texts that
+    gives one (empty if none does)."""
+    for _ in range(tries):
+        code = snippet(texts[int(rng.integers(len(texts)))], rng)
+        if code and ambiguous_phrase(code):
+            return code
+    return ""
+
+
 def build_documents(texts: Sequence[str], n_docs: int, seed: int = 0, mix: str = "copy"
                     ) -> List[str]:
     """``n_docs`` documents from ``texts`` (seeded: same inputs, same output), their kinds
@@ -152,7 +177,8 @@ def build_documents(texts: Sequence[str], n_docs: int, seed: int = 0, mix: str =
             if found:
                 docs.append(make_task(found[int(rng.integers(len(found)))], kind, rng))
             continue
-        code = snippet(usable[i], rng)
+        code = (_ambiguous_snippet(usable, rng) if kind == "repeat-ambiguous"
+                else snippet(usable[i], rng))
         if code:
             docs.append(make_document(code, kind or _draw_kind(rng, mix), rng))
     if len(docs) < n_docs:
