@@ -27,9 +27,13 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
+import mlx.core as mx
+
+from ..decode import block_context
 from ..decode.sequence import Sequence
+from ..models.cache_growth import GROWTH_TOKENS, past_bounds, traced_bytes
 from .events import Failed, emit
 
 GIB = 1 << 30
@@ -86,19 +90,27 @@ class Footprint:
 
     @classmethod
     def measure(cls, model, mtp: bool = True, lengths=(4, 8)) -> "Footprint":
-        """From a sequence's caches after prefilling ``lengths`` tokens, each cache put in
-        its batch form (a batch of one: a batch's row masks count too); ``mtp``: the rows
-        keep MTP caches."""
-        (short, caps), (long, _) = (cls._held(model, n, mtp) for n in lengths)
+        """Each cache's growth over a sequence's first ``lengths`` tokens (prefilled) and
+        over 1024 tokens past every cache's ``max_positions`` (on shapes alone, as
+        ``inspect`` measures it: ``cache_growth.traced_bytes``), each cache in its batch form
+        (a batch of one: a batch's row masks count too); ``mtp``: the rows keep MTP caches.
+        A cache that grows faster at first than past its bound has a bounded part (a window,
+        pending rows) beside what it keeps for good (a compressed cache's entries)."""
+        (short, caps), (short2, _) = (cls._held(model, n, mtp) for n in lengths)
+        far, far2 = cls._held_far(model, mtp)
+        at, far_at = lengths, (far.length, far2.length)
         per_token, fixed, bounded = 0, 0, []
-        for a, b, cap in zip(short, long, caps):
-            grows = math.ceil((b - a) / (lengths[1] - lengths[0]))
-            fixed += a - grows * lengths[0]  # < 0 for a cache a position behind (MTP)
-            if cap is None:
-                per_token += grows
-            elif grows:
-                bounded.append((grows, cap))
-        return cls(per_token, max(0, fixed), tuple(bounded))
+        for a, b, far_a, far_b, cap in zip(short, short2, far.held, far2.held, caps):
+            early, f_early = _line(at, a, b)
+            late, f_late = _line(far_at, far_a, far_b)
+            per_token += late
+            if early > late:  # the bounded part fills at early - late bytes a token
+                fixed += f_early
+                fills = math.ceil((f_late - f_early) / (early - late))
+                bounded.append((early - late, max(cap or 0, fills)))
+            else:
+                fixed += max(f_early, f_late)
+        return cls(per_token, max(0, fixed), tuple(bounded) + cls._deferred_taps(model))
 
     @staticmethod
     def _held(model, n: int, mtp: bool):
@@ -111,9 +123,50 @@ class Footprint:
         return ([c.nbytes for c in batch] + [sum(h.nbytes for h in owed)],
                 [c.max_positions() for c in batch] + [None])
 
+    @staticmethod
+    def _held_far(model, mtp: bool) -> Tuple["_Held", "_Held"]:
+        """Bytes each cache holds, in its batch form, after ``n`` and ``n + 1024`` prompt
+        tokens, ``n`` past every cache's bound (the owed pairs: none)."""
+        trunk = block_context.make_cache(model)
+        head = model.make_mtp_cache() if mtp and model.num_mtp_layers else []
+        n = past_bounds(trunk + head)
+        lengths = (n, n + GROWTH_TOKENS)
+        held = traced_bytes(model, trunk, head, lengths,
+                            run=lambda ids, c: block_context.trunk(model, ids, c),
+                            held=lambda c: type(c).merge([c]).nbytes)
+        return tuple(_Held(n, h + [0]) for n, h in zip(lengths, held))
+
+    @staticmethod
+    def _deferred_taps(model) -> Tuple[Tuple[int, int], ...]:
+        """A block drafter's raw taps a row holds between its passes: up to
+        ``MAX_DEFERRED`` positions of what one decode step defers (traced)."""
+        if model.block_drafter is None:
+            return ()
+        cache, held = block_context.make_cache(model), []
+
+        def step(x):
+            block_context.trunk(model, mx.ones((1, 1), mx.uint32), cache, defer=True)
+            held.append(type(cache[-1]).merge([cache[-1]]).nbytes)  # the taps: last
+            return x
+
+        mx.compile(step)(mx.zeros(1))
+        return ((held[0], block_context.MAX_DEFERRED),)
+
     def row_bytes(self, tokens: int) -> int:
         return (self.per_sequence + self.per_token * tokens
                 + sum(b * min(tokens, cap) for b, cap in self.bounded))
+
+
+class _Held(NamedTuple):
+    length: int
+    held: List[int]  # bytes per cache
+
+
+def _line(lengths: Tuple[int, int], a: int, b: int) -> Tuple[int, int]:
+    """Bytes a token (rounded up) and at no tokens of the line through ``a`` bytes at
+    ``lengths[0]`` tokens and ``b`` at ``lengths[1]``."""
+    grows = math.ceil((b - a) / (lengths[1] - lengths[0]))
+    return grows, a - grows * lengths[0]  # < 0 for a cache a position behind (MTP)
 
 
 def batch_row_bytes(caches: Optional[list]) -> int:
