@@ -22,7 +22,7 @@ from mlx_mtp.drafters.block.load import attach_block_drafter
 from mlx_mtp.models.cache.window import BatchWindowKVCache, WindowKVCache
 from mlx_mtp.models.io.loader import load
 from mlx_mtp.server.events import Done, EngineRequest
-from mlx_mtp.server.memory_budget import MemoryBudget
+from mlx_mtp.server.memory_budget import Footprint, MemoryBudget
 from mlx_mtp.testing.tiny import make_tiny
 from mlx_mtp.testing.tiny_block import make_tiny_dflash
 from mlx_mtp.testing.tiny_special import make_tiny_mimo_v2_flash
@@ -85,3 +85,37 @@ def test_the_worst_case_covers_what_the_caches_hold_within_a_quarter(family, tmp
     if model_tok[0].block_drafter is not None:  # the taps' bound is part of it
         taps = budget.footprint.bounded[-1]
         assert taps[1] == block_context.MAX_DEFERRED and taps[0] > 0
+
+
+def test_a_queue_under_a_budget_of_three_rows_runs_three_at_once_and_loses_none(tmp_path,
+                                                                               monkeypatch):
+    """DeepSeek-V4, 8 requests at once under a budget of three rows' worst case: three run at
+    a time, the caches never hold more than the budget, and all finish with the tokens an
+    unbudgeted engine gives."""
+    model_tok = deepseek_v4(tmp_path, monkeypatch)
+    length, max_tokens = 200, 12
+    prompts = [[(7 * i + 13 * j) % 248 + 4 for i in range(length)] for j in range(8)]
+
+    def submit(engine):
+        engine.eos = set()
+        sinks = [Sink() for _ in prompts]
+        for p, s in zip(prompts, sinks):
+            engine.submit(EngineRequest(prompt=p, max_tokens=max_tokens, on_event=s))
+        return sinks
+
+    free = make_engine(model_tok, max_concurrency=8)
+    expected = [s.tokens for s in drive(free, submit(free))]
+    fp = Footprint.measure(model_tok[0])
+    budget = MemoryBudget(3 * fp.row_bytes(length + max_tokens + free.num_draft_tokens + 1
+                                           + 256) + 1000, footprint=fp)
+    eng = make_engine(model_tok, max_concurrency=8, memory=budget)
+    sinks = submit(eng)
+    most_rows = 0
+    for _ in range(2000):
+        if all(s.done is not None for s in sinks):
+            break
+        eng.step()
+        assert held(eng) <= budget.limit
+        most_rows = max(most_rows, eng.num_running)
+    assert all(isinstance(s.done, Done) for s in sinks), [s.done for s in sinks]
+    assert [s.tokens for s in sinks] == expected and most_rows == 3

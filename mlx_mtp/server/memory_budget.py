@@ -108,8 +108,9 @@ class Footprint:
                 fixed += f_early
                 fills = math.ceil((f_late - f_early) / (early - late))
                 bounded.append((early - late, max(cap or 0, fills)))
-            else:
-                fixed += max(f_early, f_late)
+            else:  # a row's own bytes where it grows alike (the traced head is ahead of a
+                # row's, which owes its last pairs); else what first grows later
+                fixed += f_early if early == late else max(f_early, f_late)
         return cls(per_token, max(0, fixed), tuple(bounded) + cls._deferred_taps(model))
 
     @staticmethod
