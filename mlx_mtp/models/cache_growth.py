@@ -11,7 +11,8 @@ with nothing to declare.
 The growth is what the caches hold after ``n + 1024`` tokens less after ``n`` (``n`` past
 every bounded cache's ``max_positions``, so sliding windows, recurrent states and pending
 rows drop out); what they hold after ``n`` tokens beyond ``n`` times the per-token growth is
-held per sequence whatever its length.
+held per sequence whatever its length. The server's memory budget measures its served
+model's caches past their bounds by the same trace (``traced_bytes``, in their batch form).
 """
 
 from __future__ import annotations

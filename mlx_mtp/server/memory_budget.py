@@ -1,11 +1,16 @@
 """The server's memory budget (``serve --memory-budget``): admission by cache bytes.
 
 Memory is accounted from the cache protocol (``_Cache.nbytes``: the bytes a cache's
-``state`` holds). A model's ``Footprint`` (bytes per token and per sequence, in the batch
-form the engine decodes in) is measured once, on two short prompts; a request's worst case
-is its prompt plus ``max_tokens`` (the API already caps both by ``--max-kv-size``), plus
-the positions a verify pass writes and the holes rejected drafts leave in a batch cache
-until it next grows.
+``state`` holds). A model's ``Footprint`` (bytes per token and per sequence, and the bounded
+parts, in the batch form the engine decodes in) is measured once, per cache: over a
+sequence's first few tokens (prefilled) and over 1024 tokens past every cache's
+``max_positions`` (on shapes alone, ``models/cache_growth.traced_bytes``, as ``inspect``
+measures: a tenth of a second). A cache that grows faster at first has a bounded part (a
+window, DeepSeek-V4's raw rows) that fills at the difference, beside what it keeps for good
+(compressed entries); a block drafter's deferred taps are a bounded part of their own
+(``MAX_DEFERRED`` positions a row). A request's worst case is its prompt plus ``max_tokens``
+(the API already caps both by ``--max-kv-size``), plus the positions a verify pass writes
+and the holes rejected drafts leave in a batch cache until it next grows.
 
 The running batch pads every row to its longest (``BatchKVCache``), so ``n`` rows need
 ``n`` times the longest row: the larger of what a row holds now and the worst case of
@@ -16,9 +21,8 @@ head waits (nobody overtakes it) until running requests finish; a queued request
 answered 429 with ``Retry-After`` only when it could never fit (alone, with an empty prefix
 cache) or has waited ``max_wait`` seconds. Running requests are never stopped for it.
 
-Sliding-window layers count up to the positions they keep (``max_positions``). Not
-accounted: weights, activations, and the copy a batch holds for an instant while a row
-joins.
+Not accounted: weights, activations, and the copy a batch holds for an instant while a row
+joins. A row that does not draft still counts the MTP head's caches (they are the batch's).
 """
 
 from __future__ import annotations
