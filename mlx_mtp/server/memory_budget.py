@@ -84,9 +84,9 @@ def parse_memory_budget(text: str) -> int:
 @dataclass(frozen=True)
 class Footprint:
     """What one sequence's caches hold in a batch: ``per_sequence`` bytes whatever its length
-    (recurrent states, pending inputs), ``per_token`` bytes for each token it holds, and, for
-    caches that hold at most so many positions (sliding windows), ``bounded``: (bytes per
-    token, most positions) each."""
+    (recurrent states, pending inputs), ``per_token`` bytes for each token it holds, and
+    ``bounded``: the parts that hold at most so many positions (windows, DeepSeek-V4's raw
+    rows, a block drafter's deferred taps), as (bytes per token, most positions) each."""
 
     per_token: int
     per_sequence: int
@@ -111,7 +111,7 @@ class Footprint:
             if early > late:  # the bounded part fills at early - late bytes a token
                 fixed += f_early
                 fills = math.ceil((f_late - f_early) / (early - late))
-                bounded.append((early - late, max(cap or 0, fills)))
+                bounded.append((early - late, max(cap or 0, fills, 0)))
             else:  # a row's own bytes where it grows alike (the traced head is ahead of a
                 # row's, which owes its last pairs); else what first grows later
                 fixed += f_early if early == late else max(f_early, f_late)
