@@ -11,13 +11,14 @@ with nothing to declare.
 The growth is what the caches hold after ``n + 1024`` tokens less after ``n`` (``n`` past
 every bounded cache's ``max_positions``, so sliding windows, recurrent states and pending
 rows drop out); what they hold after ``n`` tokens beyond ``n`` times the per-token growth is
-held per sequence whatever its length.
+held per sequence whatever its length. The server's memory budget measures its served
+model's caches past their bounds by the same trace (``traced_bytes``, in their batch form).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 from mlx.utils import tree_map_with_path
@@ -49,32 +50,39 @@ def cache_growth(model, quant: Optional[KVQuantization] = None,
         lambda path, v: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
         and model.cast_predicate(path) else v, model.parameters()))
     trunk, head = model.make_cache(), model.make_mtp_cache()
-    bounds = [b for b in (c.max_positions() for c in trunk + head) if b is not None]
-    n = GROWTH_TOKENS * -(-max(bounds + [1]) // GROWTH_TOKENS)
-    held = {}
-
-    def prefill(x):
-        held["bytes"] = _prefill_bytes(model, trunk, head, (n, n + GROWTH_TOKENS))
-        return x
-
-    mx.compile(prefill)(mx.zeros(1))
-    short, long = held["bytes"]
+    n = past_bounds(trunk + head)
+    short, long = traced_bytes(model, trunk, head, (n, n + GROWTH_TOKENS))
     grows = [b - a for a, b in zip(short, long)]
     fixed = [a - g * n // GROWTH_TOKENS for a, g in zip(short, grows)]
     return CacheGrowth(sum(grows), sum(fixed),
                        tuple(dict.fromkeys(c.kind for c, f in zip(trunk + head, fixed) if f)))
 
 
-def _prefill_bytes(model, trunk: list, head: list, lengths: Tuple[int, int]) -> list:
-    """Each cache's ``nbytes`` after each of ``lengths`` prompt tokens: the trunk's chunks,
-    and the head's pass over them (each hidden with the token after it; the depth-0 pass
+def past_bounds(caches: list) -> int:
+    """A length in whole ``GROWTH_TOKENS`` past every cache's ``max_positions``."""
+    bounds = [b for b in (c.max_positions() for c in caches) if b is not None]
+    return GROWTH_TOKENS * -(-max(bounds + [1]) // GROWTH_TOKENS)
+
+
+def traced_bytes(model, trunk: list, head: list, lengths: Tuple[int, ...],
+                 run: Optional[Callable] = None, held: Callable = lambda c: c.nbytes) -> list:
+    """``held(c)`` of each cache of ``trunk + head`` after each of ``lengths`` (multiples of
+    ``CHUNK``) prompt tokens, on shapes alone inside an ``mx.compile`` trace (ValueError if
+    a pass needs a value): ``run(ids, trunk)`` (default ``model.trunk``) takes the chunks,
+    and the head's pass reads them (each hidden with the token after it; the depth-0 pass
     writes every MTP layer's committed entries, as a prefill's does)."""
-    ids = (mx.arange(lengths[-1] + 1) % 97 + 1).astype(mx.uint32)[None]
+    run = run or model.trunk
     out = []
-    for start in range(0, lengths[-1], CHUNK):
-        h = model.trunk(ids[:, start:start + CHUNK], trunk)[1]
-        if head:
-            model.mtp_forward(h, ids[:, start + 1:start + 1 + CHUNK], head)
-        if start + CHUNK in lengths:
-            out.append([c.nbytes for c in trunk + head])
+
+    def prefill(x):
+        ids = (mx.arange(lengths[-1] + 1) % 97 + 1).astype(mx.uint32)[None]
+        for start in range(0, lengths[-1], CHUNK):
+            h = run(ids[:, start:start + CHUNK], trunk)[1]
+            if head:
+                model.mtp_forward(h, ids[:, start + 1:start + 1 + CHUNK], head)
+            if start + CHUNK in lengths:
+                out.append([held(c) for c in trunk + head])
+        return x
+
+    mx.compile(prefill)(mx.zeros(1))
     return out

@@ -1,11 +1,16 @@
 """The server's memory budget (``serve --memory-budget``): admission by cache bytes.
 
 Memory is accounted from the cache protocol (``_Cache.nbytes``: the bytes a cache's
-``state`` holds). A model's ``Footprint`` (bytes per token and per sequence, in the batch
-form the engine decodes in) is measured once, on two short prompts; a request's worst case
-is its prompt plus ``max_tokens`` (the API already caps both by ``--max-kv-size``), plus
-the positions a verify pass writes and the holes rejected drafts leave in a batch cache
-until it next grows.
+``state`` holds). A model's ``Footprint`` (bytes per token and per sequence, and the bounded
+parts, in the batch form the engine decodes in) is measured once, per cache: over a
+sequence's first few tokens (prefilled) and over 1024 tokens past every cache's
+``max_positions`` (on shapes alone, ``models/cache_growth.traced_bytes``, as ``inspect``
+measures: a tenth of a second). A cache that grows faster at first has a bounded part (a
+window, DeepSeek-V4's raw rows) that fills at the difference, beside what it keeps for good
+(compressed entries); a block drafter's deferred taps are a bounded part of their own
+(``MAX_DEFERRED`` positions a row). A request's worst case is its prompt plus ``max_tokens``
+(the API already caps both by ``--max-kv-size``), plus the positions a verify pass writes
+and the holes rejected drafts leave in a batch cache until it next grows.
 
 The running batch pads every row to its longest (``BatchKVCache``), so ``n`` rows need
 ``n`` times the longest row: the larger of what a row holds now and the worst case of
@@ -16,9 +21,8 @@ head waits (nobody overtakes it) until running requests finish; a queued request
 answered 429 with ``Retry-After`` only when it could never fit (alone, with an empty prefix
 cache) or has waited ``max_wait`` seconds. Running requests are never stopped for it.
 
-Sliding-window layers count up to the positions they keep (``max_positions``). Not
-accounted: weights, activations, and the copy a batch holds for an instant while a row
-joins.
+Not accounted: weights, activations, and the copy a batch holds for an instant while a row
+joins. A row that does not draft still counts the MTP head's caches (they are the batch's).
 """
 
 from __future__ import annotations
@@ -27,9 +31,13 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
+import mlx.core as mx
+
+from ..decode import block_context
 from ..decode.sequence import Sequence
+from ..models.cache_growth import GROWTH_TOKENS, past_bounds, traced_bytes
 from .events import Failed, emit
 
 GIB = 1 << 30
@@ -76,9 +84,9 @@ def parse_memory_budget(text: str) -> int:
 @dataclass(frozen=True)
 class Footprint:
     """What one sequence's caches hold in a batch: ``per_sequence`` bytes whatever its length
-    (recurrent states, pending inputs), ``per_token`` bytes for each token it holds, and, for
-    caches that hold at most so many positions (sliding windows), ``bounded``: (bytes per
-    token, most positions) each."""
+    (recurrent states, pending inputs), ``per_token`` bytes for each token it holds, and
+    ``bounded``: the parts that hold at most so many positions (windows, DeepSeek-V4's raw
+    rows, a block drafter's deferred taps), as (bytes per token, most positions) each."""
 
     per_token: int
     per_sequence: int
@@ -86,19 +94,28 @@ class Footprint:
 
     @classmethod
     def measure(cls, model, mtp: bool = True, lengths=(4, 8)) -> "Footprint":
-        """From a sequence's caches after prefilling ``lengths`` tokens, each cache put in
-        its batch form (a batch of one: a batch's row masks count too); ``mtp``: the rows
-        keep MTP caches."""
-        (short, caps), (long, _) = (cls._held(model, n, mtp) for n in lengths)
+        """Each cache's growth over a sequence's first ``lengths`` tokens (prefilled) and
+        over 1024 tokens past every cache's ``max_positions`` (on shapes alone, as
+        ``inspect`` measures it: ``cache_growth.traced_bytes``), each cache in its batch form
+        (a batch of one: a batch's row masks count too); ``mtp``: the rows keep MTP caches.
+        A cache that grows faster at first than past its bound has a bounded part (a window,
+        pending rows) beside what it keeps for good (a compressed cache's entries)."""
+        (short, caps), (short2, _) = (cls._held(model, n, mtp) for n in lengths)
+        far, far2 = cls._held_far(model, mtp)
+        at, far_at = lengths, (far.length, far2.length)
         per_token, fixed, bounded = 0, 0, []
-        for a, b, cap in zip(short, long, caps):
-            grows = math.ceil((b - a) / (lengths[1] - lengths[0]))
-            fixed += a - grows * lengths[0]  # < 0 for a cache a position behind (MTP)
-            if cap is None:
-                per_token += grows
-            elif grows:
-                bounded.append((grows, cap))
-        return cls(per_token, max(0, fixed), tuple(bounded))
+        for a, b, far_a, far_b, cap in zip(short, short2, far.held, far2.held, caps):
+            early, f_early = _line(at, a, b)
+            late, f_late = _line(far_at, far_a, far_b)
+            per_token += late
+            if early > late:  # the bounded part fills at early - late bytes a token
+                fixed += f_early
+                fills = math.ceil((f_late - f_early) / (early - late))
+                bounded.append((early - late, max(cap or 0, fills, 0)))
+            else:  # a row's own bytes where it grows alike (the traced head is ahead of a
+                # row's, which owes its last pairs); else what first grows later
+                fixed += f_early if early == late else max(f_early, f_late)
+        return cls(per_token, max(0, fixed), tuple(bounded) + cls._deferred_taps(model))
 
     @staticmethod
     def _held(model, n: int, mtp: bool):
@@ -111,9 +128,50 @@ class Footprint:
         return ([c.nbytes for c in batch] + [sum(h.nbytes for h in owed)],
                 [c.max_positions() for c in batch] + [None])
 
+    @staticmethod
+    def _held_far(model, mtp: bool) -> Tuple["_Held", "_Held"]:
+        """Bytes each cache holds, in its batch form, after ``n`` and ``n + 1024`` prompt
+        tokens, ``n`` past every cache's bound (the owed pairs: none)."""
+        trunk = block_context.make_cache(model)
+        head = model.make_mtp_cache() if mtp and model.num_mtp_layers else []
+        n = past_bounds(trunk + head)
+        lengths = (n, n + GROWTH_TOKENS)
+        held = traced_bytes(model, trunk, head, lengths,
+                            run=lambda ids, c: block_context.trunk(model, ids, c),
+                            held=lambda c: type(c).merge([c]).nbytes)
+        return tuple(_Held(n, h + [0]) for n, h in zip(lengths, held))
+
+    @staticmethod
+    def _deferred_taps(model) -> Tuple[Tuple[int, int], ...]:
+        """A block drafter's raw taps a row holds between its passes: up to
+        ``MAX_DEFERRED`` positions of what one decode step defers (traced)."""
+        if model.block_drafter is None:
+            return ()
+        cache, held = block_context.make_cache(model), []
+
+        def step(x):
+            block_context.trunk(model, mx.ones((1, 1), mx.uint32), cache, defer=True)
+            held.append(type(cache[-1]).merge([cache[-1]]).nbytes)  # the taps: last
+            return x
+
+        mx.compile(step)(mx.zeros(1))
+        return ((held[0], block_context.MAX_DEFERRED),)
+
     def row_bytes(self, tokens: int) -> int:
         return (self.per_sequence + self.per_token * tokens
                 + sum(b * min(tokens, cap) for b, cap in self.bounded))
+
+
+class _Held(NamedTuple):
+    length: int
+    held: List[int]  # bytes per cache
+
+
+def _line(lengths: Tuple[int, int], a: int, b: int) -> Tuple[int, int]:
+    """Bytes a token (rounded up) and at no tokens of the line through ``a`` bytes at
+    ``lengths[0]`` tokens and ``b`` at ``lengths[1]``."""
+    grows = math.ceil((b - a) / (lengths[1] - lengths[0]))
+    return grows, a - grows * lengths[0]  # < 0 for a cache a position behind (MTP)
 
 
 def batch_row_bytes(caches: Optional[list]) -> int:

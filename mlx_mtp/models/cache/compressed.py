@@ -248,7 +248,9 @@ class CompressedWindowCache(_Cache):
         return n
 
     def max_positions(self) -> Optional[int]:
-        return None if self.names else self.window_size - 1 + self.spare
+        """The window's keys and a series' raw rows (two windows at most) are bounded; the
+        entries grow, one per ``ratio`` positions."""
+        return max(self.window_size - 1 + self.spare, 2 * self.ratio if self.names else 0)
 
     def _like(self) -> "CompressedWindowCache":
         """An empty cache of the same settings."""

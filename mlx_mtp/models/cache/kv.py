@@ -124,7 +124,7 @@ class _Cache:
         return self.nbytes // max(1, self.size())
 
     def max_positions(self) -> Optional[int]:
-        """The most positions a row holds however long its sequence (None: no bound)."""
+        """The most positions a row's bounded part (a window) holds (None: none is bounded)."""
         return None
 
 
