@@ -134,3 +134,23 @@ def run_batch(model, k, prompts, n=N):
                 bd.remove(key)
                 done.add(key)
     return [outs[i][:n] for i in range(len(prompts))]
+
+
+def assert_engine_rows_and_a_warm_turn_equal_solo(model, tok):
+    """The server engine (``model`` with its quantized caches), drafting or not: the six
+    prompts at once (rows joining and leaving) give their single-sequence decodes, and a turn
+    that extends one of them from the prefix cache gives the longer prompt's."""
+    from engine_events import make_engine, run as run_all
+    from mlx_mtp.server.prefix_cache import PrefixCache
+
+    refs = [solo(model, 0, p, n=12)[0] for p in PROMPTS]
+    for k in (0, 2):
+        engine = make_engine((model, tok), num_draft_tokens=k, adaptive=False,
+                             prefix_cache=PrefixCache(8, 1 << 30), prefill_step_size=8)
+        sinks = run_all(engine, PROMPTS, max_tokens=12)
+        assert [s.tokens for s in sinks] == refs, k
+        run_all(engine, [PROMPTS[3]], max_tokens=12, boundaries=[16])
+        longer = PROMPTS[3] + refs[3] + [7, 8, 9]
+        warm = run_all(engine, [longer], max_tokens=12)[0]
+        assert warm.done.usage["prompt_tokens_details"]["cached_tokens"] == 16
+        assert warm.tokens == solo(model, 0, longer, n=12)[0], k

@@ -26,6 +26,7 @@ from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing import tiny, tiny_attention, tiny_special
 from mlx_mtp.testing.tiny_bailing import bailing_hybrid_config
 from quantized_kv_checks import (N, PROMPTS, Q4, RNG, assert_mtp_equals_plain, decode_on,
+                                 assert_engine_rows_and_a_warm_turn_equal_solo,
                                  quantized_and_full_logits, restore_through_safetensors,
                                  run_batch, solo, solo_logprobs, verify_then_plain,
                                  write_three_and_keep)
@@ -262,23 +263,11 @@ def test_the_server_engine_batches_quantized_rows_and_reuses_their_prefixes(ckpt
     """Six concurrent requests (a batch whose rows join and leave), drafting or not, then a
     turn that extends one of them from the prefix cache: every output is the request's
     plain single-sequence decode with the same quantized cache."""
-    from engine_events import make_engine, run as run_all
     from mlx_mtp.models.io.loader import load
-    from mlx_mtp.server.prefix_cache import PrefixCache
 
     model, tok = load(str(ckpt))
     model.use_kv_quantization(Q4)
-    refs = [solo(model, 0, p, n=12)[0] for p in PROMPTS]
-    for k in (0, 2):
-        engine = make_engine((model, tok), num_draft_tokens=k, adaptive=False,
-                             prefix_cache=PrefixCache(8, 1 << 30), prefill_step_size=8)
-        sinks = run_all(engine, PROMPTS, max_tokens=12)
-        assert [s.tokens for s in sinks] == refs, k
-        run_all(engine, [PROMPTS[3]], max_tokens=12, boundaries=[16])
-        longer = PROMPTS[3] + refs[3] + [7, 8, 9]
-        warm = run_all(engine, [longer], max_tokens=12)[0]
-        assert warm.done.usage["prompt_tokens_details"]["cached_tokens"] == 16
-        assert warm.tokens == solo(model, 0, longer, n=12)[0], k
+    assert_engine_rows_and_a_warm_turn_equal_solo(model, tok)
 
 
 @pytest.mark.parametrize("start", [0, 6])

@@ -18,6 +18,7 @@ from mlx_mtp.models.cache.kv import cache_state_arrays
 from mlx_mtp.models.cache.quantized import QuantizedKVCache
 from mlx_mtp.testing import tiny_attention, tiny_special
 from quantized_kv_checks import (PROMPTS, Q4, assert_mtp_equals_plain, decode_on,
+                                 assert_engine_rows_and_a_warm_turn_equal_solo,
                                  quantized_and_full_logits, restore_through_safetensors,
                                  run_batch, solo, solo_logprobs, verify_then_plain,
                                  write_three_and_keep)
@@ -137,9 +138,7 @@ def test_the_server_engine_batches_quantized_rows_and_reuses_their_prefixes(tmp_
     """Six concurrent requests (rows joining and leaving), drafting or not, then a turn that
     extends one of them from the prefix cache: every output is the request's plain
     single-sequence decode with the same quantized caches."""
-    from engine_events import make_engine, run as run_all
     from mlx_mtp.models.io.loader import load
-    from mlx_mtp.server.prefix_cache import PrefixCache
 
     config = lambda **c: dict(tiny_special.dsa_config("deepseek_v32", **c), qk_rope_head_dim=32,
                               index_head_dim=32)
@@ -147,14 +146,4 @@ def test_the_server_engine_batches_quantized_rows_and_reuses_their_prefixes(tmp_
                                      vocab_size=4096)  # the test tokenizer's ids
     model, tok = load(str(path))
     model.use_kv_quantization(Q4)
-    refs = [solo(model, 0, p, n=12)[0] for p in PROMPTS]
-    for k in (0, 2):
-        engine = make_engine((model, tok), num_draft_tokens=k, adaptive=False,
-                             prefix_cache=PrefixCache(8, 1 << 30), prefill_step_size=8)
-        sinks = run_all(engine, PROMPTS, max_tokens=12)
-        assert [s.tokens for s in sinks] == refs, k
-        run_all(engine, [PROMPTS[3]], max_tokens=12, boundaries=[16])
-        longer = PROMPTS[3] + refs[3] + [7, 8, 9]
-        warm = run_all(engine, [longer], max_tokens=12)[0]
-        assert warm.done.usage["prompt_tokens_details"]["cached_tokens"] == 16
-        assert warm.tokens == solo(model, 0, longer, n=12)[0], k
+    assert_engine_rows_and_a_warm_turn_equal_solo(model, tok)
