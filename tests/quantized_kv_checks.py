@@ -6,11 +6,11 @@ verify's rollback, a batch's per-row write, a state round trip through safetenso
 import mlx.core as mx
 import numpy as np
 
-from mlx_mtp.decode.batch import BatchDecoder
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder
 from mlx_mtp.models.cache.kv import CACHE_KINDS
 from mlx_mtp.models.cache.quantized import KVQuantization
+from test_batch import run_batch as staggered_batch
 
 Q4 = KVQuantization(bits=4, group_size=32)
 RNG = np.random.default_rng(0)
@@ -116,24 +116,10 @@ def restore_through_safetensors(caches, indices, path):
 
 
 def run_batch(model, k, prompts, n=N):
-    """Staggered joins (one per step), removal when done: tokens per row."""
-    bd = BatchDecoder(model, k > 0, adaptive=False)
-    outs, done = {}, set()
-    for i, pr in enumerate(prompts):
-        dec = MTPDecoder(model, k, SamplingParams(), adaptive=False)
-        dec.prefill(pr)
-        bd.add(i, dec)
-        outs[i] = []
-        for key, o in bd.step().items():
-            outs[key] += o.tokens
-    while len(done) < len(prompts):
-        for key, o in bd.step().items():
-            outs[key] += o.tokens
-        for key, toks in outs.items():
-            if len(toks) >= n and key not in done:
-                bd.remove(key)
-                done.add(key)
-    return [outs[i][:n] for i in range(len(prompts))]
+    """Staggered joins (one per step), removal when done (``test_batch.run_batch``): tokens
+    per row."""
+    outs, _ = staggered_batch(model, k, prompts, n=n)
+    return [outs[i] for i in range(len(prompts))]
 
 
 def assert_engine_rows_and_a_warm_turn_equal_solo(model, tok):
