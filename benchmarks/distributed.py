@@ -13,6 +13,11 @@ and ``mx.synchronize`` calls while decoding); bytes and messages are summed over
 the all_sums inside tensor-parallel layers are not counted). ``all_sums/step`` counts every
 collective sum rank 0 issues per step, the layers' included (tensor: two per layer; expert:
 one per MoE block; plus the step's shares), and ``weights per rank`` what each rank holds.
+``tap bytes/step`` is what a block drafter's taps would add to a step's messages, computed
+from shapes (``--taps``, default five layers spread as z-lab's DFlash): none where every rank
+runs every layer (the drafter runs on each rank's own taps), and in a pipeline B x (K+1) x H
+per tap per boundary, for the taps on the sending stage and the stages before it (they ride
+with the hidden to rank 0, ``models/distributed.py`` ``_stage``).
 
 ``--moe`` runs the same on a tiny DeepSeek-V3 with 32 routed experts per MoE layer (MLA,
 a shared expert, the first layer dense, an always-accepted head), in the modes single,
@@ -43,6 +48,8 @@ from pathlib import Path
 import mlx_mtp  # noqa: F401  (before MLX: it routes CPU matmuls to OpenBLAS)
 import mlx.core as mx
 from mlx.utils import tree_flatten
+
+from mlx_mtp.train.dflash import default_taps
 
 PROMPT = list(range(3, 40))
 
@@ -91,6 +98,16 @@ def decode(model, k: int, tokens: int, counter: SyncCounter) -> dict:
             "all_sums_per_step": (counter.all_sums - sums0) / steps}
 
 
+def tap_bytes_per_step(taps, stage_ends, rows: int, positions: int, hidden_size: int,
+                       itemsize: int) -> int:
+    """The bytes a pipeline block drafter's taps add to one pass's messages. ``stage_ends``:
+    each rank's stage end (exclusive layer id), in rank order; rank 0 runs the last stage and
+    sends nothing, every other rank sends its hidden with the taps of the layers before its
+    end, ``rows`` x ``positions`` x ``hidden_size`` values each."""
+    per_tap = rows * positions * hidden_size * itemsize
+    return sum(per_tap * sum(t < end for t in taps) for end in stage_ends[1:])
+
+
 def run_rank(args):
     """Inside a launch (or alone): decode with each K, repeat, print rank 0's medians."""
     from mlx_mtp.models.io.loader import load_model
@@ -108,6 +125,12 @@ def run_rank(args):
             mx.array(divmod(held[0], 1 << 20), mx.int32))
         held = [(mib << 20) + rest for mib, rest in
                 mx.distributed.all_sum(mine, group=group).tolist()]
+    shapes = {}
+    if args.mode == "pipeline":  # each stage's end, in rank order: where the taps cross
+        ends = mx.zeros((group.size(),), mx.int32).at[group.rank()].add(model.layer_range[1])
+        shapes = {"stage_ends": mx.distributed.all_sum(ends, group=group).tolist(),
+                  "hidden_size": model.text.args.hidden_size,
+                  "hidden_itemsize": model.hidden_dtype.size}
     counter = SyncCounter()
     rows = []
     for k in args.ks:
@@ -118,7 +141,7 @@ def run_rank(args):
                 row[key] = mx.distributed.all_sum(mx.array(row[key]), group=group).item()
         rows.append(row)
     if group is None or group.rank() == 0:
-        print(json.dumps({"mode": args.mode, "rows": rows, "weight_bytes": held}))
+        print(json.dumps({"mode": args.mode, "rows": rows, "weight_bytes": held, **shapes}))
 
 
 def _tiny_model(directory) -> str:
@@ -159,8 +182,8 @@ def drive(args):
             sys.exit(f"{mode} failed:\n{out.stderr[-2000:]}")
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{'mode':9} {'K':>2} {'tok/s':>8} {'tok/step':>8} {'bytes sent/step':>15} "
-          f"{'messages/step':>13} {'host syncs/step':>15} {'all_sums/step':>13}  MTP speedup"
-          "  weights per rank")
+          f"{'tap bytes/step':>14} {'messages/step':>13} {'host syncs/step':>15} "
+          f"{'all_sums/step':>13}  MTP speedup  weights per rank")
     for res in results:
         base = res["rows"][0]["tokens_per_s"] if res["rows"][0]["k"] == 0 else None
         weights = " / ".join(f"{b:,}" for b in res["weight_bytes"])
@@ -168,8 +191,18 @@ def drive(args):
             speedup = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
             print(f"{res['mode']:9} {r['k']:>2} {r['tokens_per_s']:8.1f} "
                   f"{r['tokens_per_step']:8.2f} {r['bytes_sent_per_step']:15.0f} "
+                  f"{_tap_bytes(res, r['k'], args.taps):14,} "
                   f"{r['messages_per_step']:13.1f} {r['host_syncs_per_step']:15.2f} "
                   f"{r['all_sums_per_step']:13.1f}  {speedup:11}  {weights}")
+
+
+def _tap_bytes(res: dict, k: int, taps) -> int:
+    """A run's tap bytes per step at K (one sequence, a verify pass of K+1 positions)."""
+    if "stage_ends" not in res:
+        return 0  # one process, or every rank runs every layer: no message
+    taps = taps or default_taps(res["stage_ends"][0], 5)  # rank 0's stage ends the trunk
+    return tap_bytes_per_step(taps, res["stage_ends"], 1, k + 1, res["hidden_size"],
+                              res["hidden_itemsize"])
 
 
 def _free_port() -> int:
@@ -258,6 +291,9 @@ def main():
                    choices=["single", "pipeline", "tensor", "expert"],
                    help="The runs to compare (default: single, pipeline, tensor; with --moe "
                         "single, tensor, expert)")
+    p.add_argument("--taps", type=int, nargs="+", default=None,
+                   help="A block drafter's tapped layers, for the pipeline's tap bytes per step "
+                        "(default: five spread as z-lab's DFlash)")
     p.add_argument("--moe", action="store_true",
                    help="Build a tiny MoE (DeepSeek-V3, 32 experts) instead of the dense one")
     p.add_argument("--serve", action="store_true",

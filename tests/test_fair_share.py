@@ -180,6 +180,17 @@ def tiny(tmp_path_factory):
                               vocab_size=4096, trunk_scale=2.0, fc_noise=1.0)))
 
 
+def start_two_streams(eng) -> list:
+    """Two streams decoding on ``eng`` (their first tokens out): each one's event list."""
+    streams = [[], []]
+    for i, sink in enumerate(streams):
+        eng.submit(EngineRequest(prompt=[5 + i, 9, 22, 7], max_tokens=10 ** 5,
+                                 on_event=sink.append))
+    while not all(streams):
+        eng.step()
+    return streams
+
+
 def test_a_long_prompt_never_runs_ahead_of_the_streams(tiny):
     """While a long prompt is processed beside two streams, its time never exceeds the
     decode steps' by more than one prefill round; every iteration decodes; its output is
@@ -206,12 +217,7 @@ def test_a_long_prompt_never_runs_ahead_of_the_streams(tiny):
         decode_ran(seconds, competing)
 
     eng.fair.prefill_ran, eng.fair.decode_ran = on_prefill, on_decode
-    streams = [[], []]
-    for i, sink in enumerate(streams):
-        eng.submit(EngineRequest(prompt=[5 + i, 9, 22, 7], max_tokens=10 ** 5,
-                                 on_event=sink.append))
-    while not all(streams):
-        eng.step()
+    streams = start_two_streams(eng)
     long_prompt = [(7 * j) % 3000 + 50 for j in range(1200)]
     events = []
     eng.submit(EngineRequest(prompt=long_prompt, max_tokens=4, on_event=events.append))

@@ -7,6 +7,7 @@ The engine tests run the real scheduler on a tiny model with costs injected thro
 fake clock (a chunk's cost grows with its prompt's context; decode steps alternate between
 two lengths), so what is asserted is the scheduler's accounting, not wall-clock time."""
 
+import itertools
 import random
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from mlx_mtp.server.engine import Engine
 from mlx_mtp.server.events import Delta, Done, EngineRequest
 from mlx_mtp.server.fair_share import FairShare
 from mlx_mtp.testing.tiny import make_tiny
+from test_fair_share import start_two_streams
 
 LEAST, MOST = 8, 512
 
@@ -153,19 +155,17 @@ def _tokens(events):
     return [t for e in events if isinstance(e, Delta) for t in e.token_ids]
 
 
-def test_the_engine_gives_two_prompts_one_share(tiny, monkeypatch):
-    """The real scheduler beside two streams, a 900- and a 300-token prompt arriving
-    together, every cost injected through the engine's clock: a chunk costs 3 ms plus,
-    per token, 1 ms and 10 us per token of its prompt's context; a decode round 60 ms,
-    every third 90 ms. The streams keep half of the timed time over the union of the
-    prefills; both prompts run while both wait (each within two iterations' prompt time);
-    every iteration decodes every stream; each prompt's answer is its answer alone."""
+def _engine_on_a_fake_clock(tiny, monkeypatch, round_cost):
+    """The real engine with its clock faked, two streams decoding on it: a prompt chunk costs
+    3 ms plus, per token, 1 ms and 10 us per token of its prompt's context; a decode round
+    ``round_cost(eng)`` seconds (asked before the round runs). Returns the engine and the
+    streams' event lists."""
     model, tok = tiny
     clock = [0.0]
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     eng = Engine(model, tok, num_draft_tokens=2, adaptive=False, log_interval=0,
                  calibrate=False, prefill_step_size=512)
-    chunk, decode_step, rounds = eng._prefill_chunk, eng._decode_step, [0]
+    chunk, decode_step = eng._prefill_chunk, eng._decode_step
 
     def costed_chunk(seq, max_tokens, below_grid=False):
         context = seq.dec.n_processed
@@ -174,18 +174,26 @@ def test_the_engine_gives_two_prompts_one_share(tiny, monkeypatch):
         return n
 
     def costed_step(decoding):
+        seconds = round_cost(eng)
         decode_step(decoding)
-        clock[0] += 0.09 if rounds[0] % 3 == 0 else 0.06
-        rounds[0] += 1
+        clock[0] += seconds
 
     monkeypatch.setattr(eng, "_prefill_chunk", costed_chunk)
     monkeypatch.setattr(eng, "_decode_step", costed_step)
-    streams = [[], []]
-    for i, sink in enumerate(streams):
-        eng.submit(EngineRequest(prompt=[5 + i, 9, 22, 7], max_tokens=10 ** 5,
-                                 on_event=sink.append))
-    while not all(streams):
-        eng.step()
+    return eng, start_two_streams(eng)
+
+
+def test_the_engine_gives_two_prompts_one_share(tiny, monkeypatch):
+    """The real scheduler beside two streams, a 900- and a 300-token prompt arriving
+    together, every cost injected through the engine's clock: a chunk costs 3 ms plus,
+    per token, 1 ms and 10 us per token of its prompt's context; a decode round 60 ms,
+    every third 90 ms. The streams keep half of the timed time over the union of the
+    prefills; both prompts run while both wait (each within two iterations' prompt time);
+    every iteration decodes every stream; each prompt's answer is its answer alone."""
+    model, tok = tiny
+    rounds = itertools.count()
+    eng, streams = _engine_on_a_fake_clock(
+        tiny, monkeypatch, lambda eng: 0.09 if next(rounds) % 3 == 0 else 0.06)
     prompts = {"long": [(7 * j) % 3000 + 50 for j in range(900)],
                "short": [(13 * j) % 3000 + 60 for j in range(300)]}
     events = {name: [] for name in prompts}
@@ -237,32 +245,13 @@ def test_the_engine_charges_a_join_to_the_prompts(tiny, monkeypatch):
     a prompt's last (``order``'s tokens left reach 0), so that round's excess is the
     prompts' time and the prompt still in prefill waits the next iteration instead of
     running 1.5 rounds at once."""
-    model, tok = tiny
-    clock = [0.0]
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    eng = Engine(model, tok, num_draft_tokens=2, adaptive=False, log_interval=0,
-                 calibrate=False, prefill_step_size=512)
-    chunk, decode_step, rows = eng._prefill_chunk, eng._decode_step, [0]
+    rows = [0]
 
-    def costed_chunk(seq, max_tokens, below_grid=False):
-        context = seq.dec.n_processed
-        n = chunk(seq, max_tokens, below_grid)
-        clock[0] += 0.003 + n * (0.001 + context * 1e-5)
-        return n
-
-    def costed_step(decoding):
+    def round_cost(eng):  # a row joined since the last round: 10x
         joined, rows[0] = len(eng.batch) > rows[0], len(eng.batch)
-        decode_step(decoding)
-        clock[0] += 0.6 if joined else 0.06
+        return 0.6 if joined else 0.06
 
-    monkeypatch.setattr(eng, "_prefill_chunk", costed_chunk)
-    monkeypatch.setattr(eng, "_decode_step", costed_step)
-    streams = [[], []]
-    for i, sink in enumerate(streams):
-        eng.submit(EngineRequest(prompt=[5 + i, 9, 22, 7], max_tokens=10 ** 5,
-                                 on_event=sink.append))
-    while not all(streams):
-        eng.step()
+    eng, _ = _engine_on_a_fake_clock(tiny, monkeypatch, round_cost)
     names = {}
     for name, n in (("short", 200), ("long", 900)):
         req = EngineRequest(prompt=[(7 * j + n) % 3000 + 50 for j in range(n)], max_tokens=2,

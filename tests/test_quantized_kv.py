@@ -16,21 +16,20 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from cache_checks import assert_filter_keeps_rows, assert_rows_are, same
 from distribution_check import assert_follows, sample_outcomes, two_token_joint
-from mlx_mtp.decode.batch import BatchDecoder
 from mlx_mtp.decode.draft_source import DraftSources
 from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
 from mlx_mtp.decode.speculative import MTPDecoder
 from mlx_mtp.drafters.lookup import LookupSettings
-from mlx_mtp.models.cache.kv import CACHE_KINDS, cache_state_arrays
+from mlx_mtp.models.cache.kv import cache_state_arrays
 from mlx_mtp.models.cache.quantized import BatchQuantizedKVCache, KVQuantization, QuantizedKVCache
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing import tiny, tiny_attention, tiny_special
 from mlx_mtp.testing.tiny_bailing import bailing_hybrid_config
-
-Q4 = KVQuantization(bits=4, group_size=32)
-RNG = np.random.default_rng(0)
-PROMPTS = [[int(x) for x in RNG.integers(0, 128, n)] for n in (5, 11, 3, 20, 1, 8)]
-N = 14
+from quantized_kv_checks import (N, PROMPTS, Q4, RNG, assert_mtp_equals_plain, decode_on,
+                                 assert_engine_rows_and_a_warm_turn_equal_solo,
+                                 quantized_and_full_logits, restore_through_safetensors,
+                                 run_batch, solo, solo_logprobs, verify_then_plain,
+                                 write_three_and_keep)
 
 
 def hybrid_model(vocab_size: int = 512):
@@ -92,73 +91,20 @@ def model(request):
     m.use_kv_quantization(None)
 
 
-def solo(model, k, prompt, n=N, drafter=None):
-    dec = MTPDecoder(model, k, SamplingParams(), adaptive=False, drafter=drafter)
-    dec.prefill(prompt)
-    out = []
-    while len(out) < n:
-        out += dec.step().tokens
-    return out[:n], dec
-
-
-def solo_logprobs(model, k, prompt, n=N):
-    """Tokens and the target's log-probabilities of each (verify rows: bit for bit a plain
-    step's, when the cache is the same)."""
-    dec = MTPDecoder(model, k, SamplingParams(), adaptive=False)
-    dec.prefill(prompt)
-    out, lps = [], []
-    while len(out) < n:
-        o = dec.step()
-        out, lps = out + o.tokens, lps + [o.logprobs]
-    return out[:n], mx.concatenate(lps)[:n], dec
-
-
-def run_batch(model, k, prompts, n=N):
-    """Staggered joins (one per step), removal when done: tokens per row."""
-    bd = BatchDecoder(model, k > 0, adaptive=False)
-    outs, done = {}, set()
-    for i, pr in enumerate(prompts):
-        dec = MTPDecoder(model, k, SamplingParams(), adaptive=False)
-        dec.prefill(pr)
-        bd.add(i, dec)
-        outs[i] = []
-        for key, o in bd.step().items():
-            outs[key] += o.tokens
-    while len(done) < len(prompts):
-        for key, o in bd.step().items():
-            outs[key] += o.tokens
-        for key, toks in outs.items():
-            if len(toks) >= n and key not in done:
-                bd.remove(key)
-                done.add(key)
-    return [outs[i][:n] for i in range(len(prompts))]
-
-
 def test_the_caches_are_quantized_and_change_the_logits(model):
     cache = model.make_cache()
     assert any(isinstance(c, QuantizedKVCache) for c in cache)
     windowed = model.model_type in ("step3p5", "mimo_v2_flash")  # window MTP layers
     assert windowed or all(isinstance(c, QuantizedKVCache) for c in model.make_mtp_cache())
-    x = mx.array([PROMPTS[3]], mx.uint32)
-    quantized = model.logits(model.trunk(x, cache)[0])
-    model.use_kv_quantization(None)
-    try:
-        full = model.logits(model.trunk(x, model.make_cache())[0])
-    finally:
-        model.use_kv_quantization(Q4)
+    quantized, full = quantized_and_full_logits(model, cache)
     assert not mx.allclose(quantized, full, atol=1e-3).item()
 
 
 def test_greedy_mtp_and_lookup_equal_plain_decoding_with_the_same_cache(model):
     accepted = 0
     for prompt in PROMPTS[:4]:
-        ref, ref_lps, _ = solo_logprobs(model, 0, prompt)
-        for k in (1, 2, 3):
-            out, lps, dec = solo_logprobs(model, k, prompt)
-            assert out == ref, (prompt, k)
-            if model.model_type in BITWISE_VERIFY:
-                assert mx.array_equal(lps, ref_lps).item(), (prompt, k)
-            accepted += dec.stats.num_accepted_tokens
+        ref, n = assert_mtp_equals_plain(model, prompt, model.model_type in BITWISE_VERIFY)
+        accepted += n
         copy_prompt = prompt + ref[:6] + prompt
         ref_copy, _ = solo(model, 0, copy_prompt)
         for source in ("lookup", "both"):
@@ -195,17 +141,7 @@ def test_batched_greedy_equals_solo_plain_decoding(model):
 def test_a_verify_then_rollback_leaves_the_cache_a_plain_decode_writes(model):
     """Rows past the buffer's 256-position step, and partial quantization groups: a pass of
     4 rows keeping 2 equals feeding those 2 one at a time."""
-    prompt = [int(x) for x in RNG.integers(0, 128, 254)]
-    x = mx.array([prompt], mx.uint32)
-    drafts = [5, 9, 17, 33]
-    spec, plain = model.make_cache(), model.make_cache()
-    model.trunk(x, spec)
-    model.trunk(x, plain)
-    model.trunk(mx.array([drafts], mx.uint32), spec, capture=True)
-    for c in spec:
-        c.accept([2])
-    for t in drafts[:2]:
-        model.trunk(mx.array([[t]], mx.uint32), plain)
+    spec, plain = verify_then_plain(model)
     attention = [i for i, c in enumerate(spec) if isinstance(c, QuantizedKVCache)]
     assert [spec[i].offset for i in attention] == [plain[i].offset for i in attention] != []
     if model.model_type not in BITWISE_VERIFY:  # the kept rows' inputs differ by rounding:
@@ -227,12 +163,8 @@ def test_batch_rows_merge_filter_extract_and_roll_back_per_row(model):
     merged = [QuantizedKVCache.merge([s[j] for s in solos]) for j in range(len(attention))]
     assert all(isinstance(c, BatchQuantizedKVCache) for c in merged)
     assert_rows_are(merged, solos)
-    for c in merged:  # a 3-position write; rows keep 1, 3, 1 of it
-        k, k_scales, _, v, v_scales, _ = solos[0][0].state
-        c.prepare(3)
-        c.update_and_fetch(mx.zeros((3, k.shape[1], 3, k_scales.shape[-1] * 32)),
-                           mx.zeros((3, v.shape[1], 3, v_scales.shape[-1] * 32)))
-        c.accept([1, 3, 1])
+    for c in merged:
+        write_three_and_keep(c, (1, 3, 1))
     assert [c.lengths() for c in merged][0] == [len(p) + n for p, n in zip(PROMPTS, (1, 3, 1))]
     for c in merged:
         c.trim(1)  # rows 0 and 2 back as they were, row 1 two positions longer
@@ -249,22 +181,9 @@ def test_state_round_trip_keeps_the_quantized_form(model, tmp_path):
     ref, _ = solo(model, 0, prompt)
     dec = MTPDecoder(model, 0, SamplingParams(), adaptive=False)
     dec.prefill(prompt)
-    arrays, layout = {}, []
-    for i, c in enumerate(dec.cache):
-        if isinstance(c, QuantizedKVCache):
-            arrays.update({f"{i}.{n}": a for n, a in zip(c.state_names, c.state)})
-            layout.append((i, c.kind, c.meta_state))
-    mx.save_safetensors(str(tmp_path / "s.safetensors"), arrays)
-    loaded = mx.load(str(tmp_path / "s.safetensors"))
-    for i, kind, meta in layout:
-        cls = CACHE_KINDS[kind]
-        c = cls.from_state(tuple(loaded[f"{i}.{n}"] for n in cls.state_names), meta)
-        assert c.state[0].dtype == mx.uint32 and c.settings() == Q4.meta()
-        dec.cache[i] = c
-    out = []
-    while len(out) < N:
-        out += dec.step().tokens
-    assert out[:N] == ref
+    quantized = [i for i, c in enumerate(dec.cache) if isinstance(c, QuantizedKVCache)]
+    restore_through_safetensors(dec.cache, quantized, tmp_path / "s.safetensors")
+    assert decode_on(dec) == ref
 
 
 def test_a_disk_session_keeps_the_quantized_form_and_decodes_as_a_cold_turn(tmp_path):
@@ -297,10 +216,7 @@ def test_a_disk_session_keeps_the_quantized_form_and_decodes_as_a_cold_turn(tmp_
     warm = MTPDecoder(model, 2, SamplingParams(), adaptive=False)
     warm.restore(restored)
     warm.prefill(prompt)
-    out = []
-    while len(out) < N:
-        out += warm.step().tokens
-    assert out[:N] == solo(model, 0, prompt)[0]
+    assert decode_on(warm) == solo(model, 0, prompt)[0]
     model.use_kv_quantization(None)
     assert SessionStore(tmp_path, model_fingerprint(model), min_tokens=16).lookup(
         prompt, need_mtp=True) is None
@@ -347,23 +263,11 @@ def test_the_server_engine_batches_quantized_rows_and_reuses_their_prefixes(ckpt
     """Six concurrent requests (a batch whose rows join and leave), drafting or not, then a
     turn that extends one of them from the prefix cache: every output is the request's
     plain single-sequence decode with the same quantized cache."""
-    from engine_events import make_engine, run as run_all
     from mlx_mtp.models.io.loader import load
-    from mlx_mtp.server.prefix_cache import PrefixCache
 
     model, tok = load(str(ckpt))
     model.use_kv_quantization(Q4)
-    refs = [solo(model, 0, p, n=12)[0] for p in PROMPTS]
-    for k in (0, 2):
-        engine = make_engine((model, tok), num_draft_tokens=k, adaptive=False,
-                             prefix_cache=PrefixCache(8, 1 << 30), prefill_step_size=8)
-        sinks = run_all(engine, PROMPTS, max_tokens=12)
-        assert [s.tokens for s in sinks] == refs, k
-        run_all(engine, [PROMPTS[3]], max_tokens=12, boundaries=[16])
-        longer = PROMPTS[3] + refs[3] + [7, 8, 9]
-        warm = run_all(engine, [longer], max_tokens=12)[0]
-        assert warm.done.usage["prompt_tokens_details"]["cached_tokens"] == 16
-        assert warm.tokens == solo(model, 0, longer, n=12)[0], k
+    assert_engine_rows_and_a_warm_turn_equal_solo(model, tok)
 
 
 @pytest.mark.parametrize("start", [0, 6])

@@ -14,10 +14,14 @@ import pytest
 
 from cache_checks import assert_filter_keeps_rows, assert_rows_are, same
 from mlx_mtp.models.cache.index import BatchQuantizedIndexKeyCache, QuantizedIndexKeyCache
-from mlx_mtp.models.cache.kv import CACHE_KINDS, cache_state_arrays
+from mlx_mtp.models.cache.kv import cache_state_arrays
 from mlx_mtp.models.cache.quantized import QuantizedKVCache
 from mlx_mtp.testing import tiny_attention, tiny_special
-from test_quantized_kv import N, PROMPTS, Q4, RNG, run_batch, solo, solo_logprobs
+from quantized_kv_checks import (PROMPTS, Q4, assert_mtp_equals_plain, decode_on,
+                                 assert_engine_rows_and_a_warm_turn_equal_solo,
+                                 quantized_and_full_logits, restore_through_safetensors,
+                                 run_batch, solo, solo_logprobs, verify_then_plain,
+                                 write_three_and_keep)
 
 FAMILIES = ["deepseek_v32", "glm_moe_dsa"]
 
@@ -38,26 +42,12 @@ def model(request):
 def test_both_caches_are_quantized_and_change_the_logits(model):
     for caches in (model.make_cache(), model.make_mtp_cache()):
         assert [type(c) for c in caches[:2]] == [QuantizedKVCache, QuantizedIndexKeyCache]
-    x = mx.array([PROMPTS[3]], mx.uint32)  # 20 tokens: past the top-k
-    quantized = model.logits(model.trunk(x, model.make_cache())[0])
-    model.use_kv_quantization(None)
-    try:
-        full = model.logits(model.trunk(x, model.make_cache())[0])
-    finally:
-        model.use_kv_quantization(Q4)
+    quantized, full = quantized_and_full_logits(model, model.make_cache())  # past the top-k
     assert not mx.allclose(quantized, full, atol=1e-3).item()
 
 
 def test_greedy_mtp_equals_plain_decoding_with_the_same_caches(model):
-    accepted = 0
-    for prompt in PROMPTS[:4]:
-        ref, ref_lps, _ = solo_logprobs(model, 0, prompt)
-        for k in (1, 2, 3):
-            out, lps, dec = solo_logprobs(model, k, prompt)
-            assert out == ref, (prompt, k)
-            assert mx.array_equal(lps, ref_lps).item(), (prompt, k)
-            accepted += dec.stats.num_accepted_tokens
-    assert accepted > 0
+    assert sum(assert_mtp_equals_plain(model, prompt)[1] for prompt in PROMPTS[:4]) > 0
 
 
 def test_batched_greedy_equals_solo_plain_decoding(model):
@@ -69,17 +59,7 @@ def test_batched_greedy_equals_solo_plain_decoding(model):
 def test_a_verify_then_rollback_leaves_the_caches_a_plain_decode_writes(model):
     """Latents and indexer keys past the buffer's 256-position step: a pass of 4 rows keeping 2
     equals feeding those 2 one at a time, bit for bit."""
-    prompt = [int(x) for x in RNG.integers(0, 128, 254)]
-    x = mx.array([prompt], mx.uint32)
-    drafts = [5, 9, 17, 33]
-    spec, plain = model.make_cache(), model.make_cache()
-    model.trunk(x, spec)
-    model.trunk(x, plain)
-    model.trunk(mx.array([drafts], mx.uint32), spec, capture=True)
-    for c in spec:
-        c.accept([2])
-    for t in drafts[:2]:
-        model.trunk(mx.array([[t]], mx.uint32), plain)
+    spec, plain = verify_then_plain(model)
     assert [c.offset for c in spec] == [c.offset for c in plain] == [256] * len(spec)
     same(cache_state_arrays(spec), cache_state_arrays(plain))
     assert all(c.state[0].dtype == mx.uint32 for c in spec)
@@ -94,12 +74,8 @@ def test_batch_rows_merge_filter_extract_and_roll_back_per_row(model):
     merged = [type(c).merge([s[j] for s in solos]) for j, c in enumerate(solos[0])]
     assert isinstance(merged[1], BatchQuantizedIndexKeyCache)
     assert_rows_are(merged, solos)
-    for c in merged:  # a 3-position write; rows keep 1, 3, 1 of it
-        k, k_scales, _, v, v_scales, _ = c.extract(0).state
-        c.prepare(3)
-        c.update_and_fetch(mx.zeros((3, k.shape[1], 3, k_scales.shape[-1] * 32)),
-                           mx.zeros((3, v.shape[1], 3, v_scales.shape[-1] * 32)))
-        c.accept([1, 3, 1])
+    for c in merged:
+        write_three_and_keep(c, (1, 3, 1))
         c.trim(1)  # rows 0 and 2 back as they were, row 1 two positions longer
     for b in (0, 2):
         same(cache_state_arrays([c.extract(b) for c in merged]), cache_state_arrays(solos[b]))
@@ -116,19 +92,8 @@ def test_state_round_trip_keeps_the_quantized_form(model, tmp_path):
     ref, _ = solo(model, 2, prompt)
     dec = MTPDecoder(model, 2, SamplingParams(), adaptive=False)
     dec.prefill(prompt)
-    arrays = {f"{i}.{n}": a for i, c in enumerate(dec.cache)
-              for n, a in zip(c.state_names, c.state)}
-    mx.save_safetensors(str(tmp_path / "s.safetensors"), arrays)
-    loaded = mx.load(str(tmp_path / "s.safetensors"))
-    for i, c in enumerate(dec.cache):
-        cls = CACHE_KINDS[c.kind]
-        dec.cache[i] = cls.from_state(tuple(loaded[f"{i}.{n}"] for n in cls.state_names),
-                                      c.meta_state)
-        assert type(dec.cache[i]) is type(c) and dec.cache[i].settings() == Q4.meta()
-    out = []
-    while len(out) < N:
-        out += dec.step().tokens
-    assert out[:N] == ref
+    restore_through_safetensors(dec.cache, range(len(dec.cache)), tmp_path / "s.safetensors")
+    assert decode_on(dec) == ref
 
 
 def test_a_group_that_does_not_divide_the_indexer_keys_is_refused():
@@ -173,9 +138,7 @@ def test_the_server_engine_batches_quantized_rows_and_reuses_their_prefixes(tmp_
     """Six concurrent requests (rows joining and leaving), drafting or not, then a turn that
     extends one of them from the prefix cache: every output is the request's plain
     single-sequence decode with the same quantized caches."""
-    from engine_events import make_engine, run as run_all
     from mlx_mtp.models.io.loader import load
-    from mlx_mtp.server.prefix_cache import PrefixCache
 
     config = lambda **c: dict(tiny_special.dsa_config("deepseek_v32", **c), qk_rope_head_dim=32,
                               index_head_dim=32)
@@ -183,14 +146,4 @@ def test_the_server_engine_batches_quantized_rows_and_reuses_their_prefixes(tmp_
                                      vocab_size=4096)  # the test tokenizer's ids
     model, tok = load(str(path))
     model.use_kv_quantization(Q4)
-    refs = [solo(model, 0, p, n=12)[0] for p in PROMPTS]
-    for k in (0, 2):
-        engine = make_engine((model, tok), num_draft_tokens=k, adaptive=False,
-                             prefix_cache=PrefixCache(8, 1 << 30), prefill_step_size=8)
-        sinks = run_all(engine, PROMPTS, max_tokens=12)
-        assert [s.tokens for s in sinks] == refs, k
-        run_all(engine, [PROMPTS[3]], max_tokens=12, boundaries=[16])
-        longer = PROMPTS[3] + refs[3] + [7, 8, 9]
-        warm = run_all(engine, [longer], max_tokens=12)[0]
-        assert warm.done.usage["prompt_tokens_details"]["cached_tokens"] == 16
-        assert warm.tokens == solo(model, 0, longer, n=12)[0], k
+    assert_engine_rows_and_a_warm_turn_equal_solo(model, tok)

@@ -92,18 +92,19 @@ def make_oracle(model, trunk_scale: float = 0.0, proj_noise: float = 0.0, seed: 
     return model
 
 
-def _unsplit(weights: dict, prefix: str, args) -> None:
-    """mlx-lm's experts and MLA split -> the released per-expert / ``kv_b_proj`` form."""
+def _unsplit(weights: dict, prefix: str, args, attention: str = "self_attn") -> None:
+    """mlx-lm's experts and MLA split -> the released per-expert / ``kv_b_proj`` form
+    (``attention``: the attention module's name under ``prefix``)."""
     for p in ("gate_proj", "up_proj", "down_proj"):
         stacked = weights.pop(f"{prefix}mlp.switch_mlp.{p}.weight", None)
         if stacked is not None:
             for e in range(stacked.shape[0]):
                 weights[f"{prefix}mlp.experts.{e}.{p}.weight"] = stacked[e]
-    wk = weights.pop(f"{prefix}self_attn.embed_q.weight", None)
+    wk = weights.pop(f"{prefix}{attention}.embed_q.weight", None)
     if wk is not None:
-        wv = weights.pop(f"{prefix}self_attn.unembed_out.weight")
+        wv = weights.pop(f"{prefix}{attention}.unembed_out.weight")
         kv_b = mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1)  # (heads, nope + v, rank)
-        weights[f"{prefix}self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
+        weights[f"{prefix}{attention}.kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
 
 
 def to_hf(model, drop_mtp: bool = False) -> dict:

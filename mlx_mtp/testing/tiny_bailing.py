@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .tiny_attention import make_oracle, write_tiny
+from .tiny_attention import _unsplit, make_oracle, write_tiny
 
 
 def bailing_hybrid_config(vocab_size: int = 128, hidden: int = 64, num_layers: int = 4,
@@ -40,16 +40,7 @@ def bailing_hybrid_config(vocab_size: int = 128, hidden: int = 64, num_layers: i
 
 def _released(weights: dict, prefix: str) -> None:
     """mlx-lm's stacked experts, split MLA and (C, K, 1) convs under ``prefix`` -> released."""
-    for p in ("gate_proj", "up_proj", "down_proj"):
-        stacked = weights.pop(f"{prefix}mlp.switch_mlp.{p}.weight", None)
-        if stacked is not None:
-            for e in range(stacked.shape[0]):
-                weights[f"{prefix}mlp.experts.{e}.{p}.weight"] = stacked[e]
-    wk = weights.pop(f"{prefix}attention.embed_q.weight", None)
-    if wk is not None:
-        wv = weights.pop(f"{prefix}attention.unembed_out.weight")
-        kv_b = mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1)
-        weights[f"{prefix}attention.kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
+    _unsplit(weights, prefix, None, attention="attention")
     for c in ("q", "k", "v"):
         key = f"{prefix}attention.{c}_conv1d.weight"
         if key in weights:

@@ -481,8 +481,8 @@ class BatchKVCache(_Cache):
             return
         ka, va, ma = self._padded(L, other)
         kb, vb, mb = other._padded(L, self)
-        self.keys = mx.concatenate([ka, kb])
-        self.values = mx.concatenate([va, vb])
+        self.keys, self.values = tree_map(lambda a, b: mx.concatenate([a, b]),
+                                          (ka, va), (kb, vb))  # quantized: triples
         self.valid = mx.concatenate([ma, mb])
         self.idx = L
         self.pos = self.pos + other.pos

@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from .kv import CACHE_KINDS, BatchKVCache, KVCache
-from .slots import first_after_padding, first_after_write, squeeze_index
+from .slots import first_after_write, squeeze_index
 
 
 @dataclass(frozen=True)
@@ -373,20 +373,6 @@ class BatchQuantizedKVCache(BatchKVCache):
             v = _cat([v, _cut(self.values, 0, self.idx)])
             m = mx.concatenate([m, self.valid[:, : self.idx]], axis=1)
         return k, v, m
-
-    def extend(self, other: "BatchQuantizedKVCache"):
-        """Append the rows of ``other``, both right-aligned at the write pointer."""
-        L = max(self.idx, other.idx)
-        self.first = first_after_padding(L, self, other)
-        if self.keys is None and other.keys is None:
-            self.pos += other.pos
-            return
-        ka, va, ma = self._padded(L, other)
-        kb, vb, mb = other._padded(L, self)
-        self.keys, self.values = _cat([ka, kb], axis=0), _cat([va, vb], axis=0)
-        self.valid = mx.concatenate([ma, mb])
-        self.idx = L
-        self.pos = self.pos + other.pos
 
     @property
     def nbytes(self) -> int:  # the whole buffer
