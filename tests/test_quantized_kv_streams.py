@@ -1,16 +1,17 @@
 """``--kv-bits`` for the stream trunks: Qwen4-Exp (``qwen4_exp``: the gated attention's K/V
-quantized, mlx-lm's quantized attention under the QSA selection mask; DeltaNet states, the QSA
-indexer's keys and pooled blocks and the short windows kept in their precision), GLM-5.3-Flash
-(``glm5_next``: its NoPE MLA latents quantized, the absorbed attention through
-``mx.quantized_matmul`` under the indexer's selection; KDA states and the k-pool indexer's keys
-kept) and DeepSeek-V4 (``deepseek_v4``: every layer's window keys and compressed entries, the
+quantized, mlx-lm's quantized attention under the QSA selection mask, and the QSA indexer's
+keys, pooled from their dequantized rows; DeltaNet states and the short windows kept in their
+precision), GLM-5.3-Flash (``glm5_next``: its NoPE MLA latents quantized, the absorbed
+attention through ``mx.quantized_matmul`` under the indexer's selection, and the k-pool
+indexer's keys and gates; KDA states kept) and DeepSeek-V4 (``deepseek_v4``: every layer's window keys and compressed entries, the
 indexers' included, quantized; the compressors' pending raw rows kept). Exact against plain
 decoding with the same quantized caches: greedy MTP at K = 1..3 (bit-equal log-probabilities),
 batches with rows joining and leaving, a verify's rollback (DeepSeek-V4: at every phase of its
 windows, across their completion), and a disk session (the server's store).
 
 Each family's fixture config (``fixtures/<type>``) widened to 32 (``mx.quantize``'s smallest
-group: Qwen4-Exp's head_dim, GLM-5.3's latent rank, DeepSeek-V4's indexer keys) with random
+group: Qwen4-Exp's head_dim and QSA indexer keys, GLM-5.3's latent rank and k-pool indexer
+keys, DeepSeek-V4's indexer keys) with random
 weights (DeepSeek-V4: its fixture's, the widened indexers' random), so that attention (and its
 quantization) moves the logits; the random heads' drafts are rejected, so every step rolls back.
 """
@@ -34,11 +35,13 @@ from mlx_mtp.testing import tiny_attention
 from test_quantized_kv import PROMPTS, Q4, RNG, run_batch, solo, solo_logprobs
 
 FIXTURES = Path(__file__).parent / "fixtures"
-# family: (the config entry widened to 32, the cache kinds made: quantized ones first, then
+# family: (the config entries widened to 32, the cache kinds made: quantized ones first, then
 # those kept in their precision)
-FAMILIES = {"qwen4_exp": ("head_dim", {"quantized_kv"}, {"pooled_index_kv", "rec", "short"}),
-            "glm5_next": ("kv_lora_rank", {"quantized_kv"}, {"pooled_index_kv", "rec"}),
-            "deepseek_v4": ("index_head_dim", {"quantized_dsv4"}, set())}
+FAMILIES = {"qwen4_exp": (("head_dim", "indexer_head_dim"),
+                          {"quantized_kv", "quantized_pooled_index_kv"}, {"rec", "short"}),
+            "glm5_next": (("kv_lora_rank", "index_head_dim"),
+                          {"quantized_kv", "quantized_pooled_index_kv"}, {"rec"}),
+            "deepseek_v4": (("index_head_dim",), {"quantized_dsv4"}, set())}
 
 
 def dsv4_model(config: dict):
@@ -56,10 +59,10 @@ def fixture_checkpoint(family: str) -> Path:
 
 
 def widened(family: str, **more) -> tuple:
-    """(The fixture's config with its entry widened to 32 and ``more``, a model of it)."""
+    """(The fixture's config with its entries widened to 32 and ``more``, a model of it)."""
     config = json.loads((fixture_checkpoint(family) / "config.json").read_text())
     text = config if family == "deepseek_v4" else config["text_config"]
-    text.update({FAMILIES[family][0]: 32, **more})
+    text.update({**dict.fromkeys(FAMILIES[family][0], 32), **more})
     if family == "deepseek_v4":
         return config, dsv4_model(config)
     return config, tiny_attention.build_model(config, seed=0)
