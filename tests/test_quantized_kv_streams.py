@@ -364,3 +364,17 @@ def test_a_group_that_does_not_divide_the_indexer_keys_is_refused(family):
     with pytest.raises(ValueError, match="^--kv-group-size 64 does not divide .* 32$"):
         model.use_kv_quantization(KVQuantization(4, 64))
     assert all(c.quantization is None for c in model.make_cache())
+
+
+def test_mtp_across_the_quantized_kv_start_equals_plain_decoding(pooling):
+    """``--quantized-kv-start 24``: the indexer's keys switch with the attention's (the
+    pools made before the switch dropped at it); greedy MTP at K = 2 across the switch gives
+    plain decoding's tokens and bit-equal log-probabilities."""
+    pooling.use_kv_quantization(KVQuantization(4, 32, start=24))
+    try:
+        assert all(c.quantization.start == 24 for c in pooled_key_caches(pooling.make_cache()))
+        ref, ref_lps, _ = solo_logprobs(pooling, 0, PROMPTS[3])
+        out, lps, _ = solo_logprobs(pooling, 2, PROMPTS[3])
+    finally:
+        pooling.use_kv_quantization(Q4)
+    assert out == ref and mx.array_equal(lps, ref_lps).item()
