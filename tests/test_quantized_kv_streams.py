@@ -1,16 +1,17 @@
 """``--kv-bits`` for the stream trunks: Qwen4-Exp (``qwen4_exp``: the gated attention's K/V
-quantized, mlx-lm's quantized attention under the QSA selection mask; DeltaNet states, the QSA
-indexer's keys and pooled blocks and the short windows kept in their precision), GLM-5.3-Flash
-(``glm5_next``: its NoPE MLA latents quantized, the absorbed attention through
-``mx.quantized_matmul`` under the indexer's selection; KDA states and the k-pool indexer's keys
-kept) and DeepSeek-V4 (``deepseek_v4``: every layer's window keys and compressed entries, the
+quantized, mlx-lm's quantized attention under the QSA selection mask, and the QSA indexer's
+keys, pooled from their dequantized rows; DeltaNet states and the short windows kept in their
+precision), GLM-5.3-Flash (``glm5_next``: its NoPE MLA latents quantized, the absorbed
+attention through ``mx.quantized_matmul`` under the indexer's selection, and the k-pool
+indexer's keys and gates; KDA states kept) and DeepSeek-V4 (``deepseek_v4``: every layer's window keys and compressed entries, the
 indexers' included, quantized; the compressors' pending raw rows kept). Exact against plain
 decoding with the same quantized caches: greedy MTP at K = 1..3 (bit-equal log-probabilities),
 batches with rows joining and leaving, a verify's rollback (DeepSeek-V4: at every phase of its
 windows, across their completion), and a disk session (the server's store).
 
 Each family's fixture config (``fixtures/<type>``) widened to 32 (``mx.quantize``'s smallest
-group: Qwen4-Exp's head_dim, GLM-5.3's latent rank, DeepSeek-V4's indexer keys) with random
+group: Qwen4-Exp's head_dim and QSA indexer keys, GLM-5.3's latent rank and k-pool indexer
+keys, DeepSeek-V4's indexer keys) with random
 weights (DeepSeek-V4: its fixture's, the widened indexers' random), so that attention (and its
 quantization) moves the logits; the random heads' drafts are rejected, so every step rolls back.
 """
@@ -23,22 +24,26 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+import cache_checks as cc
 import family_checks as fc
 from cache_checks import assert_filter_keeps_rows, assert_rows_are, merged_solos, same
 from cache_checks import solo as cache_solo
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder
 from mlx_mtp.models.cache.kv import cache_state_arrays
+from mlx_mtp.models.cache.quantized import KVQuantization
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing import tiny_attention
 from test_quantized_kv import PROMPTS, Q4, RNG, run_batch, solo, solo_logprobs
 
 FIXTURES = Path(__file__).parent / "fixtures"
-# family: (the config entry widened to 32, the cache kinds made: quantized ones first, then
+# family: (the config entries widened to 32, the cache kinds made: quantized ones first, then
 # those kept in their precision)
-FAMILIES = {"qwen4_exp": ("head_dim", {"quantized_kv"}, {"pooled_index_kv", "rec", "short"}),
-            "glm5_next": ("kv_lora_rank", {"quantized_kv"}, {"pooled_index_kv", "rec"}),
-            "deepseek_v4": ("index_head_dim", {"quantized_dsv4"}, set())}
+FAMILIES = {"qwen4_exp": (("head_dim", "indexer_head_dim"),
+                          {"quantized_kv", "quantized_pooled_index_kv"}, {"rec", "short"}),
+            "glm5_next": (("kv_lora_rank", "index_head_dim"),
+                          {"quantized_kv", "quantized_pooled_index_kv"}, {"rec"}),
+            "deepseek_v4": (("index_head_dim",), {"quantized_dsv4"}, set())}
 
 
 def dsv4_model(config: dict):
@@ -56,10 +61,10 @@ def fixture_checkpoint(family: str) -> Path:
 
 
 def widened(family: str, **more) -> tuple:
-    """(The fixture's config with its entry widened to 32 and ``more``, a model of it)."""
+    """(The fixture's config with its entries widened to 32 and ``more``, a model of it)."""
     config = json.loads((fixture_checkpoint(family) / "config.json").read_text())
     text = config if family == "deepseek_v4" else config["text_config"]
-    text.update({FAMILIES[family][0]: 32, **more})
+    text.update({**dict.fromkeys(FAMILIES[family][0], 32), **more})
     if family == "deepseek_v4":
         return config, dsv4_model(config)
     return config, tiny_attention.build_model(config, seed=0)
@@ -256,3 +261,120 @@ def test_deepseek_v4_inspect_lists_the_kinds_and_sizes_the_quantized_entries(dsv
     refused = inspect_model(str(path), 4, 64)
     assert "--kv-group-size" in refused["kv_quantization"]["refused"]
     assert refused["memory"]["kv_bytes_per_1k_tokens_quantized"] is None
+
+
+@pytest.fixture(scope="module", params=["qwen4_exp", "glm5_next"])
+def pooling(request):
+    """A stream trunk whose indexer pools its keys (QSA blocks of 2, k-pool pools of 4), with
+    every cache quantized but the recurrent states and short windows."""
+    return quantized_model(request.param)
+
+
+def pooled_key_caches(caches) -> list:
+    return [c for c in caches if c.kind.endswith("pooled_index_kv")]
+
+
+@pytest.mark.parametrize("start", range(37, 41))
+def test_rollback_that_uncompletes_a_pool_is_exact(pooling, start, monkeypatch):
+    """A verify of 4 positions after ``start`` tokens (every phase of the pools), keeping
+    1..4: a rejected row may have completed a pool from its quantized keys; the kept caches
+    (the indexer's quantized keys included) are bit for bit those of feeding the kept tokens
+    one at a time, every later pass's kept pools equal those pooled again from the keys, and
+    the next logits are plain decoding's."""
+    passes = cc.watch_pooling(monkeypatch)
+    seq = [int(x) for x in RNG.integers(0, 128, start + 5)]
+    prefix, rows, after = seq[:start], seq[start:start + 4], seq[start + 4]
+    for keep in range(1, 5):
+        plain = fc.prefilled_cache(pooling, prefix)
+        for t in rows[:keep]:
+            pooling.trunk(mx.array([[t]]), plain)
+        spec = fc.prefilled_cache(pooling, prefix)
+        pooling.trunk(mx.array([rows]), spec, capture=True)
+        for c in spec:
+            c.accept([keep])
+        keys = pooled_key_caches(spec)
+        assert keys and all(c.quantization == Q4 and c.state[0].dtype == mx.uint32
+                            for c in keys)
+        quantized = [i for i, c in enumerate(spec) if c.quantization is not None]
+        same(cache_state_arrays([spec[i] for i in quantized]),
+             cache_state_arrays([plain[i] for i in quantized]))
+        nxt = mx.array([[rows[keep] if keep < 4 else after]])
+        same([pooling.logits(pooling.trunk(nxt, spec)[0])],
+             [pooling.logits(pooling.trunk(nxt, plain)[0])])
+    assert passes
+
+
+def test_pooled_keys_merge_filter_extract_and_roll_back_per_row(pooling, monkeypatch):
+    """Three prompts' caches merged into one batch (rows at different pool phases): a
+    verify of 3 positions keeping 1, 3, 2 leaves each row's quantized indexer keys as the
+    same verify of that row alone does, the next batched step's kept pools equal those pooled
+    again from each row's keys, and extract and filter give back each row bit for bit."""
+    passes = cc.watch_pooling(monkeypatch)
+    prompts, drafts = [PROMPTS[1], PROMPTS[3], PROMPTS[5]], [[7, 8, 9], [40, 41, 42],
+                                                              [90, 91, 92]]
+    merged = merged_solos(pooling, prompts)[1]
+    assert {c.kind for c in pooled_key_caches(merged)} == {"batch_quantized_pooled_index_kv"}
+    for c in merged:
+        c.prepare(3)
+    pooling.trunk(mx.array(drafts, mx.uint32), merged, capture=True)
+    for c in merged:
+        c.accept([1, 3, 2])
+    plain = [cache_solo(pooling, p) for p in prompts]
+    for cs, d, n in zip(plain, drafts, (1, 3, 2)):  # a solo verify is plain decoding's (above)
+        pooling.trunk(mx.array([d], mx.uint32), cs, capture=True)
+        for c in cs:
+            c.accept([n])
+    keys = [pooled_key_caches(cs) for cs in plain]
+    assert all(c.extract(1).quantization == Q4 for c in pooled_key_caches(merged))
+    assert_rows_are(pooled_key_caches(merged), keys)
+    del passes[:]
+    for c in merged:
+        c.prepare(1)
+    pooling.trunk(mx.array([[3], [4], [5]], mx.uint32), merged)
+    assert passes
+    for c, t in zip(plain, (3, 4, 5)):
+        pooling.trunk(mx.array([[t]], mx.uint32), c)
+    assert_filter_keeps_rows(pooled_key_caches(merged), [pooled_key_caches(cs) for cs in plain],
+                             rows=(2, 0))
+
+
+def test_a_loaded_state_pools_again_to_the_same_values(pooling):
+    """``state`` holds the quantized keys, not the derived pools: caches rebuilt from
+    ``state``/``meta_state`` (a disk session's) are the quantized kinds and decode on with
+    bit-equal logits."""
+    prompt = [int(x) for x in RNG.integers(0, 128, 30)]
+    cache = fc.prefilled_cache(pooling, prompt)
+    for t in (5, 6, 7):
+        pooling.trunk(mx.array([[t]]), cache)
+    loaded = [type(c).from_state(c.state, c.meta_state) for c in cache]
+    assert [c.kind for c in pooled_key_caches(loaded)] == [c.kind for c in
+                                                           pooled_key_caches(cache)]
+    assert all(c.quantization == Q4 for c in pooled_key_caches(loaded))
+    for t in (8, 9):
+        same([pooling.logits(pooling.trunk(mx.array([[t]]), loaded)[0])],
+             [pooling.logits(pooling.trunk(mx.array([[t]]), cache)[0])])
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "glm5_next"])
+def test_a_group_that_does_not_divide_the_indexer_keys_is_refused(family):
+    """The attention's cached width 64, the indexer's keys 32: group 64 is refused in one
+    line, and the model keeps its caches as they were."""
+    attention = FAMILIES[family][0][0]
+    model = widened(family, **{attention: 64})[1]
+    with pytest.raises(ValueError, match="^--kv-group-size 64 does not divide .* 32$"):
+        model.use_kv_quantization(KVQuantization(4, 64))
+    assert all(c.quantization is None for c in model.make_cache())
+
+
+def test_mtp_across_the_quantized_kv_start_equals_plain_decoding(pooling):
+    """``--quantized-kv-start 24``: the indexer's keys switch with the attention's (the
+    pools made before the switch dropped at it); greedy MTP at K = 2 across the switch gives
+    plain decoding's tokens and bit-equal log-probabilities."""
+    pooling.use_kv_quantization(KVQuantization(4, 32, start=24))
+    try:
+        assert all(c.quantization.start == 24 for c in pooled_key_caches(pooling.make_cache()))
+        ref, ref_lps, _ = solo_logprobs(pooling, 0, PROMPTS[3])
+        out, lps, _ = solo_logprobs(pooling, 2, PROMPTS[3])
+    finally:
+        pooling.use_kv_quantization(Q4)
+    assert out == ref and mx.array_equal(lps, ref_lps).item()

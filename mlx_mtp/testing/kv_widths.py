@@ -21,7 +21,7 @@ def stream_config(family: str, **widths) -> dict:
 
 def width_64_configs() -> dict:
     """Every family's config, its cached widths 64."""
-    qwen4 = stream_config("qwen4_exp", head_dim=64)
+    qwen4 = stream_config("qwen4_exp", head_dim=64, indexer_head_dim=64)
     # the same four rotary channels as at head_dim 16 (its mrope sections)
     qwen4["text_config"]["rope_parameters"]["partial_rotary_factor"] = 0.0625
     return {
@@ -38,6 +38,6 @@ def width_64_configs() -> dict:
         "deepseek_v32": dict(tiny_special.dsa_config("deepseek_v32"), qk_rope_head_dim=64,
                              index_head_dim=64, kv_lora_rank=64),
         "qwen4_exp": qwen4,
-        "glm5_next": stream_config("glm5_next", kv_lora_rank=64),
+        "glm5_next": stream_config("glm5_next", kv_lora_rank=64, index_head_dim=64),
         "deepseek_v4": stream_config("deepseek_v4", head_dim=64, index_head_dim=64),
     }

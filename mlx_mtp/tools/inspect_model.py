@@ -221,7 +221,8 @@ def check_loadable(where: Path, config: dict, layout_name: str) -> None:
 # What each cache kind holds, in words (``inspect --kv-bits``: what is quantized, what not).
 CACHE_WORDS = {"quantized_kv": "attention K/V or MLA latents", "kv": "attention K/V",
                "quantized_index_kv": "DSA indexer keys", "index_kv": "DSA indexer keys",
-               "pooled_index_kv": "pooled indexer keys", "rec": "recurrent states",
+               "pooled_index_kv": "pooled indexer keys",
+               "quantized_pooled_index_kv": "pooled indexer keys", "rec": "recurrent states",
                "window_kv": "sliding windows", "short": "short windows",
                "chain": "chained MTP layers",
                "dsv4": "DeepSeek-V4 windows and compressed entries",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cache.index import key_rows
 from .qsa import row_order, tie_broken
 
 
@@ -45,17 +46,17 @@ class KPoolIndexer(nn.Module):
         visible = cache.make_mask(L, return_array=True) if cache is not None else None
         offset = cache.offset if cache is not None else 0
         pos = mx.array(offset).reshape(-1, 1) + mx.arange(L)  # (1 or B, L)
-        if cache is not None:
-            packed = cache.update_and_fetch(packed, packed)[0]
-        order, index = row_order(visible, packed.shape[2])
+        packed = cache.write_keys(packed) if cache is not None else packed[:, 0]
+        order, index = row_order(visible, packed.shape[1])
         if visible is None or visible.ndim != 4:  # one row: causal over its positions
             visible = index[:, None] <= pos[:, :, None]
         else:
             visible = visible[:, 0]
-        return self.select(x, q, packed[:, 0], order, index, pos, visible, cache)[:, None]
+        return self.select(x, q, packed, order, index, pos, visible, cache)[:, None]
 
     def select(self, x, q, packed, order, index, pos, visible, cache=None):
-        """``packed``: each position's key and gate as stored (B, T, 2d); ``order``: each
+        """``packed``: each position's key and gate as stored (B, T, 2d; ``--kv-bits``:
+        ``cache.index.QuantizedKeys``, its rows dequantized to pool); ``order``: each
         row's slots in its own token order and ``index``: each slot's place in its row
         (B or 1, T); ``pos``: the queries' places (B or 1, L); ``cache``: keeps the complete
         pools between passes (``cache.index.PooledKeyCache``)."""
@@ -70,8 +71,7 @@ class KPoolIndexer(nn.Module):
             """(B or 1, width, d): each row's pools ``first[b] ..``, its keys weighted by a
             softmax of gate + slot bias over the pool (slots past the last read as the last)."""
             slots = mx.minimum(first * c + mx.arange(width * c), packed.shape[1] - 1)
-            rows = mx.take_along_axis(packed, mx.take_along_axis(order, slots, axis=1)[..., None],
-                                      axis=1)
+            rows = key_rows(packed, mx.take_along_axis(order, slots, axis=1))
             keys, gates = mx.split(rows.reshape(rows.shape[0], width, c, -1), 2, axis=-1)
             weights = mx.softmax(gates.astype(mx.float32)
                                  + self.index_kpool_compress_ape.astype(mx.float32), axis=2)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cache.index import key_rows
 from .hybrid import GatedAttention
 
 
@@ -54,8 +55,7 @@ class QSAIndexer(nn.Module):
         pos = mx.array(offset).reshape(-1, 1) + mx.arange(L)  # (1 or B, L)
         q = self.q_layernorm(q.reshape(B, L, self.n_heads, d)).transpose(0, 2, 1, 3)
         q = rope_at(q, pos[:, None], self.rope_dims, self.base)
-        raw = raw[:, None]
-        keys = (cache.update_and_fetch(raw, raw)[0] if cache is not None else raw)[:, 0]
+        keys = cache.write_keys(raw[:, None]) if cache is not None else raw
         order, index = row_order(visible, keys.shape[1])
         if visible is None or visible.ndim != 4:  # one row: causal over its positions
             visible = index[None] <= pos[:, :, None]
@@ -64,7 +64,8 @@ class QSAIndexer(nn.Module):
         return self.select(q, keys, order, index, pos, visible, cache)[:, None]
 
     def select(self, q, keys, order, index, pos, visible, cache=None):
-        """``keys`` (B, T, d) as stored; ``order``: each row's slots in its own token order
+        """``keys`` (B, T, d) as stored (``--kv-bits``: ``cache.index.QuantizedKeys``, its
+        rows dequantized to pool); ``order``: each row's slots in its own token order
         and ``index``: each slot's place in its row (B or 1, T); ``pos``: the queries'
         places (B or 1, L); ``cache``: keeps the complete blocks pooled between passes."""
         c, n_blocks = self.ratio, keys.shape[1] // self.ratio
@@ -78,8 +79,7 @@ class QSAIndexer(nn.Module):
             """(B or 1, width, d): each row's blocks ``first[b] ..``: mean, norm, RoPE at
             the block's start (slots past the last read as the last)."""
             slots = mx.minimum(first * c + mx.arange(width * c), keys.shape[1] - 1)
-            rows = mx.take_along_axis(keys, mx.take_along_axis(order, slots, axis=1)[..., None],
-                                      axis=1)
+            rows = key_rows(keys, mx.take_along_axis(order, slots, axis=1))
             blocks = rows.reshape(rows.shape[0], width, c, d)
             blocks = self.k_layernorm(blocks.astype(mx.float32).mean(axis=2).astype(keys.dtype))
             return rope_at(blocks, (first + mx.arange(width)) * c, self.rope_dims, self.base)

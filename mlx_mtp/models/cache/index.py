@@ -20,16 +20,25 @@ keys it drops (a rejected verify row may have completed one). The pooled keys ar
 from the keys: ``state`` leaves them out (a loaded cache pools again); snapshots, copies,
 merge, extract and filter carry each row's. Kinds ``pooled_index_kv`` and
 ``batch_pooled_index_kv``.
+
+With ``--kv-bits`` their keys are quantized too, each position on its own (kinds
+``quantized_pooled_index_kv`` and ``batch_quantized_pooled_index_kv``; the values placeholder
+one group wide): ``write_keys`` hands the indexer a ``QuantizedKeys``, whose rows it gathers
+dequantized before pooling. A block's pool is then a function of its quantized keys alone, so
+a verify row pools what a one-token step pools, a rollback stays a pointer move, and a loaded
+cache pools again to the same values. The kept pools stay in the keys' float dtype (one per
+complete block: a ``ratio``-th of the positions; derived, so outside ``state`` and ``nbytes``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional
 
 import mlx.core as mx
 
 from .kv import CACHE_KINDS, BatchKVCache, KVCache
-from .quantized import BatchQuantizedKVCache, QuantizedKVCache
+from .quantized import BatchQuantizedKVCache, KVQuantization, QuantizedKVCache
 
 
 class _IndexKeys:
@@ -97,15 +106,46 @@ class BatchIndexKeyCache(_IndexKeys, BatchKVCache):
     row_kind = "index_kv"
 
     def _share(self) -> "BatchIndexKeyCache":
-        c = BatchIndexKeyCache(self.pos, self.keys, self.values, self.valid)
+        c = type(self)(self.pos, self.keys, self.values, self.valid)
         c.idx, c.first = self.idx, self.first
         return c
 
     def extract(self, row: int) -> IndexKeyCache:
-        c = IndexKeyCache()
-        c.state = super().extract(row).state
+        c = CACHE_KINDS[self.row_kind]()
+        c.state = BatchKVCache.extract(self, row).state
         c.offset = self.pos[row]
         return c
+
+
+@dataclass(frozen=True)
+class QuantizedKeys:
+    """Every key a quantized pooled cache holds (``write_keys``): ``triple``, each array
+    (B, T, ·) as ``mx.quantize`` made it, read with ``quant``."""
+
+    triple: tuple
+    quant: KVQuantization
+
+    @property
+    def shape(self) -> tuple:
+        """(B, T, d), as the full-precision keys'."""
+        B, T, groups = self.triple[1].shape
+        return B, T, groups * self.quant.group_size
+
+    @property
+    def dtype(self):
+        return self.triple[1].dtype  # the scales': the keys' float dtype
+
+    def take(self, at: mx.array) -> mx.array:
+        """Rows ``at`` (B or 1, N) of every row, dequantized: (B, N, d)."""
+        parts = [mx.take_along_axis(a, at[..., None], axis=1) for a in self.triple]
+        return mx.dequantize(*parts, group_size=self.quant.group_size, bits=self.quant.bits)
+
+
+def key_rows(keys, at: mx.array) -> mx.array:
+    """Rows ``at`` (B or 1, N) of the keys ``write_keys`` returned, as floats (B, N, d)."""
+    if isinstance(keys, QuantizedKeys):
+        return keys.take(at)
+    return mx.take_along_axis(keys, at[..., None], axis=1)
 
 
 class _PooledBlocks:
@@ -116,6 +156,10 @@ class _PooledBlocks:
     _pooled = None  # (B, n, d): the last pass's blocks
     _complete: Optional[List[int]] = None  # per row; None: nothing kept
     _ratio = 1
+
+    def write_keys(self, keys: mx.array):
+        """Write the new positions' keys (B, 1, S, d); returns every cached key (B, T, d)."""
+        return self.update_and_fetch(keys, keys)[0][:, 0]
 
     def pooled_blocks(self, n_blocks: int, ratio: int, pool) -> mx.array:
         """Blocks ``0 .. n_blocks - 1`` of every row, after this pass's keys were written:
@@ -151,6 +195,15 @@ class _PooledBlocks:
     def _set_memo(self, memo: tuple):
         self._pooled, self._complete, self._ratio = memo
 
+    @property
+    def state(self):
+        return super().state
+
+    @state.setter
+    def state(self, v):
+        super(_PooledBlocks, type(self)).state.fset(self, v)
+        self._complete = None  # derived: a loaded cache pools again
+
     def snapshot(self):
         return super().snapshot(), self._memo()
 
@@ -158,6 +211,58 @@ class _PooledBlocks:
         base, memo = snap
         super().restore(base)
         self._set_memo(memo)
+
+    def copy(self):
+        c = super().copy()
+        c._set_memo(self._memo())
+        return c
+
+    def trim(self, n: int) -> int:
+        n = super().trim(n)
+        self._uncomplete()
+        return n
+
+
+class _BatchPooledBlocks(_PooledBlocks):
+    """Each row's kept blocks through a batch's joins, departures and rollbacks."""
+
+    def _share(self):
+        c = super()._share()
+        c._set_memo(self._memo())
+        return c
+
+    def extract(self, row: int):
+        c = super().extract(row)
+        if self._complete is not None:
+            c._set_memo((self._pooled[row:row + 1], self._complete[row:row + 1], self._ratio))
+        return c
+
+    def drop_last(self, counts):
+        super().drop_last(counts)
+        self._uncomplete()
+
+    def extend(self, other):
+        memo = _joined_memo([self, other])
+        super().extend(other)
+        self._set_memo(memo)
+
+    def filter(self, rows):
+        super().filter(rows)
+        if self._complete is not None:
+            self._pooled = self._pooled[mx.array(rows)]
+            self._complete = [self._complete[r] for r in rows]
+
+
+class _QuantizedPooledKeys:
+    """``write_keys`` of the quantized pooled caches (values: a one-group placeholder)."""
+
+    def write_keys(self, keys: mx.array):
+        """Write the new positions' keys (B, 1, S, d); returns every cached key: a
+        ``QuantizedKeys`` (full precision (B, T, d) before ``--quantized-kv-start``)."""
+        out, _ = self.update_and_fetch(keys, keys[..., : self.quant.group_size])
+        if not isinstance(out, tuple):
+            return out[:, 0]
+        return QuantizedKeys(tuple(a[:, 0] for a in out), self.quant)
 
 
 def _joined_memo(parts: list) -> tuple:
@@ -181,11 +286,6 @@ class PooledKeyCache(_PooledBlocks, IndexKeyCache):
 
     kind = "pooled_index_kv"
 
-    @IndexKeyCache.state.setter
-    def state(self, v):
-        IndexKeyCache.state.fset(self, v)
-        self._complete = None
-
     @classmethod
     def merge(cls, caches) -> "BatchPooledKeyCache":
         return BatchPooledKeyCache.merge(caches)
@@ -193,34 +293,13 @@ class PooledKeyCache(_PooledBlocks, IndexKeyCache):
     def _like(self) -> "PooledKeyCache":
         return PooledKeyCache()
 
-    def copy(self) -> "PooledKeyCache":
-        c = super().copy()
-        c._set_memo(self._memo())
-        return c
 
-    def trim(self, n: int) -> int:
-        n = super().trim(n)
-        self._uncomplete()
-        return n
-
-
-class BatchPooledKeyCache(_PooledBlocks, BatchIndexKeyCache):
+class BatchPooledKeyCache(_BatchPooledBlocks, BatchIndexKeyCache):
     """Rows of different lengths' pooling indexer keys and each row's pooled complete
     blocks."""
 
     kind = "batch_pooled_index_kv"
     row_kind = "pooled_index_kv"
-
-    @BatchIndexKeyCache.state.setter
-    def state(self, v):
-        BatchIndexKeyCache.state.fset(self, v)
-        self._complete = None
-
-    def _share(self) -> "BatchPooledKeyCache":
-        c = BatchPooledKeyCache(self.pos, self.keys, self.values, self.valid)
-        c.idx, c.first = self.idx, self.first
-        c._set_memo(self._memo())
-        return c
 
     @classmethod
     def from_single(cls, caches) -> "BatchPooledKeyCache":
@@ -228,30 +307,43 @@ class BatchPooledKeyCache(_PooledBlocks, BatchIndexKeyCache):
         out._set_memo(_joined_memo(caches))
         return out
 
-    def extract(self, row: int) -> PooledKeyCache:
-        c = PooledKeyCache()
-        c.state = BatchKVCache.extract(self, row).state
-        c.offset = self.pos[row]
-        if self._complete is not None:
-            c._set_memo((self._pooled[row:row + 1], self._complete[row:row + 1], self._ratio))
-        return c
 
-    def drop_last(self, counts):
-        super().drop_last(counts)
-        self._uncomplete()
+class QuantizedPooledKeyCache(_QuantizedPooledKeys, _PooledBlocks, QuantizedKVCache):
+    """One sequence's pooling indexer keys, quantized (``--kv-bits``), and its pooled
+    complete blocks."""
 
-    def extend(self, other):
-        memo = _joined_memo([self, other])
-        super().extend(other)
-        self._set_memo(memo)
+    kind = "quantized_pooled_index_kv"
 
-    def filter(self, rows):
-        super().filter(rows)
-        if self._complete is not None:
-            self._pooled = self._pooled[mx.array(rows)]
-            self._complete = [self._complete[r] for r in rows]
+    @classmethod
+    def merge(cls, caches) -> "BatchQuantizedPooledKeyCache":
+        return BatchQuantizedPooledKeyCache.merge(caches)
+
+    def _switch(self):
+        super()._switch()
+        self._complete = None  # from here on every block pools its quantized keys
+
+
+class BatchQuantizedPooledKeyCache(_QuantizedPooledKeys, _BatchPooledBlocks,
+                                   BatchQuantizedKVCache):
+    """Rows of different lengths' quantized pooling indexer keys and each row's pooled
+    complete blocks."""
+
+    kind = "batch_quantized_pooled_index_kv"
+    row_kind = QuantizedPooledKeyCache.kind
+
+    @classmethod
+    def from_single(cls, c: QuantizedPooledKeyCache) -> "BatchQuantizedPooledKeyCache":
+        out = super().from_single(c)
+        out._set_memo(_joined_memo([c]))
+        return out
+
+
+def pooled_key_cache(quant: Optional[KVQuantization]):
+    """A pooling indexer's cache: quantized with ``--kv-bits`` (``quant``)."""
+    return PooledKeyCache() if quant is None else QuantizedPooledKeyCache(quant)
 
 
 CACHE_KINDS.update({c.kind: c for c in (IndexKeyCache, BatchIndexKeyCache, PooledKeyCache,
                                         BatchPooledKeyCache, QuantizedIndexKeyCache,
-                                        BatchQuantizedIndexKeyCache)})
+                                        BatchQuantizedIndexKeyCache, QuantizedPooledKeyCache,
+                                        BatchQuantizedPooledKeyCache)})

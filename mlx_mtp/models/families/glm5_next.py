@@ -45,7 +45,7 @@ from ..blocks.hybrid_shard import read_share
 from ..blocks.kpool import KPoolIndexer
 from ..blocks.mhc import HyperConnection, expand
 from ..blocks.stream_shard import shard_kda, shard_mlp, shard_moe, shard_nope_mla
-from ..cache.index import PooledKeyCache
+from ..cache.index import pooled_key_cache
 from ..cache.kv import KVCache
 from ..cache.recurrent import RecurrentCache
 from ..interface import Capabilities, MTPModel
@@ -294,12 +294,12 @@ class DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(args)
         self.ffn_hc = HyperConnection(args)
 
-    def make_caches(self, kv_cache=KVCache) -> list:
-        """``kv_cache``: the latents' cache factory (the model's, quantized with ``--kv-bits``;
-        the k-pool indexer's keys keep their precision)."""
+    def make_caches(self, kv_cache=KVCache, quant=None) -> list:
+        """``kv_cache``: the latents' cache factory (the model's, quantized with ``--kv-bits``,
+        ``quant``, as the k-pool indexer's keys then are)."""
         if self.is_linear:
             return [RecurrentCache()]
-        return [kv_cache()] + ([] if self.shared else [PooledKeyCache()])
+        return [kv_cache()] + ([] if self.shared else [pooled_key_cache(quant)])
 
     def __call__(self, streams, caches, selection, capture: bool = False):
         """streams (B, L, hc, H) -> (streams, the selection a next shared layer reuses)."""
@@ -431,15 +431,16 @@ class Model(MTPModel):
 
     def make_cache(self):
         return [c for layer in self.model.layers
-                for c in layer.make_caches(self.full_attention_cache)]
+                for c in layer.make_caches(self.full_attention_cache, self.kv_quantization)]
 
     def use_kv_quantization(self, quant):
-        """The MLA latents; KDA states and the k-pool indexer's keys keep their precision."""
-        self.quantize_attention_caches(quant, self.args.kv_lora_rank)
+        """The MLA latents and the k-pool indexer's keys and gates (each a whole number of
+        groups); KDA states keep their precision."""
+        self.quantize_attention_caches(quant, self.args.kv_lora_rank, self.args.index_head_dim)
 
     def make_mtp_cache(self):
         return [c for _ in range(self.num_mtp_layers)
-                for c in (self.full_attention_cache(), PooledKeyCache())]
+                for c in (self.full_attention_cache(), pooled_key_cache(self.kv_quantization))]
 
     @staticmethod
     def cast_predicate(path: str) -> bool:

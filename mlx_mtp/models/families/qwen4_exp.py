@@ -37,7 +37,7 @@ from ..blocks.expert_split import split_parts
 from ..blocks.hybrid_shard import read_share, shard_layer
 from ..blocks.hyper import HyperConnection, PerLayerEmbedding, inject
 from ..blocks.qsa import IndexedAttention
-from ..cache.index import PooledKeyCache
+from ..cache.index import pooled_key_cache
 from ..cache.recurrent import RecurrentCache
 from ..cache.short import ShortWindowCache
 from ..interface import Capabilities, MTPModel
@@ -144,10 +144,11 @@ class DecoderLayer(nn.Module):
     def num_caches(self) -> int:
         return 1 + ("ple" in self) if self.is_linear else 2
 
-    def make_caches(self, kv_cache) -> list:
-        """``kv_cache``: the model's attention cache factory."""
+    def make_caches(self, kv_cache, quant=None) -> list:
+        """``kv_cache``: the model's attention cache factory; ``quant``: its ``--kv-bits``
+        (the indexer's keys too)."""
         if not self.is_linear:
-            return [kv_cache(), PooledKeyCache()]
+            return [kv_cache(), pooled_key_cache(quant)]
         if "ple" not in self:
             return [RecurrentCache()]
         return [RecurrentCache(), ShortWindowCache(fills=self.ple.start_values)]
@@ -273,16 +274,17 @@ class Model(MTPModel):
 
     def make_cache(self):
         return [c for layer in self.model.layers
-                for c in layer.make_caches(self.full_attention_cache)]
+                for c in layer.make_caches(self.full_attention_cache, self.kv_quantization)]
 
     def make_mtp_cache(self):
         return [c for layer in (self.mtp.layers if "mtp" in self else [])
-                for c in layer.make_caches(self.full_attention_cache)]
+                for c in layer.make_caches(self.full_attention_cache, self.kv_quantization)]
 
     def use_kv_quantization(self, quant):
-        """The gated attention's K/V (read by mlx-lm's attention under the QSA selection mask);
-        DeltaNet states, the QSA indexer's keys and the short windows keep their precision."""
-        self.quantize_attention_caches(quant, self.args.head_dim)
+        """The gated attention's K/V (read by mlx-lm's attention under the QSA selection mask)
+        and the QSA indexer's keys (pooled from their dequantized rows); DeltaNet states and
+        the short windows keep their precision."""
+        self.quantize_attention_caches(quant, self.args.head_dim, self.args.indexer_head_dim)
 
     def sanitize(self, weights: dict):
         return sanitize(self, layout.text_weight_names(weights))
