@@ -6,8 +6,10 @@ apart; each its own text), then a short request. Reported per run: the gaps betw
 successive token events of the running streams before the first long prompt (baseline) and
 during the union of the prefills, from the first arrival to the last long prompt's first
 token (p50 / p99 / max), and after it (``after_p99_ms``: the streams alone again, their
-contexts as long as at the end); per long prompt its time to first token and prefill rate;
-the short request's time to first token. ``--trace FILE``: every scheduler iteration of each
+contexts as long as at the end; ``after_step_p50_ms`` their step there; ``itl_p99_vs_after``
+the p99 gap during the prefills against it: the solo p99 is taken at short contexts, so
+``itl_p99_vs_solo`` includes the steps' growth with context); per long prompt its time to
+first token and prefill rate; the short request's time to first token. ``--trace FILE``: every scheduler iteration of each
 run, part by part (``server/iteration_trace.py``), and its longest ones printed. Each ``--trees`` entry is a checkout (its ``mlx_mtp`` is
 imported from there); the runs are interleaved A B B A ... and the table shows medians over
 passes.
