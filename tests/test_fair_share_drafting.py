@@ -2,8 +2,7 @@
 followed by the prompts' turn, sized by the steps, so a drafting step that costs several
 plain ones lengthens every gap of the streams ~2.5-fold while the prompts keep their half
 of the time whatever K is. Beside waiting prompts K is capped to what a step measured lately
-at most ``DraftPolicy.PROMPT_CAP`` plain steps allows (``StepCosts.deepest_within``), and
-where even an 8-token chunk outlasts the prompts' turn its chunks are 4 tokens.
+at most ``DraftPolicy.PROMPT_CAP`` plain steps allows (``StepCosts.deepest_within``).
 
 Costs are injected (no wall clock): the step costs below follow the idle 8k + 30k trace of
 round 15 on the demo model (4 rows: a plain step 42 ms + 7 ms per 1k tokens of context,
@@ -20,7 +19,6 @@ from mlx_mtp.server import engine as engine_module
 from mlx_mtp.server.engine import Engine
 from mlx_mtp.server.events import Delta, Done, EngineRequest
 from mlx_mtp.server.fair_share import FairShare
-from mlx_mtp.server.prompt_chunks import ChunkGrid
 from mlx_mtp.testing.tiny import make_tiny
 
 import pytest
@@ -96,8 +94,7 @@ def _beside_two_prompts(seed, prompts=(1000, 5000), streams=4):
             n = 1
             while done[p] < lengths[p] and n:
                 room = 128 - streams * 4 - spent  # the engine's token budget
-                least = fair.floor(64, 8, p)  # as Engine._prefill_budget asks
-                n = min(fair.budget(room, least, 512, p), left[p]) if room >= 8 else 0
+                n = min(fair.budget(room, 8, 512, p), left[p]) if room >= 8 else 0
                 if n:
                     seconds = _chunk_s(n, done[p]) * rng.lognormvariate(0, 0.05)
                     fair.prefill_ran(seconds, n, True, p)
@@ -112,8 +109,8 @@ def _beside_two_prompts(seed, prompts=(1000, 5000), streams=4):
 def test_streams_gaps_beside_two_prompts_stay_within_the_target(seed):
     """4 streams, then a 1,000- and a 5,000-token prompt (the 8k + 30k case with contexts
     10x dearer): the streams' p99 gap while the prompts are in prefill stays within 2.5x
-    their solo p99 (1.35-1.4x; 1.5-1.6x with 8-token chunks at the end; drafting K=3
-    beside them: 3.5-3.7x), the prompts keep half of the time and both finish."""
+    their solo p99 (1.5-1.6x; drafting K=3 beside them: 3.5-3.7x), the prompts keep half
+    of the time and both finish."""
     solo, during, fair = _beside_two_prompts(seed)
     assert _p99(during) <= 2.5 * _p99(solo), (_p99(during), _p99(solo))
     assert 0.45 <= fair.share() <= 0.55, fair.share()
@@ -210,56 +207,3 @@ def test_the_engine_stops_dear_drafting_beside_prompts(oracle, monkeypatch):
         while not any(isinstance(e, Done) for e in solo_events):
             alone.step()
         assert _tokens(events[name]) == _tokens(solo_events), name
-
-
-def test_half_the_floor_where_the_floor_outlasts_the_share():
-    """Where even an 8-token chunk outlasts ``SPEND`` decode rounds (a 30k context beside
-    plain rounds: 8 tokens 0.25 s, 1.5 rounds 0.16 s; a stream's gap would be that chunk
-    and a round), the smallest chunk is 4 tokens and the grid ends one there."""
-    fair = FairShare()
-    for _ in range(8):
-        fair.decode_ran(0.107, competing=True)
-    fair.order({"p": 4000})
-    fair.prefill_ran(0.096, 8, competing=True, prompt="p")  # 12 ms a token: 8 = 0.9 rounds
-    assert fair.floor(64, 8, "p") == 8  # a cell outlasts 1.5 rounds, 8 tokens do not
-    fair.prefill_ran(0.32, 8, competing=True, prompt="p")  # 26 ms (smoothed): 8 = 1.9 rounds
-    assert fair.floor(64, 8, "p") == 4
-    assert fair.floor(64, 0, "p") == 0  # cells are split (the engine's test for that)
-    fair.decode_ran(0.107, competing=True)
-    fair.decode_ran(0.107, competing=True)
-    assert fair.budget(112, 4, 512, "p") == 4
-    grid = ChunkGrid(512)
-    assert grid.end(100, 0, 4000, 4, below_grid=True) == 104
-    assert grid.end(3990, 0, 4000, 4, below_grid=True) == 4000  # a rest under 8 joins
-
-
-def test_half_floor_chunks_keep_the_answer(oracle):
-    """A prompt run in 4-token chunks beside a stream (the budget and floor forced there)
-    answers as it does alone, every chunk 4 tokens but a last one taking in the rest."""
-    model, tok = oracle
-    kw = dict(num_draft_tokens=3, adaptive=False, log_interval=0, calibrate=False)
-    prompt = [(11 * j) % 3000 + 40 for j in range(90)]
-    alone, solo = Engine(model, tok, prefill_step_size=512, **kw), []
-    alone.submit(EngineRequest(prompt=prompt, max_tokens=6, on_event=solo.append))
-    while not any(isinstance(e, Done) for e in solo):
-        alone.step()
-    eng = Engine(model, tok, prefill_step_size=512, **kw)
-    eng.fair.budget = lambda tokens, least, most, prompt: 4
-    eng.fair.floor = lambda cell, least, prompt: least // 2 if least else 0
-    sizes, chunk = [], eng._prefill_chunk
-
-    def recorded(seq, max_tokens, below_grid=False):
-        sizes.append(chunk(seq, max_tokens, below_grid))
-        return sizes[-1]
-
-    eng._prefill_chunk = recorded
-    stream, events = [], []
-    eng.submit(EngineRequest(prompt=[5, 9, 22, 7], max_tokens=10 ** 5, on_event=stream.append))
-    while not stream:
-        eng.step()
-    sizes.clear()
-    eng.submit(EngineRequest(prompt=prompt, max_tokens=6, on_event=events.append))
-    while not any(isinstance(e, Done) for e in events):
-        eng.step()
-    assert sizes[:-1] == [4] * (len(sizes) - 1) and 4 <= sizes[-1] < 12, sizes
-    assert _tokens(events) == _tokens(solo)

@@ -92,9 +92,9 @@ class FairShare:
     def prefill_ran(self, seconds: float, tokens: int, competing: bool,
                     prompt: Optional[Hashable] = None):
         own = self.prompts.get(prompt)
-        # A chunk under half the floor (a segment's remainder) is mostly fixed cost: its
-        # per-token time would shrink the next chunks for nothing. Half: ``floor``'s least.
-        if tokens >= self.FLOOR // 2 or (tokens and self.token_s is None):
+        # A chunk under the floor (a segment's remainder) is mostly fixed cost: its
+        # per-token time would shrink the next chunks for nothing.
+        if tokens >= self.FLOOR or (tokens and self.token_s is None):
             self.token_s = self._mix(self.token_s, seconds / tokens)
             if own is not None:
                 own.token_s = self._mix(own.token_s, seconds / tokens)
@@ -138,18 +138,12 @@ class FairShare:
 
     def floor(self, cell: int, least: int, prompt: Optional[Hashable] = None) -> int:
         """The smallest chunk of ``prompt``: ``least`` where a whole grid cell would
-        outlast ``CELL_ROUNDS`` decode rounds (long contexts), half of it where even that
-        outlasts ``SPEND`` rounds (a stream's gap is such a chunk and a round: at 29k
-        context beside plain rounds 8 tokens took 0.25 s against 1.5 rounds' 0.16 s), else
-        the cell (short contexts: splitting a cheap cell only delays the short prompts
-        queued behind it)."""
+        outlast ``CELL_ROUNDS`` decode rounds (long contexts), else the cell (short
+        contexts: splitting a cheap cell only delays the short prompts queued behind it)."""
         token_s = self._token_s(prompt)
-        if not (self.recent and token_s):
-            return cell
-        rounds = token_s / self.typical_s()  # decode rounds a prompt token lasts
-        if least > 1 and least * rounds > self.SPEND:
-            return least // 2
-        return least if cell * rounds > self.CELL_ROUNDS else cell
+        if self.recent and token_s and token_s * cell > self.CELL_ROUNDS * self.typical_s():
+            return least
+        return cell
 
     def share(self) -> float:
         """The prompts' part of the competing time so far (0.5: an even split)."""

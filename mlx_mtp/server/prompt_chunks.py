@@ -24,22 +24,21 @@ class ChunkGrid:
         self.step_size = step_size
         # Smaller steps than the grid: one step per call, each the same size.
         self.grid = min(PREFILL_GRID, step_size)
-        self.floor = min(FairShare.FLOOR, self.grid)  # the shortest chunk but a tail or half
+        self.floor = min(FairShare.FLOOR, self.grid)  # the shortest chunk but a tail
 
     def end(self, start: int, seg_start: int, seg_end: int, max_tokens: int,
             below_grid: bool) -> int:
         """The end of the chunk from ``start`` (about ``max_tokens``) in the segment
         ``[seg_start, seg_end]``. ``below_grid`` (streams decode): under a cell,
-        ``max_tokens`` (half the floor at least, ``FairShare.floor``; to a boundary, taking
-        in a remainder under the floor) run the recurrence in other pieces, equal up to
-        float rounding; then back on the grid."""
+        ``max_tokens`` (to a boundary, taking in a remainder under the floor) run the
+        recurrence in other pieces, equal up to float rounding; then back on the grid."""
         grid = self.grid
         cells = max(1, min(max_tokens, self.step_size) // grid)
         end = seg_start + ((start - seg_start) // grid + cells) * grid
         if seg_end - end < grid:
             end = seg_end
         if below_grid and max_tokens < grid:
-            end = min(start + max_tokens, seg_end)
+            end = min(start + max(self.floor, max_tokens), seg_end)
             if seg_end - end < self.floor:
                 end = seg_end
         return end
