@@ -4,13 +4,10 @@ plain ones lengthens every gap of the streams ~2.5-fold while the prompts keep t
 of the time whatever K is. Beside waiting prompts K is capped to what a step measured lately
 at most ``DraftPolicy.PROMPT_CAP`` plain steps allows (``StepCosts.deepest_within``).
 
-Costs are injected (no wall clock): the step costs below follow the idle 8k + 30k trace of
-round 15 on the demo model (4 rows: a plain step 42 ms + 7 ms per 1k tokens of context,
-each drafted position 0.75 plain steps more; a prompt chunk 10 ms + per token 4 ms and
-0.9 ms per 1k tokens of its context), with contexts 10x dearer so that a short run grows
-them as far as the 20-minute one did."""
+Costs are injected (no wall clock): the simulation (``mlx_mtp/testing/fair_share_sim.py``)
+takes its costs from the idle 8k + 30k trace of round 15 on the demo model, here with
+contexts 10x dearer so that a short run grows them as far as the 20-minute one did."""
 
-import random
 from types import SimpleNamespace
 
 from mlx_mtp.decode.policy import DraftPolicy
@@ -18,15 +15,13 @@ from mlx_mtp.models.io.loader import load
 from mlx_mtp.server import engine as engine_module
 from mlx_mtp.server.engine import Engine
 from mlx_mtp.server.events import Delta, Done, EngineRequest
-from mlx_mtp.server.fair_share import FairShare
+from mlx_mtp.testing import fair_share_sim
 from mlx_mtp.testing.tiny import make_tiny
 
 import pytest
 
 
-def _p99(values):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(0.99 * len(values)))]
+_p99 = fair_share_sim.p99
 
 
 def test_k_beside_prompts_keeps_steps_near_a_plain_one():
@@ -49,71 +44,15 @@ def test_k_beside_prompts_keeps_steps_near_a_plain_one():
     assert DraftPolicy(adaptive=False).row_ks(rows, 4, prompts_waiting=True) == [3] * 4
 
 
-def _step_s(rows, k, context):
-    return (0.012 + 0.0075 * rows + 0.0175 * rows * context / 1000) * (1 + 0.75 * k)
-
-
-def _chunk_s(n, context):
-    return 0.01 + n * (0.004 + 0.009 * context / 1000)
-
-
-def _beside_two_prompts(seed, prompts=(1000, 5000), streams=4):
-    """The engine's loop (``_prefill_round`` then ``_decode_round``) with the real policy
-    and fair share: the streams alone first (their solo gaps), then two prompts arriving
-    together. Returns the solo gaps, the gaps while prompts are in prefill, and the fair
-    share."""
-    rng, policy, fair = random.Random(seed), DraftPolicy(), FairShare()
-    contexts = [100] * streams
-    rows = [SimpleNamespace(schedule=None, max_k=3, can_draft=lambda: True)] * streams
-
-    def decode(load, competing):
-        B = len(contexts)  # as BatchDecoder.choose_ks asks
-        k = policy.row_ks(rows, max(B, load), load > B, list(contexts))[0]
-        seconds = _step_s(B, k, max(contexts)) * rng.lognormvariate(0, 0.05)
-        accepted = []
-        for b in range(B):  # ~97 % of drafts land, as in the trace (15.5 of 16 tokens)
-            n = next((j for j in range(k) if rng.random() > 0.97), k)
-            accepted.append(n)
-            contexts[b] += n + 1
-        policy.record_step(B, k, seconds, accepted, contexts=list(contexts))
-        fair.decode_ran(seconds, competing)
-        return seconds
-
-    for B in range(1, streams + 1):  # the streams join one by one
-        for _ in range(30):
-            k = policy.choose(B, 3, False, contexts[:B])
-            policy.record_step(B, k, _step_s(B, k, 100), [k] * B, contexts=contexts[:B])
-    solo = [decode(streams, False) for _ in range(300)]
-    done, during = {f"p{i}": 0 for i in range(len(prompts))}, []
-    lengths = dict(zip(done, prompts))
-    while any(done[p] < lengths[p] for p in done):
-        assert len(during) < 20000, "the prompts did not finish"
-        left = {p: lengths[p] - done[p] for p in done if done[p] < lengths[p]}
-        spent, wall = 0, 0.0
-        for p in fair.order(left):
-            n = 1
-            while done[p] < lengths[p] and n:
-                room = 128 - streams * 4 - spent  # the engine's token budget
-                n = min(fair.budget(room, 8, 512, p), left[p]) if room >= 8 else 0
-                if n:
-                    seconds = _chunk_s(n, done[p]) * rng.lognormvariate(0, 0.05)
-                    fair.prefill_ran(seconds, n, True, p)
-                    done[p], spent, wall = done[p] + n, spent + n, wall + seconds
-            if not n:
-                break
-        during.append(wall + decode(streams + len(left), True))
-    return solo, during, fair
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_streams_gaps_beside_two_prompts_stay_within_the_target(seed):
     """4 streams, then a 1,000- and a 5,000-token prompt (the 8k + 30k case with contexts
     10x dearer): the streams' p99 gap while the prompts are in prefill stays within 2.5x
     their solo p99 (1.5-1.6x; drafting K=3 beside them: 3.5-3.7x), the prompts keep half
     of the time and both finish."""
-    solo, during, fair = _beside_two_prompts(seed)
-    assert _p99(during) <= 2.5 * _p99(solo), (_p99(during), _p99(solo))
-    assert 0.45 <= fair.share() <= 0.55, fair.share()
+    r = fair_share_sim.run((1000, 5000), seed, costs=fair_share_sim.CostModel(scale=10))
+    assert _p99(r.during) <= 2.5 * _p99(r.solo), (_p99(r.during), _p99(r.solo))
+    assert 0.45 <= r.fair.share() <= 0.55, r.fair.share()
 
 
 @pytest.fixture(scope="module")
