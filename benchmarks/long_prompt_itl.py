@@ -6,8 +6,10 @@ apart; each its own text), then a short request. Reported per run: the gaps betw
 successive token events of the running streams before the first long prompt (baseline) and
 during the union of the prefills, from the first arrival to the last long prompt's first
 token (p50 / p99 / max), and after it (``after_p99_ms``: the streams alone again, their
-contexts as long as at the end); per long prompt its time to first token and prefill rate;
-the short request's time to first token. ``--trace FILE``: every scheduler iteration of each
+contexts as long as at the end; ``after_step_p50_ms`` their step there; ``itl_p99_vs_after``
+the p99 gap during the prefills against it: the solo p99 is taken at short contexts, so
+``itl_p99_vs_solo`` includes the steps' growth with context); per long prompt its time to
+first token and prefill rate; the short request's time to first token. ``--trace FILE``: every scheduler iteration of each
 run, part by part (``server/iteration_trace.py``), and its longest ones printed. Each ``--trees`` entry is a checkout (its ``mlx_mtp`` is
 imported from there); the runs are interleaved A B B A ... and the table shows medians over
 passes.
@@ -37,7 +39,8 @@ import threading
 import time
 
 FAIR_KEYS = ["prompt_share", "timed_of_wall", "chunks", "chunk_p50_tokens", "chunks_under_8",
-             "prompt_ms_per_token", "solo_prompt_ms_per_token", "decode_step_p50_ms"]
+             "prompt_ms_per_token", "solo_prompt_ms_per_token", "decode_step_p50_ms",
+             "after_step_p50_ms"]
 STREAM_PROMPT = "Write a long story about a lighthouse keeper number {i}."
 LONG_TEXT = "def f(x):\n    return x + 1\n\n"
 
@@ -143,6 +146,9 @@ def worker(args) -> dict:
     return {
         "baseline_p50_ms": percentile(base, 0.5), "baseline_p99_ms": percentile(base, 0.99),
         "after_p50_ms": percentile(after, 0.5), "after_p99_ms": percentile(after, 0.99),
+        # the streams' own step at the contexts they grew to: part of a gap is that growth
+        "after_step_p50_ms": percentile([r[2] * 1e3 for r in record if r[0] == "decode"
+                                         and t_end <= r[1] <= t_after], 0.5),
         "finished": sum(p["name"] in firsts for p in longs),
         "during_p50_ms": percentile(during, 0.5), "during_p99_ms": percentile(during, 0.99),
         "during_max_ms": max(during, default=float("nan")), "during_gaps": len(during),
@@ -360,6 +366,7 @@ def measure(tree: str, args, label: str) -> dict:
     if trace:
         print(summarize(trace + ".jsonl", r.get("trace_window_s")), flush=True)
     r["itl_p99_vs_solo"] = r["during_p99_ms"] / r["baseline_p99_ms"]
+    r["itl_p99_vs_after"] = r["during_p99_ms"] / r["after_p99_ms"]  # at the same contexts
     if args.solo:
         alone = run_tree(tree, args, 0, trace and trace + "-solo.jsonl")
         r["solo_prefill_tok_s"] = alone["prefill_tok_s"]
@@ -377,7 +384,8 @@ def report(runs: dict, args):
           f"{args.streams} streams, prompts of {args.prompt_tokens} tokens "
           f"{args.prompt_delay_s} s apart; gaps during the union of their prefills")
     keys = ["baseline_p50_ms", "baseline_p99_ms", "after_p99_ms", "during_p50_ms", "during_p99_ms",
-            "during_max_ms", "long_ttft_s", "short_ttft_s", "prefill_tok_s", "itl_p99_vs_solo"]
+            "during_max_ms", "long_ttft_s", "short_ttft_s", "prefill_tok_s", "itl_p99_vs_solo",
+            "itl_p99_vs_after"]
     keys += ["prefill_vs_solo"] if args.solo else []
     print("| tree | " + " | ".join(keys) + " |")
     print("|---|" + "---:|" * len(keys))

@@ -104,6 +104,16 @@ class StepCosts:
         """Steps the head step's cell holds."""
         return len(self.cells.get((B, K, K), ()))
 
+    def deepest_within(self, B: int, max_k: int, ratio: float) -> int:
+        """The deepest head step K (up to ``max_k``) at most ``ratio`` plain steps, both
+        measured lately (``stale``: contexts grow, so an old figure is from shorter ones and
+        cheaper; a K not taken since is not probed either); 0 if none."""
+        t0 = self.measured(B, 0)
+        if t0 is None or self.stale(B, 0):
+            return 0
+        return max((k for k in range(1, max_k + 1) if not self.stale(B, k)
+                    and (self.measured(B, k) or math.inf) <= ratio * t0), default=0)
+
     def measured(self, B: int, K: int) -> Optional[float]:
         """The head step's own median (None: never measured)."""
         return self._median((B, K, K))

@@ -180,6 +180,10 @@ class DraftPolicy:
     """Chooses K for each batch step (``choose``) from what steps cost and what rows accept,
     up to the cap it is given (the rows' ``max_k``: K is stored per row, nowhere else)."""
 
+    # While prompts wait, K only where its step (at the rows there are) is at most this many
+    # plain steps: a stream's gap is then ~2.5 steps (docs/reliability.md, issue 43).
+    PROMPT_CAP = 1.5
+
     def __init__(self, adaptive: bool = True, margin: float = 1.05,
                  forget: float = 0.97, probe_gap: Tuple[int, int] = (8, 1024),
                  recheck_gap: Tuple[int, int, int] = (4, 32, 512), prior_weight: float = 3.0,
@@ -251,7 +255,10 @@ class DraftPolicy:
         that need one, the policy's K for the others, 0 where a row cannot draft.
         ``contexts``: each row's context length (acceptance by context, ``by_context``)."""
         free = [i for i, r in enumerate(rows) if r.schedule is None and r.can_draft()]
-        k = self.choose(B, max(rows[i].max_k for i in free), prompts_waiting,
+        max_k = max((rows[i].max_k for i in free), default=0)
+        if prompts_waiting and self.adaptive:
+            max_k = self.costs.deepest_within(len(rows), max_k, self.PROMPT_CAP)
+        k = self.choose(B, max_k, prompts_waiting,
                         contexts and [contexts[i] for i in free]) if free else 0
         return [0 if not r.can_draft() else r.schedule.next_k(r.max_k) if r.schedule is not None
                 else min(k, r.max_k) for r in rows]
