@@ -90,6 +90,38 @@ def yield_cores(launcher: subprocess.Popen, timeout: float = 60.0):
             pass
 
 
+def rank_envs(workdir: Path, env: dict = None) -> list:
+    """Each rank's environment as ``mlx.launch -n 2 --backend ring`` gives it: ``MLX_RANK``
+    and ``MLX_HOSTFILE`` (written in ``workdir``) naming one free local port per rank."""
+    base = free_port_base(RANKS)
+    hosts = Path(workdir) / f"hosts-{base}.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(RANKS)]))
+    return [dict(env or os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hosts))
+            for r in range(RANKS)]
+
+
+def run_ranks(argv: list, workdir: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``argv`` on two ranks started as mlx.launch starts them, for tests not about mlx.launch
+    itself; the ranks' output joined in rank order, the first exit code that is not 0."""
+    procs = [subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for env in rank_envs(workdir)]
+    outs = []
+    try:
+        for p in procs:
+            if procs[0].returncode:  # rank 0 failed: the others wait in a collective
+                p.kill()
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    code = next((p.returncode for p in procs if p.returncode != 0), 0)
+    return subprocess.CompletedProcess(argv, code, "".join(o for o, _ in outs),
+                                       "".join(e for _, e in outs))
+
+
 class RankFailed(AssertionError):
     """A rank exited with an error, or the ranks did not finish in time."""
 
@@ -104,14 +136,10 @@ class RankJobs:
         assert len(set(names)) == len(names), "job names must be unique"
         self.jobs, self.dir, self.timeout = jobs, Path(workdir), timeout
         (self.dir / "jobs.json").write_text(json.dumps(jobs))
-        hosts = self.dir / "hosts.json"
-        base = free_port_base(RANKS)
-        hosts.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(RANKS)]))
         argv = [sys.executable, str(script), str(self.dir / "jobs.json"), str(self.dir / "out")]
         self.start = time.time()
         self.procs = []
-        for r in range(RANKS):
-            env = dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hosts))
+        for r, env in enumerate(rank_envs(self.dir)):
             with open(self.dir / f"rank{r}.stderr", "w") as err:
                 self.procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                                                    stdout=subprocess.DEVNULL, stderr=err))

@@ -23,7 +23,6 @@ from distributed_block_rank import single_process
 from mlx_mtp.testing.tiny import make_tiny
 from mlx_mtp.testing.tiny_block import make_tiny_block
 from rank_jobs import RankJobs
-from test_distributed import launch
 from test_distributed_streams import FIXTURES, byte_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -112,31 +111,45 @@ def test_split_runs_equal_one_process(runs, name):
     assert all(r["block"][0] > 0 for r in want)
 
 
-@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-def test_cli_generate_split_with_a_block_drafter(tmp_path, mode):
-    """``generate --distributed MODE --draft-model DRAFTER`` (the flags' path: the default
-    source block+mtp, K fixed) prints what one process prints, with the drafter's drafts."""
+@pytest.fixture(scope="module")
+def generate_args(tmp_path_factory):
+    """``generate --draft-model DRAFTER`` (the flags' path: the default source block+mtp, K
+    fixed), and what one process prints for it (decoded once for every split)."""
     import subprocess
     import sys
 
     from test_distributed import TIMEOUT
 
-    trunk = make_tiny(tmp_path / "trunk", "qwen3_5", "noisy", trunk_scale=0.2,
-                      vocab_size=4096)
-    dspark = make_tiny_block(tmp_path / "dspark", "dspark", 64, 4096, [0, 2], 4)
+    root = tmp_path_factory.mktemp("generate")
+    trunk = make_tiny(root / "trunk", "qwen3_5", "noisy", trunk_scale=0.2, vocab_size=4096)
+    dspark = make_tiny_block(root / "dspark", "dspark", 64, 4096, [0, 2], 4)
     args = ["-m", "mlx_mtp.cli", "generate", "--model", str(trunk), "--prompt", "hello there",
             "--temp", "0", "-m", "8", "--draft-model", str(dspark), "--fixed-k",
             "--num-draft-tokens", "3"]
     single = subprocess.run([sys.executable, *args], capture_output=True, text=True,
                             timeout=TIMEOUT)
     assert single.returncode == 0, single.stderr
-    dist = launch(*args, "--distributed", mode)
+    return args, single.stdout
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_cli_generate_split_with_a_block_drafter(generate_args, tmp_path, mode):
+    """``generate --distributed MODE --draft-model DRAFTER`` prints what one process prints,
+    with the drafter's drafts (the ranks started as mlx.launch starts them: ``generate``
+    under mlx.launch itself is test_distributed.py's)."""
+    import sys
+
+    from rank_jobs import run_ranks
+    from test_distributed import TIMEOUT
+
+    args, single = generate_args
+    dist = run_ranks([sys.executable, *args, "--distributed", mode], tmp_path, TIMEOUT)
     assert dist.returncode == 0, dist.stderr[-3000:]
     def text_and_drafts(out):  # the generated text, and the drafts accepted per source
         return out.split("==========")[1], [x for x in out.splitlines() if x.startswith("MTP:")]
 
-    text, drafts = text_and_drafts(single.stdout)
-    assert text.strip() and ", block 0/24" in drafts[0], single.stdout  # 8 steps of 3
+    text, drafts = text_and_drafts(single)
+    assert text.strip() and ", block 0/24" in drafts[0], single  # 8 steps of 3
     assert text_and_drafts(dist.stdout) == (text, drafts), dist.stdout
 
 

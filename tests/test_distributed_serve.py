@@ -1,4 +1,5 @@
-"""``mlx-mtp serve`` over two local ranks (ring backend, mlx.launch), both split modes.
+"""``mlx-mtp serve`` over two local ranks (ring backend), both split modes (under mlx.launch;
+the killed follower's ranks, and other modules' clusters, started as mlx.launch starts them).
 
 Rank 0 serves HTTP; rank 1 replays its engine steps. Greedy answers (chat, stream,
 concurrent requests) must equal a single-process server's, byte for byte. Then each
@@ -19,7 +20,7 @@ import httpx
 import pytest
 
 from server_process import ServerProcess, free_port, metric
-from rank_jobs import free_port_base, rank_pids, yield_cores
+from rank_jobs import free_port_base, rank_envs, rank_pids, yield_cores
 from test_distributed import LAUNCH
 
 START_TIMEOUT = 300.0  # two cold ranks on a loaded 2-core machine
@@ -52,28 +53,39 @@ def stream_text(url: str, content: str) -> str:
 
 
 class Cluster:
-    """``mlx.launch -n 2 --backend ring -- mlx-mtp serve --distributed MODE``."""
+    """``mlx-mtp serve --distributed MODE`` on two local ranks (ring backend). With
+    ``launcher``: under ``mlx.launch -n 2 --backend ring``, as users start it; without: both
+    ranks started directly as mlx.launch starts them (``rank_jobs.rank_envs``), saving the
+    launcher's start and its busy output threads, for tests not about mlx.launch itself."""
 
-    def __init__(self, ckpt: Path, workdir: Path, mode: str, *flags):
+    def __init__(self, ckpt: Path, workdir: Path, mode: str, *flags, launcher: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / f"cluster-{mode}.log"
+        self.log_path = workdir / f"cluster-{mode}-{self.port}.log"
         self.log = open(self.log_path, "w")
         env = dict(os.environ, HF_HUB_OFFLINE="1", MLX_MTP_BLAS="reference",
                    HF_HOME=str(workdir / "hf-home-must-not-exist"))
-        cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port",
-               str(free_port_base()), "--", sys.executable, "-m", "mlx_mtp.cli", "serve",
-               "--model", str(ckpt), "--port", str(self.port), "--temp", "0",
-               "--distributed", mode, "--distributed-timeout", str(WATCHDOG),
-               "--log-level", "WARNING", *flags]
-        # Its own session: the whole group can be killed whatever a test did to it.
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        yield_cores(self.proc)
+        serve = [sys.executable, "-m", "mlx_mtp.cli", "serve",
+                 "--model", str(ckpt), "--port", str(self.port), "--temp", "0",
+                 "--distributed", mode, "--distributed-timeout", str(WATCHDOG),
+                 "--log-level", "WARNING", *flags]
+        # Own sessions: the whole group can be killed whatever a test did to it.
+        if launcher:
+            cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port",
+                   str(free_port_base()), "--", *serve]
+            self.procs = [subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                           env=env, start_new_session=True)]
+            yield_cores(self.procs[0])
+        else:
+            self.procs = [subprocess.Popen(serve, stdout=self.log, stderr=subprocess.STDOUT,
+                                           env=e, start_new_session=True)
+                          for e in rank_envs(workdir, env)]
         deadline = time.time() + START_TIMEOUT
         while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlx.launch exited ({self.proc.returncode}):\n{self.logs()}")
+            if any(p.poll() is not None for p in self.procs):
+                logs = self.logs()
+                self.kill()
+                raise RuntimeError(f"a rank or mlx.launch exited:\n{logs}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     break
@@ -81,31 +93,41 @@ class Cluster:
                 pass
             time.sleep(0.3)
         else:
+            logs = self.logs()
             self.kill()
-            raise RuntimeError(f"the cluster did not become healthy:\n{self.logs()}")
-        self.ranks = rank_pids(self.proc.pid)
+            raise RuntimeError(f"the cluster did not become healthy:\n{logs}")
+        self.ranks = (rank_pids(self.procs[0].pid) if launcher else
+                      {r: p.pid for r, p in enumerate(self.procs)})
         assert sorted(self.ranks) == [0, 1], self.ranks
 
     def logs(self) -> str:
         self.log.flush()
         return self.log_path.read_text()[-4000:]
 
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
     def wait_exit(self, timeout: float = EXIT_TIMEOUT) -> int:
+        """The exit code: mlx.launch's, or the first rank's that is not 0."""
+        deadline = time.time() + timeout
         try:
-            return self.proc.wait(timeout)
+            codes = [p.wait(max(deadline - time.time(), 0.01)) for p in self.procs]
         except subprocess.TimeoutExpired:
             alive = [p for p in self.ranks.values() if Path(f"/proc/{p}").exists()]
+            logs = self.logs()
             self.kill()
             raise AssertionError(f"not every rank exited in {timeout}s (alive: {alive}):\n"
-                                 f"{self.logs()}")
+                                 f"{logs}")
+        return next((c for c in codes if c != 0), 0)
 
     def kill(self):
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(30)
+        for p in self.procs:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+            p.wait(30)
         self.log.close()
 
 
@@ -149,10 +171,10 @@ FLAGS = {"pipeline": ["--num-draft-tokens", "2", "--fixed-k"], "tensor": []}
 @pytest.fixture(scope="module", params=["pipeline", "tensor"])
 def cluster(request, model, single, tmp_path_factory):  # ``single``: starts first
     c = Cluster(model, tmp_path_factory.mktemp(request.param), request.param,
-                *FLAGS[request.param])
+                *FLAGS[request.param], launcher=True)  # as users start it
     c.mode = request.param
     yield c
-    if c.proc.poll() is None:
+    if c.running():
         c.kill()
 
 
@@ -234,7 +256,7 @@ def test_killed_follower_fails_requests_with_503(model, tmp_path):
     # A follower process that dies (its sockets close): the in-flight request gets a 503
     # at once, whichever notices first (rank 0's next collective raises, or mlx.launch
     # stops rank 0 because a rank exited with an error), and every process exits.
-    cluster = Cluster(model, tmp_path, "pipeline")
+    cluster = Cluster(model, tmp_path, "pipeline", launcher=True)  # mlx.launch ends rank 0
     try:
         long = {"max_tokens": 3000, "logit_bias": {str(t): -100 for t in eos_ids(model)}}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -249,7 +271,7 @@ def test_killed_follower_fails_requests_with_503(model, tmp_path):
         assert time.time() - killed < WATCHDOG  # not the watchdog: the closed sockets
         cluster.wait_exit()
     finally:
-        if cluster.proc.poll() is None:
+        if cluster.running():
             cluster.kill()
 
 
