@@ -210,13 +210,14 @@ def test_choose_mode(monkeypatch):
         choose_mode("tensor", args, 3)
 
 
-def test_serve_rejects_a_bad_distributed_timeout_clearly():
-    # distributed serve itself: tests/test_distributed_serve.py
-    proc = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "serve", "--distributed",
-                           "pipeline", "--distributed-timeout", "0",
-                           "--port", str(free_port_base(1))],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "--distributed-timeout must be > 0" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_serve_rejects_a_bad_distributed_timeout_clearly(capsys):
+    # distributed serve itself: tests/test_distributed_serve.py; in this process (refused
+    # before any group or model)
+    from test_server_hardening import cli_exit
+
+    code, err = cli_exit(["serve", "--distributed", "pipeline", "--distributed-timeout", "0",
+                          "--port", str(free_port_base(1))], capsys)
+    assert code == 2
+    assert "--distributed-timeout must be > 0" in err and err.count("\n") == 1
+    assert "Traceback" not in err
 

@@ -411,10 +411,20 @@ def test_api_key(tiny_ckpt, tmp_path_factory):
     (["--max-request-bytes", "10"], "--max-request-bytes must be at least 1K"),
     (["--max-request-bytes", "lots"], "not a size"),
 ])
-def test_bad_limit_flags_exit_2(flags, message):
-    import subprocess
-    import sys
+def test_bad_limit_flags_exit_2(flags, message, capsys):
+    """In this process (the CLI's exit code as a process: test_cli.py): refused before any
+    model loads, in one line."""
+    code, err = cli_exit(["serve", "--port", "1", *flags], capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert err.strip().count("\n") == 0 or err.startswith("usage:")  # argparse: usage first
 
-    r = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "serve", "--port", "1", *flags],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+def cli_exit(argv, capsys) -> tuple:
+    """``mlx-mtp ARGV``'s exit code and stderr, run in this process."""
+    from mlx_mtp.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    return code, capsys.readouterr().err
