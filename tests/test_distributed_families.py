@@ -170,19 +170,39 @@ def text_models(tmp_path_factory):
             for fam in {f for f, _ in SERVE}}
 
 
-@pytest.mark.parametrize("family,mode", SERVE)
-def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(
-        text_models, tmp_path, family, mode):
-    from concurrent.futures import ThreadPoolExecutor
-
-    from server_process import ServerProcess, metric
-    from test_distributed_serve import GENERATED, WATCHDOG, Cluster, chat, decoding, eos_ids
+@pytest.fixture(scope="module")
+def served(text_models, tmp_path_factory):
+    """{family: (its single-process server, its cluster)}, every one started at once: a later
+    family's start overlaps an earlier one's idle wait for the watchdog."""
+    from server_process import ServerProcess
+    from test_distributed_serve import Cluster
 
     flags = ("--num-draft-tokens", "2", "--fixed-k")
-    server = ServerProcess(text_models[family], tmp_path, "--temp", "0", *flags, wait=False)
-    cluster = None
+    out = {}
     try:
-        cluster = Cluster(text_models[family], tmp_path, mode, *flags)  # while the server starts
+        for family, mode in SERVE:
+            work = tmp_path_factory.mktemp(f"serve-{family}")
+            out[family] = (ServerProcess(text_models[family], work, "--temp", "0", *flags,
+                                         wait=False),
+                           Cluster(text_models[family], work, mode, *flags, wait=False))
+        yield out
+    finally:
+        for server, cluster in out.values():
+            server.stop()
+            cluster.kill()
+
+
+@pytest.mark.parametrize("family,mode", SERVE)
+def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(
+        text_models, served, family, mode):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_process import metric
+    from test_distributed_serve import GENERATED, WATCHDOG, chat, decoding, eos_ids
+
+    server, cluster = served[family]
+    try:
+        cluster.wait()
         server.wait()
         expected = {p: chat(server.url, p).json()["choices"][0]["message"]["content"]
                     for p in SERVE_PROMPTS}
@@ -212,5 +232,4 @@ def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(
         assert httpx.get(cluster.url + "/health", timeout=5).status_code == 503
     finally:
         server.stop()
-        if cluster is not None:
-            cluster.kill()
+        cluster.kill()

@@ -58,7 +58,8 @@ class Cluster:
     ranks started directly as mlx.launch starts them (``rank_jobs.rank_envs``), saving the
     launcher's start and its busy output threads, for tests not about mlx.launch itself."""
 
-    def __init__(self, ckpt: Path, workdir: Path, mode: str, *flags, launcher: bool = False):
+    def __init__(self, ckpt: Path, workdir: Path, mode: str, *flags, launcher: bool = False,
+                 wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"cluster-{mode}-{self.port}.log"
@@ -70,17 +71,25 @@ class Cluster:
                  "--distributed", mode, "--distributed-timeout", str(WATCHDOG),
                  "--log-level", "WARNING", *flags]
         # Own sessions: the whole group can be killed whatever a test did to it.
+        self.launcher = launcher
         if launcher:
             cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port",
                    str(free_port_base()), "--", *serve]
             self.procs = [subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                            env=env, start_new_session=True)]
-            yield_cores(self.procs[0])
         else:
             self.procs = [subprocess.Popen(serve, stdout=self.log, stderr=subprocess.STDOUT,
                                            env=e, start_new_session=True)
                           for e in rank_envs(workdir, env)]
-        deadline = time.time() + START_TIMEOUT
+        if wait:
+            self.wait()
+
+    def wait(self, timeout: float = START_TIMEOUT):
+        """Return once rank 0's ``/health`` answers 200 (within ``timeout`` from now); kill
+        every process and raise if one exits or it does not get there."""
+        if self.launcher:
+            yield_cores(self.procs[0])
+        deadline = time.time() + timeout
         while time.time() < deadline:
             if any(p.poll() is not None for p in self.procs):
                 logs = self.logs()
@@ -96,7 +105,7 @@ class Cluster:
             logs = self.logs()
             self.kill()
             raise RuntimeError(f"the cluster did not become healthy:\n{logs}")
-        self.ranks = (rank_pids(self.procs[0].pid) if launcher else
+        self.ranks = (rank_pids(self.procs[0].pid) if self.launcher else
                       {r: p.pid for r, p in enumerate(self.procs)})
         assert sorted(self.ranks) == [0, 1], self.ranks
 
