@@ -51,7 +51,7 @@ def tiny_model():
 SLOW_MODULES = {"test_bench_server", "test_cli", "test_dashboard_browser", "test_distributed",
                 "test_distributed_serve", "test_fast_blas"}
 _STARTS_PROCESS = ("ServerProcess(", "subprocess.", "sync_playwright", "mlx.launch", "RankJobs(",
-                   "run_ranks(", "Cluster(")
+                   "run_ranks(", "Cluster(", "served_together(")
 
 
 def _starts_process(func, seen={}) -> bool:

@@ -83,7 +83,11 @@ def yield_cores(launcher: subprocess.Popen, timeout: float = 60.0):
         if launcher.poll() is not None or time.time() > deadline:
             return
         time.sleep(0.1)
-    for tid in os.listdir(f"/proc/{launcher.pid}/task"):
+    try:
+        threads = os.listdir(f"/proc/{launcher.pid}/task")
+    except FileNotFoundError:  # it ended meanwhile
+        return
+    for tid in threads:
         try:
             os.setpriority(os.PRIO_PROCESS, int(tid), 19)
         except ProcessLookupError:  # a thread that ended meanwhile

@@ -174,22 +174,12 @@ def text_models(tmp_path_factory):
 def served(text_models, tmp_path_factory):
     """{family: (its single-process server, its cluster)}, every one started at once: a later
     family's start overlaps an earlier one's idle wait for the watchdog."""
-    from server_process import ServerProcess
-    from test_distributed_serve import Cluster
+    from test_distributed_serve import served_together
 
     flags = ("--num-draft-tokens", "2", "--fixed-k")
-    out = {}
-    try:
-        for family, mode in SERVE:
-            work = tmp_path_factory.mktemp(f"serve-{family}")
-            out[family] = (ServerProcess(text_models[family], work, "--temp", "0", *flags,
-                                         wait=False),
-                           Cluster(text_models[family], work, mode, *flags, wait=False))
+    with served_together({fam: (text_models[fam], mode, flags) for fam, mode in SERVE},
+                         tmp_path_factory.mktemp("serve")) as out:
         yield out
-    finally:
-        for server, cluster in out.values():
-            server.stop()
-            cluster.kill()
 
 
 @pytest.mark.parametrize("family,mode", SERVE)

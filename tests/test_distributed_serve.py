@@ -1,5 +1,5 @@
-"""``mlx-mtp serve`` over two local ranks (ring backend), both split modes (under mlx.launch;
-the killed follower's ranks, and other modules' clusters, started as mlx.launch starts them).
+"""``mlx-mtp serve`` over two local ranks (ring backend, under mlx.launch as users start it;
+other modules' clusters start the ranks as mlx.launch does, without it), both split modes.
 
 Rank 0 serves HTTP; rank 1 replays its engine steps. Greedy answers (chat, stream,
 concurrent requests) must equal a single-process server's, byte for byte. Then each
@@ -9,10 +9,12 @@ SIGTERM to rank 0 fails in-flight requests with a 503 and every rank exits.
 """
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -77,6 +79,7 @@ class Cluster:
                    str(free_port_base()), "--", *serve]
             self.procs = [subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                            env=env, start_new_session=True)]
+            threading.Thread(target=yield_cores, args=self.procs, daemon=True).start()
         else:
             self.procs = [subprocess.Popen(serve, stdout=self.log, stderr=subprocess.STDOUT,
                                            env=e, start_new_session=True)
@@ -87,8 +90,6 @@ class Cluster:
     def wait(self, timeout: float = START_TIMEOUT):
         """Return once rank 0's ``/health`` answers 200 (within ``timeout`` from now); kill
         every process and raise if one exits or it does not get there."""
-        if self.launcher:
-            yield_cores(self.procs[0])
         deadline = time.time() + timeout
         while time.time() < deadline:
             if any(p.poll() is not None for p in self.procs):
@@ -140,6 +141,26 @@ class Cluster:
         self.log.close()
 
 
+@contextlib.contextmanager
+def served_together(specs: dict, root: Path):
+    """{name: (one-process server, cluster)} for ``specs`` {name: (checkpoint, mode, flags)}
+    (the server's flags: ``--temp 0`` and ``flags``; the cluster's: ``flags``), every process
+    started at once, none waited for: a test waits for its own, whose start overlapped the
+    tests before it (their reference requests, a watchdog's wait). All stop at the end."""
+    out = {}
+    try:
+        for name, (ckpt, mode, flags) in specs.items():
+            work = root / f"served-{name}"
+            work.mkdir()
+            out[name] = (ServerProcess(ckpt, work, "--temp", "0", *flags, wait=False),
+                         Cluster(ckpt, work, mode, *flags, wait=False))
+        yield out
+    finally:
+        for server, cluster in out.values():
+            server.stop()
+            cluster.kill()
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     from mlx_mtp.testing.tiny import make_tiny
@@ -177,14 +198,29 @@ def expected(single):
 FLAGS = {"pipeline": ["--num-draft-tokens", "2", "--fixed-k"], "tensor": []}
 
 
+@pytest.fixture(scope="module")
+def clusters(model, single, tmp_path_factory):  # ``single``: starts first
+    """Every cluster of this module under mlx.launch (as users start it), started at once, none
+    waited for: later ones start while the first answers and waits for its watchdog."""
+    out = {}
+    try:
+        for name, mode, flags in (("pipeline", "pipeline", FLAGS["pipeline"]),
+                                  ("tensor", "tensor", FLAGS["tensor"]),
+                                  ("killed", "pipeline", [])):
+            out[name] = Cluster(model, tmp_path_factory.mktemp(name), mode, *flags,
+                                launcher=True, wait=False)
+        yield out
+    finally:
+        for c in out.values():
+            c.kill()
+
+
 @pytest.fixture(scope="module", params=["pipeline", "tensor"])
-def cluster(request, model, single, tmp_path_factory):  # ``single``: starts first
-    c = Cluster(model, tmp_path_factory.mktemp(request.param), request.param,
-                *FLAGS[request.param], launcher=True)  # as users start it
+def cluster(request, clusters):
+    c = clusters[request.param]
     c.mode = request.param
-    yield c
-    if c.running():
-        c.kill()
+    c.wait()
+    return c
 
 
 def test_chat_stream_and_concurrent_equal_single_process(cluster, expected):
@@ -261,11 +297,12 @@ def test_lost_rank_fails_requests_with_503_and_every_rank_exits(cluster, model):
             assert cluster.wait_exit() == 0
 
 
-def test_killed_follower_fails_requests_with_503(model, tmp_path):
+def test_killed_follower_fails_requests_with_503(model, clusters):
     # A follower process that dies (its sockets close): the in-flight request gets a 503
     # at once, whichever notices first (rank 0's next collective raises, or mlx.launch
     # stops rank 0 because a rank exited with an error), and every process exits.
-    cluster = Cluster(model, tmp_path, "pipeline", launcher=True)  # mlx.launch ends rank 0
+    cluster = clusters["killed"]
+    cluster.wait()
     try:
         long = {"max_tokens": 3000, "logit_bias": {str(t): -100 for t in eos_ids(model)}}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -280,8 +317,7 @@ def test_killed_follower_fails_requests_with_503(model, tmp_path):
         assert time.time() - killed < WATCHDOG  # not the watchdog: the closed sockets
         cluster.wait_exit()
     finally:
-        if cluster.running():
-            cluster.kill()
+        cluster.kill()
 
 
 def test_follower_replays_the_engine_step_for_step(model):
