@@ -4,9 +4,12 @@
 them (``MLX_RANK``, and ``MLX_HOSTFILE`` naming one local port per rank) but without the
 launcher process: its output threads poll without sleeping and keep most of a core busy for
 as long as the ranks run (measured on 12 family jobs under a shared load: 110 s under
-mlx.launch, 30 s started directly). mlx.launch itself stays tested where users meet it,
-``generate`` and ``serve`` under it (``launch`` in test_distributed.py, ``Cluster`` in
-test_distributed_serve.py); there ``yield_cores`` puts its threads last once the ranks run.
+mlx.launch, 30 s started directly). ``rank_envs`` is that environment, for the other
+tests that start ranks: ``run_ranks`` (a command on two ranks, e.g. ``generate``) and
+test_distributed_serve's ``Cluster`` (``serve``). mlx.launch itself stays tested where users
+meet it, ``generate`` and ``serve`` under it (``launch`` in test_distributed.py,
+``Cluster(..., launcher=True)`` in test_distributed_serve.py); there ``yield_cores`` puts its
+threads last once the ranks run.
 
 Starting two ranks (Python, MLX, mlx-lm, transformers) costs more than a tiny model's
 decodes, so a test module writes every case as a job and one pair of ranks runs them all;
