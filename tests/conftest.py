@@ -50,7 +50,8 @@ def tiny_model():
 # test is slow when it, or a fixture it uses, starts one. CI runs everything.
 SLOW_MODULES = {"test_bench_server", "test_cli", "test_dashboard_browser", "test_distributed",
                 "test_distributed_serve", "test_fast_blas"}
-_STARTS_PROCESS = ("ServerProcess(", "subprocess.", "sync_playwright", "mlx.launch", "RankJobs(")
+_STARTS_PROCESS = ("ServerProcess(", "subprocess.", "sync_playwright", "mlx.launch", "RankJobs(",
+                   "run_ranks(", "Cluster(", "served_together(")
 
 
 def _starts_process(func, seen={}) -> bool:

@@ -4,9 +4,12 @@
 them (``MLX_RANK``, and ``MLX_HOSTFILE`` naming one local port per rank) but without the
 launcher process: its output threads poll without sleeping and keep most of a core busy for
 as long as the ranks run (measured on 12 family jobs under a shared load: 110 s under
-mlx.launch, 30 s started directly). mlx.launch itself stays tested where users meet it,
-``generate`` and ``serve`` under it (``launch`` in test_distributed.py, ``Cluster`` in
-test_distributed_serve.py); there ``yield_cores`` puts its threads last once the ranks run.
+mlx.launch, 30 s started directly). ``rank_envs`` is that environment, for the other
+tests that start ranks: ``run_ranks`` (a command on two ranks, e.g. ``generate``) and
+test_distributed_serve's ``Cluster`` (``serve``). mlx.launch itself stays tested where users
+meet it, ``generate`` and ``serve`` under it (``launch`` in test_distributed.py,
+``Cluster(..., launcher=True)`` in test_distributed_serve.py); there ``yield_cores`` puts its
+threads last once the ranks run.
 
 Starting two ranks (Python, MLX, mlx-lm, transformers) costs more than a tiny model's
 decodes, so a test module writes every case as a job and one pair of ranks runs them all;
@@ -83,11 +86,47 @@ def yield_cores(launcher: subprocess.Popen, timeout: float = 60.0):
         if launcher.poll() is not None or time.time() > deadline:
             return
         time.sleep(0.1)
-    for tid in os.listdir(f"/proc/{launcher.pid}/task"):
+    try:
+        threads = os.listdir(f"/proc/{launcher.pid}/task")
+    except FileNotFoundError:  # it ended meanwhile
+        return
+    for tid in threads:
         try:
             os.setpriority(os.PRIO_PROCESS, int(tid), 19)
         except ProcessLookupError:  # a thread that ended meanwhile
             pass
+
+
+def rank_envs(workdir: Path, env: dict = None) -> list:
+    """Each rank's environment as ``mlx.launch -n 2 --backend ring`` gives it: ``MLX_RANK``
+    and ``MLX_HOSTFILE`` (written in ``workdir``) naming one free local port per rank."""
+    base = free_port_base(RANKS)
+    hosts = Path(workdir) / f"hosts-{base}.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(RANKS)]))
+    return [dict(env or os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hosts))
+            for r in range(RANKS)]
+
+
+def run_ranks(argv: list, workdir: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``argv`` on two ranks started as mlx.launch starts them, for tests not about mlx.launch
+    itself; the ranks' output joined in rank order, the first exit code that is not 0."""
+    procs = [subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for env in rank_envs(workdir)]
+    outs = []
+    try:
+        for p in procs:
+            if procs[0].returncode:  # rank 0 failed: the others wait in a collective
+                p.kill()
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    code = next((p.returncode for p in procs if p.returncode != 0), 0)
+    return subprocess.CompletedProcess(argv, code, "".join(o for o, _ in outs),
+                                       "".join(e for _, e in outs))
 
 
 class RankFailed(AssertionError):
@@ -104,14 +143,10 @@ class RankJobs:
         assert len(set(names)) == len(names), "job names must be unique"
         self.jobs, self.dir, self.timeout = jobs, Path(workdir), timeout
         (self.dir / "jobs.json").write_text(json.dumps(jobs))
-        hosts = self.dir / "hosts.json"
-        base = free_port_base(RANKS)
-        hosts.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(RANKS)]))
         argv = [sys.executable, str(script), str(self.dir / "jobs.json"), str(self.dir / "out")]
         self.start = time.time()
         self.procs = []
-        for r in range(RANKS):
-            env = dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hosts))
+        for r, env in enumerate(rank_envs(self.dir)):
             with open(self.dir / f"rank{r}.stderr", "w") as err:
                 self.procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                                                    stdout=subprocess.DEVNULL, stderr=err))

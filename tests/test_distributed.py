@@ -181,12 +181,17 @@ def test_split_drafter_drafts_on_the_head_rank(runs, mode):
 def test_cli_generate_distributed(models):
     args = ["-m", "mlx_mtp.cli", "generate", "--model", str(models["text"]), "--prompt",
             "hello there", "--temp", "0", "-m", "8", "--verbose", "F"]
-    single = subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                            timeout=TIMEOUT)
-    assert single.returncode == 0, single.stderr
-    dist = launch(*args, "--distributed", "pipeline")
+    single = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # runs beside the ranks
+    try:
+        dist = launch(*args, "--distributed", "pipeline")
+        out, err = single.communicate(timeout=TIMEOUT)
+    finally:
+        single.kill()
+        single.wait()
+    assert single.returncode == 0, err
     assert dist.returncode == 0, dist.stderr[-3000:]
-    assert dist.stdout == single.stdout  # rank 0 prints, the other rank prints nothing
+    assert dist.stdout == out  # rank 0 prints, the other rank prints nothing
 
 
 def test_split_layers_balances_bytes_and_gives_rank0_the_head():
@@ -210,13 +215,14 @@ def test_choose_mode(monkeypatch):
         choose_mode("tensor", args, 3)
 
 
-def test_serve_rejects_a_bad_distributed_timeout_clearly():
-    # distributed serve itself: tests/test_distributed_serve.py
-    proc = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "serve", "--distributed",
-                           "pipeline", "--distributed-timeout", "0",
-                           "--port", str(free_port_base(1))],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "--distributed-timeout must be > 0" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_serve_rejects_a_bad_distributed_timeout_clearly(capsys):
+    # distributed serve itself: tests/test_distributed_serve.py; in this process (refused
+    # before any group or model)
+    from test_server_hardening import cli_exit
+
+    code, err = cli_exit(["serve", "--distributed", "pipeline", "--distributed-timeout", "0",
+                          "--port", str(free_port_base(1))], capsys)
+    assert code == 2
+    assert "--distributed-timeout must be > 0" in err and err.count("\n") == 1
+    assert "Traceback" not in err
 

@@ -23,7 +23,6 @@ from distributed_block_rank import single_process
 from mlx_mtp.testing.tiny import make_tiny
 from mlx_mtp.testing.tiny_block import make_tiny_block
 from rank_jobs import RankJobs
-from test_distributed import launch
 from test_distributed_streams import FIXTURES, byte_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -112,66 +111,86 @@ def test_split_runs_equal_one_process(runs, name):
     assert all(r["block"][0] > 0 for r in want)
 
 
-@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-def test_cli_generate_split_with_a_block_drafter(tmp_path, mode):
-    """``generate --distributed MODE --draft-model DRAFTER`` (the flags' path: the default
-    source block+mtp, K fixed) prints what one process prints, with the drafter's drafts."""
+@pytest.fixture(scope="module")
+def generate_args(tmp_path_factory):
+    """``generate --draft-model DRAFTER`` (the flags' path: the default source block+mtp, K
+    fixed), and what one process prints for it (decoded once for every split)."""
     import subprocess
     import sys
 
     from test_distributed import TIMEOUT
 
-    trunk = make_tiny(tmp_path / "trunk", "qwen3_5", "noisy", trunk_scale=0.2,
-                      vocab_size=4096)
-    dspark = make_tiny_block(tmp_path / "dspark", "dspark", 64, 4096, [0, 2], 4)
+    root = tmp_path_factory.mktemp("generate")
+    trunk = make_tiny(root / "trunk", "qwen3_5", "noisy", trunk_scale=0.2, vocab_size=4096)
+    dspark = make_tiny_block(root / "dspark", "dspark", 64, 4096, [0, 2], 4)
     args = ["-m", "mlx_mtp.cli", "generate", "--model", str(trunk), "--prompt", "hello there",
             "--temp", "0", "-m", "8", "--draft-model", str(dspark), "--fixed-k",
             "--num-draft-tokens", "3"]
     single = subprocess.run([sys.executable, *args], capture_output=True, text=True,
                             timeout=TIMEOUT)
     assert single.returncode == 0, single.stderr
-    dist = launch(*args, "--distributed", mode)
+    return args, single.stdout
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_cli_generate_split_with_a_block_drafter(generate_args, tmp_path, mode):
+    """``generate --distributed MODE --draft-model DRAFTER`` prints what one process prints,
+    with the drafter's drafts (the ranks started as mlx.launch starts them: ``generate``
+    under mlx.launch itself is test_distributed.py's)."""
+    import sys
+
+    from rank_jobs import run_ranks
+    from test_distributed import TIMEOUT
+
+    args, single = generate_args
+    dist = run_ranks([sys.executable, *args, "--distributed", mode], tmp_path, TIMEOUT)
     assert dist.returncode == 0, dist.stderr[-3000:]
     def text_and_drafts(out):  # the generated text, and the drafts accepted per source
         return out.split("==========")[1], [x for x in out.splitlines() if x.startswith("MTP:")]
 
-    text, drafts = text_and_drafts(single.stdout)
-    assert text.strip() and ", block 0/24" in drafts[0], single.stdout  # 8 steps of 3
+    text, drafts = text_and_drafts(single)
+    assert text.strip() and ", block 0/24" in drafts[0], single  # 8 steps of 3
     assert text_and_drafts(dist.stdout) == (text, drafts), dist.stdout
 
 
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """{drafter: (one server, a pipeline cluster)}, both pairs started at once: a random DFlash
+    tapping both stages on a trunk whose answers tell the prompts apart (drafts rejected), and
+    EAGLE-3's oracle on the oracle trunk (every draft accepted)."""
+    from test_distributed_serve import served_together
+
+    root = tmp_path_factory.mktemp("block_serve")
+    noisy = make_tiny(root / "trunk", "qwen3_5", "noisy", trunk_scale=4.0, seed=5,
+                      vocab_size=4096)
+    oracle = make_tiny(root / "oracle-trunk", "qwen3_5", "oracle", vocab_size=4096)
+    drafters = {"dflash": (noisy, make_tiny_block(root / "dflash", "dflash", 64, 4096, [1, 3],
+                                                  4, block_size=4, num_key_value_heads=4)),
+                "eagle3-oracle": (oracle, write_eagle3_oracle(oracle, root / "eagle3"))}
+    with served_together({name: (trunk, "pipeline", ("--draft-model", str(path),
+                                                     "--num-draft-tokens", "3", "--fixed-k"))
+                          for name, (trunk, path) in drafters.items()}, root) as out:
+        yield out
+
+
 @pytest.mark.parametrize("drafter", ["dflash", "eagle3-oracle"])
-def test_serve_pipeline_batch_of_4_with_a_block_drafter(tmp_path, drafter):
+def test_serve_pipeline_batch_of_4_with_a_block_drafter(served, drafter):
     """``serve --distributed pipeline --draft-model DRAFTER``: 4 concurrent greedy chats (one
     batch, rows joining at different steps) equal one server's answers, with the drafter's
-    drafts counted alike. A random DFlash tapping both stages on a trunk whose answers tell
-    the prompts apart (drafts rejected), and EAGLE-3's oracle on the oracle trunk (every
-    draft accepted)."""
+    drafts counted alike."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from server_process import ServerProcess
     from test_distributed_families import SERVE_PROMPTS
-    from test_distributed_serve import Cluster, chat
-
-    if drafter == "dflash":
-        trunk = make_tiny(tmp_path / "trunk", "qwen3_5", "noisy", trunk_scale=4.0, seed=5,
-                          vocab_size=4096)
-        path = make_tiny_block(tmp_path / "dflash", "dflash", 64, 4096, [1, 3], 4,
-                               block_size=4, num_key_value_heads=4)
-    else:
-        trunk = make_tiny(tmp_path / "trunk", "qwen3_5", "oracle", vocab_size=4096)
-        path = write_eagle3_oracle(trunk, tmp_path / "eagle3")
-    flags = ("--temp", "0", "--draft-model", str(path), "--num-draft-tokens", "3", "--fixed-k")
-    server = ServerProcess(trunk, tmp_path, *flags, wait=False)
-    cluster = None
+    from test_distributed_serve import chat
 
     def answer(url, prompt):
         r = chat(url, prompt)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["message"]["content"], r.json()["usage"]
 
+    server, cluster = served[drafter]
     try:
-        cluster = Cluster(trunk, tmp_path, "pipeline", *flags[2:])  # while the server starts
+        cluster.wait()
         server.wait()
         expected = {p: answer(server.url, p) for p in SERVE_PROMPTS}
         server.stop()
@@ -186,5 +205,4 @@ def test_serve_pipeline_batch_of_4_with_a_block_drafter(tmp_path, drafter):
             assert {p: a.result() for p, a in got.items()} == expected
     finally:
         server.stop()
-        if cluster is not None:
-            cluster.kill()
+        cluster.kill()

@@ -176,15 +176,15 @@ def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(tmp_pa
     # the tokenizer's whole vocabulary; answers that depend on the prompt
     path = BUILDERS["deepseek_v3"](tmp_path / "m", "noisy", vocab_size=4096, trunk_scale=4.0)
     flags = ("--num-draft-tokens", "2", "--fixed-k")
-    server = ServerProcess(path, tmp_path, "--temp", "0", *flags)
+    server = ServerProcess(path, tmp_path, "--temp", "0", *flags, wait=False)
+    cluster = None
     try:
+        cluster = Cluster(path, tmp_path, "expert", *flags)  # while the server starts
+        server.wait()
         expected = {p: chat(server.url, p).json()["choices"][0]["message"]["content"]
                     for p in SERVE_PROMPTS}
-    finally:
         server.stop()
-    assert len(set(expected.values())) > 1  # answers tell prompts apart
-    cluster = Cluster(path, tmp_path, "expert", *flags)
-    try:
+        assert len(set(expected.values())) > 1  # answers tell prompts apart
         with ThreadPoolExecutor(4) as pool:
             jobs = [(p, pool.submit(chat, cluster.url, p)) for p in SERVE_PROMPTS]
             for p, job in jobs:
@@ -215,12 +215,13 @@ def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(tmp_pa
         os.kill(cluster.ranks[1], signal.SIGKILL)  # stopped: it cannot exit by itself
         cluster.wait_exit()
     finally:
-        if cluster.proc.poll() is None:
+        server.stop()
+        if cluster is not None:
             cluster.kill()
 
 
 def exited(pid: int) -> bool:
-    """The process is gone or a zombie (exited; the launcher has not reaped it yet)."""
+    """The process is gone or a zombie (exited; its parent has not reaped it yet)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except OSError:

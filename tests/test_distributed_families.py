@@ -170,19 +170,29 @@ def text_models(tmp_path_factory):
             for fam in {f for f, _ in SERVE}}
 
 
-@pytest.mark.parametrize("family,mode", SERVE)
-def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(
-        text_models, tmp_path, family, mode):
-    from concurrent.futures import ThreadPoolExecutor
-
-    from server_process import ServerProcess, metric
-    from test_distributed_serve import GENERATED, WATCHDOG, Cluster, chat, decoding, eos_ids
+@pytest.fixture(scope="module")
+def served(text_models, tmp_path_factory):
+    """{family: (its single-process server, its cluster)}, every one started at once: a later
+    family's start overlaps an earlier one's idle wait for the watchdog."""
+    from test_distributed_serve import served_together
 
     flags = ("--num-draft-tokens", "2", "--fixed-k")
-    server = ServerProcess(text_models[family], tmp_path, "--temp", "0", *flags, wait=False)
-    cluster = None
+    with served_together({fam: (text_models[fam], mode, flags) for fam, mode in SERVE},
+                         tmp_path_factory.mktemp("serve")) as out:
+        yield out
+
+
+@pytest.mark.parametrize("family,mode", SERVE)
+def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(
+        text_models, served, family, mode):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_process import metric
+    from test_distributed_serve import GENERATED, WATCHDOG, chat, decoding, eos_ids
+
+    server, cluster = served[family]
     try:
-        cluster = Cluster(text_models[family], tmp_path, mode, *flags)  # while the server starts
+        cluster.wait()
         server.wait()
         expected = {p: chat(server.url, p).json()["choices"][0]["message"]["content"]
                     for p in SERVE_PROMPTS}
@@ -212,5 +222,4 @@ def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(
         assert httpx.get(cluster.url + "/health", timeout=5).status_code == 503
     finally:
         server.stop()
-        if cluster is not None:
-            cluster.kill()
+        cluster.kill()

@@ -1,4 +1,5 @@
-"""``mlx-mtp serve`` over two local ranks (ring backend, mlx.launch), both split modes.
+"""``mlx-mtp serve`` over two local ranks (ring backend, under mlx.launch as users start it;
+other modules' clusters start the ranks as mlx.launch does, without it), both split modes.
 
 Rank 0 serves HTTP; rank 1 replays its engine steps. Greedy answers (chat, stream,
 concurrent requests) must equal a single-process server's, byte for byte. Then each
@@ -8,10 +9,12 @@ SIGTERM to rank 0 fails in-flight requests with a 503 and every rank exits.
 """
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import httpx
 import pytest
 
 from server_process import ServerProcess, free_port, metric
-from rank_jobs import free_port_base, rank_pids, yield_cores
+from rank_jobs import free_port_base, rank_envs, rank_pids, yield_cores
 from test_distributed import LAUNCH
 
 START_TIMEOUT = 300.0  # two cold ranks on a loaded 2-core machine
@@ -52,28 +55,47 @@ def stream_text(url: str, content: str) -> str:
 
 
 class Cluster:
-    """``mlx.launch -n 2 --backend ring -- mlx-mtp serve --distributed MODE``."""
+    """``mlx-mtp serve --distributed MODE`` on two local ranks (ring backend). With
+    ``launcher``: under ``mlx.launch -n 2 --backend ring``, as users start it; without: both
+    ranks started directly as mlx.launch starts them (``rank_jobs.rank_envs``), saving the
+    launcher's start and its busy output threads, for tests not about mlx.launch itself."""
 
-    def __init__(self, ckpt: Path, workdir: Path, mode: str, *flags):
+    def __init__(self, ckpt: Path, workdir: Path, mode: str, *flags, launcher: bool = False,
+                 wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / f"cluster-{mode}.log"
+        self.log_path = workdir / f"cluster-{mode}-{self.port}.log"
         self.log = open(self.log_path, "w")
         env = dict(os.environ, HF_HUB_OFFLINE="1", MLX_MTP_BLAS="reference",
                    HF_HOME=str(workdir / "hf-home-must-not-exist"))
-        cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port",
-               str(free_port_base()), "--", sys.executable, "-m", "mlx_mtp.cli", "serve",
-               "--model", str(ckpt), "--port", str(self.port), "--temp", "0",
-               "--distributed", mode, "--distributed-timeout", str(WATCHDOG),
-               "--log-level", "WARNING", *flags]
-        # Its own session: the whole group can be killed whatever a test did to it.
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        yield_cores(self.proc)
-        deadline = time.time() + START_TIMEOUT
+        serve = [sys.executable, "-m", "mlx_mtp.cli", "serve",
+                 "--model", str(ckpt), "--port", str(self.port), "--temp", "0",
+                 "--distributed", mode, "--distributed-timeout", str(WATCHDOG),
+                 "--log-level", "WARNING", *flags]
+        # Own sessions: the whole group can be killed whatever a test did to it.
+        self.launcher = launcher
+        if launcher:
+            cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port",
+                   str(free_port_base()), "--", *serve]
+            self.procs = [subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                           env=env, start_new_session=True)]
+            threading.Thread(target=yield_cores, args=self.procs, daemon=True).start()
+        else:
+            self.procs = [subprocess.Popen(serve, stdout=self.log, stderr=subprocess.STDOUT,
+                                           env=e, start_new_session=True)
+                          for e in rank_envs(workdir, env)]
+        if wait:
+            self.wait()
+
+    def wait(self, timeout: float = START_TIMEOUT):
+        """Return once rank 0's ``/health`` answers 200 (within ``timeout`` from now); kill
+        every process and raise if one exits or it does not get there."""
+        deadline = time.time() + timeout
         while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlx.launch exited ({self.proc.returncode}):\n{self.logs()}")
+            if any(p.poll() is not None for p in self.procs):
+                logs = self.logs()
+                self.kill()
+                raise RuntimeError(f"a rank or mlx.launch exited:\n{logs}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     break
@@ -81,32 +103,62 @@ class Cluster:
                 pass
             time.sleep(0.3)
         else:
+            logs = self.logs()
             self.kill()
-            raise RuntimeError(f"the cluster did not become healthy:\n{self.logs()}")
-        self.ranks = rank_pids(self.proc.pid)
+            raise RuntimeError(f"the cluster did not become healthy:\n{logs}")
+        self.ranks = (rank_pids(self.procs[0].pid) if self.launcher else
+                      {r: p.pid for r, p in enumerate(self.procs)})
         assert sorted(self.ranks) == [0, 1], self.ranks
 
     def logs(self) -> str:
         self.log.flush()
         return self.log_path.read_text()[-4000:]
 
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
     def wait_exit(self, timeout: float = EXIT_TIMEOUT) -> int:
+        """The exit code: mlx.launch's, or the first rank's that is not 0."""
+        deadline = time.time() + timeout
         try:
-            return self.proc.wait(timeout)
+            codes = [p.wait(max(deadline - time.time(), 0.01)) for p in self.procs]
         except subprocess.TimeoutExpired:
             alive = [p for p in self.ranks.values() if Path(f"/proc/{p}").exists()]
+            logs = self.logs()
             self.kill()
             raise AssertionError(f"not every rank exited in {timeout}s (alive: {alive}):\n"
-                                 f"{self.logs()}")
+                                 f"{logs}")
+        return next((c for c in codes if c != 0), 0)
 
     def kill(self):
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(30)
+        for p in self.procs:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+            p.wait(30)
         self.log.close()
+
+
+@contextlib.contextmanager
+def served_together(specs: dict, root: Path):
+    """{name: (one-process server, cluster)} for ``specs`` {name: (checkpoint, mode, flags)}
+    (the server's flags: ``--temp 0`` and ``flags``; the cluster's: ``flags``), every process
+    started at once, none waited for: a test waits for its own, whose start overlapped the
+    tests before it (their reference requests, a watchdog's wait). All stop at the end."""
+    out = {}
+    try:
+        for name, (ckpt, mode, flags) in specs.items():
+            work = root / f"served-{name}"
+            work.mkdir()
+            out[name] = (ServerProcess(ckpt, work, "--temp", "0", *flags, wait=False),
+                         Cluster(ckpt, work, mode, *flags, wait=False))
+        yield out
+    finally:
+        for server, cluster in out.values():
+            server.stop()
+            cluster.kill()
 
 
 @pytest.fixture(scope="module")
@@ -146,14 +198,29 @@ def expected(single):
 FLAGS = {"pipeline": ["--num-draft-tokens", "2", "--fixed-k"], "tensor": []}
 
 
+@pytest.fixture(scope="module")
+def clusters(model, single, tmp_path_factory):  # ``single``: starts first
+    """Every cluster of this module under mlx.launch (as users start it), started at once, none
+    waited for: later ones start while the first answers and waits for its watchdog."""
+    out = {}
+    try:
+        for name, mode, flags in (("pipeline", "pipeline", FLAGS["pipeline"]),
+                                  ("tensor", "tensor", FLAGS["tensor"]),
+                                  ("killed", "pipeline", [])):
+            out[name] = Cluster(model, tmp_path_factory.mktemp(name), mode, *flags,
+                                launcher=True, wait=False)
+        yield out
+    finally:
+        for c in out.values():
+            c.kill()
+
+
 @pytest.fixture(scope="module", params=["pipeline", "tensor"])
-def cluster(request, model, single, tmp_path_factory):  # ``single``: starts first
-    c = Cluster(model, tmp_path_factory.mktemp(request.param), request.param,
-                *FLAGS[request.param])
+def cluster(request, clusters):
+    c = clusters[request.param]
     c.mode = request.param
-    yield c
-    if c.proc.poll() is None:
-        c.kill()
+    c.wait()
+    return c
 
 
 def test_chat_stream_and_concurrent_equal_single_process(cluster, expected):
@@ -230,11 +297,12 @@ def test_lost_rank_fails_requests_with_503_and_every_rank_exits(cluster, model):
             assert cluster.wait_exit() == 0
 
 
-def test_killed_follower_fails_requests_with_503(model, tmp_path):
+def test_killed_follower_fails_requests_with_503(model, clusters):
     # A follower process that dies (its sockets close): the in-flight request gets a 503
     # at once, whichever notices first (rank 0's next collective raises, or mlx.launch
     # stops rank 0 because a rank exited with an error), and every process exits.
-    cluster = Cluster(model, tmp_path, "pipeline")
+    cluster = clusters["killed"]
+    cluster.wait()
     try:
         long = {"max_tokens": 3000, "logit_bias": {str(t): -100 for t in eos_ids(model)}}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -249,8 +317,7 @@ def test_killed_follower_fails_requests_with_503(model, tmp_path):
         assert time.time() - killed < WATCHDOG  # not the watchdog: the closed sockets
         cluster.wait_exit()
     finally:
-        if cluster.proc.poll() is None:
-            cluster.kill()
+        cluster.kill()
 
 
 def test_follower_replays_the_engine_step_for_step(model):

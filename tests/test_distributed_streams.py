@@ -267,22 +267,31 @@ def answer(url: str, prompt: str) -> tuple:
     return choice["message"]["content"], [t["bytes"] for t in choice["logprobs"]["content"]]
 
 
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """{family: (its single-process server, its cluster)}, all started at once."""
+    from test_distributed_serve import served_together
+
+    root = tmp_path_factory.mktemp("stream_serve")
+    ckpts = {}
+    for family, _ in SERVE:
+        src = FIXTURES / family
+        ckpts[family] = root / "ckpt" / family
+        shutil.copytree(src / "checkpoint" if (src / "checkpoint").is_dir() else src,
+                        ckpts[family])
+        byte_tokenizer(ckpts[family])
+    flags = ("--num-draft-tokens", "2", "--fixed-k")
+    with served_together({fam: (ckpts[fam], mode, flags) for fam, mode in SERVE}, root) as out:
+        yield out
+
+
 @pytest.mark.parametrize("family,mode", SERVE)
-def test_serve_batch_of_4_equals_single_process(tmp_path, family, mode):
+def test_serve_batch_of_4_equals_single_process(served, family, mode):
     from concurrent.futures import ThreadPoolExecutor
 
-    from server_process import ServerProcess
-    from test_distributed_serve import Cluster
-
-    src = FIXTURES / family
-    ckpt = tmp_path / family
-    shutil.copytree(src / "checkpoint" if (src / "checkpoint").is_dir() else src, ckpt)
-    byte_tokenizer(ckpt)
-    flags = ("--temp", "0", "--num-draft-tokens", "2", "--fixed-k")
-    server = ServerProcess(ckpt, tmp_path, *flags, wait=False)
-    cluster = None
+    server, cluster = served[family]
     try:
-        cluster = Cluster(ckpt, tmp_path, mode, *flags[2:])  # while the server starts
+        cluster.wait()
         server.wait()
         expected = {p: answer(server.url, p) for p in SERVE_PROMPTS}
         server.stop()
@@ -292,5 +301,4 @@ def test_serve_batch_of_4_equals_single_process(tmp_path, family, mode):
             assert {p: a.result() for p, a in got.items()} == expected
     finally:
         server.stop()
-        if cluster is not None:
-            cluster.kill()
+        cluster.kill()

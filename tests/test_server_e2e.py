@@ -26,11 +26,22 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(ckpt, tmp_path_factory):
+def nomtp_server(ckpt, tmp_path_factory):
+    """The second server (``--no-mtp``, an API key), started with the first (whose setup
+    waits for both): the starts overlap, and it idles until its test."""
+    srv = ServerProcess(ckpt, tmp_path_factory.mktemp("nomtp"), "--no-mtp", "--api-key",
+                        "s3cret", "--served-model-name", "tiny", wait=False)
+    yield srv
+    srv.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, nomtp_server, tmp_path_factory):
     # --fixed-k: always draft, so every test exercises MTP inside the batch (the adaptive
     # policy may rightly pause drafting for this tiny model; it is tested on its own).
     srv = ServerProcess(ckpt, tmp_path_factory.mktemp("srv"), "--max-kv-size", str(CTX),
                         "--fixed-k")
+    nomtp_server.wait()  # idle through the timed tests
     yield srv
     assert srv.stop(signal.SIGINT) == 0, srv.logs()
 
@@ -463,10 +474,9 @@ def test_disconnect_mid_stream_frees_the_slot(server, client, model_id, n):
 
 
 # --- a second server: --no-mtp, API key, shutdown with a stream in flight -----------------
-def test_no_mtp_is_lossless_api_key_and_clean_shutdown(ckpt, tmp_path_factory, client,
-                                                       model_id):
-    srv = ServerProcess(ckpt, tmp_path_factory.mktemp("nomtp"), "--no-mtp", "--api-key", "s3cret",
-                        "--served-model-name", "tiny")
+def test_no_mtp_is_lossless_api_key_and_clean_shutdown(nomtp_server, client, model_id):
+    srv = nomtp_server
+    srv.wait()
     try:
         plain = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0,
                               timeout=60)
@@ -510,7 +520,7 @@ def test_no_mtp_is_lossless_api_key_and_clean_shutdown(ckpt, tmp_path_factory, c
         last = json.loads(events[-1])
         assert last["error"]["code"] == "shutting_down"
     finally:
-        srv.stop(signal.SIGKILL) if srv.proc.poll() is None else None
+        srv.stop(signal.SIGKILL)
 
 
 def test_chat_prompt_equals_the_generate_prompt(server, client, model_id, ckpt):

@@ -188,11 +188,23 @@ READ_TIMEOUT = 1.5
 
 
 @pytest.fixture(scope="module")
-def server(tiny_ckpt, tmp_path_factory):
+def keyed_server(tiny_ckpt, tmp_path_factory):
+    """``test_api_key``'s server, started with the first (whose setup waits for both): the
+    starts overlap, and it idles until its test."""
+    path = tiny_ckpt("qwen3_5", "random", vocab_size=4096)
+    srv = ServerProcess(path, tmp_path_factory.mktemp("key"), "--no-mtp", "--api-key",
+                        "s3cret", "--protect-metrics", wait=False)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, keyed_server, tmp_path_factory):
     path = tiny_ckpt("qwen3_5", "noisy", vocab_size=4096, trunk_scale=2.0, fc_noise=1.0)
     srv = ServerProcess(path, tmp_path_factory.mktemp("hardening"), "--max-kv-size", str(CTX),
                         "--max-request-bytes", str(CAP), "--read-timeout", str(READ_TIMEOUT),
                         "--allowed-origins", "http://ui.example,http://b.example")
+    keyed_server.wait()  # idle through the timed tests
     yield srv
     srv.stop()
 
@@ -384,10 +396,9 @@ def test_non_streaming_request_is_cancelled_when_the_client_leaves(server):
 
 
 # --- API key --------------------------------------------------------------------------------------
-def test_api_key(tiny_ckpt, tmp_path_factory):
-    path = tiny_ckpt("qwen3_5", "random", vocab_size=4096)
-    srv = ServerProcess(path, tmp_path_factory.mktemp("key"), "--no-mtp", "--api-key",
-                        "s3cret", "--protect-metrics")
+def test_api_key(keyed_server):
+    srv = keyed_server
+    srv.wait()
     try:
         chat, body = "/v1/chat/completions", {"messages": MSG, "max_tokens": 2}
         for auth in ("Bearer s3cret", "bearer s3cret", "BEARER  s3cret"):
@@ -411,10 +422,20 @@ def test_api_key(tiny_ckpt, tmp_path_factory):
     (["--max-request-bytes", "10"], "--max-request-bytes must be at least 1K"),
     (["--max-request-bytes", "lots"], "not a size"),
 ])
-def test_bad_limit_flags_exit_2(flags, message):
-    import subprocess
-    import sys
+def test_bad_limit_flags_exit_2(flags, message, capsys):
+    """In this process (the CLI's exit code as a process: test_cli.py): refused before any
+    model loads, in one line."""
+    code, err = cli_exit(["serve", "--port", "1", *flags], capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert err.strip().count("\n") == 0 or err.startswith("usage:")  # argparse: usage first
 
-    r = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "serve", "--port", "1", *flags],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+def cli_exit(argv, capsys) -> tuple:
+    """``mlx-mtp ARGV``'s exit code and stderr, run in this process."""
+    from mlx_mtp.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    return code, capsys.readouterr().err
