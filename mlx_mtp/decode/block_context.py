@@ -64,6 +64,8 @@ def trunk(model, inputs, cache: list, capture: bool = False, defer: bool = False
         return model.trunk(inputs, cache, capture)
     h_norm, h_mtp, taps = model.trunk_with_taps(inputs, drafter.spec.target_layer_ids, cache,
                                                 capture)
+    if not taps:  # a pipeline rank without the output: its taps travel to rank 0's drafter
+        return h_norm, h_mtp
     if defer and cache[-1].columns() + inputs.shape[1] <= MAX_DEFERRED:
         cache[-1].add(taps, inputs)
     else:
