@@ -175,7 +175,9 @@ class DecodeBatch:
         k = max(ks) if ks else 0
         if any(p.head for p in plans) and self.mtp_cache is None:
             raise ValueError("drafting needs an MTP cache")
-        pending = self._launch_plain() if k == 0 else self._launch_spec(k, ks, plans)
+        if k:
+            return self._launch_spec(k, ks, plans)  # it starts its own parts in order
+        pending = self._launch_plain()
         mx.async_eval(pending.tokens, pending.logprobs)
         return pending
 
