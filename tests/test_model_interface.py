@@ -106,8 +106,9 @@ def test_a_split_model_declares_what_it_cannot_do(tiny_ckpt):
     caps = model.capabilities
     assert caps.shares and caps.distributed
     assert not (caps.compilable or caps.draft_vocab or caps.splits)
-    # Taps where every rank holds the whole residual stream (tensor, expert); not a pipeline's.
-    assert caps.taps and not DistributedModel(inner, "pipeline", _TwoRanks()).capabilities.taps
+    # Taps in every split: tensor and expert ranks hold the whole residual stream; a
+    # pipeline's stages send theirs to rank 0 with the hidden.
+    assert caps.taps and DistributedModel(inner, "pipeline", _TwoRanks()).capabilities.taps
     # What the split does not change is the loaded model's.
     assert model.text is inner.text and model.dtype_choice == inner.dtype_choice == "as stored"
     assert model.drafted_entries(3) == [2] * inner.num_mtp_layers
