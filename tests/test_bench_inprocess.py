@@ -108,13 +108,9 @@ def test_inprocess_oracle_every_field_and_engine_consistency(oracle):
         assert g["replay"]["recurrence_calls"] == n_gdn
         for part in ("draft", "verify", "replay"):
             assert g[part]["own_nodes"] == g[part]["nodes"] - g[part]["recurrence_nodes"]
-        # The oracle accepts everything, but a step builds its replay before it knows
-        # (step.ROLLBACK_BEFORE_SYNC): the verify's state and the replay's are written.
-        assert g["replay_every_step"]
-        assert r["nodes_per_step"] == (g["draft"]["nodes"] + g["verify"]["nodes"]
-                                       + g["replay"]["nodes"])
-        assert g["state_bytes_verify"] == g["state_bytes_replay"] == graphs["plain"]["state_bytes"]
-        assert r["state_bytes_per_step"] == 2 * g["state_bytes_verify"]
+        # The oracle accepts everything: no replay, one state per DeltaNet layer written.
+        assert r["nodes_per_step"] == g["draft"]["nodes"] + g["verify"]["nodes"]
+        assert r["state_bytes_per_step"] == g["state_bytes_verify"] == graphs["plain"]["state_bytes"]
     assert graphs[2]["draft"]["nodes"] > graphs[1]["draft"]["nodes"]
     # The cost model on this run: measured profile first, then the hypothetical ones.
     pred = out["predictions"]

@@ -44,36 +44,25 @@ class _RecurrenceNodes:
     def __init__(self):
         self.calls = 0
         self.nodes = 0
-        self.replay = (0, 0)  # of them, the calls and nodes outside a layer's forward
 
     @contextlib.contextmanager
     def patch(self):
-        real, real_forward = GatedDeltaNetBase.recurrence, GatedDeltaNetBase.__call__
-        forwards = []  # the layer forwards running: a call outside one is a replay
+        real = GatedDeltaNetBase.recurrence
 
         def counted(layer, q, k, v, a, b, state, mask=None):
             stand_in = [mx.zeros(x.shape, x.dtype) for x in (q, k, v, a, b)]
             s = None if state is None else mx.zeros(state.shape, state.dtype)
             m = None if mask is None else mx.zeros(mask.shape, mask.dtype)
             mx.eval(*stand_in, *(x for x in (s, m) if x is not None))
-            nodes = count_nodes(list(real(layer, *stand_in, s, m)))
-            self.calls, self.nodes = self.calls + 1, self.nodes + nodes
-            if not forwards:
-                self.replay = (self.replay[0] + 1, self.replay[1] + nodes)
+            self.calls += 1
+            self.nodes += count_nodes(list(real(layer, *stand_in, s, m)))
             return real(layer, q, k, v, a, b, state, mask)
 
-        def forward(layer, *args, **kwargs):
-            forwards.append(layer)
-            try:
-                return real_forward(layer, *args, **kwargs)
-            finally:
-                forwards.pop()
-
-        GatedDeltaNetBase.recurrence, GatedDeltaNetBase.__call__ = counted, forward
+        GatedDeltaNetBase.recurrence = counted
         try:
             yield self
         finally:
-            GatedDeltaNetBase.recurrence, GatedDeltaNetBase.__call__ = real, real_forward
+            GatedDeltaNetBase.recurrence = real
 
 
 def _state_bytes(caches) -> int:
@@ -105,9 +94,11 @@ def _restore(dec, snap):
     dec.row.owed, dec.row.y, dec.row.n_out = owed, y, n_out
 
 
-def _part(nodes: int, calls: int, rec_nodes: int) -> dict:
-    return {"nodes": nodes, "recurrence_calls": calls, "recurrence_nodes": rec_nodes,
-            "own_nodes": nodes - rec_nodes}
+def _part(rec: _RecurrenceNodes, before: int, calls_before: int, total: int, base: int) -> dict:
+    nodes = total - base
+    rec_nodes = rec.nodes - before
+    return {"nodes": nodes, "recurrence_calls": rec.calls - calls_before,
+            "recurrence_nodes": rec_nodes, "own_nodes": nodes - rec_nodes}
 
 
 def step_graphs(dec, ks: Sequence[int]) -> dict:
@@ -116,13 +107,11 @@ def step_graphs(dec, ks: Sequence[int]) -> dict:
     ``dec``: an ``MTPDecoder`` after ``prefill`` (its caches and owed pairs are
     restored after each probe). Per K: ``draft`` (the K-token chain: MTP head, draft
     logits, sampling), ``verify`` (trunk over K+1 tokens, logits, acceptance and
-    the caches' new state), ``replay`` (what rolling back to one kept position adds:
-    built with every step when ``replay_every_step``, ``step.ROLLBACK_BEFORE_SYNC``, else
-    after a rejection) and ``state_bytes_verify`` / ``state_bytes_replay`` (recurrent
-    state written).
+    the caches' new state), ``replay`` (what rolling back to one kept position adds)
+    and ``state_bytes_verify`` / ``state_bytes_replay`` (recurrent state written).
     """
     from ..decode.costs import StepCosts
-    from ..decode.step import ROLLBACK_BEFORE_SYNC, DecodeBatch
+    from ..decode.step import DecodeBatch
 
     out: Dict[object, dict] = {}
     core = DecodeBatch(dec.model, [dec.row], dec.cache, dec.mtp_cache)
@@ -138,25 +127,26 @@ def step_graphs(dec, ks: Sequence[int]) -> dict:
                 outputs = [p.tokens, p.logprobs] + cache_state_arrays(dec.cache)
                 if k == 0:
                     total = count_nodes(outputs)
-                    out["plain"] = {**_part(total, rec.calls, rec.nodes),
+                    out["plain"] = {**_part(rec, 0, 0, total, 0),
                                     "state_bytes": _state_bytes(dec.cache)}
                     continue
                 outputs += [p.n_accepted, p.drafts, p.h_mtp]
                 draft = count_nodes([p.drafts])  # the MTP head has no recurrence
                 total = count_nodes(outputs)
                 verify_bytes = _state_bytes(dec.cache)
-                # the launch may have built the replay already (ROLLBACK_BEFORE_SYNC)
-                verify = _part(total - draft, rec.calls - rec.replay[0],
-                               rec.nodes - rec.replay[1])
+                verify = _part(rec, 0, 0, total, draft)
+                calls0, nodes0 = rec.calls, rec.nodes
                 for c in dec.cache:
                     c.accept([1])
                 replayed = cache_state_arrays(c for c in dec.cache if not c.is_trimmable())
                 with_replay = count_nodes(outputs + replayed)
-                row = {"draft": _part(draft, 0, 0), "verify": verify,
-                       "replay": _part(with_replay - total, *rec.replay),
-                       "replay_every_step": ROLLBACK_BEFORE_SYNC,
+                row = {"draft": {"nodes": draft, "recurrence_calls": 0, "recurrence_nodes": 0,
+                                 "own_nodes": draft},
+                       "verify": verify,
+                       "replay": _part(rec, nodes0, calls0, with_replay, total),
                        "state_bytes_verify": verify_bytes,
-                       "state_bytes_replay": _state_bytes(dec.cache) if rec.replay[0] else 0}
+                       "state_bytes_replay": _state_bytes(dec.cache) if rec.calls > calls0
+                       else 0}
                 out[k] = row
         finally:
             _restore(dec, snap)

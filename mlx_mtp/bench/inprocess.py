@@ -346,7 +346,7 @@ def measure_graphs(model, ids: Sequence[int], ks: Sequence[int],
 
 def step_figures(row: dict, graphs: dict, syncs_per_step: Optional[float]) -> dict:
     """Per-step graph nodes and state writes of a setting (expected over its measured
-    rejections when a step replays the recurrence only after one, ``replay_every_step``)."""
+    rejections: a step replays the recurrence when a draft is rejected)."""
     out = {"host_syncs_per_step": syncs_per_step, "realised_over_ideal": row["efficiency"],
            "nodes_per_step": None, "own_nodes_per_step": None, "state_bytes_per_step": None,
            "nodes_draft": None, "nodes_verify": None, "nodes_replay": None}
@@ -358,7 +358,7 @@ def step_figures(row: dict, graphs: dict, syncs_per_step: Optional[float]) -> di
     elif not row["adaptive"] and k in graphs:
         g = graphs[k]
         cum = row["acceptance_per_pos"]
-        p_replay = 1.0 - cum[-1] if len(cum) == k and not g["replay_every_step"] else 1.0
+        p_replay = 1.0 - cum[-1] if len(cum) == k else 1.0
         parts = ("draft", "verify", "replay")
         weight = {"draft": 1.0, "verify": 1.0, "replay": p_replay}
         out.update(

@@ -19,8 +19,7 @@ from ..models.vision.images import ImageError
 from .policy import SeededSchedule, needs_schedule
 from .sampling import Sampler, SamplingParams
 from .stats import SpecStats
-from .owed import OwedPairs
-from .step import Row
+from .step import OwedPairs, Row
 
 
 @dataclass

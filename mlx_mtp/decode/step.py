@@ -17,10 +17,10 @@ drafts row ``b`` asked for (``k = max k_b``):
    for fewer drafts stops at its own ``k_b`` and takes the target's token there,
    exactly as a ``k_b``-step would. Reading accepted counts, next tokens and
    drafts is the step's only host sync.
-4. roll back: every trunk cache keeps ``n_b + 1`` positions of the pass (``accept``; a
-   replay it needs is built before the sync from the lazy counts, ``accept_later``), the MTP
-   caches drop their ``k - 1`` chained (draft-conditioned) entries (``J - 1``; none if no
-   row used the head), and the accepted positions' hiddens become owed MTP pairs.
+4. roll back: every trunk cache keeps ``n_b + 1`` positions of the pass
+   (``accept``), the MTP caches drop their ``k - 1`` chained (draft-conditioned)
+   entries (``J - 1``; none if no row used the head), and the accepted positions'
+   hiddens become owed MTP pairs.
 
 Logit bias, penalties and grammar masks are one per-position list of transforms
 (``logits.PositionTransforms``): draft call ``j`` and verify row ``j`` go through the
@@ -46,14 +46,58 @@ from . import block_context
 from .costs import StepCosts
 from .logits import PositionTransforms
 from .noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, uniform
-from .owed import OwedPairs
 from .sampling import Sampler, SamplingParams, log_softmax, sample, verify
 from .stats import SpecStats
 
-# A speculative step builds its recurrent rollback (a masked replay over the pass) before
-# its sync and starts it with the step (False: ``finish`` builds the replay of the kept
-# prefix after the sync; ``benchmarks/after_sync.py`` compares the two).
-ROLLBACK_BEFORE_SYNC = True
+MAX_OWED_WHILE_PAUSED = 4
+
+
+class OwedPairs:
+    """MTP pairs ``(hidden at i, token i+1)`` committed but not yet in the MTP cache.
+
+    The newest pair always stays owed between steps: the next draft starts from its
+    output.
+    """
+
+    def __init__(self, hidden: Optional[list] = None, tokens: Optional[list] = None):
+        self.hidden: List[mx.array] = list(hidden or [])  # (1, S, H) chunks
+        self.tokens: List[mx.array] = list(tokens or [])  # (1, S) chunks
+
+    def __len__(self) -> int:
+        return sum(h.shape[1] for h in self.hidden)
+
+    def owe(self, hidden: mx.array, tokens: mx.array):
+        self.hidden.append(hidden)
+        self.tokens.append(tokens)
+
+    def take(self):
+        """All pairs as one (1, S, H), (1, S) chunk; nothing stays owed."""
+        h, t = self.hidden, self.tokens
+        self.hidden, self.tokens = [], []
+        if len(h) == 1:
+            return h[0], t[0]
+        return mx.concatenate(h, axis=1), mx.concatenate(t, axis=1)
+
+    def trim(self, keep: int = MAX_OWED_WHILE_PAUSED):
+        """While drafting pauses, keep only the newest ``keep`` chunks (list work only).
+
+        The head then sees a shorter history when drafting resumes (it only drafts,
+        so greedy and coupled output are unaffected), and a probe after a long pause
+        costs one short MTP pass instead of one over every token since.
+        """
+        if len(self.hidden) > 2 * keep:
+            del self.hidden[:-keep], self.tokens[:-keep]
+
+    def flush(self, model, mtp_cache, max_owed: int = 0):
+        """Write all but the newest pair into ``mtp_cache`` when more than ``max_owed`` wait."""
+        if len(self) > max(max_owed, 1):
+            h, t = self.take()
+            model.mtp_forward(h[:, :-1], t[:, :-1], mtp_cache)
+            self.owe(h[:, -1:], t[:, -1:])
+            mx.eval([c.state for c in mtp_cache])
+
+    def copy(self) -> "OwedPairs":
+        return OwedPairs(self.hidden, self.tokens)
 
 
 @dataclass
@@ -135,7 +179,6 @@ class _Pending:
     h_mtp: Optional[mx.array] = None  # (B, k+1, H)
     plans: Optional[List[DraftPlan]] = None  # per row: drafter tokens, then head drafts
     head_steps: int = 0  # head passes chained (positions drafted by the head or after it)
-    read: Optional[mx.array] = None  # speculative: n_accepted, tokens, drafts: the one sync
 
 
 @dataclass
@@ -182,21 +225,14 @@ class DecodeBatch:
         return pending
 
     def _launch_spec(self, k: int, ks: List[int], plans: List[DraftPlan]) -> _Pending:
-        """Propose, verify, accept, start the rollback's replay; ``finish`` reads and commits."""
+        """Propose, verify, accept; ``finish`` reads the result and rolls back."""
         self._check_drafting(plans)
         groups, transforms = self._groups(), self._transforms()
         proposal = self._propose(k, plans, groups, transforms)
         raw, h_mtp = self._verify(proposal.drafts, transforms)
         n_acc, nxt = self._accept(groups, raw, proposal, ks)
-        nxt = nxt.astype(mx.uint32)
-        read = mx.concatenate([n_acc, nxt, proposal.drafts.reshape(-1)])
-        # The rollback's replay is queued after what the sync reads, so it runs while the
-        # host commits the step and builds the next one.
-        mx.async_eval(read, raw)
-        if ROLLBACK_BEFORE_SYNC:
-            mx.async_eval(*(a for c in self.cache for a in c.accept_later(n_acc + 1)))
-        return _Pending(k, ks, nxt, raw, n_acc, proposal.drafts, h_mtp, plans,
-                        proposal.head_steps, read)
+        return _Pending(k, ks, nxt.astype(mx.uint32), raw, n_acc, proposal.drafts, h_mtp, plans,
+                        proposal.head_steps)
 
     def _plans(self, ks: List[int], costs: StepCosts) -> List[DraftPlan]:
         """Each row's drafts: the head's ``ks[b]``, or what its drafter picks. The head
@@ -216,9 +252,10 @@ class DecodeBatch:
         if p.k == 0:
             return self._finish_plain(p)
         B, k = len(self.rows), p.k
-        values = p.read.tolist()
+        values = mx.concatenate([p.n_accepted, p.tokens, p.drafts.reshape(-1)]).tolist()
         n_acc, next_ids, draft_ids = values[:B], values[B : 2 * B], values[2 * B :]
-        for c in self.cache:  # 4. keep the accepted positions and the one after them
+        # 4. roll back: every trunk cache keeps the accepted positions and the one after
+        for c in self.cache:
             c.accept([n + 1 for n in n_acc])
         if p.head_steps:  # entries conditioned on drafts, not on trunk hiddens
             drop_drafted(self.model, self.mtp_cache, p.head_steps)

@@ -48,7 +48,7 @@ import numpy as np
 
 from ..decode.sequence import check_state_fits
 from ..decode.speculative import DecoderState
-from ..decode.owed import OwedPairs
+from ..decode.step import OwedPairs
 from ..models.cache.fit import nonfinite_arrays
 from ..models.cache.kv import CACHE_KINDS
 from .session_proof import check_digest, entry_digest

@@ -226,13 +226,6 @@ def _compiled_recurrence(q, k, v, a, b, A_log, dt_bias, state):
     return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, use_kernel=False)
 
 
-@mx.compile
-def _compiled_masked_recurrence(q, k, v, a, b, A_log, dt_bias, state, mask):
-    """The same with a (B, T) mask of the positions each row takes (a batch's rows of other
-    lengths; a replay of the counts a verify will accept, ``RecurrentCache.accept_later``)."""
-    return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=False)
-
-
 class GatedDeltaNetBase(nn.Module):
     """Gated DeltaNet mixer. Subclasses define the input projections."""
 
@@ -275,14 +268,11 @@ class GatedDeltaNetBase(nn.Module):
 
     def recurrence(self, q, k, v, a, b, state, mask=None):
         """The per-token recurrence: mlx-lm's entry point, the fused kernel on Metal. On
-        the CPU a decode step, verify pass or replay (a few positions, a state, with a mask
-        or not) runs it as one compiled graph instead of mlx-lm's per-position op loop."""
-        if (COMPILE_RECURRENCE and state is not None and not self.training
+        the CPU a decode step or verify pass (a few positions, a state, no mask) runs it
+        as one compiled graph instead of mlx-lm's per-position op loop."""
+        if (COMPILE_RECURRENCE and mask is None and state is not None and not self.training
                 and q.shape[1] <= MAX_COMPILED_TOKENS and mx.default_device() == mx.cpu):
-            if mask is None:
-                return _compiled_recurrence(q, k, v, a, b, self.A_log, self.dt_bias, state)
-            return _compiled_masked_recurrence(q, k, v, a, b, self.A_log, self.dt_bias, state,
-                                               mask)
+            return _compiled_recurrence(q, k, v, a, b, self.A_log, self.dt_bias, state)
         return gated_delta_update(
             q, k, v, a, b, self.A_log, self.dt_bias, state, mask, use_kernel=not self.training
         )

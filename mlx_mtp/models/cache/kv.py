@@ -13,8 +13,9 @@ Two kinds of per-layer state:
   ``index.py``.
 
 Every cache answers ``accept(n_keep)`` after a speculative (verify) pass:
-``n_keep[b]`` is how many of that pass's positions row ``b`` keeps (>= 1, the first verified
-token is always committed), on every layer whatever its kind; ``accept_later`` runs first.
+``n_keep[b]`` is how many of that pass's positions row ``b`` keeps (>= 1, the
+first verified token is always committed). The decode step calls it on every
+layer without knowing which kind of layer it is.
 
 Every cache speaks one protocol (mlx-lm's shape, ``_Cache`` here), so nothing outside the
 cache modules reads a cache field: ``state`` / ``meta_state`` / ``from_state`` (save and load; ``kind``,
@@ -66,9 +67,6 @@ class _Cache:
         if B != 1:
             raise ValueError(f"a {cls.__name__} holds one row, not {B}")
         return cls()
-
-    def accept_later(self, n_keep: mx.array) -> List[mx.array]:  # before the sync, lazy counts
-        return []  # what ``accept`` keeps, built ahead: nothing where it is a pointer move
 
     def prepare(self, S: int, lengths=None):
         """The next chunk is ``S`` positions (``lengths``: each row's, right-aligned); a

@@ -27,7 +27,6 @@ class VerifyRecord(NamedTuple):
     inputs: Tuple[mx.array, ...]  # per-position (q, k, v, a, b), time axis 1
     mask: Optional[mx.array]  # (B, T) mask the pass ran with
     recurrence: Callable  # (*inputs, state, mask) -> (y, state): the layer's call
-    accepted: Optional[Tuple[mx.array, mx.array]] = None  # (conv, ssm) from ``accept_later``
 
 
 class RecurrentCache(_Cache):
@@ -112,25 +111,6 @@ class RecurrentCache(_Cache):
         self.offset -= T - max(n_keep)
         self.select_rows(list(n_keep))
 
-    def accept_later(self, n_keep: mx.array) -> List[mx.array]:
-        """Build, before it is read, the state ``accept`` will keep: ``n_keep`` (B,) is the
-        step's lazy kept count. The replay runs over every position but the last with the
-        later ones masked (fixed shapes; a row keeping all takes the pass's own state), so
-        the rollback is built and started with the step and ``accept`` after the host sync
-        only moves the offset. Returns the arrays to evaluate with the step."""
-        rec = self.verify_record
-        if rec is None:
-            raise RuntimeError("accept_later() needs a forward pass run with capture=True")
-        T = rec.inputs[0].shape[1]
-        keep = mx.arange(T - 1)[None] < n_keep[:, None]
-        mask = keep if rec.mask is None else rec.mask[:, : T - 1] & keep
-        _, ssm = rec.recurrence(*(x[:, : T - 1] for x in rec.inputs), rec.ssm, mask)
-        ssm = mx.where((n_keep == T).reshape(-1, *[1] * (ssm.ndim - 1)), self.ssm, ssm)
-        ix = n_keep[:, None] + mx.arange(rec.conv_input.shape[1] - T)[None]
-        conv = mx.take_along_axis(rec.conv_input, ix[..., None], axis=1)
-        self.verify_record = rec._replace(accepted=(conv, ssm))
-        return [conv, ssm]
-
     def select_rows(self, n_keep: List[int]):
         """Keep row b's state after ``n_keep[b]`` positions (offset untouched).
 
@@ -147,9 +127,6 @@ class RecurrentCache(_Cache):
         self.verify_record = None
         if all(n == T for n in n_keep):
             return  # conv and ssm already hold the state after every position
-        if rec.accepted is not None:  # built with the step, from the same counts
-            self.conv, self.ssm = rec.accepted
-            return
         window = rec.conv_input.shape[1] - T
         mask = rec.mask[:, :longest] if rec.mask is not None else None
         if any(n != longest for n in n_keep):
