@@ -98,8 +98,7 @@ def test_a_source_the_step_cannot_feed_is_refused_when_a_row_takes_it(counting):
 
 def test_the_head_chain_starts_each_draft_and_the_step_once(tiny_model, monkeypatch):
     """``mx.async_eval`` per step: one per head pass (its drafts start as drawn) and the
-    step's own (its read, then the rollback built before the sync); moving the chain into
-    drafters/ added none."""
+    step's own; moving the chain into drafters/ added none."""
     import mlx.core as mx
 
     import mlx_mtp.decode.step as step_module
@@ -121,5 +120,4 @@ def test_the_head_chain_starts_each_draft_and_the_step_once(tiny_model, monkeypa
     for _ in range(3):
         calls.clear()
         out = dec.step()
-        # the step's own: what the sync reads, then the rollback built before it
-        assert out.num_drafted == 3 and len(calls) == 3 + 1 + step_module.ROLLBACK_BEFORE_SYNC
+        assert out.num_drafted == 3 and len(calls) == 3 + 1

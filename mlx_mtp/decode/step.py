@@ -218,9 +218,7 @@ class DecodeBatch:
         k = max(ks) if ks else 0
         if any(p.head for p in plans) and self.mtp_cache is None:
             raise ValueError("drafting needs an MTP cache")
-        if k:
-            return self._launch_spec(k, ks, plans)  # it starts its own parts in order
-        pending = self._launch_plain()
+        pending = self._launch_plain() if k == 0 else self._launch_spec(k, ks, plans)
         mx.async_eval(pending.tokens, pending.logprobs)
         return pending
 
