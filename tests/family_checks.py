@@ -160,6 +160,19 @@ def prefilled_cache(model, prompt):
     return cache
 
 
+def verified_and_plain(model, prefix, rows, keep):
+    """(``spec``, ``plain``): after ``prefix``, a verify pass over ``rows`` keeping ``keep`` of
+    them, and the same kept rows fed one at a time: the two caches a rollback must make equal."""
+    plain = prefilled_cache(model, prefix)
+    for t in rows[:keep]:
+        model.trunk(mx.array([[t]]), plain)
+    spec = prefilled_cache(model, prefix)
+    model.trunk(mx.array([rows]), spec, capture=True)
+    for c in spec:
+        c.accept([keep])
+    return spec, plain
+
+
 def one_by_one_logits(model, prompt, tokens):
     """Logits of plain decoding: ``tokens`` one at a time after ``prompt``, as (1, T, V)."""
     cache = prefilled_cache(model, prompt)

@@ -62,13 +62,7 @@ def test_partial_acceptance_equals_plain_decoding(model, ref, start):
     seq = ref["prompt"].tolist() + ref["tokens"].tolist()
     prefix, rows, after = seq[:start], seq[start:start + 4], seq[start + 4]
     for keep in range(1, 5):
-        plain = fc.prefilled_cache(model, prefix)
-        for t in rows[:keep]:
-            model.trunk(mx.array([[t]]), plain)
-        spec = fc.prefilled_cache(model, prefix)
-        model.trunk(mx.array([rows]), spec, capture=True)
-        for c in spec:
-            c.accept([keep])
+        spec, plain = fc.verified_and_plain(model, prefix, rows, keep)
         for a, b in zip(spec, plain):
             assert a.lengths() == b.lengths() == [start + keep]
             for x, y in zip(a.state, b.state):

@@ -148,13 +148,7 @@ def test_deepseek_v4_rollback_across_window_completions_is_exact(dsv4, start):
     seq = [int(x) for x in RNG.integers(0, 256, start + 5)]
     prefix, rows, after = seq[:start], seq[start:start + 4], seq[start + 4]
     for keep in range(1, 5):
-        plain = fc.prefilled_cache(dsv4, prefix)
-        for t in rows[:keep]:
-            dsv4.trunk(mx.array([[t]]), plain)
-        spec = fc.prefilled_cache(dsv4, prefix)
-        dsv4.trunk(mx.array([rows]), spec, capture=True)
-        for c in spec:
-            c.accept([keep])
+        spec, plain = fc.verified_and_plain(dsv4, prefix, rows, keep)
         same(cache_state_arrays(spec), cache_state_arrays(plain))
         nxt = mx.array([[rows[keep] if keep < 4 else after]])
         same([dsv4.logits(dsv4.trunk(nxt, spec)[0])], [dsv4.logits(dsv4.trunk(nxt, plain)[0])])
@@ -285,13 +279,7 @@ def test_rollback_that_uncompletes_a_pool_is_exact(pooling, start, monkeypatch):
     seq = [int(x) for x in RNG.integers(0, 128, start + 5)]
     prefix, rows, after = seq[:start], seq[start:start + 4], seq[start + 4]
     for keep in range(1, 5):
-        plain = fc.prefilled_cache(pooling, prefix)
-        for t in rows[:keep]:
-            pooling.trunk(mx.array([[t]]), plain)
-        spec = fc.prefilled_cache(pooling, prefix)
-        pooling.trunk(mx.array([rows]), spec, capture=True)
-        for c in spec:
-            c.accept([keep])
+        spec, plain = fc.verified_and_plain(pooling, prefix, rows, keep)
         keys = pooled_key_caches(spec)
         assert keys and all(c.quantization == Q4 and c.state[0].dtype == mx.uint32
                             for c in keys)
