@@ -207,6 +207,10 @@ class DraftPolicy:
         # evidence that paused the head is weighed against fresh steps, not rare ones.
         self.recheck_gap = recheck_gap
         self.probe_budget = probe_budget
+        # After a re-check that did not pay, the next waits until re-checks would cost this
+        # share of what a head landing every draft gains (``_dry_gap``): rarely where
+        # verifying is dear, soon where it is cheap.
+        self.recheck_share = 0.1
         # A probe is worth it if drafting could win with a somewhat cheaper step than
         # predicted: a probe measures the cell itself, correcting the fit.
         self.optimism = 0.8
@@ -219,6 +223,7 @@ class DraftPolicy:
         # break-even for a dozen misses, and a fresh process has no evidence for it.
         self.first_misses = 3
         self._landed_once, self._dry_steps = False, 0
+        self._whole = False  # the last step landed every draft: one deeper may pay
 
     # -- measurements ------------------------------------------------------------
     def record_step(self, B: int, k: int, seconds: Optional[float], accepted: Sequence[int] = (),
@@ -243,11 +248,19 @@ class DraftPolicy:
         self._dry_steps += (k > 0 if ks is None else any(ks)) and not landed
         whole = any(kb and n >= s + kb for n, s, kb in zip(
             accepted, starts or [0] * len(accepted), ks or [k] * len(accepted)))
-        if not self._drafting and ((landed and self._could_pay(B, 1))
-                                   or (whole and self._could_pay(B))):
-            # paused, yet a re-check landed (every draft, where only deeper steps can
-            # pay): the next one soon, one position deeper if it landed every draft
+        self._whole = whole
+        if self._drafting or not k:
+            return
+        # a re-check while paused that landed: the next soon (where K=1 pays), or one
+        # position deeper at once if it landed every draft (where only depth pays); one
+        # that did not: after a gap priced by what it cost (``_dry_gap``)
+        if landed and self._could_pay(B, 1):
             self._gaps[None] = (self.recheck_gap[0], self.recheck_gap[0])
+        elif whole and self._could_pay(B):
+            self._gaps[None] = (1, 1)
+        else:
+            gap = max(self._gaps.get(None, (1, 1))[0], self._dry_gap(B, k))
+            self._gaps[None] = (gap, gap)
 
     def row_ks(self, rows, B: int, prompts_waiting: bool = False,
                contexts: Optional[Sequence[int]] = None) -> List[int]:
@@ -280,6 +293,8 @@ class DraftPolicy:
             self._gaps.pop(None, None)
         self._drafting = k > 0
         probe = self._maybe_probe(B, max_k, k)
+        if probe is None and k and self._deeper_may_pay(B, depth, k, contexts):
+            return k + 1
         return k if probe is None else probe
 
     def would_draft(self, B: int, max_k: int) -> bool:
@@ -296,6 +311,24 @@ class DraftPolicy:
         if not contexts:
             return self.acceptance.landed_depth()
         return max(self.by_context.estimate(c).landed_depth() for c in contexts)
+
+    def _deeper_may_pay(self, B: int, max_k: int, k: int,
+                        contexts: Optional[Sequence[int]]) -> bool:
+        """Go deeper on evidence: the last step landed all its drafts and one more draft
+        (up to ``max_k``: one past the positions landed) could beat K=k, the k positions
+        at their mean estimate and the new one at its upper estimate. A head that keeps
+        landing climbs a position per step (the mean alone kept an always-right head at
+        K=1 for six steps at hidden 1024); where the new position cannot pay even if it
+        always lands, or was measured to miss, it is not tried."""
+        t, deeper = self.costs.predict(B, k), self.costs.predict(B, k + 1)
+        if not (self._whole and k < max_k and t is not None and deeper is not None):
+            return False
+
+        def tokens(e: AcceptanceEstimate) -> float:
+            mean, upper = e.means(extrapolate=True), e.means(True, True)
+            return e.expected_tokens(k, extrapolate=True) + math.prod(mean[:k]) * upper[k]
+        rows = [self.by_context.estimate(c) for c in contexts] if contexts else [self.acceptance]
+        return sum(map(tokens, rows)) / len(rows) / deeper > self._expected(k, contexts) / t
 
     def _expected(self, k: int, contexts: Optional[Sequence[int]], optimistic: bool = False):
         """Tokens per row per step with k drafts, deeper positions than drafted lately
@@ -415,18 +448,27 @@ class DraftPolicy:
     def _recheck_gaps(self, B: int, k: int = 1) -> Tuple[int, int]:
         """The first and the longest interval between acceptance re-checks of K=k while
         paused. A re-check costs ``t(B, k) / t(B, 0) - 1`` plain steps; the intervals
-        double up to where one per interval stays within ``probe_budget``. Where only
-        drafts deeper than one can pay and none has landed yet, the first comes after ten
-        times that many steps (the real shape's K=1 re-check, 0.97 plain steps more than a
-        plain one, after 10 steps, not 4: a never-right head keeps more of plain speed)."""
+        double (from ``_dry_gap`` after one that did not pay) up to where one per interval
+        stays within ``probe_budget``."""
         first, shortest, longest = self.recheck_gap
         t0, t = self.costs.predict(B, 0), self.costs.predict(B, k)
         if not t0 or t is None:
             return first, longest
         extra = max(t / t0 - 1.0, 0.0)
-        if not self._landed_once and not self._could_pay(B, 1):
-            first = max(first, min(shortest, math.ceil(10 * extra)))
         return first, max(shortest, min(longest, math.ceil(extra / self.probe_budget)))
+
+    def _dry_gap(self, B: int, k: int) -> int:
+        """Steps until the next re-check after one of K=k that did not pay: its extra cost
+        (``t(B, k) / t(B, 0) - 1`` plain steps) over ``recheck_share`` of what a head landing
+        every draft would gain per step at the K measured best (its rate over plain steps,
+        less the margin). The real shape on a 2-core Xeon: a K=1 re-check costs 0.97 plain
+        steps and K=3 gains 0.16 at best: 61 steps; on an EPYC (0.19 and 1.6): 2."""
+        t0, t = self.costs.predict(B, 0), self.costs.predict(B, k)
+        gain = max(((j + 1) * t0 / (tj * self.margin) - 1.0 for j in range(1, MAX_DRAFT_TOKENS + 1)
+                    for tj in [self.costs.measured(B, j)] if tj), default=0.0)
+        if not t0 or t is None or gain <= 0:
+            return 0
+        return math.ceil(max(t / t0 - 1.0, 0.0) / (self.recheck_share * gain))
 
     def _due(self, key, longest: Optional[int] = None, first: Optional[int] = None) -> bool:
         """Count down the probe interval of ``key`` (starting at ``first``); True (and
