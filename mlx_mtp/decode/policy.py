@@ -224,6 +224,7 @@ class DraftPolicy:
         self.first_misses = 3
         self._landed_once, self._dry_steps = False, 0
         self._whole = False  # the last step landed every draft: one deeper may pay
+        self._dry_gap_due = 0  # the chosen re-check's next interval if it does not pay
 
     # -- measurements ------------------------------------------------------------
     def record_step(self, B: int, k: int, seconds: Optional[float], accepted: Sequence[int] = (),
@@ -249,6 +250,7 @@ class DraftPolicy:
         whole = any(kb and n >= s + kb for n, s, kb in zip(
             accepted, starts or [0] * len(accepted), ks or [k] * len(accepted)))
         self._whole = whole
+        dry_gap, self._dry_gap_due = self._dry_gap_due, 0
         if self._drafting or not k:
             return
         # a re-check while paused that landed: the next soon (where K=1 pays), or one
@@ -258,8 +260,8 @@ class DraftPolicy:
             self._gaps[None] = (self.recheck_gap[0], self.recheck_gap[0])
         elif whole and self._could_pay(B):
             self._gaps[None] = (1, 1)
-        else:
-            gap = max(self._gaps.get(None, (1, 1))[0], self._dry_gap(B, k))
+        elif dry_gap:
+            gap = max(self._gaps.get(None, (1, 1))[0], dry_gap)
             self._gaps[None] = (gap, gap)
 
     def row_ks(self, rows, B: int, prompts_waiting: bool = False,
@@ -419,6 +421,7 @@ class DraftPolicy:
                             or (k + 1) / (self.optimism * t) > self.margin / t0):
             first, longest = self._recheck_gaps(B, k)
             if self._due(None, longest, first):
+                self._dry_gap_due = self._dry_gap(B, k, max_k)
                 return k
         return None
 
@@ -457,16 +460,18 @@ class DraftPolicy:
         extra = max(t / t0 - 1.0, 0.0)
         return first, max(shortest, min(longest, math.ceil(extra / self.probe_budget)))
 
-    def _dry_gap(self, B: int, k: int) -> int:
+    def _dry_gap(self, B: int, k: int, max_k: int) -> int:
         """Steps until the next re-check after one of K=k that did not pay: its extra cost
         (``t(B, k) / t(B, 0) - 1`` plain steps) over ``recheck_share`` of what a head landing
-        every draft would gain per step at the K measured best (its rate over plain steps,
-        less the margin). The real shape on a 2-core Xeon: a K=1 re-check costs 0.97 plain
+        every draft would gain per step at the best K up to ``max_k`` (its rate over plain
+        steps, less the margin; costs as ``_cost_guess`` has them). The real shape on a 2-core Xeon: a K=1 re-check costs 0.97 plain
         steps and K=3 gains 0.16 at best: 61 steps; on an EPYC (0.19 and 1.6): 2."""
         t0, t = self.costs.predict(B, 0), self.costs.predict(B, k)
-        gain = max(((j + 1) * t0 / (tj * self.margin) - 1.0 for j in range(1, MAX_DRAFT_TOKENS + 1)
-                    for tj in [self.costs.measured(B, j)] if tj), default=0.0)
-        if not t0 or t is None or gain <= 0:
+        if not t0 or t is None:
+            return 0
+        gain = max(((j + 1) * t0 / (tj * self.margin) - 1.0 for j in range(1, max_k + 1)
+                    for tj in [self._cost_guess(B, j)] if tj), default=0.0)
+        if gain <= 0:
             return 0
         return math.ceil(max(t / t0 - 1.0, 0.0) / (self.recheck_share * gain))
 
