@@ -318,10 +318,10 @@ class DraftPolicy:
                         contexts: Optional[Sequence[int]]) -> bool:
         """Go deeper on evidence: the last step landed all its drafts and one more draft
         (up to ``max_k``: one past the positions landed) could beat K=k, the k positions
-        at their mean estimate and the new one at its upper estimate. A head that keeps
-        landing climbs a position per step (the mean alone kept an always-right head at
-        K=1 for six steps at hidden 1024); where the new position cannot pay even if it
-        always lands, or was measured to miss, it is not tried."""
+        at their mean estimate, the new one at its upper estimate and its extra cost at
+        ``optimism`` (the step measures it). A head that keeps landing climbs a position
+        per step (the mean alone kept an always-right head at K=1 for six steps at hidden
+        1024); where the new position cannot pay, or was measured to miss, it is not tried."""
         t, deeper = self.costs.predict(B, k), self.costs.predict(B, k + 1)
         if not (self._whole and k < max_k and t is not None and deeper is not None):
             return False
@@ -330,6 +330,7 @@ class DraftPolicy:
             mean, upper = e.means(extrapolate=True), e.means(True, True)
             return e.expected_tokens(k, extrapolate=True) + math.prod(mean[:k]) * upper[k]
         rows = [self.by_context.estimate(c) for c in contexts] if contexts else [self.acceptance]
+        deeper = t + self.optimism * max(deeper - t, 0.0)
         return sum(map(tokens, rows)) / len(rows) / deeper > self._expected(k, contexts) / t
 
     def _expected(self, k: int, contexts: Optional[Sequence[int]], optimistic: bool = False):
