@@ -458,10 +458,11 @@ class DraftPolicy:
 
     def _dry_gap(self, B: int, k: int, max_k: int) -> int:
         """Steps until the next re-check after one of K=k that did not pay: its extra cost
-        (``t(B, k) / t(B, 0) - 1`` plain steps) over ``recheck_share`` of what a head landing
-        every draft would gain per step at the best K up to ``max_k`` (its rate over plain
-        steps, less the margin; costs as ``_cost_guess`` has them). The real shape on a 2-core Xeon: a K=1 re-check costs 0.97 plain
-        steps and K=3 gains 0.16 at best: 61 steps; on an EPYC (0.19 and 1.6): 2."""
+        (``t(B, k) / t(B, 0) - 1`` plain steps) over ``recheck_share`` of what a head
+        landing every draft would gain per step at the best K up to ``max_k`` (its rate
+        over plain steps, less the margin; costs as ``_cost_guess`` has them). The real
+        shape on a 2-core Xeon: a K=1 re-check costs 0.97 plain steps and K=3 gains 0.16
+        at best: 61 steps; on an EPYC (0.19 and 1.6): 2."""
         t0, t = self.costs.predict(B, 0), self.costs.predict(B, k)
         if not t0 or t is None:
             return 0
