@@ -158,7 +158,7 @@ GLM5_VISION = {"model.visual.patch_embed.proj.weight": (16, 3, 2, 14, 14),
                "model.visual.merger.proj.weight": (32, 32)}
 
 
-def glm5_next_config(vocab_size: int = 128, hidden: int = 64, num_layers: int = 5,
+def glm5_next_config(vocab_size: int = 128, hidden: int = 64, num_layers: int = 3,
                      index_topk: int = INDEX_TOPK) -> dict:
     """KDA and indexed MLA layers (L, I, I repeated: the second indexed layer reuses the
     first one's selection), MoE from layer 1, pools of 4 keys of which ``index_topk`` keys
