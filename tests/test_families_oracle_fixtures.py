@@ -51,3 +51,24 @@ def test_oracle_checkpoint_accepts_everything(family, tmp_path):
     """bf16 as the benchmark stores it: acceptance 1.0 at K = 1..3, output plain decoding's."""
     path = BUILDERS[family](tmp_path / family, "oracle", dtype=mx.bfloat16)
     fc.assert_oracle_accepts_everything(load_model(path)[0], PROMPT)
+
+
+def test_bench_runs_a_family_without_a_final_norm(tmp_path):
+    """``mlx-mtp bench`` (as the benchmark runs it) on Qwen4-Exp, whose output layer reads
+    the streams' mixer, not a final norm: it once failed reading that norm's dtype for its
+    report. Every draft of the oracle is accepted."""
+    import json
+
+    from mlx_mtp.cli import main
+
+    path = BUILDERS["qwen4_exp"](tmp_path / "qwen4_exp", "oracle", vocab_size=4096,
+                                 dtype=mx.bfloat16)
+    out = tmp_path / "bench"
+    assert main(["bench", "--model", str(path), "--num-draft-tokens", "0,2", "--max-tokens",
+                 "8", "--repeats", "1", "--prompts", "builtin:qa", "--cost-reps", "1",
+                 "--warmup-tokens", "2", "--ignore-eos", "--no-plots", "--quiet",
+                 "--draft-source", "mtp", "-o", str(out)]) == 0
+    report = json.loads((out / "inprocess.json").read_text())
+    assert report["model_type"] == "qwen4_exp"
+    rows = {r["setting"]: r for r in report["settings"]}
+    assert rows["K=2"]["mean_acceptance_length"] == 3 and rows["K=2"]["outputs_match_plain"]
