@@ -21,6 +21,7 @@ of t+1 alone, so its draft is the trunk's own prediction at every chained depth 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -49,8 +50,10 @@ def context_free_parameters(model, writes: tuple, kept: str) -> dict:
 
 
 def _oracle_model(make):
-    """``write_tiny``'s ``oracle`` hook from a recipe ``make(model)``."""
+    """``write_tiny``'s ``oracle`` hook from a recipe ``make(model)`` (no ``noisy`` head)."""
     def oracle(model, trunk_scale: float, proj_noise: float, seed: int):
+        if proj_noise:
+            raise ValueError(f"{model.model_type}: only a random or an oracle head is built")
         make(model)
         mx.eval(model.parameters())
     return oracle
@@ -119,8 +122,7 @@ def qwen4_exp_to_hf(model, drop_mtp: bool = False) -> dict:
         out[prefix + "experts.gate_up_proj"] = mx.concatenate([gate, up], axis=1)
         out[prefix + "experts.down_proj"] = down
     for k, v in flat.items():
-        v = v - 1 if v.ndim == 1 and ZERO_CENTRED.search(k) else _conv(k, v)
-        out[k] = v
+        out[k] = v - 1 if v.ndim == 1 and ZERO_CENTRED.search(k) else _conv(k, v)
     out = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
            for k, v in out.items()}
     return {k: v for k, v in out.items() if not (drop_mtp and k.startswith("mtp."))}
@@ -186,8 +188,6 @@ def glm5_next_config(vocab_size: int = 128, hidden: int = 64, num_layers: int = 
 
 
 def glm5_next_to_hf(model, drop_mtp: bool = False) -> dict:
-    import re
-
     flat = dict(tree_flatten(model.parameters()))
     n, out = model.args.num_hidden_layers, {}
     for k in {k.split("switch_mlp.")[0] for k in flat if ".switch_mlp." in k}:
@@ -270,8 +270,6 @@ def deepseek_v4_config(vocab_size: int = 128, hidden: int = 64, num_layers: int 
 
 
 def deepseek_v4_to_hf(model, drop_mtp: bool = False) -> dict:
-    import re
-
     flat = dict(tree_flatten(model.parameters()))
     out = {}
     for k in {k.split("switch_mlp.")[0] for k in flat if ".switch_mlp." in k}:
