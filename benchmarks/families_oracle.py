@@ -19,6 +19,13 @@ active past 32 tokens). ``nemotron_h`` repeats its pattern ``M*M-ME`` ``--layers
 (6 blocks each) and ``longcat_flash`` has ``--layers // 2`` layers of two sublayers, so every
 fixture is a few hundred MB at the default shape.
 
+Issue 37's families (``testing/tiny_next.py``, ``tiny_streams.py``, ``tiny_bailing.py``): the
+same window and budgets where they have them: ``qwen4_exp``'s indexed attention keeps 32 keys
+(16 blocks of 2), ``glm5_next``'s indexer 32 keys (8 pools of 4), ``deepseek_v4``'s
+compressed-sparse layers 8 entries of 4 tokens beside a window of 32; ``bailing_hybrid`` (KDA
+and MLA) has neither. ``minimax_m3_vl`` is not here: its MTP head is refused (no published
+layout), so there is no head to make an oracle of.
+
     python benchmarks/families_oracle.py [--families glm4_moe,mimo] [--hidden 1024 --layers 8]
 """
 
@@ -36,6 +43,8 @@ import mlx.core as mx
 
 from mlx_mtp.testing import tiny_next
 from mlx_mtp.testing import tiny_special as special
+from mlx_mtp.testing import tiny_streams as streams
+from mlx_mtp.testing.tiny_bailing import make_tiny_bailing_hybrid
 from mlx_mtp.testing.tiny_attention import FAMILIES as ATTENTION_FAMILIES
 from mlx_mtp.testing.tiny_attention import make_tiny
 
@@ -62,6 +71,14 @@ SPECIAL = {  # issue 27's families: builder, config keywords
     # Issue 37's families whose trunk mlx-lm has (Step-3.7: three MTP layers).
     "step3p7": (tiny_next.make_tiny_step3p7, lambda a: dict(num_layers=a.layers, window=WINDOW)),
     "mellum": (tiny_next.make_tiny_mellum, lambda a: dict(num_layers=a.layers, window=WINDOW)),
+    # Issue 37's families whose trunk mlx-lm lacks (streams), and Ling-3.0.
+    "qwen4_exp": (streams.make_tiny_qwen4_exp,
+                  lambda a: dict(num_layers=a.layers, index_budget=INDEX_TOPK)),
+    "glm5_next": (streams.make_tiny_glm5_next,
+                  lambda a: dict(num_layers=a.layers, index_topk=INDEX_TOPK)),
+    "deepseek_v4": (streams.make_tiny_deepseek_v4,  # entries of 4 tokens: INDEX_TOPK tokens
+                    lambda a: dict(num_layers=a.layers, window=WINDOW, index_topk=INDEX_TOPK // 4)),
+    "bailing_hybrid": (make_tiny_bailing_hybrid, lambda a: dict(num_layers=a.layers)),
 }
 FAMILIES = ATTENTION_FAMILIES + tuple(SPECIAL)
 

@@ -14,7 +14,6 @@ import pytest
 from mlx_lm.generate import generate_step as mlx_lm_generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model as mlx_lm_load_model
-from mlx.utils import tree_flatten
 
 from distribution_check import assert_follows, sample_rows, two_token_joint_of
 from mlx_mtp.decode.batch import BatchDecoder
@@ -246,20 +245,6 @@ def assert_sampling_follows_target(model, ref_model, prompt, n_samples: int = 40
     seen, accepted, _ = sample_rows(model, prompt, 2, n_samples)
     assert accepted > n_samples // 10
     assert_follows(seen, two_token_joint_of(targets), n_samples)
-
-
-def context_free_parameters(model, writes: tuple, kept: str) -> dict:
-    """``model``'s parameters (flattened) made context-free for an oracle head, which then
-    copies the kept block: every weight ending in one of ``writes`` (what a sub-block writes
-    to the residual) zero but those under ``kept``, and embeddings of RMS 1. The caller wires
-    the head and applies them (``model.update(tree_unflatten(...))``)."""
-    params = dict(tree_flatten(model.parameters()))
-    for k, v in list(params.items()):
-        if k.endswith(writes) and not k.startswith(kept):
-            params[k] = mx.zeros_like(v)
-    e = params["model.embed_tokens.weight"]
-    params["model.embed_tokens.weight"] = e / mx.sqrt((e * e).mean(axis=-1, keepdims=True))
-    return params
 
 
 def assert_oracle_accepts_everything(model, prompt, n: int = 20) -> dict:

@@ -10,7 +10,6 @@ the trunk's distribution."""
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_unflatten
 import numpy as np
 import pytest
 
@@ -19,6 +18,7 @@ from distribution_check import assert_follows, sample_outcomes, two_token_joint
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.testing.tiny_streams import deepseek_v4_oracle as oracle_head
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepseek_v4"
 
@@ -329,30 +329,6 @@ def test_partial_acceptances_keep_transformers_greedy(model, ref):
     assert got == tokens
     kept = dec.stats.accepted_per_pos  # steps ended after each depth: partial acceptances
     assert kept[0] > kept[1] > kept[2] > 0
-
-
-def oracle_head(model):
-    """The fixture made context-free so the head can copy it: every attention and every MoE
-    but the last layer's writes nothing (``wo_b``, ``w2`` / ``down_proj`` zero), embeddings
-    have RMS 1. The head's block is that last layer (its attention silent too), its
-    ``hc_head`` and norm the trunk's, on ``e_proj = I`` (``h_proj = 0``: the embedding
-    alone). Its draft for t+2 from t+1 is then the trunk's own prediction (up to the
-    streams' Sinkhorn rounding), at every chained depth. The compressors and indexers still
-    run and fill their caches."""
-    last, H = len(model.model.layers) - 1, model.args.hidden_size
-    params = fc.context_free_parameters(model, ("wo_b.weight", "w2.weight", "down_proj.weight"),
-                                        f"model.layers.{last}.ffn.")
-    block = "mtp.layers.0.block."
-    for k in [k for k in params if k.startswith(block) and not k.endswith("wo_b.weight")]:
-        params[k] = params[f"model.layers.{last}." + k[len(block):]]
-    for part in ("fn", "base", "scale"):
-        params[f"mtp.layers.0.hc_head.{part}"] = params[f"model.hc_head.{part}"]
-    params["mtp.layers.0.norm.weight"] = params["model.norm.weight"]
-    params["mtp.layers.0.enorm.weight"] = mx.ones((H,))
-    params["mtp.layers.0.e_proj.weight"] = mx.eye(H)
-    params["mtp.layers.0.h_proj.weight"] = mx.zeros((H, H))
-    model.update(tree_unflatten(list(params.items())))
-    return model
 
 
 def test_oracle_head_accepts_everything(ref):

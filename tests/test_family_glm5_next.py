@@ -13,7 +13,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_unflatten
 from safetensors.numpy import load_file, save_file
 
 import cache_checks as cc
@@ -24,6 +23,7 @@ from mlx_mtp.models.cache.quantized import KVQuantization
 from mlx_mtp.models.io.layout import CheckpointError
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny import TOKENIZER_DIR
+from mlx_mtp.testing.tiny_streams import glm5_next_oracle as oracle
 
 FIXTURE = Path(__file__).parent / "fixtures" / "glm5_next"
 CHECKPOINT = FIXTURE / "checkpoint"
@@ -313,30 +313,6 @@ def test_bfloat16_keeps_float32_where_transformers_does(reference):
     assert cache[0].state[1].dtype == mx.float32
     plain = fc.mtp_tokens(model, prompt, 0, n=16)[0]
     assert fc.mtp_tokens(model, prompt, 2, n=16)[0] == plain
-
-
-def oracle(model):
-    """The fixture made context-free so the head can copy it: every sub-block writes nothing
-    but the last layer's MoE, whose ``post`` weights are made exactly 1; embeddings have RMS 1.
-    The head is that MoE on ``eh_proj = [I | 0]`` (the embedding alone), its final norm the
-    trunk's. Its draft for t+2 from t+1 is then the trunk's own prediction (up to the
-    streams' Sinkhorn rounding), at every chained depth."""
-    last = len(model.model.layers) - 1
-    hc = model.args.hc_mult
-    params = fc.context_free_parameters(model, ("o_proj.weight", "down_proj.weight"),
-                                        f"model.layers.{last}.mlp")
-    fn, base = f"model.layers.{last}.ffn_hc.fn", f"model.layers.{last}.ffn_hc.base"
-    params[fn] = params[fn] * (1 - ((mx.arange(params[fn].shape[0]) // hc) == 1)[:, None])
-    params[base] = params[base] * (1 - ((mx.arange(params[base].shape[0]) // hc) == 1))
-    for k in [k for k in params if k.startswith("mtp.layers.0.mlp.")
-              or k.startswith("mtp.layers.0.post_attention_layernorm.")]:
-        params[k] = params[f"model.layers.{last}." + k[len("mtp.layers.0."):]]
-    H = model.args.hidden_size
-    params["mtp.layers.0.enorm.weight"] = mx.ones((H,))
-    params["mtp.layers.0.eh_proj.weight"] = mx.concatenate([mx.eye(H), mx.zeros((H, H))], 1)
-    params["mtp.layers.0.shared_head.norm.weight"] = params["model.norm.weight"]
-    model.update(tree_unflatten(list(params.items())))
-    return model
 
 
 def test_oracle_head_accepts_everything(reference):

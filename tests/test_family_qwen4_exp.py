@@ -21,6 +21,7 @@ from mlx_mtp.models.blocks.hyper import NGramIds
 from mlx_mtp.models.cache.kv import cache_state_arrays, restore_caches, snapshot_caches
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny import TOKENIZER_DIR
+from mlx_mtp.testing.tiny_streams import qwen4_exp_oracle as oracle
 
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen4_exp"
 REF = json.loads((FIXTURE / "reference.json").read_text())
@@ -316,36 +317,6 @@ def test_kv_bits_refuse_a_group_wider_than_the_heads_in_one_line(model):
                                          "head size 16$"):
         model.use_kv_quantization(KVQuantization(bits=8))
     assert model.kv_quantization is None
-
-
-def oracle(model):
-    """The fixture made context-free so the head can copy it: every sub-block writes nothing
-    but the last layer's MoE, embeddings have RMS 1; the head is that layer and the trunk's
-    mixer on ``fc_embedding = I`` (``fc_hidden = 0``). Its draft for t+2 from t+1 is then the
-    trunk's own prediction, at every chained depth."""
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    last = len(model.model.layers) - 1
-    silent = ("o_proj.weight", "out_proj.weight", "value_proj.weight", "down_proj.weight",
-              "shared_expert_gate.weight")
-    params = dict(tree_flatten(model.parameters()))
-    for k, v in list(params.items()):
-        if k.endswith(silent) and not (k.startswith(f"model.layers.{last}.mlp")):
-            params[k] = mx.zeros_like(v)
-    e = params["model.embed_tokens.weight"]
-    params["model.embed_tokens.weight"] = e / mx.sqrt((e * e).mean(axis=-1, keepdims=True))
-    for k in [k for k in params if k.startswith("mtp.")]:
-        src = {"mtp.layers.0.": f"model.layers.{last}.",
-               "mtp.hyper_connection_mixer.": "model.hyper_connection_mixer."}
-        for a, b in src.items():
-            if k.startswith(a):
-                params[k] = params[b + k[len(a):]]
-    H = model.args.hidden_size
-    params["mtp.pre_fc_norm_embedding.weight"] = mx.ones((H,))
-    params["mtp.fc_embedding.weight"] = mx.eye(H)
-    params["mtp.fc_hidden.weight"] = mx.zeros((H, H))
-    model.update(tree_unflatten(list(params.items())))
-    return model
 
 
 def test_oracle_head_accepts_everything():

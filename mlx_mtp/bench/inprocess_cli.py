@@ -96,13 +96,17 @@ def _measure(args, model, prompts, encoded, cfg, eos) -> dict:
 
 def _meta(args, command: str, model, model_path: Path, prompts, encoded, cfg) -> dict:
     """What the results were measured on: machine, model, prompts and settings."""
+    import mlx.core as mx
+
     from ..models.io.loader import parameter_count
 
     sampling, lookup = cfg.sampling, cfg.lookup
     return {
         "mode": "inprocess", "command": command, "machine": machine_info(),
         "model": str(model_path), "model_type": model.model_type,
-        "parameters": parameter_count(model), "dtype": str(model.text.model.norm.weight.dtype),
+        # The embedding's dtype: every family has one (not every one a final norm).
+        "parameters": parameter_count(model),
+        "dtype": str(model.text.embed(mx.zeros((1, 1), mx.int32)).dtype),
         "prompts": [{"name": p.name, "category": p.category, "tokens": len(ids)}
                     for p, ids in zip(prompts, encoded)],
         "config": {"num_draft_tokens": cfg.ks, "max_tokens": args.max_tokens,
