@@ -28,6 +28,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from safetensors.numpy import load_file, save_file
 
+from engine_batch import served_alone
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import generate_step
 from mlx_mtp.models.distributed import choose_mode
@@ -135,6 +136,11 @@ def models(tmp_path_factory):
 
 JOBS = [(fam, head, mode) for fam in ("qwen4_exp", "glm5_next", "deepseek_v4")
         for head in ("noisy", "partial") for mode in MODES]
+# A batch of 4 served by the engine over the same ranks (``engine_batch.py``), the partial
+# head: rows accept different numbers of drafts. (One HTTP server per family: SERVE below.)
+SERVED = [(fam, "partial", mode) for fam in ("qwen4_exp", "glm5_next", "deepseek_v4")
+          for mode in ("pipeline", "tensor")]
+SERVE_K = 2
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +149,14 @@ def runs(models, tmp_path_factory):
     jobs = [{"name": "-".join(j), "model": str(models[j[:2]]), "mode": j[2], "ks": KS,
              "prompt": PROMPT, "max_tokens": MAX_TOKENS, "logits": j[1] == "noisy"}
             for j in JOBS]
+    jobs += [{"name": "served-" + "-".join(j), "model": str(models[j[:2]]), "mode": j[2],
+              "ks": [SERVE_K], "serve": SERVE_K} for j in SERVED]
     with RankJobs(RANK_SCRIPT, jobs, tmp_path_factory.mktemp("stream_runs")) as ranks:
+        for j in SERVED:
+            served_alone(models[j[:2]], SERVE_K)
         got = ranks.results()
-    return {j: got["-".join(j)] for j in JOBS}
+    return {**{j: got["-".join(j)] for j in JOBS},
+            **{("served",) + j: got["served-" + "-".join(j)] for j in SERVED}}
 
 
 @cache
@@ -186,6 +197,17 @@ def test_greedy_and_logits_equal_single_process(runs, models, job):
         for g, e in zip(got, want):
             assert np.allclose(g, e, rtol=1e-4, atol=1e-4 * np.abs(e).max()), \
                 np.abs(g - e).max()
+
+
+@pytest.mark.parametrize("job", SERVED, ids="-".join)
+def test_batch_of_4_served_equals_single_process(runs, models, job):
+    """The engine over two ranks (rank 0 schedules, rank 1 follows): rows joining at
+    different steps answer as one process's engine, token for token."""
+    r0, r1 = runs[("served",) + job]
+    assert r0["mode"] == r1["mode"] == job[2]
+    expected = served_alone(models[job[:2]], SERVE_K)
+    assert all(expected) and len({tuple(t) for t in expected}) == len(expected)
+    assert r0["served"] == expected and r1["served"] is None  # rank 1 only follows
 
 
 @pytest.mark.parametrize("family", ["qwen4_exp", "glm5_next", "deepseek_v4"])
