@@ -9,15 +9,20 @@ The driver runs the single-process decode itself and each mode under
 ``mlx.launch -n RANKS --backend ring``; every run decodes the same prompt greedily with
 a fixed K (K = 0 is MTP off). Rank 0 counts its host syncs (reads of a step, ``mx.eval``
 and ``mx.synchronize`` calls while decoding); bytes and messages are summed over ranks
-(payloads: hidden states sent down the pipeline, every rank's part of each all_sum;
-the all_sums inside tensor-parallel layers are not counted). ``all_sums/step`` counts every
+(the model's own count: hidden states sent down the pipeline, every rank's part of each of
+its all_sums; the all_sums inside tensor-parallel layers are not in it). ``all_sums/step`` counts every
 collective sum rank 0 issues per step, the layers' included (tensor: two per layer; expert:
 one per MoE block; plus the step's shares), and ``weights per rank`` what each rank holds.
-``tap bytes/step`` is what a block drafter's taps would add to a step's messages, computed
-from shapes (``--taps``, default five layers spread as z-lab's DFlash): none where every rank
-runs every layer (the drafter runs on each rank's own taps), and in a pipeline B x (K+1) x H
-per tap per boundary, for the taps on the sending stage and the stages before it (they ride
-with the hidden to rank 0, ``models/distributed.py`` ``_stage``).
+``send B/step`` and ``all_sum B/step`` are counted where every collective is issued: the bytes
+of each array passed to ``mx.distributed.send`` / ``all_sum`` (summed over ranks, the
+layers' all_sums included). ``tap B/step`` is what a block drafter's taps add to a step's
+messages, computed from shapes (``--taps``, default five layers spread as z-lab's DFlash):
+none where every rank runs every layer (the drafter runs on each rank's own taps), and in a
+pipeline B x (K+1) x H per tap per boundary, for the taps on the sending stage and the stages
+before it (they ride with the hidden to rank 0, ``models/distributed.py`` ``_stage``);
+``tap B counted`` is measured: each K > 0 decoded again with a block drafter (``--drafter``,
+by default a random DFlash tapping ``--taps`` on the tiny model), its sends less the
+head-only run's.
 
 ``--moe`` runs the same on a tiny DeepSeek-V3 with 32 routed experts per MoE layer (MLA,
 a shared expert, the first layer dense, an always-accepted head), in the modes single,
