@@ -23,8 +23,9 @@ PROMPTS = [[1, 5, 9, 22, 7, 3, 100, 20, 42, 17, 18], [30, 31, 2, 64, 50, 77],
 MAX_TOKENS = 8
 
 
-def serve_batch(model, tokenizer, k: int, group=None) -> list:
-    """Each request's tokens, in ``PROMPTS`` order (rank 0's; a follower returns None)."""
+def serve_batch(model, tokenizer, k: int, group=None) -> dict:
+    """Each request's tokens, in ``PROMPTS`` order, and the drafts the batch made (rank 0's;
+    a follower returns None)."""
     if group is not None and group.rank() > 0:
         code = Follower(model).run()
         assert code == 0, "the follower lost rank 0"
@@ -52,11 +53,11 @@ def serve_batch(model, tokenizer, k: int, group=None) -> list:
         pass
     if sync is not None:
         sync.stopped()
-    return emitted
+    return {"tokens": emitted, "drafted": engine.total_stats.num_draft_tokens}
 
 
 @cache  # per checkpoint and K: a module's jobs compare with one reference
-def served_alone(path, k: int) -> list:
+def served_alone(path, k: int) -> dict:
     """``serve_batch`` in this process, the reference of the ranks' (the same engine)."""
     model, config = load_model(Path(path))
     return serve_batch(model, load_tokenizer(Path(path), config), k)
