@@ -7,10 +7,12 @@ on a pipeline rank without the drafter, only its change to the embedding),
 "runs" ([source, K] pairs), "prompt" (ids), "max_tokens"}; argv[2]: where each rank writes its
 results (``<argv[2]>.<rank>``): per job the mode, the pipeline stage's layers, and per run the
 ids, the block and head drafts made and accepted, and the drafter's proposals (None on a
-pipeline rank without the drafter).
+pipeline rank without the drafter); the bytes the rank read while attaching the drafter, and
+the drafter's weight bytes it holds.
 """
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from block_checks import make_oracle
 from mlx_mtp.decode.draft_source import DraftSources
@@ -74,14 +76,24 @@ def single_process(job) -> list:
     return decodes(model, job)
 
 
+def bytes_read() -> int:
+    """What this process has read from files so far (Linux's count of read() bytes)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
 def run(job, group) -> dict:
     model, _ = load_distributed(job["model"], job["mode"], group)
+    before = bytes_read()
     attach_block_drafter(model, job["drafter"])
+    drafter_read = bytes_read() - before  # its config and headers, and its weights if held
+    held = sum(v.nbytes for _, v in tree_flatten(model.block_drafter.parameters()))
     if job.get("oracle") and not model.is_head:  # a pipeline stage: the trunk's part only
         job = dict(job, oracle=False)
         zero_mask_embedding(model)
     result = {"mode": model.mode, "runs": decodes(model, job, drafts=model.is_head),
-              "stage": list(model.layer_range or ())}
+              "stage": list(model.layer_range or ()), "drafter_read": drafter_read,
+              "drafter_held": held}
     mx.synchronize()
     return result
 

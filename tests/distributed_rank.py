@@ -4,7 +4,8 @@ two ranks by ``rank_jobs.RankJobs``).
 argv[1]: a JSON file holding a list of jobs {"name", "model", "mode", "ks", "prompt" (ids),
 "max_tokens", "temp", "seed", "memory_limit" (bytes, optional), "mtp_model" (a split
 drafter, optional), "logits" (optional: also the prompt's last-row logits and the MTP
-head's), "kv_bits" (optional: [bits, group size], ``--kv-bits``)}; argv[2]: where each rank
+head's), "kv_bits" (optional: [bits, group size], ``--kv-bits``), "serve" (optional: K;
+instead of the decodes, a batch of 4 served by the engine, ``engine_batch.py``)}; argv[2]: where each rank
 writes its results (``<argv[2]>.<rank>``, one entry per job): the mode, the ids and accepted
 drafts per K, its layer range, memory after loading, bytes and messages it sent, the kinds
 of the caches it makes.
@@ -16,6 +17,7 @@ from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import generate_step
 from mlx_mtp.models.cache.quantized import KVQuantization
 from mlx_mtp.models.distributed import load_distributed
+from engine_batch import serve_batch
 from rank_jobs import serve_jobs
 
 
@@ -26,8 +28,10 @@ def run(job, group) -> dict:
     mx.clear_cache()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    model, _ = load_distributed(job["model"], job.get("mode"), group, mtp=max(job["ks"]) > 0,
-                                mtp_model=job.get("mtp_model"))
+    model, tokenizer = load_distributed(job["model"], job.get("mode"), group,
+                                        mtp=max(job["ks"]) > 0, mtp_model=job.get("mtp_model"))
+    if "serve" in job:
+        return {"mode": model.mode, "served": serve_batch(model, tokenizer, job["serve"], group)}
     loaded = {"active": mx.get_active_memory() - base, "peak": mx.get_peak_memory() - base}
     if job.get("kv_bits"):
         model.use_kv_quantization(KVQuantization(*job["kv_bits"]))

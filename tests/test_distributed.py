@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from mlx.utils import tree_flatten
 
+from engine_batch import served_alone
 from mlx_mtp.convert.main import convert
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import generate_step
@@ -29,7 +30,12 @@ TIMEOUT = 420  # two cold Python+MLX starts on a shared, loaded 2-core machine
 PROMPT = [5, 17, 301, 44, 9, 120, 77, 3, 250, 61, 18]
 MAX_TOKENS = 10
 KS = [0, 1, 2, 3]
-FAMILIES = ("dense", "moe", "next", "q8", "tied")  # q8: MLX layout, 8-bit
+FAMILIES = ("dense", "moe", "next", "q8", "tied",  # q8: MLX layout, 8-bit
+            "dense-oracle", "moe-oracle", "next-oracle")  # every draft accepted
+# A batch of 4 served by the engine over the ranks (the MoE one is served over HTTP:
+# test_distributed_serve.py): a noisy head on a trunk whose layers matter.
+SERVED = ("dense-serve", "next-serve")
+SERVE_K = 2
 MEMORY_MODEL_BYTES_FRACTION = 0.7  # per-rank cap, as a fraction of the whole model
 
 
@@ -91,6 +97,11 @@ def models(tmp_path_factory):
         "text": make_tiny(root / "text", "qwen3_5_moe", head="noisy", trunk_scale=0.2,
                           seed=5, vocab_size=4096),
     }
+    for fam, family in (("dense", "qwen3_5"), ("moe", "qwen3_5_moe"), ("next", "qwen3_next")):
+        out[f"{fam}-oracle"] = make_tiny(root / f"{fam}-oracle", family, head="oracle",
+                                         trunk_scale=0.2, seed=8)
+        out[f"{fam}-serve"] = make_tiny(root / f"{fam}-serve", family, head="noisy",
+                                        trunk_scale=4.0, seed=9)
     out["q8"] = root / "q8"  # MLX layout, quantized
     convert(out["dense"], out["q8"], quantize=True, q_bits=8, q_group_size=32, verbose=False)
     # a trunk and its split MTP drafter (mlx-vlm's layout), 8-bit like q8
@@ -116,8 +127,13 @@ def runs(models, tmp_path_factory):
               "ks": KS, "mtp_model": str(models["pair-mtp"])} for mode in ("pipeline", "tensor")]
     for j in jobs:
         j.update(prompt=PROMPT, max_tokens=MAX_TOKENS)
+    jobs += [{"name": f"{fam}-{mode}", "model": str(models[fam]), "mode": mode,
+              "ks": [SERVE_K], "serve": SERVE_K}
+             for fam in SERVED for mode in ("pipeline", "tensor")]
     with RankJobs(RANK_SCRIPT, jobs, tmp_path_factory.mktemp("runs")) as ranks:
-        for j in jobs:  # the tests' calls of single_process, then answered from its cache
+        for fam in SERVED:
+            served_alone(models[fam], SERVE_K)
+        for j in (j for j in jobs if "serve" not in j):  # the tests' single_process calls
             single_process(j["model"], j["ks"], j.get("temp", 0.0), j.get("seed"),
                            j.get("mtp_model"))
         single_process(models["pair"], [0])
@@ -135,6 +151,22 @@ def test_greedy_equals_single_process(runs, name):
     expected = single_process(job["model"], KS)
     assert r0["tokens"] == expected  # K = 0..3, each the plain greedy output
     assert r1["tokens"] == r0["tokens"]  # every rank holds the same tokens
+    if "oracle" in name:  # the head drafts, and verify rows cross the ranks accepted
+        assert all(r0["accepted"][str(k)] > 0 for k in KS[1:])
+
+
+@pytest.mark.parametrize("name", [f"{fam}-{mode}" for fam in SERVED
+                                  for mode in ("pipeline", "tensor")])
+def test_batch_of_4_served_equals_single_process(runs, name):
+    """The engine over two ranks (rank 0 schedules, rank 1 follows, ``engine_batch.py``):
+    rows joining at different steps answer as one process's engine, token for token."""
+    job, r0, r1 = runs[name]
+    assert r0["mode"] == r1["mode"] == job["mode"]
+    expected = served_alone(job["model"], SERVE_K)
+    tokens = expected["tokens"]
+    assert all(tokens) and len({tuple(t) for t in tokens}) == len(tokens)
+    assert r0["served"]["tokens"] == tokens and r1["served"] is None  # rank 1 only follows
+    assert r0["served"]["drafted"] > 0  # MTP drafted in the batch over the ranks
 
 
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])

@@ -111,6 +111,34 @@ def test_split_runs_equal_one_process(runs, name):
     assert all(r["block"][0] > 0 for r in want)
 
 
+def weight_data_bytes(drafter) -> int:
+    """The tensor data of a drafter's safetensors files (each file less its header)."""
+    import struct
+    from pathlib import Path
+
+    total = 0
+    for f in Path(drafter).glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            total += f.stat().st_size - 8 - struct.unpack("<Q", fh.read(8))[0]
+    return total
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_only_ranks_running_the_drafter_read_its_weights(runs, name):
+    """A pipeline rank without the output holds a stand-in: it reads the drafter's config and
+    headers, never its tensors (a few KB against the whole data); every rank that runs the
+    drafter (rank 0; every rank of a tensor or expert split) reads what it holds."""
+    job, _, *ranks = runs[name]
+    data = weight_data_bytes(job["drafter"])
+    for rank, got in enumerate(ranks):
+        if job["mode"] == "pipeline" and rank > 0:
+            assert got["drafter_held"] == 0
+            assert got["drafter_read"] < data / 4, (got["drafter_read"], data)
+        else:  # the weights it holds were read from the file
+            assert got["drafter_held"] > data / 4, (got["drafter_held"], data)
+            assert got["drafter_read"] >= got["drafter_held"], (rank, got, data)
+
+
 @pytest.fixture(scope="module")
 def generate_args(tmp_path_factory):
     """``generate --draft-model DRAFTER`` (the flags' path: the default source block+mtp, K

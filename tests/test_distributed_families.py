@@ -23,6 +23,7 @@ from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import generate_step
 from mlx_mtp.models.distributed import DistributedError, choose_mode
 from mlx_mtp.models.io.loader import load_model
+from engine_batch import served_alone
 from mlx_mtp.testing.tiny_attention import make_tiny
 from mlx_mtp.testing.tiny_attention import write_tiny
 from mlx_mtp.testing.tiny_bailing import make_tiny_bailing_hybrid
@@ -78,6 +79,11 @@ DENSE = ("mimo",)
 
 
 JOBS = [(fam, head, mode) for fam in BUILDERS for head in HEADS for mode in modes(fam)]
+# A batch of 4 served by the engine over the same ranks, every family in each of its modes: a
+# noisy head on a trunk whose sub-layers count (``trunk_scale``), so rows accept different
+# numbers of drafts and a cache rolled back wrongly changes the answer.
+SERVED = [(fam, "serve", mode) for fam in BUILDERS for mode in modes(fam)]
+SERVE_K = 2
 
 
 # (family, head) -> its tiny checkpoint, built once per session: test_distributed_experts
@@ -94,8 +100,13 @@ def checkpoint(tmp_path_factory, family, head, build=None):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return {(fam, head): checkpoint(tmp_path_factory, fam, head)
-            for fam in BUILDERS for head in HEADS}
+    out = {(fam, head): checkpoint(tmp_path_factory, fam, head)
+           for fam in BUILDERS for head in HEADS}
+    for fam in BUILDERS:
+        out[(fam, "serve")] = checkpoint(tmp_path_factory, fam, "serve",
+                                         lambda p, _, b=BUILDERS[fam]: b(p, "noisy",
+                                                                         trunk_scale=4.0))
+    return out
 
 
 @cache  # per checkpoint: the pipeline and tensor jobs, and the expert split's, share it
@@ -113,11 +124,16 @@ def runs(models, tmp_path_factory):
     rank 1)}. The single-process references are decoded while the ranks run."""
     jobs = [{"name": "-".join(j), "model": str(models[j[:2]]), "mode": j[2], "ks": KS,
              "prompt": PROMPT, "max_tokens": MAX_TOKENS} for j in JOBS]
+    jobs += [{"name": "-".join(j), "model": str(models[j[:2]]), "mode": j[2], "ks": [SERVE_K],
+              "serve": SERVE_K} for j in SERVED]
     with RankJobs(RANK_SCRIPT, jobs, tmp_path_factory.mktemp("family_runs")) as ranks:
-        for path in models.values():
-            single_process(path)
+        for (fam, head), path in models.items():
+            if head == "serve":
+                served_alone(path, SERVE_K)
+            else:
+                single_process(path)
         results = ranks.results()
-    return {j: results["-".join(j)] for j in JOBS}
+    return {j: results["-".join(j)] for j in JOBS + SERVED}
 
 
 @pytest.mark.parametrize("family", list(BUILDERS))
@@ -137,11 +153,27 @@ def test_greedy_equals_single_process(runs, models, job):
     assert r1["tokens"] == r0["tokens"]  # every rank holds the same tokens
 
 
-def test_tensor_refused_for_a_family_mlx_lm_cannot_shard(models):
-    model, _ = load_model(models[("mimo", "noisy")])
+@pytest.mark.parametrize("job", SERVED, ids="-".join)
+def test_batch_of_4_served_equals_single_process(runs, models, job):
+    """The engine over two ranks (rank 0 schedules, rank 1 follows): rows joining at
+    different steps answer as one process's engine, token for token."""
+    r0, r1 = runs[job]
+    assert r0["mode"] == r1["mode"] == job[2]
+    expected = served_alone(models[job[:2]], SERVE_K)
+    tokens = expected["tokens"]
+    assert all(tokens) and len({tuple(t) for t in tokens}) == len(tokens)
+    assert r0["served"]["tokens"] == tokens and r1["served"] is None  # rank 1 only follows
+    assert r0["served"]["drafted"] > 0  # MTP drafted in the batch over the ranks
+
+
+@pytest.mark.parametrize("family", [f for f in BUILDERS if "tensor" not in modes(f)])
+def test_tensor_refused_for_a_family_mlx_lm_cannot_shard(models, family):
+    model, _ = load_model(models[(family, "noisy")])
     args, kinds = model.text.args, model.capabilities.splits
-    with pytest.raises(DistributedError, match="mimo has no tensor split"):
+    with pytest.raises(DistributedError) as refused:
         choose_mode("tensor", args, 2, kinds, model.model_type)
+    assert str(refused.value) == (f"--distributed tensor: {family} has no tensor split "
+                                  "(mlx-lm has no shard() for it); use --distributed pipeline")
     assert choose_mode(None, args, 2, kinds, model.model_type) == "pipeline"
 
 

@@ -10,11 +10,13 @@ rejected, so every rank rolls back its KDA / DeltaNet states, latents, indexer k
 windows and DeepSeek-V4's compressed windows with the same accept), and a "partial" head:
 an oracle head (Qwen4-Exp's and GLM-5.3-Flash's from their tests, DeepSeek-V4's below) with
 noise on its input projection, right about half the time, so steps accept all, some or none
-of their drafts. Qwen4-Exp's one
+of their drafts; and that oracle head without the noise (every draft accepted). Qwen4-Exp's one
 key/value head is duplicated into two (the same model: both query heads read a copy), so its
 heads split over two ranks. Each job is checked against the same decode in this process:
 greedy ids at K = 0..3 on both ranks, and the trunk's and the MTP head's logits at the
-prompt's last row (float32, up to the order of the ranks' sums). One launch runs every job.
+prompt's last row (float32, up to the order of the ranks' sums); and, by pipeline and by
+tensors, a batch of 4 served by the engine on the partial head (``engine_batch.py``) equal to
+one process's. One launch runs every job.
 """
 
 import json
@@ -28,6 +30,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from safetensors.numpy import load_file, save_file
 
+from engine_batch import served_alone
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import generate_step
 from mlx_mtp.models.distributed import choose_mode
@@ -120,21 +123,27 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("streams")
     qwen4 = qwen4_two_kv_heads(root / "qwen4_exp")
     glm5 = with_tokenizer(FIXTURES / "glm5_next" / "checkpoint", root / "glm5_next")
-    return {("qwen4_exp", "noisy"): qwen4,
-            ("qwen4_exp", "partial"): with_partial_head(qwen4, root / "qwen4_partial",
-                                                        qwen4_oracle, "mtp.fc_embedding.weight",
-                                                        0.15),
-            ("glm5_next", "noisy"): glm5,
-            ("glm5_next", "partial"): with_partial_head(glm5, root / "glm5_partial", glm5_oracle,
-                                                        "mtp.layers.0.eh_proj.weight", 0.06),
-            ("deepseek_v4", "noisy"): FIXTURES / "deepseek_v4",
-            ("deepseek_v4", "partial"): with_partial_head(FIXTURES / "deepseek_v4",
-                                                          root / "dsv4_partial", dsv4_oracle,
-                                                          "mtp.layers.0.e_proj.weight", 0.06)}
+    out = {("qwen4_exp", "noisy"): qwen4, ("glm5_next", "noisy"): glm5,
+           ("deepseek_v4", "noisy"): FIXTURES / "deepseek_v4"}
+    # (oracle, the head's input projection, the partial head's noise on it); the oracle
+    # itself (no noise) accepts every draft
+    heads = {"qwen4_exp": (qwen4_oracle, "mtp.fc_embedding.weight", 0.15),
+             "glm5_next": (glm5_oracle, "mtp.layers.0.eh_proj.weight", 0.06),
+             "deepseek_v4": (dsv4_oracle, "mtp.layers.0.e_proj.weight", 0.06)}
+    for fam, (oracle, projection, noise) in heads.items():
+        for head, scale in (("partial", noise), ("oracle", 0.0)):
+            out[(fam, head)] = with_partial_head(out[(fam, "noisy")], root / f"{fam}_{head}",
+                                                 oracle, projection, scale)
+    return out
 
 
 JOBS = [(fam, head, mode) for fam in ("qwen4_exp", "glm5_next", "deepseek_v4")
-        for head in ("noisy", "partial") for mode in MODES]
+        for head in ("noisy", "partial", "oracle") for mode in MODES]
+# A batch of 4 served by the engine over the same ranks (``engine_batch.py``), the partial
+# head: rows accept different numbers of drafts. (One HTTP server per family: SERVE below.)
+SERVED = [(fam, "partial", mode) for fam in ("qwen4_exp", "glm5_next", "deepseek_v4")
+          for mode in ("pipeline", "tensor")]
+SERVE_K = 2
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +152,14 @@ def runs(models, tmp_path_factory):
     jobs = [{"name": "-".join(j), "model": str(models[j[:2]]), "mode": j[2], "ks": KS,
              "prompt": PROMPT, "max_tokens": MAX_TOKENS, "logits": j[1] == "noisy"}
             for j in JOBS]
+    jobs += [{"name": "served-" + "-".join(j), "model": str(models[j[:2]]), "mode": j[2],
+              "ks": [SERVE_K], "serve": SERVE_K} for j in SERVED]
     with RankJobs(RANK_SCRIPT, jobs, tmp_path_factory.mktemp("stream_runs")) as ranks:
+        for j in SERVED:
+            served_alone(models[j[:2]], SERVE_K)
         got = ranks.results()
-    return {j: got["-".join(j)] for j in JOBS}
+    return {**{j: got["-".join(j)] for j in JOBS},
+            **{("served",) + j: got["served-" + "-".join(j)] for j in SERVED}}
 
 
 @cache
@@ -175,6 +189,8 @@ def test_greedy_and_logits_equal_single_process(runs, models, job):
     if job[1] == "partial":  # drafts accepted and rejected (K = 1: fewer than one a step)
         assert all(r0["accepted"][str(k)] > 0 for k in KS[1:])
         assert r0["accepted"]["1"] < MAX_TOKENS // 2
+    if job[1] == "oracle":  # every draft accepted (K = 1: one a step)
+        assert r0["accepted"]["1"] == MAX_TOKENS // 2
     if job[2] == "pipeline":  # rank 1 runs the first layers, rank 0 the rest and the head
         assert r1["layer_range"][0] == 0 and r1["layer_range"][1] == r0["layer_range"][0]
         assert r0["accepted"] == accepted  # the same head on the same hiddens
@@ -186,6 +202,19 @@ def test_greedy_and_logits_equal_single_process(runs, models, job):
         for g, e in zip(got, want):
             assert np.allclose(g, e, rtol=1e-4, atol=1e-4 * np.abs(e).max()), \
                 np.abs(g - e).max()
+
+
+@pytest.mark.parametrize("job", SERVED, ids="-".join)
+def test_batch_of_4_served_equals_single_process(runs, models, job):
+    """The engine over two ranks (rank 0 schedules, rank 1 follows): rows joining at
+    different steps answer as one process's engine, token for token."""
+    r0, r1 = runs[("served",) + job]
+    assert r0["mode"] == r1["mode"] == job[2]
+    expected = served_alone(models[job[:2]], SERVE_K)
+    tokens = expected["tokens"]
+    assert all(tokens) and len({tuple(t) for t in tokens}) == len(tokens)
+    assert r0["served"]["tokens"] == tokens and r1["served"] is None  # rank 1 only follows
+    assert r0["served"]["drafted"] > 0  # MTP drafted in the batch over the ranks
 
 
 @pytest.mark.parametrize("family", ["qwen4_exp", "glm5_next", "deepseek_v4"])

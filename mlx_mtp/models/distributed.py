@@ -370,14 +370,16 @@ class DistributedModel(ModelInterface):
         return False
 
 
-class StageDrafter:
+class StageDrafter(nn.Module):
     """A block drafter's stand-in on a pipeline rank without the output: the drafter runs on
     rank 0, and every rank verifies rank 0's drafts (the step's draft message), so here the
-    drafts are shape-only, never read, and no context is kept (no caches; taps ignored)."""
+    drafts are shape-only, never read, and no context is kept (no caches; taps ignored). It
+    holds no weights: the drafter's, opened lazily, are never read on this rank."""
 
     num_caches = 0
 
     def __init__(self, spec, vocab_size: int):
+        super().__init__()
         self.spec, self.vocab_size = spec, vocab_size
 
     def bind(self, embed, head):

@@ -185,9 +185,11 @@ class ModelInterface:
 
     def use_block_drafter(self, drafter):
         """Draft with ``drafter`` (``drafters/block``, None: none), bound to this model's
-        embedding and output layer. Kept out of the parameter tree: it is not the model's."""
+        embedding and output layer, its (lazily opened) weights read now. Kept out of the
+        parameter tree: it is not the model's."""
         if drafter is not None:
             drafter.bind(self.embed, self.logits)
+            mx.eval(drafter.parameters())
         object.__setattr__(self, "block_drafter", drafter)
 
 

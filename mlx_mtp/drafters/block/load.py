@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from ...models.io.files import load_safetensors, read_json_object
@@ -60,7 +59,9 @@ def read_config(spec: str) -> tuple:
 
 
 def load_block_drafter(spec: str, kind: Optional[str] = None) -> BlockDraftModel:
-    """The drafter at ``spec`` (``kind``: when its config does not say), weights loaded."""
+    """The drafter at ``spec`` (``kind``: when its config does not say), its weights opened
+    lazily: they are read by the model that drafts with it (``use_block_drafter``), so a
+    pipeline rank that holds a stand-in never reads them."""
     path, config = read_config(spec)
     parsed = parse(config, kind, str(spec))
     weights = {k: v for f in weight_files(path) for k, v in load_safetensors(f).items()}
@@ -73,7 +74,6 @@ def load_block_drafter(spec: str, kind: Optional[str] = None) -> BlockDraftModel
         raise BlockDrafterError(f"{spec}: the {parsed.kind} weights do not fit its config: "
                                 f"{str(e).splitlines()[0]}") from None
     drafter.eval()
-    mx.eval(drafter.parameters())
     return drafter
 
 
