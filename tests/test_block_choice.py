@@ -5,6 +5,7 @@ on a synthetic cost table and synthetic acceptance, not by timing."""
 
 import pytest
 
+from mlx_mtp.decode.block_policy import RECHECKS
 from mlx_mtp.decode.costs import StepCosts
 from mlx_mtp.decode.draft_source import DraftPlan, DraftSources
 
@@ -155,7 +156,8 @@ def test_a_resting_block_row_follows_the_k_policy_and_lets_plain_steps_run_ahead
     """``block+mtp`` with a useless drafter: the head alone at the K policy's K (never a plain
     step the K policy did not choose, whatever the row's own head estimate); a plain step
     when the K policy chose 0. ``has_proposal`` is False while it rests with no probe due (the
-    driver may launch a plain step ahead), True before every step that drafts the block."""
+    driver may launch a plain step ahead), True before every step that drafts the block. A
+    drafter that never landed is first re-checked after ``RECHECKS[1]`` steps."""
     costs = _costs()
     row = _row("block+mtp")
     for _ in range(20):
@@ -163,7 +165,7 @@ def test_a_resting_block_row_follows_the_k_policy_and_lets_plain_steps_run_ahead
         row.record(DraftPlan([], 2), 0)  # the row's own head estimate says it misses too
     assert row.plan(2, True, 1, costs, cap=WIDTH) == DraftPlan([], 2)
     plans, ready = [], []
-    for _ in range(40):
+    for _ in range(RECHECKS[1] + 16):
         ready.append(row.has_proposal())
         plans.append(row.plan(0, True, 1, costs, cap=WIDTH))
     assert all(r for r, p in zip(ready, plans) if p.total)
