@@ -70,12 +70,12 @@ def models(tmp_path_factory):
             "eagle3": _model(tmp_path_factory, "eagle3", False)}
 
 
-def _adaptive(model, prompt, n: int, source="block", sources=None, k=BLOCK - 1):
+def _adaptive(model, prompt, n: int, source="block", sources=None, k=BLOCK - 1, policy=None):
     """At least ``n`` tokens drafted by adaptive choice on the synthetic clock: every token
     emitted, each step's output and the decoder."""
     sources = sources or DraftSources(source)
     kk, drafter = sources.for_row(k)
-    dec = MTPDecoder(model, kk, policy=SyntheticClock(), drafter=drafter)
+    dec = MTPDecoder(model, kk, policy=policy or SyntheticClock(), drafter=drafter)
     dec.prefill(prompt)
     tokens, outs = [], []
     while len(tokens) < n:
@@ -121,12 +121,16 @@ def test_a_useless_drafter_pauses_within_a_few_steps(models, source):
 
 
 def test_an_oracle_drafter_keeps_drafting(models):
-    """Slot 1 always lands, slot 2 never: after the plain steps that time the machine,
+    """Slot 1 always lands, slot 2 never: on a machine whose plain step is timed (as a stored
+    cost table gives it: a plain cell timed once or twice is probed again, as the head's),
     every step drafts from the block (slot 2 while its estimate still allows) and its slot-1
     draft is accepted."""
     model = models["oracle"]
     plain, _ = decode(model, PROMPT, 0, n=32)
-    got, outs, dec = _adaptive(model, PROMPT, 32)
+    timed = SyntheticClock()
+    for _ in range(3):
+        timed.record_step(1, 0, PLAIN)
+    got, outs, dec = _adaptive(model, PROMPT, 32, policy=timed)
     assert got[:32] == plain
     first = next(i for i, o in enumerate(outs) if o.block_drafted)
     assert first <= 4 and all(o.block_drafted >= o.num_accepted == 1 for o in outs[first:])

@@ -26,9 +26,6 @@ from .policy import AcceptanceEstimate, ContextAcceptance, DraftPolicy
 # Re-check intervals (first, shortest and longest cap; DraftPolicy's ``recheck_gap``): the
 # head's first, a longer shortest cap (a block re-check costs a pass and a wider verify).
 RECHECKS = (4, 64, 512)
-# Cost probes of a width's thin cell: at most once per staleness horizon (the table's 256
-# steps); widths are explored by the choice itself (an unknown width that could pay).
-COST_PROBES = (256, 1024)
 
 
 class BlockPolicy(DraftPolicy):
@@ -36,8 +33,7 @@ class BlockPolicy(DraftPolicy):
     steps (``record``). ``acceptance``: the row's estimate per block position."""
 
     def __init__(self, sources, acceptance: AcceptanceEstimate, pass_per_draft: bool = False):
-        super().__init__(margin=sources.margin, forget=acceptance.forget,
-                         probe_gap=COST_PROBES, recheck_gap=RECHECKS)
+        super().__init__(margin=sources.margin, forget=acceptance.forget, recheck_gap=RECHECKS)
         self.acceptance = acceptance
         self.by_context = ContextAcceptance(acceptance, acceptance.weight[0])
         self.sources, self.pass_per_draft, self.rows = sources, pass_per_draft, 1
@@ -59,7 +55,8 @@ class BlockPolicy(DraftPolicy):
         driver's table."""
         self.costs, self.rows = BlockSteps(costs, self.pass_per_draft), B
         self._join()
-        w = self.choose(B, cap)
+        # no width past the one it earned is tried, not even to time it
+        w = self.choose(B, min(cap, self.acceptance.landed_depth() + 1))
         # waiting for a timed plain step is not resting: the next step may draft
         self.resting = not self._drafting and self.costs.predict(B, 0) is not None
         gap = self._gaps.get(None, (0, 0))[0] if self.resting else 0
@@ -74,6 +71,12 @@ class BlockPolicy(DraftPolicy):
         """One block step of the row: ``drafted`` block positions, ``accepted`` landed."""
         self.record_step(self.rows, drafted, None, [accepted])
         self.sources.block_landed(drafted, min(drafted, accepted))
+
+    def _due(self, key, longest=None, first=None) -> bool:
+        """As the head's, but while the drafter rests only its re-checks (``key`` None) draft:
+        its plain steps time themselves, and a width probed for its cost would be a re-check
+        outside their budget (a row joining resting rows would draft within 8 steps)."""
+        return (key is None or self._drafting) and super()._due(key, longest, first)
 
     def _recheck_gaps(self, B: int, k: int = 1):
         """As the head's, but a drafter none of whose drafts ever landed (on any row) is
