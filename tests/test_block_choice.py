@@ -172,18 +172,35 @@ def test_a_resting_block_row_follows_the_k_policy_and_lets_plain_steps_run_ahead
     assert not all(ready) and 1 <= sum(p.block > 0 for p in plans) <= 4  # probes only
 
 
-def test_rows_joining_later_start_at_the_gap_earlier_rows_reached():
-    """The drafter is the same weights for every row: once one row's probes have doubled
-    their gap, a new row rests that long before its first probe, instead of re-learning
-    with drafts of its own that the drafter does not pay."""
-    sources, costs = DraftSources("block"), _costs()
-    first = sources.drafter()
-    first.fit_block(WIDTH)
-    for _ in range(60):
-        first.record(first.plan(0, True, 1, costs, cap=WIDTH), 0)
-    gap = sources.block_gap
-    assert gap >= 16 and not first.has_proposal()
+def _rested(sources, steps: int, rows: int = 1) -> list:
+    """``rows`` rows one after another, ``steps`` steps each, of a useless drafter: whether
+    each step drafted."""
+    drafted = []
+    for _ in range(rows):
+        row = sources.drafter()
+        row.fit_block(WIDTH)
+        for _ in range(steps):
+            plan = row.plan(0, True, 1, _COSTS, cap=WIDTH)
+            row.record(plan, 0)
+            drafted.append(plan.block > 0)
+    return drafted
+
+
+_COSTS = _costs()
+
+
+def test_rows_joining_later_take_up_the_resting_rows_rechecks():
+    """The drafter is the same weights for every row: a row joining resting rows rests until
+    their next re-check is due, instead of re-learning with drafts of its own that the
+    drafter does not pay; rows of ten steps each, one after another, draft exactly where one
+    row of as many steps does (so short requests still re-check it, on schedule)."""
+    sources = DraftSources("block")
+    one = _rested(sources, 200)
+    gap, wait = sources.block_rest
+    assert gap >= 16 and wait > 1 and 3 <= sum(one) <= 4  # first misses, then re-checks
     later = sources.drafter()
     later.fit_block(WIDTH)
-    plans = [later.plan(0, True, 1, costs, cap=WIDTH) for _ in range(gap)]
-    assert [p.block > 0 for p in plans] == [False] * (gap - 1) + [True]
+    assert not later.has_proposal()
+    plans = [later.plan(0, True, 1, _COSTS, cap=WIDTH) for _ in range(wait)]
+    assert [p.block > 0 for p in plans] == [False] * (wait - 1) + [True]
+    assert _rested(DraftSources("block"), 10, rows=20) == one

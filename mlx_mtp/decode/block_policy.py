@@ -11,7 +11,8 @@ re-checked at doubling intervals priced by the table (sooner after a re-check la
 per block position, the table's block steps (``costs.BlockSteps``: the drafter's pass plus
 the verify of w positions) and what earlier rows left in ``DraftSources`` (the drafter is
 the same weights for every row): whether any of its drafts ever landed, and the re-check
-interval resting rows reached, at which a row joining later starts.
+interval of the resting rows and the steps left to its next re-check, where a row joining
+later takes it up (rows of a few tokens each still re-check it on schedule).
 
 A block drafter none of whose drafts ever landed is first re-checked after
 ``RECHECKS[1]`` steps, then at the budgeted interval: after its first misses it runs at
@@ -40,9 +41,9 @@ class BlockPolicy(DraftPolicy):
         self.first_misses = sources.first_misses
         self._join()
         # a row joining resting rows rests until its first re-check
-        self.resting = bool(sources.block_gap) or sources.block_dry()
-        if sources.block_gap:
-            self._gaps[None] = (sources.block_gap, sources.block_gap)
+        self.resting = bool(sources.block_rest) or sources.block_dry()
+        if sources.block_rest:
+            self._gaps[None] = sources.block_rest
 
     def _join(self):
         """The evidence every row shares: whether any block draft ever landed."""
@@ -59,8 +60,7 @@ class BlockPolicy(DraftPolicy):
         w = self.choose(B, min(cap, self.acceptance.landed_depth() + 1))
         # waiting for a timed plain step is not resting: the next step may draft
         self.resting = not self._drafting and self.costs.predict(B, 0) is not None
-        gap = self._gaps.get(None, (0, 0))[0] if self.resting else 0
-        self.sources.block_gap = max(self.sources.block_gap, gap) if gap else 0
+        self.sources.block_rest = self._gaps.get(None) if self.resting else None
         return w
 
     def may_draft(self) -> bool:

@@ -54,11 +54,11 @@ class DraftSources:
         # What every row's steps showed, per source: a new row's prior, its own steps
         # then take over (a server's chat requests rarely copy, its edit requests do).
         self.acceptance = {}  # per source name, filled by ``shared``
-        # The block drafter is the same weights for every row: a new row starts paused at
-        # the re-check interval resting rows reached (0: none rests), and one none of whose
-        # drafts ever landed drafts ``first_misses`` steps in all, then only probes (as the
-        # head; ``block_policy.BlockPolicy``).
-        self.block_gap = 0
+        # The block drafter is the same weights for every row: a new row takes up the
+        # resting rows' re-checks (interval, steps to the next; None: none rests), and one
+        # none of whose drafts ever landed drafts ``first_misses`` steps in all, then only
+        # re-checks (as the head; ``block_policy.BlockPolicy``).
+        self.block_rest: Optional[Tuple[int, int]] = None
         self.first_misses, self.block_dry_steps = 3, 0  # None once a block draft landed
 
     def for_row(self, default_k: int, k: Optional[int] = None, source: Optional[str] = None,
