@@ -37,7 +37,8 @@ class BlockPolicy(DraftPolicy):
         super().__init__(margin=sources.margin, forget=acceptance.forget, recheck_gap=RECHECKS)
         self.acceptance = acceptance
         self.by_context = ContextAcceptance(acceptance, acceptance.weight[0])
-        self.sources, self.pass_per_draft, self.rows = sources, pass_per_draft, 1
+        self.sources, self.pass_per_draft = sources, pass_per_draft
+        self.rows, self.depth = 1, 1  # the last ``width``'s batch size and widths considered
         self.first_misses = sources.first_misses
         self._join()
         # a row joining resting rows rests until its first re-check
@@ -57,15 +58,19 @@ class BlockPolicy(DraftPolicy):
         self.costs, self.rows = BlockSteps(costs, self.pass_per_draft), B
         self._join()
         # no width past the one it earned is tried, not even to time it
-        w = self.choose(B, min(cap, self.acceptance.landed_depth() + 1))
+        self.depth = min(cap, self.acceptance.landed_depth() + 1)
+        w = self.choose(B, self.depth)
         # waiting for a timed plain step is not resting: the next step may draft
         self.resting = not self._drafting and self.costs.predict(B, 0) is not None
         self.sources.block_rest = self._gaps.get(None) if self.resting else None
         return w
 
     def may_draft(self) -> bool:
-        """Whether the next ``width`` may draft: not resting, or a re-check is due."""
-        return not self.resting or self._gaps.get(None, (2, 2))[1] <= 1
+        """Whether the next ``width`` may draft (no side effects): not resting, a re-check
+        due, or the estimates turned (the plain steps timed since moved the balance). Exact
+        while nothing is recorded in between: the driver launches a plain step ahead on it."""
+        return (not self.resting or self._gaps.get(None, (2, 2))[1] <= 1
+                or self.would_draft(self.rows, self.depth))
 
     def record(self, drafted: int, accepted: int):
         """One block step of the row: ``drafted`` block positions, ``accepted`` landed."""
