@@ -5,6 +5,7 @@ on a synthetic cost table and synthetic acceptance, not by timing."""
 
 import pytest
 
+from mlx_mtp.decode.block_policy import RECHECKS
 from mlx_mtp.decode.costs import StepCosts
 from mlx_mtp.decode.draft_source import DraftPlan, DraftSources
 
@@ -155,7 +156,8 @@ def test_a_resting_block_row_follows_the_k_policy_and_lets_plain_steps_run_ahead
     """``block+mtp`` with a useless drafter: the head alone at the K policy's K (never a plain
     step the K policy did not choose, whatever the row's own head estimate); a plain step
     when the K policy chose 0. ``has_proposal`` is False while it rests with no probe due (the
-    driver may launch a plain step ahead), True before every step that drafts the block."""
+    driver may launch a plain step ahead), True before every step that drafts the block. A
+    drafter that never landed is first re-checked after ``RECHECKS[1]`` steps."""
     costs = _costs()
     row = _row("block+mtp")
     for _ in range(20):
@@ -163,25 +165,42 @@ def test_a_resting_block_row_follows_the_k_policy_and_lets_plain_steps_run_ahead
         row.record(DraftPlan([], 2), 0)  # the row's own head estimate says it misses too
     assert row.plan(2, True, 1, costs, cap=WIDTH) == DraftPlan([], 2)
     plans, ready = [], []
-    for _ in range(40):
+    for _ in range(RECHECKS[1] + 16):
         ready.append(row.has_proposal())
         plans.append(row.plan(0, True, 1, costs, cap=WIDTH))
     assert all(r for r, p in zip(ready, plans) if p.total)
     assert not all(ready) and 1 <= sum(p.block > 0 for p in plans) <= 4  # probes only
 
 
-def test_rows_joining_later_start_at_the_gap_earlier_rows_reached():
-    """The drafter is the same weights for every row: once one row's probes have doubled
-    their gap, a new row rests that long before its first probe, instead of re-learning
-    with drafts of its own that the drafter does not pay."""
-    sources, costs = DraftSources("block"), _costs()
-    first = sources.drafter()
-    first.fit_block(WIDTH)
-    for _ in range(60):
-        first.record(first.plan(0, True, 1, costs, cap=WIDTH), 0)
-    gap = sources.block_gap
-    assert gap >= 16 and not first.has_proposal()
+def _rested(sources, steps: int, rows: int = 1) -> list:
+    """``rows`` rows one after another, ``steps`` steps each, of a useless drafter: whether
+    each step drafted."""
+    drafted = []
+    for _ in range(rows):
+        row = sources.drafter()
+        row.fit_block(WIDTH)
+        for _ in range(steps):
+            plan = row.plan(0, True, 1, _COSTS, cap=WIDTH)
+            row.record(plan, 0)
+            drafted.append(plan.block > 0)
+    return drafted
+
+
+_COSTS = _costs()
+
+
+def test_rows_joining_later_take_up_the_resting_rows_rechecks():
+    """The drafter is the same weights for every row: a row joining resting rows rests until
+    their next re-check is due, instead of re-learning with drafts of its own that the
+    drafter does not pay; rows of ten steps each, one after another, draft exactly where one
+    row of as many steps does (so short requests still re-check it, on schedule)."""
+    sources = DraftSources("block")
+    one = _rested(sources, 200)
+    gap, wait = sources.block_rest
+    assert gap >= 16 and wait > 1 and 3 <= sum(one) <= 4  # first misses, then re-checks
     later = sources.drafter()
     later.fit_block(WIDTH)
-    plans = [later.plan(0, True, 1, costs, cap=WIDTH) for _ in range(gap)]
-    assert [p.block > 0 for p in plans] == [False] * (gap - 1) + [True]
+    assert not later.has_proposal()
+    plans = [later.plan(0, True, 1, _COSTS, cap=WIDTH) for _ in range(wait)]
+    assert [p.block > 0 for p in plans] == [False] * (wait - 1) + [True]
+    assert _rested(DraftSources("block"), 10, rows=20) == one

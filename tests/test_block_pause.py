@@ -3,7 +3,8 @@ on the tiny fixtures with adaptive choices and step times from a fixed machine m
 (``SyntheticClock``: counts, never the wall clock).
 
 A random drafter (never right) drafts a few positions in its first steps, then only probes
-(doubling gaps): at most a few drafts per 64 tokens. The "oracle" drafter (``block_checks
+(the first after ``RECHECKS[1]`` steps, then at doubling gaps): at most a few drafts per 64
+tokens. The "oracle" drafter (``block_checks
 .make_oracle``: slot 1 right, slot 2 never) keeps drafting; one the shared evidence paused
 resumes after a probe lands. Greedy output equals plain decoding throughout, and a paused
 drafter's context (every emitted row's taps, through plain steps; EAGLE-3's pending tap
@@ -15,6 +16,7 @@ import pytest
 from block_checks import decode, make_oracle
 from mlx_mtp.decode import block_context
 from mlx_mtp.decode.batch import BatchDecoder
+from mlx_mtp.decode.block_policy import RECHECKS
 from mlx_mtp.decode.draft_source import DraftPlan, DraftSources
 from mlx_mtp.decode.policy import DraftPolicy
 from mlx_mtp.decode.speculative import MTPDecoder
@@ -27,7 +29,7 @@ PROMPT = [5, 60, 11, 7, 9, 3, 41, 17]
 PROMPTS = [[3, 9, 27], [100, 4, 8, 15, 16, 23, 42], [7], [50, 51, 52, 53, 54],
            [9, 8, 7], [200, 1], [13, 21, 34, 55], [77, 78, 79]]
 BLOCK = 5  # drafts per pass: up to 4
-N_BATCH = 20  # steps of the batch of eight
+N_BATCH = 40  # steps of the batch of eight
 PLAIN, PER_POSITION, HEAD_PASS, BLOCK_PASS = 10.0, 0.5, 2.0, 6.0  # ms
 
 
@@ -68,12 +70,14 @@ def models(tmp_path_factory):
             "eagle3": _model(tmp_path_factory, "eagle3", False)}
 
 
-def _adaptive(model, prompt, n: int, source="block", sources=None, k=BLOCK - 1):
+def _adaptive(model, prompt, n: int, source="block", sources=None, k=BLOCK - 1, policy=None,
+              overlap=True):
     """At least ``n`` tokens drafted by adaptive choice on the synthetic clock: every token
     emitted, each step's output and the decoder."""
     sources = sources or DraftSources(source)
     kk, drafter = sources.for_row(k)
-    dec = MTPDecoder(model, kk, policy=SyntheticClock(), drafter=drafter)
+    dec = MTPDecoder(model, kk, policy=policy or SyntheticClock(), drafter=drafter,
+                     overlap=overlap)
     dec.prefill(prompt)
     tokens, outs = [], []
     while len(tokens) < n:
@@ -104,7 +108,8 @@ def _assert_same_context(model, dec, tokens):
 @pytest.mark.parametrize("source", ["block", "block+mtp"])
 def test_a_useless_drafter_pauses_within_a_few_steps(models, source):
     """A random drafter (and head) on a random trunk: a few one-position drafts, then probes
-    at doubling gaps; at most 8 drafts in 64 tokens, plain decoding's output."""
+    (the first after ``RECHECKS[1]`` steps: none may come within these 64 tokens); at most 8
+    drafts in 64 tokens, plain decoding's output."""
     model = models["random"]
     plain, _ = decode(model, PROMPT, 0, n=64)
     got, outs, dec = _adaptive(model, PROMPT, 64, source)
@@ -112,17 +117,22 @@ def test_a_useless_drafter_pauses_within_a_few_steps(models, source):
     drafting = [i for i, o in enumerate(outs) if o.block_drafted]
     assert dec.stats.block_draft_tokens == len(drafting) <= 8  # one position each
     assert dec.stats.block_accepted_tokens == 0
-    assert drafting[3] - drafting[2] >= 4  # paused after its first misses
+    first = drafting[:DraftSources().first_misses]  # its first misses (fewer: paused by cost)
+    assert (drafting + [len(outs)])[len(first)] - first[-1] >= 4  # paused after them
     assert outs[0].block_drafted == 0  # a plain step is timed first
 
 
 def test_an_oracle_drafter_keeps_drafting(models):
-    """Slot 1 always lands, slot 2 never: after the plain steps that time the machine,
+    """Slot 1 always lands, slot 2 never: on a machine whose plain step is timed (as a stored
+    cost table gives it: a plain cell timed once or twice is probed again, as the head's),
     every step drafts from the block (slot 2 while its estimate still allows) and its slot-1
     draft is accepted."""
     model = models["oracle"]
     plain, _ = decode(model, PROMPT, 0, n=32)
-    got, outs, dec = _adaptive(model, PROMPT, 32)
+    timed = SyntheticClock()
+    for _ in range(3):
+        timed.record_step(1, 0, PLAIN)
+    got, outs, dec = _adaptive(model, PROMPT, 32, policy=timed)
     assert got[:32] == plain
     first = next(i for i, o in enumerate(outs) if o.block_drafted)
     assert first <= 4 and all(o.block_drafted >= o.num_accepted == 1 for o in outs[first:])
@@ -132,14 +142,15 @@ def test_an_oracle_drafter_keeps_drafting(models):
 @pytest.mark.parametrize("name", ["oracle", "random", "eagle3"])
 def test_greedy_and_the_context_stay_exact_across_a_pause_and_a_resume(models, name):
     """The shared evidence says the drafter never landed: a row starts paused (plain steps,
-    no drafter pass), probes after a few steps; the oracle's probe lands and it drafts
-    again for good; the random drafters pause again. Output is plain decoding's, and the context
-    equals a fresh prefill's over every emitted token."""
+    no drafter pass), probes after ``RECHECKS[1]`` steps (a drafter that never landed); the
+    oracle's probe lands and it drafts again for good; the random drafters pause again. Output
+    is plain decoding's, and the context equals a fresh prefill's over every emitted token."""
     model = models[name]
     sources = DraftSources("block")
     for _ in range(sources.first_misses):
         sources.block_landed(1, 0)
-    got, outs, dec = _adaptive(model, PROMPT, 24, sources=sources)
+    # no plain step launched ahead past the last one read: the context ends at its tokens
+    got, outs, dec = _adaptive(model, PROMPT, RECHECKS[1] + 16, sources=sources, overlap=False)
     plain, _ = decode(model, PROMPT, 0, n=len(got))
     assert got == plain
     drafting = [i for i, o in enumerate(outs) if o.block_drafted]
@@ -153,7 +164,8 @@ def test_batch_rows_choose_for_themselves(models, monkeypatch):
     """Eight rows on the oracle: four whose own steps showed the drafter landing, four whose
     steps showed it missing. In one step the first draft and the others rest (no clamping
     to the batch; the drafter's pass runs over the drafting rows only); the resting rows'
-    probes land and they draft again; every row decodes its plain tokens and keeps its own
+    probes land (every 4 steps, as the head's re-checks after one lands) and they draft again
+    once their own estimate pays; every row decodes its plain tokens and keeps its own
     acceptance."""
     model = models["oracle"]
     passes = []  # rows of each drafter pass

@@ -215,7 +215,9 @@ class BatchDecoder:
                 or any(r.drafter is not None and r.drafter.has_proposal() for r in self.core.rows)):
             return
         self._next_ks = self.choose_ks(load)
-        if not any(self._next_ks):
+        # K drafts from the head: a row whose drafter drafts alone (``block``) asked above
+        if not any(k for k, r in zip(self._next_ks, self.core.rows)
+                   if r.drafter is None or r.drafter.uses_head):
             ks, self._next_ks = self._next_ks, None
             snap = self._checkpoint()
             self._ahead = (self.core.launch(ks, self.policy.costs), snap)

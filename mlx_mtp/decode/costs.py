@@ -212,3 +212,29 @@ class StepCosts:
             return direct
         fitted = base + head * self.head_pass(B) + block * self.block_pass(B)
         return fitted if direct is None else min(direct, fitted)
+
+
+class BlockSteps:
+    """The table as the K policy reads head steps (``predict``, ``count``, ``stale``), for
+    the block drafter's widths (``block_policy.BlockPolicy``): "K" is w block drafts
+    verified after the drafter's pass (one, or one per draft for an autoregressive
+    drafter), K=0 a plain step. A width wider than any block step measured at B is
+    unknown (None), as an unmeasured head K is: the verify cost would be read flat from
+    shorter ones, so every deeper width would look free; the policy tries it when it could
+    pay at a guessed cost."""
+
+    def __init__(self, costs: StepCosts, pass_per_draft: bool = False):
+        self.costs, self.pass_per_draft = costs, pass_per_draft
+
+    def predict(self, B: int, K: int) -> Optional[float]:
+        if K == 0:
+            return self.costs.predict(B, 0)
+        if not any(b == B and k >= K and head == 0 for b, k, head in self.costs.block_cells):
+            return None
+        return self.costs.predict_plan(B, K, 0, K if self.pass_per_draft else 1)
+
+    def count(self, B: int, K: int) -> int:
+        return self.costs.count(B, 0) if K == 0 else len(self.costs.block_cells.get((B, K, 0), ()))
+
+    def stale(self, B: int, K: int) -> bool:
+        return self.costs.stale(B, 0) if K == 0 else self.costs._stale((B, K, 0), 1)

@@ -13,9 +13,10 @@ table, ``costs.StepCosts.predict_plan``: a step with ``k`` positions to verify, 
 them chained through the head, costs ``verify(k) + J * head``, plus ``block_pass`` when the
 block drafter runs, all fitted from steps as they run; a length never measured is tried at
 an optimistic guess, which measuring it corrects). A drafter the estimates turn down is
-paused and re-tried now and then (``probe_gap``), the block drafter as context lookup; the
-block drafter also waits for a timed plain step, earns its depth and stops after its first
-misses as the head does (``RowDrafter._plan_block``).
+paused and re-tried now and then (``probe_gap``). The block drafter's width is the K
+policy's over its own acceptance and the table's block steps (``block_policy.BlockPolicy``):
+it waits for a timed plain step, earns its depth, pauses and is re-checked as the head is
+(``RowDrafter._plan_block``).
 
 The choice depends only on what earlier steps showed, never on this step's draws: greedy
 output is unchanged, and sampled output keeps the target distribution (``sampling.verify``:
@@ -24,6 +25,7 @@ a lookup proposal's ``q`` is one-hot, a block draft's is the drafter's own).
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple
 
 from ..drafters.base import (BLOCK_PASS, HEAD, HEAD_PASSES, MAX_DRAFTER_TOKENS, Drafter,
@@ -31,6 +33,7 @@ from ..drafters.base import (BLOCK_PASS, HEAD, HEAD_PASSES, MAX_DRAFTER_TOKENS, 
 from ..drafters.lookup import LookupSettings
 from ..drafters.registry import SOURCES
 from . import MAX_DRAFT_TOKENS, check_draft_source
+from .block_policy import BlockPolicy
 from .costs import StepCosts
 from .policy import AcceptanceEstimate
 
@@ -51,10 +54,11 @@ class DraftSources:
         # What every row's steps showed, per source: a new row's prior, its own steps
         # then take over (a server's chat requests rarely copy, its edit requests do).
         self.acceptance = {}  # per source name, filled by ``shared``
-        # The block drafter is the same weights for every row: a new row starts paused at
-        # the gap earlier rows reached (``RowDrafter._paced``), and one none of whose drafts
-        # ever landed drafts ``first_misses`` steps in all, then only probes (as the head).
-        self.block_gap = probe_gap[0]
+        # The block drafter is the same weights for every row: a new row takes up the
+        # resting rows' re-checks (interval, steps to the next; None: none rests), and one
+        # none of whose drafts ever landed drafts ``first_misses`` steps in all, then only
+        # re-checks (as the head; ``block_policy.BlockPolicy``).
+        self.block_rest: Optional[Tuple[int, int]] = None
         self.first_misses, self.block_dry_steps = 3, 0  # None once a block draft landed
 
     def for_row(self, default_k: int, k: Optional[int] = None, source: Optional[str] = None,
@@ -119,8 +123,10 @@ class RowDrafter:
         sizes = {HEAD: MAX_DRAFTER_TOKENS + MAX_DRAFT_TOKENS, self.drafter.name: MAX_DRAFTER_TOKENS}
         self.acceptance = {name: AcceptanceEstimate(n, 0.97, 3.0, sources.shared(name, n).alpha)
                            for name, n in sizes.items()}
-        self._gap = self._wait = sources.block_gap if self.blocks else sources.probe_gap[0]
-        self._resting = self.blocks and sources.block_gap > sources.probe_gap[0]
+        self._gap = self._wait = sources.probe_gap[0]
+        # the block drafter's width: the K policy over its acceptance (None: no block drafter)
+        self.pacing = (BlockPolicy(sources, self.acceptance[self.drafter.name])
+                       if self.blocks else None)
 
     @property
     def plans_alike(self) -> bool:
@@ -138,13 +144,14 @@ class RowDrafter:
         """Whether the next step may draft from the drafter (else a plain step may be
         launched ahead): the block drafter's unless it rests with no probe due."""
         if self.blocks:
-            return not self._resting or self._wait <= 1
+            return self.pacing.may_draft()
         return self.drafter.has_proposal()
 
     def fit_block(self, width: int, pass_per_draft: bool = False):
         """The model's block drafter proposes ``width`` drafts per step at most, in one pass
         or (``pass_per_draft``) one pass each."""
         self.block_width, self.pass_per_draft = width, pass_per_draft
+        self.pacing.pass_per_draft = pass_per_draft
 
     def plan(self, k_head: int, can_head: bool, B: int, costs: StepCosts,
              cap: int = 0) -> DraftPlan:
@@ -168,72 +175,54 @@ class RowDrafter:
 
     def _paced(self, best: DraftPlan, drafts: bool, full: DraftPlan) -> DraftPlan:
         """``best``, or now and then (every ``probe_gap`` steps, doubling) ``full`` while
-        the estimates keep the drafter paused (``drafts`` False). The block drafter's gap
-        is shared with the rows that join later (``DraftSources.block_gap``)."""
+        the estimates keep the drafter paused (``drafts`` False)."""
         first, longest = self.sources.probe_gap
-        self._resting = not drafts
         if drafts:
             self._gap = self._wait = first
-            if self.blocks:
-                self.sources.block_gap = first
             return best
         self._wait -= 1
         if self._wait > 0:
             return best
         self._gap = self._wait = min(2 * self._gap, longest)
-        if self.blocks:
-            self.sources.block_gap = max(self.sources.block_gap, self._gap)
         return full  # a probe: measures its acceptance and its cost again
 
     def _plan_block(self, k_head: int, can_draft: bool, cap: int, B: int,
                     costs: StepCosts) -> DraftPlan:
         """The block drafter's row: ``DraftPlan(block=n)`` drafts n positions, those past
         the drafter's block chained by the head (``block+mtp``, ``block_context.fit_plans``).
-        Its pass is priced like the head's (``costs.block_pass``) against a plain step
-        measured first: it pauses when its measured acceptance does not pay for it (after
-        ``first_misses`` steps if none of its drafts ever landed), drafts one position past
-        those that landed, and re-tries now and then. A paused row runs no drafter pass;
-        its taps wait for the next one (``block_context.trunk``)."""
+        The width is the K policy's over the block's own acceptance and the table's block
+        steps (``self.pacing``: 0 while it does not pay, a width now and then to re-check
+        it); ``block+mtp`` then takes the head alone at the K policy's ``k_head`` instead
+        where that pays better, and follows it while the block rests. A paused row runs
+        no drafter pass; its taps wait for the next one (``block_context.trunk``)."""
         if not can_draft or not cap:
             return DraftPlan()
         if not self.sources.adaptive:
             return DraftPlan(block=k_head)
-        if costs.predict_plan(B, 0, 0) is None:  # time plain steps here first, as the K policy
-            return DraftPlan([], k_head) if self.uses_head and k_head else DraftPlan()
+        head = DraftPlan([], k_head) if self.uses_head and k_head else DraftPlan()
         full = min(cap, self.block_width)
-        width = min(full, self._landed_depth() + 1)
-        if self.sources.block_dry():  # never landed: the head or a plain step, and probes
-            return self._paced(self._best_block(k_head, cap, 0, full, B, costs), False,
-                               DraftPlan(block=width))
-        best = self._best_block(k_head, cap, width, full, B, costs)
-        if not best.block:  # pausing the drafter needs evidence: its upper estimate
-            best = self._best_block(k_head, cap, width, full, B, costs, optimistic=True)
-        return self._paced(best, bool(best.block), DraftPlan(block=width))
-
-    def _landed_depth(self) -> int:
-        """Block positions that landed lately, in this row or any (the shared estimate)."""
-        name = self.drafter.name
-        return max(self.acceptance[name].landed_depth(),
-                   self.sources.shared(name, MAX_DRAFTER_TOKENS).landed_depth())
+        width = self.pacing.width(B, full, costs)
+        if not width:
+            return head
+        if not self.uses_head or self.pacing.resting:  # ``block``, or a re-check
+            return DraftPlan(block=width)
+        return self._best_block(k_head, cap, width, full, B, costs)
 
     def _best_block(self, k_head: int, cap: int, width: int, full: int, B: int,
-                    costs: StepCosts, optimistic: bool = False) -> DraftPlan:
-        """The most expected tokens per second of: the block's first n <= ``width`` drafts,
-        the whole block (``full`` drafts, reached) extended by the head to ``cap``
-        (``block+mtp``), and the head alone at the K policy's ``k_head`` (which beats a
-        plain step, by that policy's estimates) or else a plain step. Positions not drafted lately read
-        as the one above (``AcceptanceEstimate.extrapolated``); ``optimistic``: the
-        drafter's acceptance at its upper estimate."""
+                    costs: StepCosts) -> DraftPlan:
+        """``block+mtp``: the most expected tokens per second of the block's ``width``
+        drafts (the policy's width), the whole block (``full`` drafts, reached) extended by
+        the head to ``cap``, and the head alone at the K policy's ``k_head`` (which beats a
+        plain step, by that policy's estimates) or else a plain step. Positions not drafted
+        lately read as the one above (``AcceptanceEstimate.extrapolated``)."""
         run, head = self.acceptance[self.drafter.name], self.acceptance[HEAD]
-        expected, reach = [1.0], 1.0
-        for a in run.means(optimistic, extrapolate=True)[:width]:
-            reach *= a
-            expected.append(expected[-1] + reach)
-        candidates = [(DraftPlan(block=n), expected[n], 0) for n in range(1, width + 1)]
-        if self.uses_head and width == full and cap > full:  # fed every block token: cap passes
+        expected = run.expected_tokens(width, extrapolate=True)
+        candidates = [(DraftPlan(block=width), expected, 0)]
+        if width == full and cap > full:  # fed every block token: cap passes
+            reach = math.prod(run.extrapolated[:width])
             extension = head.expected_tokens(cap - width, start=width) - 1
-            candidates.append((DraftPlan(block=cap), expected[-1] + reach * extension, cap))
-        if self.uses_head and k_head:  # the K policy's choice: the head beats a plain step
+            candidates.append((DraftPlan(block=cap), expected + reach * extension, cap))
+        if k_head:  # the K policy's choice: the head beats a plain step
             candidates.append((DraftPlan([], k_head), head.expected_tokens(k_head), k_head))
         else:
             candidates.append((DraftPlan(), 1.0, 0))
@@ -278,15 +267,14 @@ class RowDrafter:
     def record(self, plan: DraftPlan, n_accepted: int) -> Tuple[int, int]:
         """Learn from a step's outcome; returns (drafter tokens, of them accepted)."""
         n, name = len(plan.fixed) or plan.block, self.drafter.name
+        if n:  # the row's own estimate (through the block's policy), then every row's
+            if plan.block:
+                self.pacing.record(n, n_accepted)
+            else:
+                self.acceptance[name].record(n, [n_accepted])
+            self.sources.acceptance[name].record(n, [n_accepted])
+            self.drafter.observe(n, min(n, n_accepted))
         for estimates in (self.acceptance, self.sources.acceptance):
-            if n:
-                estimates[name].record(n, [n_accepted])
             if plan.head:  # at its chain depths, after the drafter's tokens if any
                 estimates[HEAD].record(plan.head, [n_accepted], starts=[n])
-        if n:
-            self.drafter.observe(n, min(n, n_accepted))
-        if plan.block:
-            self.sources.block_landed(n, min(n, n_accepted))
-            if self._resting and n_accepted:  # a probe landed: the next one is due soon,
-                self._gap = self._wait = self.sources.probe_gap[0]  # as the head's re-checks
         return n, min(n, n_accepted)
