@@ -307,6 +307,10 @@ def load_from_args(args, mtp: bool, group=None):
         model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=mtp,
                                             mtp_hidden=args.mtp_hidden, dtype=args.dtype,
                                             mtp_model=None if block else mtp_model_from_args(args))
+    if block is None:  # a checkpoint may carry its own (DeepSeek-V4's DSpark stages)
+        from .drafters.block.load import own_drafter
+
+        block = own_drafter(args.model)
     if block is not None:  # split: see DistributedModel.use_block_drafter
         from .drafters.block.load import attach_block_drafter
 
