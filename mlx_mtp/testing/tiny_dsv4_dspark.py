@@ -1,7 +1,7 @@
 """A tiny DeepSeek-V4 checkpoint carrying DSpark stages under ``mtp.<stage>.*`` (the released
 layout ``drafters/block/dsv4_dspark.py`` reads): the trunk of ``tiny_streams``'
 ``deepseek_v4`` and, in the same shards, the stages under DeepSeek's names (``attn.*``,
-``ffn.experts.E.w1/w2/w3``, ``hc_attn_fn``, ``hc_head_fn``, ``main_proj``, ``main_norm``,
+``attn.kv_norm``, ``ffn.experts.E.w1/w2/w3``, ``hc_attn_fn``, ``hc_head_fn``, ``main_proj``, ``main_norm``,
 ``norm``), the Markov head and a confidence head in the last stage. Every stage weight is
 random (mixers, sinks and routers included) so a parity test exercises them all.
 """
@@ -61,6 +61,7 @@ def stages_to_released(drafter: DeepseekV4DSpark, confidence: bool = True) -> di
     for k, v in out.items():
         k = re.sub(r"^stages\.(\d+)\.(block\.)?", r"mtp.\1.", k)
         k = re.sub(r"\.hc_head\.", ".hc_head_", k)
+        k = k.replace(".attn.norm.", ".attn.kv_norm.")
         k = re.sub(r"^markov_head\.", f"mtp.{last}.markov_head.", k)
         released[k] = v
     if confidence:

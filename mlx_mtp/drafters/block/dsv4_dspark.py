@@ -160,12 +160,14 @@ class DeepseekV4DSpark(BlockDraftModel):
 
     def sanitize(self, weights: dict) -> dict:
         """Released ``mtp.<stage>.*`` names -> ``stages.<stage>.*`` (through the V4 family's
-        naming: ``attn``/``ffn``/``hc_*`` into the block, experts stacked); the Markov head
-        is model-level wherever a stage carries it."""
+        naming: ``attn``/``ffn``/``hc_*`` into the block, experts stacked; the key/value
+        norm as ``attn.kv_norm``, DeepSeek's name, or ``attn.norm``); the Markov head is
+        model-level wherever a stage carries it."""
         markov = {re.sub(r"^(mtp\.\d+\.)?", "", k): v for k, v in weights.items()
                   if re.match(r"^(mtp\.\d+\.)?markov_head\.", k)}
         stages = {k: v for k, v in weights.items() if re.match(r"^mtp\.\d+\.", k)
                   and not re.match(r"^mtp\.\d+\.(markov_head|confidence_head)\.", k)}
+        stages = {k.replace(".attn.kv_norm.", ".attn.norm."): v for k, v in stages.items()}
         ours = V4Model.stack_experts({V4Model.our_name(k): v for k, v in stages.items()},
                                      self.n_experts)
         out = {re.sub(r"^mtp\.layers\.", "stages.", k): v for k, v in ours.items()}

@@ -1,0 +1,100 @@
+"""DeepSeek-V4's DSpark stages under ``mtp.*`` (``drafters/block/dsv4_dspark.py``): parity with
+mlx-vlm 0.7.10's ``deepseek_v4_dspark`` drafter, loading from the model's own checkpoint,
+the refusals, and greedy decoding identical to plain decoding.
+
+The reference is recorded once into ``tests/fixtures/dsv4_dspark/`` by
+``tests/fixtures/dsv4_dspark_reference.py`` (its docstring says how to rerun it): the same
+stage weights and the same taps, two rounds on one context cache (the second appends the
+accepted rows' taps), every block width, a batch of two rows.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_mtp.drafters.block.dsv4_dspark import DeepseekV4DSpark, stage_spec
+from mlx_mtp.drafters.block.load import BlockDrafterError, attach_block_drafter, describe
+from mlx_mtp.models.families.deepseek_v4 import ModelArgs
+from mlx_mtp.models.io.loader import load_model
+from mlx_mtp.testing.tiny_dsv4_dspark import make_tiny_deepseek_v4_dspark
+
+FIXTURE = Path(__file__).parent / "fixtures" / "dsv4_dspark"
+ANCHORS = ((7, 11), (20, 3))  # as the recorder's
+
+
+def greedy(logits, j):
+    return mx.argmax(logits, axis=-1), nn.log_softmax(logits, axis=-1)
+
+
+def fixture_drafter():
+    config = json.loads((FIXTURE / "config.json").read_text())
+    weights = dict(mx.load(str(FIXTURE / "stages.safetensors")))
+    embed, head = nn.Embedding(1, 1), nn.Linear(1, 1, bias=False)
+    embed.weight, head.weight = weights.pop("embed.weight"), weights.pop("head.weight")
+    drafter = DeepseekV4DSpark(ModelArgs.from_dict(config), stage_spec(config),
+                               config["dspark_markov_rank"])
+    drafter.load_weights(list(drafter.sanitize(weights).items()), strict=True)
+    return drafter.bind(embed, head), config
+
+
+def test_block_logits_and_drafts_match_mlx_vlm_over_two_rounds():
+    drafter, config = fixture_drafter()
+    taps, ref = np.load(FIXTURE / "taps.npz"), np.load(FIXTURE / "reference.npz")
+    n_taps = len(config["dspark_target_layer_ids"])
+    for width in range(1, config["dspark_block_size"] + 1):
+        cache = drafter.make_cache()
+        for r, key in enumerate(("round1", "round2")):
+            drafter.add_context(mx.split(mx.array(taps[key]), n_taps, axis=-1), cache)
+            anchor = mx.array(ANCHORS[r], mx.int32)
+            logits = drafter.block_logits(anchor, cache, width)
+            np.testing.assert_allclose(np.array(logits), ref[f"logits_{key}_w{width}"],
+                                       atol=1e-4, rtol=0)
+            drafts, _ = drafter.propose(anchor, cache, width, greedy)
+            assert np.array(drafts).tolist() == ref[f"drafts_{key}_w{width}"].tolist()
+
+
+def test_the_fixture_is_not_degenerate():
+    """The recorded drafts differ between rows and rounds (the parity above could not pass
+    with a drafter that ignored its context)."""
+    ref = np.load(FIXTURE / "reference.npz")
+    a, b = ref["logits_round1_w3"], ref["logits_round2_w3"]
+    assert np.abs(a - b).max() > 1e-2 and np.abs(a[0] - a[1]).max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_deepseek_v4_dspark(tmp_path_factory.mktemp("dsv4") / "ck")
+
+
+def test_the_checkpoint_carries_its_drafter(checkpoint):
+    model, config = load_model(checkpoint)
+    assert model.num_mtp_layers == 0  # mtp.* holds the stages, not a head
+    drafter = attach_block_drafter(model, str(checkpoint))
+    assert isinstance(drafter, DeepseekV4DSpark) and len(drafter.stages) == 2
+    assert describe(config)["kind"] == "deepseek_v4_dspark"
+    assert describe(config)["taps"] == [1, 3] and describe(config)["block_size"] == 4
+
+
+def test_a_head_beside_the_stages_is_refused(checkpoint, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint, bad)
+    weights = dict(mx.load(str(bad / "model.safetensors")))
+    weights["mtp.0.e_proj.weight"] = mx.zeros((64, 64))
+    mx.save_safetensors(str(bad / "model.safetensors"), weights)
+    with pytest.raises(BlockDrafterError, match="MTP head beside DSpark stages"):
+        attach_block_drafter(load_model(bad)[0], str(bad))
+
+
+def test_a_bad_stage_config_is_refused(checkpoint, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["dspark_target_layer_ids"] = [1, 9]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BlockDrafterError, match=r"dspark_target_layer_ids \[1, 9\]"):
+        describe(config)
