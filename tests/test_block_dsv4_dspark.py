@@ -17,11 +17,14 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from block_checks import decode, decode_batch
 from mlx_mtp.drafters.block.dsv4_dspark import DeepseekV4DSpark, stage_spec
-from mlx_mtp.drafters.block.load import BlockDrafterError, attach_block_drafter, describe
+from mlx_mtp.drafters.block.load import (BlockDrafterError, attach_block_drafter, describe,
+                                          describe_own)
 from mlx_mtp.models.families.deepseek_v4 import ModelArgs
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.testing.tiny_dsv4_dspark import make_tiny_deepseek_v4_dspark
+from mlx_mtp.tools.inspect_model import inspect_model, render
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dsv4_dspark"
 ANCHORS = ((7, 11), (20, 3))  # as the recorder's
@@ -76,8 +79,12 @@ def test_the_checkpoint_carries_its_drafter(checkpoint):
     assert model.num_mtp_layers == 0  # mtp.* holds the stages, not a head
     drafter = attach_block_drafter(model, str(checkpoint))
     assert isinstance(drafter, DeepseekV4DSpark) and len(drafter.stages) == 2
-    assert describe(config)["kind"] == "deepseek_v4_dspark"
-    assert describe(config)["taps"] == [1, 3] and describe(config)["block_size"] == 4
+    assert describe(config) is None  # a model, not a drafter alone
+    report = inspect_model(str(checkpoint))
+    own = report["own_block_drafter"]
+    assert (own["kind"], own["taps"], own["block_size"], own["max_draft"]) == \
+        ("deepseek_v4_dspark", [1, 3], 4, 3)
+    assert "deepseek_v4_dspark stages (taps after layers [1, 3]" in render(report)
 
 
 def test_a_head_beside_the_stages_is_refused(checkpoint, tmp_path):
@@ -97,4 +104,36 @@ def test_a_bad_stage_config_is_refused(checkpoint, tmp_path):
     config["dspark_target_layer_ids"] = [1, 9]
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(BlockDrafterError, match=r"dspark_target_layer_ids \[1, 9\]"):
-        describe(config)
+        describe_own(config)
+
+
+PROMPT = [5, 60, 11, 7, 9, 3, 41, 17]
+PROMPTS = [[3, 9, 27], [100, 4, 8, 15, 16, 23, 42], [7, 50, 51, 52]]
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    model = load_model(checkpoint)[0]
+    attach_block_drafter(model, str(checkpoint))
+    return model
+
+
+def test_greedy_identical_at_every_width(model):
+    """Batch 1, widths 1..dspark_block_size; ``block+mtp`` on a checkpoint with no head (its
+    ``mtp.*`` holds the stages) drafts from the block alone."""
+    plain, _ = decode(model, PROMPT, 0)
+    for k in range(1, model.block_drafter.spec.max_draft + 1):
+        got, dec = decode(model, PROMPT, k)
+        assert got == plain, f"width {k}"
+        assert dec.stats.block_draft_tokens == dec.stats.num_draft_tokens > 0
+        assert dec.stats.block_accepted_tokens > 0
+    got, dec = decode(model, PROMPT, model.block_drafter.spec.block_size, "block+mtp")
+    assert got == plain and dec.stats.block_draft_tokens > 0 == dec.stats.head_draft_tokens
+
+
+def test_a_batch_of_three_decodes_each_rows_plain_tokens(model):
+    """Rows joining one per step (different context lengths, so different window phases)."""
+    want = [decode(model, p, 0, n=10)[0] for p in PROMPTS]
+    got, decs = decode_batch(model, PROMPTS, ["block", "block+mtp", "block"], 3, 10)
+    assert got == want
+    assert all(d.stats.block_draft_tokens > 0 for d in decs)

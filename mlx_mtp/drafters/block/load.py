@@ -143,15 +143,26 @@ def attach_block_drafter(model, spec: str, kind: Optional[str] = None) -> BlockD
 
 
 def describe(config: dict) -> Optional[dict]:
-    """What ``inspect`` says of a block drafter's config (None: not one)."""
-    if kind_of(config) is None:
+    """What ``inspect`` says of a block drafter's config (None: not one; a model carrying
+    its own drafter is a model: ``describe_own``)."""
+    if kind_of(config) is None or dsv4_dspark.declares_stages(config):
+        return None
+    return summary(parse(config, None, "drafter").spec, config.get("quantization"))
+
+
+def describe_own(config: dict) -> Optional[dict]:
+    """What ``inspect`` says of the drafter a model's own checkpoint carries (None: none)."""
+    if not dsv4_dspark.declares_stages(config):
         return None
     try:
-        spec = dsv4_dspark.stage_spec(config) if dsv4_dspark.declares_stages(config) else \
-            parse(config, None, "drafter").spec
+        spec = dsv4_dspark.stage_spec(config)
     except ValueError as e:
         raise BlockDrafterError(str(e)) from None
+    return summary(spec, config.get("quantization"))
+
+
+def summary(spec, quantization: Optional[dict]) -> dict:
     return {"kind": spec.kind, "taps": list(spec.target_layer_ids), "block_size": spec.block_size,
             "max_draft": spec.max_draft, "autoregressive": spec.autoregressive,
             "hidden_size": spec.hidden_size,
-            "vocab_size": spec.vocab_size, "quantization": config.get("quantization")}
+            "vocab_size": spec.vocab_size, "quantization": quantization}

@@ -193,10 +193,11 @@ class Model(MTPModel):
     def stage_layers(self, ids, hidden, cache=None, capture=False, taps=()):
         """The layers from the streams ``hidden``. All rows run in one pass; each keeps its
         own caches (``CompressedRows``: rows sit at different phases of their windows),
-        which the attention reads row by row."""
+        which the attention reads row by row; a block drafter's context caches ride after
+        the layers' (``decode/block_context.py``)."""
         B, L = ids.shape
         rows = [None] * len(self.model.layers) if cache is None else \
-            [[c.row(b) for b in range(B)] for c in cache]
+            [[c.row(b) for b in range(B)] for c in cache[:len(self.model.layers)]]
         starts = [0] * B if cache is None else [r.lengths()[0] for r in rows[0]]
         positions = mx.array(starts)[:, None, None] + mx.arange(L)
         h, tapped = hidden, {}
