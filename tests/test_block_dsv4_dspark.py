@@ -10,6 +10,8 @@ accepted rows' taps), every block width, a batch of two rows.
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -137,3 +139,25 @@ def test_a_batch_of_three_decodes_each_rows_plain_tokens(model):
     got, decs = decode_batch(model, PROMPTS, ["block", "block+mtp", "block"], 3, 10)
     assert got == want
     assert all(d.stats.block_draft_tokens > 0 for d in decs)
+
+
+@pytest.mark.slow
+def test_generate_drafts_with_the_checkpoints_own_stages(tmp_path):
+    """No ``--draft-model``: the default source is the model's own drafter (``block+mtp``,
+    headless, so the block); a head-only source is refused in one line."""
+    ck = make_tiny_deepseek_v4_dspark(tmp_path / "ck", vocab_size=4096)  # the CLI's tokenizer
+
+    def run(*args):
+        p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", *args], capture_output=True,
+                           text=True, timeout=300)
+        return p.returncode, p.stdout, p.stderr
+
+    gen = ["generate", "--model", str(ck), "--prompt", "def f():", "-m", "10", "--temp", "0"]
+    code, plain, err = run(*gen, "--verbose", "False", "--no-mtp")
+    assert code == 0, err
+    code, out, err = run(*gen, "--fixed-k", "--num-draft-tokens", "3")
+    assert code == 0 and plain.strip() in out, err
+    assert "head 0/0, block " in out and "block 0/0" not in out, out
+    code, out, err = run(*gen, "--draft-source", "mtp")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "DeepSeek-V4 DSpark stages" in err and "--draft-source block" in err
