@@ -1,6 +1,6 @@
 """DeepSeek-V4's DSpark stages under ``mtp.*`` (``drafters/block/dsv4_dspark.py``): parity with
 mlx-vlm 0.7.10's ``deepseek_v4_dspark`` drafter, loading from the model's own checkpoint,
-the refusals, and greedy decoding identical to plain decoding.
+the refusals, ``inspect``, ``convert``, and greedy decoding identical to plain decoding.
 
 The reference is recorded once into ``tests/fixtures/dsv4_dspark/`` by
 ``tests/fixtures/dsv4_dspark_reference.py`` (its docstring says how to rerun it): the same
@@ -18,8 +18,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from block_checks import decode, decode_batch
+from mlx_mtp.convert.main import convert
 from mlx_mtp.drafters.block.dsv4_dspark import DeepseekV4DSpark, stage_spec
 from mlx_mtp.drafters.block.load import (BlockDrafterError, attach_block_drafter, describe,
                                           describe_own)
@@ -161,3 +163,15 @@ def test_generate_drafts_with_the_checkpoints_own_stages(tmp_path):
     code, out, err = run(*gen, "--draft-source", "mtp")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "DeepSeek-V4 DSpark stages" in err and "--draft-source block" in err
+
+
+def test_convert_keeps_the_stages(checkpoint, model, tmp_path):
+    """An MLX conversion carries the stages as released: its drafter is the same."""
+    convert(str(checkpoint), str(tmp_path / "mlx"), verbose=False)
+    converted = load_model(tmp_path / "mlx")[0]
+    drafter = attach_block_drafter(converted, str(tmp_path / "mlx"))
+    want = dict(tree_flatten(model.block_drafter.parameters()))
+    got = dict(tree_flatten(drafter.parameters()))
+    assert got.keys() == want.keys()
+    assert all(mx.array_equal(got[k], want[k]).item() for k in want)
+    assert decode(converted, PROMPT, 2)[0] == decode(model, PROMPT, 0)[0]
