@@ -12,7 +12,7 @@ import mlx.nn as nn
 
 from ...models.io.files import load_safetensors, read_json_object
 from ...errors import CheckpointError
-from ...models.io.loader import resolve_model_path, weight_files
+from ...models.io.loader import load_config, resolve_model_path, weight_files
 from ...models.io.split_drafter import is_drafter_config
 from . import KINDS, dsv4_dspark
 from .base import BlockDraftModel
@@ -98,7 +98,7 @@ def own_drafter(model_spec: Optional[str]) -> Optional[tuple]:
     DeepSeek-V4 with DSpark stages), for ``attach_block_drafter``; else None."""
     if model_spec is None:
         return None
-    config = read_config(model_spec)[1]
+    config = load_config(resolve_model_path(str(model_spec)))  # the loader's own errors
     return (model_spec, None) if dsv4_dspark.declares_stages(config) else None
 
 
