@@ -1,6 +1,7 @@
 """DeepSeek-V4's DSpark stages under ``mtp.*`` (``drafters/block/dsv4_dspark.py``): parity with
 mlx-vlm 0.7.10's ``deepseek_v4_dspark`` drafter, loading from the model's own checkpoint,
-the refusals, ``inspect``, ``convert``, and greedy decoding identical to plain decoding.
+the refusals, ``inspect``, ``convert``, greedy decoding identical to plain decoding and
+sampled decoding following the target's distribution (chi-square).
 
 The reference is recorded once into ``tests/fixtures/dsv4_dspark/`` by
 ``tests/fixtures/dsv4_dspark_reference.py`` (its docstring says how to rerun it): the same
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from block_checks import decode, decode_batch
+from block_checks import assert_block_samples_follow_target, decode, decode_batch
 from mlx_mtp.convert.main import convert
 from mlx_mtp.drafters.block.dsv4_dspark import DeepseekV4DSpark, stage_spec
 from mlx_mtp.drafters.block.load import (BlockDrafterError, attach_block_drafter, describe,
@@ -141,6 +142,13 @@ def test_a_batch_of_three_decodes_each_rows_plain_tokens(model):
     got, decs = decode_batch(model, PROMPTS, ["block", "block+mtp", "block"], 3, 10)
     assert got == want
     assert all(d.stats.block_draft_tokens > 0 for d in decs)
+
+
+def test_sampled_tokens_follow_the_target_distribution(model):
+    """Two drafts from the Markov-corrected q, many seeds: the next two tokens follow the
+    target's exact joint distribution (temperature 40, top-3), drafts accepted and rejected."""
+    accepted = assert_block_samples_follow_target(model, PROMPT[:4])
+    assert 50 < accepted < 2 * 400
 
 
 @pytest.mark.slow
