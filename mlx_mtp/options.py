@@ -151,11 +151,18 @@ def drafting_from_args(args, distributed: bool = False) -> Drafting:
 def _draft_source(args, k: int) -> str:
     """``--draft-source``, or the default: both, or none at all (mtp with K=0) without the
     head; --num-draft-tokens 0 turns drafting off, from every source."""
+    from .drafters.block.load import own_drafter
+
     source = getattr(args, "draft_source", None)
+    own = own_drafter(getattr(args, "model", None))  # its mtp.* holds a drafter, not a head
     if source is None:
-        if k > 0 and block_drafter_from_args(args) is not None:
-            return "block+mtp"  # the block drafter --draft-model names drafts
+        if k > 0 and (own or block_drafter_from_args(args)) is not None:
+            return "block+mtp"  # the block drafter --draft-model names (or the model's own)
         return "both" if k > 0 else "mtp"
+    if k > 0 and own is not None and SOURCES[source].head and SOURCES[source].drafter in (
+            None, SOURCES["lookup"].drafter):
+        raise UserError(f"--draft-source {source} needs an MTP head; {args.model} has none (its "
+                        "mtp.* holds DeepSeek-V4 DSpark stages): use --draft-source block")
     no_head = getattr(args, "no_mtp", False) or getattr(args, "spec_type", None) == "none"
     if k == 0 and no_head and SOURCES[source].head:
         raise UserError(f"--draft-source {source} needs the MTP head, which --no-mtp leaves "
@@ -307,6 +314,10 @@ def load_from_args(args, mtp: bool, group=None):
         model, tokenizer = load_distributed(args.model, args.distributed, group, mtp=mtp,
                                             mtp_hidden=args.mtp_hidden, dtype=args.dtype,
                                             mtp_model=None if block else mtp_model_from_args(args))
+    if block is None:  # a checkpoint may carry its own (DeepSeek-V4's DSpark stages)
+        from .drafters.block.load import own_drafter
+
+        block = own_drafter(args.model)
     if block is not None:  # split: see DistributedModel.use_block_drafter
         from .drafters.block.load import attach_block_drafter
 

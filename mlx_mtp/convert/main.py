@@ -49,6 +49,7 @@ from ..models.io.layout import (QWEN_FAMILIES, CheckpointError, MissingMTPWeight
                              is_mtp_key, set_config_mtp_layers, text_config)
 from ..models.io.loader import load_config, quantize_like_checkpoint, weight_files
 from ..models.io.split_drafter import is_drafter_config
+from ..drafters.block import dsv4_dspark
 from ..drafters.block.config import KIND_NAMES
 
 DEFAULT_MAX_SHARD_GB = 5.0
@@ -234,6 +235,8 @@ def _write(model, src, dst, out_config, quantization, drafter_dir, max_shard_siz
     rows = _summarize(weights, model)
     # The MTP layer under its checkpoint names, in its released form (step3p5: 1+w norms).
     weights = model.text.checkpoint_mtp_names(weights)
+    if dsv4_dspark.declares_stages(out_config):  # kept as released (float), for its loader
+        weights.update(dsv4_dspark.stage_weights(src))
     if drafter_dir is not None:
         weights, trunk_q, head, head_q = split_mtp_io.split_head(weights, quantization)
         drafter_from = copy.deepcopy(out_config)

@@ -285,6 +285,7 @@ def inspect_model(path: Optional[str], kv_bits: Optional[int] = None,
                           and mtp["present_layers"] == 0),
         "advice": _advice(where, layout_name, mtp, model_type in MODEL_TYPES),
         "draft_vocab": _draft_vocab_info(where),
+        "own_block_drafter": block_drafter.describe_own(config),
         "memory": memory_estimate(tensors, model, kv_bits, kv_group_size),
         "kv_quantization": None if kv_bits is None else {
             "bits": kv_bits, "group_size": kv_group_size,
@@ -345,6 +346,11 @@ def render(report: dict) -> str:
         head += (f": {mtp['tensors']} tensors, {_size(mtp['bytes'])} in "
                  f"{', '.join(mtp['files'])} under {mtp['key_prefix'] or '(top level)'}; "
                  f"{_precision(mtp['precision'])}")
+    own = report["own_block_drafter"]
+    if own is not None:  # DeepSeek-V4's DSpark stages: mtp.* holds them, not a head
+        head = (f"none: mtp.* holds {own['kind']} stages (taps after layers {own['taps']}, "
+                f"{own['block_size']} positions per pass, {own['max_draft']} drafts), drafted "
+                "with as a block drafter (--draft-source block)")
     rows.append(("MTP head", head))
     dv = report["draft_vocab"]
     rows.append(("draft vocab", "none" if dv is None else dv.get("error") or

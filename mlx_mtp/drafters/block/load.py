@@ -11,9 +11,9 @@ import mlx.nn as nn
 
 from ...models.io.files import load_safetensors, read_json_object
 from ...errors import CheckpointError
-from ...models.io.loader import resolve_model_path, weight_files
+from ...models.io.loader import load_config, resolve_model_path, weight_files
 from ...models.io.split_drafter import is_drafter_config
-from . import KINDS
+from . import KINDS, dsv4_dspark
 from .base import BlockDraftModel
 from .config import DrafterConfig, detect_kind, fit_to_tensors, parse_block_config
 
@@ -24,6 +24,8 @@ class BlockDrafterError(CheckpointError):
 
 def kind_of(config: dict) -> Optional[str]:
     """The block-drafter kind a config declares (None: not a block drafter it knows)."""
+    if dsv4_dspark.declares_stages(config):
+        return dsv4_dspark.KIND
     try:
         return detect_kind(config)
     except ValueError as e:
@@ -63,6 +65,8 @@ def load_block_drafter(spec: str, kind: Optional[str] = None) -> BlockDraftModel
     lazily: they are read by the model that drafts with it (``use_block_drafter``), so a
     pipeline rank that holds a stand-in never reads them."""
     path, config = read_config(spec)
+    if dsv4_dspark.declares_stages(config):
+        return own_stages(path, config, spec)
     parsed = parse(config, kind, str(spec))
     weights = {k: v for f in weight_files(path) for k, v in load_safetensors(f).items()}
     try:
@@ -75,6 +79,27 @@ def load_block_drafter(spec: str, kind: Optional[str] = None) -> BlockDraftModel
                                 f"{str(e).splitlines()[0]}") from None
     drafter.eval()
     return drafter
+
+
+def own_stages(path, config: dict, spec: str) -> BlockDraftModel:
+    """The DSpark stages a DeepSeek-V4 checkpoint carries under ``mtp.*``."""
+    try:
+        drafter = dsv4_dspark.load_stages(path, config)
+    except ValueError as e:
+        raise BlockDrafterError(f"{spec}: its DSpark stages cannot be loaded: "
+                                f"{str(e).splitlines()[0]}") from None
+    drafter.eval()
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+def own_drafter(model_spec: Optional[str]) -> Optional[tuple]:
+    """``(model_spec, None)`` when the model's own checkpoint carries a block drafter (a
+    DeepSeek-V4 with DSpark stages), for ``attach_block_drafter``; else None."""
+    if model_spec is None:
+        return None
+    config = load_config(resolve_model_path(str(model_spec)))  # the loader's own errors
+    return (model_spec, None) if dsv4_dspark.declares_stages(config) else None
 
 
 def quantize_like(drafter: BlockDraftModel, quantization: Optional[dict], weights: dict):
@@ -118,11 +143,26 @@ def attach_block_drafter(model, spec: str, kind: Optional[str] = None) -> BlockD
 
 
 def describe(config: dict) -> Optional[dict]:
-    """What ``inspect`` says of a block drafter's config (None: not one)."""
-    if kind_of(config) is None:
+    """What ``inspect`` says of a block drafter's config (None: not one; a model carrying
+    its own drafter is a model: ``describe_own``)."""
+    if kind_of(config) is None or dsv4_dspark.declares_stages(config):
         return None
-    spec = parse(config, None, "drafter").spec
+    return summary(parse(config, None, "drafter").spec, config.get("quantization"))
+
+
+def describe_own(config: dict) -> Optional[dict]:
+    """What ``inspect`` says of the drafter a model's own checkpoint carries (None: none)."""
+    if not dsv4_dspark.declares_stages(config):
+        return None
+    try:
+        spec = dsv4_dspark.stage_spec(config)
+    except ValueError as e:
+        raise BlockDrafterError(str(e)) from None
+    return summary(spec, config.get("quantization"))
+
+
+def summary(spec, quantization: Optional[dict]) -> dict:
     return {"kind": spec.kind, "taps": list(spec.target_layer_ids), "block_size": spec.block_size,
             "max_draft": spec.max_draft, "autoregressive": spec.autoregressive,
             "hidden_size": spec.hidden_size,
-            "vocab_size": spec.vocab_size, "quantization": config.get("quantization")}
+            "vocab_size": spec.vocab_size, "quantization": quantization}

@@ -198,13 +198,25 @@ class Attention(nn.Module):
     def __call__(self, x, positions, caches, freqs) -> mx.array:
         """``positions`` (B, 1, L): each row's; ``caches``: each row's cache (None: one
         pass without a cache, every row at the same positions)."""
+        q, q_residual = self.queries(x, positions, freqs)
+        kv = self.keys_values(x, positions, freqs)
+        keys, bias = self.keys_and_bias(x, q_residual, kv, positions, caches, freqs)
+        return self.output(self.attend(q, keys, bias), positions, freqs)
+
+    def queries(self, x, positions, freqs) -> tuple:
+        """(roped queries (B, heads, L, D), the low-rank residual the indexer reads)."""
         B, L, _ = x.shape
         q_residual = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_residual).reshape(B, L, self.heads, self.head_dim).transpose(0, 2, 1, 3)
-        q = rope(rms(q, self.eps), positions, freqs)
-        kv = rope(self.norm(self.wkv(x))[:, None], positions, freqs)
-        keys, bias = self.keys_and_bias(x, q_residual, kv, positions, caches, freqs)
-        out = self.attend(q, keys, bias)
+        return rope(rms(q, self.eps), positions, freqs), q_residual
+
+    def keys_values(self, x, positions, freqs) -> mx.array:
+        """The single shared key/value head (B, 1, L, D), roped."""
+        return rope(self.norm(self.wkv(x))[:, None], positions, freqs)
+
+    def output(self, out, positions, freqs) -> mx.array:
+        """Attention output (B, heads, L, D) -> (B, L, H): un-roped, grouped low-rank out."""
+        B, _, L, _ = out.shape
         out = rope(out, positions, freqs, inverse=True).transpose(0, 2, 1, 3)
         out = out.reshape(B, L, self.groups, -1)
         w = self.wo_a.weight.reshape(self.groups, -1, out.shape[-1])

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -80,6 +80,8 @@ class ModelArgs:
     rms_norm_eps: float = 1e-6
     num_nextn_predict_layers: int = 0
     tie_word_embeddings: bool = False
+    # set: ``mtp.*`` holds DSpark stages (``drafters/block/dsv4_dspark.py``), not an MTP head
+    dspark_target_layer_ids: Optional[List[int]] = None
 
     @classmethod
     def from_dict(cls, params: dict) -> "ModelArgs":
@@ -160,7 +162,7 @@ class Model(MTPModel):
         self.model_type = args.model_type
         self.model = Trunk(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.num_nextn_predict_layers > 0:
+        if args.num_nextn_predict_layers > 0 and not args.dspark_target_layer_ids:
             self.mtp = MTPStack([MTPLayer(args)])
         dim = args.rope_head_dim
         self._freqs = {k: inv_freq(dim, v) for k, v in args.rope_parameters.items()}
@@ -172,7 +174,7 @@ class Model(MTPModel):
     def capabilities(self) -> Capabilities:
         # Pipeline stages hand on the streams with the ids beside them (hash routing);
         # tensor: ``blocks/stream_shard``; expert: the MoE blocks' ``switch_mlp``.
-        return Capabilities(taps=False, splits=("pipeline", "tensor", "expert"))
+        return Capabilities(splits=("pipeline", "tensor", "expert"))
 
     def layer_freqs(self, layer: Block) -> mx.array:
         return self._freqs["compress" if layer.attn.ratio else "main"]
@@ -184,23 +186,26 @@ class Model(MTPModel):
         return self.model.embed_tokens(inputs)
 
     def trunk_layers(self, inputs, cache=None, capture=False, taps=()):
-        """The four streams after the last layer (``taps`` unsupported)."""
+        """The four streams after the last layer; a tap is the mean over the streams."""
         streams = stream_input(self.embed(inputs), self.args.hc_mult)
-        return self.stage_layers(inputs, streams, cache, capture)
+        return self.stage_layers(inputs, streams, cache, capture, taps)
 
     def stage_layers(self, ids, hidden, cache=None, capture=False, taps=()):
         """The layers from the streams ``hidden``. All rows run in one pass; each keeps its
         own caches (``CompressedRows``: rows sit at different phases of their windows),
-        which the attention reads row by row."""
+        which the attention reads row by row; a block drafter's context caches ride after
+        the layers' (``decode/block_context.py``)."""
         B, L = ids.shape
         rows = [None] * len(self.model.layers) if cache is None else \
-            [[c.row(b) for b in range(B)] for c in cache]
+            [[c.row(b) for b in range(B)] for c in cache[:len(self.model.layers)]]
         starts = [0] * B if cache is None else [r.lengths()[0] for r in rows[0]]
         positions = mx.array(starts)[:, None, None] + mx.arange(L)
-        h = hidden
-        for layer, c in zip(self.model.layers, rows):
+        h, tapped = hidden, {}
+        for i, (layer, c) in enumerate(zip(self.model.layers, rows)):
             h = layer(h, ids, positions, c, self.layer_freqs(layer), capture)
-        return h, {}
+            if i in taps:
+                tapped[i] = h.mean(axis=2)
+        return h, tapped
 
     def stage_shape(self, B: int, L: int) -> tuple:
         return (B, L, self.args.hc_mult, self.args.hidden_size)
@@ -316,13 +321,9 @@ class Model(MTPModel):
         head = f"mtp.{indices.pop()}." if len(indices) == 1 else "mtp.0."
         out = {self.our_name("mtp.0." + k[len(head):] if k.startswith(head) else k): v
                for k, v in weights.items()}
-        for prefix in {k.split("experts.")[0] for k in out if ".experts." in k}:
-            for ours, theirs in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")):
-                stack = [out.pop(f"{prefix}experts.{e}.{theirs}.weight")
-                         for e in range(self.args.n_routed_experts)]
-                out[f"{prefix}switch_mlp.{ours}.weight"] = mx.stack(stack)
-        if "mtp" not in self:
-            return {k: v for k, v in out.items() if not k.startswith("mtp.")}
+        out = self.stack_experts(out, self.args.n_routed_experts)
+        if "mtp" not in self:  # no head, or DSpark stages (the drafter reads those)
+            return {k: v for k, v in out.items() if not k.startswith(("mtp.", "markov_head."))}
         expected = {k for k, _ in tree_flatten(self.parameters()) if k.startswith("mtp.")}
         missing = sorted(expected - out.keys())
         if missing:
@@ -334,6 +335,16 @@ class Model(MTPModel):
                 "original checkpoint with `mlx-mtp add-mtp --model THIS --source ORIGINAL`, or "
                 "run without MTP with --no-mtp.")
         return out
+
+    @staticmethod
+    def stack_experts(weights: dict, n_experts: int) -> dict:
+        """Per-expert ``experts.E.w1/w2/w3`` -> stacked ``switch_mlp.*`` (in place)."""
+        for prefix in {k.split("experts.")[0] for k in weights if ".experts." in k}:
+            for ours, theirs in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")):
+                stack = [weights.pop(f"{prefix}experts.{e}.{theirs}.weight")
+                         for e in range(n_experts)]
+                weights[f"{prefix}switch_mlp.{ours}.weight"] = mx.stack(stack)
+        return weights
 
     @staticmethod
     def our_name(key: str) -> str:
