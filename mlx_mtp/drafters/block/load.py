@@ -88,8 +88,7 @@ def own_stages(path, config: dict, spec: str) -> BlockDraftModel:
     except ValueError as e:
         raise BlockDrafterError(f"{spec}: its DSpark stages cannot be loaded: "
                                 f"{str(e).splitlines()[0]}") from None
-    drafter.eval()
-    mx.eval(drafter.parameters())
+    drafter.eval()  # its weights are read where a model keeps it (use_block_drafter)
     return drafter
 
 
