@@ -1,34 +1,13 @@
 """``--draft-model`` with a block drafter on the command line: ``generate`` drafts with it
 (``--draft-source block``, the default, and with ``--no-mtp``: no head loaded) and prints
 plain decoding's text; a drafter that does not fit the model exits with code 2 and one
-line; ``inspect`` reports its kind, taps and block. ``generate`` and ``inspect`` run in this
-process (an exit code and the output are all a case needs; ``test_cli.py`` starts them as
-users do); ``bench`` runs as a child process."""
-
-import subprocess
-import sys
+line; ``inspect`` reports its kind, taps and block. The CLI runs in this
+process (the ``cli`` fixture): an exit code and the output are all a case needs."""
 
 import pytest
 
 from block_checks import write_eagle3_oracle
-from mlx_mtp.cli import main
 from mlx_mtp.testing.tiny_block import make_tiny_dflash
-
-
-@pytest.fixture
-def cli(capsys):
-    """The CLI in this process: (exit code, stdout, stderr)."""
-    def run(*args):
-        code = main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-    return run
-
-
-def run(*args):
-    p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", *args], capture_output=True,
-                       text=True, timeout=300)
-    return p.returncode, p.stdout, p.stderr
 
 
 def test_generate_inspect_and_a_misfit(tiny_ckpt, tmp_path, cli):
@@ -57,8 +36,7 @@ def test_generate_inspect_and_a_misfit(tiny_ckpt, tmp_path, cli):
     assert "dflash block drafter" in out and "[1, 3]" in out and "4 positions per pass" in out
 
 
-@pytest.mark.slow
-def test_bench_compares_the_block_drafter_with_the_head(tiny_ckpt, tmp_path):
+def test_bench_compares_the_block_drafter_with_the_head(tiny_ckpt, tmp_path, cli):
     """``bench --draft-model D --draft-source mtp,block,block+mtp``: a row per source, each
     with plain decoding's output (the JSON's lossless flag) and the block drafter's drafts.
     The drafter is the EAGLE-3 oracle (right at every depth: 4 tokens a step at K 3), since
@@ -67,7 +45,7 @@ def test_bench_compares_the_block_drafter_with_the_head(tiny_ckpt, tmp_path):
 
     trunk = tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1, vocab_size=4096)
     drafter = write_eagle3_oracle(trunk, tmp_path / "eagle3")
-    code, out, err = run("bench", "--model", str(trunk), "--draft-model", str(drafter),
+    code, out, err = cli("bench", "--model", str(trunk), "--draft-model", str(drafter),
                          "--draft-source", "mtp,block,block+mtp", "--num-draft-tokens", "0,3",
                          "--max-tokens", "8", "--repeats", "1", "--no-plots", "--quiet",
                          "-o", str(tmp_path / "out"))
