@@ -2,8 +2,6 @@
 rows of the output layer and never change output; the ranking command and its file."""
 
 import json
-import subprocess
-import sys
 from argparse import Namespace
 from collections import Counter
 from dataclasses import replace
@@ -167,7 +165,8 @@ def replace_ns(ns, **kw):
     return Namespace(**{**vars(ns), **kw})
 
 
-def test_cli_ranks_a_corpus_and_generate_uses_it(tiny_ckpt, tmp_path):
+def test_cli_ranks_a_corpus_and_generate_uses_it(tiny_ckpt, tmp_path, cli):
+    """In this process (the ``cli`` fixture; test_hub.py starts ``draft-vocab`` as users do)."""
     import shutil
 
     model = tmp_path / "model"
@@ -177,20 +176,16 @@ def test_cli_ranks_a_corpus_and_generate_uses_it(tiny_ckpt, tmp_path):
     corpus.mkdir()
     (corpus / "a.py").write_text("def f(x):\n    return x + 1\n" * 50)
     (corpus / "b.txt").write_text("hello world " * 20)
-
-    def cli(*argv):
-        return subprocess.run([sys.executable, "-m", "mlx_mtp.cli", *argv],
-                              capture_output=True, text=True, timeout=300)
-
-    p = cli("draft-vocab", "--model", str(model), "--corpus", str(corpus), "--default-size", "40")
-    assert p.returncode == 0, p.stderr
-    assert "Wrote" in p.stderr
+    code, _, err = cli("draft-vocab", "--model", str(model), "--corpus", str(corpus),
+                       "--default-size", "40")
+    assert code == 0, err
+    assert "Wrote" in err
     doc = json.loads((model / draft_vocab.FILE).read_text())
     assert doc["default_size"] == 40 and len(doc["ranking"]) == doc["vocab_size"] == 4096
     assert doc["counts"][len(doc["counts"]) - 1] == 0 and doc["tokens_counted"] > 100
     assert not list(model.glob(".*tmp"))
-    p = cli("generate", "--model", str(model), "--prompt", "def f", "--max-tokens", "8",
-            "--ignore-chat-template", "--draft-vocab", "oops")
-    assert p.returncode == 2 and "token count or 'auto'" in p.stderr and "Traceback" not in p.stderr
-    p = cli("draft-vocab", "--model", str(model), "--corpus", str(tmp_path / "missing"))
-    assert p.returncode == 2 and "--corpus" in p.stderr and "Traceback" not in p.stderr
+    code, _, err = cli("generate", "--model", str(model), "--prompt", "def f", "--max-tokens",
+                       "8", "--ignore-chat-template", "--draft-vocab", "oops")
+    assert code == 2 and "token count or 'auto'" in err and "Traceback" not in err
+    code, _, err = cli("draft-vocab", "--model", str(model), "--corpus", str(tmp_path / "missing"))
+    assert code == 2 and "--corpus" in err and "Traceback" not in err

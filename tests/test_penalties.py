@@ -233,13 +233,12 @@ def test_server_rejects_out_of_range_values(penalty_server, field, value):
     assert err["param"] == field and field in err["message"]
 
 
-def test_generation_config_repetition_penalty_is_the_cli_default(tiny_ckpt, tmp_path):
+def test_generation_config_repetition_penalty_is_the_cli_default(tiny_ckpt, tmp_path, cli):
     """generate reads repetition_penalty from generation_config.json, as vLLM does (the
-    demo model ships 1.3 against greedy loops); a flag overrides it."""
+    demo model ships 1.3 against greedy loops); a flag overrides it. (The CLI runs in this
+    process: the ``cli`` fixture.)"""
     import json
     import shutil
-    import subprocess
-    import sys
 
     from mlx_mtp.models.io.loader import load_tokenizer
 
@@ -255,17 +254,16 @@ def test_generation_config_repetition_penalty_is_the_cli_default(tiny_ckpt, tmp_
     text = tok.decode(ids)
     assert tok.encode(text, add_special_tokens=False) == ids
 
-    def cli(*flags):
-        p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "generate", "--model",
-                            str(path), "--prompt", text, "--ignore-chat-template", "-m", "16",
-                            "--verbose", "False", "--num-draft-tokens", "2", "--fixed-k",
-                            *flags], capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr
-        return p.stdout[:-1]  # the trailing newline
+    def generate(*flags):
+        code, out, err = cli("generate", "--model", path, "--prompt", text,
+                             "--ignore-chat-template", "-m", "16", "--verbose", "False",
+                             "--num-draft-tokens", "2", "--fixed-k", *flags)
+        assert code == 0, err
+        return out[:-1]  # the trailing newline
 
     penalised = mlx_lm_tokens(path, ids, 16, make_logits_processors(
         repetition_penalty=3.0, repetition_context_size=WHOLE))
     plain = mlx_lm_tokens(path, ids, 16, None)
     assert penalised != plain
-    assert cli() == tok.decode(penalised)
-    assert cli("--repetition-penalty", "1") == tok.decode(plain)
+    assert generate() == tok.decode(penalised)
+    assert generate("--repetition-penalty", "1") == tok.decode(plain)
