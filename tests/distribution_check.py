@@ -58,8 +58,9 @@ def sample_rows(model, prompt, k: int, n_samples: int, n: int = 2, rows: int = 2
     0..n_samples-1, ``rows`` seeds at a time as the rows of one batch (each prompt prefilled
     alone). A seeded row's tokens do not depend on its batch
     (``decode/noise.py``), so the outcomes are those of one decode per seed, a few times
-    faster; the first seeds are checked against one decoder each. Returns outcome -> count,
-    the drafts accepted in all, and each seed's outcome."""
+    faster; the prompt runs once and every row restores its state, as a server's prefix cache
+    does; the first seeds are checked against one decoder each (its own prefill). Returns
+    outcome -> count, the drafts accepted in all, and each seed's outcome."""
     from mlx_mtp.decode.batch import BatchDecoder
     from mlx_mtp.decode.sampling import SamplingParams
     from mlx_mtp.decode.sequence import Sequence
@@ -68,11 +69,14 @@ def sample_rows(model, prompt, k: int, n_samples: int, n: int = 2, rows: int = 2
     def params(seed):
         return SamplingParams(temperature=1.0, seed=seed)
 
+    prompt_run = Sequence(model, k, params(0), adaptive=False)
+    prompt_run.prefill(prompt, snapshot_at=len(prompt) - 1)
     got, accepted = {}, 0
     for first in range(0, n_samples, rows):
         batch = BatchDecoder(model, k > 0, adaptive=False)
         for seed in range(first, min(first + rows, n_samples)):
             seq = Sequence(model, k, params(seed), adaptive=False)
+            seq.restore(prompt_run.snapshot_state)
             seq.prefill(prompt)
             batch.add(seed, seq)
             got[seed] = []
