@@ -3,6 +3,7 @@ probabilities (Pearson's chi-square; cells expected < 5 times are pooled into on
 exact joint distribution of two tokens they compare with."""
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 
@@ -53,10 +54,11 @@ def sample_outcomes(draw, n_samples: int):
     return seen, accepted
 
 
-def sample_rows(model, prompt, k: int, n_samples: int, n: int = 2, rows: int = 25):
-    """The first ``n`` tokens sampled at temperature 1 with K = ``k`` for seeds
-    0..n_samples-1, ``rows`` seeds at a time as the rows of one batch (each prompt prefilled
-    alone). A seeded row's tokens do not depend on its batch
+def sample_rows(model, prompt, k: int, n_samples: int, n: int = 2, rows: int = 25,
+                sampling=None):
+    """The first ``n`` tokens sampled with ``sampling`` (default: temperature 1) and K = ``k``
+    for seeds 0..n_samples-1, ``rows`` seeds at a time as the rows of one batch. A seeded
+    row's tokens do not depend on its batch
     (``decode/noise.py``), so the outcomes are those of one decode per seed, a few times
     faster; the prompt runs once and every row restores its state, as a server's prefix cache
     does; the first seeds are checked against one decoder each (its own prefill). Returns
@@ -67,7 +69,7 @@ def sample_rows(model, prompt, k: int, n_samples: int, n: int = 2, rows: int = 2
     from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 
     def params(seed):
-        return SamplingParams(temperature=1.0, seed=seed)
+        return replace(sampling or SamplingParams(temperature=1.0), seed=seed)
 
     prompt_run = Sequence(model, k, params(0), adaptive=False)
     prompt_run.prefill(prompt, snapshot_at=len(prompt) - 1)
