@@ -55,9 +55,10 @@ def sample_outcomes(draw, n_samples: int):
 
 
 def sample_rows(model, prompt, k: int, n_samples: int, n: int = 2, rows: int = 25,
-                sampling=None):
+                sampling=None, grammar=None):
     """The first ``n`` tokens sampled with ``sampling`` (default: temperature 1) and K = ``k``
-    for seeds 0..n_samples-1, ``rows`` seeds at a time as the rows of one batch. A seeded
+    (each row under its own state of ``grammar``, a compiled grammar, if given) for seeds
+    0..n_samples-1, ``rows`` seeds at a time as the rows of one batch. A seeded
     row's tokens do not depend on its batch
     (``decode/noise.py``), so the outcomes are those of one decode per seed, a few times
     faster; the prompt runs once and every row restores its state, as a server's prefix cache
@@ -77,7 +78,7 @@ def sample_rows(model, prompt, k: int, n_samples: int, n: int = 2, rows: int = 2
     for first in range(0, n_samples, rows):
         batch = BatchDecoder(model, k > 0, adaptive=False)
         for seed in range(first, min(first + rows, n_samples)):
-            seq = Sequence(model, k, params(seed), adaptive=False)
+            seq = Sequence(model, k, params(seed), adaptive=False, grammar=start(grammar))
             seq.restore(prompt_run.snapshot_state)
             seq.prefill(prompt)
             batch.add(seed, seq)
@@ -90,7 +91,11 @@ def sample_rows(model, prompt, k: int, n_samples: int, n: int = 2, rows: int = 2
                     batch.remove(seed)
     outcomes = {seed: tuple(t[:n]) for seed, t in got.items()}
     for seed in range(min(3, n_samples)):
-        dec = MTPDecoder(model, k, params(seed), adaptive=False)
+        dec = MTPDecoder(model, k, params(seed), adaptive=False, grammar=start(grammar))
         alone = tuple(t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=n))
         assert alone == outcomes[seed], (seed, alone, outcomes[seed])
     return Counter(outcomes.values()), accepted, outcomes
+
+
+def start(grammar):
+    return None if grammar is None else grammar.start()
