@@ -45,6 +45,24 @@ def tiny_model():
     return make_oracle(model, trunk_scale=0.1, fc_noise=1.5)
 
 
+@pytest.fixture
+def cli(capsys):
+    """``mlx-mtp ARGS`` in this process: (exit code, stdout, stderr), without an interpreter's
+    start, for tests of what a command does; each command also has a test that starts it as
+    users do (test_cli.py, test_hub.py, test_dependencies.py)."""
+    from mlx_mtp.cli import main
+
+    def run(*args):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's usage errors, as the process exits
+            code = e.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
 # -- the ``slow`` marker: tests that start processes ------------------------------------
 # Whole modules that run servers, ranks, a browser or child interpreters; elsewhere a
 # test is slow when it, or a fixture it uses, starts one. CI runs everything.

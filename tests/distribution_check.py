@@ -3,6 +3,7 @@ probabilities (Pearson's chi-square; cells expected < 5 times are pooled into on
 exact joint distribution of two tokens they compare with."""
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 
@@ -53,26 +54,32 @@ def sample_outcomes(draw, n_samples: int):
     return seen, accepted
 
 
-def sample_rows(model, prompt, k: int, n_samples: int, n: int = 2, rows: int = 25):
-    """The first ``n`` tokens sampled at temperature 1 with K = ``k`` for seeds
-    0..n_samples-1, ``rows`` seeds at a time as the rows of one batch (each prompt prefilled
-    alone). A seeded row's tokens do not depend on its batch
+def sample_rows(model, prompt, k: int, n_samples: int, n: int = 2, rows: int = 25,
+                sampling=None, grammar=None):
+    """The first ``n`` tokens sampled with ``sampling`` (default: temperature 1) and K = ``k``
+    (each row under its own state of ``grammar``, a compiled grammar, if given) for seeds
+    0..n_samples-1, ``rows`` seeds at a time as the rows of one batch. A seeded
+    row's tokens do not depend on its batch
     (``decode/noise.py``), so the outcomes are those of one decode per seed, a few times
-    faster; the first seeds are checked against one decoder each. Returns outcome -> count,
-    the drafts accepted in all, and each seed's outcome."""
+    faster; the prompt runs once and every row restores its state, as a server's prefix cache
+    does; the first seeds are checked against one decoder each (its own prefill). Returns
+    outcome -> count, the drafts accepted in all, and each seed's outcome."""
     from mlx_mtp.decode.batch import BatchDecoder
     from mlx_mtp.decode.sampling import SamplingParams
     from mlx_mtp.decode.sequence import Sequence
     from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 
     def params(seed):
-        return SamplingParams(temperature=1.0, seed=seed)
+        return replace(sampling or SamplingParams(temperature=1.0), seed=seed)
 
+    prompt_run = Sequence(model, k, params(0), adaptive=False)
+    prompt_run.prefill(prompt, snapshot_at=len(prompt) - 1)
     got, accepted = {}, 0
     for first in range(0, n_samples, rows):
         batch = BatchDecoder(model, k > 0, adaptive=False)
         for seed in range(first, min(first + rows, n_samples)):
-            seq = Sequence(model, k, params(seed), adaptive=False)
+            seq = Sequence(model, k, params(seed), adaptive=False, grammar=start(grammar))
+            seq.restore(prompt_run.snapshot_state)
             seq.prefill(prompt)
             batch.add(seed, seq)
             got[seed] = []
@@ -84,7 +91,11 @@ def sample_rows(model, prompt, k: int, n_samples: int, n: int = 2, rows: int = 2
                     batch.remove(seed)
     outcomes = {seed: tuple(t[:n]) for seed, t in got.items()}
     for seed in range(min(3, n_samples)):
-        dec = MTPDecoder(model, k, params(seed), adaptive=False)
+        dec = MTPDecoder(model, k, params(seed), adaptive=False, grammar=start(grammar))
         alone = tuple(t for t, _, _ in generate_step(prompt, model, decoder=dec, max_tokens=n))
         assert alone == outcomes[seed], (seed, alone, outcomes[seed])
     return Counter(outcomes.values()), accepted, outcomes
+
+
+def start(grammar):
+    return None if grammar is None else grammar.start()

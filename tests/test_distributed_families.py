@@ -204,54 +204,71 @@ def text_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(text_models, tmp_path_factory):
-    """{family: (its single-process server, its cluster)}, every one started at once: a later
-    family's start overlaps an earlier one's idle wait for the watchdog."""
+    """{family: its serve run (``serve_then_hang_a_follower``, a future)}: every family's
+    server and cluster started at once and driven in threads, so that a family's wait for the
+    watchdog overlaps the others'."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from test_distributed_serve import served_together
 
     flags = ("--num-draft-tokens", "2", "--fixed-k")
     with served_together({fam: (text_models[fam], mode, flags) for fam, mode in SERVE},
-                         tmp_path_factory.mktemp("serve")) as out:
-        yield out
+                         tmp_path_factory.mktemp("serve")) as out, \
+            ThreadPoolExecutor(len(out)) as pool:
+        yield {fam: pool.submit(serve_then_hang_a_follower, server, cluster, text_models[fam])
+               for fam, (server, cluster) in out.items()}
 
 
-@pytest.mark.parametrize("family,mode", SERVE)
-def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(
-        text_models, served, family, mode):
+def serve_then_hang_a_follower(server, cluster, ckpt) -> dict:
+    """The one-process server's answers, the cluster's to the same 4 concurrent requests,
+    then a follower that hangs mid-request (SIGSTOP once it decodes; the ring blocks): the
+    long request's answer, the seconds from the hang to it, and ``/health`` after."""
     from concurrent.futures import ThreadPoolExecutor
 
     from server_process import metric
-    from test_distributed_serve import GENERATED, WATCHDOG, chat, decoding, eos_ids
+    from test_distributed_serve import GENERATED, chat, decoding, eos_ids
 
-    server, cluster = served[family]
     try:
         cluster.wait()
         server.wait()
         expected = {p: chat(server.url, p).json()["choices"][0]["message"]["content"]
                     for p in SERVE_PROMPTS}
         server.stop()
-        assert len(set(expected.values())) > 1  # answers tell prompts apart
         with ThreadPoolExecutor(4) as pool:
             jobs = [(p, pool.submit(chat, cluster.url, p)) for p in SERVE_PROMPTS]
-            for p, job in jobs:
-                r = job.result()
-                assert r.status_code == 200, r.text
-                assert r.json()["choices"][0]["message"]["content"] == expected[p]
-                assert r.json()["mtp"]["num_draft_tokens"] > 0  # MTP ran in the batch
-        # A follower that hangs mid-request (the ring blocks): rank 0's watchdog fails the
-        # request with a 503 in the API's error shape within the bound Qwen has.
-        long = {"max_tokens": 3000,
-                "logit_bias": {str(t): -100 for t in eos_ids(text_models[family])}}
+            batch = [(p, job.result()) for p, job in jobs]
+        long = {"max_tokens": 3000, "logit_bias": {str(t): -100 for t in eos_ids(ckpt)}}
         with ThreadPoolExecutor(1) as pool:
             before = metric(cluster.url, GENERATED)
             inflight = pool.submit(chat, cluster.url, SERVE_PROMPTS[0], 180.0, **long)
             decoding(cluster.url, before)
             lost = time.time()
             os.kill(cluster.ranks[1], signal.SIGSTOP)
-            r = inflight.result()
-        assert r.status_code == 503, r.text
-        assert r.json()["error"]["code"] == "distributed_rank_lost"
-        assert time.time() - lost < WATCHDOG + 60
-        assert httpx.get(cluster.url + "/health", timeout=5).status_code == 503
+            answer = inflight.result()
+            seconds = time.time() - lost
+        health = httpx.get(cluster.url + "/health", timeout=5).status_code
     finally:
         server.stop()
         cluster.kill()
+    return {"expected": expected, "batch": batch, "lost": answer, "seconds": seconds,
+            "health": health}
+
+
+@pytest.mark.parametrize("family,mode", SERVE)
+def test_serve_batch_of_4_equals_single_process_and_a_lost_rank_gives_503(served, family, mode):
+    from test_distributed_serve import WATCHDOG
+
+    run = served[family].result()
+    expected = run["expected"]
+    assert len(set(expected.values())) > 1  # answers tell prompts apart
+    for p, r in run["batch"]:
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == expected[p]
+        assert r.json()["mtp"]["num_draft_tokens"] > 0  # MTP ran in the batch
+    # A follower that hangs mid-request: rank 0's watchdog fails the request with a 503 in
+    # the API's error shape within the bound Qwen has.
+    r = run["lost"]
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "distributed_rank_lost"
+    assert run["seconds"] < WATCHDOG + 60
+    assert run["health"] == 503

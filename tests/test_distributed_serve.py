@@ -431,6 +431,8 @@ def test_follower_watchdog_ends_with_its_loop():
     before = set(threading.enumerate())
     follower = Follower(Stub(), timeout=0.01)
     assert follower.run() == 0
-    time.sleep(2.5)  # past timeout + heartbeat: with the old watchdog this process exits(1)
-    assert not [t for t in threading.enumerate()
-                if t not in before and t.name == "mlx-mtp-watchdog"]
+    watchdogs = [t for t in threading.enumerate()
+                 if t not in before and t.name == "mlx-mtp-watchdog"]
+    for t in watchdogs:  # past timeout + heartbeat: with the old watchdog this process exits(1)
+        t.join(2.5)
+    assert not [t for t in watchdogs if t.is_alive()]

@@ -2,11 +2,8 @@
 rows of the output layer and never change output; the ranking command and its file."""
 
 import json
-import subprocess
-import sys
 from argparse import Namespace
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,7 +18,7 @@ from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.draft import vocab as draft_vocab
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.options import UserError, apply_model_options
-from distribution_check import assert_follows, sample_outcomes, two_token_joint
+from distribution_check import assert_follows, sample_rows, two_token_joint
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 VOCAB = 512  # make_tiny's default
@@ -107,8 +104,7 @@ def test_sampling_with_a_draft_vocabulary_is_exact(tiny_ckpt):
     first = max(first_mass, key=first_mass.get)  # the likeliest first token
     model.set_draft_head(vocab=np.setdiff1d(np.arange(VOCAB), [first]))
     n_samples = 500
-    seen, accepted = sample_outcomes(
-        lambda s: mtp_run(model, PROMPT, 2, 2, replace(params, seed=s)), n_samples)
+    seen, accepted, _ = sample_rows(model, PROMPT, 2, n_samples, sampling=params)
     assert accepted > n_samples // 10  # drafts from the subset were accepted
     assert sum(v for (a, _), v in seen.items() if a == first) > 0  # recovered from outside
     assert_follows(seen, joint, n_samples)
@@ -167,7 +163,8 @@ def replace_ns(ns, **kw):
     return Namespace(**{**vars(ns), **kw})
 
 
-def test_cli_ranks_a_corpus_and_generate_uses_it(tiny_ckpt, tmp_path):
+def test_cli_ranks_a_corpus_and_generate_uses_it(tiny_ckpt, tmp_path, cli):
+    """In this process (the ``cli`` fixture; test_hub.py starts ``draft-vocab`` as users do)."""
     import shutil
 
     model = tmp_path / "model"
@@ -177,20 +174,16 @@ def test_cli_ranks_a_corpus_and_generate_uses_it(tiny_ckpt, tmp_path):
     corpus.mkdir()
     (corpus / "a.py").write_text("def f(x):\n    return x + 1\n" * 50)
     (corpus / "b.txt").write_text("hello world " * 20)
-
-    def cli(*argv):
-        return subprocess.run([sys.executable, "-m", "mlx_mtp.cli", *argv],
-                              capture_output=True, text=True, timeout=300)
-
-    p = cli("draft-vocab", "--model", str(model), "--corpus", str(corpus), "--default-size", "40")
-    assert p.returncode == 0, p.stderr
-    assert "Wrote" in p.stderr
+    code, _, err = cli("draft-vocab", "--model", str(model), "--corpus", str(corpus),
+                       "--default-size", "40")
+    assert code == 0, err
+    assert "Wrote" in err
     doc = json.loads((model / draft_vocab.FILE).read_text())
     assert doc["default_size"] == 40 and len(doc["ranking"]) == doc["vocab_size"] == 4096
     assert doc["counts"][len(doc["counts"]) - 1] == 0 and doc["tokens_counted"] > 100
     assert not list(model.glob(".*tmp"))
-    p = cli("generate", "--model", str(model), "--prompt", "def f", "--max-tokens", "8",
-            "--ignore-chat-template", "--draft-vocab", "oops")
-    assert p.returncode == 2 and "token count or 'auto'" in p.stderr and "Traceback" not in p.stderr
-    p = cli("draft-vocab", "--model", str(model), "--corpus", str(tmp_path / "missing"))
-    assert p.returncode == 2 and "--corpus" in p.stderr and "Traceback" not in p.stderr
+    code, _, err = cli("generate", "--model", str(model), "--prompt", "def f", "--max-tokens",
+                       "8", "--ignore-chat-template", "--draft-vocab", "oops")
+    assert code == 2 and "token count or 'auto'" in err and "Traceback" not in err
+    code, _, err = cli("draft-vocab", "--model", str(model), "--corpus", str(tmp_path / "missing"))
+    assert code == 2 and "--corpus" in err and "Traceback" not in err

@@ -15,8 +15,6 @@ target does after the token it was fed: every draft is right, at every depth."""
 
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -226,8 +224,7 @@ def test_the_published_layout_loads_and_drafts_in_the_step(tmp_path):
         assert got == plain and dec.stats.block_draft_tokens > 0, f"width {k}"
 
 
-@pytest.mark.slow
-def test_generate_drafts_with_an_eagle3_drafter(tiny_ckpt, tmp_path):
+def test_generate_drafts_with_an_eagle3_drafter(tiny_ckpt, tmp_path, cli):
     """``--draft-model`` naming an EAGLE-3 drafter: ``generate`` drafts with it
     (``--draft-source block``, and the default ``block+mtp``) and prints plain decoding's
     text; ``inspect`` reports its kind, its 0-based taps and its block."""
@@ -235,20 +232,14 @@ def test_generate_drafts_with_an_eagle3_drafter(tiny_ckpt, tmp_path):
     eagle = make_tiny_block(tmp_path / "eagle3", "eagle3", 64, 4096, [0, 2, 3], 4,
                             block_size=4, draft_vocab_size=1024)
     gen = ["generate", "--model", str(trunk), "--prompt", "def f():", "-m", "12", "--temp", "0"]
-
-    def run(*args):
-        p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", *args], capture_output=True,
-                           text=True, timeout=300)
-        return p.returncode, p.stdout, p.stderr
-
-    code, plain, err = run(*gen, "--verbose", "False", "--no-mtp")
+    code, plain, err = cli(*gen, "--verbose", "False", "--no-mtp")
     assert code == 0, err
-    code, out, err = run(*gen, "--draft-model", str(eagle), "--draft-source", "block",
+    code, out, err = cli(*gen, "--draft-model", str(eagle), "--draft-source", "block",
                          "--fixed-k", "--num-draft-tokens", "3")
     assert code == 0 and plain.strip() in out, out + err
     assert re.search(r"head 0/0, block \d+/[1-9]\d*", out), out
-    code, quiet, err = run(*gen, "--draft-model", str(eagle), "--verbose", "False")
+    code, quiet, err = cli(*gen, "--draft-model", str(eagle), "--verbose", "False")
     assert code == 0 and quiet == plain, err
-    code, out, err = run("inspect", str(eagle))
+    code, out, err = cli("inspect", str(eagle))
     assert code == 0 and "eagle3 block drafter" in out and "[0, 2, 3]" in out, out + err
     assert "3 drafts, one pass each" in out, out

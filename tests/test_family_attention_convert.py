@@ -91,22 +91,13 @@ def test_add_mtp_from_an_fp8_release(tmp_path):
     assert toks == decode(model, 0)[0] and accepted > 0
 
 
-def run_cli(*args):
-    import subprocess
-    import sys
-
-    p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", *args], capture_output=True,
-                       text=True, timeout=300)
-    return p.returncode, p.stdout, p.stderr
-
-
-def test_cli_generates_and_explains_a_missing_head(tmp_path):
+def test_cli_generates_and_explains_a_missing_head(tmp_path, cli):
     full = make_tiny(tmp_path / "full", "glm4_moe_lite", "oracle", vocab_size=4096)
-    code, out, err = run_cli("generate", "--model", str(full), "--prompt", "def f():", "-m",
-                             "12", "--num-draft-tokens", "2", "--fixed-k")
+    code, out, err = cli("generate", "--model", str(full), "--prompt", "def f():", "-m", "12",
+                         "--num-draft-tokens", "2", "--fixed-k")
     assert code == 0, err
     assert "MTP: accepted" in out and "(100.0%)" in out
     stripped = make_tiny(tmp_path / "stripped", "glm4_moe_lite", vocab_size=4096, drop_mtp=True)
-    code, out, err = run_cli("generate", "--model", str(stripped), "--prompt", "hi", "-m", "4")
+    code, out, err = cli("generate", "--model", str(stripped), "--prompt", "hi", "-m", "4")
     assert code == 2 and "Traceback" not in err
     assert "model.layers.2.eh_proj.weight" in err and "mlx-mtp add-mtp" in err

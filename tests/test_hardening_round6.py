@@ -222,8 +222,38 @@ print(json.dumps({"runs": out, "max_rss_mb": rss_mb}))
 """
 
 
-def run_child(argvs, **env):
-    p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(argvs)], capture_output=True,
+# Cases that wait out a timeout: all at once, one thread each (stderr kept per thread; the
+# commands' modules imported first: threads importing them together can deadlock).
+CHILD_AT_ONCE = """
+import importlib, io, json, sys, threading, time
+from mlx_mtp import cli
+class PerThread(io.TextIOBase):
+    def __init__(self):
+        self.parts = {}
+    def write(self, s):
+        self.parts.setdefault(threading.get_ident(), []).append(s)
+        return len(s)
+sys.stderr = err = PerThread()
+argvs = json.loads(sys.argv[1])
+for argv in argvs:
+    importlib.import_module(cli.COMMANDS[argv[0]][0])
+out = [None] * len(argvs)
+def run(i, argv):
+    t = time.monotonic()
+    code = cli.main(argv)
+    out[i] = {"code": code, "seconds": time.monotonic() - t,
+              "err": "".join(err.parts.pop(threading.get_ident(), []))}
+threads = [threading.Thread(target=run, args=a) for a in enumerate(argvs)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps({"runs": out}))
+"""
+
+
+def run_child(argvs, script=CHILD, **env):
+    p = subprocess.run([sys.executable, "-c", script, json.dumps(argvs)], capture_output=True,
                        text=True, timeout=600, env=dict(os.environ, **env))
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -276,7 +306,7 @@ def test_a_silent_hub_fails_within_the_stated_timeout(split_pair, tmp_path):
         silent.listen(16)  # the kernel accepts; nobody ever reads or answers
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
         argvs = list(verbs("org/tiny").values()) + [verbs(split_pair[0], "org/tiny")["generate"]]
-        report = run_child(argvs, HF_ENDPOINT=url, HF_HOME=str(tmp_path / "hf"),
+        report = run_child(argvs, CHILD_AT_ONCE, HF_ENDPOINT=url, HF_HOME=str(tmp_path / "hf"),
                            HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DISABLE_TELEMETRY="1")
     for argv, run in zip(argvs, report["runs"]):
         lines = run["err"].strip().splitlines()

@@ -1,7 +1,6 @@
 """Penalties and logit bias under MTP: greedy identity with plain decoding and with
 mlx-lm's own processors, sampling distributed exactly as the penalised target."""
 
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,7 +13,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.io.loader import load_model
-from distribution_check import assert_follows, sample_outcomes, two_token_joint
+from distribution_check import assert_follows, sample_rows, two_token_joint
 
 PROMPT = [1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 18]
 REPEATING = [1, 5, 9, 22, 7, 3, 100, 20, 21, 19, 20, 21, 18]  # upcoming tokens in the prompt
@@ -123,8 +122,7 @@ def test_sampling_with_penalties_is_exact(tiny_ckpt):
     repeat = sum(v for (a, b), v in joint.items() if a == b)
     assert 0.01 < repeat < 0.99, joint  # the draft's own count matters at position 2
     n_samples = 600
-    seen, accepted = sample_outcomes(
-        lambda s: mtp_tokens(model, PROMPT, 2, 2, replace(params, seed=s)), n_samples)
+    seen, accepted, _ = sample_rows(model, PROMPT, 2, n_samples, sampling=params)
     assert accepted > n_samples // 10  # the second token often came from a draft
     assert_follows(seen, joint, n_samples)
 
@@ -233,13 +231,12 @@ def test_server_rejects_out_of_range_values(penalty_server, field, value):
     assert err["param"] == field and field in err["message"]
 
 
-def test_generation_config_repetition_penalty_is_the_cli_default(tiny_ckpt, tmp_path):
+def test_generation_config_repetition_penalty_is_the_cli_default(tiny_ckpt, tmp_path, cli):
     """generate reads repetition_penalty from generation_config.json, as vLLM does (the
-    demo model ships 1.3 against greedy loops); a flag overrides it."""
+    demo model ships 1.3 against greedy loops); a flag overrides it. (The CLI runs in this
+    process: the ``cli`` fixture.)"""
     import json
     import shutil
-    import subprocess
-    import sys
 
     from mlx_mtp.models.io.loader import load_tokenizer
 
@@ -255,17 +252,16 @@ def test_generation_config_repetition_penalty_is_the_cli_default(tiny_ckpt, tmp_
     text = tok.decode(ids)
     assert tok.encode(text, add_special_tokens=False) == ids
 
-    def cli(*flags):
-        p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "generate", "--model",
-                            str(path), "--prompt", text, "--ignore-chat-template", "-m", "16",
-                            "--verbose", "False", "--num-draft-tokens", "2", "--fixed-k",
-                            *flags], capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr
-        return p.stdout[:-1]  # the trailing newline
+    def generate(*flags):
+        code, out, err = cli("generate", "--model", path, "--prompt", text,
+                             "--ignore-chat-template", "-m", "16", "--verbose", "False",
+                             "--num-draft-tokens", "2", "--fixed-k", *flags)
+        assert code == 0, err
+        return out[:-1]  # the trailing newline
 
     penalised = mlx_lm_tokens(path, ids, 16, make_logits_processors(
         repetition_penalty=3.0, repetition_context_size=WHOLE))
     plain = mlx_lm_tokens(path, ids, 16, None)
     assert penalised != plain
-    assert cli() == tok.decode(penalised)
-    assert cli("--repetition-penalty", "1") == tok.decode(plain)
+    assert generate() == tok.decode(penalised)
+    assert generate("--repetition-penalty", "1") == tok.decode(plain)

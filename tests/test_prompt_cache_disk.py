@@ -228,14 +228,9 @@ def test_restarted_server_restores_the_conversation_from_disk(ckpts, tmp_path):
         assert cold.stop(signal.SIGINT) == 0, cold.logs()
 
 
-def test_bad_flags_exit_2(ckpts, tmp_path):
-    import subprocess
-    import sys
-
+def test_bad_flags_exit_2(ckpts, tmp_path, cli):
     for flags in (["--prompt-cache-dir", str(tmp_path), "--prompt-cache-size", "0"],
                   ["--prompt-cache-dir", str(tmp_path), "--prompt-cache-min-tokens", "0"]):
-        p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", "serve", "--model",
-                            str(ckpts["qwen3_5"]), *flags], capture_output=True, text=True,
-                           timeout=120)
-        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-        assert "--prompt-cache" in p.stderr
+        code, _, err = cli("serve", "--model", ckpts["qwen3_5"], *flags)  # in this process
+        assert code == 2 and "Traceback" not in err, err
+        assert "--prompt-cache" in err

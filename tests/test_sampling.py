@@ -1,5 +1,6 @@
 """Acceptance math: filters, greedy table cases, exact target distribution."""
 
+from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -129,6 +130,7 @@ def test_greedy_verify_stops_at_the_rows_own_limit(limit, n, nxt):
     assert got_n.item() == n and got_next.item() == nxt
 
 
+@cache  # keys are a Python loop over rows: built once per shape, shared by the parametrizations
 def _noise(B, count, stream, V, start=0):
     """Independent per-row noise: row b is a request with seed b."""
     return position_keys(range(B), [start] * B, count, stream)

@@ -2,6 +2,8 @@
 with ``deterministic``): no one-hot q is built, and the emitted tokens still follow the
 target exactly, in rows mixing head drafts (a real q) and context drafts."""
 
+from functools import cache
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from mlx_mtp.decode.noise import ACCEPT, DRAFT, TARGET, gumbel, position_keys, u
 from mlx_mtp.decode.sampling import log_softmax, sample, verify
 
 
+@cache  # keys are a Python loop over rows: built once per shape, shared by the parametrizations
 def _noise(B, count, stream):
     return position_keys(range(B), [0] * B, count, stream)
 

@@ -3,8 +3,6 @@ loads them onto a trunk without a head; a drafter made for another model is refu
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -153,36 +151,30 @@ def test_split_refusals(built, tmp_path):
     assert not (tmp_path / "t").exists() and not (tmp_path / "d").exists()
 
 
-def test_cli_pair_and_mlx_vlm_spelling(tiny_ckpt, tmp_path):
+def test_cli_pair_and_mlx_vlm_spelling(tiny_ckpt, tmp_path, cli):
     src = tiny_ckpt("qwen3_5", "oracle", trunk_scale=0.1, vocab_size=4096)
     trunk, drafter = tmp_path / "trunk", tmp_path / "trunk-MTP"
-
-    def run(*args):
-        p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", *args], capture_output=True,
-                           text=True, timeout=300)
-        return p.returncode, p.stdout, p.stderr
-
-    code, _, err = run("convert", "--hf-path", str(src), "--mlx-path", str(trunk),
+    code, _, err = cli("convert", "--hf-path", str(src), "--mlx-path", str(trunk),
                        "--split-mtp", str(drafter))
     assert code == 0, err
     gen = ["generate", "--prompt", "def f():", "-m", "10", "--temp", "0"]
-    code, plain, err = run(*gen, "--model", str(src), "--verbose", "False", "--no-mtp")
+    code, plain, err = cli(*gen, "--model", str(src), "--verbose", "False", "--no-mtp")
     assert code == 0, err
     # --fixed-k: the pair must draft in these 10 tokens whatever step costs earlier tests
     # stored for these shapes (an adaptive policy may rightly pause on them).
-    code, pair, err = run(*gen, "--model", str(trunk), "--mtp-model", str(drafter), "--fixed-k")
+    code, pair, err = cli(*gen, "--model", str(trunk), "--mtp-model", str(drafter), "--fixed-k")
     assert code == 0 and "MTP: accepted" in pair, err
-    code, vlm, err = run(*gen, "--model", str(trunk), "--draft-model", str(drafter),
+    code, vlm, err = cli(*gen, "--model", str(trunk), "--draft-model", str(drafter),
                          "--draft-kind", "mtp", "--verbose", "False")
     assert code == 0 and vlm == plain, err
-    code, _, err = run(*gen, "--model", str(trunk), "--draft-model", str(drafter),
+    code, _, err = cli(*gen, "--model", str(trunk), "--draft-model", str(drafter),
                        "--draft-kind", "dflash")
     assert code == 2 and "is a split MTP drafter, not a dflash one" in err, err
     # The trunk alone: the drafter beside it (trunk-MTP) is found and said so.
-    code, found, err = run(*gen, "--model", str(trunk), "--verbose", "False")
+    code, found, err = cli(*gen, "--model", str(trunk), "--verbose", "False")
     assert code == 0 and found == plain and "drafting with the one in" in err, err
     drafter.rename(tmp_path / "elsewhere")
-    code, _, err = run(*gen, "--model", str(trunk))  # no head anywhere
+    code, _, err = cli(*gen, "--model", str(trunk))  # no head anywhere
     assert code == 2 and "--no-mtp" in err and "Traceback" not in err
 
 

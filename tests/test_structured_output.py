@@ -3,8 +3,6 @@ generation under the same mask, sampling distributed exactly as the masked targe
 batches of constrained and free rows, and the server's ``response_format``."""
 
 import json
-from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,7 +18,7 @@ from mlx_mtp.decode import grammar as G
 from mlx_mtp.decode.sampling import SamplingParams, filtered_logprobs
 from mlx_mtp.decode.speculative import MTPDecoder, generate_step
 from mlx_mtp.models.io.loader import load_model
-from distribution_check import assert_follows, two_token_joint
+from distribution_check import assert_follows, sample_rows, two_token_joint
 from grammar_fixtures import VOCAB, ckpt, grammar, tok  # noqa: F401  (fixtures)
 
 PROMPT = [1, 5, 9, 22, 7, 3, 100, 200, 42, 17, 18]
@@ -128,11 +126,7 @@ def test_sampling_under_a_grammar_is_exact(ckpt, tok):
     assert len(joint) > 4
 
     n_samples = 500
-    seen, accepted = Counter(), 0
-    for s in range(n_samples):
-        got, dec = mtp_tokens(model, PROMPT, 2, 2, replace(params, seed=s), gram)
-        seen[tuple(got[:2])] += 1
-        accepted += dec.stats.num_accepted_tokens
+    seen, accepted, _ = sample_rows(model, PROMPT, 2, n_samples, sampling=params, grammar=gram)
     assert accepted > n_samples // 10  # the second token often came from a draft
     assert_follows(seen, joint, n_samples)
 

@@ -179,8 +179,8 @@ def test_bad_input_is_one_line(tmp_path, trunk, corpus):
 
 
 @pytest.mark.slow
-def test_cli_trains_a_drafter_that_generate_loads(tmp_path, trunk, corpus):
-    def run(*args):
+def test_cli_trains_a_drafter_that_generate_loads(tmp_path, trunk, corpus, cli):
+    def run(*args):  # ``train`` as users start it; ``generate`` in this process (``cli``)
         p = subprocess.run([sys.executable, "-m", "mlx_mtp.cli", *args], capture_output=True,
                            text=True, timeout=300)
         return p.returncode, p.stdout, p.stderr
@@ -193,9 +193,9 @@ def test_cli_trains_a_drafter_that_generate_loads(tmp_path, trunk, corpus):
     drafter = json.loads(out.strip().splitlines()[-1])["drafter"]
     gen = ["generate", "--model", str(trunk), "--prompt", "def f():", "-m", "12", "--temp", "0",
            "--verbose", "False"]
-    code, plain, err = run(*gen)
+    code, plain, err = cli(*gen)
     assert code == 0, err
-    code, drafted, err = run(*gen, "--draft-model", drafter, "--draft-source", "block")
+    code, drafted, err = cli(*gen, "--draft-model", drafter, "--draft-source", "block")
     assert code == 0 and drafted == plain, err
     code, _, err = run("train", "--mode", "dflash", "--corpus", str(corpus), "--out",
                        str(tmp_path / "x"), "--steps", "1")

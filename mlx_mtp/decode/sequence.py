@@ -238,7 +238,7 @@ class Sequence:
         beside (1, S) ids of the vocabulary: an id past the embedding table is read out of
         bounds."""
         args = self.model.text.args
-        width = getattr(args, "hidden_size", None)
+        width = self.model.text.stage_shape(1, 1)[-1]  # a stream family's: its streams' width
         hiddens = list(owed.hidden) + ([] if last_hidden is None else [last_hidden])
         fits = len(owed.hidden) == len(owed.tokens) and all(
             h.ndim in (3, 4) and h.shape[0] == 1 and width in (None, h.shape[-1])

@@ -166,7 +166,7 @@ class Engine:
             self._stopping = True
             self._cv.notify()
         self.sync.shutting_down()
-        if self._thread is not None:
+        if self._thread is not None and not self.sync.lost:  # lost: it may sit in a collective
             self._stopped.wait(timeout)
 
     @property
