@@ -373,7 +373,7 @@ def configure(mode: Optional[str] = None, rtol: float = 1e-4):
                             "--blas reference (or auto) to run on the reference BLAS.")
         log.info("CPU matmuls stay on the reference BLAS: %s", _reason)
         return
-    bad = _mismatch(rtol)
+    bad = _mismatch(rtol) or (_kernel_mismatch(rtol) if thin_on() else None)
     if bad is not None:
         if mode == "openblas":
             raise BlasError(f"--blas openblas: OpenBLAS results failed the check ({bad}); "
@@ -429,6 +429,17 @@ def _mismatch(rtol: float) -> Optional[str]:
             return (f"{a.dtype} {a.shape}{'.T' if ta else ''} @ {b.shape}{'.T' if tb else ''}: "
                     f"max error {np.abs(got - ref).max():.3g}")
     return None
+
+
+def _kernel_mismatch(rtol: float) -> Optional[str]:
+    """The check again with every product of 1..8 rows on the thin kernel (the configured
+    routing sends only measured and large weights there)."""
+    route("kernel")
+    try:
+        bad = _mismatch(rtol)
+        return bad and f"thin kernel: {bad}"
+    finally:
+        route(None)
 
 
 def add_argument(parser):
