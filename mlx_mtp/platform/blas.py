@@ -126,7 +126,9 @@ def _build_shim(cache_dir=None) -> tuple[Optional[Path], str]:
     """(path of the compiled shim, "") or (None, why not). Built per CPU (-march=native)."""
     from . import machine
 
-    text = SHIM_SOURCE.read_bytes() + f"|{machine.cpu_name()}|{BUILD_FLAGS}".encode()
+    sources = sorted(SHIM_SOURCE.parent.glob("*.c"))  # the shim and the files it includes
+    text = b"".join(f.read_bytes() for f in sources)
+    text += f"|{machine.cpu_name()}|{BUILD_FLAGS}".encode()
     digest = hashlib.sha256(text).hexdigest()[:12]
     out = Path(cache_dir or _cache_dir()) / f"{SHIM_PREFIX}{digest}.so"
     if out.exists():
