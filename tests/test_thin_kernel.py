@@ -46,6 +46,8 @@ def run(code, env, *args):
 def test_thin_rows_prefers_the_kernel_within_slack():
     kernel, sgemv, sgemm = [1.0, 1.04, 2.0, 1.0], [1.0, 1.0, 1.0, 3.0], [3.0, 3.0, 3.0, 0.5]
     assert thin_rows(kernel, sgemv, sgemm) == [1, 2]  # tie, 4 % slower, 2x slower, vs sgemm
+    assert thin_rows([2.0, 1.0, 9.0, 1.0], [1.0] * 4, [1.0] * 4) == [2, 3, 4]  # a spike at 3
+    assert thin_rows([2.0] * 4, [1.0] * 4, [1.0] * 4) == []
 
 
 # cblas_sgemm called directly on the kernel route: both orders, every transpose, 1..8 rows and

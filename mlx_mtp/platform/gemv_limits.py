@@ -140,9 +140,11 @@ def measure(shape: Shape, reps: int = REPS) -> dict:
 
 
 def thin_rows(kernel: List[float], sgemv: List[float], sgemm: List[float]) -> List[int]:
-    """The row counts the kernel runs: where it is within ``THIN_SLACK`` of the faster of
-    the other routes (rows it shares with plain steps round alike, so near-ties go to it)."""
-    return [m + 1 for m, t in enumerate(kernel) if t <= THIN_SLACK * min(sgemv[m], sgemm[m])]
+    """The row counts the kernel runs: from the first to the last where it is within
+    ``THIN_SLACK`` of the faster of the other routes (rows it shares with plain steps round
+    alike, so near-ties go to it, and a spike of load between two wins does not split them)."""
+    wins = [m + 1 for m, t in enumerate(kernel) if t <= THIN_SLACK * min(sgemv[m], sgemm[m])]
+    return list(range(wins[0], wins[-1] + 1)) if wins else []
 
 
 def best_limit(sgemv: List[float], sgemm: List[float]) -> int:
