@@ -9,11 +9,15 @@ bundles an optimised OpenBLAS, and libmlx only imports ``cblas_{s,d,c}gemm``, so
 How: :func:`preload` (run by ``import mlx_mtp``, so the CLI and the Python API both get it)
 compiles the shim once into the user cache directory and loads it with ``RTLD_GLOBAL`` before
 MLX is first imported, so libmlx binds to it; nothing restarts. :func:`configure` then picks the
-routing (float32 products of up to three rows or columns run as one OpenBLAS sgemv per row,
-3.5x faster than its sgemm or the reference BLAS for a single row; other products of 2..64 rows
-are padded to a multiple of four, as OpenBLAS's kernels want) and compares a few MLX matmuls with
-numpy float64 results, sending everything back to the reference BLAS if they disagree, so a bad
-BLAS can never silently change outputs. Without a C compiler, if
+routing (float32 products of 1..8 rows or columns run on the shim's thin kernel, which reads the
+weight once for all rows, where that was measured fastest for the weight's shape or the weight is
+large (``gemv_limits.py``); others of up to three rows or columns run as one OpenBLAS sgemv per
+row, 3.5x faster than its sgemm or the reference BLAS for a single row; other products of 2..64
+rows are padded to a multiple of four, as OpenBLAS's kernels want) and compares a few MLX matmuls
+with numpy float64 results, on the configured routes and on the kernel, sending everything back
+to the reference BLAS if they disagree, so a bad BLAS or kernel can never silently change
+outputs. The shim is compiled with ``-O3 -march=native -fopenmp`` (``BUILD_FLAGS``: without
+those the compiler lacks), once per CPU. Without a C compiler, if
 MLX was imported before mlx_mtp, or with ``--blas reference`` / ``MLX_MTP_BLAS=reference``,
 nothing changes. bf16 and fp16 matmuls never go through BLAS on MLX's CPU backend: the choice
 only matters for float32 (and quantized models' float32 parts).

@@ -7,6 +7,11 @@
  * libmlx's cblas_* references bind here, and we forward them to that OpenBLAS, widening the int
  * dimensions to 64 bits.
  *
+ * Thin kernel: a float32 product of 1..8 rows (or columns) whose weight shape was measured
+ * fastest there (platform/gemv_limits.py), or whose weight has thin_min_elems elements or more,
+ * runs on the shim's own kernel (thin_kernel.c, sgemm_thin): the weight is read once for all
+ * rows, and each row is bit-identical whatever the row count. The routes below take the rest.
+ *
  * Routing: a float32 product of at most `gemv_rows` rows or columns (decoding one token,
  * verifying one or two drafts) runs as one OpenBLAS sgemv per row (column) of C (see
  * sgemm_as_gemv, mlx_mtp_shim_set_gemv_rows). Other multi-row products (verify passes, batches,
@@ -30,7 +35,8 @@
  * decode-sized GEMMs are memory bound; spinning OpenBLAS threads measured ~30x slower on a
  * busy 2-core machine).
  *
- * Build: cc -O2 -shared -fPIC -o openblas-shim.so openblas_shim.c -ldl -lpthread
+ * Build: cc -O3 -march=native -fopenmp -shared -fPIC -o openblas-shim.so openblas_shim.c -ldl
+ * -lpthread (without -march=native and/or -fopenmp where the compiler lacks them: blas.py)
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
