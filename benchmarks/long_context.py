@@ -20,6 +20,7 @@ import time
 import mlx_mtp  # noqa: F401  (first: loads the OpenBLAS shim before MLX, as the CLI does)
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from mlx_mtp.bench.inprocess import measure_costs
 from mlx_mtp.bench.long_context import parse_lengths
@@ -27,6 +28,7 @@ from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import MTPDecoder
 from mlx_mtp.models.cache.kv import restore_caches, snapshot_caches
 from mlx_mtp.models.cache.quantized import KVQuantization
+from mlx_mtp.platform import gemv_limits
 from mlx_mtp.testing import tiny, tiny_attention
 
 
@@ -53,6 +55,8 @@ def build(family: str, hidden: int, layers: int, vocab: int, dtype):
             family, vocab_size=vocab, hidden=hidden, num_layers=layers), **HEADS[family]))
     model.set_dtype(dtype)
     mx.eval(model.parameters())
+    # products routed per weight shape as a load routes them (measured once, stored)
+    gemv_limits.apply(tree_flatten(model.parameters()), budget=60.0)
     return model
 
 

@@ -44,6 +44,15 @@ CHILD = textwrap.dedent("""
             rows.append(m) if blas.gemv_calls() > before else None
         return rows
 
+    def routes(k, n):  # the route each row count 1..8 takes, by the shim's counters
+        w, out = mx.ones((n, k)), []
+        for m in range(1, 9):
+            thin, gemv = blas.thin_calls(), blas.gemv_calls()
+            mx.eval(mx.matmul(mx.ones((m, k)), w.T, stream=mx.cpu))
+            out.append("kernel" if blas.thin_calls() > thin else
+                       "sgemv" if blas.gemv_calls() > gemv else "sgemm")
+        return out
+
     got = {"before": sgemv_rows(16, 24)}
     blas.set_gemv_limit(16, 24, 6)
     got["limited"], got["other"] = sgemv_rows(16, 24), sgemv_rows(16, 40)
@@ -68,6 +77,7 @@ CHILD = textwrap.dedent("""
     got["file"] = gemv_limits.limits_file().exists()
     got["stored"] = {f"{k}x{n}": r for (k, n), r in gemv_limits.stored().items()}
     got["shim"] = {f"{k}x{n}": blas.gemv_limit(k, n) for k, n in gemv_limits.shapes_of(params)}
+    got["routes"] = {f"{k}x{n}": routes(k, n) for k, n in gemv_limits.shapes_of(params)}
     print(json.dumps(got))
 """)
 
@@ -91,12 +101,19 @@ def test_a_shape_limit_routes_that_shape_only_and_is_measured_once(tmp_path):
     assert got["invariant"] and got["close"], got
     # float32 matrices only, each shape once, as (inputs, outputs) of x @ W.T
     assert sorted(map(tuple, got["shapes"])) == [(64, 96), (96, 64)]
-    assert got["file"] and got["stored"] == got["applied"] == got["shim"], got
+    # stored as applied: (sgemv limit, row counts on the thin kernel); the shim routes each
+    # row count so (the kernel first, then sgemv up to the limit, then sgemm)
+    assert got["file"] and got["stored"] == got["applied"], got
     assert set(got["applied"]) == {"64x96", "96x64"}
-    assert all(0 <= r <= MAX_ROWS for r in got["applied"].values())
-    # A later process reads the stored limits, with measuring forbidden.
+    for shape, (rows, thin) in got["applied"].items():
+        assert 0 <= rows <= MAX_ROWS and set(thin) <= set(range(1, MAX_ROWS + 1)), got
+        assert got["shim"][shape] == rows
+        assert got["routes"][shape] == ["kernel" if m in thin else "sgemv" if m <= rows
+                                        else "sgemm" for m in range(1, MAX_ROWS + 1)], got
+    # A later process reads the stored routes, with measuring forbidden.
     again = run_child(tmp_path, MLX_MTP_MEASURE_DTYPE="0")
     assert again["applied"] == got["applied"] and again["shim"] == got["shim"]
+    assert again["routes"] == got["routes"]
 
 
 @needs_shim
@@ -104,3 +121,6 @@ def test_nothing_is_measured_when_measuring_is_forbidden(tmp_path):
     got = run_child(tmp_path, MLX_MTP_MEASURE_DTYPE="0")
     assert got["applied"] == {} and not got["file"]
     assert got["shim"] == {"64x96": 3, "96x64": 3}  # the default limit
+    # small weights: sgemv up to the default, sgemm past it, never the kernel unmeasured
+    default = ["sgemv"] * 3 + ["sgemm"] * (MAX_ROWS - 3)
+    assert got["routes"] == {"64x96": default, "96x64": default}, got

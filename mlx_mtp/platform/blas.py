@@ -9,11 +9,15 @@ bundles an optimised OpenBLAS, and libmlx only imports ``cblas_{s,d,c}gemm``, so
 How: :func:`preload` (run by ``import mlx_mtp``, so the CLI and the Python API both get it)
 compiles the shim once into the user cache directory and loads it with ``RTLD_GLOBAL`` before
 MLX is first imported, so libmlx binds to it; nothing restarts. :func:`configure` then picks the
-routing (float32 products of up to three rows or columns run as one OpenBLAS sgemv per row,
-3.5x faster than its sgemm or the reference BLAS for a single row; other products of 2..64 rows
-are padded to a multiple of four, as OpenBLAS's kernels want) and compares a few MLX matmuls with
-numpy float64 results, sending everything back to the reference BLAS if they disagree, so a bad
-BLAS can never silently change outputs. Without a C compiler, if
+routing (float32 products of 1..8 rows or columns run on the shim's thin kernel, which reads the
+weight once for all rows, where that was measured fastest for the weight's shape or the weight is
+large (``gemv_limits.py``); others of up to three rows or columns run as one OpenBLAS sgemv per
+row, 3.5x faster than its sgemm or the reference BLAS for a single row; other products of 2..64
+rows are padded to a multiple of four, as OpenBLAS's kernels want) and compares a few MLX matmuls
+with numpy float64 results, on the configured routes and on the kernel, sending everything back
+to the reference BLAS if they disagree, so a bad BLAS or kernel can never silently change
+outputs. The shim is compiled with ``-O3 -march=native -fopenmp`` (``BUILD_FLAGS``: without
+those the compiler lacks), once per CPU. Without a C compiler, if
 MLX was imported before mlx_mtp, or with ``--blas reference`` / ``MLX_MTP_BLAS=reference``,
 nothing changes. bf16 and fp16 matmuls never go through BLAS on MLX's CPU backend: the choice
 only matters for float32 (and quantized models' float32 parts).
@@ -46,6 +50,11 @@ ENV_MIN_ROWS = "MLX_MTP_BLAS_MIN_ROWS"  # products with fewer rows (or columns) 
 ENV_SMALL = "MLX_MTP_BLAS_SMALL"  # thin products with a smaller weight still go to OpenBLAS
 ENV_PAD = "MLX_MTP_BLAS_PAD"  # 0: no row padding (see the shim's sgemm_padded)
 ENV_GEMV_ROWS = "MLX_MTP_BLAS_GEMV_ROWS"  # float32 products this thin run as sgemv (0: never)
+ENV_THIN = "MLX_MTP_BLAS_THIN"  # 0: no thin-product kernel (see the shim's sgemm_thin)
+THIN_MAX_ROWS = 8  # the kernel's row limit (the shim's THIN_MAX_ROWS)
+# Weights at least this large (float32 elements) that no measurement covers run 1..8-row
+# products on the kernel: they stream from memory, which the kernel reads once for all rows.
+LARGE_ELEMS = 4 << 20
 
 # Why this process is on the reference BLAS (for describe()).
 _reason = "the OpenBLAS shim was not loaded"
@@ -96,9 +105,35 @@ def _compiler() -> Optional[list]:
     return next(([c] for c in ("cc", "gcc") if shutil.which(c)), None)
 
 
+# Tried in order: the thin-product kernel is vectorised for the CPU it is built on and split
+# over threads with OpenMP; a compiler without -march=native or OpenMP builds it without them.
+BUILD_FLAGS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"),
+               ("-O3", "-fopenmp"), ("-O3",))
+
+
+def _compile(cc: list, tmp: Path) -> tuple[Optional[list], str]:
+    """(the command that built ``tmp``, "") or (None, the last failure's last line)."""
+    last = ""
+    for flags in BUILD_FLAGS:
+        cmd = [*cc, *flags, "-shared", "-fPIC", "-o", str(tmp), str(SHIM_SOURCE), "-ldl",
+               "-lpthread"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if p.returncode == 0:
+            return cmd, ""
+        tail = p.stderr.strip()[-600:]
+        log.info("compiling the OpenBLAS shim failed: %s\n%s", shlex.join(cmd), tail)
+        last = tail.splitlines()[-1] if tail else f"exit code {p.returncode}"
+    return None, last
+
+
 def _build_shim(cache_dir=None) -> tuple[Optional[Path], str]:
-    """(path of the compiled shim, "") or (None, why not)."""
-    digest = hashlib.sha256(SHIM_SOURCE.read_bytes()).hexdigest()[:12]
+    """(path of the compiled shim, "") or (None, why not). Built per CPU (-march=native)."""
+    from . import machine
+
+    sources = sorted(SHIM_SOURCE.parent.glob("*.c"))  # the shim and the files it includes
+    text = b"".join(f.read_bytes() for f in sources)
+    text += f"|{machine.cpu_name()}|{BUILD_FLAGS}".encode()
+    digest = hashlib.sha256(text).hexdigest()[:12]
     out = Path(cache_dir or _cache_dir()) / f"{SHIM_PREFIX}{digest}.so"
     if out.exists():
         return out, ""
@@ -107,15 +142,12 @@ def _build_shim(cache_dir=None) -> tuple[Optional[Path], str]:
         return None, ("no C compiler to build the OpenBLAS shim "
                       "(install one, e.g. apt-get install gcc, or set $CC)")
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")  # same dir, so os.replace is atomic
-    cmd = [*cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SHIM_SOURCE), "-ldl", "-lpthread"]
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if p.returncode != 0:
-            tail = p.stderr.strip()[-600:]
-            log.info("compiling the OpenBLAS shim failed: %s\n%s", shlex.join(cmd), tail)
-            last = tail.splitlines()[-1] if tail else f"exit code {p.returncode}"
+        cmd, last = _compile(cc, tmp)
+        if cmd is None:
             return None, f"compiling the OpenBLAS shim with {cc[0]} failed: {last}"
+        log.info("built the OpenBLAS shim: %s", shlex.join(cmd))
         os.replace(tmp, out)
         return out, ""
     except (OSError, subprocess.SubprocessError) as e:
@@ -164,6 +196,12 @@ def gemv_rows() -> int:
         return max(0, int(os.environ.get(ENV_GEMV_ROWS, "3")))
     except ValueError:
         return 3
+
+
+def thin_on() -> bool:
+    """Whether products of 1..8 rows may run on the shim's thin kernel ($MLX_MTP_BLAS_THIN, on
+    unless "0"): which ones do is measured per weight shape (``gemv_limits.py``)."""
+    return os.environ.get(ENV_THIN, "1") != "0"
 
 
 def _why_not_openblas() -> tuple[Optional[str], Optional[Path], Optional[Path]]:
@@ -216,6 +254,10 @@ def preload() -> bool:
         _shim.mlx_mtp_shim_set_gemv_shape.argtypes = [ctypes.c_long] * 3
         _shim.mlx_mtp_shim_gemv_limit.argtypes = [ctypes.c_long] * 2
         _shim.mlx_mtp_shim_gemv_limit.restype = ctypes.c_long
+        _shim.mlx_mtp_shim_set_thin.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        _shim.mlx_mtp_shim_set_thin_shape.argtypes = [ctypes.c_long] * 3
+        _shim.mlx_mtp_shim_thin_calls.restype = ctypes.c_long
+        _shim.mlx_mtp_shim_set_thin(int(thin_on()), 0, LARGE_ELEMS)
     except Exception as e:  # a platform nicety must never stop the import
         _shim, _reason = None, f"loading the OpenBLAS shim failed: {e}"
     return _shim is not None
@@ -243,7 +285,7 @@ def routing() -> str:
     if not active():
         return "reference"
     return (f"openblas, sgemv up to {int(_shim.mlx_mtp_shim_gemv_rows())} rows "
-            "or a shape's measured limit")
+            f"or a shape's measured limit{', thin kernel' if thin_on() else ''}")
 
 
 def gemv_calls() -> int:
@@ -251,13 +293,19 @@ def gemv_calls() -> int:
     return int(_shim.mlx_mtp_shim_gemv_calls()) if _shim is not None else 0
 
 
-ROUTES = ("reference", "sgemm", "sgemv")
+def thin_calls() -> int:
+    """Products the shim has run on its thin kernel so far (0 without the shim)."""
+    return int(_shim.mlx_mtp_shim_thin_calls()) if _shim is not None else 0
+
+
+ROUTES = ("reference", "sgemm", "sgemv", "kernel")
 
 
 def route(path: Optional[str]):
     """Send every float32 product down one path (for timing them against each other in one
     process: "reference", "sgemm": OpenBLAS's, even for one row, "sgemv": one per row, for up to
-    8 rows), or back to the configured routing (None)."""
+    8 rows, "kernel": the shim's thin kernel, for up to 8 rows), or back to the configured
+    routing (None)."""
     if _shim is None:
         return
     if path is None:
@@ -266,6 +314,7 @@ def route(path: Optional[str]):
     _shim.mlx_mtp_shim_configure(int(path != "reference"), 1, 0)
     _shim.mlx_mtp_shim_set_gemv_rows(8 if path == "sgemv" else 0)
     _shim.mlx_mtp_shim_use_shape_limits(0)
+    _shim.mlx_mtp_shim_set_thin(int(path == "kernel"), 1, LARGE_ELEMS)
 
 
 def set_gemv_limit(k: int, n: int, rows: int):
@@ -273,6 +322,13 @@ def set_gemv_limit(k: int, n: int, rows: int):
     measured limit, ``gemv_limits.py``) instead of :func:`gemv_rows`."""
     if _shim is not None:
         _shim.mlx_mtp_shim_set_gemv_shape(k, n, rows)
+
+
+def set_thin_rows(k: int, n: int, rows):
+    """Products with ``k`` inputs and ``n`` outputs run on the thin kernel at these row counts
+    (measured, ``gemv_limits.py``; after :func:`set_gemv_limit` for the same shape)."""
+    if _shim is not None:
+        _shim.mlx_mtp_shim_set_thin_shape(k, n, sum(1 << (m - 1) for m in rows))
 
 
 def gemv_limit(k: int, n: int) -> int:
@@ -289,6 +345,7 @@ def _apply(openblas: bool):
         _shim.mlx_mtp_shim_configure(1, min_rows(), small_elems())
         _shim.mlx_mtp_shim_set_gemv_rows(gemv_rows())
         _shim.mlx_mtp_shim_use_shape_limits(1)
+        _shim.mlx_mtp_shim_set_thin(int(thin_on()), 0, LARGE_ELEMS)
     else:
         _shim.mlx_mtp_shim_configure(0, min_rows(), small_elems())
 
@@ -322,7 +379,7 @@ def configure(mode: Optional[str] = None, rtol: float = 1e-4):
                             "--blas reference (or auto) to run on the reference BLAS.")
         log.info("CPU matmuls stay on the reference BLAS: %s", _reason)
         return
-    bad = _mismatch(rtol)
+    bad = _mismatch(rtol) or (_kernel_mismatch(rtol) if thin_on() else None)
     if bad is not None:
         if mode == "openblas":
             raise BlasError(f"--blas openblas: OpenBLAS results failed the check ({bad}); "
@@ -380,6 +437,17 @@ def _mismatch(rtol: float) -> Optional[str]:
     return None
 
 
+def _kernel_mismatch(rtol: float) -> Optional[str]:
+    """The check again with every product of 1..8 rows on the thin kernel (the configured
+    routing sends only measured and large weights there)."""
+    route("kernel")
+    try:
+        bad = _mismatch(rtol)
+        return bad and f"thin kernel: {bad}"
+    finally:
+        route(None)
+
+
 def add_argument(parser):
     parser.add_argument(
         "--blas", choices=MODES, default=default_mode(),
@@ -406,10 +474,12 @@ def describe() -> str:
     if active():
         lib = f"mlx-mtp shim, numpy's {Path(os.environ.get(ENV_OPENBLAS, '?')).name}"
         rows = int(_shim.mlx_mtp_shim_gemv_rows())
+        thin = ("; 1-8 rows on the thin kernel where measured fastest, or for weights "
+                f"of {LARGE_ELEMS >> 20}M+ elements" if thin_on() else "")
         if rows:
             return (f"CPU matmuls: OpenBLAS, float32 products of up to {rows} "
-                    f"row{'s' * (rows > 1)} as sgemv or a weight shape's measured limit "
-                    f"({lib})")
+                    f"row{'s' * (rows > 1)} as sgemv or a weight shape's measured limit"
+                    f"{thin} ({lib})")
         return (f"CPU matmuls: OpenBLAS except single rows times large x @ W weights "
                 f"(reference BLAS; {lib})")
     if not reference_blas_in_use():

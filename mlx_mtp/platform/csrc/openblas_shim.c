@@ -7,6 +7,11 @@
  * libmlx's cblas_* references bind here, and we forward them to that OpenBLAS, widening the int
  * dimensions to 64 bits.
  *
+ * Thin kernel: a float32 product of 1..8 rows (or columns) whose weight shape was measured
+ * fastest there (platform/gemv_limits.py), or whose weight has thin_min_elems elements or more,
+ * runs on the shim's own kernel (thin_kernel.c, sgemm_thin): the weight is read once for all
+ * rows, and each row is bit-identical whatever the row count. The routes below take the rest.
+ *
  * Routing: a float32 product of at most `gemv_rows` rows or columns (decoding one token,
  * verifying one or two drafts) runs as one OpenBLAS sgemv per row (column) of C (see
  * sgemm_as_gemv, mlx_mtp_shim_set_gemv_rows). Other multi-row products (verify passes, batches,
@@ -30,7 +35,8 @@
  * decode-sized GEMMs are memory bound; spinning OpenBLAS threads measured ~30x slower on a
  * busy 2-core machine).
  *
- * Build: cc -O2 -shared -fPIC -o openblas-shim.so openblas_shim.c -ldl -lpthread
+ * Build: cc -O3 -march=native -fopenmp -shared -fPIC -o openblas-shim.so openblas_shim.c -ldl
+ * -lpthread (without -march=native and/or -fopenmp where the compiler lacks them: blas.py)
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -73,6 +79,7 @@ static sgemv64_fn ob_sgemv; /* optional: without it thin products take the sgemm
 static volatile int use_openblas = 1;
 static volatile long min_rows = 2;
 static volatile long small_elems = 1300000L;
+static int thin_threads = 1; /* threads of the thin-product kernel: OpenBLAS's count */
 
 static void load_openblas(void) {
   const char *path = getenv("MLX_MTP_OPENBLAS");
@@ -89,7 +96,9 @@ static void load_openblas(void) {
     typedef void (*threads_fn)(int);
     threads_fn set_threads = (threads_fn)dlsym(h, "scipy_openblas_set_num_threads64_");
     const char *t = getenv("MLX_MTP_OPENBLAS_THREADS");
-    if (set_threads) set_threads(t && *t ? atoi(t) : 1);
+    int threads = t && *t ? atoi(t) : 1;
+    if (set_threads) set_threads(threads);
+    thin_threads = threads > 1 ? threads : 1; /* the thin-product kernel's (see sgemm_thin) */
   }
 }
 
@@ -242,6 +251,7 @@ long mlx_mtp_shim_gemv_calls(void) { return gemv_calls; }
  * other shapes use gemv_rows. Entries are written before the count that publishes them. */
 #define GEMV_SHAPES 64
 static volatile long shape_k[GEMV_SHAPES], shape_n[GEMV_SHAPES], shape_rows[GEMV_SHAPES];
+static volatile long shape_thin[GEMV_SHAPES]; /* rows on the thin kernel (bit m-1), -1: unset */
 static volatile int shapes_known = 0;
 static volatile int shape_limits_on = 1;
 
@@ -252,12 +262,27 @@ int mlx_mtp_shim_set_gemv_shape(long k, long n, long rows) {
   shape_k[shapes_known] = k;
   shape_n[shapes_known] = n;
   shape_rows[shapes_known] = rows;
+  shape_thin[shapes_known] = -1;
   __sync_synchronize();
   shapes_known++;
   return 1;
 }
 
 void mlx_mtp_shim_use_shape_limits(int on) { shape_limits_on = on; }
+
+/* The row counts (bit m - 1 for m rows) of a weight shape that run on the thin kernel. */
+int mlx_mtp_shim_set_thin_shape(long k, long n, long mask) {
+  for (int i = 0; i < shapes_known; i++)
+    if (shape_k[i] == k && shape_n[i] == n) { shape_thin[i] = mask; return 1; }
+  return 0;
+}
+
+static long shape_thin_mask(long k, long n) {
+  if (shape_limits_on)
+    for (int i = 0; i < shapes_known; i++)
+      if (shape_k[i] == k && shape_n[i] == n) return shape_thin[i];
+  return -1;
+}
 
 /* Rows (of a product with k inputs and n outputs) that still run as sgemv. */
 static long gemv_limit(long k, long n) {
@@ -309,9 +334,15 @@ static int sgemm_as_gemv(int order, int ta, int tb, int m, int n, int k, float a
   return 1;
 }
 
+#include "thin_kernel.c" /* sgemm_thin: products of 1..8 rows, the weight read once */
+
 /* ---- The exported cblas entry points (standard signatures, int dimensions) ---- */
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
                  int lda, const float *b, int ldb, float beta, float *c, int ldc) {
+  if (mlx_mtp_shim_uses_openblas() && m > 0 && n > 0 && k > 0 &&
+      (order == 101 ? sgemm_thin(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+       : order == 102 && sgemm_thin(tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc)))
+    return;
   if (mlx_mtp_shim_uses_openblas() &&
       sgemm_as_gemv(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
     return;
