@@ -101,8 +101,9 @@ _INLINE_COMMENT = re.compile(r":[ \t]+#")
 
 def tricky_copy(code: str, prefix: int = 5, recent: int = 12) -> bool:
     """Whether ``code`` has an inline comment after a ``:``, or an identifier sharing its
-    first ``prefix`` characters with another of the last ``recent`` identifiers, neither a
-    prefix of the other (``merged`` then ``merge_settings``)."""
+    first ``prefix`` characters with another among the last ``recent`` identifiers of at
+    least ``prefix`` characters, neither a prefix of the other (``merged`` then
+    ``merge_settings``)."""
     if _INLINE_COMMENT.search(code):
         return True
     names = [n for n in _IDENT.findall(code) if len(n) >= prefix and not keyword.iskeyword(n)]
