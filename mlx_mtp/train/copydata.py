@@ -13,6 +13,9 @@ Kinds (each a seeded choice per document, from a code snippet of 6-40 lines):
   is not the source's (``tricky_copy``): an inline comment after a ``:`` (the merged token
   ``):\n`` is likelier than ``):``) or an identifier sharing a prefix with an earlier one
   (``merged`` then ``merge_settings``).
+* ``repeat-inline`` (task mixes only): a ``repeat`` of a snippet whose comment lines that
+  follow a line ending in ``:`` are moved onto that line as inline comments
+  (``inline_comments``), the spot where ``):\n`` outbids the source's ``):``.
 * ``rename``: asks to rename an identifier the snippet uses; the answer is the renamed code.
 * ``reindent``: the snippet with 2-space indentation, asked back with 4 spaces.
 * ``uncomment``: asks for the snippet without its comment lines.
@@ -115,6 +118,15 @@ def tricky_copy(code: str, prefix: int = 5, recent: int = 12) -> bool:
     return False
 
 
+_COMMENT_AFTER_COLON = re.compile(r"(?m)^([^#\n]*:)[ \t]*\n[ \t]+(#[^\n]*)$")
+
+
+def inline_comments(code: str, gap: str = " ") -> str:
+    """``code`` with each comment line that follows a line ending in ``:`` moved onto that
+    line, ``gap`` before the ``#``."""
+    return _COMMENT_AFTER_COLON.sub(lambda m: f"{m.group(1)}{gap}{m.group(2)}", code)
+
+
 def rename(code: str, old: str, new: str) -> str:
     return re.sub(rf"\b{re.escape(old)}\b", new, code)
 
@@ -130,6 +142,9 @@ def make_document(code: str, kind: str, rng: np.random.Generator) -> str:
     """One training document of ``kind`` built from ``code`` (a snippet)."""
     if kind == "block":
         return f"{code}\n{_SEPARATOR}{code}"
+    if kind == "repeat-inline":
+        code = inline_comments(code, "  " if rng.random() < 0.5 else " ")
+        kind = "repeat"
     if kind in ("repeat", "repeat-ambiguous", "repeat-tricky"):
         return chat(_ask(rng, _ASK_REPEAT[int(rng.integers(len(_ASK_REPEAT)))], code), code)
     if kind == "rename":
@@ -167,7 +182,8 @@ def _draw_kind(rng: np.random.Generator, mix: str) -> str:
 
 
 # the repeat kinds whose snippet must pass a test, and the test
-_PICKY = {"repeat-ambiguous": ambiguous_phrase, "repeat-tricky": tricky_copy}
+_PICKY = {"repeat-ambiguous": ambiguous_phrase, "repeat-tricky": tricky_copy,
+          "repeat-inline": lambda code: bool(_COMMENT_AFTER_COLON.search(code))}
 
 
 def _picky_snippet(texts: Sequence[str], rng: np.random.Generator, test, tries: int = 20
