@@ -145,3 +145,18 @@ def test_copy_benchmark_modules_are_not_in_the_training_files():
         assert not any(code in t for t in texts), code[:200]
     assert all(name.split(":")[0] in heldout_names
                for seed in (0, 1, 2) for name, _ in copy_rate.heldout_modules(6, 30, seed))
+
+
+def test_repeat_inline_moves_comments_after_a_colon_inline_and_repeats_that():
+    code = ('def size(self):\n    # how many\n    return len(self.items)\n'
+            'if ready:  \n        # go\n    x = {"a":\n         1}\n# top-level note\n')
+    assert C.inline_comments(code, "  ") == (
+        'def size(self):  # how many\n    return len(self.items)\n'
+        'if ready:  # go\n    x = {"a":\n         1}\n# top-level note\n')
+    doc = C.make_document(code, "repeat-inline", np.random.default_rng(0))
+    answer = doc[C.answer_start(doc):].split("```python\n", 1)[1].rsplit("```", 1)[0]
+    assert answer in (C.inline_comments(code, " "), C.inline_comments(code, "  "))
+    assert answer in doc[:C.answer_start(doc)]  # given and asked back verbatim
+    texts = [PLAIN * 3, code + PLAIN * 2]
+    docs = C.build_documents(texts, 60, seed=0, mix="inline-anneal")
+    assert sum("self):  # how many" in d or "self): # how many" in d for d in docs) > 0
