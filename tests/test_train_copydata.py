@@ -136,8 +136,8 @@ def test_mixed_batch_fraction_and_alignment():
     copy = np.arange(0, 5_000, dtype=np.int32)
     starts = np.arange(0, 5_000, 100)
     answer = (copy % 100 >= 60).astype(np.uint8)  # the last 40 tokens of each document
-    b, w = C.mixed_batch(base, copy, starts, 0.5, 400, 65, seed=0, step=3, answer=answer,
-                         context_weight=0.25)
+    b, w, _ = C.mixed_batch(base, copy, starts, 0.5, 400, 65, seed=0, step=3, answer=answer,
+                            context_weight=0.25)
     assert b.shape == w.shape == (400, 65)
     from_copy = b[:, 0] < 10_000
     assert 150 < from_copy.sum() < 250
@@ -145,10 +145,10 @@ def test_mixed_batch_fraction_and_alignment():
     assert np.all(np.diff(b, axis=1) == 1)  # contiguous windows
     # Answers and fresh text weigh 1, a copy document's context 0.25.
     assert np.array_equal(w, np.where(from_copy[:, None] & (b % 100 < 60), 0.25, 1.0))
-    b2, w2 = C.mixed_batch(base, copy, starts, 0.5, 400, 65, seed=0, step=3, answer=answer,
-                           context_weight=0.25)
+    b2, w2, _ = C.mixed_batch(base, copy, starts, 0.5, 400, 65, seed=0, step=3, answer=answer,
+                              context_weight=0.25)
     assert np.array_equal(b, b2) and np.array_equal(w, w2)
-    b0, w0 = C.mixed_batch(base, copy, starts, 0.0, 50, 65, 0, 1)
+    b0, w0, _ = C.mixed_batch(base, copy, starts, 0.0, 50, 65, 0, 1)
     assert np.all(b0[:, 0] >= 10_000) and np.all(w0 == 1)
 
 

@@ -9,6 +9,13 @@ Kinds (each a seeded choice per document, from a code snippet of 6-40 lines):
 * ``repeat-ambiguous`` (task mixes only): a ``repeat`` of a snippet in which a phrase occurs
   twice with different continuations (``ambiguous_phrase``): a copy that matches only its
   last few tokens jumps to the other occurrence and continues from there.
+* ``repeat-tricky`` (task mixes only): a ``repeat`` of a snippet where the likelier token
+  is not the source's (``tricky_copy``): an inline comment after a ``:`` (the merged token
+  ``):\n`` is likelier than ``):``) or an identifier sharing a prefix with an earlier one
+  (``merged`` then ``merge_settings``).
+* ``repeat-inline`` (task mixes only): a ``repeat`` of a snippet whose comment lines that
+  follow a line ending in ``:`` are moved onto that line as inline comments
+  (``inline_comments``), the spot where ``):\n`` outbids the source's ``):``.
 * ``rename``: asks to rename an identifier the snippet uses; the answer is the renamed code.
 * ``reindent``: the snippet with 2-space indentation, asked back with 4 spaces.
 * ``uncomment``: asks for the snippet without its comment lines.
@@ -92,6 +99,34 @@ def ambiguous_phrase(code: str, n: int = 6) -> bool:
     return False
 
 
+_INLINE_COMMENT = re.compile(r":[ \t]+#")
+
+
+def tricky_copy(code: str, prefix: int = 5, recent: int = 12) -> bool:
+    """Whether ``code`` has an inline comment after a ``:``, or an identifier sharing its
+    first ``prefix`` characters with another among the last ``recent`` identifiers of at
+    least ``prefix`` characters, neither a prefix of the other (``merged`` then
+    ``merge_settings``)."""
+    if _INLINE_COMMENT.search(code):
+        return True
+    names = [n for n in _IDENT.findall(code) if len(n) >= prefix and not keyword.iskeyword(n)]
+    for i, name in enumerate(names):
+        for prev in names[max(0, i - recent):i]:
+            if prev[:prefix] == name[:prefix] and not (name.startswith(prev)
+                                                       or prev.startswith(name)):
+                return True
+    return False
+
+
+_COMMENT_AFTER_COLON = re.compile(r"(?m)^([^#\n]*:)[ \t]*\n[ \t]+(#[^\n]*)$")
+
+
+def inline_comments(code: str, gap: str = " ") -> str:
+    """``code`` with each comment line that follows a line ending in ``:`` moved onto that
+    line, ``gap`` before the ``#``."""
+    return _COMMENT_AFTER_COLON.sub(lambda m: f"{m.group(1)}{gap}{m.group(2)}", code)
+
+
 def rename(code: str, old: str, new: str) -> str:
     return re.sub(rf"\b{re.escape(old)}\b", new, code)
 
@@ -107,7 +142,10 @@ def make_document(code: str, kind: str, rng: np.random.Generator) -> str:
     """One training document of ``kind`` built from ``code`` (a snippet)."""
     if kind == "block":
         return f"{code}\n{_SEPARATOR}{code}"
-    if kind in ("repeat", "repeat-ambiguous"):
+    if kind == "repeat-inline":
+        code = inline_comments(code, "  " if rng.random() < 0.5 else " ")
+        kind = "repeat"
+    if kind in ("repeat", "repeat-ambiguous", "repeat-tricky"):
         return chat(_ask(rng, _ASK_REPEAT[int(rng.integers(len(_ASK_REPEAT)))], code), code)
     if kind == "rename":
         names = renamable(code)
@@ -143,12 +181,18 @@ def _draw_kind(rng: np.random.Generator, mix: str) -> str:
     return kinds[int(rng.choice(len(kinds), p=np.asarray(weights) / sum(weights)))]
 
 
-def _ambiguous_snippet(texts: Sequence[str], rng: np.random.Generator, tries: int = 20) -> str:
-    """A snippet with an ambiguous phrase, from the first of ``tries`` drawn texts that
-    gives one (empty if none does)."""
+# the repeat kinds whose snippet must pass a test, and the test
+_PICKY = {"repeat-ambiguous": ambiguous_phrase, "repeat-tricky": tricky_copy,
+          "repeat-inline": lambda code: bool(_COMMENT_AFTER_COLON.search(code))}
+
+
+def _picky_snippet(texts: Sequence[str], rng: np.random.Generator, test, tries: int = 20
+                   ) -> str:
+    """A snippet passing ``test``, from the first of ``tries`` drawn texts that gives one
+    (empty if none does)."""
     for _ in range(tries):
         code = snippet(texts[int(rng.integers(len(texts)))], rng)
-        if code and ambiguous_phrase(code):
+        if code and test(code):
             return code
     return ""
 
@@ -177,7 +221,7 @@ def build_documents(texts: Sequence[str], n_docs: int, seed: int = 0, mix: str =
             if found:
                 docs.append(make_task(found[int(rng.integers(len(found)))], kind, rng))
             continue
-        code = (_ambiguous_snippet(usable, rng) if kind == "repeat-ambiguous"
+        code = (_picky_snippet(usable, rng, _PICKY[kind]) if kind in _PICKY
                 else snippet(usable[i], rng))
         if code:
             docs.append(make_document(code, kind or _draw_kind(rng, mix), rng))
@@ -213,25 +257,30 @@ def tokenize_documents(docs: Sequence[str], tok, eot_id: int
 
 def mixed_batch(base: np.ndarray, copy: np.ndarray, copy_starts: np.ndarray, fraction: float,
                 batch_size: int, length: int, seed: int, step: int,
-                answer: Optional[np.ndarray] = None, context_weight: float = 1.0
-                ) -> Tuple[np.ndarray, np.ndarray]:
-    """(rows, weights), both (batch_size, length): each row, with probability ``fraction``,
-    a window of the copy stream starting at a document start (so the repeated part follows
-    its source), else a random window of ``base``. A token's weight scales the loss of
-    predicting it: ``context_weight`` on copy tokens ``answer`` does not flag, else 1.
+                answer: Optional[np.ndarray] = None, context_weight: float = 1.0,
+                copyable: Optional[np.ndarray] = None
+                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, weights, hard), each (batch_size, length): each row, with probability
+    ``fraction``, a window of the copy stream starting at a document start (so the repeated
+    part follows its source), else a random window of ``base``. A token's weight scales the
+    loss of predicting it: ``context_weight`` on copy tokens ``answer`` does not flag, else 1.
+    ``hard`` is 1 on the copy tokens ``copyable`` flags (``hardmine.copyable_flags``), else 0.
     Deterministic per (seed, step), so resuming replays it."""
     rng = np.random.default_rng([seed, step, 1])
     usable = copy_starts[copy_starts <= len(copy) - length]
     if len(base) <= length or (fraction > 0 and len(usable) == 0):
         raise ValueError(f"too few tokens for windows of {length}")
     rows, weights = [], np.ones((batch_size, length), np.float32)
+    hard = np.zeros((batch_size, length), np.uint8)
     for r in range(batch_size):
         if rng.random() < fraction:
             s = int(usable[int(rng.integers(len(usable)))])
             rows.append(copy[s:s + length])
             if answer is not None:
                 weights[r] = np.where(answer[s:s + length], 1.0, context_weight)
+            if copyable is not None:
+                hard[r] = copyable[s:s + length]
         else:
             s = int(rng.integers(0, len(base) - length + 1))
             rows.append(base[s:s + length])
-    return np.stack(rows).astype(np.int32), weights
+    return np.stack(rows).astype(np.int32), weights, hard

@@ -97,6 +97,10 @@ def add_arguments(p):
                    help="(scratch) with --copy-fraction: loss weight of a copy document's "
                         "tokens before its answer (the code given and the request; 0 trains on "
                         "the answers only)")
+    p.add_argument("--hard-weight", type=float, default=1.0,
+                   help="(scratch) with --copy-fraction: a copy answer's tokens that repeat "
+                        "the given code and that the model misses at top-1 weigh this many "
+                        "times in the loss (mlx_mtp.train.hardmine; 1: off)")
     p.add_argument("--block-size", type=int, default=8,
                    help="(dflash) block positions per pass, the anchor's included")
     p.add_argument("--draft-layers", type=int, default=2, help="(dflash) drafter layers")
@@ -149,6 +153,7 @@ def config_from_args(args) -> TrainConfig:
         keep_head=args.keep_head, init_from=args.init_from,
         copy_fraction=args.copy_fraction, copy_docs=args.copy_docs,
         copy_context_weight=args.copy_context_weight, copy_mix=args.copy_mix,
+        hard_weight=args.hard_weight,
         block_size=args.block_size, draft_layers=args.draft_layers,
         target_layers=args.target_layers, mask_token_id=args.mask_token_id,
         anchors=args.anchors, labels=args.labels, loss_decay=args.loss_decay,

@@ -112,25 +112,36 @@ def count_params(module) -> int:
 # --------------------------------------------------------------------------
 
 
-def _mean_ce(logits, targets, weights):
+def _mean_ce(logits, targets, weights, hard=None, hard_weight: float = 1.0):
     ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets)
     if weights is None:
         return ce.mean()
+    if hard is not None:
+        from .hardmine import hard_weights
+
+        weights = hard_weights(logits, targets, weights, hard, hard_weight)
     return (ce * weights).sum() / mx.maximum(weights.sum(), 1e-6)
 
 
-def scratch_losses(model, batch: mx.array, weights: Optional[mx.array] = None):
+def _tail(a: Optional[mx.array], start: int) -> Optional[mx.array]:
+    return None if a is None else a[:, start:]
+
+
+def scratch_losses(model, batch: mx.array, weights: Optional[mx.array] = None,
+                   hard: Optional[mx.array] = None, hard_weight: float = 1.0):
     """(trunk CE, MTP CE) for a (B, L+1) batch: the mean over predicted tokens, or with
-    ``weights`` (B, L+1; each token's weight as a target) the weighted mean."""
+    ``weights`` (B, L+1; each token's weight as a target) the weighted mean; with ``hard``
+    (B, L+1) flagged targets each loss misses at top-1 weigh ``hard_weight`` times more."""
     text = model.text
     inputs, targets = batch[:, :-1], batch[:, 1:]
     hidden, h_mtp = text.trunk(inputs)
-    ce = _mean_ce(text.logits(hidden), targets, None if weights is None else weights[:, 1:])
+    ce = _mean_ce(text.logits(hidden), targets, _tail(weights, 1), _tail(hard, 1), hard_weight)
     if text.num_mtp_layers == 0:
         return ce, mx.array(0.0)
     # Pair (h_t, token t+1) predicts token t+2.
     m = text.mtp_forward(h_mtp[:, :-1], inputs[:, 1:], None)
-    mtp_ce = _mean_ce(text.logits(m), batch[:, 2:], None if weights is None else weights[:, 2:])
+    mtp_ce = _mean_ce(text.logits(m), batch[:, 2:], _tail(weights, 2), _tail(hard, 2),
+                      hard_weight)
     return ce, mtp_ce
 
 

@@ -79,6 +79,7 @@ class TrainConfig:
     copy_docs: int = 4000
     copy_mix: str = "copy"  # document kinds of the copy rows (train/codetasks.py MIXES)
     copy_context_weight: float = 1.0
+    hard_weight: float = 1.0  # copyable copy tokens missed at top-1 weigh this (hardmine.py)
     # dflash mode (train/dflash.py)
     block_size: int = 8
     draft_layers: int = 2
@@ -250,10 +251,18 @@ class Trainer:
             raise _user_error("--copy-fraction must be between 0 and 1")
         if cfg.copy_context_weight < 0:
             raise _user_error("--copy-context-weight must be >= 0")
+        if cfg.hard_weight < 1:
+            raise _user_error("--hard-weight must be >= 1")
         self.copy_tokens = self.copy_starts = self.copy_answer = None
+        self.copyable = None
         if cfg.copy_fraction > 0:
             self.copy_tokens, self.copy_starts, self.copy_answer = load_or_build_copy(
                 self.run_dir, files, self.tokenizer_dir, cfg.copy_docs, cfg.seed, cfg.copy_mix)
+            if cfg.hard_weight != 1 and cfg.mode == "scratch":
+                from .hardmine import copyable_flags
+
+                self.copyable = copyable_flags(self.copy_tokens, self.copy_starts,
+                                               self.copy_answer)
         if self.eval_tokens is not None and len(self.eval_tokens) <= cfg.seq_len + 1:
             self.eval_tokens = None
         vocab = self.text_cfg["vocab_size"]
@@ -306,9 +315,12 @@ class Trainer:
             rows = sample_batch(self.train_tokens, cfg.batch_size, cfg.seq_len + 1, cfg.seed,
                                 self.step)
             return rows, np.ones(rows.shape, np.float32)
-        return mixed_batch(self.train_tokens, self.copy_tokens, self.copy_starts,
-                           cfg.copy_fraction, cfg.batch_size, cfg.seq_len + 1, cfg.seed, self.step,
-                           self.copy_answer, cfg.copy_context_weight)
+        rows, weights, hard = mixed_batch(
+            self.train_tokens, self.copy_tokens, self.copy_starts, cfg.copy_fraction,
+            cfg.batch_size, cfg.seq_len + 1, cfg.seed, self.step, self.copy_answer,
+            cfg.copy_context_weight, self.copyable)
+        # the hard-token flags only when weighed (hardmine.py), so other runs step as before
+        return (rows, weights) if self.copyable is None else (rows, weights, hard)
 
     def _make_step(self):
         cfg = self.cfg
@@ -316,8 +328,8 @@ class Trainer:
         w = cfg.mtp_loss_weight
 
         if cfg.mode == "scratch":
-            def loss_fn(batch, weights):
-                ce, mtp_ce = scratch_losses(model, batch, weights)
+            def loss_fn(batch, weights, hard=None):
+                ce, mtp_ce = scratch_losses(model, batch, weights, hard, cfg.hard_weight)
                 return ce + w * mtp_ce, (ce, mtp_ce)
         elif cfg.mode == "dflash":
             def loss_fn(batch, anchors):
@@ -334,8 +346,8 @@ class Trainer:
 
         vg = nn.value_and_grad(model, loss_fn)
 
-        def step(batch, weights):
-            (loss, aux), grads = vg(batch, weights)
+        def step(*arrays):  # (batch, weights or anchors[, hard-token flags])
+            (loss, aux), grads = vg(*arrays)
             if cfg.grad_clip > 0:
                 grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
             opt.update(model, grads)
@@ -427,8 +439,7 @@ class Trainer:
         last = {}
         while self.step < cfg.steps:
             t0 = time.perf_counter()
-            batch, weights = self._batch()
-            loss, a, b = step_fn(mx.array(batch), mx.array(weights))
+            loss, a, b = step_fn(*map(mx.array, self._batch()))
             mx.eval(loss, a, b, self.model.state, self.optimizer.state)
             dt = time.perf_counter() - t0
             self.wall += dt
