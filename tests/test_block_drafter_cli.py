@@ -4,7 +4,6 @@ plain decoding's text; a drafter that does not fit the model exits with code 2 a
 line; ``inspect`` reports its kind, taps and block. The CLI runs in this
 process (the ``cli`` fixture): an exit code and the output are all a case needs."""
 
-import pytest
 
 from block_checks import write_eagle3_oracle
 from mlx_mtp.testing.tiny_block import make_tiny_dflash
