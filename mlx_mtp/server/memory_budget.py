@@ -220,32 +220,27 @@ class MemoryBudget:
     def enabled(self) -> bool:
         return self.limit is not None
 
-    def worst_tokens(self, req, default_k: int, drafts: bool = True) -> int:
-        """The most positions ``req``'s row holds: its prompt and ``max_tokens``, and where
-        rows of its batch draft (``drafts``) a verify pass's and the holes rejected drafts
-        leave (none draws, none is rejected: no holes)."""
+    def worst_tokens(self, req, default_k: int) -> int:
         k = default_k if req.num_draft_tokens is None else req.num_draft_tokens
-        return len(req.prompt) + req.max_tokens + (k + 1 + GROWTH_SLACK if drafts else 0)
+        return len(req.prompt) + req.max_tokens + k + 1 + GROWTH_SLACK
 
     def _gib(self, n: int) -> str:
         return f"{n / GIB:.2f} GiB"
 
-    def drafts(self, engine, req) -> Tuple[bool, bool]:
-        """Whether ``req``'s row drafts (from any source), and from the MTP head, whose caches
-        it then keeps growing (``num_draft_tokens`` 0: neither; a lookup-only source: not
-        from the head)."""
-        k, drafter = engine.draft_sources.for_row(engine.num_draft_tokens, req.num_draft_tokens,
-                                                  req.draft_source, engine.has_mtp)
-        return k > 0 or drafter is not None, k > 0
+    def drafts(self, engine, req) -> bool:
+        """Whether ``req``'s row drafts from the MTP head, so keeps head caches that grow (a
+        row with ``num_draft_tokens`` 0 or a lookup-only source never does)."""
+        k, _ = engine.draft_sources.for_row(engine.num_draft_tokens, req.num_draft_tokens,
+                                            req.draft_source, engine.has_mtp)
+        return k > 0
 
     def check(self, req, engine):
         """Raise ``OverBudget`` for a request that could never fit or waited too long
         (nothing is checked before the model's footprint is known)."""
         if not self.enabled or self.footprint is None:
             return
-        drafts, head = self.drafts(engine, req)
-        worst = self.worst_tokens(req, engine.num_draft_tokens, drafts)
-        need = self.footprint.row_bytes(worst, worst if head else 0)
+        worst = self.worst_tokens(req, engine.num_draft_tokens)
+        need = self.footprint.row_bytes(worst, worst if self.drafts(engine, req) else 0)
         if need > self.limit:
             raise OverBudget(f"This request needs up to {self._gib(need)} of KV and state "
                              f"memory, more than the server's whole memory budget "
@@ -258,18 +253,18 @@ class MemoryBudget:
 
     def _need(self, engine, extra: list) -> int:
         """Bytes the running rows (and the requests ``extra``) need at most: each row as long
-        as the longest, holes included where any row drafts; its head caches as long as the
-        longest row drafting from the head (rows that do not are padded to it in the batch;
-        none drafting from it: none held)."""
+        as the longest, its head caches as long as the longest row drafting from the head
+        (rows that do not are padded to it in the batch; none drafting: none held)."""
         reqs = [s.req for s in engine.running] + extra
         if not reqs:
             return 0
-        kinds = [self.drafts(engine, r) for r in reqs]
-        drafts = any(d for d, _ in kinds)
-        worst = [self.worst_tokens(r, engine.num_draft_tokens, drafts) for r in reqs]
-        head = max([w for w, (_, h) in zip(worst, kinds) if h], default=0)
-        row = max(self.footprint.row_bytes(max(worst), head),
-                  batch_row_bytes(engine.batch.cache) + batch_row_bytes(engine.batch.mtp_cache))
+        worst = [self.worst_tokens(r, engine.num_draft_tokens) for r in reqs]
+        head = max([w for w, r in zip(worst, reqs) if self.drafts(engine, r)], default=0)
+        trunk = self.footprint.row_bytes(max(worst), 0)
+        # what the batch holds now, if more (head caches a drafting row left stay)
+        row = (max(trunk, batch_row_bytes(engine.batch.cache))
+               + max(self.footprint.row_bytes(max(worst), head) - trunk,
+                     batch_row_bytes(engine.batch.mtp_cache)))
         return len(worst) * row
 
     def report_to(self, engine) -> "MemoryBudget":
