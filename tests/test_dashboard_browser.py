@@ -34,8 +34,7 @@ def servers(tiny_ckpt, tmp_path_factory):
     """Two servers on a tiny checkpoint whose MTP head is partly right, started together:
     one with ``--api-key`` and ``--memory-budget`` that always drafts (the adaptive policy
     may rightly pause for this tiny model, and the page must show acceptance), one as started
-    by default
-    (no key: the Host/Origin guard is on) without MTP."""
+    by default (no key: the Host/Origin guard is on) without MTP."""
     ckpt = tiny_ckpt("qwen3_5", "noisy", vocab_size=4096, trunk_scale=2.0, fc_noise=1.0)
     work = tmp_path_factory.mktemp("dashboard")
     keyed = ServerProcess(ckpt, work, "--api-key", KEY, "--max-concurrency", "4",
