@@ -1,15 +1,18 @@
 """Eight long requests under a memory budget that holds three (issue 38's budget target).
 
     python benchmarks/memory_budget_long.py [--tokens 16384] [--requests 8] [--fit 3]
+        [--kv-bits 4|8] [--kv-group-size 64]
 
 The engine in-process (the server's scheduler, no HTTP) on the demo model (or ``--model``):
 ``--requests`` prompts of ``--tokens`` tokens cut from the package's own sources, each asking
-for ``--max-tokens``, under ``MemoryBudget(fit x one request's footprint)``. Checked at every
+for ``--max-tokens``, under ``MemoryBudget(fit x one request's footprint)``, the footprint
+measured with the caches ``--kv-bits`` quantizes (as ``serve --kv-bits`` does). Checked at every
 step: the budget's account (reservations plus the prefix cache) stays within 1.05x the limit,
 and the bytes the caches hold, counted from the caches themselves, stay within the account.
 Reported: whether every request finished (none lost), the most rows running at once, the
 peak held and accounted bytes against the limit, and the wall time. Not timing: run it on
-any machine load.
+any machine load, with ``--max-wait`` past the run's length (a queued request waits while
+three 16k requests run, on a loaded machine longer than serve's default 300 s).
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 from mlx_mtp.bench.long_context import long_prompts
+from mlx_mtp.models.cache.quantized import KVQuantization
 from mlx_mtp.models.io.loader import load
 from mlx_mtp.server.engine import Engine
 from mlx_mtp.server.events import Done, EngineRequest, Failed
@@ -53,9 +58,17 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-wait", type=float, default=MAX_WAIT_SECONDS,
                    help="seconds a request may wait for room (serve --memory-budget-wait)")
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
+                   help="quantized KV caches (serve --kv-bits); default: full precision")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     model, tok = load(args.model)
+    if args.kv_bits is not None:
+        try:
+            model.use_kv_quantization(KVQuantization(args.kv_bits, args.kv_group_size))
+        except ValueError as e:
+            p.error(str(e))
     base = long_prompts(tok, [args.tokens])[0]
     # distinct prompts of equal length: each a rotation of the same source text
     cuts = [i * 997 % len(base) for i in range(args.requests)]
@@ -68,15 +81,23 @@ def main() -> int:
     for ids, sink in zip(prompts, sinks):
         engine.submit(EngineRequest(prompt=list(ids), max_tokens=args.max_tokens, on_event=sink))
     t0, rows, peak_held, peak_account, violations = time.perf_counter(), 0, 0, 0, 0
+    reported = 0
     while not all(s.done is not None for s in sinks):
         engine.step()
+        ended = sum(s.done is not None for s in sinks)
+        if ended > reported:  # progress, for a run that takes long on a loaded machine
+            reported = ended
+            print(f"{ended}/{len(sinks)} ended after {time.perf_counter() - t0:.0f} s, "
+                  f"{engine.num_running} running", file=sys.stderr, flush=True)
         account = budget.reserved + engine.prefix_cache.nbytes
         now = held(engine)
         rows, peak_held, peak_account = (max(rows, engine.num_running), max(peak_held, now),
                                          max(peak_account, account))
         violations += (now > account) + (account > 1.05 * limit)
     result = {
-        "tokens": args.tokens, "requests": args.requests, "limit_bytes": limit,
+        "tokens": args.tokens, "requests": args.requests, "max_tokens": args.max_tokens,
+        "kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size if args.kv_bits else None,
+        "fit": args.fit, "limit_bytes": limit, "footprint": repr(fp),
         "max_wait_seconds": args.max_wait, "load_average": os.getloadavg(),
         "finished": sum(isinstance(s.done, Done) for s in sinks),
         "failed": [str(s.done) for s in sinks if not isinstance(s.done, Done)],

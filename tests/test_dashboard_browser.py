@@ -32,13 +32,13 @@ def Server(ckpt, work, *flags):  # noqa: N802 (the old class name, for modules i
 @pytest.fixture(scope="module")
 def servers(tiny_ckpt, tmp_path_factory):
     """Two servers on a tiny checkpoint whose MTP head is partly right, started together:
-    one with ``--api-key`` that always drafts (the adaptive policy may rightly pause for
-    this tiny model, and the page must show acceptance), one as started by default
-    (no key: the Host/Origin guard is on) without MTP."""
+    one with ``--api-key`` and ``--memory-budget`` that always drafts (the adaptive policy
+    may rightly pause for this tiny model, and the page must show acceptance), one as started
+    by default (no key: the Host/Origin guard is on) without MTP."""
     ckpt = tiny_ckpt("qwen3_5", "noisy", vocab_size=4096, trunk_scale=2.0, fc_noise=1.0)
     work = tmp_path_factory.mktemp("dashboard")
     keyed = ServerProcess(ckpt, work, "--api-key", KEY, "--max-concurrency", "4",
-                          "--fixed-k", wait=False)
+                          "--fixed-k", "--memory-budget", "1G", wait=False)
     open_ = ServerProcess(ckpt, work, "--no-mtp", "--max-concurrency", "2", wait=False)
     try:
         keyed.wait()
@@ -255,6 +255,9 @@ def test_browser_chat_round_trip_and_live_dashboard(server, browser, tmp_path):
     assert "%" in page.text_content("#positions tbody tr:first-child")
     assert page.locator("#k-table tbody tr").count() >= 2
     assert page.text_content("#cache-tokens") != "0 of 0"
+    # serve --memory-budget: the budget, and the prompts the prefix cache keeps within it
+    expect(page.locator("#memory-budget")).to_have_text("1.0 GB")
+    assert page.text_content("#memory-prefix-cache").endswith(("KB", "MB"))
     page.screenshot(path=str(tmp_path / "dashboard.png"))
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
     assert not problems, problems

@@ -94,6 +94,29 @@ def test_window_nbytes_stays_bounded_and_follows_rollback():
     assert batch.nbytes == kv_bytes(1, 3) + 3
 
 
+def test_a_window_caches_bound_is_the_most_it_holds(monkeypatch):
+    """``max_positions`` is exact: a window cache, one row or a batch, holds at most that
+    many positions and reaches it (buffers of 8: a short test)."""
+    monkeypatch.setattr(WindowKVCache, "step", 8)
+    monkeypatch.setattr(BatchWindowKVCache, "step", 8)
+    monkeypatch.setattr(window_cache, "ROLLBACK_MARGIN", 4)
+    c = WindowKVCache(window=4, margin=4)
+    held = []
+    for i in range(40):
+        c.update_and_fetch(*written(1, i))
+        held.append(c.state[0].shape[2])
+    assert max(held) == c.max_positions()
+    for width in (1, 3):  # plain steps reach it; verify passes of 3 stay within it
+        batch = WindowKVCache.merge([c, WindowKVCache(window=4, margin=4)])
+        held = []
+        for i in range(20):
+            batch.prepare(width)
+            batch.update_and_fetch(*written(width, i, rows=2))
+            held.append(batch.state[0].shape[2])
+        bound = batch.max_positions()
+        assert max(held) == bound if width == 1 else max(held) <= bound
+
+
 def test_chain_nbytes_is_its_inner_cache_and_pending_inputs():
     width = 8
     c = ChainCache(single(5), mx.zeros((1, 1, width)), [True])
@@ -181,7 +204,7 @@ def test_footprint_bounds_sliding_window_layers(tmp_path, monkeypatch):
     model = load_model(make_tiny_mimo_v2_flash(tmp_path / "mimo", "noisy"))[0]
     fp = Footprint.measure(model)
     keys = model.text.window  # what a window layer attends to (W + 1 for MiMo-V2-Flash)
-    assert fp.bounded and all(cap == keys + 4 + 2 * 8 for _, cap in fp.bounded)
+    assert fp.bounded and all(cap == keys + 4 + 8 for _, cap in fp.bounded)  # a step of room
     assert fp.row_bytes(6) == held_after(model, 6)  # within the windows: exact
     n = 12 * WINDOW
     assert held_after(model, n) <= fp.row_bytes(n)

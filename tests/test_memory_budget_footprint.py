@@ -51,6 +51,11 @@ def qwen3_5_dflash(tmp, monkeypatch):
     return model, tok
 
 
+def qwen3_5(tmp, monkeypatch):
+    return load(str(make_tiny(tmp / "qwen", "qwen3_5", "noisy", vocab_size=4096,
+                              trunk_scale=0.1)))
+
+
 def held(engine) -> int:
     """What the engine's sequences' caches hold now, from the caches themselves."""
     caches = list(engine.batch.cache or []) + list(engine.batch.mtp_cache or [])
@@ -119,3 +124,61 @@ def test_a_queue_under_a_budget_of_three_rows_runs_three_at_once_and_loses_none(
         most_rows = max(most_rows, eng.num_running)
     assert all(isinstance(s.done, Done) for s in sinks), [s.done for s in sinks]
     assert [s.tokens for s in sinks] == expected and most_rows == 3
+
+
+@pytest.mark.parametrize("family", [qwen3_5, mimo_v2_flash, deepseek_v4],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("drafting", [{"num_draft_tokens": 0}, {"draft_source": "lookup"}],
+                         ids=["no-drafts", "lookup"])
+def test_a_row_that_does_not_draft_from_the_head_is_reserved_what_its_caches_reach(
+        family, drafting, tmp_path, monkeypatch):
+    """A row with ``num_draft_tokens`` 0 or a lookup-only source keeps no MTP head caches
+    that grow (the batch's are empty while no row drafts from the head): its reservation
+    leaves the head's part out (a quarter of the tiny Qwen's bytes), and is what its caches
+    reach beside the slack for holes and a verify pass (``GROWTH_SLACK``)."""
+    model_tok = family(tmp_path, monkeypatch)
+    vocab = model_tok[0].text.args.vocab_size
+    budget = MemoryBudget(1 << 40)
+    eng = make_engine(model_tok, memory=budget, num_draft_tokens=2, adaptive=False)
+    eng.eos = set()
+    sink = Sink()
+    req = EngineRequest(prompt=[(7 * i) % (vocab - 8) + 4 for i in range(PROMPT)],
+                        max_tokens=MAX_TOKENS, on_event=sink, **drafting)
+    eng.submit(req)
+    most, reserved = 0, 0
+    for _ in range(4 * MAX_TOKENS):
+        if sink.done is not None:
+            break
+        eng.step()
+        most, reserved = max(most, held(eng)), max(reserved, budget.reserved)
+    assert isinstance(sink.done, Done) and len(sink.tokens) == MAX_TOKENS
+    fp = budget.footprint
+    worst = budget.worst_tokens(req, eng.num_draft_tokens)
+    slack = fp.row_bytes(worst, 0) - fp.row_bytes(PROMPT + MAX_TOKENS, 0)  # the holes' room
+    assert reserved == fp.row_bytes(worst, head_tokens=0) < fp.row_bytes(worst)  # no head
+    # what its caches reach, but for the growth slack and the windows' bounds (MiMo: 1.3 %)
+    assert most <= reserved <= 1.02 * most + slack, (most, reserved, slack, fp)
+
+
+@pytest.mark.parametrize("family", [qwen3_5, mimo_v2_flash], ids=lambda f: f.__name__)
+def test_a_row_that_does_not_draft_beside_one_that_does_stays_within_the_account(
+        family, tmp_path, monkeypatch):
+    """The batch pads a row that does not draft to a drafting row's head caches and holes:
+    at every step, a longer non-drafting row beside a drafting one holds at most what the
+    account reserves for the two."""
+    model_tok = family(tmp_path, monkeypatch)
+    vocab = model_tok[0].text.args.vocab_size
+    budget = MemoryBudget(1 << 40)
+    eng = make_engine(model_tok, memory=budget, num_draft_tokens=2, adaptive=False)
+    eng.eos = set()
+    sinks = [Sink(), Sink()]
+    for n, k, sink in ((PROMPT // 2, None, sinks[0]), (PROMPT, 0, sinks[1])):
+        eng.submit(EngineRequest(prompt=[(7 * i) % (vocab - 8) + 4 for i in range(n)],
+                                 max_tokens=MAX_TOKENS, on_event=sink, num_draft_tokens=k))
+    for _ in range(8 * MAX_TOKENS):
+        if all(s.done is not None for s in sinks):
+            break
+        eng.step()
+        assert held(eng) <= budget.reserved, (held(eng), budget.reserved)
+    assert all(isinstance(s.done, Done) and len(s.tokens) == MAX_TOKENS for s in sinks)
+    assert eng.metrics.spec_draft_tokens.get() > 0  # the first row drafted

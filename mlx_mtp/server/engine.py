@@ -151,7 +151,7 @@ class Engine:
             if len(self._incoming) + len(self.waiting) - free >= self.max_queue:
                 raise OverflowError(
                     f"Too many requests waiting ({self.max_queue}); try again later.")
-            self.memory.check(req, self.num_draft_tokens)  # OverBudget (429): it never fits
+            self.memory.check(req, self)  # OverBudget (429): it never fits
             self._incoming.append(req)
             self._cv.notify()
 

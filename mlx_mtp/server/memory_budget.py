@@ -21,8 +21,12 @@ head waits (nobody overtakes it) until running requests finish; a queued request
 answered 429 with ``Retry-After`` only when it could never fit (alone, with an empty prefix
 cache) or has waited ``max_wait`` seconds. Running requests are never stopped for it.
 
+The MTP head's caches are counted as long as the longest row that drafts from the head: a
+row that does not (``num_draft_tokens`` 0, a lookup-only source) holds none of their growth,
+but the batch pads it to a drafting row's length beside one.
+
 Not accounted: weights, activations, and the copy a batch holds for an instant while a row
-joins. A row that does not draft still counts the MTP head's caches (they are the batch's).
+joins.
 """
 
 from __future__ import annotations
@@ -91,31 +95,28 @@ class Footprint:
     per_token: int
     per_sequence: int
     bounded: Tuple[Tuple[int, int], ...] = ()
+    # The part of these the MTP head's caches (and a row's owed pairs) hold: a row that does
+    # not draft from the head holds none of it, unless a drafting row pads it in a batch.
+    head: Optional["Footprint"] = None
 
     @classmethod
     def measure(cls, model, mtp: bool = True, lengths=(4, 8)) -> "Footprint":
         """Each cache's growth over a sequence's first ``lengths`` tokens (prefilled) and
         over 1024 tokens past every cache's ``max_positions`` (on shapes alone, as
         ``inspect`` measures it: ``cache_growth.traced_bytes``), each cache in its batch form
-        (a batch of one: a batch's row masks count too); ``mtp``: the rows keep MTP caches.
-        A cache that grows faster at first than past its bound has a bounded part (a window,
-        pending rows) beside what it keeps for good (a compressed cache's entries)."""
+        (a batch of one: a batch's row masks count too); ``mtp``: the rows keep MTP caches,
+        whose part is ``head``. A cache that grows faster at first than past its bound has a
+        bounded part (a window, pending rows) beside what it keeps for good (a compressed
+        cache's entries)."""
         (short, caps), (short2, _) = (cls._held(model, n, mtp) for n in lengths)
         far, far2 = cls._held_far(model, mtp)
-        at, far_at = lengths, (far.length, far2.length)
-        per_token, fixed, bounded = 0, 0, []
-        for a, b, far_a, far_b, cap in zip(short, short2, far.held, far2.held, caps):
-            early, f_early = _line(at, a, b)
-            late, f_late = _line(far_at, far_a, far_b)
-            per_token += late
-            if early > late:  # the bounded part fills at early - late bytes a token
-                fixed += f_early
-                fills = math.ceil((f_late - f_early) / (early - late))
-                bounded.append((early - late, max(cap or 0, fills, 0)))
-            else:  # a row's own bytes where it grows alike (the traced head is ahead of a
-                # row's, which owes its last pairs); else what first grows later
-                fixed += f_early if early == late else max(f_early, f_late)
-        return cls(per_token, max(0, fixed), tuple(bounded) + cls._deferred_taps(model))
+        parts = [_fit(lengths, a, b, (far.length, far2.length), far_a, far_b, cap)
+                 for a, b, far_a, far_b, cap in zip(short, short2, far.held, far2.held, caps)]
+        n_trunk = len(block_context.make_cache(model))
+        head = _sum(parts[n_trunk:]) if len(parts) > n_trunk + 1 else None  # + owed pairs
+        whole = _sum(parts)
+        return cls(whole.per_token, max(0, whole.per_sequence),
+                   whole.bounded + cls._deferred_taps(model), head)
 
     @staticmethod
     def _held(model, n: int, mtp: bool):
@@ -157,9 +158,15 @@ class Footprint:
         mx.compile(step)(mx.zeros(1))
         return ((held[0], block_context.MAX_DEFERRED),)
 
-    def row_bytes(self, tokens: int) -> int:
-        return (self.per_sequence + self.per_token * tokens
-                + sum(b * min(tokens, cap) for b, cap in self.bounded))
+    def row_bytes(self, tokens: int, head_tokens: Optional[int] = None) -> int:
+        """A row's bytes at ``tokens`` positions, its head caches' at ``head_tokens`` (None:
+        as many; 0: none, as in a batch where no row drafts from the head)."""
+        whole = (self.per_sequence + self.per_token * tokens
+                 + sum(b * min(tokens, cap) for b, cap in self.bounded))
+        if self.head is None or head_tokens is None:
+            return whole
+        return (whole - self.head.row_bytes(tokens)
+                + (max(0, self.head.row_bytes(head_tokens)) if head_tokens else 0))
 
 
 class _Held(NamedTuple):
@@ -172,6 +179,24 @@ def _line(lengths: Tuple[int, int], a: int, b: int) -> Tuple[int, int]:
     ``lengths[0]`` tokens and ``b`` at ``lengths[1]``."""
     grows = math.ceil((b - a) / (lengths[1] - lengths[0]))
     return grows, a - grows * lengths[0]  # < 0 for a cache a position behind (MTP)
+
+
+def _fit(at, a: int, b: int, far_at, far_a: int, far_b: int, cap: Optional[int]) -> "Footprint":
+    """One cache's figures from its bytes after the short lengths ``at`` (``a``, ``b``) and
+    the far ones ``far_at`` (``far_a``, ``far_b``); ``cap``: its bound in positions."""
+    early, f_early = _line(at, a, b)
+    late, f_late = _line(far_at, far_a, far_b)
+    if early > late:  # the bounded part fills at early - late bytes a token
+        fills = math.ceil((f_late - f_early) / (early - late))
+        return Footprint(late, f_early, ((early - late, max(cap or 0, fills, 0)),))
+    # a row's own bytes where it grows alike (the traced head is ahead of a row's, which
+    # owes its last pairs); else what first grows later
+    return Footprint(late, f_early if early == late else max(f_early, f_late))
+
+
+def _sum(parts: List["Footprint"]) -> "Footprint":
+    return Footprint(sum(p.per_token for p in parts), sum(p.per_sequence for p in parts),
+                     tuple(b for p in parts for b in p.bounded))
 
 
 def batch_row_bytes(caches: Optional[list]) -> int:
@@ -202,12 +227,20 @@ class MemoryBudget:
     def _gib(self, n: int) -> str:
         return f"{n / GIB:.2f} GiB"
 
-    def check(self, req, default_k: int):
+    def drafts(self, engine, req) -> bool:
+        """Whether ``req``'s row drafts from the MTP head, so keeps head caches that grow (a
+        row with ``num_draft_tokens`` 0 or a lookup-only source never does)."""
+        k, _ = engine.draft_sources.for_row(engine.num_draft_tokens, req.num_draft_tokens,
+                                            req.draft_source, engine.has_mtp)
+        return k > 0
+
+    def check(self, req, engine):
         """Raise ``OverBudget`` for a request that could never fit or waited too long
         (nothing is checked before the model's footprint is known)."""
         if not self.enabled or self.footprint is None:
             return
-        need = self.footprint.row_bytes(self.worst_tokens(req, default_k))
+        worst = self.worst_tokens(req, engine.num_draft_tokens)
+        need = self.footprint.row_bytes(worst, worst if self.drafts(engine, req) else 0)
         if need > self.limit:
             raise OverBudget(f"This request needs up to {self._gib(need)} of KV and state "
                              f"memory, more than the server's whole memory budget "
@@ -218,14 +251,20 @@ class MemoryBudget:
                              "seconds while this request waited; try again later.",
                              retry_after=RETRY_AFTER_SECONDS)
 
-    def _need(self, engine, extra: List[int]) -> int:
-        """Bytes the running rows (and rows of ``extra`` worst-case tokens) need at most."""
-        k = engine.num_draft_tokens
-        worst = [self.worst_tokens(s.req, k) for s in engine.running] + extra
-        if not worst:
+    def _need(self, engine, extra: list) -> int:
+        """Bytes the running rows (and the requests ``extra``) need at most: each row as long
+        as the longest, its head caches as long as the longest row drafting from the head
+        (rows that do not are padded to it in the batch; none drafting: none held)."""
+        reqs = [s.req for s in engine.running] + extra
+        if not reqs:
             return 0
-        row = max(self.footprint.row_bytes(max(worst)),
-                  batch_row_bytes(engine.batch.cache) + batch_row_bytes(engine.batch.mtp_cache))
+        worst = [self.worst_tokens(r, engine.num_draft_tokens) for r in reqs]
+        head = max([w for w, r in zip(worst, reqs) if self.drafts(engine, r)], default=0)
+        trunk = self.footprint.row_bytes(max(worst), 0)
+        # what the batch holds now, if more (head caches a drafting row left stay)
+        row = (max(trunk, batch_row_bytes(engine.batch.cache))
+               + max(self.footprint.row_bytes(max(worst), head) - trunk,
+                     batch_row_bytes(engine.batch.mtp_cache)))
         return len(worst) * row
 
     def report_to(self, engine) -> "MemoryBudget":
@@ -265,7 +304,7 @@ class MemoryBudget:
         """Answer 429 to the queued requests that could never fit or waited too long."""
         for req in [r for r in engine.waiting if not r.cancelled]:
             try:
-                self.check(req, engine.num_draft_tokens)
+                self.check(req, engine)
             except OverBudget as e:
                 engine.waiting.remove(req)
                 engine.metrics.request_failure.inc(reason="memory_budget")
@@ -275,7 +314,7 @@ class MemoryBudget:
         """Whether the queue's head ``req`` waits for memory (False: admit it)."""
         if not self.enabled or req.cancelled:
             return False
-        need = self._need(engine, [self.worst_tokens(req, engine.num_draft_tokens)])
+        need = self._need(engine, [req])
         if self._make_room(engine.prefix_cache, need):
             self.reserved = need
             return False

@@ -139,7 +139,8 @@ class WindowKVCache(KVCache):
         return WindowKVCache(self.window, self.margin)
 
     def max_positions(self) -> int:
-        return self.window + self.margin + self.step  # old entries go a step at a time
+        # old entries go a step at a time, once a write brings them to a step past the margin
+        return self.window + self.margin + self.step - 1
 
     def settings(self) -> tuple:
         return (self.window,)
@@ -196,8 +197,9 @@ class BatchWindowKVCache(BatchKVCache):
         return super().merge(caches)
 
     def max_positions(self) -> int:
-        # window + margin after a growth, then the room it adds (a step, or a joining row's)
-        return self.window + ROLLBACK_MARGIN + 2 * self.step
+        # window + margin after a growth squeezes older entries out, then the step of room it
+        # adds (a verify writes less); a joining row's cache holds less than that
+        return self.window + ROLLBACK_MARGIN + self.step
 
     def _share(self) -> "BatchWindowKVCache":
         c = BatchWindowKVCache(self.window, self.pos, self.keys, self.values, self.valid)
