@@ -284,7 +284,7 @@ def test_stale_plain_cost_is_remeasured_while_drafting():
 # --- one sequence and rows of different kinds: the same policy ------------------------
 from types import SimpleNamespace  # noqa: E402
 
-from mlx_mtp.decode.seeded import SeededSchedule, needs_schedule  # noqa: E402
+from mlx_mtp.decode.policy import SeededSchedule, needs_schedule  # noqa: E402
 from mlx_mtp.decode.sampling import SamplingParams  # noqa: E402
 
 

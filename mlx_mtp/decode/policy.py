@@ -16,8 +16,13 @@ The policy's state (costs, acceptance) belongs to whoever decodes: the server's
 engine, a generator, a benchmark; never the model object. Its ``costs`` are the table
 the draft-source chooser reads too (the driver passes it to each step).
 
-Seeded rows sampled with independent drafts take their K from a ``SeededSchedule``
-(``seeded.py``) instead.
+**Seeded requests.** Greedy rows and coupled rows (``SamplingParams.coupled``)
+emit the target's own per-position choice whatever was drafted, so K is free for
+them. A seeded row sampled with independent drafts emits tokens that depend on
+*which* positions were drafted; its K therefore comes from a ``SeededSchedule``:
+its own acceptance and a fixed cost model, never timings or batch mates. The
+batch drafts the largest K any row asks for; a row asking for fewer stops at its
+own (``step.py``), so every row's output is what it would be alone.
 """
 
 from __future__ import annotations
@@ -202,10 +207,6 @@ class DraftPolicy:
         # evidence that paused the head is weighed against fresh steps, not rare ones.
         self.recheck_gap = recheck_gap
         self.probe_budget = probe_budget
-        # After a re-check that did not pay, the next waits until re-checks would cost this
-        # share of what a head landing every draft gains (``_dry_gap``): rarely where
-        # verifying is dear, soon where it is cheap.
-        self.recheck_share = 0.1
         # A probe is worth it if drafting could win with a somewhat cheaper step than
         # predicted: a probe measures the cell itself, correcting the fit.
         self.optimism = 0.8
@@ -218,8 +219,6 @@ class DraftPolicy:
         # break-even for a dozen misses, and a fresh process has no evidence for it.
         self.first_misses = 3
         self._landed_once, self._dry_steps = False, 0
-        self._whole = False  # the last step landed every draft: one deeper may pay
-        self._dry_gap_due = 0  # the chosen re-check's next interval if it does not pay
 
     # -- measurements ------------------------------------------------------------
     def record_step(self, B: int, k: int, seconds: Optional[float], accepted: Sequence[int] = (),
@@ -244,20 +243,11 @@ class DraftPolicy:
         self._dry_steps += (k > 0 if ks is None else any(ks)) and not landed
         whole = any(kb and n >= s + kb for n, s, kb in zip(
             accepted, starts or [0] * len(accepted), ks or [k] * len(accepted)))
-        self._whole = whole
-        dry_gap, self._dry_gap_due = self._dry_gap_due, 0
-        if self._drafting or not k:
-            return
-        # a re-check while paused that landed: the next soon (where K=1 pays), or one
-        # position deeper at once if it landed every draft (where only depth pays); one
-        # that did not: after a gap priced by what it cost (``_dry_gap``)
-        if landed and self._could_pay(B, 1):
+        if not self._drafting and ((landed and self._could_pay(B, 1))
+                                   or (whole and self._could_pay(B))):
+            # paused, yet a re-check landed (every draft, where only deeper steps can
+            # pay): the next one soon, one position deeper if it landed every draft
             self._gaps[None] = (self.recheck_gap[0], self.recheck_gap[0])
-        elif whole and self._could_pay(B):
-            self._gaps[None] = (1, 1)
-        elif dry_gap:
-            gap = max(self._gaps.get(None, (1, 1))[0], dry_gap)
-            self._gaps[None] = (gap, gap)
 
     def row_ks(self, rows, B: int, prompts_waiting: bool = False,
                contexts: Optional[Sequence[int]] = None) -> List[int]:
@@ -290,8 +280,6 @@ class DraftPolicy:
             self._gaps.pop(None, None)
         self._drafting = k > 0
         probe = self._maybe_probe(B, max_k, k)
-        if probe is None and k and self._deeper_may_pay(B, depth, k, contexts):
-            return k + 1
         return k if probe is None else probe
 
     def would_draft(self, B: int, max_k: int) -> bool:
@@ -308,25 +296,6 @@ class DraftPolicy:
         if not contexts:
             return self.acceptance.landed_depth()
         return max(self.by_context.estimate(c).landed_depth() for c in contexts)
-
-    def _deeper_may_pay(self, B: int, max_k: int, k: int,
-                        contexts: Optional[Sequence[int]]) -> bool:
-        """Go deeper on evidence: the last step landed all its drafts and one more draft
-        (up to ``max_k``: one past the positions landed) could beat K=k, the k positions
-        at their mean estimate, the new one at its upper estimate and its extra cost at
-        ``optimism`` (the step measures it). A head that keeps landing climbs a position
-        per step (the mean alone kept an always-right head at K=1 for six steps at hidden
-        1024); where the new position cannot pay, or was measured to miss, it is not tried."""
-        t, deeper = self.costs.predict(B, k), self.costs.predict(B, k + 1)
-        if not (self._whole and k < max_k and t is not None and deeper is not None):
-            return False
-
-        def tokens(e: AcceptanceEstimate) -> float:
-            mean, upper = e.means(extrapolate=True), e.means(True, True)
-            return e.expected_tokens(k, extrapolate=True) + math.prod(mean[:k]) * upper[k]
-        rows = [self.by_context.estimate(c) for c in contexts] if contexts else [self.acceptance]
-        deeper = t + self.optimism * max(deeper - t, 0.0)
-        return sum(map(tokens, rows)) / len(rows) / deeper > self._expected(k, contexts) / t
 
     def _expected(self, k: int, contexts: Optional[Sequence[int]], optimistic: bool = False):
         """Tokens per row per step with k drafts, deeper positions than drafted lately
@@ -417,7 +386,6 @@ class DraftPolicy:
                             or (k + 1) / (self.optimism * t) > self.margin / t0):
             first, longest = self._recheck_gaps(B, k)
             if self._due(None, longest, first):
-                self._dry_gap_due = self._dry_gap(B, k, max_k)
                 return k
         return None
 
@@ -447,30 +415,18 @@ class DraftPolicy:
     def _recheck_gaps(self, B: int, k: int = 1) -> Tuple[int, int]:
         """The first and the longest interval between acceptance re-checks of K=k while
         paused. A re-check costs ``t(B, k) / t(B, 0) - 1`` plain steps; the intervals
-        double (from ``_dry_gap`` after one that did not pay) up to where one per interval
-        stays within ``probe_budget``."""
+        double up to where one per interval stays within ``probe_budget``. Where only
+        drafts deeper than one can pay and none has landed yet, the first comes after ten
+        times that many steps (the real shape's K=1 re-check, 0.97 plain steps more than a
+        plain one, after 10 steps, not 4: a never-right head keeps more of plain speed)."""
         first, shortest, longest = self.recheck_gap
         t0, t = self.costs.predict(B, 0), self.costs.predict(B, k)
         if not t0 or t is None:
             return first, longest
         extra = max(t / t0 - 1.0, 0.0)
+        if not self._landed_once and not self._could_pay(B, 1):
+            first = max(first, min(shortest, math.ceil(10 * extra)))
         return first, max(shortest, min(longest, math.ceil(extra / self.probe_budget)))
-
-    def _dry_gap(self, B: int, k: int, max_k: int) -> int:
-        """Steps until the next re-check after one of K=k that did not pay: its extra cost
-        (``t(B, k) / t(B, 0) - 1`` plain steps) over ``recheck_share`` of what a head
-        landing every draft would gain per step at the best K up to ``max_k`` (its rate
-        over plain steps, less the margin; costs as ``_cost_guess`` has them). The real
-        shape on a 2-core Xeon: a K=1 re-check costs 0.97 plain steps and K=3 gains 0.16
-        at best: 61 steps; on an EPYC (0.19 and 1.6): 2."""
-        t0, t = self.costs.predict(B, 0), self.costs.predict(B, k)
-        if not t0 or t is None:
-            return 0
-        gain = max(((j + 1) * t0 / (tj * self.margin) - 1.0 for j in range(1, max_k + 1)
-                    for tj in [self._cost_guess(B, j)] if tj), default=0.0)
-        if gain <= 0:
-            return 0
-        return math.ceil(max(t / t0 - 1.0, 0.0) / (self.recheck_share * gain))
 
     def _due(self, key, longest: Optional[int] = None, first: Optional[int] = None) -> bool:
         """Count down the probe interval of ``key`` (starting at ``first``); True (and
@@ -498,3 +454,47 @@ class DraftPolicy:
         gains = " ".join(f"{self._expected(k, None):.2f}" for k in range(1, max_k + 1))
         return (f"batch {B}: K={self._decide(B, max_k)}; step ms by K=0..{max_k}: "
                 f"{' '.join(parts)} (~ fitted); tokens/row by K=1..: {gains}")
+
+
+def needs_schedule(params) -> bool:
+    """The rule for seeded requests (module docstring): a seeded row sampled with
+    independent drafts takes its K from its own ``SeededSchedule``."""
+    return params.seed is not None and not params.greedy and not params.coupled
+
+
+class SeededSchedule:
+    """K per step for one seeded row, from its own acceptance and a fixed cost model.
+
+    The modelled rate of K is ``E_K / (1 + draft_cost * K)`` (a step that drafts K
+    costs ``1 + draft_cost * K`` plain steps). When plain decoding wins, K=1 is
+    re-tried after a pause that doubles each time, so a useless head costs little.
+    Deterministic: the same request takes the same K at every step.
+    """
+
+    def __init__(self, adaptive: bool = True, draft_cost: float = 0.35,
+                 margin: float = 1.05, probe_gap: Tuple[int, int] = (4, 256)):
+        self.adaptive = adaptive
+        self.draft_cost, self.margin = draft_cost, margin
+        self.acceptance = AcceptanceEstimate(MAX_DRAFT_TOKENS, forget=0.9)
+        self.probe_gap = probe_gap
+        self._gap = self._wait = probe_gap[0]
+
+    def next_k(self, max_k: int) -> int:
+        """K for the row's next step, up to its cap ``max_k``."""
+        if not self.adaptive:
+            return max_k
+        rates = [self.acceptance.expected_tokens(k) / (1 + self.draft_cost * k)
+                 for k in range(max_k + 1)]
+        best = max(range(max_k + 1), key=lambda k: rates[k])
+        if best and rates[best] >= self.margin:
+            self._gap = self._wait = self.probe_gap[0]
+            return best
+        self._wait -= 1
+        if self._wait > 0:
+            return 0
+        self._gap = min(2 * self._gap, self.probe_gap[1])
+        self._wait = self._gap
+        return 1
+
+    def record(self, k: int, n_accepted: int):
+        self.acceptance.record(k, [n_accepted])

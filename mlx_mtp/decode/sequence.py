@@ -16,7 +16,7 @@ import mlx.core as mx
 from . import block_context, check_num_draft_tokens
 from ..models.cache.kv import cache_state_arrays
 from ..models.vision.images import ImageError
-from .seeded import SeededSchedule, needs_schedule
+from .policy import SeededSchedule, needs_schedule
 from .sampling import Sampler, SamplingParams
 from .stats import SpecStats
 from .step import OwedPairs, Row
