@@ -55,54 +55,15 @@ def test_thin_rows_prefers_the_kernel_within_slack():
 # the product (padding filled with NaN: never read, never written), alpha/beta and beta = 0
 # over a C of NaN, against numpy float64.
 DIRECT = textwrap.dedent("""
-    import ctypes, itertools, json
+    import json
     import mlx_mtp
     from mlx_mtp.platform import blas
+    from mlx_mtp.testing.sgemm_cases import check_direct_calls
     blas.configure()
-    import numpy as np
-    f = blas._shim.cblas_sgemm
-    P = ctypes.c_void_p
-    f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, P, ctypes.c_int, P, ctypes.c_int,
-                                       ctypes.c_float, P, ctypes.c_int]
-    rng = np.random.default_rng(11)
-
-    def stored(mat, order, pad):
-        if order == 102:
-            mat = mat.T
-        buf = np.full((mat.shape[0], mat.shape[1] + pad), np.nan, np.float32)
-        buf[:, :mat.shape[1]] = mat
-        return buf, buf.shape[1]
-
-    def unstored(buf, shape, order):
-        return buf[:, :shape[0]].T if order == 102 else buf[:, :shape[1]]
-
     blas.route("kernel")
-    errors, cases = [], 0
     thin = [(m, 83) for m in range(1, 9)] + [(83, n) for n in range(1, 9)]
-    for order, ta, tb, (m, n), k, (alpha, beta), pad in itertools.product(
-            (101, 102), (111, 112, 113), (111, 112), thin, (7, 301), ((1.0, 0.0), (0.5, -2.0)),
-            (0, 3)):
-        op_a = rng.standard_normal((m, k)).astype(np.float32)
-        op_b = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
-        c0 = np.full((m, n), np.nan, np.float32) if beta == 0 else \\
-            rng.standard_normal((m, n)).astype(np.float32)
-        a, lda = stored(op_a if ta == 111 else op_a.T, order, pad)
-        b, ldb = stored(op_b if tb == 111 else op_b.T, order, pad)
-        c, ldc = stored(c0, order, pad)
-        before = blas.thin_calls()
-        f(order, ta, tb, m, n, k, alpha, a.ctypes.data, lda, b.ctypes.data, ldb, beta,
-          c.ctypes.data, ldc)
-        want = alpha * (op_a.astype(np.float64) @ op_b) + (beta * c0 if beta else 0)
-        got = unstored(c, (m, n), order)
-        tag = f"order {order} ta {ta} tb {tb} m {m} n {n} k {k} alpha {alpha} beta {beta} pad {pad}"
-        if blas.thin_calls() != before + 1:
-            errors.append(f"{tag}: not run on the kernel")
-        if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
-            errors.append(f"{tag}: max error {np.nanmax(np.abs(got - want))}")
-        if pad and not np.isnan(c[:, -pad:]).all():
-            errors.append(f"{tag}: wrote C's padding")
-        cases += 1
-    print(json.dumps({"cases": cases, "errors": errors[:10]}))
+    print(json.dumps(check_direct_calls(blas._shim.cblas_sgemm, blas.thin_calls, "the kernel",
+                                        thin, ks=(7, 301), pads=(0, 3), seed=11)))
 """)
 
 
