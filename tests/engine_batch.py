@@ -61,3 +61,13 @@ def served_alone(path, k: int) -> dict:
     """``serve_batch`` in this process, the reference of the ranks' (the same engine)."""
     model, config = load_model(Path(path))
     return serve_batch(model, load_tokenizer(Path(path), config), k)
+
+
+def assert_served_as_one_process(r0: dict, r1: dict, mode: str, path, k: int):
+    """Rank 0's and rank 1's results of a ``"serve"`` job: rows joining at different steps
+    answer as one process's engine token for token, rank 1 only followed, and MTP drafted."""
+    assert r0["mode"] == r1["mode"] == mode
+    tokens = served_alone(path, k)["tokens"]
+    assert all(tokens) and len({tuple(t) for t in tokens}) == len(tokens)
+    assert r0["served"]["tokens"] == tokens and r1["served"] is None  # rank 1 only follows
+    assert r0["served"]["drafted"] > 0  # MTP drafted in the batch over the ranks

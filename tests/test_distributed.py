@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mlx.utils import tree_flatten
 
-from engine_batch import served_alone
+from engine_batch import assert_served_as_one_process, served_alone
 from mlx_mtp.convert.main import convert
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import generate_step
@@ -161,12 +161,7 @@ def test_batch_of_4_served_equals_single_process(runs, name):
     """The engine over two ranks (rank 0 schedules, rank 1 follows, ``engine_batch.py``):
     rows joining at different steps answer as one process's engine, token for token."""
     job, r0, r1 = runs[name]
-    assert r0["mode"] == r1["mode"] == job["mode"]
-    expected = served_alone(job["model"], SERVE_K)
-    tokens = expected["tokens"]
-    assert all(tokens) and len({tuple(t) for t in tokens}) == len(tokens)
-    assert r0["served"]["tokens"] == tokens and r1["served"] is None  # rank 1 only follows
-    assert r0["served"]["drafted"] > 0  # MTP drafted in the batch over the ranks
+    assert_served_as_one_process(r0, r1, job["mode"], job["model"], SERVE_K)
 
 
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])

@@ -23,7 +23,7 @@ from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import generate_step
 from mlx_mtp.models.distributed import DistributedError, choose_mode
 from mlx_mtp.models.io.loader import load_model
-from engine_batch import served_alone
+from engine_batch import assert_served_as_one_process, served_alone
 from mlx_mtp.testing.tiny_attention import make_tiny
 from mlx_mtp.testing.tiny_attention import write_tiny
 from mlx_mtp.testing.tiny_bailing import make_tiny_bailing_hybrid
@@ -157,13 +157,7 @@ def test_greedy_equals_single_process(runs, models, job):
 def test_batch_of_4_served_equals_single_process(runs, models, job):
     """The engine over two ranks (rank 0 schedules, rank 1 follows): rows joining at
     different steps answer as one process's engine, token for token."""
-    r0, r1 = runs[job]
-    assert r0["mode"] == r1["mode"] == job[2]
-    expected = served_alone(models[job[:2]], SERVE_K)
-    tokens = expected["tokens"]
-    assert all(tokens) and len({tuple(t) for t in tokens}) == len(tokens)
-    assert r0["served"]["tokens"] == tokens and r1["served"] is None  # rank 1 only follows
-    assert r0["served"]["drafted"] > 0  # MTP drafted in the batch over the ranks
+    assert_served_as_one_process(*runs[job], job[2], models[job[:2]], SERVE_K)
 
 
 @pytest.mark.parametrize("family", [f for f in BUILDERS if "tensor" not in modes(f)])

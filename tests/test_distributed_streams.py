@@ -27,16 +27,17 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 from safetensors.numpy import load_file, save_file
 
-from engine_batch import served_alone
+from engine_batch import assert_served_as_one_process, served_alone
 from mlx_mtp.decode.sampling import SamplingParams
 from mlx_mtp.decode.speculative import generate_step
 from mlx_mtp.models.distributed import choose_mode
 from mlx_mtp.models.io.loader import load_model
 from mlx_mtp.models.split_plan import open_lazily, rank_shares
 from mlx_mtp.testing.tiny import TOKENIZER_DIR
+from mlx_mtp.testing.tiny_streams import deepseek_v4_oracle
 from rank_jobs import RankJobs
 from test_distributed import RANK_SCRIPT
 
@@ -86,35 +87,6 @@ def with_partial_head(src: Path, dst: Path, oracle, projection: str, noise: floa
     return path
 
 
-def dsv4_oracle(model):
-    """The DeepSeek-V4 fixture made context-free so the head can copy it (as the other
-    families' oracles): every sub-block writes nothing but the last layer's MoE, embeddings
-    have RMS 1; the head's block is that layer (its attention silent too), its ``hc_head`` and
-    norm the trunk's, on ``e_proj = I`` (``h_proj = 0``). Its draft for t+2 from t+1 is then
-    the trunk's own prediction (up to the streams' Sinkhorn rounding)."""
-    last = len(model.model.layers) - 1
-    params = dict(tree_flatten(model.parameters()))
-    for k, v in list(params.items()):
-        if k.endswith(("attn.wo_b.weight", "w2.weight", "down_proj.weight")) and \
-                not k.startswith(f"model.layers.{last}.ffn"):
-            params[k] = mx.zeros_like(v)
-    e = params["model.embed_tokens.weight"]
-    params["model.embed_tokens.weight"] = e / mx.sqrt((e * e).mean(axis=-1, keepdims=True))
-    copied = ("mtp.layers.0.block.", "mtp.layers.0.hc_head.")
-    for k in [k for k in params if k.startswith(copied)]:
-        rest = k.split(".", 4)[4]
-        src = f"model.layers.{last}.{rest}" if ".block." in k else f"model.hc_head.{rest}"
-        if not rest.startswith("attn.") and src in params:
-            params[k] = params[src]
-    H = model.args.hidden_size
-    params["mtp.layers.0.norm.weight"] = params["model.norm.weight"]
-    params["mtp.layers.0.enorm.weight"] = mx.ones((H,))
-    params["mtp.layers.0.e_proj.weight"] = mx.eye(H)
-    params["mtp.layers.0.h_proj.weight"] = mx.zeros((H, H))
-    model.update(tree_unflatten(list(params.items())))
-    return model
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     from test_family_glm5_next import oracle as glm5_oracle
@@ -129,7 +101,7 @@ def models(tmp_path_factory):
     # itself (no noise) accepts every draft
     heads = {"qwen4_exp": (qwen4_oracle, "mtp.fc_embedding.weight", 0.15),
              "glm5_next": (glm5_oracle, "mtp.layers.0.eh_proj.weight", 0.06),
-             "deepseek_v4": (dsv4_oracle, "mtp.layers.0.e_proj.weight", 0.06)}
+             "deepseek_v4": (deepseek_v4_oracle, "mtp.layers.0.e_proj.weight", 0.06)}
     for fam, (oracle, projection, noise) in heads.items():
         for head, scale in (("partial", noise), ("oracle", 0.0)):
             out[(fam, head)] = with_partial_head(out[(fam, "noisy")], root / f"{fam}_{head}",
@@ -208,13 +180,7 @@ def test_greedy_and_logits_equal_single_process(runs, models, job):
 def test_batch_of_4_served_equals_single_process(runs, models, job):
     """The engine over two ranks (rank 0 schedules, rank 1 follows): rows joining at
     different steps answer as one process's engine, token for token."""
-    r0, r1 = runs[("served",) + job]
-    assert r0["mode"] == r1["mode"] == job[2]
-    expected = served_alone(models[job[:2]], SERVE_K)
-    tokens = expected["tokens"]
-    assert all(tokens) and len({tuple(t) for t in tokens}) == len(tokens)
-    assert r0["served"]["tokens"] == tokens and r1["served"] is None  # rank 1 only follows
-    assert r0["served"]["drafted"] > 0  # MTP drafted in the batch over the ranks
+    assert_served_as_one_process(*runs[("served",) + job], job[2], models[job[:2]], SERVE_K)
 
 
 @pytest.mark.parametrize("family", ["qwen4_exp", "glm5_next", "deepseek_v4"])
